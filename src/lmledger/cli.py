@@ -1,0 +1,54 @@
+"""The `lmledger` entry point: dispatch to a subcommand, turn user errors into one clear line.
+
+Each subcommand lives in `lmledger.commands.<name>` and exposes `main(argv) -> int`; they are
+imported lazily so `lmledger plan` does not pay for importing Lightning.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+from lmledger.errors import UserError
+
+COMMANDS = {
+    "fit": ("train", "train a model (LightningCLI)"),
+    "validate": ("train", "evaluate a model on the validation split (LightningCLI)"),
+    "prepare": ("prepare", "tokenize a corpus into train.bin / val.bin / meta.json"),
+    "account": ("account", "one training step of a config, on paper and measured"),
+    "plan": ("plan", "napkin math: training time, largest model, largest batch"),
+    "gpus": ("gpus", "the GPU spec table (dense peaks, memory, bandwidth)"),
+    "bench": ("bench", "matmul benchmark: achieved FLOP/s and MFU per dtype and size"),
+    "sweep": ("sweep", "run an experiment grid from a YAML file"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: lmledger COMMAND [ARGS] (lmledger COMMAND --help for each)", "", "commands:"]
+    lines += [f"  {name:<10} {help_}" for name, (_, help_) in COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0 if argv else 2
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"lmledger: error: unknown command {name!r}; choose from {', '.join(COMMANDS)}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(f"lmledger.commands.{COMMANDS[name][0]}")
+    try:
+        # Commands that wrap several verbs (fit/validate) receive the verb as argv[0].
+        return int(module.main(argv if module.__name__.endswith(".train") else rest) or 0)
+    except UserError as err:
+        print(f"lmledger {name}: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"lmledger {name}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
