@@ -7,3 +7,7 @@ Messages name the problem and the fix, e.g. "data dir data/stdlib has no meta.js
 
 class UserError(Exception):
     """Bad input or an impossible request; the message is shown to the user as one line."""
+
+
+class ConfigError(UserError, ValueError):
+    """An invalid configuration value (also a ValueError, for code that uses the classes directly)."""

@@ -17,6 +17,8 @@ from einops import rearrange
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from lmledger.errors import ConfigError
+
 
 @dataclass
 class ModelConfig:
@@ -35,13 +37,13 @@ class ModelConfig:
     def __post_init__(self) -> None:
         for name in ("vocab_size", "context_length", "d_model", "n_layers", "n_heads", "d_ff"):
             if getattr(self, name) <= 0:
-                raise ValueError(f"model {name} must be positive, got {getattr(self, name)}")
+                raise ConfigError(f"model {name} must be positive, got {getattr(self, name)}")
         if self.d_model % self.n_heads:
-            raise ValueError(f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
+            raise ConfigError(f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
         if self.head_dim % 2:
-            raise ValueError(f"head dim d_model/n_heads = {self.head_dim} must be even for RoPE")
+            raise ConfigError(f"head dim d_model/n_heads = {self.head_dim} must be even for RoPE")
         if self.activation_checkpointing < 0:
-            raise ValueError("activation_checkpointing must be >= 0 (0 = off, n = every n-th block)")
+            raise ConfigError("activation_checkpointing must be >= 0 (0 = off, n = every n-th block)")
 
     @property
     def head_dim(self) -> int:
@@ -156,7 +158,7 @@ class ToyLM(nn.Module):
         """idx: (batch, seq) token ids. Returns logits (batch, seq, vocab), or the mean
         next-token cross-entropy when targets (batch, seq) are given."""
         if idx.shape[1] > self.cfg.context_length:
-            raise ValueError(f"sequence length {idx.shape[1]} > context_length {self.cfg.context_length}")
+            raise ConfigError(f"sequence length {idx.shape[1]} > context_length {self.cfg.context_length}")
         x = self.embed(idx)
         for i, block in enumerate(self.blocks):
             if self.training and self.cfg.is_checkpointed(i) and torch.is_grad_enabled():

@@ -1,0 +1,270 @@
+"""FLOPs of one step of the toy LM: on paper (two conventions) and measured with FlopCounterMode.
+
+Two figures, never mixed:
+- model FLOPs, the MFU convention (PaLM appendix B, nanoGPT, torchtitan): per token
+  6·N_matmul + 12·L·H·Q·T for a training step, 2·N_matmul + 4·L·H·Q·T forward-only, where
+  N_matmul = L·(4·d² + 3·d·f) + V·d counts the weights that take part in matmuls (attention, SwiGLU,
+  LM head). The embedding table is a lookup, not a matmul: it only counts when tied, and then as the
+  LM head, so N_matmul is the same tied or untied. No recompute, no causal discount.
+- hardware FLOPs: what the kernels do, counted the way torch.utils.flop_counter.FlopCounterMode
+  counts them: a matmul is 2·m·k·n, its backward twice that (grad of input and of weight), SDPA
+  forward is 2 full T×T bmm (scores, attention·V; no causal discount), its backward 5 bmm (the
+  fused kernels recompute the scores), elementwise ops (norms, RoPE, SiLU, softmax, loss) are free,
+  and activation checkpointing adds the forward it recomputes in backward.
+
+For the toy LM the two differ by exactly (training, T = seq_len, Q = head dim, H·Q = d_model):
+  hardware = model + 2·B·L·H·Q·T²                 (one score recompute per SDPA backward)
+                   + Σ over checkpointed blocks of their recomputed forward
+and forward-only hardware = model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from unittest import mock
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
+
+from lmledger.errors import UserError
+from lmledger.model import ModelConfig, ToyLM
+
+aten = torch.ops.aten
+
+BLOCK_COMPONENTS = ("qkv", "attn_scores", "attn_values", "attn_out", "mlp_w1", "mlp_w3", "mlp_w2")
+COMPONENTS = (*BLOCK_COMPONENTS, "lm_head")
+PHASES = ("forward", "backward", "recompute")
+
+# Backward FLOPs as a multiple of forward FLOPs, per FlopCounterMode's formulas.
+_BACKWARD_MULTIPLIER = {
+    "qkv": 2,  # a linear layer: grad of input and grad of weight, one matmul each
+    "attn_scores": 3,  # dQ = dS·K and dK = dSᵀ·Q, plus the kernel's recompute of S = Q·Kᵀ
+    "attn_values": 2,  # dP = dO·Vᵀ and dV = Pᵀ·dO
+    "attn_out": 2,
+    "mlp_w1": 2,
+    "mlp_w3": 2,
+    "mlp_w2": 2,
+    "lm_head": 2,
+}
+
+
+@dataclass(frozen=True)
+class FlopReport:
+    """FLOPs of one step. `by_component[name][phase]` is hardware FLOPs summed over layers; the
+    phases are "forward", "backward" and "recompute" (activation checkpointing) and sum to
+    `hardware`. The SDPA kernels' own score recompute is part of attn_scores' backward."""
+
+    model: int
+    hardware: int
+    by_component: dict[str, dict[str, int]]
+    tokens: int
+
+
+@dataclass(frozen=True)
+class MeasuredFlops:
+    """What FlopCounterMode counted. `total` and `by_op` (keyed "aten.mm", ...) are exact.
+    `by_module` is keyed by FlopCounterMode's module names ("ToyLM.blocks.0.mlp"): exact for a
+    forward, but in backward its module tracker leaks between siblings that share an input (w3
+    also gets w1's backward), credits the root module with its forward only, and loses track under
+    activation checkpointing."""
+
+    total: int
+    by_module: dict[str, int]
+    by_op: dict[str, int]
+
+
+def matmul_parameters(cfg: ModelConfig) -> int:
+    """N_matmul: attention (qkv + out) and SwiGLU weights of every layer, plus the LM head."""
+    d, f = cfg.d_model, cfg.d_ff
+    return cfg.n_layers * (4 * d * d + 3 * d * f) + cfg.vocab_size * d
+
+
+def model_flops_per_token(cfg: ModelConfig, seq_len: int, training: bool = True) -> int:
+    """MFU-convention FLOPs per token: 6·N_matmul + 12·L·H·Q·T (training), 2·N_matmul + 4·L·H·Q·T
+    (forward only). Source: PaLM (Chowdhery et al. 2022) appendix B."""
+    _check_seq_len(cfg, seq_len)
+    attention = 2 * 2 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len  # scores and attention·V
+    forward = 2 * matmul_parameters(cfg) + attention
+    return 3 * forward if training else forward
+
+
+def analytic_flops(
+    cfg: ModelConfig,
+    batch_size: int,
+    seq_len: int,
+    training: bool = True,
+    checkpoint_early_stop: bool = True,
+) -> FlopReport:
+    """Model and hardware FLOPs of one step on `batch_size` sequences of `seq_len` tokens.
+
+    training=False is a forward-only (validation) step: no backward and no checkpointing, as in
+    ToyLM.forward under no_grad. `checkpoint_early_stop` mirrors torch.utils.checkpoint's default:
+    the non-reentrant recompute stops once the last tensor saved for backward is back, and the
+    block's last matmul (w2) saves its inputs before it runs, so w2 is not recomputed.
+    """
+    if batch_size < 1:
+        raise UserError(f"batch size must be >= 1, got {batch_size}")
+    _check_seq_len(cfg, seq_len)
+    forward = {
+        **_forward_flops_per_layer(cfg, batch_size, seq_len),
+        "lm_head": 2 * batch_size * seq_len * cfg.d_model * cfg.vocab_size,
+    }
+
+    recomputed = set(BLOCK_COMPONENTS)
+    if checkpoint_early_stop:
+        recomputed.discard("mlp_w2")
+    checkpointed_layers = sum(cfg.is_checkpointed(i) for i in range(cfg.n_layers)) if training else 0
+
+    by_component = {}
+    for name in COMPONENTS:
+        layers = cfg.n_layers if name in BLOCK_COMPONENTS else 1
+        by_component[name] = {
+            "forward": layers * forward[name],
+            "backward": layers * forward[name] * _BACKWARD_MULTIPLIER[name] if training else 0,
+            "recompute": checkpointed_layers * forward[name] if name in recomputed else 0,
+        }
+    tokens = batch_size * seq_len
+    return FlopReport(
+        model=model_flops_per_token(cfg, seq_len, training) * tokens,
+        hardware=sum(sum(phases.values()) for phases in by_component.values()),
+        by_component=by_component,
+        tokens=tokens,
+    )
+
+
+def _forward_flops_per_layer(cfg: ModelConfig, batch_size: int, seq_len: int) -> dict[str, int]:
+    tokens, d, f = batch_size * seq_len, cfg.d_model, cfg.d_ff
+    # One (T×Q)·(Q×T) or (T×T)·(T×Q) bmm per head, the full square: kernels skip the masked half,
+    # the counting convention does not.
+    attention = 2 * batch_size * cfg.n_heads * seq_len * seq_len * cfg.head_dim
+    return {
+        "qkv": 2 * tokens * d * 3 * d,
+        "attn_scores": attention,
+        "attn_values": attention,
+        "attn_out": 2 * tokens * d * d,
+        "mlp_w1": 2 * tokens * d * f,
+        "mlp_w3": 2 * tokens * d * f,
+        "mlp_w2": 2 * tokens * f * d,
+    }
+
+
+def _check_seq_len(cfg: ModelConfig, seq_len: int) -> None:
+    if not 1 <= seq_len <= cfg.context_length:
+        raise UserError(
+            f"sequence length {seq_len} is outside 1..context_length={cfg.context_length}: "
+            "use a shorter sequence or raise model.context_length"
+        )
+
+
+# torch 2.13 has no FLOP formula for the CPU flash-attention ops, so FlopCounterMode counts CPU SDPA
+# as 0 (pytorch issue 195460). Register torch's own SDPA formulas for them, so CPU counts follow the
+# CUDA kernels' convention.
+def _cpu_flash_attention_flop(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+    return sdpa_flop_count(query_shape, key_shape, value_shape)
+
+
+def _cpu_flash_attention_backward_flop(
+    grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs
+) -> int:
+    return sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
+
+
+CPU_SDPA_FLOP_FORMULAS = {
+    aten._scaled_dot_product_flash_attention_for_cpu: _cpu_flash_attention_flop,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_flash_attention_backward_flop,
+}
+
+
+def flop_counter() -> FlopCounterMode:
+    """A silent FlopCounterMode that also counts CPU SDPA."""
+    return FlopCounterMode(display=False, custom_mapping=CPU_SDPA_FLOP_FORMULAS)
+
+
+@contextmanager
+def _fused_sdpa_on_meta() -> Iterator[None]:
+    """Route SDPA on meta tensors to the CPU flash op while counting.
+
+    On meta tensors SDPA takes the math fallback (torch's fused-kernel chooser has no meta entry),
+    whose autograd backward is 4 bmm where the fused kernels count 5. The CPU flash op has meta
+    kernels, so routing to it makes a meta count follow the CPU/CUDA convention. This patches the
+    attribute for the duration of the count rather than using a TorchFunctionMode: a mode is popped
+    while torch.autograd.grad runs and would miss the checkpoint recompute in backward.
+    """
+    eager_sdpa = F.scaled_dot_product_attention
+
+    def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if query.device.type != "meta" or enable_gqa:
+            return eager_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+        output, _logsumexp = aten._scaled_dot_product_flash_attention_for_cpu(
+            query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale
+        )
+        return output
+
+    with mock.patch.object(F, "scaled_dot_product_attention", sdpa):
+        yield
+
+
+def measure_flops(
+    model: nn.Module,
+    idx: torch.Tensor,
+    targets: torch.Tensor | None = None,
+    training: bool = True,
+    autocast_dtype: torch.dtype | None = None,
+) -> MeasuredFlops:
+    """Count the FLOPs of one step of `model(idx, targets)` with FlopCounterMode.
+
+    training=True: forward in train mode (so activation checkpointing applies) and the backward of
+    the loss, recompute included; targets default to idx (FLOPs do not depend on token values).
+    training=False: forward under no_grad in eval mode. Works on CPU, CUDA and meta tensors. A
+    torch.compile'd module is unwrapped to the eager module it wraps (the counter cannot see inside
+    compiled graphs). Gradients go through torch.autograd.grad, so no .grad is written, and the
+    train/eval mode is restored.
+    """
+    model = getattr(model, "_orig_mod", model)
+    if training and not torch.is_grad_enabled():
+        raise UserError(
+            "measuring a training step needs autograd: call measure_flops outside no_grad/inference_mode"
+        )
+    if idx.ndim != 2:
+        raise UserError(f"idx must be (batch, seq) token ids, got shape {tuple(idx.shape)}")
+    if autocast_dtype is not None and idx.device.type not in ("cpu", "cuda"):
+        raise UserError(f"autocast is not available on {idx.device.type} tensors: drop autocast_dtype")
+    autocast = torch.autocast(idx.device.type, dtype=autocast_dtype) if autocast_dtype else nullcontext()
+    meta_routing = _fused_sdpa_on_meta() if idx.device.type == "meta" else nullcontext()
+    was_training = model.training
+    model.train(training)
+    try:
+        with flop_counter() as counter, meta_routing:
+            if training:
+                with autocast:
+                    loss = model(idx, idx if targets is None else targets)
+                params = [p for p in model.parameters() if p.requires_grad]
+                if not params:
+                    raise UserError("model has no trainable parameters: measure with training=False")
+                torch.autograd.grad(loss, params)
+            else:
+                with torch.no_grad(), autocast:
+                    model(idx, targets)
+    finally:
+        model.train(was_training)
+    counts = counter.get_flop_counts()
+    return MeasuredFlops(
+        total=counter.get_total_flops(),
+        by_module={name: sum(ops.values()) for name, ops in counts.items() if name != "Global"},
+        by_op={str(op): n for op, n in counts.get("Global", {}).items()},
+    )
+
+
+def measure_flops_meta(cfg: ModelConfig, batch_size: int, seq_len: int, training: bool = True) -> MeasuredFlops:
+    """measure_flops on a ToyLM built on the meta device: shapes only, no memory, no math."""
+    if batch_size < 1:
+        raise UserError(f"batch size must be >= 1, got {batch_size}")
+    _check_seq_len(cfg, seq_len)
+    with torch.device("meta"):
+        model = ToyLM(cfg)
+        idx = torch.zeros(batch_size, seq_len, dtype=torch.long)
+    return measure_flops(model, idx, training=training)

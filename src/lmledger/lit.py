@@ -1,0 +1,98 @@
+"""The LightningModule around the toy LM: optimizer groups, LR schedule, loss/perplexity logging."""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import lightning as L
+import torch
+from torchmetrics.aggregation import MeanMetric
+
+from lmledger.model import ModelConfig, ToyLM
+
+
+def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
+    """LR multiplier: linear warm-up from ~0 to 1, then cosine decay to min_lr_ratio at total_steps."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+class LitLM(L.LightningModule):
+    """Trains `ToyLM` on (x, y) batches of token ids.
+
+    Args:
+        config: the model's architecture (vocab_size is linked from the data's meta.json by the CLI).
+        optimizer: "adamw" (decoupled weight decay on matmul weights only) or "sgd" (momentum 0.9).
+        lr: peak learning rate, reached after warmup_steps, then cosine to lr * min_lr_ratio.
+        compile: run the training/validation steps through torch.compile (the eager module stays
+            available as `self.model`, which is what the FLOP counter measures).
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig = ModelConfig(),
+        optimizer: Literal["adamw", "sgd"] = "adamw",
+        lr: float = 3e-3,
+        min_lr_ratio: float = 0.1,
+        warmup_steps: int = 50,
+        weight_decay: float = 0.1,
+        betas: tuple[float, float] = (0.9, 0.95),
+        compile: bool = False,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.config = config
+        self.model = ToyLM(config)
+        self.val_loss = MeanMetric()
+        # Compiled forward shares the eager module's parameters; it is kept out of the module tree
+        # so state_dict keys stay those of `self.model`.
+        self._forward = torch.compile(self.model) if compile else self.model
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        return self._forward(idx, targets)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = self(x, y)
+        self.log("train/loss", loss, prog_bar=True)
+        self.log("train/lr", self.lr_schedulers().get_last_lr()[0])
+        return loss
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        # Grads are unscaled here (16-mixed) and not yet clipped: this is the norm clipping acts on.
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        self.log("train/grad_norm", torch.nn.utils.get_total_norm(grads))
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        x, y = batch
+        self.val_loss.update(self(x, y), weight=y.numel())
+
+    def on_validation_epoch_end(self) -> None:
+        loss = self.val_loss.compute()
+        self.val_loss.reset()
+        self.log("val/loss", loss, prog_bar=True)
+        self.log("val/ppl", torch.exp(loss))
+
+    def configure_optimizers(self):
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        # Decay only matmul weights (2-D and not the embedding table); norms' gains and embeddings don't.
+        embedding = self.model.embed.weight
+        decay = [p for p in params if p.ndim >= 2 and p is not embedding]
+        no_decay = [p for p in params if not (p.ndim >= 2 and p is not embedding)]
+        groups = [
+            {"params": decay, "weight_decay": self.hparams.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ]
+        if self.hparams.optimizer == "adamw":
+            optimizer = torch.optim.AdamW(groups, lr=self.hparams.lr, betas=self.hparams.betas)
+        else:
+            optimizer = torch.optim.SGD(groups, lr=self.hparams.lr, momentum=0.9)
+        total = self.trainer.estimated_stepping_batches
+        schedule = torch.optim.lr_scheduler.LambdaLR(
+            optimizer,
+            lambda step: warmup_cosine(step, self.hparams.warmup_steps, total, self.hparams.min_lr_ratio),
+        )
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
