@@ -1,0 +1,90 @@
+"""`lmledger bench matmul [--dtypes ...] [--sizes ...] [--plot PNG] [--json]`: see lmledger.bench."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from lmledger.bench import DEFAULT_DTYPES, DEFAULT_SIZES, MatmulBench, bench_matmul, plot_mfu
+from lmledger.errors import UserError
+from lmledger.ledger.hardware import dtype_name
+
+
+def _device(name: str | None) -> torch.device:
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name not in ("cpu", "cuda"):
+        raise UserError(f"--device must be cpu or cuda, got {name!r}")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device cuda: torch sees no CUDA GPU here; use --device cpu")
+    return torch.device(name)
+
+
+def _sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise UserError(f"--sizes must be comma-separated whole numbers, e.g. 256,512,1024; got {text!r}") from None
+    if not sizes or min(sizes) < 1:
+        raise UserError(f"--sizes must be positive whole numbers, got {text!r}")
+    return sizes
+
+
+def _table(bench: MatmulBench) -> Table:
+    table = Table(title=f"matmul on {bench.device_name} (median of {bench.repeats}, after {bench.warmup} warm-up)")
+    for column in ("dtype", "size", "ms", "TFLOP/s", "peak TFLOP/s", "MFU"):
+        table.add_column(column, justify="left" if column == "dtype" else "right")
+    for r in bench.results:
+        if r.seconds is None:
+            table.add_row(r.dtype, str(r.size), "—", "—", "—", r.note)
+            continue
+        peak = "—" if r.peak is None else f"{r.peak.flops_per_s / 1e12:.4g} ({r.peak.source})"
+        mfu = "—" if r.mfu is None else f"{r.mfu:.3f}"
+        table.add_row(r.dtype, str(r.size), f"{r.seconds * 1e3:.3f}", f"{r.flops_per_s / 1e12:.4g}", peak, mfu)
+    return table
+
+
+def _matmul(args: argparse.Namespace) -> None:
+    device = _device(args.device)
+    dtypes = [dtype_name(d.strip()) for d in args.dtypes.split(",")] if args.dtypes else DEFAULT_DTYPES[device.type]
+    sizes = _sizes(args.sizes) if args.sizes else list(DEFAULT_SIZES[device.type])
+    if args.repeats is not None and args.repeats < 1:
+        raise UserError(f"--repeats must be >= 1, got {args.repeats}")
+    plot = Path(args.plot) if args.plot else None
+    if plot is not None and plot.exists():
+        raise UserError(f"--plot {plot} already exists: choose a new file name or remove it")
+
+    bench = bench_matmul(dtypes, sizes, device, args.repeats)
+    if plot is not None:
+        plot.parent.mkdir(parents=True, exist_ok=True)
+        plot_mfu(bench, plot)
+    if args.json:
+        print(json.dumps({**bench.to_json(), "plot": None if plot is None else str(plot)}))
+    else:
+        console = Console()
+        # Piped output has no terminal width to respect: keep the notes whole rather than cut at 80.
+        (console if console.is_terminal else Console(width=160)).print(_table(bench))
+        if plot is not None:
+            print(f"wrote {plot}")
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="lmledger bench", description="Benchmarks that relate speed to the peak.")
+    kinds = parser.add_subparsers(dest="kind", required=True)
+    mm = kinds.add_parser("matmul", help="square matmuls: achieved FLOP/s and MFU per dtype and size")
+    dtypes_help = "comma-separated, from fp64,fp32,tf32,bf16,fp16,fp8 (default: fp32,bf16 on CPU; all but fp64 on CUDA)"
+    mm.add_argument("--dtypes", help=dtypes_help)
+    mm.add_argument("--sizes", help="comma-separated m=n=k (default: 128,256,512 on CPU; 1024..8192 on CUDA)")
+    mm.add_argument("--repeats", type=int, help="timed repeats, median reported (default 5 on CPU, 20 on CUDA)")
+    mm.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+    mm.add_argument("--plot", metavar="PNG", help="write MFU vs size per dtype to this new PNG file")
+    mm.add_argument("--json", action="store_true", help="print one JSON object")
+    mm.set_defaults(run=_matmul)
+    args = parser.parse_args(argv)
+    args.run(args)
+    return 0

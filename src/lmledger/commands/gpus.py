@@ -1,0 +1,79 @@
+"""`lmledger gpus [--resolve NAME] [--json]`: the GPU spec table, or the entry a name maps to."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from rich.console import Console
+from rich.table import Table
+
+from lmledger.ledger.hardware import DTYPES, GPUS, GpuSpec, require_gpu
+
+
+def _console() -> Console:
+    # Piped output has no terminal width to respect: keep the whole table rather than cut it at 80.
+    console = Console()
+    return console if console.is_terminal else Console(width=160)
+
+
+def _tera(value: float | None) -> str:
+    return "—" if value is None else f"{value / 1e12:g}"
+
+
+def _table(specs: list[GpuSpec], title: str) -> Table:
+    table = Table(title=title)
+    table.add_column("key")
+    table.add_column("name")
+    for dtype in DTYPES:
+        table.add_column(f"{dtype}\nTOP/s" if dtype == "int8" else f"{dtype}\nTFLOP/s", justify="right")
+    table.add_column("memory\nGB", justify="right")
+    table.add_column("bandwidth\nTB/s", justify="right")
+    for spec in specs:
+        table.add_row(
+            spec.key,
+            spec.name,
+            *(_tera(spec.peak_flops[dtype]) for dtype in DTYPES),
+            f"{spec.memory_bytes / 1e9:g}",
+            f"{spec.bandwidth_bytes_per_s / 1e12:g}",
+        )
+    return table
+
+
+def _entry_table(spec: GpuSpec, title: str) -> Table:
+    table = Table(title=title, show_header=False)
+    table.add_column(style="bold")
+    table.add_column(justify="right")
+    table.add_row("key", spec.key)
+    table.add_row("name", spec.name)
+    for dtype in DTYPES:
+        unit = "TOP/s" if dtype == "int8" else "TFLOP/s"
+        flops = spec.peak_flops[dtype]
+        table.add_row(f"{dtype} (dense)", "—" if flops is None else f"{flops / 1e12:g} {unit}")
+    table.add_row("memory", f"{spec.memory_bytes / 1e9:g} GB")
+    table.add_row("bandwidth", f"{spec.bandwidth_bytes_per_s / 1e12:g} TB/s")
+    return table
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="lmledger gpus",
+        description="Dense datasheet peaks (never the 'with sparsity' figures), memory and bandwidth per GPU.",
+    )
+    parser.add_argument("--resolve", metavar="NAME", help='a key or a torch device name, e.g. "NVIDIA H100 80GB HBM3"')
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    args = parser.parse_args(argv)
+
+    if args.resolve is not None:
+        spec = require_gpu(args.resolve)
+        if args.json:
+            print(json.dumps(spec.to_json()))
+        else:
+            _console().print(_entry_table(spec, f"{args.resolve} -> {spec.key}"))
+        return 0
+    if args.json:
+        print(json.dumps({key: spec.to_json() for key, spec in GPUS.items()}))
+    else:
+        title = "GPU peaks (dense) — lmledger gpus --resolve NAME for one entry"
+        _console().print(_table(list(GPUS.values()), title))
+    return 0

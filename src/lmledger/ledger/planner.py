@@ -1,0 +1,196 @@
+"""Napkin math before a run: how long training takes, the largest model that fits, the largest batch.
+
+Formulas are the CS336 lecture 2 ones (see REFERENCE.md): training FLOPs = 6 * params * tokens
+(forward 2N per token, backward 4N), time = FLOPs / (peak * GPUs * MFU), and a model fits when
+params * bytes_per_param <= the GPUs' total memory (activations ignored).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from lmledger.errors import UserError
+from lmledger.ledger.hardware import GpuSpec, datasheet_peak, dtype_name, require_gpu
+
+SECONDS_PER_DAY = 86_400
+
+# Bytes per parameter held for training, by Lightning precision: (param, grad, one optimizer state).
+_PRECISION_BYTES = {
+    "64-true": (8, 8, 8),
+    "32-true": (4, 4, 4),
+    "bf16-mixed": (4, 4, 4),
+    "16-mixed": (4, 4, 4),
+    "bf16-true": (2, 2, 2),
+    "16-true": (2, 2, 2),
+    "transformer-engine": (2, 2, 2),
+    "transformer-engine-float16": (2, 2, 2),
+}
+_OPTIMIZER_STATES = {"adamw": 2, "sgd": 1, "none": 0}
+
+PRECISIONS = tuple(_PRECISION_BYTES)
+OPTIMIZERS = tuple(_OPTIMIZER_STATES)
+
+
+def bytes_per_param(precision: str = "32-true", optimizer: str = "adamw") -> float:
+    """Bytes each parameter costs in training: the param, its grad and the optimizer state.
+
+    Conventions (what each Lightning precision actually keeps in memory):
+
+    ========================== ===== ==== ================ ===== ===== ====
+    precision                  param grad state (each)     adamw sgd   none
+    ========================== ===== ==== ================ ===== ===== ====
+    32-true                    4     4    4 (fp32)         16    12    8
+    bf16-mixed, 16-mixed       4     4    4 (fp32)         16    12    8
+    bf16-true, 16-true         2     2    2 (param dtype)  8     6     4
+    transformer-engine(-fp16)  2     2    2 (param dtype)  8     6     4
+    64-true                    8     8    8                32    24    16
+    ========================== ===== ==== ================ ===== ===== ====
+
+    - mixed (torch autocast): params, grads and AdamW m, v stay fp32; the bf16/fp16 copies autocast
+      makes of the weights live only through a forward pass and are not counted. Same 16 bytes as
+      32-true: mixed precision buys speed, not parameter memory. (Frameworks that keep bf16 params +
+      grads beside an fp32 master copy land at 2+2+4+4+4 = 16 too; Megatron-style fp32 grads 18-20.)
+    - true: everything in the param dtype, AdamW's m and v included (torch creates optimizer state
+      like the param).
+    - transformer-engine: Lightning's plugin keeps weights in bf16 (fp16 for -float16); the fp8
+      copies Transformer Engine makes for its matmuls are not counted.
+    - optimizer: adamw keeps two states (m, v), sgd with momentum one, none (plain SGD) zero.
+    """
+    if precision not in _PRECISION_BYTES:
+        raise UserError(f"unknown precision {precision!r}: choose from {', '.join(PRECISIONS)}")
+    if optimizer not in _OPTIMIZER_STATES:
+        raise UserError(f"unknown optimizer {optimizer!r}: choose from {', '.join(OPTIMIZERS)}")
+    param, grad, state = _PRECISION_BYTES[precision]
+    return float(param + grad + _OPTIMIZER_STATES[optimizer] * state)
+
+
+def training_flops(params: float, tokens: float) -> float:
+    """6 * N * D: forward 2N FLOPs per token, backward 4N."""
+    return 6 * params * tokens
+
+
+@dataclass(frozen=True)
+class TrainTime:
+    params: float
+    tokens: float
+    gpu: str
+    num_gpus: int
+    mfu: float
+    dtype: str
+    peak_flops: float  # per GPU, dense datasheet figure
+    total_flops: float
+    seconds: float
+
+    @property
+    def hours(self) -> float:
+        return self.seconds / 3600
+
+    @property
+    def days(self) -> float:
+        return self.seconds / SECONDS_PER_DAY
+
+    def to_json(self) -> dict:
+        return {
+            "params": self.params,
+            "tokens": self.tokens,
+            "gpu": self.gpu,
+            "num_gpus": self.num_gpus,
+            "mfu": self.mfu,
+            "dtype": self.dtype,
+            "peak_flops": self.peak_flops,
+            "total_flops": self.total_flops,
+            "seconds": self.seconds,
+            "hours": self.hours,
+            "days": self.days,
+        }
+
+
+def _gpu(gpu: str | GpuSpec) -> GpuSpec:
+    return gpu if isinstance(gpu, GpuSpec) else require_gpu(gpu)
+
+
+def _check_num_gpus(num_gpus: int) -> None:
+    if int(num_gpus) != num_gpus or num_gpus < 1:
+        raise UserError(f"--num-gpus must be a whole number >= 1, got {num_gpus}")
+
+
+def train_time(
+    params: float, tokens: float, gpu: str | GpuSpec, num_gpus: int = 1, mfu: float = 0.5, dtype: str = "bf16"
+) -> TrainTime:
+    """Wall-clock time to train `params` on `tokens` at `mfu` of the GPUs' dense `dtype` peak."""
+    if not params > 0:
+        raise UserError(f"--params must be positive, got {params}")
+    if not tokens > 0:
+        raise UserError(f"--tokens must be positive, got {tokens}")
+    _check_num_gpus(num_gpus)
+    if not 0 < mfu <= 1:
+        raise UserError(f"--mfu must be in (0, 1], got {mfu} (0.5 is good, 0.3-0.4 typical)")
+    spec = _gpu(gpu)
+    dtype = dtype_name(dtype)
+    peak = datasheet_peak(spec, dtype)
+    if peak is None:
+        have = ", ".join(d for d, flops in spec.peak_flops.items() if flops is not None)
+        raise UserError(f"{spec.key} has no {dtype} peak: choose --dtype from {have}")
+    total = training_flops(params, tokens)
+    seconds = total / (peak.flops_per_s * num_gpus * mfu)
+    return TrainTime(params, tokens, spec.key, int(num_gpus), mfu, dtype, peak.flops_per_s, total, seconds)
+
+
+@dataclass(frozen=True)
+class MaxParams:
+    gpu: str
+    num_gpus: int
+    precision: str
+    optimizer: str
+    capacity_bytes: int  # all GPUs together
+    bytes_per_param: float
+    max_params: int
+
+    def to_json(self) -> dict:
+        return {
+            "gpu": self.gpu,
+            "num_gpus": self.num_gpus,
+            "precision": self.precision,
+            "optimizer": self.optimizer,
+            "capacity_bytes": self.capacity_bytes,
+            "bytes_per_param": self.bytes_per_param,
+            "max_params": self.max_params,
+        }
+
+
+def max_params(
+    gpu: str | GpuSpec, num_gpus: int = 1, precision: str = "32-true", optimizer: str = "adamw"
+) -> MaxParams:
+    """The most parameters whose params, grads and optimizer state fit in the GPUs' memory.
+
+    Assumes the state is sharded evenly over the GPUs (FSDP / ZeRO-3) and ignores activations.
+    """
+    _check_num_gpus(num_gpus)
+    spec = _gpu(gpu)
+    per_param = bytes_per_param(precision, optimizer)
+    capacity = spec.memory_bytes * int(num_gpus)
+    return MaxParams(spec.key, int(num_gpus), precision, optimizer, capacity, per_param, int(capacity // per_param))
+
+
+def max_batch(bytes_for_batch: Callable[[int], int], capacity_bytes: int, *, limit: int = 2**31) -> int:
+    """The largest batch b >= 1 with bytes_for_batch(b) <= capacity_bytes; 0 if not even b = 1 fits.
+
+    `bytes_for_batch` must not decrease with b. Doubling finds a batch that does not fit, bisection
+    the boundary: O(log b) calls. Stops at `limit` when memory never runs out.
+    """
+    if bytes_for_batch(1) > capacity_bytes:
+        return 0
+    fits = 1
+    while fits < limit and bytes_for_batch(min(2 * fits, limit)) <= capacity_bytes:
+        fits = min(2 * fits, limit)
+    if fits == limit:
+        return limit
+    too_big = min(2 * fits, limit)  # invariant: fits fits, too_big does not
+    while too_big - fits > 1:
+        mid = (fits + too_big) // 2
+        if bytes_for_batch(mid) <= capacity_bytes:
+            fits = mid
+        else:
+            too_big = mid
+    return fits
