@@ -10,6 +10,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from lmledger.commands.argparser import ArgumentParser
 from lmledger.bench import DEFAULT_DTYPES, DEFAULT_SIZES, MatmulBench, bench_matmul, plot_mfu
 from lmledger.errors import UserError
 from lmledger.ledger.hardware import dtype_name
@@ -74,7 +75,7 @@ def _matmul(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="lmledger bench", description="Benchmarks that relate speed to the peak.")
+    parser = ArgumentParser(prog="lmledger bench", description="Benchmarks that relate speed to the peak.")
     kinds = parser.add_subparsers(dest="kind", required=True)
     mm = kinds.add_parser("matmul", help="square matmuls: achieved FLOP/s and MFU per dtype and size")
     dtypes_help = "comma-separated, from fp64,fp32,tf32,bf16,fp16,fp8 (default: fp32,bf16 on CPU; all but fp64 on CUDA)"

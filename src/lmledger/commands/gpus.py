@@ -8,6 +8,7 @@ import json
 from rich.console import Console
 from rich.table import Table
 
+from lmledger.commands.argparser import ArgumentParser
 from lmledger.ledger.hardware import DTYPES, GPUS, GpuSpec, require_gpu
 
 
@@ -56,7 +57,7 @@ def _entry_table(spec: GpuSpec, title: str) -> Table:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="lmledger gpus",
         description="Dense datasheet peaks (never the 'with sparsity' figures), memory and bandwidth per GPU.",
     )

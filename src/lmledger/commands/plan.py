@@ -1,4 +1,4 @@
-"""`lmledger plan train-time|max-params ...`: napkin math from lmledger.ledger.planner."""
+"""`lmledger plan train-time|max-params|max-batch ...`: napkin math from lmledger.ledger.planner."""
 
 from __future__ import annotations
 
@@ -9,8 +9,11 @@ import re
 from rich.console import Console
 from rich.table import Table
 
-from lmledger.ledger.hardware import DTYPES
+from lmledger.commands.argparser import ArgumentParser
+from lmledger.errors import UserError
+from lmledger.ledger.hardware import DTYPES, require_gpu
 from lmledger.ledger.planner import OPTIMIZERS, PRECISIONS, max_params, train_time
+from lmledger.model import count_parameters
 
 _SUFFIXES = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}
 
@@ -70,8 +73,50 @@ def _max_params(args: argparse.Namespace) -> None:
     )
 
 
+def _max_batch(args: argparse.Namespace, fit_args: list[str]) -> None:
+    from lmledger.ledger.memory import peak_bytes
+    from lmledger.ledger.planner import max_batch
+    from lmledger.runspec import load_run_spec
+
+    if not fit_args:
+        raise UserError("max-batch needs --config FILE (a `lmledger fit` config, e.g. configs/cs336-small.yaml)")
+    spec = load_run_spec(fit_args)
+    gpu = require_gpu(args.gpu)
+    capacity = gpu.memory_bytes
+
+    def bytes_for_batch(batch: int) -> int:
+        cfg = spec.model
+        return peak_bytes(cfg, batch, spec.seq_len, spec.precision, spec.optimizer, spec.strategy, spec.world_size, device="cuda").total
+
+    best = max_batch(bytes_for_batch, capacity)
+    result = {
+        "max_batch": best,
+        "seq_len": spec.seq_len,
+        "tokens_per_step": best * spec.seq_len,
+        "peak_bytes": bytes_for_batch(best) if best else bytes_for_batch(1),
+        "capacity_bytes": capacity,
+        "gpu": gpu.key,
+        "precision": spec.precision,
+        "optimizer": spec.optimizer,
+        "activation_checkpointing": spec.model.activation_checkpointing,
+    }
+    if args.json:
+        print(json.dumps(result))
+        return
+    _print_rows(
+        "largest batch that fits (params, grads, optimizer, activations, transients)",
+        [
+            ("GPU", f"{gpu.key} ({capacity / 1e9:g} GB)"),
+            ("model", f"{count_parameters(spec.model):,} params, seq {spec.seq_len}"),
+            ("precision / optimizer", f"{spec.precision} / {spec.optimizer}"),
+            ("max batch per device", f"{best:,}"),
+            ("predicted peak at that batch" if best else "predicted peak at batch 1", f"{result['peak_bytes'] / 1e9:.2f} GB"),
+        ],
+    )
+
+
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="lmledger plan", description="Napkin math (CS336 lecture 2).")
+    parser = ArgumentParser(prog="lmledger plan", description="Napkin math (CS336 lecture 2).")
     verbs = parser.add_subparsers(dest="verb", required=True)
 
     tt = verbs.add_parser("train-time", help="days to train N params on D tokens")
@@ -92,6 +137,19 @@ def main(argv: list[str]) -> int:
     mp.add_argument("--json", action="store_true")
     mp.set_defaults(run=_max_params)
 
-    args = parser.parse_args(argv)
-    args.run(args)
+    mb = verbs.add_parser(
+        "max-batch",
+        help="largest batch of a fit config that fits on a GPU (activations included)",
+        description="Any other arguments are read as by `lmledger fit`: --config FILE and --a.b VALUE overrides.",
+    )
+    mb.add_argument("--gpu", required=True, help="a key from `lmledger gpus` or a torch device name")
+    mb.add_argument("--json", action="store_true")
+
+    args, rest = parser.parse_known_args(argv)
+    if args.verb == "max-batch":
+        _max_batch(args, rest)
+    elif rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    else:
+        args.run(args)
     return 0

@@ -75,20 +75,18 @@ class LedgerCLI(LightningCLI):
             raise UserError(f"checkpoint {ckpt} does not exist; pass a .ckpt file written by `lmledger fit`")
 
 
-def main(argv: list[str]) -> int:
-    subcommand = argv[0] if argv else None
-    if subcommand not in SUBCOMMANDS:
-        raise UserError(f"unknown subcommand {subcommand!r}; choose from {', '.join(SUBCOMMANDS)}")
+def _run_cli(cli_class: type[LedgerCLI], argv: list[str], run: bool) -> LedgerCLI:
     for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
         logging.getLogger(name).addFilter(_DropAdverts())
     # LightningCLI warns when it gets `args` while sys.argv also holds arguments (it does when we
     # run as the console script); argv is what we parse, so hide the duplicate from it.
     saved_argv, sys.argv = sys.argv, sys.argv[:1]
     try:
-        LedgerCLI(
+        return cli_class(
             LitLM,
             TokenDataModule,
             args=argv,
+            run=run,
             subclass_mode_model=False,
             subclass_mode_data=False,
             save_config_kwargs={"overwrite": False},
@@ -104,4 +102,26 @@ def main(argv: list[str]) -> int:
         raise UserError(" ".join(line.strip() for line in str(err).strip().splitlines())) from None
     finally:
         sys.argv = saved_argv
+
+
+class _ParseOnlyCLI(LedgerCLI):
+    """Parses a fit config and stops: builds no model, data or trainer."""
+
+    def before_instantiate_classes(self) -> None:
+        pass
+
+    def instantiate_classes(self) -> None:
+        pass
+
+
+def parse_fit_config(argv: list[str]):
+    """The parsed (not instantiated) config of `lmledger fit ARGV`, as a jsonargparse Namespace."""
+    return _run_cli(_ParseOnlyCLI, argv, run=False).config
+
+
+def main(argv: list[str]) -> int:
+    subcommand = argv[0] if argv else None
+    if subcommand not in SUBCOMMANDS:
+        raise UserError(f"unknown subcommand {subcommand!r}; choose from {', '.join(SUBCOMMANDS)}")
+    _run_cli(LedgerCLI, argv, run=True)
     return 0

@@ -1,0 +1,197 @@
+"""`lmledger account --config FILE [overrides] [--measure] [--json]`: one training step, on paper
+and (with --measure) on this machine, each figure beside its twin."""
+
+from __future__ import annotations
+
+import json
+from contextlib import nullcontext
+
+import torch
+
+from lmledger.errors import UserError
+from lmledger.ledger import flops as ledger_flops
+from lmledger.ledger import memory as ledger_memory
+from lmledger.model import ToyLM, count_parameters
+from lmledger.runspec import RunSpec, load_run_spec, split_flags
+
+USAGE = """usage: lmledger account --config FILE [--config FILE2] [--a.b VALUE ...] [--measure] [--json]
+
+One training step of a `lmledger fit` config: parameter count, model and hardware FLOPs, predicted
+bytes per component and peak. --measure also runs real steps on this machine (CUDA if the config
+asks for a GPU and one is present, else CPU) and prints each measurement beside its prediction."""
+
+MEMORY_ROWS = ("params", "grads", "optimizer", "activations", "peak")
+_AUTOCAST = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+_CAST = {"bf16-true": torch.bfloat16, "16-true": torch.float16}
+MEASURABLE = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
+
+
+def predict(spec: RunSpec, device: str) -> dict:
+    cfg, b, t = spec.model, spec.batch_size, spec.seq_len
+    report = ledger_flops.analytic_flops(cfg, b, t, training=True)
+    state = ledger_memory.state_bytes(count_parameters(cfg), spec.precision, spec.optimizer, spec.strategy, spec.world_size)
+    acts = ledger_memory.activation_bytes(cfg, b, t, spec.precision, device)
+    peak = ledger_memory.peak_bytes(
+        cfg, b, t, spec.precision, spec.optimizer, spec.strategy, spec.world_size, device=device
+    )
+    return {
+        "flops": {"model": report.model, "hardware": report.hardware},
+        "memory": {**state, "activations": acts.total, "peak": peak.total},
+        "autocast_weight_copies": acts.autocast_weight_copies,
+        "peak_phase": peak.phase,
+    }
+
+
+def _measure_device(spec: RunSpec) -> torch.device:
+    wants_gpu = spec.accelerator in ("gpu", "cuda", "auto")
+    return torch.device("cuda") if wants_gpu and torch.cuda.is_available() else torch.device("cpu")
+
+
+def measure(spec: RunSpec, device: torch.device) -> dict:
+    """Build the model for real and run training steps: FLOPs counted once, saved activations on
+    the first step, state after the optimizer has stepped, CUDA peak over a second, steady step."""
+    if spec.precision not in MEASURABLE:
+        raise UserError(f"--measure supports precisions {', '.join(MEASURABLE)}, not {spec.precision}")
+    if spec.world_size > 1 or spec.strategy != "ddp":
+        raise UserError("--measure runs one process; measure a sharded or multi-device config with `lmledger fit`")
+    torch.manual_seed(0)
+    model = ToyLM(spec.model).to(device)
+    if spec.precision in _CAST:
+        model = model.to(_CAST[spec.precision])
+    model.train()
+    if spec.optimizer == "adamw":
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    elif spec.optimizer == "sgd":
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
+    else:
+        raise UserError(f"unknown optimizer {spec.optimizer!r}")
+    autocast_dtype = _AUTOCAST.get(spec.precision)
+
+    def autocast():
+        return torch.autocast(device.type, autocast_dtype) if autocast_dtype else nullcontext()
+
+    x = torch.randint(0, spec.model.vocab_size, (spec.batch_size, spec.seq_len), device=device)
+    y = torch.randint(0, spec.model.vocab_size, (spec.batch_size, spec.seq_len), device=device)
+    counted = ledger_flops.measure_flops(model, x, y, training=True, autocast_dtype=autocast_dtype)
+
+    with ledger_memory.measure_saved_activations(model) as saved:
+        with autocast():
+            loss = model(x, y)
+    loss.backward()
+    optimizer.step()
+    state = ledger_memory.measure_state_bytes(model, optimizer)
+
+    def step() -> None:
+        # Lightning's order: forward, then zero_grad, backward, step (last step's grads live through forward).
+        with autocast():
+            loss = model(x, y)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+
+    peak = ledger_memory.measure_peak_cuda(step, device) if device.type == "cuda" else None
+    return {
+        "flops": {"measured": counted.total},
+        "memory": {**state, "activations": saved.activations, "peak": peak},
+        "autocast_weight_copies": saved.autocast_weight_copies,
+    }
+
+
+def account(spec: RunSpec, do_measure: bool) -> dict:
+    device = _measure_device(spec) if do_measure else torch.device("cuda" if spec.accelerator in ("gpu", "cuda") else "cpu")
+    predicted = predict(spec, device.type)
+    measured = measure(spec, device) if do_measure else None
+    result = {
+        "params": count_parameters(spec.model),
+        "flops": {**predicted["flops"], "measured": measured["flops"]["measured"] if measured else None},
+        "memory": {
+            row: {"predicted": predicted["memory"][row], "measured": measured["memory"][row] if measured else None}
+            for row in MEMORY_ROWS
+        },
+        "autocast_weight_copies": {
+            "predicted": predicted["autocast_weight_copies"],
+            "measured": measured["autocast_weight_copies"] if measured else None,
+        },
+        "run": {
+            "batch_size": spec.batch_size,
+            "seq_len": spec.seq_len,
+            "tokens_per_step": spec.tokens_per_step,
+            "precision": spec.precision,
+            "optimizer": spec.optimizer,
+            "strategy": spec.strategy,
+            "world_size": spec.world_size,
+            "vocab_size": spec.model.vocab_size,
+            "vocab_from_data": spec.vocab_from_data,
+            "device": device.type,
+            "peak_phase": predicted["peak_phase"],
+        },
+    }
+    return result
+
+
+def _error_pct(predicted: float, measured: float | None) -> str:
+    if measured is None:
+        return ""
+    if measured == 0:
+        return "0.0%" if predicted == 0 else "—"
+    return f"{100 * (predicted - measured) / measured:+.2f}%"
+
+
+def _human_bytes(n: float | None) -> str:
+    if n is None:
+        return "—"
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:,.2f} {unit}"
+    return f"{n:,.0f} B"
+
+
+def print_table(result: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    run = result["run"]
+    table = Table(
+        title=(
+            f"one training step: {result['params']:,} params, batch {run['batch_size']} × {run['seq_len']} tokens, "
+            f"{run['precision']}, {run['optimizer']}, {run['strategy']} × {run['world_size']}"
+        )
+    )
+    for column in ("", "predicted", "measured", "error"):
+        table.add_column(column, justify="right" if column else "left")
+    f = result["flops"]
+    table.add_row("model FLOPs (6N + attn, MFU)", f"{f['model']:.4g}", "—", "")
+    table.add_row("hardware FLOPs (as kernels)", f"{f['hardware']:.4g}", _fmt(f["measured"]), _error_pct(f["hardware"], f["measured"]))
+    for row in MEMORY_ROWS:
+        m = result["memory"][row]
+        label = f"{row} (bytes)"
+        if row == "peak" and m["measured"] is None and run["device"] == "cpu" and result["flops"]["measured"] is not None:
+            table.add_row(label, _human_bytes(m["predicted"]), "n/a (CPU)", "")
+            continue
+        table.add_row(label, _human_bytes(m["predicted"]), _human_bytes(m["measured"]), _error_pct(m["predicted"], m["measured"]))
+    w = result["autocast_weight_copies"]
+    if w["predicted"]:
+        table.add_row("autocast weight copies", _human_bytes(w["predicted"]), _human_bytes(w["measured"]), _error_pct(w["predicted"], w["measured"]))
+    Console().print(table)
+    where = f"measured on {run['device']}" if result["flops"]["measured"] is not None else f"predicted for {run['device']}"
+    print(f"predicted peak falls in: {run['peak_phase']}; {where}")
+
+
+def _fmt(x: float | None) -> str:
+    return "—" if x is None else f"{x:.4g}"
+
+
+def main(argv: list[str]) -> int:
+    if any(a in ("-h", "--help") for a in argv):
+        print(USAGE)
+        return 0
+    flags, rest = split_flags(argv, ("--measure", "--json"))
+    if not any(a == "--config" or a.startswith("--config=") for a in rest):
+        raise UserError("account needs --config FILE (e.g. configs/tiny.yaml)")
+    spec = load_run_spec(rest)
+    result = account(spec, "--measure" in flags)
+    if "--json" in flags:
+        print(json.dumps(result))
+    else:
+        print_table(result)
+    return 0

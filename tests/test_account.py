@@ -1,0 +1,85 @@
+"""`lmledger account` and `lmledger plan max-batch`: fit configs read without building anything, and
+one real step measured beside the prediction."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from lmledger.cli import main as lmledger
+from lmledger.ledger.memory import peak_bytes
+from lmledger.runspec import load_run_spec
+
+SMALL = ["--model.config.d_model", "96", "--model.config.n_layers", "2", "--model.config.n_heads", "4",
+         "--model.config.d_ff", "200", "--model.config.context_length", "48", "--data.batch_size", "3"]  # fmt: skip
+
+
+def run_json(capsys, *argv: str) -> dict:
+    capsys.readouterr()
+    assert lmledger(list(argv)) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "bf16-true"])
+def test_account_measure_matches_prediction(workdir, capsys, precision):
+    result = run_json(
+        capsys, "account", "--config", "configs/tiny.yaml", *SMALL, "--trainer.precision", precision, "--measure", "--json"
+    )
+    assert result["run"]["vocab_size"] == 256 and result["run"]["vocab_from_data"]
+    from lmledger.model import count_parameters
+
+    assert result["params"] == count_parameters(load_run_spec(["--config", "configs/tiny.yaml", *SMALL]).model)
+    flops = result["flops"]
+    assert abs(flops["hardware"] - flops["measured"]) <= 0.005 * flops["measured"]
+    assert flops["model"] < flops["hardware"]  # the attention backward's score recompute
+    memory = result["memory"]
+    for row in ("params", "grads", "optimizer"):
+        assert memory[row]["predicted"] == memory[row]["measured"], row
+    acts = memory["activations"]
+    assert abs(acts["predicted"] - acts["measured"]) <= 0.03 * acts["measured"]
+    assert memory["peak"]["measured"] is None  # CPU: no allocator statistics to read a peak from
+    bytes_per_param = (memory["params"]["measured"] + memory["grads"]["measured"] + memory["optimizer"]["measured"]) / result["params"]
+    assert bytes_per_param == pytest.approx({"32-true": 16, "bf16-mixed": 16, "bf16-true": 8}[precision])
+
+
+def test_account_without_measure_sizes_a_3b_config_instantly(workdir, capsys):
+    result = run_json(capsys, "account", "--config", "configs/cs336-2.7b.yaml", "--json")
+    assert result["params"] > 3e9
+    assert result["flops"]["measured"] is None
+    assert all(row["measured"] is None for row in result["memory"].values())
+    # 6N per token is most of the model FLOPs of a 3B model at ctx 1024
+    assert 6 * result["params"] * 4 * 1024 < result["flops"]["model"] < 1.1 * 6 * result["params"] * 4 * 1024
+
+
+def test_plan_max_batch_is_the_largest_that_fits(workdir, capsys):
+    result = run_json(capsys, "plan", "max-batch", "--config", "configs/cs336-small.yaml", "--gpu", "h100-sxm", "--json")
+    spec = load_run_spec(["--config", "configs/cs336-small.yaml"])
+    best = result["max_batch"]
+    assert best > 1
+
+    def peak(b: int) -> int:
+        return peak_bytes(spec.model, b, spec.seq_len, spec.precision, spec.optimizer, device="cuda").total
+
+    assert peak(best) <= result["capacity_bytes"] < peak(best + 1)
+    checkpointed = run_json(
+        capsys, "plan", "max-batch", "--config", "configs/cs336-small.yaml", "--gpu", "h100-sxm",
+        "--model.config.activation_checkpointing", "1", "--json",
+    )  # fmt: skip
+    assert checkpointed["max_batch"] > 2 * best  # recompute trades FLOPs for a much larger batch
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["account"], "needs --config"),
+        (["account", "--config", "configs/tiny.yaml", "--model.config.nope", "1"], "nope"),
+        (["account", "--config", "configs/tiny.yaml", "--trainer.precision", "64-true"], "not 64-true"),
+        (["plan", "max-batch", "--config", "configs/tiny.yaml", "--gpu", "no-such-gpu"], "no-such-gpu"),
+    ],
+)
+def test_bad_input_is_one_line(workdir, capsys, argv, message):
+    capsys.readouterr()
+    assert lmledger(argv) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("lmledger")]
+    assert len(err) == 1 and message in err[0], err
