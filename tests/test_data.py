@@ -18,7 +18,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lmledger import cli
-from lmledger.commands import prepare as prep
+from lmledger import corpus as prep
 from lmledger.data import (
     TokenDataModule,
     TokenFiles,

@@ -26,7 +26,7 @@ import torch
 from lightning.pytorch.accelerators import CUDAAccelerator
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from lmledger.commands.prepare import FORMAT_VERSION, META_FILE, SPLIT_FILES, TOKEN_DTYPES
+from lmledger.corpus import FORMAT_VERSION, META_FILE, SPLIT_FILES, TOKEN_DTYPES
 from lmledger.errors import UserError
 
 SPLITS = tuple(SPLIT_FILES)  # ("train", "val")

@@ -1,0 +1,334 @@
+"""The token-file format, and turning a corpus into it (what `lmledger prepare` does).
+
+This module owns the on-disk format (`lmledger.data` reads it). It imports no Lightning and no torch,
+so preparing data costs only the work itself.
+
+Format (FORMAT_VERSION 1):
+- train.bin / val.bin: every token of the split back to back, raw little-endian unsigned ints of the
+  smallest dtype that holds the vocabulary (uint8 / uint16 / uint32); documents, sorted by name, are
+  joined with a separator token.
+- meta.json: dtype, vocab_size, token counts, tokenizer, source, and the sha256 of each .bin.
+- tokenizer.json (bpe only): the trained HF `tokenizers` tokenizer.
+meta.json is written last and removed first on --overwrite: a directory holds prepared data exactly
+when it has a meta.json, so a crash part-way leaves a directory the loader rejects, never a mix.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import platform
+import secrets
+import sysconfig
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+from lmledger import __version__
+from lmledger.errors import UserError
+
+FORMAT_VERSION = 1
+META_FILE = "meta.json"
+SPLIT_FILES = {"train": "train.bin", "val": "val.bin"}
+TOKENIZER_FILE = "tokenizer.json"
+TOKEN_DTYPES = ("uint8", "uint16", "uint32")
+
+BYTE_VOCAB_SIZE = 256
+# The byte tokenizer has no spare id, so NUL separates documents; files that contain NUL are not
+# read as text (the same test git uses to call a file binary), so the separator is unambiguous.
+BYTE_SEPARATOR = b"\x00"
+BPE_SEPARATOR = "<|endoftext|>"
+DEFAULT_BPE_VOCAB_SIZE = 10_000
+DEFAULT_OUT = "data/stdlib"
+DEFAULT_VAL_FRACTION = 0.01
+STDLIB = "stdlib"
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """The smallest unsigned dtype whose range holds ids 0 .. vocab_size-1 (little-endian on disk)."""
+    for name in TOKEN_DTYPES:
+        if vocab_size - 1 <= np.iinfo(name).max:
+            return np.dtype(name).newbyteorder("<")
+    raise UserError(f"vocab_size {vocab_size} does not fit in uint32")
+
+@dataclass(frozen=True)
+class Document:
+    key: str  # a stable, machine-independent name: decides the split and the order
+    text: bytes  # valid UTF-8 without NUL bytes
+
+# ---------------------------------------------------------------------------------------- corpus
+
+def stdlib_root() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+def _walk_files(root: Path, suffix: str | None, skip_dirs: Iterable[str] = ()) -> list[Path]:
+    """Files under root (symlinked dirs not followed), hidden entries and `skip_dirs` left out."""
+    skip = set(skip_dirs)
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if not d.startswith(".") and d not in skip]
+        for name in filenames:
+            if not name.startswith(".") and (suffix is None or name.endswith(suffix)):
+                found.append(Path(dirpath, name))
+    return found
+
+def list_source_files(sources: Sequence[str]) -> tuple[list[tuple[str, Path]], str]:
+    """(key, path) of every candidate file, sorted by key, and a one-line description of the sources."""
+    entries: dict[str, Path] = {}
+    described = []
+    for source in sources:
+        if source == STDLIB:
+            root = stdlib_root()
+            described.append(f"Python {platform.python_version()} standard library ({root})")
+            for path in _walk_files(root, ".py", skip_dirs=("site-packages", "dist-packages", "__pycache__")):
+                entries.setdefault(path.relative_to(root).as_posix(), path)
+            continue
+        path = Path(source)
+        if not path.exists():
+            raise UserError(f"--source {source} does not exist; pass 'stdlib' or existing files/directories")
+        described.append(source)
+        if path.is_dir():
+            # Keys start at the directory's own name so they do not depend on where it sits on disk.
+            for file in _walk_files(path, None):
+                entries.setdefault(f"{path.resolve().name}/{file.relative_to(path).as_posix()}", file)
+        else:
+            entries.setdefault(path.name, path)
+    return sorted(entries.items()), "; ".join(described)
+
+def read_text_file(path: Path) -> bytes | None:
+    """The file's bytes if it is non-binary UTF-8 text, else None."""
+    try:
+        data = path.read_bytes()
+        data.decode("utf-8")
+    except (OSError, UnicodeDecodeError):
+        return None
+    return None if BYTE_SEPARATOR in data else data
+
+def val_score(key: str) -> float:
+    """A stable pseudo-random number in [0, 1) for a document key (the same on every machine and run)."""
+    digest = hashlib.blake2b(key.encode("utf-8"), digest_size=8).digest()
+    return int.from_bytes(digest, "big") / 2**64
+
+def split_documents(docs: Sequence[Document], val_fraction: float) -> tuple[list[Document], list[Document]]:
+    """Split by document: those whose key scores below val_fraction go to val; both sides non-empty.
+
+    A single document (one big text file) is cut at the last line break before its (1 - val_fraction) point.
+    """
+    if len(docs) == 1:
+        text = docs[0].text
+        cut = text.rfind(b"\n", 0, int(len(text) * (1 - val_fraction))) + 1
+        if cut <= 0 or cut >= len(text):
+            raise UserError(f"the corpus ({docs[0].key}, {len(text)} bytes) is too small to split into train and val")
+        return [Document(docs[0].key, text[:cut])], [Document(docs[0].key, text[cut:])]
+    scores = np.array([val_score(d.key) for d in docs])
+    is_val = scores < val_fraction
+    if not is_val.any():
+        is_val[np.argmin(scores)] = True
+    if is_val.all():
+        is_val[np.argmax(scores)] = False
+    train = [d for d, v in zip(docs, is_val) if not v]
+    val = [d for d, v in zip(docs, is_val) if v]
+    return train, val
+
+# ------------------------------------------------------------------------------------ tokenizers
+
+def encode_bytes(docs: Sequence[Document]) -> np.ndarray:
+    return np.frombuffer(BYTE_SEPARATOR.join(d.text for d in docs), dtype=np.uint8)
+
+def _import_tokenizers():
+    try:
+        import tokenizers
+    except ImportError:
+        raise UserError(
+            "--tokenizer bpe needs the HF tokenizers package: pip install tokenizers "
+            "(or pip install 'lmledger[bpe]'), or use --tokenizer bytes"
+        ) from None
+    return tokenizers
+
+def train_bpe(docs: Sequence[Document], vocab_size: int):
+    """A byte-level BPE (GPT-2 style pre-tokenization, no prefix space) with the separator as special token."""
+    tk = _import_tokenizers()
+    tokenizer = tk.Tokenizer(tk.models.BPE())
+    tokenizer.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = tk.decoders.ByteLevel()
+    trainer = tk.trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[BPE_SEPARATOR],
+        initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator((d.text.decode("utf-8") for d in docs), trainer=trainer, length=len(docs))
+    return tokenizer
+
+def encode_bpe(tokenizer, docs: Sequence[Document], dtype: np.dtype, on_chunk: Callable[[int], object]) -> np.ndarray:
+    separator = np.array([tokenizer.token_to_id(BPE_SEPARATOR)], dtype=dtype)
+    pieces = []
+    chunk = 64  # documents per encode_batch call (it runs in parallel in Rust)
+    for start in range(0, len(docs), chunk):
+        batch = [d.text.decode("utf-8") for d in docs[start : start + chunk]]
+        for encoding in tokenizer.encode_batch(batch, add_special_tokens=False):
+            if pieces:
+                pieces.append(separator)
+            pieces.append(np.array(encoding.ids, dtype=dtype))
+        on_chunk(len(batch))
+    return np.concatenate(pieces) if pieces else np.zeros(0, dtype=dtype)
+
+# ---------------------------------------------------------------------------------------- output
+
+def check_out_dir(out: Path, overwrite: bool) -> None:
+    """Refuse (before anything is read or written) to replace prepared data without --overwrite."""
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} is a file; pass a directory")
+    existing = [n for n in (META_FILE, *SPLIT_FILES.values()) if (out / n).exists()]
+    if existing and not overwrite:
+        raise UserError(
+            f"{out} already holds prepared data ({', '.join(existing)}); pass --overwrite to replace it "
+            "or choose another --out"
+        )
+
+def _write_temp(out: Path, name: str, payload: bytes | memoryview) -> Path:
+    # open(..., "xb") rather than tempfile.mkstemp: the data should get the umask's permissions, not 0600.
+    tmp = out / f".{name}.{secrets.token_hex(6)}.tmp"
+    try:
+        with open(tmp, "xb") as f:
+            f.write(payload)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return tmp
+
+def write_prepared(out: Path, splits: dict[str, np.ndarray], meta: dict, tokenizer_json: str | None) -> None:
+    """Write every file to a temp file in `out`, then move them into place with meta.json last."""
+    out.mkdir(parents=True, exist_ok=True)
+    staged: dict[str, Path] = {}
+    try:
+        for split, tokens in splits.items():
+            staged[SPLIT_FILES[split]] = _write_temp(out, SPLIT_FILES[split], memoryview(np.ascontiguousarray(tokens)))
+        if tokenizer_json is not None:
+            staged[TOKENIZER_FILE] = _write_temp(out, TOKENIZER_FILE, tokenizer_json.encode("utf-8"))
+        staged[META_FILE] = _write_temp(out, META_FILE, (json.dumps(meta, indent=2) + "\n").encode("utf-8"))
+        (out / META_FILE).unlink(missing_ok=True)  # from here until the last replace, `out` reads as unprepared
+        if tokenizer_json is None:
+            (out / TOKENIZER_FILE).unlink(missing_ok=True)  # a stale one would contradict meta.json
+        for name, tmp in staged.items():  # dicts keep insertion order: meta.json goes last
+            os.replace(tmp, out / name)
+    finally:
+        for tmp in staged.values():
+            tmp.unlink(missing_ok=True)
+
+# ----------------------------------------------------------------------------------------- main
+
+def _progress() -> Progress:
+    console = Console(stderr=True)
+    return Progress(
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+        disable=not console.is_terminal,  # logs and pipes get only the summary
+    )
+
+def prepare(
+    sources: Sequence[str] = (STDLIB,),
+    out: str | os.PathLike = DEFAULT_OUT,
+    tokenizer: str = "bytes",
+    vocab_size: int | None = None,
+    val_fraction: float = DEFAULT_VAL_FRACTION,
+    overwrite: bool = False,
+) -> dict:
+    """Tokenize `sources` into `out`; returns the meta.json it wrote."""
+    out = Path(out)
+    if tokenizer not in ("bytes", "bpe"):
+        raise UserError(f"unknown --tokenizer {tokenizer!r}; choose bytes or bpe")
+    if tokenizer == "bytes" and vocab_size not in (None, BYTE_VOCAB_SIZE):
+        raise UserError("--vocab-size applies to --tokenizer bpe only (the byte tokenizer's vocabulary is 256)")
+    if tokenizer == "bpe":
+        vocab_size = DEFAULT_BPE_VOCAB_SIZE if vocab_size is None else vocab_size
+        if vocab_size <= BYTE_VOCAB_SIZE:
+            raise UserError(f"--vocab-size {vocab_size} is too small for bpe: it must exceed the 256-byte alphabet")
+        _import_tokenizers()  # fail before reading anything
+    if not 0.0 < val_fraction < 1.0:
+        raise UserError(f"--val-fraction {val_fraction} must be between 0 and 1 (exclusive)")
+    check_out_dir(out, overwrite)
+    files, description = list_source_files(sources)
+    if not files:
+        raise UserError(f"no files found in --source {' '.join(sources)}")
+
+    with _progress() as progress:
+        reading = progress.add_task("reading files", total=len(files))
+        docs, skipped = [], 0
+        for key, path in files:
+            text = read_text_file(path)
+            if text is None:
+                skipped += 1
+            elif text:
+                docs.append(Document(key, text))
+            progress.advance(reading)
+        if not docs:
+            raise UserError(f"no non-empty UTF-8 text files in --source {' '.join(sources)} ({skipped} skipped)")
+        train_docs, val_docs = split_documents(docs, val_fraction)
+
+        tokenizer_json = None
+        if tokenizer == "bytes":
+            vocab_size, dtype = BYTE_VOCAB_SIZE, token_dtype(BYTE_VOCAB_SIZE)
+            splits = {"train": encode_bytes(train_docs), "val": encode_bytes(val_docs)}
+            separator, separator_id = BYTE_SEPARATOR.decode(), BYTE_SEPARATOR[0]
+        else:
+            progress.add_task(f"training BPE (vocab {vocab_size})", total=None)
+            bpe = train_bpe(train_docs, vocab_size)
+            vocab_size, separator = bpe.get_vocab_size(), BPE_SEPARATOR
+            dtype, separator_id = token_dtype(vocab_size), bpe.token_to_id(BPE_SEPARATOR)
+            encoding = progress.add_task("encoding", total=len(docs))
+            advance = functools.partial(progress.advance, encoding)
+            splits = {s: encode_bpe(bpe, d, dtype, advance) for s, d in (("train", train_docs), ("val", val_docs))}
+            tokenizer_json = bpe.to_str()
+
+        progress.add_task("writing", total=None)
+        meta = {
+            "format_version": FORMAT_VERSION,
+            "dtype": dtype.name,
+            "vocab_size": int(vocab_size),
+            "train_tokens": int(splits["train"].size),
+            "val_tokens": int(splits["val"].size),
+            "tokenizer": tokenizer,
+            "tokenizer_file": TOKENIZER_FILE if tokenizer_json is not None else None,
+            "separator": separator,
+            "separator_id": int(separator_id),
+            "source": description,
+            "python_version": platform.python_version() if STDLIB in sources else None,
+            "train_documents": len(train_docs),
+            "val_documents": len(val_docs),
+            "skipped_files": skipped,
+            "val_fraction": val_fraction,
+            "sha256": {SPLIT_FILES[s]: hashlib.sha256(memoryview(a)).hexdigest() for s, a in splits.items()},
+            "created_by": f"lmledger {__version__}",
+        }
+        write_prepared(out, splits, meta, tokenizer_json)
+    return meta
+
+def _mib(n_bytes: int) -> str:
+    return f"{n_bytes / 2**20:.1f} MiB"
+
+def summary(meta: dict, out: Path, seconds: float) -> str:
+    itemsize = np.dtype(meta["dtype"]).itemsize
+    total = meta["train_tokens"] + meta["val_tokens"]
+    tokenizer = "bytes" if meta["tokenizer"] == "bytes" else f"byte-level BPE, {out / TOKENIZER_FILE}"
+    return (
+        f"Prepared {total:,} tokens from {meta['train_documents'] + meta['val_documents']:,} files of "
+        f"{meta['source']} in {seconds:.1f} s ({meta['skipped_files']} files skipped as binary or not UTF-8). "
+        f"Tokenizer: {tokenizer}; vocab {meta['vocab_size']:,}, stored as {meta['dtype']}. "
+        f"Train: {meta['train_tokens']:,} tokens ({meta['train_documents']:,} files, "
+        f"{_mib(meta['train_tokens'] * itemsize)}) in {out / SPLIT_FILES['train']}; "
+        f"val: {meta['val_tokens']:,} tokens ({meta['val_documents']:,} files, "
+        f"{_mib(meta['val_tokens'] * itemsize)}) in {out / SPLIT_FILES['val']}; metadata in {out / META_FILE}."
+    )
