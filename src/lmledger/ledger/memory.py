@@ -1,0 +1,574 @@
+"""Bytes a training step holds: parameters, gradients, optimizer state, saved activations, peak.
+
+Each analytic figure has a measured twin here:
+
+    predicted                          measured
+    state_bytes / bytes_per_param      measure_state_bytes(model, optimizer)   (exact)
+    activation_bytes                   measure_saved_activations(model)        (exact on CPU)
+    peak_bytes                         measure_peak_cuda(step_fn)              (CUDA only)
+
+State conventions, bytes per parameter (per rank before sharding; "AdamW" = 2 state tensors,
+"SGD" = 1 momentum buffer, 0 if momentum == 0, "none" = 0):
+
+    precision                   params  grads  one state  AdamW total   what holds them
+    64-true                        8      8       8          32         fp64 everything
+    32-true                        4      4       4          16         fp32 everything
+    16-mixed, bf16-mixed           4      4       4          16         torch autocast: fp32 params,
+                                                                        grads and m, v; low-precision
+                                                                        weight copies are transient
+                                                                        (see activation_bytes)
+    16-true, bf16-true             2      2       2           8         model converted; AdamW's m, v
+                                                                        follow the param dtype
+    transformer-engine             2      2       2           8         Lightning's TE plugin keeps
+    (-float16)                                                          weights in bf16 (fp16); pass
+                                                                        weights_dtype=torch.float32 for
+                                                                        an fp32-master setup: 16
+
+Sharding over `world_size` ranks (`strategy`): "ddp" (also "auto", "single_device") replicates
+everything; "zero1" divides the optimizer state, "zero2" also the grads, "zero3" / "fsdp" also the
+params. A divided term is ceil(n_params / world_size) elements per rank (FSDP pads its flat
+parameter to a multiple of the world size). Lightning's "deepspeed_stage_{1,2,3}" are accepted too.
+
+Peak: peak_bytes walks one steady-state step (its docstring has the formula); CPU has no
+allocator statistics, so there the peak is predicted only. On CUDA, measure_peak_cuda around a
+step is held to the prediction within 15% (cuBLAS workspaces and allocator rounding are not
+modelled).
+
+AdamW's per-parameter `step` counter is a 0-dim fp32 tensor (on the CPU unless the optimizer is
+capturable or fused). It is not counted: the optimizer figure is exactly states x bytes x params,
+and measure_state_bytes skips 0-dim tensors to match.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from lmledger.errors import UserError
+from lmledger.model import ModelConfig, count_parameters
+
+# --------------------------------------------------------------------------------------------
+# Parameters, gradients, optimizer state
+# --------------------------------------------------------------------------------------------
+
+# Lightning's short precision names, mapped to the canonical ones.
+_PRECISION_ALIASES = {"64": "64-true", "32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed"}
+
+# precision -> (param/grad/state bytes, compute bytes, autocast?).  Compute bytes are the
+# matmul operands' width; None = the activation model does not cover it (see activation_bytes).
+_PRECISIONS: dict[str, tuple[int, int | None, bool]] = {
+    "64-true": (8, None, False),
+    "32-true": (4, 4, False),
+    "16-mixed": (4, 2, True),
+    "bf16-mixed": (4, 2, True),
+    "16-true": (2, 2, False),
+    "bf16-true": (2, 2, False),
+    "transformer-engine": (2, None, False),
+    "transformer-engine-float16": (2, None, False),
+}
+
+_STRATEGY_SHARDS: dict[str, frozenset[str]] = {
+    "ddp": frozenset(),
+    "auto": frozenset(),  # Lightning's default: one device, or DDP over several
+    "single_device": frozenset(),
+    "zero1": frozenset({"optimizer"}),
+    "zero2": frozenset({"grads", "optimizer"}),
+    "zero3": frozenset({"params", "grads", "optimizer"}),
+    "fsdp": frozenset({"params", "grads", "optimizer"}),
+    "deepspeed_stage_1": frozenset({"optimizer"}),
+    "deepspeed_stage_2": frozenset({"grads", "optimizer"}),
+    "deepspeed_stage_3": frozenset({"params", "grads", "optimizer"}),
+}
+
+OPTIMIZERS = ("adamw", "adam", "sgd", "none")
+
+
+def normalize_precision(precision: str | int) -> str:
+    """Lightning's precision name in canonical form ("bf16" -> "bf16-mixed", 32 -> "32-true")."""
+    name = _PRECISION_ALIASES.get(str(precision), str(precision))
+    if name not in _PRECISIONS:
+        raise UserError(f"unknown precision {precision!r}: use one of {', '.join(_PRECISIONS)}")
+    return name
+
+
+def _state_width(precision: str | int, weights_dtype: torch.dtype | None) -> int:
+    """Bytes per element of params, grads and each optimizer state tensor."""
+    name = normalize_precision(precision)
+    if weights_dtype is None:
+        return _PRECISIONS[name][0]
+    if not name.startswith("transformer-engine"):
+        raise UserError(f"weights_dtype only applies to transformer-engine precisions, not {name}")
+    return torch.empty((), dtype=weights_dtype).element_size()
+
+
+def optimizer_states(optimizer: str, momentum: float = 0.9) -> int:
+    """Optimizer state tensors kept per parameter tensor (each the parameter's shape)."""
+    name = optimizer.lower()
+    if name in ("adamw", "adam"):
+        return 2  # exp_avg (m) and exp_avg_sq (v)
+    if name == "sgd":
+        return 1 if momentum else 0
+    if name == "none":
+        return 0
+    raise UserError(f"unknown optimizer {optimizer!r}: use one of {', '.join(OPTIMIZERS)}")
+
+
+def _sharded_terms(strategy: str, world_size: int) -> frozenset[str]:
+    if strategy not in _STRATEGY_SHARDS:
+        raise UserError(f"unknown strategy {strategy!r}: use one of {', '.join(_STRATEGY_SHARDS)}")
+    if world_size < 1:
+        raise UserError(f"world_size must be >= 1, got {world_size}")
+    return _STRATEGY_SHARDS[strategy]
+
+
+def state_bytes(
+    n_params: int,
+    precision: str | int,
+    optimizer: str = "adamw",
+    strategy: str = "ddp",
+    world_size: int = 1,
+    *,
+    momentum: float = 0.9,
+    weights_dtype: torch.dtype | None = None,
+) -> dict[str, int]:
+    """Bytes one rank holds for params, grads and optimizer state (conventions: module docstring)."""
+    if n_params < 0:
+        raise UserError(f"n_params must be >= 0, got {n_params}")
+    width = _state_width(precision, weights_dtype)
+    sharded = _sharded_terms(strategy, world_size)
+    per_rank = math.ceil(n_params / world_size)
+    elements = {term: per_rank if term in sharded else n_params for term in ("params", "grads", "optimizer")}
+    return {
+        "params": elements["params"] * width,
+        "grads": elements["grads"] * width,
+        "optimizer": elements["optimizer"] * width * optimizer_states(optimizer, momentum),
+    }
+
+
+def bytes_per_param(
+    precision: str | int,
+    optimizer: str = "adamw",
+    strategy: str = "ddp",
+    world_size: int = 1,
+    *,
+    momentum: float = 0.9,
+    weights_dtype: torch.dtype | None = None,
+) -> float:
+    """params + grads + optimizer bytes per parameter on one rank (32-true AdamW DDP: 16)."""
+    width = _state_width(precision, weights_dtype)
+    sharded = _sharded_terms(strategy, world_size)
+    share = {term: 1 / world_size if term in sharded else 1.0 for term in ("params", "grads", "optimizer")}
+    states = optimizer_states(optimizer, momentum)
+    return width * (share["params"] + share["grads"] + states * share["optimizer"])
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    """Identity of t's storage, shared by all its views. The StorageImpl's address rather than
+    data_ptr(), which is 0 for every meta tensor; unique while the storage is alive."""
+    return t.untyped_storage()._cdata
+
+
+def _unique_storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Sum of storage sizes, each storage once (views and tied tensors are free)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        seen.setdefault(_storage_key(t), t.untyped_storage().nbytes())
+    return sum(seen.values())
+
+
+def measure_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
+    """Bytes the real tensors hold: parameters, their .grad, and optimizer state (0-dim `step`
+    counters excluded, as in state_bytes). Each storage counts once."""
+    params = list(model.parameters())
+    grads = [p.grad for p in params if p.grad is not None]
+    states: list[torch.Tensor] = []
+    if optimizer is not None:
+        for per_param in optimizer.state.values():
+            states += [v for v in per_param.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
+    return {
+        "params": _unique_storage_bytes(params),
+        "grads": _unique_storage_bytes(grads),
+        "optimizer": _unique_storage_bytes(states),
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# Activations saved for backward, as lmledger.model implements the toy LM
+# --------------------------------------------------------------------------------------------
+
+COMPONENTS = ("embedding", "attention", "mlp", "norms", "logits_loss", "checkpoint_inputs")
+INDEX_BYTES = 8  # token ids and targets are int64, as the data module hands them over
+FP32 = 4
+
+
+@dataclass(frozen=True)
+class ActivationReport:
+    """Bytes autograd holds for backward once forward has finished.
+
+    `by_component` are activations proper; `autocast_weight_copies` (the low-precision weight
+    casts that linear layers save under autocast) are parameters in another dtype, so they are
+    kept apart from activations and are not in `total`.
+    """
+
+    by_component: dict[str, int]
+    autocast_weight_copies: int = 0
+
+    @property
+    def total(self) -> int:
+        return sum(self.by_component.values())
+
+
+@dataclass(frozen=True)
+class _Widths:
+    compute: int  # matmul operands, attention, MLP intermediates
+    residual: int  # the residual stream between blocks
+    autocast: bool
+
+
+def _activation_widths(precision: str | int) -> _Widths:
+    name = normalize_precision(precision)
+    param, compute, autocast = _PRECISIONS[name]
+    if compute is None:
+        raise UserError(
+            f"activation bytes are modelled for 32-true, 16-mixed, bf16-mixed, 16-true and bf16-true, not {name}"
+        )
+    return _Widths(compute=compute, residual=param, autocast=autocast)
+
+
+def _check_device(device: str) -> str:
+    kind = torch.device(device).type
+    if kind not in ("cpu", "cuda"):
+        raise UserError(f"activation bytes are modelled for cpu and cuda, not {device!r}")
+    return kind
+
+
+def _norm_saved(tokens: int, d: int, widths: _Widths, device: str) -> int:
+    """One nn.RMSNorm's saved tensors (its output is charged to the linear that consumes it).
+
+    F.rms_norm dispatches to aten._fused_rms_norm (aten/src/ATen/native/layer_norm.cpp). On CPU
+    that falls back to the composite: it saves the fp32 (upcast) input, the fp32 rsqrt per token
+    and the fp32 normalized input that multiplies the weight. On CUDA the fused kernel's autograd
+    formula (tools/autograd/derivatives.yaml) saves the input as it is and the fp32 rsqrt.
+    """
+    if device == "cuda":
+        return tokens * d * widths.residual + tokens * FP32
+    return 2 * tokens * d * FP32 + tokens * FP32
+
+
+def _attention_stats_bytes(batch: int, seq: int, heads: int, widths: _Widths, device: str) -> int:
+    """What SDPA saves besides q, k, v and its output: the fp32 log-sum-exp of every query row,
+    and on CUDA the dropout RNG seed and offset (two 0-dim int64 tensors even at dropout 0)."""
+    if device == "cpu":
+        return batch * heads * seq * FP32
+    rng_state = 2 * 8
+    if widths.compute == FP32:
+        # fp32 runs the memory-efficient kernel (flash and cuDNN take only 16-bit inputs),
+        # whose log-sum-exp rows are padded to a multiple of 32.
+        return batch * heads * math.ceil(seq / 32) * 32 * FP32 + rng_state
+    return batch * heads * seq * FP32 + rng_state
+
+
+def _block_saved(cfg: ModelConfig, batch: int, seq: int, widths: _Widths, device: str) -> dict[str, int]:
+    """Saved bytes of one block that is not checkpointed."""
+    tokens, d, c = batch * seq, cfg.d_model, widths.compute
+    # Rotary tables: `.to(x.dtype)` is a no-op (the saved tensor is the buffer) unless autocast
+    # runs q, k in a lower precision than the fp32 tables; then cos and sin are cast afresh for
+    # q and for k: four (seq, head_dim) tensors.
+    rope_casts = 4 * seq * cfg.head_dim * c if widths.autocast else 0
+    attention = (
+        tokens * d * c  # qkv input (the norm's output, or its autocast cast)
+        + 3 * tokens * d * c  # qkv output: v is a view, so SDPA keeps the whole (q|k|v) storage
+        + 2 * tokens * d * c  # q and k after RoPE
+        + tokens * d * c  # SDPA output, which the out projection also saves (same storage)
+        + _attention_stats_bytes(batch, seq, cfg.n_heads, widths, device)
+        + rope_casts
+    )
+    # Autocast casts the norm's output separately for w1 and for w3 (its cache only keeps casts
+    # of leaf tensors, i.e. weights); without autocast both save the same tensor.
+    mlp_inputs = 2 if widths.autocast else 1
+    mlp = mlp_inputs * tokens * d * c + 4 * tokens * cfg.d_ff * c  # w1 x, w3 x, silu(w1 x), their product
+    norms = 2 * _norm_saved(tokens, d, widths, device)
+    return {"attention": attention, "mlp": mlp, "norms": norms}
+
+
+def _matmul_weights_per_block(cfg: ModelConfig) -> int:
+    return 4 * cfg.d_model**2 + 3 * cfg.d_model * cfg.d_ff
+
+
+def _check_shape(cfg: ModelConfig, batch: int, seq: int) -> None:
+    if batch < 1 or seq < 1:
+        raise UserError(f"batch and seq must be >= 1, got batch={batch}, seq={seq}")
+    if seq > cfg.context_length:
+        raise UserError(
+            f"seq {seq} > context_length {cfg.context_length}: lower seq or raise model.context_length"
+        )
+
+
+def activation_bytes(
+    cfg: ModelConfig, batch: int, seq: int, precision: str | int = "32-true", device: str = "cpu"
+) -> ActivationReport:
+    """Bytes autograd saves in one training forward of ToyLM(cfg) on (batch, seq) token ids.
+
+    Counted as implemented in lmledger.model (each storage once, parameters and buffers left
+    out), checked exactly against measure_saved_activations on CPU:
+      embedding        the int64 token ids
+      norms            every RMSNorm's saved tensors (_norm_saved)
+      attention        qkv input, the (q|k|v) storage, roped q and k, SDPA output and log-sum-exp,
+                       rotary-table casts under autocast
+      mlp              w1/w3 input(s) and the four (tokens, d_ff) tensors of SwiGLU
+      logits_loss      lm_head input, the fp32 log_softmax output (the loss upcasts the logits;
+                       the logits themselves are not saved), int64 targets, nll's 4-byte weight sum
+      checkpoint_inputs  a checkpointed block keeps only its input (residual dtype); what its
+                       recompute rebuilds in backward is a transient, counted in peak_bytes
+    Autocast weight copies (precision *-mixed) are those of the lm_head and the blocks that are
+    not checkpointed: checkpointed blocks do not save theirs.
+    """
+    _check_shape(cfg, batch, seq)
+    widths = _activation_widths(precision)
+    kind = _check_device(device)
+    tokens, d = batch * seq, cfg.d_model
+    components = dict.fromkeys(COMPONENTS, 0)
+    components["embedding"] = tokens * INDEX_BYTES
+    block = _block_saved(cfg, batch, seq, widths, kind)
+    copied_weights = cfg.vocab_size * d  # lm_head, tied or not
+    for layer in range(cfg.n_layers):
+        if cfg.is_checkpointed(layer):
+            components["checkpoint_inputs"] += tokens * d * widths.residual
+        else:
+            for name, nbytes in block.items():
+                components[name] += nbytes
+            copied_weights += _matmul_weights_per_block(cfg)
+    components["norms"] += _norm_saved(tokens, d, widths, kind)  # final norm
+    components["logits_loss"] = (
+        tokens * d * widths.compute  # lm_head input
+        + tokens * cfg.vocab_size * FP32  # log_softmax output
+        + tokens * INDEX_BYTES  # targets
+        + FP32  # nll_loss total_weight
+    )
+    weight_copies = copied_weights * widths.compute if widths.autocast else 0
+    return ActivationReport(by_component=components, autocast_weight_copies=weight_copies)
+
+
+# --------------------------------------------------------------------------------------------
+# Peak of one training step
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PeakReport:
+    """Predicted peak of allocated bytes in one steady-state training step, and where it falls."""
+
+    total: int
+    phase: str  # "forward", "loss backward", "recompute block N", "embedding backward", "optimizer step"
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    autocast_weight_copies: int
+
+
+def peak_bytes(
+    cfg: ModelConfig,
+    batch: int,
+    seq: int,
+    precision: str | int = "32-true",
+    optimizer: str = "adamw",
+    strategy: str = "ddp",
+    world_size: int = 1,
+    *,
+    momentum: float = 0.9,
+    device: str = "cpu",
+    grads_held_in_forward: bool = True,
+) -> PeakReport:
+    """Largest allocation total during one training step after the first.
+
+    P, O, G = params, optimizer state, grads (state_bytes); A = activation_bytes().total;
+    Wall / Wsaved = autocast copies of all matmul weights / of those saved for backward; NV =
+    tokens x vocab. The step is walked phase by phase and the largest total wins:
+
+      forward end       P + O + [G] + A + Wall + NV*(c + 4 if c < 4 else 4)
+                        [G]: Lightning zeroes grads after forward, so last step's grads are still
+                        alive (grads_held_in_forward); the autocast cache holds every weight copy
+                        until autocast exits; the logits (c bytes) and their fp32 copy are alive
+                        while log_softmax runs.
+      loss backward     P + O + A + Wsaved + 2*NV*4: nll's gradient and log_softmax's, both fp32,
+                        while log_softmax's saved output is still held.
+      recompute block   for each checkpointed block, top down: what is still saved below it,
+                        plus grads already made above it, plus the block's recomputed saved set
+                        and weight copies.
+      embedding bwd     P + O + G (+ a V*d grad for a tied embedding before it is accumulated).
+      optimizer step    P + O + G + one state's worth: foreach AdamW makes sqrt(v) for every
+                        parameter at once (torch.optim.adamw._multi_tensor_adamw); SGD adds none.
+
+    Between these points saved activations are freed as gradients are made, roughly in step,
+    so totals there lie between the endpoints. Not modelled: backward's per-op gradient
+    temporaries (a few tokens x d_ff), library workspaces (cuBLAS), allocator rounding, and the
+    gathered parameters of FSDP / ZeRO-3. With `batch` per rank, activations are not divided.
+    """
+    _check_shape(cfg, batch, seq)
+    widths = _activation_widths(precision)
+    kind = _check_device(device)
+    n = count_parameters(cfg)
+    state = state_bytes(n, precision, optimizer, strategy, world_size, momentum=momentum)
+    params, grads, opt = state["params"], state["grads"], state["optimizer"]
+    resident = params + opt  # alive through the whole step
+    grad_per_param = grads / n
+    acts = activation_bytes(cfg, batch, seq, precision, kind)
+    tokens, d, v, c = batch * seq, cfg.d_model, cfg.vocab_size, widths.compute
+    logits = tokens * v
+    copy_width = c if widths.autocast else 0
+    block_weights = _matmul_weights_per_block(cfg)
+
+    logits_alive = logits * c + (logits * FP32 if c < FP32 else 0)  # the logits and their fp32 copy
+    all_copies = (cfg.n_layers * block_weights + v * d) * copy_width
+    candidates = {
+        "forward": resident + (grads if grads_held_in_forward else 0) + acts.total + all_copies + logits_alive,
+        "loss backward": resident + acts.total + acts.autocast_weight_copies + 2 * logits * FP32,
+    }
+
+    # Blocks, top down, once the head's backward is done: its saved tensors are freed and the
+    # lm_head and final-norm grads exist.
+    block_saved = sum(_block_saved(cfg, batch, seq, widths, kind).values())
+    block_copies = block_weights * copy_width
+    still_saved = acts.total - acts.by_component["logits_loss"] - _norm_saved(tokens, d, widths, kind)
+    copies_saved = acts.autocast_weight_copies - v * d * copy_width
+    grads_made = (v * d + d) * grad_per_param
+    for layer in reversed(range(cfg.n_layers)):
+        if cfg.is_checkpointed(layer):
+            recomputed = block_saved + block_copies
+            live = resident + still_saved + copies_saved + grads_made
+            candidates[f"recompute block {layer}"] = live + recomputed
+            still_saved -= tokens * d * widths.residual
+        else:
+            still_saved -= block_saved
+            copies_saved -= block_copies
+        grads_made += (block_weights + 2 * d) * grad_per_param
+
+    tied_grad = v * d * grad_per_param if cfg.tie_embeddings else 0
+    candidates["embedding backward"] = resident + grads + tied_grad
+    sqrt_v = opt // 2 if optimizer.lower() in ("adamw", "adam") else 0
+    candidates["optimizer step"] = resident + grads + sqrt_v
+
+    phase = max(candidates, key=candidates.__getitem__)
+    return PeakReport(
+        total=int(candidates[phase]),
+        phase=phase,
+        params=params,
+        grads=grads,
+        optimizer=opt,
+        activations=acts.total,
+        autocast_weight_copies=acts.autocast_weight_copies,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Measurement
+# --------------------------------------------------------------------------------------------
+
+# Autograd nodes between an autocast weight copy and its parameter: the cast itself and the
+# views linear takes of it.
+_COPY_OR_VIEW_NODES = frozenset(
+    {"ToCopyBackward0", "TBackward0", "TransposeBackward0", "PermuteBackward0", "ViewBackward0", "AliasBackward0"}
+)
+
+
+def _copied_parameter(t: torch.Tensor) -> torch.Tensor | None:
+    """The leaf tensor t is a cast/view of, if the chain of autograd nodes leading to it
+    contains only casts and views (an autocast weight copy); else None."""
+    node = t.grad_fn
+    for _ in range(8):
+        if node is None:
+            return None
+        if type(node).__name__ == "AccumulateGrad":
+            return node.variable
+        if type(node).__name__ not in _COPY_OR_VIEW_NODES:
+            return None
+        parents = [fn for fn, _ in node.next_functions if fn is not None]
+        if len(parents) != 1:
+            return None
+        node = parents[0]
+    return None
+
+
+@dataclass
+class SavedActivations:
+    """What measure_saved_activations saw; bytes are unique storages.
+
+    by_module charges each storage to the innermost module running when it was first saved
+    ("" = the model's own forward: the loss, and the inputs torch.utils.checkpoint keeps).
+    """
+
+    activations: int = 0
+    autocast_weight_copies: int = 0
+    by_module: dict[str, int] = field(default_factory=dict)
+
+
+@contextmanager
+def measure_saved_activations(model: nn.Module) -> Iterator[SavedActivations]:
+    """Record every tensor autograd saves while the block runs (run forward inside, backward
+    after). Storages of the model's parameters and buffers are left out; casts of parameters
+    (autocast weight copies) are totalled apart. A reference to each saved tensor is held until
+    exit, so a freed storage's address cannot be reused and miscounted.
+
+    Tensors saved by torch.utils.checkpoint's recompute during backward are not seen (checkpoint
+    packs them with its own hooks): the figure is the steady state held between forward and
+    backward, which is what activation_bytes predicts.
+    """
+    result = SavedActivations()
+    own = {_storage_key(t) for t in (*model.parameters(), *model.buffers())}
+    params = {id(p) for p in model.parameters()}
+    seen: dict[int, torch.Tensor] = {}
+    running = [""]
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        key = _storage_key(t)
+        nbytes = t.untyped_storage().nbytes()
+        if key in own or key in seen or nbytes == 0:
+            return t
+        seen[key] = t
+        source = _copied_parameter(t)
+        if source is not None and id(source) in params:
+            result.autocast_weight_copies += nbytes
+        else:
+            result.activations += nbytes
+            result.by_module[running[-1]] = result.by_module.get(running[-1], 0) + nbytes
+        return t
+
+    def enter(name: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: object) -> None:
+            running.append(name)
+
+        return hook
+
+    def leave(module: nn.Module, args: object, output: object) -> None:
+        running.pop()
+
+    handles = []
+    for name, module in model.named_modules():
+        if name:
+            handles.append(module.register_forward_pre_hook(enter(name)))
+            handles.append(module.register_forward_hook(leave, always_call=True))
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            yield result
+    finally:
+        for handle in handles:
+            handle.remove()
+        seen.clear()
+
+
+def measure_peak_cuda(step_fn: Callable[[], object], device: torch.device | int | None = None) -> int:
+    """Peak bytes allocated on a CUDA device while step_fn runs (everything already allocated
+    before it, such as parameters and optimizer state, included)."""
+    if not torch.cuda.is_available():
+        raise UserError("peak memory is measured on CUDA only; on CPU the ledger reports the predicted peak")
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    step_fn()
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device)

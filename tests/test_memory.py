@@ -1,0 +1,375 @@
+"""The memory ledger: analytic bytes against the bytes real tensors hold."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lmledger.errors import UserError
+from lmledger.ledger.memory import (
+    activation_bytes,
+    bytes_per_param,
+    measure_peak_cuda,
+    measure_saved_activations,
+    measure_state_bytes,
+    peak_bytes,
+    state_bytes,
+)
+from lmledger.model import ModelConfig, ToyLM, count_parameters
+
+LOW_PRECISION = {"bf16": torch.bfloat16, "16": torch.float16}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_cpu_thread():
+    """The models here are tiny: a second intra-op thread costs more than it saves, and far
+    more when other processes share the cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def small_config(**overrides) -> ModelConfig:
+    fields = dict(vocab_size=256, context_length=64, d_model=120, n_layers=2, n_heads=5, d_ff=200)
+    return ModelConfig(**{**fields, **overrides})
+
+
+def low_dtype(precision: str) -> torch.dtype:
+    return LOW_PRECISION[precision.split("-")[0]]
+
+
+def build(cfg: ModelConfig, precision: str, device: str = "cpu") -> ToyLM:
+    torch.manual_seed(0)
+    model = ToyLM(cfg).to(device).train()
+    if precision.endswith("-true") and precision != "32-true":
+        model.to(low_dtype(precision))  # what Lightning's *-true precision plugins do
+    return model
+
+
+def autocast_for(precision: str, device: str = "cpu"):
+    if precision.endswith("-mixed"):
+        return torch.autocast(device, low_dtype(precision))
+    return torch.autocast(device, enabled=False)
+
+
+def random_batch(cfg: ModelConfig, batch: int, seq: int, device: str = "cpu"):
+    # Two separate tensors: a loader that slices ids and targets out of one window shares their
+    # storage, and the hooks would then see (and count once) the whole window.
+    generator = torch.Generator().manual_seed(1)
+    idx = torch.randint(0, cfg.vocab_size, (batch, seq), generator=generator)
+    targets = torch.randint(0, cfg.vocab_size, (batch, seq), generator=generator)
+    return idx.to(device), targets.to(device)
+
+
+# --- params, grads, optimizer state ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "precision, optimizer, strategy, world_size, expected",
+    [
+        # The conventions written out by hand: (param + grad + states * state) / shards.
+        ("32-true", "adamw", "ddp", 1, 4 + 4 + 2 * 4),
+        ("bf16-mixed", "adamw", "ddp", 8, 4 + 4 + 2 * 4),
+        ("16-mixed", "adamw", "ddp", 1, 16),
+        ("bf16-true", "adamw", "ddp", 1, 2 + 2 + 2 * 2),
+        ("transformer-engine", "adamw", "ddp", 1, 8),
+        ("32-true", "sgd", "ddp", 1, 4 + 4 + 4),
+        ("32-true", "none", "ddp", 1, 8),
+        ("32-true", "adamw", "fsdp", 4, 16 / 4),
+        ("32-true", "adamw", "zero3", 4, 16 / 4),
+        ("32-true", "adamw", "zero1", 4, 4 + 4 + 8 / 4),
+        ("32-true", "adamw", "zero2", 4, 4 + (4 + 8) / 4),
+        ("bf16-true", "sgd", "deepspeed_stage_2", 2, 2 + (2 + 2) / 2),
+        ("bf16", "adamw", "ddp", 1, 16),  # Lightning's short name for bf16-mixed
+    ],
+)
+def test_bytes_per_param_conventions(precision, optimizer, strategy, world_size, expected):
+    assert bytes_per_param(precision, optimizer, strategy, world_size) == pytest.approx(expected)
+
+
+def test_transformer_engine_fp32_master_and_sgd_without_momentum():
+    assert bytes_per_param("transformer-engine", weights_dtype=torch.float32) == 16
+    assert bytes_per_param("32-true", "sgd", momentum=0.0) == 8
+
+
+def test_state_bytes_shards_round_up_per_rank():
+    replicated = state_bytes(1001, "32-true", "adamw")
+    assert replicated == {"params": 4004, "grads": 4004, "optimizer": 8008}
+    sharded = state_bytes(1001, "32-true", "adamw", "fsdp", 4)  # 251 elements on each rank
+    assert sharded == {"params": 1004, "grads": 1004, "optimizer": 2008}
+    zero1 = state_bytes(1001, "32-true", "adamw", "zero1", 4)
+    assert zero1 == {"params": 4004, "grads": 4004, "optimizer": 2008}
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda: state_bytes(10, "fp32"),
+        lambda: state_bytes(10, "32-true", "lion"),
+        lambda: state_bytes(10, "32-true", strategy="horovod"),
+        lambda: state_bytes(10, "32-true", strategy="fsdp", world_size=0),
+        lambda: bytes_per_param("bf16-true", weights_dtype=torch.float32),
+        lambda: activation_bytes(small_config(), 2, 65),
+        lambda: activation_bytes(small_config(), 2, 8, "transformer-engine"),
+        lambda: activation_bytes(small_config(), 2, 8, device="mps"),
+    ],
+)
+def test_bad_input_is_a_user_error(call):
+    with pytest.raises(UserError):
+        call()
+
+
+def sgd_momentum(params):
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def sgd_plain(params):
+    return torch.optim.SGD(params, lr=0.1)
+
+
+OPTIMIZERS = {
+    "adamw": (lambda params: torch.optim.AdamW(params, lr=1e-3), "adamw", 0.9),
+    "sgd-momentum": (sgd_momentum, "sgd", 0.9),
+    "sgd-plain": (sgd_plain, "sgd", 0.0),
+    "none": (None, "none", 0.9),
+}
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize(
+    "precision, optimizer",
+    [
+        ("32-true", "adamw"),
+        ("bf16-true", "adamw"),
+        ("bf16-mixed", "adamw"),
+        ("32-true", "sgd-momentum"),
+        ("32-true", "sgd-plain"),
+        ("bf16-true", "sgd-momentum"),
+        ("32-true", "none"),
+    ],
+)
+def test_state_bytes_equal_tensors_after_a_real_step(precision, optimizer, tied):
+    cfg = small_config(tie_embeddings=tied)
+    model = build(cfg, precision)
+    make_optimizer, name, momentum = OPTIMIZERS[optimizer]
+    opt = make_optimizer(model.parameters()) if make_optimizer else None
+    idx, targets = random_batch(cfg, 2, 16)
+    with autocast_for(precision):
+        loss = model(idx, targets)
+    loss.backward()
+    if opt is not None:
+        opt.step()
+
+    predicted = state_bytes(count_parameters(cfg), precision, name, momentum=momentum)
+    assert measure_state_bytes(model, opt) == predicted
+
+
+def test_measure_state_bytes_on_a_meta_model():
+    # Meta tensors all report data_ptr() == 0; each must still count as its own storage.
+    cfg = small_config(tie_embeddings=True)
+    with torch.device("meta"):
+        model = ToyLM(cfg)
+    assert measure_state_bytes(model) == {"params": count_parameters(cfg) * 4, "grads": 0, "optimizer": 0}
+
+
+def test_measure_state_bytes_counts_a_shared_storage_once():
+    base = torch.zeros(10)
+    model = nn.Module()
+    model.a = nn.Parameter(base[:4])
+    model.b = nn.Parameter(base[4:])  # a view of the same storage
+    assert measure_state_bytes(model)["params"] == 10 * 4
+    assert measure_state_bytes(model)["grads"] == 0
+
+
+# --- activations ----------------------------------------------------------------------------
+
+# Odd widths (d_model 120 / 200 / 192, head dims 24 and 40), both vocabularies, tied and untied,
+# seq below context_length (64), a batch of 1. fp32 and bf16 autocast run every shape; the other
+# precisions take one shape per (checkpointing, tied) combination.
+SHAPES = [
+    dict(d_model=120, n_heads=5, d_ff=320, vocab_size=1000, batch=2, seq=48),  # head_dim 24
+    dict(d_model=200, n_heads=5, d_ff=344, vocab_size=256, batch=3, seq=17),  # head_dim 40
+    dict(d_model=120, n_heads=3, d_ff=200, vocab_size=256, batch=1, seq=64),  # head_dim 40, full ctx
+    dict(d_model=192, n_heads=8, d_ff=256, vocab_size=1000, batch=4, seq=9),  # head_dim 24
+]
+CASES = [
+    (precision, checkpointing, tied, shape)
+    for precision in ("32-true", "bf16-mixed")
+    for checkpointing in (0, 1, 2)
+    for tied in (False, True)
+    for shape in SHAPES
+] + [
+    (precision, checkpointing, tied, SHAPES[(i + 2 * checkpointing + tied) % len(SHAPES)])
+    for i, precision in enumerate(("16-mixed", "bf16-true", "16-true"))
+    for checkpointing in (0, 1, 2)
+    for tied in (False, True)
+]
+
+
+def case_id(case) -> str:
+    precision, checkpointing, tied, shape = case
+    dims = "d{d_model}h{n_heads}f{d_ff}V{vocab_size}-B{batch}T{seq}".format(**shape)
+    return f"{precision}-ckpt{checkpointing}-{'tied' if tied else 'untied'}-{dims}"
+
+
+def case_config(checkpointing: int, tied: bool, shape: dict) -> tuple[ModelConfig, int, int]:
+    dims = {k: v for k, v in shape.items() if k not in ("batch", "seq")}
+    cfg = ModelConfig(
+        context_length=64, n_layers=3, tie_embeddings=tied, activation_checkpointing=checkpointing, **dims
+    )
+    return cfg, shape["batch"], shape["seq"]
+
+
+def component_of(module_name: str) -> str:
+    """The ActivationReport component that a saving module's tensors belong to.
+
+    The model's own forward ("") saves the loss tensors and the inputs of checkpointed blocks,
+    so it is compared together with the lm_head as logits_loss + checkpoint_inputs.
+    """
+    leaf = module_name.split(".")[-1] if module_name else ""
+    if leaf.endswith("norm"):
+        return "norms"
+    if "attn" in module_name.split("."):
+        return "attention"
+    if "mlp" in module_name.split("."):
+        return "mlp"
+    if module_name == "embed":
+        return "embedding"
+    return "logits_loss+checkpoint_inputs"
+
+
+def grouped(by_component: dict[str, int]) -> dict[str, int]:
+    groups = {name: by_component[name] for name in ("embedding", "attention", "mlp", "norms")}
+    groups["logits_loss+checkpoint_inputs"] = by_component["logits_loss"] + by_component["checkpoint_inputs"]
+    return groups
+
+
+def measure_training_forward(cfg, batch, seq, precision, device="cpu"):
+    model = build(cfg, precision, device)
+    idx, targets = random_batch(cfg, batch, seq, device)
+    with measure_saved_activations(model) as saved, autocast_for(precision, device):
+        loss = model(idx, targets)
+    loss.backward()  # the graph must be complete and usable
+    return saved
+
+
+@pytest.mark.parametrize("precision, checkpointing, tied, shape", CASES, ids=map(case_id, CASES))
+def test_activation_bytes_match_saved_tensors(precision, checkpointing, tied, shape):
+    cfg, batch, seq = case_config(checkpointing, tied, shape)
+
+    saved = measure_training_forward(cfg, batch, seq, precision)
+    predicted = activation_bytes(cfg, batch, seq, precision)
+
+    assert saved.activations == pytest.approx(predicted.total, rel=0.03)
+    measured_groups: dict[str, int] = {}
+    for module, nbytes in saved.by_module.items():
+        measured_groups[component_of(module)] = measured_groups.get(component_of(module), 0) + nbytes
+    for name, nbytes in grouped(predicted.by_component).items():
+        assert measured_groups.get(name, 0) == pytest.approx(nbytes, rel=0.03), name
+    # Weight copies: none outside autocast, and they are counted apart from activations.
+    assert saved.autocast_weight_copies == pytest.approx(predicted.autocast_weight_copies, rel=0.03)
+    assert (saved.autocast_weight_copies > 0) == precision.endswith("-mixed")
+
+
+def test_checkpointing_keeps_only_block_inputs():
+    cfg = small_config(n_layers=3)
+    full = activation_bytes(cfg, 2, 32)
+    every_block = activation_bytes(ModelConfig(**{**cfg.__dict__, "activation_checkpointing": 1}), 2, 32)
+    block_input = 2 * 32 * cfg.d_model * 4
+    assert every_block.by_component["checkpoint_inputs"] == cfg.n_layers * block_input
+    assert every_block.total < full.total
+    for name in ("attention", "mlp"):
+        assert every_block.by_component[name] == 0
+
+
+def test_saved_activation_hooks_dedupe_and_skip_parameters():
+    model = nn.Linear(8, 8, bias=False)
+    x = torch.randn(4, 8, requires_grad=True)
+    with measure_saved_activations(model) as saved:
+        y = model(x)  # saves x and the weight (a parameter: left out)
+        z = (y * y).sum()  # saves y twice: one storage
+        for _ in range(3):
+            # exp saves its output and the graph is dropped at once: unless the hooks hold a
+            # reference, the next iteration can get the same address and be counted as seen.
+            (torch.randn(100, requires_grad=True) * 2.0).exp().sum()
+    z.backward()
+    assert saved.activations == x.nelement() * 4 + y.nelement() * 4 + 3 * 100 * 4
+    assert saved.autocast_weight_copies == 0
+
+
+def test_peak_of_a_one_token_batch_is_the_adamw_step():
+    cfg = small_config()
+    peak = peak_bytes(cfg, 1, 1, "32-true", "adamw")
+    assert peak.phase == "optimizer step"
+    # param 4 + grad 4 + m, v 8, plus foreach AdamW's sqrt(v) for every parameter at once: 4.
+    assert peak.total == 20 * count_parameters(cfg)
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "bf16-true"])
+def test_peak_holds_the_saved_set_and_checkpointing_lowers_it(precision):
+    cfg = small_config(vocab_size=1000, n_layers=3)
+    full = peak_bytes(cfg, 8, 64, precision)
+    assert full.total >= full.params + full.optimizer + full.activations + full.autocast_weight_copies
+    assert full.total >= full.params + full.optimizer + full.grads
+    checkpointed = peak_bytes(ModelConfig(**{**cfg.__dict__, "activation_checkpointing": 1}), 8, 64, precision)
+    assert checkpointed.total < full.total
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")
+def test_peak_measurement_needs_cuda():
+    with pytest.raises(UserError):
+        measure_peak_cuda(lambda: None)
+
+
+# --- CUDA only --------------------------------------------------------------------------------
+
+cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@cuda_only
+@pytest.mark.parametrize("precision, checkpointing, tied, shape", CASES[::5], ids=map(case_id, CASES[::5]))
+def test_activation_bytes_match_saved_tensors_on_cuda(precision, checkpointing, tied, shape):
+    cfg, batch, seq = case_config(checkpointing, tied, shape)
+    saved = measure_training_forward(cfg, batch, seq, precision, "cuda")
+    predicted = activation_bytes(cfg, batch, seq, precision, device="cuda")
+    assert saved.activations == pytest.approx(predicted.total, rel=0.03)
+    assert saved.autocast_weight_copies == pytest.approx(predicted.autocast_weight_copies, rel=0.03)
+
+
+@cuda_only
+@pytest.mark.parametrize(
+    "precision, checkpointing, tied, grads_held",
+    [
+        ("32-true", 0, False, True),
+        ("bf16-mixed", 0, True, True),
+        ("bf16-mixed", 2, False, False),
+        ("bf16-true", 1, False, True),
+    ],
+)
+def test_predicted_peak_within_15_percent_on_cuda(precision, checkpointing, tied, grads_held):
+    cfg = ModelConfig(
+        vocab_size=8192, context_length=512, d_model=512, n_layers=4, n_heads=8, d_ff=2048,
+        tie_embeddings=tied, activation_checkpointing=checkpointing,
+    )
+    batch, seq = 8, 512
+    model = build(cfg, precision, "cuda")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+    idx, targets = random_batch(cfg, batch, seq, "cuda")
+
+    def step():
+        if not grads_held:
+            opt.zero_grad(set_to_none=True)
+        with autocast_for(precision, "cuda"):
+            loss = model(idx, targets)
+        if grads_held:  # Lightning's order: zero_grad between forward and backward
+            opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+    step()
+    step()  # optimizer state and library workspaces exist from here on
+    measured = measure_peak_cuda(step)
+    predicted = peak_bytes(cfg, batch, seq, precision, "adamw", device="cuda", grads_held_in_forward=grads_held)
+    assert measured == pytest.approx(predicted.total, rel=0.15), predicted.phase
