@@ -11,8 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from lmledger.errors import UserError
+import torch
+
 from lmledger.model import ModelConfig
+from lmledger.precision import requested_precision
 
 SHARDING_STRATEGIES = {"fsdp": "fsdp", "deepspeed_stage_1": "zero1", "deepspeed_stage_2": "zero2", "deepspeed_stage_3": "zero3"}
 
@@ -23,6 +25,7 @@ class RunSpec:
     batch_size: int  # per device
     seq_len: int
     precision: str
+    weights_dtype: torch.dtype | None  # a Transformer Engine plugin's weights dtype (else None)
     optimizer: str
     strategy: str  # a ledger.memory strategy name: ddp, fsdp, zero1, zero2, zero3
     world_size: int
@@ -69,12 +72,13 @@ def load_run_spec(argv: list[str]) -> RunSpec:
 
         model_args["vocab_size"] = load_meta(config.data.path)["vocab_size"]
     trainer = config.trainer
-    precision = str(trainer.precision) if trainer.precision is not None else "32-true"
+    precision, weights_dtype = requested_precision(trainer)
     return RunSpec(
         model=ModelConfig(**model_args),
         batch_size=config.data.batch_size,
         seq_len=config.model.config.context_length,
         precision=precision,
+        weights_dtype=weights_dtype,
         optimizer=config.model.optimizer,
         strategy=_strategy_name(trainer.strategy),
         world_size=_world_size(trainer.devices, trainer.num_nodes),

@@ -29,16 +29,23 @@ MEASURABLE = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
 def predict(spec: RunSpec, device: str) -> dict:
     cfg, b, t = spec.model, spec.batch_size, spec.seq_len
     report = ledger_flops.analytic_flops(cfg, b, t, training=True)
-    state = ledger_memory.state_bytes(count_parameters(cfg), spec.precision, spec.optimizer, spec.strategy, spec.world_size)
-    acts = ledger_memory.activation_bytes(cfg, b, t, spec.precision, device)
-    peak = ledger_memory.peak_bytes(
-        cfg, b, t, spec.precision, spec.optimizer, spec.strategy, spec.world_size, device=device
-    )
+    state = ledger_memory.state_bytes(
+        count_parameters(cfg), spec.precision, spec.optimizer, spec.strategy, spec.world_size,
+        weights_dtype=spec.weights_dtype,
+    )  # fmt: skip
+    try:
+        acts = ledger_memory.activation_bytes(cfg, b, t, spec.precision, device)
+        peak = ledger_memory.peak_bytes(
+            cfg, b, t, spec.precision, spec.optimizer, spec.strategy, spec.world_size, device=device
+        )
+    except UserError as err:  # e.g. transformer-engine: its kernels' saved tensors are not modelled
+        acts = peak = None
+        note = str(err)
     return {
         "flops": {"model": report.model, "hardware": report.hardware},
-        "memory": {**state, "activations": acts.total, "peak": peak.total},
-        "autocast_weight_copies": acts.autocast_weight_copies,
-        "peak_phase": peak.phase,
+        "memory": {**state, "activations": acts and acts.total, "peak": peak and peak.total},
+        "autocast_weight_copies": acts and acts.autocast_weight_copies,
+        "peak_phase": peak.phase if peak else note,
     }
 
 
@@ -129,8 +136,8 @@ def account(spec: RunSpec, do_measure: bool) -> dict:
     return result
 
 
-def _error_pct(predicted: float, measured: float | None) -> str:
-    if measured is None:
+def _error_pct(predicted: float | None, measured: float | None) -> str:
+    if measured is None or predicted is None:
         return ""
     if measured == 0:
         return "0.0%" if predicted == 0 else "—"
@@ -174,7 +181,10 @@ def print_table(result: dict) -> None:
         table.add_row("autocast weight copies", _human_bytes(w["predicted"]), _human_bytes(w["measured"]), _error_pct(w["predicted"], w["measured"]))
     Console().print(table)
     where = f"measured on {run['device']}" if result["flops"]["measured"] is not None else f"predicted for {run['device']}"
-    print(f"predicted peak falls in: {run['peak_phase']}; {where}")
+    if result["memory"]["peak"]["predicted"] is None:
+        print(f"activations and peak not predicted: {run['peak_phase']}; {where}")
+    else:
+        print(f"predicted peak falls in: {run['peak_phase']}; {where}")
 
 
 def _fmt(x: float | None) -> str:
