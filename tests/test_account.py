@@ -74,7 +74,7 @@ def test_plan_max_batch_is_the_largest_that_fits(workdir, capsys):
     [
         (["account"], "needs --config"),
         (["account", "--config", "configs/tiny.yaml", "--model.config.nope", "1"], "nope"),
-        (["account", "--config", "configs/tiny.yaml", "--trainer.precision", "64-true"], "not 64-true"),
+        (["account", "--config", "configs/tiny.yaml", "--trainer.precision", "64-true", "--measure"], "--measure supports"),
         (["plan", "max-batch", "--config", "configs/tiny.yaml", "--gpu", "no-such-gpu"], "no-such-gpu"),
     ],
 )

@@ -10,6 +10,7 @@ import torch
 from torchmetrics.aggregation import MeanMetric
 
 from lmledger.model import ModelConfig, ToyLM
+from lmledger.precision import apply_fp8
 
 
 def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
@@ -29,6 +30,9 @@ class LitLM(L.LightningModule):
         lr: peak learning rate, reached after warmup_steps, then cosine to lr * min_lr_ratio.
         compile: run the training/validation steps through torch.compile (the eager module stays
             available as `self.model`, which is what the FLOP counter measures).
+        fp8: "torchao" swaps the eligible linears for torchao Float8Linear (lmledger.precision),
+            before compile; use with trainer precision bf16-mixed or bf16-true. None = no fp8 here
+            (Transformer Engine fp8 is the trainer precision "transformer-engine").
     """
 
     def __init__(
@@ -41,15 +45,17 @@ class LitLM(L.LightningModule):
         weight_decay: float = 0.1,
         betas: tuple[float, float] = (0.9, 0.95),
         compile: bool = False,
+        fp8: Literal["torchao"] | None = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.config = config
-        self.model = ToyLM(config)
+        self.model = apply_fp8(ToyLM(config), fp8)
         self.val_loss = MeanMetric()
-        # Compiled forward shares the eager module's parameters; it is kept out of the module tree
-        # so state_dict keys stay those of `self.model`.
-        self._forward = torch.compile(self.model) if compile else self.model
+        # Compiled forward shares the eager module's parameters. Stored in __dict__ (nn.Module's
+        # setattr would register it as a second submodule) so state_dict keys stay those of
+        # `self.model`, the same with or without compile.
+        self.__dict__["_forward"] = torch.compile(self.model) if compile else self.model
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         return self._forward(idx, targets)
@@ -64,7 +70,10 @@ class LitLM(L.LightningModule):
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         # Grads are unscaled here (16-mixed) and not yet clipped: this is the norm clipping acts on.
         grads = [p.grad for p in self.parameters() if p.grad is not None]
-        self.log("train/grad_norm", torch.nn.utils.get_total_norm(grads))
+        # No grads: NonFiniteGuard dropped this step's non-finite update. Log NaN rather than nothing, which
+        # Lightning would fill with the previous step's value.
+        norm = torch.nn.utils.get_total_norm(grads) if grads else float("nan")
+        self.log("train/grad_norm", norm)
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         x, y = batch

@@ -3,23 +3,46 @@
 Runs live under `runs/<name>/version_<n>/` (TensorBoard events, the resolved config.yaml, checkpoints/);
 each new run takes the next version, so nothing from an earlier run is overwritten.
 `--ckpt_path last` resumes the newest run of that name that has a last.ckpt, logging into the same version.
+
+Every run also gets, without configuring anything: checkpoints written atomically (AtomicCheckpointIO),
+a NaN/Inf guard (`--nonfinite.max_skips K`, default 0 = stop at the first non-finite step), per-batch
+reseeding for exact resume (StepSeeder), and a check that a --ckpt_path is readable and fits the model
+before Lightning touches it.
 """
 
 from __future__ import annotations
 
 import logging
 import re
+import secrets
 import sys
 from pathlib import Path
 
+import torch
 from jsonargparse import ArgumentError
+from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.pytorch import Trainer
+from lightning.pytorch.accelerators import MPSAccelerator
 from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.plugins.io import TorchCheckpointIO
 
+from lmledger.callbacks.nonfinite import NonFiniteGuard
+from lmledger.checkpointing import (
+    AtomicCheckpointIO,
+    StepSeeder,
+    check_checkpoint_fits,
+    make_last_checkpoint_atomic,
+    open_checkpoint,
+)
 from lmledger.data import TokenDataModule
 from lmledger.errors import UserError
 from lmledger.lit import LitLM
+from lmledger.precision import check_trainer_config, trainer_precision_kwargs
 
 SUBCOMMANDS = ("fit", "validate")
+# --ckpt_path values Lightning resolves itself rather than reading as a file.
+SPECIAL_CKPT_PATHS = ("last", "best", "hpc", "registry")
 
 
 class _DropAdverts(logging.Filter):
@@ -42,14 +65,44 @@ def find_last_checkpoint(save_dir: str, name: str) -> tuple[Path, int] | None:
     return ckpt, version
 
 
+def _check_accelerator(accelerator) -> None:
+    """Lightning says "No supported gpu backend found!" (with a traceback) when asked for a missing GPU."""
+    if accelerator not in ("gpu", "cuda") or torch.cuda.is_available():
+        return
+    if accelerator == "gpu" and MPSAccelerator.is_available():
+        return
+    build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
+    raise UserError(
+        f"--trainer.accelerator {accelerator}: this machine has no usable CUDA GPU (torch {torch.__version__}, "
+        f"{build}); use --trainer.accelerator cpu"
+    )
+
+
 class LedgerCLI(LightningCLI):
     def add_arguments_to_parser(self, parser) -> None:
         # The vocabulary comes from the data's meta.json; the window length from the model config.
         parser.link_arguments("data.vocab_size", "model.config.vocab_size", apply_on="instantiate")
         parser.link_arguments("model.config.context_length", "data.context_length")
+        parser.add_lightning_class_args(NonFiniteGuard, "nonfinite")
+
+    def parse_arguments(self, parser, args) -> None:
+        super().parse_arguments(parser, args)
+        # LightningCLI reads a --ckpt_path file's hyperparameters right after parsing; a missing or damaged
+        # file would fail there with a traceback, so check it first.
+        subcommand = self.config.get("subcommand")
+        config = self.config[subcommand] if subcommand else self.config
+        ckpt = config.get("ckpt_path")
+        if ckpt and not str(ckpt).startswith(SPECIAL_CKPT_PATHS) and _is_local_file_protocol(ckpt):
+            open_checkpoint(ckpt, mmap=True)
+        # `--seed_everything true` promises a random seed, but Lightning 2.6.6's seed_everything(None) takes
+        # PL_GLOBAL_SEED from the environment or else 0. Draw one here; it is saved in config.yaml like any seed.
+        if config.get("seed_everything") is True:
+            config.seed_everything = secrets.randbelow(2**32)
 
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand]
+        _check_accelerator(config.trainer.get("accelerator"))
+        check_trainer_config(config.trainer, fp8=config.model.get("fp8"))  # fp8/bf16 need library + hardware
         if config.get("ckpt_path") != "last":
             return
         logger = config.trainer.logger
@@ -69,10 +122,26 @@ class LedgerCLI(LightningCLI):
         self.save_config_kwargs.setdefault("config_filename", "config-resumed.yaml")
         self.save_config_kwargs.setdefault("overwrite", True)
 
+    def instantiate_trainer(self, **kwargs) -> Trainer:
+        # Our plugins for transformer-engine (tied weights) and 16-mixed on CPU (lmledger.precision).
+        config = self._get(self.config_init, "trainer", default={})
+        precision = trainer_precision_kwargs(config.get("precision"), config.get("accelerator"), config.get("plugins"))
+        trainer = super().instantiate_trainer(**{**precision, **kwargs})
+        if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # Lightning's default; a chosen plugin stays
+            trainer.strategy.checkpoint_io = AtomicCheckpointIO()
+        make_last_checkpoint_atomic(trainer.callbacks)
+        return trainer
+
+    def _check_checkpoint(self) -> None:
+        ckpt = self.config_init[self.subcommand].get("ckpt_path")
+        if ckpt and ckpt not in SPECIAL_CKPT_PATHS and _is_local_file_protocol(ckpt):
+            check_checkpoint_fits(ckpt, self.model)
+
+    def before_fit(self) -> None:
+        self._check_checkpoint()
+
     def before_validate(self) -> None:
-        ckpt = self.config_init["validate"].get("ckpt_path")
-        if ckpt and ckpt not in ("last", "best") and not Path(ckpt).is_file():
-            raise UserError(f"checkpoint {ckpt} does not exist; pass a .ckpt file written by `lmledger fit`")
+        self._check_checkpoint()
 
 
 def _run_cli(cli_class: type[LedgerCLI], argv: list[str], run: bool) -> LedgerCLI:
@@ -92,13 +161,16 @@ def _run_cli(cli_class: type[LedgerCLI], argv: list[str], run: bool) -> LedgerCL
             save_config_kwargs={"overwrite": False},
             parser_kwargs={"exit_on_error": False},
             trainer_defaults={
+                "callbacks": [StepSeeder()],
                 "logger": {
                     "class_path": "lightning.pytorch.loggers.TensorBoardLogger",
                     "init_args": {"save_dir": "runs", "name": "default"},
-                }
+                },
             },
         )
-    except ArgumentError as err:
+    except (ArgumentError, MisconfigurationException) as err:
+        # MisconfigurationException is Lightning's "bad settings" error, e.g. `--trainer.accelerator gpu`
+        # on a machine without one.
         raise UserError(" ".join(line.strip() for line in str(err).strip().splitlines())) from None
     finally:
         sys.argv = saved_argv

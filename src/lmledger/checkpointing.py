@@ -1,0 +1,212 @@
+"""Checkpoints that survive a kill, load without running code, and say clearly when they do not fit.
+
+- `atomic_write` puts bytes on disk under a temporary name and renames them into place, so a kill at any
+  moment leaves either the previous file or the complete new one, never a torn one.
+- `AtomicCheckpointIO` is Lightning's checkpoint plugin over `atomic_write`; it loads with weights_only=True.
+- `open_checkpoint` / `check_checkpoint_fits` turn a missing, corrupt or mismatched checkpoint into one UserError line.
+- `StepSeeder` makes each training batch's random state a function of (seed, rank, batch), so a resumed run
+  draws the same random numbers as an uninterrupted one without saving generator states.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import os
+import random
+import secrets
+import zipfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO, Any
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+from lightning.pytorch.utilities import rank_zero_warn
+
+from lmledger.errors import UserError
+from lmledger.model import ModelConfig
+
+# Objects besides tensors and containers that our checkpoints may hold: a LitLM built in Python (not through
+# the CLI, which stores plain dicts) keeps its ModelConfig dataclass in hyper_parameters.
+SAFE_CHECKPOINT_GLOBALS = [ModelConfig]
+
+
+# ------------------------------------------------------------------------------------- writing
+
+
+def _temp_name(path: Path) -> Path:
+    return path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
+
+
+def _remove_stale_temps(path: Path) -> None:
+    """Temp files a killed writer of `path` left behind (only one process writes a given checkpoint)."""
+    for stale in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):
+        stale.unlink(missing_ok=True)
+
+
+def _fsync_dir(directory: Path) -> None:
+    # The rename lives in the directory entry; without this a power cut can forget it.
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], object]) -> None:
+    """Call write(f) on a temp file beside `path`, fsync it, then os.replace it over `path` and fsync the dir."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_temps(path)
+    tmp = _temp_name(path)
+    try:
+        # "xb", not tempfile.mkstemp: the checkpoint gets the umask's permissions, not 0600.
+        with open(tmp, "xb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """torch.save/torch.load checkpoints; local saves are atomic and loads refuse to run pickled code.
+
+    Lightning's own local save (an fsspec transaction) writes the temp file in the system temp dir and
+    shutil.moves it into place: a copy, not a rename, when /tmp is another filesystem, never fsynced, and a
+    killed save leaves a checkpoint-sized orphan in /tmp. Remote URLs (s3://...) keep Lightning's path.
+    """
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
+        if storage_options is not None or not _is_local_file_protocol(path):
+            return super().save_checkpoint(checkpoint, path, storage_options)
+        atomic_write(path, lambda f: torch.save(checkpoint, f))
+
+    def load_checkpoint(self, path, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
+        if not _is_local_file_protocol(path):
+            # Lightning turns weights_only=None into False for http(s) URLs; keep it safe unless asked otherwise.
+            safe = True if weights_only is None else weights_only
+            return super().load_checkpoint(path, map_location=map_location or "cpu", weights_only=safe)
+        if weights_only is False:
+            # Only code can ask for this (the CLI never does); say once that it unpickles arbitrary objects.
+            rank_zero_warn(f"loading {path} with weights_only=False runs any code pickled into it")
+            return torch.load(path, map_location=map_location or "cpu", weights_only=False)
+        return open_checkpoint(path, map_location=map_location or "cpu")
+
+
+def make_last_checkpoint_atomic(callbacks: list[pl.Callback]) -> None:
+    """Keep last.ckpt whole across a kill for every ModelCheckpoint among `callbacks`.
+
+    With save_last="link", Lightning 2.6.6 deletes the old last.ckpt before creating the new symlink, and
+    deletes the previous top-k file (the old link's target) before that: a kill in between leaves last.ckpt
+    missing or dangling. A full save through AtomicCheckpointIO never does, so "link" becomes a full save.
+    """
+    for callback in callbacks:
+        # Lightning links only when it also keeps top-k files; with save_top_k=0 "link" already saves in full.
+        if isinstance(callback, ModelCheckpoint) and callback.save_last == "link" and callback.save_top_k != 0:
+            callback.save_last = True
+            rank_zero_warn("ModelCheckpoint(save_last='link') is not crash-safe; saving last.ckpt in full instead")
+
+
+# ------------------------------------------------------------------------------------- reading
+
+
+def open_checkpoint(path: str | os.PathLike, map_location: Any = "cpu", mmap: bool = False) -> dict[str, Any]:
+    """torch.load with weights_only=True; a missing, unreadable or non-Lightning file is one UserError line.
+
+    mmap=True reads only the pickled structure (tensors stay on disk until touched): a cheap check.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"checkpoint {path} does not exist; pass a .ckpt file written by `lmledger fit`")
+    try:
+        with torch.serialization.safe_globals(SAFE_CHECKPOINT_GLOBALS):
+            checkpoint = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+    except Exception as err:  # torch raises RuntimeError, UnpicklingError, OSError, ... for damaged files
+        if not zipfile.is_zipfile(path):
+            # A truncated archive gives a bare "[Errno 22] Invalid argument" from torch.
+            reason = "not a complete zip archive: truncated, or not written by torch.save"
+        elif "Weights only load failed" in str(err):
+            reason = "it holds pickled objects other than tensors and plain containers, refused for safety"
+        else:  # torch's messages run to several sentences of advice; the first names the damage
+            reason = str(err).strip().splitlines()[0].split(". ")[0] if str(err).strip() else type(err).__name__
+        raise UserError(
+            f"checkpoint {path} cannot be read ({reason}); pass a .ckpt file written by `lmledger fit`"
+        ) from None
+    if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("state_dict"), dict):
+        raise UserError(f"checkpoint {path} has no state_dict: it is not a Lightning checkpoint from `lmledger fit`")
+    return checkpoint
+
+
+def _as_dict(config: Any) -> dict:
+    if dataclasses.is_dataclass(config):
+        return dataclasses.asdict(config)
+    return dict(config) if isinstance(config, dict) else {}
+
+
+def check_checkpoint_fits(path: str | os.PathLike, module: pl.LightningModule) -> None:
+    """UserError unless `path` holds exactly the tensors `module` has, with the same shapes."""
+    checkpoint = open_checkpoint(path, mmap=True)
+    theirs = checkpoint["state_dict"]
+    ours = module.state_dict()
+    missing, unexpected = sorted(set(ours) - set(theirs)), sorted(set(theirs) - set(ours))
+    wrong_shape = [k for k in ours if k in theirs and tuple(theirs[k].shape) != tuple(ours[k].shape)]
+    if not (missing or unexpected or wrong_shape):
+        return
+    if wrong_shape:
+        k = wrong_shape[0]
+        problem = f"{k} is {list(theirs[k].shape)} there but {list(ours[k].shape)} here"
+    elif missing:
+        problem = f"it lacks {len(missing)} tensors of this model (e.g. {missing[0]})"
+    else:
+        problem = f"it holds {len(unexpected)} tensors this model lacks (e.g. {unexpected[0]})"
+    saved = _as_dict(checkpoint.get("hyper_parameters", {}).get("config"))
+    current = _as_dict(module.hparams.get("config")) if hasattr(module, "hparams") else {}
+    differences = [f"{k}={saved[k]} there, {current[k]} here" for k in current if k in saved and saved[k] != current[k]]
+    trained_with = f" (model.config: {'; '.join(differences)})" if differences else ""
+    raise UserError(
+        f"checkpoint {path} does not fit this model: {problem}{trained_with}; use the config it was trained "
+        "with (config.yaml in its run directory) or start a fresh run"
+    )
+
+
+# ------------------------------------------------------------------------------------- randomness
+
+
+def step_seed(seed: int, rank: int, batch: int) -> int:
+    """A 63-bit seed for training batch `batch` on `rank`, well mixed by SeedSequence."""
+    state = np.random.SeedSequence(seed, spawn_key=(rank, batch)).generate_state(2, np.uint32)
+    return int(state[0]) << 31 | int(state[1]) >> 1
+
+
+class StepSeeder(pl.Callback):
+    """Reseeds torch (CPU and every CUDA device), numpy and `random` before each training batch.
+
+    Lightning checkpoints model, optimizer, schedule and loop progress but no generator states. Even saved
+    states would not make resume exact: dataloader iterators, validation and measurement callbacks draw from
+    the global generators between steps, differently in a resumed run. Keying each batch's random state
+    on (seed, rank, batch index) instead makes dropout masks and other draws in batch i the same however
+    the run got there. The seed is the one `seed_everything` set (LightningCLI's `seed_everything:`);
+    without one, nothing is reseeded.
+    """
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        seed = os.environ.get("PL_GLOBAL_SEED")
+        if seed is None:
+            return
+        # Counts every batch fetched in the run, across epochs; restored from the checkpoint on resume.
+        batch_index = trainer.fit_loop.epoch_loop.batch_progress.total.ready - 1
+        value = step_seed(int(seed), trainer.global_rank, batch_index)
+        random.seed(value)
+        np.random.seed(value % 2**32)
+        torch.manual_seed(value)  # also seeds every CUDA device

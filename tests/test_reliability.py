@@ -1,0 +1,425 @@
+"""Crash-safe checkpoints, the NaN guard, per-batch seeding, and every bad input the kit knows about.
+
+Bad inputs go through `lmledger.cli.main` in-process; each must give one line on stderr, exit 2, no
+traceback, and leave every file already on disk as it was.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import random
+import re
+import shutil
+import signal
+import time
+from pathlib import Path
+
+import lightning.pytorch as pl
+import numpy as np
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from conftest import read_scalars
+from lmledger.callbacks.nonfinite import NonFiniteGuard
+from lmledger.checkpointing import AtomicCheckpointIO, StepSeeder, make_last_checkpoint_atomic, open_checkpoint
+from lmledger.cli import main as lmledger
+from lmledger.errors import UserError
+
+# Lightning's seed_everything logs this info line before any class is built; it is not part of an error.
+SEED_LINE = re.compile(r"^Seed set to \d+$")
+SMALL = [
+    "--model.config.d_model", "32",
+    "--model.config.n_layers", "1",
+    "--model.config.n_heads", "2",
+    "--model.config.d_ff", "64",
+    "--model.config.context_length", "32",
+    "--data.batch_size", "4",
+    "--trainer.enable_progress_bar", "false",
+    "--trainer.enable_model_summary", "false",
+    "--trainer.limit_val_batches", "0",
+    "--trainer.log_every_n_steps", "1",
+]  # fmt: skip
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """On this kit's small test models a single intra-op thread is several times faster on a loaded 2-core box."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def fit(*extra: str) -> int:
+    return lmledger(["fit", "--config", "configs/tiny.yaml", *SMALL, *extra])
+
+
+def one_error_line(capsys, command: str = "fit", after_training: bool = False) -> str:
+    """The single error line on stderr; a run that trained first may have logged warnings before it."""
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    lines = [line for line in err.splitlines() if line.strip() and not SEED_LINE.match(line)]
+    if after_training:
+        assert sum(line.startswith("lmledger ") for line in lines) == 1, err
+        lines = lines[-1:]
+    assert len(lines) == 1, err
+    assert lines[0].startswith(f"lmledger {command}: error: "), lines[0]
+    return lines[0]
+
+
+def snapshot(root: Path) -> dict[str, str]:
+    """sha256 of every regular file under root (symlinked dirs followed), keyed by relative path."""
+    hashes = {}
+    for dirpath, _, files in os.walk(root, followlinks=True):
+        for name in files:
+            path = Path(dirpath, name)
+            hashes[str(path.relative_to(root))] = hashlib.sha256(path.read_bytes()).hexdigest()
+    return hashes
+
+
+def assert_nothing_overwritten(before: dict[str, str], root: Path) -> None:
+    after = snapshot(root)
+    changed = [k for k, digest in before.items() if after.get(k) != digest]
+    assert not changed, f"changed or removed: {changed}"
+
+
+# ------------------------------------------------------------------------------- atomic saves
+
+
+def _save_forever(path: Path, payloads: list[torch.Tensor]) -> None:
+    """Child process: overwrite `path` with checkpoint i (payload i % 2, filled with 1 or 2) until killed."""
+    io = AtomicCheckpointIO()
+    i = 0
+    while True:
+        io.save_checkpoint({"i": i, "state_dict": {"w": payloads[i % 2]}}, path)
+        i += 1
+
+
+def test_killed_saves_never_leave_a_torn_checkpoint(tmp_path):
+    # 16 MiB per save: long enough that most kills land mid-write. The payloads are built here, before
+    # fork, so the child only serializes (no intra-op thread pool after fork).
+    payloads = [torch.full((4 * 2**20,), float(v)) for v in (1, 2)]
+    path = tmp_path / "last.ckpt"
+    rng = random.Random(0)
+    survived, torn_writes_left = 0, 0
+    deadline = time.monotonic() + 25
+    trials = 0
+    while trials < 20 and time.monotonic() < deadline:
+        pid = os.fork()
+        if pid == 0:  # child
+            try:
+                _save_forever(path, payloads)
+            finally:
+                os._exit(1)
+        time.sleep(rng.uniform(0.0, 0.3))
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        trials += 1
+        torn_writes_left += any(tmp_path.glob(".last.ckpt.*.tmp"))
+        # Once a checkpoint exists, no kill may take it away; whatever is there loads whole.
+        assert path.exists() or survived == 0
+        if path.exists():
+            checkpoint = open_checkpoint(path)  # raises UserError if damaged
+            assert torch.equal(checkpoint["state_dict"]["w"], payloads[checkpoint["i"] % 2]), checkpoint["i"]
+            survived += 1
+    assert trials >= 20 and survived >= 1, (trials, survived)
+    # The kills did interrupt writes in progress (their temp files are the evidence)...
+    assert torn_writes_left >= 1, (torn_writes_left, trials)
+    # ...and the next save clears what a killed writer left.
+    AtomicCheckpointIO().save_checkpoint({"state_dict": {}}, path)
+    assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]
+
+
+def test_link_mode_last_checkpoint_becomes_a_full_save():
+    link = ModelCheckpoint(save_last="link", save_top_k=1, monitor="x")
+    already_full = ModelCheckpoint(save_last="link", save_top_k=0)  # Lightning links only with top-k files
+    make_last_checkpoint_atomic([link, already_full])
+    assert link.save_last is True
+    assert already_full.save_last == "link"
+
+
+def test_checkpoint_loading_runs_no_pickled_code(tmp_path):
+    marker = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self):
+            return (Path.touch, (marker,))
+
+    evil = tmp_path / "evil.ckpt"
+    torch.save({"state_dict": {}, "x": Payload()}, evil)
+    with pytest.raises(UserError, match="refused for safety"):
+        open_checkpoint(evil)
+    with pytest.raises(UserError, match="refused for safety"):
+        AtomicCheckpointIO().load_checkpoint(evil)
+    assert not marker.exists()
+    torch.load(evil, weights_only=False)  # the control: an unrestricted load does run it
+    assert marker.exists()
+
+
+# ---------------------------------------------------------------------------- per-batch seeds
+
+
+class _DrawsModule(pl.LightningModule):
+    """Records one torch, numpy and python random draw per training step, as dropout would consume them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(4))
+        self.draws: dict[int, tuple[float, float, float]] = {}
+
+    def training_step(self, batch, batch_idx):
+        self.draws[self.global_step] = (torch.rand(()).item(), np.random.rand(), random.random())
+        return (self.w * batch[0]).sum()
+
+    def validation_step(self, batch, batch_idx):
+        torch.rand(3)  # validation consumes random numbers between steps too
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _draws(ckpt_dir: Path, seeder: bool, max_steps: int, resume: Path | None = None) -> dict:
+    pl.seed_everything(7, verbose=False)
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.ones(64, 4)), batch_size=1)
+    callbacks = [ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=3, save_top_k=-1, filename="{step}")]
+    if seeder:
+        callbacks.append(StepSeeder())
+    trainer = pl.Trainer(
+        max_steps=max_steps, val_check_interval=2, limit_val_batches=1, num_sanity_val_steps=0, callbacks=callbacks,
+        logger=False, enable_progress_bar=False, enable_model_summary=False, accelerator="cpu",
+    )  # fmt: skip
+    module = _DrawsModule()
+    trainer.fit(module, train_dataloaders=data, val_dataloaders=data, ckpt_path=resume)
+    return module.draws
+
+
+@pytest.mark.parametrize("seeder", [True, False])
+def test_resumed_run_draws_the_same_random_numbers(tmp_path, monkeypatch, seeder):
+    monkeypatch.setenv("PL_GLOBAL_SEED", "0")  # restored after seed_everything overwrites it
+    whole = _draws(tmp_path / "a", seeder, max_steps=8)
+    resumed = _draws(tmp_path / "b", seeder, max_steps=8, resume=tmp_path / "a" / "step=3.ckpt")
+    assert sorted(resumed) == list(range(3, 8))
+    same = all(resumed[s] == whole[s] for s in resumed)
+    # Without the seeder the generators carry on from wherever the new process left them: the control.
+    assert same is seeder
+
+
+# ----------------------------------------------------------------------------- non-finite loss
+
+
+class InjectNaN(pl.Callback):
+    """Test-only fault: the model's loss is multiplied by NaN at the given steps."""
+
+    def __init__(self, steps: list[int]) -> None:
+        self.steps = steps
+        self._hook = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step in self.steps:
+            self._hook = pl_module.model.register_forward_hook(lambda module, args, out: out * float("nan"))
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+
+
+def _inject_nan(steps: list[int]) -> list[str]:
+    spec = {"class_path": f"{__name__}.InjectNaN", "init_args": {"steps": steps}}
+    return ["--trainer.callbacks+=" + json.dumps(spec)]
+
+
+def _every(n: int) -> list[str]:
+    return ["--trainer.callbacks.init_args.every_n_train_steps", str(n)]
+
+
+def test_nan_loss_stops_with_one_line_naming_step_and_checkpoint(workdir, capsys):
+    assert fit("--trainer.max_steps", "10", *_every(5), *_inject_nan([6])) == 2
+    line = one_error_line(capsys, after_training=True)
+    ckpt = Path("runs/tiny/version_0/checkpoints/last.ckpt")
+    assert "step 6: loss is nan" in line and f"{ckpt} (step 5)" in line, line
+    checkpoint = open_checkpoint(ckpt)
+    assert checkpoint["global_step"] == 5
+    assert all(torch.isfinite(t).all() for t in checkpoint["state_dict"].values())
+    losses = dict(read_scalars("runs/tiny/version_0")["train/loss"])
+    assert sorted(losses) == list(range(6)) and all(math.isfinite(v) for v in losses.values())
+
+
+def test_diverging_lr_stops_the_run(workdir, capsys):
+    # The real-world cause: a learning rate so large the first update blows the weights up.
+    assert fit("--trainer.max_steps", "10", "--model.lr", "1e30", "--model.warmup_steps", "1") == 2
+    line = one_error_line(capsys, after_training=True)
+    assert re.search(r"step [1-9]: (loss is (nan|inf)|gradient norm is (nan|inf))", line), line
+    assert "No checkpoint was saved before it" in line
+
+
+def test_skips_up_to_max_skips_then_stops(workdir, capsys):
+    assert fit("--trainer.max_steps", "10", *_every(5), *_inject_nan([3, 5, 7]), "--nonfinite.max_skips", "2") == 2
+    line = one_error_line(capsys, after_training=True)
+    assert "step 7: loss is nan" in line and "2 earlier non-finite steps skipped" in line, line
+    scalars = read_scalars("runs/tiny/version_0")
+    losses = dict(scalars["train/loss"])
+    # Steps 4 and 6 are finite again: a skipped step left the weights clean.
+    assert [s for s, v in sorted(losses.items()) if not math.isfinite(v)] == [3, 5]
+    # A dropped update has no gradient norm (not the previous step's, which Lightning would repeat).
+    assert [s for s, v in scalars["train/grad_norm"] if not math.isfinite(v)] == [3, 5]
+    checkpoint = open_checkpoint("runs/tiny/version_0/checkpoints/last.ckpt")
+    assert checkpoint["global_step"] == 5
+    # AdamW stepped for steps 0-4 except the skipped step 3: the update was really dropped.
+    adam_steps = {float(s["step"]) for s in checkpoint["optimizer_states"][0]["state"].values()}
+    assert adam_steps == {4.0}
+    guard_state = [v for k, v in checkpoint["callbacks"].items() if k.startswith("NonFiniteGuard")]
+    assert guard_state == [{"skipped": 1}]
+
+
+def test_max_skips_must_not_be_negative():
+    with pytest.raises(UserError, match="max_skips"):
+        NonFiniteGuard(max_skips=-1)
+
+
+# --------------------------------------------------------------------------------- bad input
+
+
+@pytest.fixture(scope="module")
+def small_data(tmp_path_factory) -> Path:
+    """A prepared corpus of a dozen small files, whose val split holds a few dozen tokens."""
+    src = tmp_path_factory.mktemp("src")
+    for i in range(12):
+        (src / f"m{i:02d}.py").write_text(f"x = {i}\n" * (4 + i))
+    out = tmp_path_factory.mktemp("prepared") / "small"
+    assert lmledger(["prepare", "--source", str(src), "--out", str(out), "--val-fraction", "0.1"]) == 0
+    return out
+
+
+def _corrupt_meta(**changes):
+    def corrupt(root: Path) -> None:
+        meta = json.loads((root / "meta.json").read_text())
+        meta.update(changes)
+        (root / "meta.json").write_text(json.dumps(meta))
+
+    return corrupt
+
+
+def _truncate(root: Path) -> None:
+    with open(root / "train.bin", "r+b") as f:
+        f.truncate(f.seek(0, 2) - 7)
+
+
+def _double_width(root: Path) -> None:
+    # Same token count in meta.json, but the bytes were written as uint16.
+    tokens = np.fromfile(root / "train.bin", dtype=np.uint8).astype(np.uint16)
+    tokens.tofile(root / "train.bin")
+
+
+DATA_FAULTS = {
+    "missing dir": (lambda root: shutil.rmtree(root), "does not exist"),
+    "missing meta.json": (lambda root: (root / "meta.json").unlink(), "has no meta.json"),
+    "truncated bin": (_truncate, "truncated"),
+    "wrong dtype": (_double_width, "written with another dtype"),
+    "ids >= vocab": (_corrupt_meta(vocab_size=60), "holds token id"),
+    "meta not json": (lambda root: (root / "meta.json").write_text("{oops"), "not valid JSON"),
+}
+
+
+@pytest.mark.parametrize("fault", DATA_FAULTS, ids=list(DATA_FAULTS))
+def test_bad_data_is_one_line(workdir, small_data, capsys, fault):
+    damage, expected = DATA_FAULTS[fault]
+    data = workdir / "bad"
+    shutil.copytree(small_data, data)
+    damage(data)
+    before = snapshot(workdir)
+    assert fit("--data.path", str(data)) == 2
+    assert expected in one_error_line(capsys)
+    assert_nothing_overwritten(before, workdir)
+    assert not (workdir / "runs").exists()
+
+
+def test_data_too_short_for_the_context(workdir, small_data, capsys):
+    before = snapshot(workdir)
+    assert fit("--data.path", str(small_data), "--model.config.context_length", "512") == 2
+    line = one_error_line(capsys)
+    assert "context_length 512 needs 513 tokens but the val split" in line, line
+    assert_nothing_overwritten(before, workdir)
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--model.config.d_modell", "3"], "unrecognized arguments: --model.config.d_modell"),
+        (["--model.lr", "fast"], 'Parser key "model.lr"'),
+        (["--trainer.max_steps", "1.5"], 'Parser key "trainer.max_steps"'),
+        (["--model.lr"], "expected one argument"),
+        (["--config", "configs/nope.yaml"], "nope.yaml"),
+        (["--model.config.d_model", "30", "--model.config.n_heads", "4"], "d_model (30) must be divisible by n_heads"),
+        (["--trainer.accelerator", "gpu"], "--trainer.accelerator gpu: this machine has no usable CUDA GPU"),
+        (["--trainer.accelerator", "cuda"], "--trainer.accelerator cuda: this machine has no usable CUDA GPU"),
+        (["--nonfinite.max_skips", "-1"], "nonfinite.max_skips must be >= 0"),
+    ],
+    ids=["unknown key", "wrong type", "int expected", "missing value", "missing config", "invalid shape", "gpu", "cuda",
+         "negative skips"],
+)  # fmt: skip
+def test_bad_config_is_one_line(workdir, capsys, args, expected):
+    if args[:1] == ["--trainer.accelerator"] and torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    before = snapshot(workdir)
+    assert fit(*args) == 2
+    assert expected in one_error_line(capsys)
+    assert_nothing_overwritten(before, workdir)
+    assert not (workdir / "runs").exists()
+
+
+def test_unknown_key_in_a_config_file(workdir, capsys):
+    Path("extra.yaml").write_text("model:\n  learning_rate: 0.1\n")
+    assert fit("--config", "extra.yaml") == 2
+    assert "learning_rate" in one_error_line(capsys)
+
+
+@pytest.fixture
+def trained(workdir) -> Path:
+    """A short run's last.ckpt (d_model 32) in the working directory."""
+    assert fit("--trainer.max_steps", "2") == 0
+    return workdir / "runs/tiny/version_0/checkpoints/last.ckpt"
+
+
+def test_bad_checkpoints_are_one_line(trained, workdir, capsys):
+    truncated = workdir / "truncated.ckpt"
+    truncated.write_bytes(trained.read_bytes()[: trained.stat().st_size // 2])
+    garbage = workdir / "garbage.ckpt"
+    garbage.write_bytes(os.urandom(4096))
+    not_lightning = workdir / "plain.ckpt"
+    torch.save({"weights": torch.ones(2)}, not_lightning)
+    before = snapshot(workdir)
+    cases = [
+        ("fit", "missing.ckpt", "checkpoint missing.ckpt does not exist"),
+        ("fit", str(truncated), f"checkpoint {truncated} cannot be read"),
+        ("validate", str(truncated), f"checkpoint {truncated} cannot be read"),
+        ("fit", str(garbage), f"checkpoint {garbage} cannot be read"),
+        ("validate", str(not_lightning), "has no state_dict"),
+    ]
+    for command, ckpt, expected in cases:
+        assert lmledger([command, "--config", "configs/tiny.yaml", *SMALL, "--ckpt_path", ckpt]) == 2
+        assert expected in one_error_line(capsys, command), (command, ckpt)
+    assert_nothing_overwritten(before, workdir)
+
+
+def test_checkpoint_of_another_shape_is_one_line(trained, workdir, capsys):
+    before = snapshot(workdir)
+    assert fit("--model.config.d_model", "64", "--ckpt_path", "last") == 2
+    line = one_error_line(capsys)
+    assert f"checkpoint {Path('runs/tiny/version_0/checkpoints/last.ckpt')} does not fit this model" in line
+    assert "d_model=32 there, 64 here" in line, line
+    assert_nothing_overwritten(before, workdir)
+    # Given a file (not "last"), LightningCLI takes the model config from the checkpoint's hyperparameters.
+    assert lmledger(["validate", "--config", "configs/tiny.yaml", *SMALL, "--model.config.d_model", "64",
+                     "--ckpt_path", str(trained)]) == 0  # fmt: skip
+
+
+def test_prepare_refuses_to_overwrite(workdir, small_data, capsys):
+    before = snapshot(small_data)
+    assert lmledger(["prepare", "--source", "stdlib", "--out", str(small_data)]) == 2
+    assert "already holds prepared data" in one_error_line(capsys, "prepare")
+    assert snapshot(small_data) == before
