@@ -27,6 +27,7 @@ from lightning.pytorch.accelerators import MPSAccelerator
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
+from lmledger.callbacks import LedgerSettings, ledger_callbacks
 from lmledger.callbacks.nonfinite import NonFiniteGuard
 from lmledger.checkpointing import (
     AtomicCheckpointIO,
@@ -84,6 +85,7 @@ class LedgerCLI(LightningCLI):
         parser.link_arguments("data.vocab_size", "model.config.vocab_size", apply_on="instantiate")
         parser.link_arguments("model.config.context_length", "data.context_length")
         parser.add_lightning_class_args(NonFiniteGuard, "nonfinite")
+        parser.add_class_arguments(LedgerSettings, "ledger")
 
     def parse_arguments(self, parser, args) -> None:
         super().parse_arguments(parser, args)
@@ -126,7 +128,11 @@ class LedgerCLI(LightningCLI):
         # Our plugins for transformer-engine (tied weights) and 16-mixed on CPU (lmledger.precision).
         config = self._get(self.config_init, "trainer", default={})
         precision = trainer_precision_kwargs(config.get("precision"), config.get("accelerator"), config.get("plugins"))
-        trainer = super().instantiate_trainer(**{**precision, **kwargs})
+        # The ledger callbacks ride along with whatever callbacks the config lists (--ledger.enabled false: none).
+        callbacks = config.get("callbacks") or []
+        callbacks = [*(callbacks if isinstance(callbacks, list) else [callbacks])]
+        callbacks += ledger_callbacks(self._get(self.config_init, "ledger"))
+        trainer = super().instantiate_trainer(**{**precision, "callbacks": callbacks, **kwargs})
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # Lightning's default; a chosen plugin stays
             trainer.strategy.checkpoint_io = AtomicCheckpointIO()
         make_last_checkpoint_atomic(trainer.callbacks)
