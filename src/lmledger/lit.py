@@ -82,8 +82,10 @@ class LitLM(L.LightningModule):
     def on_validation_epoch_end(self) -> None:
         loss = self.val_loss.compute()
         self.val_loss.reset()
-        self.log("val/loss", loss, prog_bar=True)
-        self.log("val/ppl", torch.exp(loss))
+        # MeanMetric.compute() has already reduced over ranks; sync_dist averages equal values (and
+        # tells Lightning so, which otherwise warns under DDP).
+        self.log("val/loss", loss, prog_bar=True, sync_dist=True)
+        self.log("val/ppl", torch.exp(loss), sync_dist=True)
 
     def configure_optimizers(self):
         params = [p for p in self.model.parameters() if p.requires_grad]

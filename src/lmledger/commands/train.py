@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import re
 import secrets
-import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -153,9 +153,9 @@ class LedgerCLI(LightningCLI):
 def _run_cli(cli_class: type[LedgerCLI], argv: list[str], run: bool) -> LedgerCLI:
     for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
         logging.getLogger(name).addFilter(_DropAdverts())
-    # LightningCLI warns when it gets `args` while sys.argv also holds arguments (it does when we
-    # run as the console script); argv is what we parse, so hide the duplicate from it.
-    saved_argv, sys.argv = sys.argv, sys.argv[:1]
+    # LightningCLI warns when it gets `args` while sys.argv also holds arguments, as it does when we run
+    # as the console script. sys.argv must stay as it is: DDP's launcher re-runs it for ranks 1..N-1.
+    warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
     try:
         return cli_class(
             LitLM,
@@ -178,8 +178,6 @@ def _run_cli(cli_class: type[LedgerCLI], argv: list[str], run: bool) -> LedgerCL
         # MisconfigurationException is Lightning's "bad settings" error, e.g. `--trainer.accelerator gpu`
         # on a machine without one.
         raise UserError(" ".join(line.strip() for line in str(err).strip().splitlines())) from None
-    finally:
-        sys.argv = saved_argv
 
 
 class _ParseOnlyCLI(LedgerCLI):
