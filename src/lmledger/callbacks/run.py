@@ -1,0 +1,201 @@
+"""What the ledger callbacks read from a live Trainer, and how they write back to it.
+
+`LedgerRun.from_trainer` gathers the facts every ledger figure depends on (model shape, batch,
+precision, optimizer, sharding) from the objects Lightning has already built, so the callbacks
+need no configuration of their own. The writers send one-off values (a table, a measured figure)
+straight to the loggers at the current step: `LightningModule.log` would hold them until the next
+logging step, and drop them if none comes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.plugins.precision import TransformerEnginePrecision
+from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
+
+from lmledger.errors import UserError
+from lmledger.model import ModelConfig, ToyLM
+
+DISABLE_HINT = "or run without the ledger (--ledger.enabled false)"
+# Lightning's canonical precision names (trainer.precision) that ledger.memory and ledger.hardware know.
+ACCOUNTED_PRECISIONS = (
+    "32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "64-true",
+    "transformer-engine", "transformer-engine-float16",
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class LedgerRun:
+    """The shape of one training run, per device."""
+
+    config: ModelConfig
+    model: ToyLM  # the eager module (never a torch.compile wrapper)
+    compiled: bool  # LitLM(compile=True): the step runs a compiled graph of `model`
+    batch_size: int
+    seq_len: int
+    precision: str  # Lightning's name: "32-true", "bf16-mixed", "transformer-engine", ...
+    weights_dtype: torch.dtype | None  # a Transformer Engine plugin's weights dtype (else None)
+    fp8: str | None  # LitLM's fp8 switch: "torchao" runs the eligible linears in fp8
+    optimizer: str  # a ledger.memory optimizer name: "adamw", "sgd" or "none"
+    momentum: float
+    strategy: str  # a ledger.memory strategy name: "ddp", "fsdp", "zero2", "deepspeed_stage_3", ...
+    world_size: int
+    device: torch.device
+
+    @property
+    def tokens_per_batch(self) -> int:
+        return self.batch_size * self.seq_len
+
+    @classmethod
+    def from_trainer(cls, trainer: pl.Trainer, pl_module: pl.LightningModule) -> LedgerRun:
+        model = getattr(pl_module, "model", None)
+        if not isinstance(model, ToyLM):
+            raise UserError(
+                f"the ledger accounts for lmledger's ToyLM, but {type(pl_module).__name__}.model is "
+                f"{type(model).__name__}: train a LitLM {DISABLE_HINT}"
+            )
+        datamodule = trainer.datamodule
+        batch_size = getattr(datamodule, "batch_size", None)
+        seq_len = getattr(datamodule, "context_length", None)
+        if not (isinstance(batch_size, int) and isinstance(seq_len, int)):
+            raise UserError(
+                "the ledger reads batch_size and context_length from the data module: fit with a "
+                f"TokenDataModule {DISABLE_HINT}"
+            )
+        precision = str(trainer.precision)
+        if precision not in ACCOUNTED_PRECISIONS:
+            raise UserError(
+                f"the ledger accounts for precisions {', '.join(ACCOUNTED_PRECISIONS)}, not {precision}: "
+                f"choose one of them {DISABLE_HINT}"
+            )
+        optimizer, momentum = _optimizer_kind(trainer)
+        hparams = getattr(pl_module, "hparams", {})
+        plugin = trainer.precision_plugin
+        return cls(
+            config=model.cfg,
+            model=model,
+            compiled=bool(hparams.get("compile", False)),
+            batch_size=batch_size,
+            seq_len=seq_len,
+            precision=precision,
+            weights_dtype=plugin.weights_dtype if isinstance(plugin, TransformerEnginePrecision) else None,
+            fp8=hparams.get("fp8"),
+            optimizer=optimizer,
+            momentum=momentum,
+            strategy=_strategy_name(trainer.strategy),
+            world_size=trainer.world_size,
+            device=pl_module.device,
+        )
+
+
+def _optimizer_kind(trainer: pl.Trainer) -> tuple[str, float]:
+    """The optimizer's ledger.memory name and SGD momentum (which decides whether SGD keeps state)."""
+    if not trainer.optimizers:
+        return "none", 0.0
+    optimizer = trainer.optimizers[0]
+    # Lightning wraps optimizers under some strategies; the torch optimizer is inside.
+    optimizer = getattr(optimizer, "optimizer", optimizer)
+    if isinstance(optimizer, (torch.optim.AdamW, torch.optim.Adam)):
+        return "adamw", 0.0
+    if isinstance(optimizer, torch.optim.SGD):
+        return "sgd", float(optimizer.param_groups[0].get("momentum", 0.0))
+    raise UserError(
+        f"the memory ledger models AdamW, Adam and SGD, not {type(optimizer).__name__}: "
+        f"use model.optimizer adamw|sgd {DISABLE_HINT}"
+    )
+
+
+def _strategy_name(strategy: pl.strategies.Strategy) -> str:
+    """Lightning strategy -> the sharding it implies (ledger.memory names). Anything that does not
+    shard (single device, DDP and its variants) replicates the state: "ddp"."""
+    if isinstance(strategy, FSDPStrategy):
+        # torch.distributed.fsdp.ShardingStrategy: SHARD_GRAD_OP keeps whole params (ZeRO-2);
+        # NO_SHARD is DDP; FULL_SHARD and the hybrids shard all three within a shard group.
+        name = getattr(strategy.sharding_strategy, "name", str(strategy.sharding_strategy))
+        return {"SHARD_GRAD_OP": "zero2", "NO_SHARD": "ddp"}.get(name, "fsdp")
+    if isinstance(strategy, ModelParallelStrategy):
+        return "fsdp"
+    if isinstance(strategy, DeepSpeedStrategy):
+        stage = (strategy.config or {}).get("zero_optimization", {}).get("stage", 0)
+        return f"deepspeed_stage_{stage}" if stage else "ddp"
+    return "ddp"
+
+
+# ------------------------------------------------------------------------------------ writing
+
+
+def logging_step(trainer: pl.Trainer) -> int:
+    """The step Lightning's own train metrics use (as LearningRateMonitor does: optimizer steps)."""
+    return trainer.fit_loop.epoch_loop._batches_that_stepped
+
+
+def is_logging_step(trainer: pl.Trainer) -> bool:
+    """Whether Lightning writes train metrics after this batch (every log_every_n_steps)."""
+    return trainer._logger_connector.should_update_logs
+
+
+def log_scalars(trainer: pl.Trainer, metrics: Mapping[str, float], step: int | None = None) -> None:
+    """Write scalars to every logger now (loggers write on global rank zero only)."""
+    step = logging_step(trainer) if step is None else step
+    for logger in trainer.loggers:
+        logger.log_metrics(dict(metrics), step=step)
+
+
+def tensorboard_writers(trainer: pl.Trainer) -> list:
+    """The SummaryWriters of the run's TensorBoard loggers, on global rank zero (else none)."""
+    if not trainer.is_global_zero:
+        return []
+    return [logger.experiment for logger in trainer.loggers if isinstance(logger, TensorBoardLogger)]
+
+
+def log_text(trainer: pl.Trainer, tag: str, markdown: str, step: int | None = None) -> None:
+    step = logging_step(trainer) if step is None else step
+    for writer in tensorboard_writers(trainer):
+        writer.add_text(tag, markdown, global_step=step)
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for queued kernels, so a host clock read afterwards covers them."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@contextlib.contextmanager
+def untouched_rng(device: torch.device) -> Iterator[None]:
+    """Run a measurement without moving the global RNG streams the training run draws from."""
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        yield
+
+
+# ------------------------------------------------------------------------------------ formatting
+
+
+def format_bytes(nbytes: float | None) -> str:
+    """Decimal units (1 GB = 1e9 bytes), as datasheets and `device_memory_gb` count."""
+    if nbytes is None:
+        return "n/a"
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(nbytes) >= scale:
+            return f"{nbytes / scale:.3g} {unit}"
+    return f"{nbytes:.0f} B"
+
+
+def format_count(n: float) -> str:
+    """1234567 -> '1.23M' (FLOPs, parameters, tokens)."""
+    for unit, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.3g}{unit}"
+    return f"{n:.3g}"
+
+
+def markdown_table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)

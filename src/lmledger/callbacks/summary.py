@@ -1,0 +1,41 @@
+"""The run's key ledger numbers on one TensorBoard text card (`ledger/summary`), written at fit start.
+
+Lightning puts the hyperparameters in the HPARAMS tab; this card puts beside them what they cost:
+parameter count, tokens per batch, predicted peak memory and FLOPs per training step. (Not as
+HPARAMS metrics: Lightning writes the run's hparams experiment first, declaring only `hp_metric`,
+and TensorBoard keeps the first declaration it reads.)
+"""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+
+from lmledger.callbacks.memory import predict_memory
+from lmledger.callbacks.run import LedgerRun, format_bytes, format_count, log_text, markdown_table
+from lmledger.ledger.flops import analytic_flops, matmul_parameters
+from lmledger.model import count_parameters
+
+
+def summary_rows(run: LedgerRun) -> list[list[str]]:
+    memory = predict_memory(run)
+    flops = analytic_flops(run.config, run.batch_size, run.seq_len, training=True)
+    n_params, n_matmul = count_parameters(run.config), matmul_parameters(run.config)
+    peak = "n/a" if memory.peak is None else f"{memory.peak:,}"
+    setup = f"{run.precision}, {run.optimizer}, {run.strategy}"
+    return [
+        ["parameters", f"{n_params:,}", f"{format_count(n_params)}; {format_count(n_matmul)} in matmuls"],
+        [
+            "tokens per batch",
+            f"{run.tokens_per_batch:,}",
+            f"{run.batch_size} x {run.seq_len} on each of {run.world_size}",
+        ],
+        ["predicted peak memory", peak, f"{format_bytes(memory.peak)} per device ({setup})"],
+        ["model FLOPs per step", f"{flops.model:,}", f"{format_count(flops.model)} (6N + attention, per device)"],
+        ["hardware FLOPs per step", f"{flops.hardware:,}", f"{format_count(flops.hardware)} (with recompute)"],
+    ]
+
+
+class LedgerSummary(pl.Callback):
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        run = LedgerRun.from_trainer(trainer, pl_module)
+        log_text(trainer, "ledger/summary", markdown_table(["", "value", ""], summary_rows(run)))

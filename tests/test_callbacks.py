@@ -1,0 +1,260 @@
+"""The ledger callbacks inside real (tiny, CPU) fits: every tag written, measured beside predicted,
+MFU a fraction, the preflight guard, and a loss curve the ledger leaves untouched."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.loggers import TensorBoardLogger
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from conftest import TINY_OVERRIDES, read_scalars
+from lmledger.callbacks import LedgerSettings, ledger_callbacks
+from lmledger.cli import main as lmledger
+from lmledger.data import TokenDataModule
+from lmledger.errors import ConfigError, UserError
+from lmledger.ledger.flops import matmul_parameters
+from lmledger.lit import LitLM
+from lmledger.model import ModelConfig, count_parameters
+
+SEQ = 64
+CONFIG = dict(context_length=SEQ, d_model=64, n_layers=2, n_heads=2, d_ff=128)
+STEPS, WARMUP = 6, 2
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_cpu_thread():
+    """A tiny model on a shared 2-core machine: one intra-op thread is faster and steadier."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def fit(
+    data,
+    log_dir,
+    ledger: LedgerSettings | None,
+    *,
+    max_steps: int = STEPS,
+    batch_size: int = 8,
+    precision: str = "32-true",
+    validate: bool = False,
+    module: type[LitLM] = LitLM,
+) -> L.Trainer:
+    L.seed_everything(1234, verbose=False)
+    datamodule = TokenDataModule(path=str(data), batch_size=batch_size, context_length=SEQ, val_batches=2)
+    model = module(ModelConfig(vocab_size=datamodule.vocab_size, **CONFIG), warmup_steps=2)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=max_steps,
+        precision=precision,
+        logger=TensorBoardLogger(str(log_dir), name="run"),
+        callbacks=ledger_callbacks(ledger) if ledger else [],
+        log_every_n_steps=1,
+        val_check_interval=max_steps // 2 if validate else None,
+        limit_val_batches=2 if validate else 0,
+        num_sanity_val_steps=0,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(model, datamodule)
+    return trainer
+
+
+def read_texts(run_dir) -> dict[str, str]:
+    acc = EventAccumulator(str(run_dir), size_guidance={"tensors": 0})
+    acc.Reload()
+    return {
+        tag.removesuffix("/text_summary"): acc.Tensors(tag)[-1].tensor_proto.string_val[0].decode()
+        for tag in acc.Tags()["tensors"]
+        if tag.endswith("/text_summary")
+    }
+
+
+def read_image_tags(run_dir) -> list[str]:
+    acc = EventAccumulator(str(run_dir), size_guidance={"images": 0})
+    acc.Reload()
+    return acc.Tags()["images"]
+
+
+@pytest.fixture(scope="module")
+def with_ledger(stdlib_data, tmp_path_factory):
+    trainer = fit(stdlib_data, tmp_path_factory.mktemp("ledger"), LedgerSettings(warmup_steps=WARMUP), validate=True)
+    return trainer, read_scalars(trainer.logger.log_dir), torch.random.get_rng_state()
+
+
+def last(scalars, tag) -> float:
+    return scalars[tag][-1][1]
+
+
+# --- every tag, and what the numbers must satisfy ---------------------------------------------------
+
+MEMORY = ("params", "grads", "optimizer", "activations", "peak")
+PERF = ("tokens_per_sec", "tflops", "mfu", "hfu", "data_wait_frac")
+
+
+def test_a_fit_writes_every_ledger_tag(with_ledger):
+    trainer, scalars, _ = with_ledger
+    expected = [f"memory/predicted/{name}" for name in MEMORY]
+    expected += [f"memory/measured/{name}" for name in MEMORY if name != "peak"]
+    expected += [f"flops/{kind}_per_step" for kind in ("model", "hardware", "measured")]
+    expected += [f"flops/val/{kind}_per_batch" for kind in ("model", "hardware", "measured")]
+    expected += [f"perf/{name}" for name in PERF]
+    assert not [tag for tag in expected if tag not in scalars]
+    # The CPU has no allocator statistics: nothing (not a NaN) for the measured peak, and one device
+    # has no total.
+    assert "memory/measured/peak" not in scalars
+    assert "perf/tokens_per_sec_total" not in scalars
+
+    texts = read_texts(trainer.logger.log_dir)
+    assert "n/a (CPU)" in texts["memory/table"]
+    assert "measured" in texts["perf/peak"] and "fp32" in texts["perf/peak"]
+    assert "ToyLM.lm_head" in texts["flops/breakdown"]
+    n_params = count_parameters(ModelConfig(vocab_size=256, **CONFIG))
+    assert f"| parameters | {n_params:,} |" in texts["ledger/summary"]
+    assert f"| model FLOPs per step | {int(last(scalars, 'flops/model_per_step')):,} |" in texts["ledger/summary"]
+    assert f"| predicted peak memory | {int(last(scalars, 'memory/predicted/peak')):,} |" in texts["ledger/summary"]
+    assert read_image_tags(trainer.logger.log_dir) == ["memory/predicted_vs_measured"]
+
+
+def test_measured_memory_matches_the_prediction_inside_a_fit(with_ledger):
+    _, scalars, _ = with_ledger
+    n_params = count_parameters(ModelConfig(vocab_size=256, **CONFIG))
+    assert last(scalars, "memory/measured/params") == last(scalars, "memory/predicted/params") == 4 * n_params
+    assert last(scalars, "memory/measured/grads") == last(scalars, "memory/predicted/grads") == 4 * n_params
+    assert last(scalars, "memory/measured/optimizer") == last(scalars, "memory/predicted/optimizer") == 8 * n_params
+    measured, predicted = last(scalars, "memory/measured/activations"), last(scalars, "memory/predicted/activations")
+    assert measured == pytest.approx(predicted, rel=0.03)
+    peak = last(scalars, "memory/predicted/peak")
+    assert peak >= 4 * n_params * 3 + predicted  # resident state and the saved set are alive at once
+
+
+def test_bf16_mixed_counts_autocast_copies_apart(stdlib_data, tmp_path, capsys):
+    trainer = fit(stdlib_data, tmp_path, LedgerSettings(), max_steps=1, precision="bf16-mixed")
+    scalars = read_scalars(trainer.logger.log_dir)
+    for name in ("activations", "autocast_weight_copies"):
+        measured, predicted = last(scalars, f"memory/measured/{name}"), last(scalars, f"memory/predicted/{name}")
+        assert measured == pytest.approx(predicted, rel=0.03), name
+    # bf16 copies of every matmul weight the linears save: the blocks' and the LM head's.
+    assert last(scalars, "memory/measured/autocast_weight_copies") == pytest.approx(
+        2 * matmul_parameters(ModelConfig(vocab_size=256, **CONFIG)), rel=0.03
+    )
+    assert "autocast_weight_copies" in capsys.readouterr().out
+
+
+def test_flops_measured_on_meta_equal_the_analytic_count(with_ledger):
+    _, scalars, _ = with_ledger
+    model, hardware = last(scalars, "flops/model_per_step"), last(scalars, "flops/hardware_per_step")
+    assert last(scalars, "flops/measured_per_step") == hardware
+    assert model < hardware  # attention's score recompute in backward is hardware-only
+    # Forward only: a third of the training step's model FLOPs for the same (8, 64) batch, and no
+    # recompute, so model, hardware and measured agree.
+    assert last(scalars, "flops/val/model_per_batch") == model / 3
+    assert last(scalars, "flops/val/measured_per_batch") == last(scalars, "flops/val/hardware_per_batch") == model / 3
+    assert len(scalars["flops/measured_per_step"]) == 1  # counted once, not every step
+
+
+def test_mfu_on_cpu_is_a_fraction_from_the_first_logging_step_after_warmup(with_ledger):
+    _, scalars, _ = with_ledger
+    mfu = [value for _, value in scalars["perf/mfu"]]
+    assert all(math.isfinite(u) and 0 < u <= 1 for u in mfu), mfu
+    # Every logging step (here every step) after the warm-up batches has a value.
+    loss_steps = [step for step, _ in scalars["train/loss"]]
+    assert [step for step, _ in scalars["perf/mfu"]] == loss_steps[WARMUP:]
+    model, hardware = last(scalars, "flops/model_per_step"), last(scalars, "flops/hardware_per_step")
+    for (_, u), (_, h) in zip(scalars["perf/mfu"], scalars["perf/hfu"], strict=True):
+        assert h / u == pytest.approx(hardware / model, rel=1e-6)
+    for (_, tflops), (_, tokens) in zip(scalars["perf/tflops"], scalars["perf/tokens_per_sec"], strict=True):
+        assert tflops * 1e12 / tokens == pytest.approx(model / (8 * SEQ), rel=1e-6)
+    assert all(0 <= wait <= 1 for _, wait in scalars["perf/data_wait_frac"])
+
+
+def test_the_ledger_does_not_change_the_loss_curve(with_ledger, stdlib_data, tmp_path):
+    trainer, scalars, rng_after = with_ledger
+    plain = fit(stdlib_data, tmp_path, None, validate=True)
+    assert torch.equal(torch.random.get_rng_state(), rng_after)  # the ledger drew no random numbers
+    plain_scalars = read_scalars(plain.logger.log_dir)
+    assert not [tag for tag in plain_scalars if tag.split("/")[0] in ("perf", "flops", "memory")]
+    for tag in ("train/loss", "train/grad_norm", "val/loss"):
+        assert scalars[tag] == plain_scalars[tag], tag  # bit for bit, step for step
+    with_weights, plain_weights = trainer.lightning_module.state_dict(), plain.lightning_module.state_dict()
+    assert all(torch.equal(with_weights[k], plain_weights[k]) for k in plain_weights)
+
+
+# --- preflight -------------------------------------------------------------------------------------
+
+
+def test_preflight_refuses_a_batch_that_cannot_fit_and_names_one_that_does(stdlib_data, tmp_path, capsys):
+    settings = LedgerSettings(device_memory_gb=0.004)  # the batch of 8 needs ~8.6 MB
+    with pytest.raises(UserError) as refused:
+        fit(stdlib_data, tmp_path / "refused", settings, batch_size=8)
+    message = str(refused.value)
+    assert "\n" not in message and "4 MB available" in message and "largest part: activations" in message
+    fits = int(re.search(r"--data\.batch_size (\d+) fits", message).group(1))
+    assert 1 <= fits < 8
+    events = list((tmp_path / "refused").rglob("events.out.tfevents.*"))
+    assert all("train/loss" not in read_scalars(e.parent) for e in events)  # stopped before step 1
+    assert "memory ledger" in capsys.readouterr().err  # the table that backs the one line
+
+    trainer = fit(stdlib_data, tmp_path / "fits", settings, batch_size=fits, max_steps=1)
+    assert trainer.global_step == 1
+    with pytest.raises(UserError, match="exceeds"):  # and it is the largest that does
+        fit(stdlib_data, tmp_path / "one_more", settings, batch_size=fits + 1)
+
+
+class OutOfMemoryAtStep2(LitLM):
+    def training_step(self, batch, batch_idx):
+        if self.global_step == 1:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+        return super().training_step(batch, batch_idx)
+
+
+def test_an_out_of_memory_error_becomes_one_line_with_the_ledger(stdlib_data, tmp_path, capsys):
+    with pytest.raises(UserError) as raised:
+        fit(stdlib_data, tmp_path, LedgerSettings(device_memory_gb=100), module=OutOfMemoryAtStep2)
+    message = str(raised.value)
+    assert "\n" not in message and message.startswith("CUDA out of memory at step 2")
+    assert "within the 100 GB available" in message and "--data.batch_size" in message
+    assert isinstance(raised.value.__cause__, torch.cuda.OutOfMemoryError)
+    assert "memory ledger at the OOM" in capsys.readouterr().err
+
+
+# --- settings and the CLI --------------------------------------------------------------------------
+
+
+def test_settings():
+    assert ledger_callbacks(LedgerSettings(enabled=False)) == []
+    assert len(ledger_callbacks(LedgerSettings())) == 5
+    with pytest.raises(ConfigError):
+        LedgerSettings(device_memory_gb=0)
+    with pytest.raises(ConfigError):
+        LedgerSettings(warmup_steps=-1)
+
+
+def test_cli_fit_keeps_the_ledger_and_refuses_what_cannot_fit(workdir, capsys):
+    fit_args = ["fit", "--config", "configs/tiny.yaml", *TINY_OVERRIDES, "--trainer.limit_val_batches", "0"]
+    assert lmledger([*fit_args, "--trainer.max_steps", "2", "--trainer.log_every_n_steps", "1",
+                     "--ledger.warmup_steps", "0"]) == 0  # fmt: skip
+    scalars = read_scalars(workdir / "runs/tiny/version_0")
+    assert 0 < last(scalars, "perf/mfu") <= 1 and "memory/measured/activations" in scalars
+
+    for budget, expected in (("0.004", r"--data\.batch_size (\d+) fits \(now 8\)"), ("0", r"must be positive")):
+        capsys.readouterr()
+        assert lmledger([*fit_args, "--ledger.device_memory_gb", budget]) == 2
+        errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+        assert len(errors) == 1 and re.search(expected, errors[0]), errors
+        if budget != "0":
+            fits = re.search(expected, errors[0]).group(1)
+            assert lmledger([*fit_args, "--trainer.max_steps", "1", "--ledger.device_memory_gb", budget,
+                             "--data.batch_size", fits]) == 0  # fmt: skip
+
+    assert lmledger([*fit_args, "--trainer.max_steps", "2", "--ledger.enabled", "false"]) == 0
+    newest = max((workdir / "runs/tiny").glob("version_*"), key=lambda p: int(p.name.split("_")[1]))
+    assert not [tag for tag in read_scalars(newest) if tag.split("/")[0] in ("perf", "flops", "memory")]
