@@ -98,7 +98,9 @@ class LitLM(L.LightningModule):
             {"params": no_decay, "weight_decay": 0.0},
         ]
         if self.hparams.optimizer == "adamw":
-            optimizer = torch.optim.AdamW(groups, lr=self.hparams.lr, betas=self.hparams.betas)
+            # The fused CUDA kernel updates every parameter in one launch instead of a dozen per tensor.
+            fused = self.device.type == "cuda"
+            optimizer = torch.optim.AdamW(groups, lr=self.hparams.lr, betas=self.hparams.betas, fused=fused)
         else:
             optimizer = torch.optim.SGD(groups, lr=self.hparams.lr, momentum=0.9)
         total = self.trainer.estimated_stepping_batches
