@@ -1,0 +1,897 @@
+"""Experiment sweeps: a YAML grid of `lmledger` runs, each point in its own process and run directory,
+collected into one table and a few plots.
+
+An experiment file (experiments/*.yaml; docs/sweeps.md has the full story):
+
+    name: precision                   # default: the file's stem; results go to runs/sweeps/<name>
+    description: one line for the results table
+    command: fit                      # fit | validate | account --measure | any lmledger command with --json
+    configs: [configs/tiny.yaml]      # base config file(s), passed as --config in this order
+    fixed: {trainer.max_steps: 100}   # overrides every point gets
+    grid:                             # the cartesian product of these overrides ...
+      trainer.precision: [32-true, bf16-mixed]
+    points:                           # ... and/or an explicit list of points
+      - {trainer.precision: transformer-engine, trainer.accelerator: gpu, requires: gpu}
+      - {command: plan max-params, gpu: h100-sxm, precision: bf16-true}
+    metrics: [train/loss, val/loss]   # default: DEFAULT_METRICS of the command
+    x: trainer.precision              # the swept variable on the plots (default: the first grid key)
+    requires: gpu                     # every point needs a CUDA GPU
+
+Override keys are the dotted names `lmledger fit` takes (`model.config.d_model`) or, for the other
+commands, their flag names (`num-gpus`); each becomes `--key value`. A point (in `grid` or `points`)
+may also set `config`: one more config file (or a list), read after the base `configs` and before
+the overrides, e.g. a fragment such as configs/precision/bf16-true.yaml. A `points` entry may also set
+`requires` and `command`; a point with its own command takes neither `configs` nor `fixed` from the
+top level.
+
+Results live in one directory: runs/<point-id>/ (TensorBoard, one parent for all points),
+points/<point-id>/ (status.json, stdout.log, stderr.log), results.csv, results.md and the PNGs.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import io
+import itertools
+import json
+import math
+import os
+import re
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from lmledger.errors import UserError
+
+TOP_LEVEL_KEYS = ("name", "description", "command", "configs", "fixed", "grid", "points", "metrics", "x", "requires")
+POINT_ONLY_KEYS = ("command", "requires")  # allowed in `points` entries, not as grid keys
+TRAINING_COMMANDS = ("fit", "validate")  # metrics come from the run's TensorBoard events
+JSON_COMMANDS = ("account", "plan", "gpus", "bench")  # metrics come from the one JSON object on stdout
+CONFIG_COMMANDS = TRAINING_COMMANDS + ("account",)  # need --config
+
+MEMORY_COMPONENTS = ("params", "grads", "optimizer", "activations")
+MEMORY_ROWS = MEMORY_COMPONENTS + ("peak",)
+_LEDGER_TAGS = (
+    *(f"memory/{kind}/{row}" for kind in ("predicted", "measured") for row in MEMORY_ROWS),
+    "flops/model_per_step",
+    "flops/hardware_per_step",
+    "flops/measured_per_step",
+)
+DEFAULT_METRICS = {
+    "fit": ("train/loss", "val/loss", "perf/tokens_per_sec", "perf/mfu", *_LEDGER_TAGS),
+    "validate": ("val/loss", "val/ppl"),
+    "account": (
+        "params",
+        *_LEDGER_TAGS,
+        "state_bytes_per_param/predicted",
+        "state_bytes_per_param/measured",
+        "run/tokens_per_step",
+    ),
+}
+# TensorBoard tags summarised by their median over the run (steady-state speed, robust to the first,
+# slow step); every other tag by its last value.
+_MEDIAN_PREFIX = "perf/"
+
+
+# ---------------------------------------------------------------------------------------------
+# The experiment file
+
+
+@dataclass(frozen=True)
+class Point:
+    """One run of the sweep: a command line, named by a readable slug of its overrides and a hash."""
+
+    id: str
+    command: tuple[str, ...]  # lmledger subcommand words and flags, e.g. ("account", "--measure")
+    configs: tuple[str, ...]
+    fixed: dict[str, object]  # the experiment's `fixed` overrides
+    swept: dict[str, object]  # this point's own overrides (grid values or an explicit entry)
+    requires_gpu: bool = False
+
+    @property
+    def subcommand(self) -> str:
+        return self.command[0]
+
+    @property
+    def label(self) -> str:
+        """The swept values, short: "precision=bf16-mixed batch_size=4"."""
+        return " ".join(f"{_short_key(k)}={_slug_value(k, v)}" for k, v in self.swept.items()) or self.id
+
+
+@dataclass(frozen=True)
+class Experiment:
+    name: str
+    source: Path
+    description: str
+    points: tuple[Point, ...]
+    metrics: tuple[str, ...] | None  # None: each command's defaults (and every JSON field for other commands)
+    x: str | None
+    swept_keys: tuple[str, ...]  # every override key that varies between points, in order of appearance
+    grid_keys: tuple[str, ...]
+
+
+def _fail(source: Path, message: str) -> UserError:
+    return UserError(f"{source}: {message}")
+
+
+def _parse_command(source: Path, where: str, value) -> tuple[str, ...]:
+    if not isinstance(value, str) or not value.strip():
+        raise _fail(source, f"{where} must be a string such as `fit` or `account --measure`, got {value!r}")
+    words = tuple(shlex.split(value))
+    allowed = TRAINING_COMMANDS + JSON_COMMANDS
+    if words[0] not in allowed:
+        raise _fail(source, f"{where}: unknown command {words[0]!r}; use one of {', '.join(allowed)}")
+    return words
+
+
+def _parse_configs(source: Path, where: str, value) -> tuple[str, ...]:
+    files = [value] if isinstance(value, str) else value
+    if not isinstance(files, list) or not files or not all(isinstance(f, str) and f for f in files):
+        raise _fail(source, f"{where} must be a config file path or a non-empty list of them, got {value!r}")
+    for file in files:
+        if not Path(file).is_file():
+            raise _fail(
+                source, f"{where}: config file {file} does not exist (paths are relative to the working directory)"
+            )
+    return tuple(files)
+
+
+def _check_override_keys(source: Path, where: str, overrides: dict, allowed_extra: tuple[str, ...] = ()) -> None:
+    for key in overrides:
+        if not isinstance(key, str) or not key:
+            raise _fail(source, f"{where}: override keys must be strings, got {key!r}")
+        if key.startswith("-"):
+            raise _fail(source, f"{where}: write override {key!r} without leading dashes, e.g. trainer.max_steps")
+        if key in POINT_ONLY_KEYS and key not in allowed_extra:
+            raise _fail(source, f"{where}: {key!r} can only be set in a `points` entry")
+
+
+def _slug_value(key: str, value) -> str:
+    if key == "config":
+        files = [value] if isinstance(value, str) else value
+        return "+".join(Path(f).stem for f in files)
+    return _format_value(value)
+
+
+def _short_key(key: str) -> str:
+    return key.rsplit(".", 1)[-1]
+
+
+def _point_id(command: tuple[str, ...], own_command: bool, configs: tuple[str, ...], fixed: dict, swept: dict) -> str:
+    parts = ["-".join(w for w in command if not w.startswith("-"))] if own_command else []
+    parts += [f"{_short_key(k)}={_slug_value(k, v)}" for k, v in swept.items()]
+    slug = re.sub(r"[^A-Za-z0-9._=+-]+", "-", "_".join(parts)).strip("-_")[:60] or "point"
+    # The hash covers everything that makes the run: edit `fixed` and every point becomes a new one.
+    overrides = {k: v for k, v in swept.items() if k != "config"}
+    identity = json.dumps(
+        {"command": command, "configs": configs, "fixed": fixed, "swept": overrides}, sort_keys=True, default=str
+    )
+    return f"{slug}-{hashlib.sha1(identity.encode()).hexdigest()[:6]}"
+
+
+def load_experiment(path: str | Path) -> Experiment:
+    """Read and check an experiment file; every problem is one UserError line naming the key."""
+    source = Path(path)
+    if not source.is_file():
+        raise UserError(f"experiment file {source} does not exist")
+    try:
+        raw = yaml.safe_load(source.read_text())
+    except yaml.YAMLError as err:
+        raise _fail(source, f"not valid YAML ({' '.join(str(err).split())})") from None
+    if not isinstance(raw, dict):
+        raise _fail(source, "an experiment file is a mapping with keys such as command, configs, grid, metrics")
+    unknown = [k for k in raw if k not in TOP_LEVEL_KEYS]
+    if unknown:
+        raise _fail(source, f"unknown top-level key {unknown[0]!r}; allowed: {', '.join(TOP_LEVEL_KEYS)}")
+
+    name = raw.get("name", source.stem)
+    if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9._-]+", name):
+        raise _fail(source, f"name must be letters, digits, '.', '_' or '-', got {name!r}")
+    command = _parse_command(source, "command", raw["command"]) if "command" in raw else None
+    configs = _parse_configs(source, "configs", raw["configs"]) if "configs" in raw else ()
+    fixed = raw.get("fixed") or {}
+    if not isinstance(fixed, dict):
+        raise _fail(source, f"fixed must be a mapping of overrides, got {fixed!r}")
+    _check_override_keys(source, "fixed", fixed)
+    if "config" in fixed:
+        raise _fail(source, "fixed: set the base config files with the top-level `configs` key")
+    requires = raw.get("requires")
+    if requires not in (None, "gpu"):
+        raise _fail(source, f"requires must be `gpu` (or left out), got {requires!r}")
+
+    # (own command?, command, configs, swept overrides, requires_gpu) for every point
+    specs: list[tuple[bool, tuple[str, ...] | None, tuple[str, ...], dict, bool]] = []
+    grid = raw.get("grid")
+    grid_keys: tuple[str, ...] = ()
+    if grid is not None:
+        if not isinstance(grid, dict) or not grid:
+            raise _fail(source, "grid is empty: give it at least one key with a list of values")
+        _check_override_keys(source, "grid", grid)
+        for key, values in grid.items():
+            if not isinstance(values, list) or not values:
+                raise _fail(source, f"grid key {key!r} needs a non-empty list of values, got {values!r}")
+        grid_keys = tuple(grid)
+        for combo in itertools.product(*grid.values()):
+            swept = dict(zip(grid_keys, combo, strict=True))
+            point_configs = configs + (
+                _parse_configs(source, "grid config", swept["config"]) if "config" in swept else ()
+            )
+            specs.append((False, command, point_configs, swept, requires == "gpu"))
+    points = raw.get("points")
+    if points is not None:
+        if not isinstance(points, list) or not points:
+            raise _fail(source, "points must be a non-empty list of mappings of overrides")
+        for i, entry in enumerate(points):
+            where = f"points[{i}]"
+            if not isinstance(entry, dict) or not entry:
+                raise _fail(source, f"{where} must be a non-empty mapping of overrides, got {entry!r}")
+            _check_override_keys(source, where, entry, allowed_extra=POINT_ONLY_KEYS)
+            # A point with its own command is a different kind of run: it takes no configs or fixed
+            # overrides from the top level (those belong to the top-level command).
+            own = "command" in entry
+            point_command = _parse_command(source, f"{where}.command", entry["command"]) if own else command
+            inherited = () if own else configs
+            extra = _parse_configs(source, f"{where}.config", entry["config"]) if "config" in entry else ()
+            point_configs = inherited + extra
+            point_requires = entry.get("requires", requires)
+            if point_requires not in (None, "gpu"):
+                raise _fail(source, f"{where}.requires must be `gpu`, got {point_requires!r}")
+            swept = {k: v for k, v in entry.items() if k not in POINT_ONLY_KEYS}
+            specs.append((own, point_command, point_configs, swept, point_requires == "gpu"))
+    if grid is None and points is None:
+        raise _fail(source, "no points: add a `grid` of overrides or a `points` list")
+
+    built: list[Point] = []
+    for own, point_command, point_configs, swept, needs_gpu in specs:
+        if point_command is None:
+            raise _fail(source, "command is missing: set it at the top level or in every `points` entry")
+        if point_command[0] in CONFIG_COMMANDS and not point_configs:
+            raise _fail(
+                source, f"configs is missing: `{point_command[0]}` points need a config file (`configs` or `config`)"
+            )
+        point_fixed = {} if own else dict(fixed)
+        point_id = _point_id(point_command, own, point_configs, point_fixed, swept)
+        built.append(Point(point_id, point_command, point_configs, point_fixed, swept, needs_gpu))
+    seen: dict[str, Point] = {}
+    for point in built:
+        if point.id in seen:
+            raise _fail(source, f"duplicate point ({point.label}): two entries make the same run; remove one")
+        seen[point.id] = point
+
+    swept_keys = list(dict.fromkeys(k for p in built for k in p.swept))
+    metrics = raw.get("metrics")
+    if metrics is not None:
+        if not isinstance(metrics, list) or not metrics or not all(isinstance(m, str) and m for m in metrics):
+            raise _fail(
+                source, f"metrics must be a non-empty list of names (TensorBoard tags or JSON paths), got {metrics!r}"
+            )
+        metrics = tuple(metrics)
+    x = raw.get("x", grid_keys[0] if grid_keys else (swept_keys[0] if swept_keys else None))
+    if x is not None and not isinstance(x, str):
+        raise _fail(source, f"x must be an override key or a metric name, got {x!r}")
+    description = raw.get("description", "")
+    if not isinstance(description, str):
+        raise _fail(source, "description must be a string")
+    return Experiment(name, source, description.strip(), tuple(built), metrics, x, tuple(swept_keys), grid_keys)
+
+
+# ---------------------------------------------------------------------------------------------
+# Command lines
+
+
+def _format_value(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "null"
+    if isinstance(value, (list, dict)):
+        return json.dumps(value)
+    return str(value)
+
+
+def _flags(overrides: dict) -> list[str]:
+    args: list[str] = []
+    for key, value in overrides.items():
+        args += [f"--{key}", _format_value(value)]
+    return args
+
+
+def run_dir_args(point: Point, out_dir: Path) -> list[str]:
+    """Every training point logs under out_dir/runs/<point id>/version_N, one TensorBoard parent."""
+    return ["--trainer.logger.init_args.save_dir", str(out_dir / "runs"), "--trainer.logger.init_args.name", point.id]
+
+
+def _config_args(point: Point) -> list[str]:
+    return [arg for config in point.configs for arg in ("--config", config)]
+
+
+def _override_args(point: Point) -> list[str]:
+    return _flags(point.fixed) + _flags({k: v for k, v in point.swept.items() if k != "config"})
+
+
+def cli_args(point: Point, out_dir: Path | None = None) -> list[str]:
+    """The point's `lmledger` arguments (without the program), in the order that makes later win:
+    config files, our quiet defaults, fixed overrides, the point's overrides, then its run directory."""
+    args = [*point.command, *_config_args(point)]
+    if point.subcommand in TRAINING_COMMANDS:
+        args += ["--trainer.enable_progress_bar", "false"]  # the log is a file, not a terminal
+    args += _override_args(point)
+    if point.subcommand in TRAINING_COMMANDS and out_dir is not None:
+        args += run_dir_args(point, out_dir)
+    if point.subcommand in JSON_COMMANDS and "--json" not in args:
+        args.append("--json")
+    return args
+
+
+def fit_args(point: Point) -> list[str]:
+    """The point's arguments as `load_run_spec` reads them (configs and overrides, no command words)."""
+    return _config_args(point) + _override_args(point)
+
+
+# ---------------------------------------------------------------------------------------------
+# Metrics
+
+
+def flatten(obj, prefix: str = "") -> dict[str, object]:
+    """A JSON object's scalar leaves as {"a/b/0/c": value} (list items by index)."""
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) else None
+    if items is None:
+        return {prefix: obj}
+    flat: dict[str, object] = {}
+    for key, value in items:
+        flat.update(flatten(value, f"{prefix}/{key}" if prefix else str(key)))
+    return flat
+
+
+def json_path(obj, path: str):
+    """The value at "a/b/-1/c" in a JSON object (list items by index, negative from the end), or None."""
+    for part in path.split("/"):
+        if isinstance(obj, dict):
+            obj = obj.get(part)
+        elif isinstance(obj, list) and re.fullmatch(r"-?\d+", part) and -len(obj) <= int(part) < len(obj):
+            obj = obj[int(part)]
+        else:
+            return None
+    return None if isinstance(obj, (dict, list)) else obj
+
+
+def account_metrics(result: dict) -> dict[str, object]:
+    """`account --json` under the TensorBoard tag names `fit` logs, so both feed the same columns."""
+    metrics = flatten(result)
+    for row, pair in result.get("memory", {}).items():
+        for kind in ("predicted", "measured"):
+            metrics[f"memory/{kind}/{row}"] = pair.get(kind)
+    for kind in ("model", "hardware", "measured"):
+        metrics[f"flops/{kind}_per_step"] = result.get("flops", {}).get(kind)
+    params = result.get("params")
+    for kind in ("predicted", "measured"):
+        state = [metrics.get(f"memory/{kind}/{row}") for row in ("params", "grads", "optimizer")]
+        if params and all(v is not None for v in state):
+            metrics[f"state_bytes_per_param/{kind}"] = sum(state) / params
+    return metrics
+
+
+def read_tensorboard(run_dir: Path) -> dict[str, float]:
+    """Each scalar tag of a run, summarised: the median of perf/* tags, the last value of the rest."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    accumulator = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
+    accumulator.Reload()
+    summary: dict[str, float] = {}
+    for tag in accumulator.Tags()["scalars"]:
+        values = [event.value for event in accumulator.Scalars(tag) if math.isfinite(event.value)]
+        if values:
+            summary[tag] = statistics.median(values) if tag.startswith(_MEDIAN_PREFIX) else values[-1]
+    return summary
+
+
+def newest_run_dir(out_dir: Path, point: Point) -> Path | None:
+    versions = []
+    for path in (out_dir / "runs" / point.id).glob("version_*"):
+        match = re.fullmatch(r"version_(\d+)", path.name)
+        if match and path.is_dir():
+            versions.append((int(match.group(1)), path))
+    return max(versions)[1] if versions else None
+
+
+def metric_columns(experiment: Experiment, results: Iterable[PointResult]) -> list[str]:
+    if experiment.metrics is not None:
+        columns = list(experiment.metrics)
+    else:
+        columns = []
+        for point in experiment.points:
+            columns += DEFAULT_METRICS.get(point.subcommand, ())
+        for result in results:  # other JSON commands: every field they printed
+            if result.point.subcommand not in DEFAULT_METRICS:
+                columns += result.metrics
+    if experiment.x and experiment.x not in experiment.swept_keys:
+        columns.append(experiment.x)
+    return list(dict.fromkeys(columns))
+
+
+# ---------------------------------------------------------------------------------------------
+# Running
+
+
+@dataclass
+class PointResult:
+    point: Point
+    status: str  # "done", "failed" or "skipped"
+    metrics: dict[str, object] = field(default_factory=dict)
+    error: str = ""
+    seconds: float | None = None
+    run_dir: str | None = None
+    reused: bool = False  # finished by an earlier invocation of the sweep
+    argv: list[str] = field(default_factory=list)  # the `lmledger` arguments it ran with
+    output: dict | None = None  # the JSON object a JSON command printed
+
+    def metric(self, name: str):
+        """A collected metric, or a path into the printed JSON such as "results/-1/mfu"."""
+        value = self.metrics.get(name)
+        return json_path(self.output, name) if value is None and self.output is not None else value
+
+    def to_json(self) -> dict:
+        return {
+            "point": self.point.id,
+            "status": self.status,
+            "argv": self.argv,
+            "metrics": self.metrics,
+            "error": self.error,
+            "seconds": self.seconds,
+            "run_dir": self.run_dir,
+            "output": self.output,
+        }
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)  # readers see the old file or the new one, never half of one
+
+
+def status_path(out_dir: Path, point: Point) -> Path:
+    return out_dir / "points" / point.id / "status.json"
+
+
+def finished_result(out_dir: Path, point: Point) -> PointResult | None:
+    """The point's result if an earlier invocation finished it (failed points are redone)."""
+    path = status_path(out_dir, point)
+    try:
+        saved = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if saved.get("status") != "done":
+        return None
+    return PointResult(
+        point,
+        "done",
+        saved.get("metrics", {}),
+        "",
+        saved.get("seconds"),
+        saved.get("run_dir"),
+        reused=True,
+        argv=saved.get("argv", []),
+        output=saved.get("output"),
+    )
+
+
+def _last_line(text: str) -> str:
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[-1] if lines else ""
+
+
+def _subprocess_env(jobs: int) -> dict[str, str]:
+    env = dict(os.environ)
+    if jobs > 1 and "OMP_NUM_THREADS" not in env:
+        # N torch processes each spawning a thread per core would oversubscribe the CPU N times.
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // jobs))
+    return env
+
+
+def run_point(point: Point, out_dir: Path, jobs: int = 1) -> PointResult:
+    """Run one point through the real CLI in its own process; record its status atomically."""
+    logs = status_path(out_dir, point).parent
+    logs.mkdir(parents=True, exist_ok=True)
+    args = cli_args(point, out_dir)
+    argv = [sys.executable, "-m", "lmledger.cli", *args]
+    start = time.perf_counter()
+    with open(logs / "stdout.log", "w") as stdout, open(logs / "stderr.log", "w") as stderr:
+        code = subprocess.run(
+            argv, stdout=stdout, stderr=stderr, stdin=subprocess.DEVNULL, env=_subprocess_env(jobs)
+        ).returncode
+    seconds = time.perf_counter() - start
+    out_text = (logs / "stdout.log").read_text(errors="replace")
+    error = ""
+    metrics: dict[str, object] = {}
+    output = None
+    run_dir = newest_run_dir(out_dir, point) if point.subcommand in TRAINING_COMMANDS else None
+    if code != 0:
+        error = _last_line((logs / "stderr.log").read_text(errors="replace"))
+        if code < 0:  # killed by a signal: SIGKILL is what the kernel's OOM killer sends
+            reason = "out of memory?" if code == -9 else "signal"
+            error = f"killed by signal {-code} ({reason}){': ' + error if error else ''}"
+        error = error or f"exit code {code}"
+    elif point.subcommand in TRAINING_COMMANDS:
+        metrics = read_tensorboard(run_dir) if run_dir else {}
+    else:
+        try:
+            output = json.loads(_last_line(out_text))
+        except ValueError:
+            error = "printed no JSON object on stdout (see its stdout.log)"
+        else:
+            metrics = account_metrics(output) if point.subcommand == "account" else flatten(output)
+    outcome = PointResult(
+        point,
+        "failed" if error else "done",
+        metrics,
+        error,
+        seconds,
+        str(run_dir) if run_dir else None,
+        argv=args,
+        output=output,
+    )
+    _write_atomically(status_path(out_dir, point), json.dumps(outcome.to_json(), indent=1, default=str))
+    return outcome
+
+
+def cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+SWEEP_RECORD = "sweep.json"
+
+
+def check_out_dir(experiment: Experiment, out_dir: Path) -> bool:
+    """Whether out_dir is already this experiment's; raises if it holds anything else's results."""
+    record = out_dir / SWEEP_RECORD
+    if record.is_file():
+        try:
+            owner = json.loads(record.read_text()).get("name")
+        except ValueError:
+            owner = None
+        if owner != experiment.name:
+            raise UserError(
+                f"{out_dir} holds the results of sweep {owner!r}, not {experiment.name!r}: choose another --out"
+            )
+        return True
+    for name in ("results.csv", "results.md"):
+        if (out_dir / name).exists():
+            raise UserError(f"{out_dir / name} exists and is not from a sweep: choose another --out")
+    return False
+
+
+def claim_out_dir(experiment: Experiment, out_dir: Path) -> None:
+    if not check_out_dir(experiment, out_dir):
+        _write_atomically(
+            out_dir / SWEEP_RECORD, json.dumps({"name": experiment.name, "experiment": str(experiment.source)}) + "\n"
+        )
+
+
+def run_sweep(
+    experiment: Experiment,
+    out_dir: Path,
+    jobs: int = 1,
+    on_start: Callable[[Point], None] | None = None,
+    on_done: Callable[[PointResult], None] | None = None,
+) -> list[PointResult]:
+    """Run every unfinished point (`jobs` at a time), skip finished ones and GPU-only ones without a
+    GPU, then write results.csv, results.md and the plots. Returns one result per point, in order."""
+    if jobs < 1:
+        raise UserError(f"--jobs must be >= 1, got {jobs}")
+    claim_out_dir(experiment, out_dir)
+    have_gpu = cuda_available() if any(p.requires_gpu for p in experiment.points) else False
+    results: dict[str, PointResult] = {}
+    pending: list[Point] = []
+    for point in experiment.points:
+        if point.requires_gpu and not have_gpu:
+            results[point.id] = PointResult(point, "skipped", error="needs a CUDA GPU; torch sees none")
+        elif (done := finished_result(out_dir, point)) is not None:
+            results[point.id] = done
+        else:
+            pending.append(point)
+            continue
+        if on_done:
+            on_done(results[point.id])
+
+    def work(point: Point) -> PointResult:
+        if on_start:
+            on_start(point)
+        return run_point(point, out_dir, jobs)
+
+    pool = ThreadPoolExecutor(max_workers=jobs)
+    try:
+        for future in as_completed([pool.submit(work, point) for point in pending]):
+            result = future.result()
+            results[result.point.id] = result
+            if on_done:
+                on_done(result)
+    except BaseException:
+        # Ctrl-C reaches the running points too (same process group); start no new ones. The next
+        # invocation redoes whatever did not finish.
+        pool.shutdown(wait=True, cancel_futures=True)
+        raise
+    pool.shutdown()
+    ordered = [results[p.id] for p in experiment.points]
+    write_results(experiment, ordered, out_dir)
+    return ordered
+
+
+# ---------------------------------------------------------------------------------------------
+# Results: results.csv, results.md
+
+
+def table_columns(experiment: Experiment, results: list[PointResult]) -> list[str]:
+    return ["point", "status", *experiment.swept_keys, *metric_columns(experiment, results), "seconds", "error"]
+
+
+def result_row(result: PointResult, columns: list[str]) -> dict[str, object]:
+    values = {c: result.metric(c) for c in columns}
+    values.update(
+        point=result.point.id,
+        status=result.status,
+        **{k: _slug_value(k, v) for k, v in result.point.swept.items()},
+        seconds=None if result.seconds is None else round(result.seconds, 2),
+        error=result.error,
+    )
+    return {c: values.get(c) for c in columns}
+
+
+def write_results(experiment: Experiment, results: list[PointResult], out_dir: Path) -> list[Path]:
+    columns = table_columns(experiment, results)
+    rows = [result_row(r, columns) for r in results]
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, columns, lineterminator="\n")
+    writer.writeheader()
+    for row in rows:
+        writer.writerow({k: "" if v is None else v for k, v in row.items()})
+    _write_atomically(out_dir / "results.csv", buffer.getvalue())
+    _write_atomically(out_dir / "results.md", markdown_table(experiment, columns, rows))
+    return draw_plots(experiment, results, out_dir)
+
+
+def format_cell(column: str, value) -> str:
+    if value is None or value == "":
+        return ""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return str(value).replace("|", "\\|")
+    if column.startswith("memory/"):
+        return f"{value / 2**20:,.3f}"
+    if column.endswith(("mfu", "hfu")):
+        return f"{value:.3f}"
+    if "loss" in column or "ppl" in column or "per_param" in column:
+        return f"{value:.4g}"
+    if column.startswith("flops/") or abs(value) >= 1e7:
+        return f"{value:.4g}"
+    if isinstance(value, float):
+        return f"{value:,.1f}" if abs(value) >= 100 else f"{value:.4g}"
+    return f"{value:,}"
+
+
+def markdown_table(experiment: Experiment, columns: list[str], rows: list[dict]) -> str:
+    """The non-empty columns of the results, human-formatted: memory in MiB, each predicted figure
+    and its measured twin in one "predicted / measured" cell."""
+    shown = [c for c in columns if c != "point" and any(row.get(c) not in (None, "") for row in rows)]
+    short = [_short_key(k) for k in experiment.swept_keys]
+    short_names = {k: s for k, s in zip(experiment.swept_keys, short, strict=True) if short.count(s) == 1}
+    cells: list[tuple[str, str, str | None]] = []  # (header, column, its measured twin in the same cell)
+    for column in shown:
+        if not column.startswith("memory/"):
+            cells.append((short_names.get(column, column), column, None))
+            continue
+        _, kind, component = column.split("/", 2)
+        twin = f"memory/measured/{component}"
+        if kind == "measured" and f"memory/predicted/{component}" in shown:
+            continue  # shown beside its prediction
+        if kind == "predicted" and twin in shown:
+            cells.append((f"{component} MiB (predicted / measured)", column, twin))
+        else:
+            cells.append((f"{component} MiB ({kind})", column, None))
+
+    def render(row: dict, column: str, twin: str | None) -> str:
+        text = format_cell(column, row.get(column))
+        if twin is None:
+            return text
+        measured = format_cell(twin, row.get(twin))
+        return f"{text or '—'} / {measured or '—'}" if text or measured else ""
+
+    lines = [f"# sweep {experiment.name}", ""]
+    if experiment.description:
+        lines += [experiment.description, ""]
+    lines += ["| " + " | ".join(h for h, _, _ in cells) + " |", "|" + "|".join("---" for _ in cells) + "|"]
+    for row in rows:
+        lines.append("| " + " | ".join(render(row, column, twin) for _, column, twin in cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------------------------
+# Plots (matplotlib's Figure directly: the Agg canvas, no pyplot state shared between threads)
+
+_COMPONENT_COLORS = {"params": "#4c72b0", "grads": "#dd8452", "optimizer": "#55a868", "activations": "#c44e52"}
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _x_value(result: PointResult, x: str | None):
+    if x is None:
+        return result.point.label
+    if x in result.point.swept:
+        value = result.point.swept[x]
+        return value if _is_number(value) else _slug_value(x, value)
+    return result.metric(x)
+
+
+def _series(results: list[PointResult], x: str | None, keys: tuple[str, ...]) -> dict[str, list[PointResult]]:
+    """Results grouped by their values of the swept keys other than x (one line per group)."""
+    groups: dict[str, list[PointResult]] = {}
+    for result in results:
+        label = " ".join(
+            f"{_short_key(k)}={_slug_value(k, result.point.swept[k])}"
+            for k in keys
+            if k != x and k in result.point.swept
+        )
+        groups.setdefault(label, []).append(result)
+    return groups
+
+
+def _tick_at_values(ax, xs: list) -> None:
+    """Numeric x with a few swept values: a tick at each value, not at matplotlib's fractions."""
+    values = sorted({x for x in xs if _is_number(x)})
+    if values and len(values) == len(set(xs)) and len(values) <= 12:
+        ax.set_xticks(values, [f"{v:g}" for v in values])
+
+
+def _save(figure, path: Path) -> Path:
+    figure.tight_layout()
+    tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp.png")
+    figure.savefig(tmp, dpi=90)
+    os.replace(tmp, path)
+    return path
+
+
+def plot_memory_bars(results: list[PointResult], path: Path) -> Path:
+    """Per point, a stacked bar of predicted bytes per component beside the measured one; peak as a tick."""
+    from matplotlib.figure import Figure
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    figure = Figure(figsize=(max(7.0, 0.75 * len(results) + 4.0), 4.5))
+    ax = figure.subplots()
+    width = 0.38
+    for i, result in enumerate(results):
+        for offset, kind, hatch in ((-width / 2, "predicted", None), (width / 2, "measured", "//")):
+            bottom = 0.0
+            for component in MEMORY_COMPONENTS:
+                value = result.metrics.get(f"memory/{kind}/{component}")
+                if value is None:
+                    continue
+                mib = value / 2**20
+                ax.bar(
+                    i + offset,
+                    mib,
+                    width,
+                    bottom=bottom,
+                    color=_COMPONENT_COLORS[component],
+                    hatch=hatch,
+                    edgecolor="white",
+                    linewidth=0.5,
+                )
+                bottom += mib
+            peak = result.metrics.get(f"memory/{kind}/peak")
+            if peak is not None:
+                ax.plot(
+                    [i + offset - width / 2, i + offset + width / 2], [peak / 2**20] * 2, color="black", linewidth=2
+                )
+    many = len(results) > 3
+    ax.set_xticks(
+        range(len(results)),
+        [r.point.label for r in results],
+        rotation=30 if many else 0,
+        ha="right" if many else "center",
+        fontsize=8,
+    )
+    ax.set_ylabel("MiB")
+    ax.set_title("memory per component: predicted (solid) | measured (hatched)")
+    handles = [Patch(color=c, label=k) for k, c in _COMPONENT_COLORS.items()]
+    handles.append(Patch(facecolor="white", edgecolor="black", hatch="//", label="measured"))
+    handles.append(Line2D([], [], color="black", linewidth=2, label="peak"))
+    ax.legend(handles=handles, fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    return _save(figure, path)
+
+
+def plot_perf(results: list[PointResult], experiment: Experiment, path: Path) -> Path:
+    """MFU and tokens/s against the swept variable, one line per value of the other swept keys."""
+    from matplotlib.figure import Figure
+
+    panels = [m for m in ("perf/tokens_per_sec", "perf/mfu") if any(r.metrics.get(m) is not None for r in results)]
+    figure = Figure(figsize=(5 * len(panels), 4))
+    axes = figure.subplots(1, len(panels), squeeze=False)[0]
+    for ax, metric in zip(axes, panels, strict=True):
+        for label, members in _series(results, experiment.x, experiment.swept_keys).items():
+            points = [
+                (_x_value(r, experiment.x), r.metrics.get(metric)) for r in members if r.metrics.get(metric) is not None
+            ]
+            if all(_is_number(x) for x, _ in points):
+                points.sort(key=lambda p: p[0])
+            if points:
+                ax.plot(
+                    [x if _is_number(x) else str(x) for x, _ in points],
+                    [y for _, y in points],
+                    marker="o",
+                    label=label or None,
+                )
+        _tick_at_values(ax, [_x_value(r, experiment.x) for r in results])
+        ax.set_xlabel(_short_key(experiment.x) if experiment.x else "point")
+        ax.set_ylabel(metric)
+        ax.set_title(metric)
+        if any(not line.get_label().startswith("_") for line in ax.get_lines()):
+            ax.legend(fontsize=8)
+    return _save(figure, path)
+
+
+def plot_memory_line(results: list[PointResult], experiment: Experiment, key: str, path: Path) -> Path:
+    """Activations (and peak, where measured) against one numeric grid key: the prediction as a
+    line, the measurements as points on it."""
+    from matplotlib.figure import Figure
+
+    rows = [
+        row
+        for row in ("activations", "peak")
+        if any(r.metrics.get(f"memory/measured/{row}") is not None for r in results)
+    ]
+    rows = rows or ["activations"]
+    figure = Figure(figsize=(5 * len(rows), 4))
+    axes = figure.subplots(1, len(rows), squeeze=False)[0]
+    for ax, row in zip(axes, rows, strict=True):
+        for n, (label, members) in enumerate(_series(results, key, experiment.grid_keys).items()):
+            color = f"C{n % 10}"
+            members = sorted(members, key=lambda r: r.point.swept[key])
+            xs = [r.point.swept[key] for r in members]
+            predicted = [r.metrics.get(f"memory/predicted/{row}") for r in members]
+            if all(v is not None for v in predicted):
+                ax.plot(xs, [v / 2**20 for v in predicted], color=color, label=f"predicted {label}".strip())
+            measured = [(x, r.metrics.get(f"memory/measured/{row}")) for x, r in zip(xs, members, strict=True)]
+            measured = [(x, v) for x, v in measured if v is not None]
+            if measured:
+                ax.plot(
+                    [x for x, _ in measured],
+                    [v / 2**20 for _, v in measured],
+                    "o",
+                    color=color,
+                    label=f"measured {label}".strip(),
+                )
+        _tick_at_values(ax, [r.point.swept[key] for r in results])
+        ax.set_xlabel(key)
+        ax.set_ylabel("MiB")
+        ax.set_title(f"{row}: predicted (line), measured (points)")
+        ax.legend(fontsize=7)
+    return _save(figure, path)
+
+
+def draw_plots(experiment: Experiment, results: list[PointResult], out_dir: Path) -> list[Path]:
+    """memory.png, perf.png and memory_vs_<key>.png, each drawn when the results hold its data."""
+    done = [r for r in results if r.status == "done"]
+    written: list[Path] = []
+    if any(r.metrics.get(f"memory/predicted/{c}") is not None for r in done for c in MEMORY_COMPONENTS):
+        written.append(plot_memory_bars(done, out_dir / "memory.png"))
+    if any(r.metrics.get(m) is not None for r in done for m in ("perf/tokens_per_sec", "perf/mfu")):
+        written.append(plot_perf(done, experiment, out_dir / "perf.png"))
+    if any(r.metrics.get("memory/predicted/activations") is not None for r in done):
+        for key in experiment.grid_keys:
+            values = {r.point.swept.get(key) for r in done}
+            if len(values) >= 2 and all(_is_number(v) for v in values):
+                written.append(plot_memory_line(done, experiment, key, out_dir / f"memory_vs_{_short_key(key)}.png"))
+    return written
