@@ -9,6 +9,8 @@ and TensorBoard keeps the first declaration it reads.)
 from __future__ import annotations
 
 import lightning.pytorch as pl
+from rich.console import Console
+from rich.table import Table
 
 from lmledger.callbacks.memory import predict_memory
 from lmledger.callbacks.run import LedgerRun, format_bytes, format_count, log_text, markdown_table
@@ -36,6 +38,18 @@ def summary_rows(run: LedgerRun) -> list[list[str]]:
 
 
 class LedgerSummary(pl.Callback):
+    """The card above, also printed at fit start: it stands in for Lightning's model summary, whose
+    FLOPs column reads 0 without an example input (and would miss CPU attention if given one)."""
+
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         run = LedgerRun.from_trainer(trainer, pl_module)
-        log_text(trainer, "ledger/summary", markdown_table(["", "value", ""], summary_rows(run)))
+        rows = summary_rows(run)
+        log_text(trainer, "ledger/summary", markdown_table(["", "value", ""], rows))
+        if trainer.is_global_zero:
+            table = Table(title="ledger", show_header=False)
+            table.add_column(style="bold")
+            table.add_column(justify="right")
+            table.add_column()
+            for row in rows:
+                table.add_row(*row)
+            Console().print(table)

@@ -156,6 +156,8 @@ def _run_cli(cli_class: type[LedgerCLI], argv: list[str], run: bool) -> LedgerCL
     # LightningCLI warns when it gets `args` while sys.argv also holds arguments, as it does when we run
     # as the console script. sys.argv must stay as it is: DDP's launcher re-runs it for ranks 1..N-1.
     warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
+    # Lightning 2.6.6 calls a torch.utils._pytree API that torch 2.13 deprecates; nothing for users to act on.
+    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
     try:
         return cli_class(
             LitLM,

@@ -1,0 +1,204 @@
+"""The GPU check (run through benchmarks/gpu_check.sh): matmul MFU per dtype, then short training runs of
+cs336-small and cs336-medium at ctx 1024 in each precision, with tokens/s, MFU, HFU and predicted vs
+measured peak memory read back from the runs' TensorBoard events.
+
+Each stage runs `python -m lmledger.cli ...` in its own process (a crash or OOM is recorded, the rest goes
+on) under one overall deadline. Full results go to OUT/gpu_check.json and OUT/gpu_check.md; the short table
+is printed last. `--dry-run` (or no CUDA device) runs every stage at toy size on the CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+MODELS = ("cs336-small", "cs336-medium")
+# (label, trainer precision, extra overrides); fp8 rows need torchao or transformer_engine and sm_89+.
+VARIANTS = (
+    ("bf16-mixed+compile", "bf16-mixed", ["--model.compile", "true"]),
+    ("bf16-true+compile", "bf16-true", ["--model.compile", "true"]),
+    ("fp8-torchao+compile", "bf16-true", ["--model.compile", "true", "--model.fp8", "torchao"]),
+    ("fp8-te", "transformer-engine", []),
+)
+TOY = [  # dry run: the same stages at a size a CPU runs in seconds
+    "--model.config.d_model", "64", "--model.config.n_layers", "2", "--model.config.n_heads", "2",
+    "--model.config.d_ff", "128", "--model.config.context_length", "64", "--data.batch_size", "4",
+    "--trainer.accelerator", "cpu", "--model.compile", "false",
+]  # fmt: skip
+
+
+def run(cmd: list[str], timeout: float, log) -> tuple[int, str]:
+    started = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=max(1.0, timeout), cwd=os.getcwd())
+        code, output = proc.returncode, proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as err:
+        code, output = 124, f"timed out after {timeout:.0f} s\n{(err.stdout or b'')!s}"
+    log.write(f"$ {' '.join(cmd)}\n# exit {code} after {time.perf_counter() - started:.1f} s\n{output}\n")
+    log.flush()
+    return code, output
+
+
+def last_error_line(output: str) -> str:
+    lines = [line.strip() for line in output.strip().splitlines() if line.strip()]
+    return lines[-1][:300] if lines else ""
+
+
+def fp8_unavailable(precision: str, extra: list[str], dry: bool) -> str | None:
+    if dry:
+        return "fp8 needs a CUDA GPU (dry run)"
+    import importlib.util
+
+    import torch
+
+    if torch.cuda.get_device_capability() < (8, 9):
+        return "fp8 needs sm_89+"
+    if "torchao" in extra and importlib.util.find_spec("torchao") is None:
+        return "torchao not installed"
+    if precision == "transformer-engine" and importlib.util.find_spec("transformer_engine") is None:
+        return "transformer_engine not installed"
+    return None
+
+
+def read_run(run_dir: Path, warmup_logs: int = 1) -> dict:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+
+    def steady(tag: str) -> float | None:  # median of the logged values after the first
+        if tag not in tags:
+            return None
+        values = [e.value for e in acc.Scalars(tag)]
+        return statistics.median(values[warmup_logs:] or values)
+
+    def last(tag: str) -> float | None:
+        return acc.Scalars(tag)[-1].value if tag in tags else None
+
+    return {
+        "tokens_per_sec": steady("perf/tokens_per_sec"),
+        "tflops": steady("perf/tflops"),
+        "mfu": steady("perf/mfu"),
+        "hfu": steady("perf/hfu"),
+        "data_wait_frac": steady("perf/data_wait_frac"),
+        "train_loss": last("train/loss"),
+        "peak_predicted": last("memory/predicted/peak"),
+        "peak_measured": last("memory/measured/peak"),
+        "activations_predicted": last("memory/predicted/activations"),
+        "activations_measured": last("memory/measured/activations"),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dry-run", action="store_true", help="every stage at toy size on the CPU")
+    parser.add_argument("--out", help="results directory (default $OUT, else benchmarks/results/DATE-GPU)")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--budget", type=float, default=450.0, help="seconds for all stages together")
+    parser.add_argument("--models", default=",".join(MODELS))
+    args = parser.parse_args()
+
+    import torch
+
+    dry = args.dry_run or not torch.cuda.is_available()
+    device = "cpu (dry run)" if dry else torch.cuda.get_device_name()
+    slug = "cpu-dry" if dry else device.lower().replace("nvidia", "").strip().replace(" ", "-")
+    out = Path(args.out or os.environ.get("OUT") or REPO / "benchmarks" / "results" / f"{dt.date.today()}-{slug}")
+    out.mkdir(parents=True, exist_ok=True)
+    deadline = time.monotonic() + args.budget
+    cli = [sys.executable, "-m", "lmledger.cli"]
+    results: dict = {"date": dt.date.today().isoformat(), "device": device, "dry_run": dry, "stages": []}
+    log = open(out / "gpu_check.log", "w")
+
+    # (a) matmul MFU per dtype
+    dtypes, sizes = ("fp32,bf16", "128,256") if dry else ("fp32,tf32,bf16,fp8", "4096,8192")
+    code, output = run([*cli, "bench", "matmul", "--dtypes", dtypes, "--sizes", sizes, "--json"], 120, log)
+    bench = json.loads(output[output.index("{") :]) if code == 0 else {"error": last_error_line(output)}
+    results["matmul"] = bench
+
+    # data: the cs336 configs read BPE 10k tokens; the dry run makes do with bytes
+    data = Path("data/stdlib-bpe10k" if not dry else out / "data-bytes")
+    if not (data / "meta.json").is_file():
+        prepare = ["--tokenizer", "bpe", "--vocab-size", "10000"] if not dry else []
+        code, output = run([*cli, "prepare", *prepare, "--out", str(data)], 240, log)
+        if code != 0:
+            results["error"] = f"prepare failed: {last_error_line(output)}"
+
+    # (b) short training runs
+    for model in args.models.split(","):
+        for label, precision, extra in VARIANTS:
+            stage = {"model": model, "variant": label, "precision": precision}
+            results["stages"].append(stage)
+            reason = fp8_unavailable(precision, extra, dry) if ("fp8" in label) else None
+            left = deadline - time.monotonic()
+            if reason or left < 30 or "error" in results:
+                stage["skipped"] = reason or results.get("error") or "out of time"
+                continue
+            name = f"{model}-{label}"
+            cmd = [
+                *cli, "fit", "--config", f"configs/{model}.yaml",
+                "--trainer.precision", precision, *extra,
+                "--data.path", str(data), "--data.num_workers", "2",
+                "--trainer.max_steps", str(args.steps if not dry else 6),
+                "--trainer.limit_val_batches", "0", "--trainer.log_every_n_steps", "5" if not dry else "2",
+                "--trainer.enable_checkpointing", "false", "--trainer.callbacks", "[]",
+                "--trainer.logger.init_args.save_dir", str(out / "runs"),
+                "--trainer.logger.init_args.name", name,
+                *(TOY if dry else []),
+            ]  # fmt: skip
+            started = time.monotonic()
+            code, output = run(cmd, left, log)
+            stage["seconds"] = round(time.monotonic() - started, 1)
+            if code != 0:
+                stage["error"] = last_error_line(output)
+                continue
+            versions = sorted((out / "runs" / name).glob("version_*"), key=lambda p: int(p.name.split("_")[1]))
+            stage.update(read_run(versions[-1]))
+
+    (out / "gpu_check.json").write_text(json.dumps(results, indent=2))
+    table = summary_table(results)
+    (out / "gpu_check.md").write_text(table + "\n")
+    log.close()
+    print(f"full results: {out}/gpu_check.json, log: {out}/gpu_check.log\n")
+    print(table)
+    return 0
+
+
+def _fmt(x, spec: str) -> str:
+    return "—" if x is None else format(x, spec)
+
+
+def summary_table(results: dict) -> str:
+    lines = [f"GPU check {results['date']} on {results['device']}", ""]
+    lines += ["| matmul | size | TFLOP/s | MFU | note |", "|---|---|---|---|---|"]
+    for row in results.get("matmul", {}).get("results", []):
+        lines.append(
+            f"| {row['dtype']} | {row['size']} | {_fmt(row.get('flops_per_s') and row['flops_per_s'] / 1e12, '.1f')} "
+            f"| {_fmt(row.get('mfu'), '.3f')} | {row.get('note') or ''}"
+        )
+    if "error" in results.get("matmul", {}):
+        lines.append(f"| matmul failed: {results['matmul']['error']} | | | | |")
+    lines += ["", "| model | variant | tokens/s | MFU | HFU | peak predicted GB | peak measured GB | note |"]
+    lines.append("|---|---|---|---|---|---|---|---|")
+    for s in results["stages"]:
+        gb = lambda b: None if b is None else b / 1e9  # noqa: E731
+        note = s.get("skipped") or s.get("error") or f"{s.get('seconds')} s"
+        lines.append(
+            f"| {s['model']} | {s['variant']} | {_fmt(s.get('tokens_per_sec'), ',.0f')} | {_fmt(s.get('mfu'), '.3f')} "
+            f"| {_fmt(s.get('hfu'), '.3f')} | {_fmt(gb(s.get('peak_predicted')), '.2f')} "
+            f"| {_fmt(gb(s.get('peak_measured')), '.2f')} | {note} |"
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
