@@ -94,8 +94,10 @@ def test_unknown_names_warn_and_return_none(name):
 def test_reference_dense_figures():
     for key, figures in REFERENCE_DENSE.items():
         for dtype, tflops in figures.items():
-            expected = None if tflops is None else tflops * 1e12
-            assert GPUS[key].peak_flops[dtype] == pytest.approx(expected, rel=1e-9), (key, dtype)
+            if tflops is None:
+                assert GPUS[key].peak_flops[dtype] is None, (key, dtype)
+            else:
+                assert GPUS[key].peak_flops[dtype] == pytest.approx(tflops * 1e12, rel=1e-9), (key, dtype)
 
 
 def test_no_sparse_figures():
