@@ -26,13 +26,7 @@ CONFIG = dict(context_length=SEQ, d_model=64, n_layers=2, n_heads=2, d_ff=128)
 STEPS, WARMUP = 6, 2
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_cpu_thread():
-    """A tiny model on a shared 2-core machine: one intra-op thread is faster and steadier."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny models run faster on one thread
 
 
 def fit(
@@ -258,3 +252,21 @@ def test_cli_fit_keeps_the_ledger_and_refuses_what_cannot_fit(workdir, capsys):
     assert lmledger([*fit_args, "--trainer.max_steps", "2", "--ledger.enabled", "false"]) == 0
     newest = max((workdir / "runs/tiny").glob("version_*"), key=lambda p: int(p.name.split("_")[1]))
     assert not [tag for tag in read_scalars(newest) if tag.split("/")[0] in ("perf", "flops", "memory")]
+
+
+def test_a_pessimistic_measured_peak_is_raised_to_what_training_achieved(stdlib_data, tmp_path, monkeypatch):
+    """A CPU peak measured while the machine was busy can be beaten by training; MFU must not pass 1."""
+    from lmledger.callbacks import throughput
+    from lmledger.ledger.hardware import Peak
+
+    real = throughput.resolve_peak
+    monkeypatch.setattr(
+        throughput, "resolve_peak", lambda run: (Peak(1e3, "measured", "fp32"), real(run)[1])  # 1 kFLOP/s
+    )
+    trainer = fit(stdlib_data, tmp_path, LedgerSettings(warmup_steps=1), max_steps=6)
+    scalars = read_scalars(trainer.logger.log_dir)
+    hfu = [value for _, value in scalars["perf/hfu"]]
+    assert hfu[0] == pytest.approx(1.0, rel=1e-9)  # the first report raised the peak to the achieved rate
+    assert all(0 < u <= 1 + 1e-9 for u in hfu)
+    assert all(0 < u <= 1 for _, u in scalars["perf/mfu"])
+    assert "raised at step" in read_texts(trainer.logger.log_dir)["perf/peak"]

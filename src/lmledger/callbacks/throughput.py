@@ -157,6 +157,7 @@ class ThroughputLedger(pl.Callback):
             "perf/data_wait_frac": min(1.0, max(0.0, window.data_wait / seconds)),
         }
         if self.peak is not None:
+            self._raise_measured_peak(trainer, window.hardware_flops / seconds)
             metrics["perf/mfu"] = window.model_flops / seconds / self.peak.flops_per_s
             metrics["perf/hfu"] = window.hardware_flops / seconds / self.peak.flops_per_s
         if self.run.world_size > 1:
@@ -167,6 +168,22 @@ class ThroughputLedger(pl.Callback):
             pl_module.log("tok/s", metrics["perf/tokens_per_sec"], prog_bar=True, logger=False, batch_size=1)
             if "perf/mfu" in metrics:
                 pl_module.log("mfu", metrics["perf/mfu"], prog_bar=True, logger=False, batch_size=1)
+
+    def _raise_measured_peak(self, trainer: pl.Trainer, achieved: float) -> None:
+        """A measured peak (CPU, unlisted GPU) is an estimate of the best this device does. If training
+        beats it, the fit-start measurement was pessimistic (a machine busy with other work makes every
+        matmul slower): the achieved rate is the better estimate, so it becomes the peak, and the
+        perf/peak card says so. Datasheet peaks are never changed."""
+        if self.peak.source != "measured" or achieved <= self.peak.flops_per_s:
+            return
+        before = self.peak.flops_per_s
+        self.peak = Peak(achieved, "measured", self.peak.dtype)
+        log_text(
+            trainer,
+            "perf/peak",
+            f"{achieved / 1e12:.4g} TFLOP/s {self.peak.dtype}: raised at step {trainer.global_step} from the "
+            f"fit-start measurement ({before / 1e12:.4g} TFLOP/s), which training beat",
+        )
 
     # Validation inside a window is not training time: pause the clocks around it.
 
