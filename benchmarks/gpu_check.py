@@ -125,8 +125,9 @@ def main() -> int:
     bench = json.loads(output[output.index("{") :]) if code == 0 else {"error": last_error_line(output)}
     results["matmul"] = bench
 
-    # data: the cs336 configs read BPE 10k tokens; the dry run makes do with bytes
-    data = Path("data/stdlib-bpe10k" if not dry else out / "data-bytes")
+    # data: the cs336 configs read BPE 10k tokens; the dry run makes do with bytes. Configs and data are
+    # found from the checkout (REPO), not the working directory, so the script runs from anywhere.
+    data = REPO / "data" / "stdlib-bpe10k" if not dry else out / "data-bytes"
     if not (data / "meta.json").is_file():
         prepare = ["--tokenizer", "bpe", "--vocab-size", "10000"] if not dry else []
         code, output = run([*cli, "prepare", *prepare, "--out", str(data)], 240, log)
@@ -145,7 +146,7 @@ def main() -> int:
                 continue
             name = f"{model}-{label}"
             cmd = [
-                *cli, "fit", "--config", f"configs/{model}.yaml",
+                *cli, "fit", "--config", str(REPO / "configs" / f"{model}.yaml"),
                 "--trainer.precision", precision, *extra,
                 "--data.path", str(data), "--data.num_workers", "2",
                 "--trainer.max_steps", str(args.steps if not dry else 6),

@@ -1,11 +1,16 @@
-"""Shared fixtures: one prepared stdlib corpus per test session, and a scratch working directory."""
+"""Shared fixtures and helpers: one prepared stdlib corpus per test session, a scratch working directory,
+CLI override lists for small fits, one intra-op thread, and readers for JSON output and TensorBoard scalars."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from lmledger.cli import main as lmledger
 
@@ -20,6 +25,37 @@ TINY_OVERRIDES = [
     "--trainer.enable_progress_bar", "false",
     "--trainer.enable_model_summary", "false",
 ]  # fmt: skip
+# Smaller still, with no validation and a log line every step: for tests that fit many times.
+MICRO_OVERRIDES = [
+    "--model.config.d_model", "32",
+    "--model.config.n_layers", "1",
+    "--model.config.n_heads", "2",
+    "--model.config.d_ff", "64",
+    "--model.config.context_length", "32",
+    "--data.batch_size", "4",
+    "--trainer.enable_progress_bar", "false",
+    "--trainer.enable_model_summary", "false",
+    "--trainer.limit_val_batches", "0",
+    "--trainer.log_every_n_steps", "1",
+]  # fmt: skip
+
+
+@contextlib.contextmanager
+def one_intra_op_thread() -> Iterator[None]:
+    """Tiny models on a shared 2-core machine: one intra-op thread is several times faster, and steadier."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """one_intra_op_thread() for a whole module: `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    with one_intra_op_thread():
+        yield
 
 
 @pytest.fixture(scope="session")
@@ -38,6 +74,13 @@ def workdir(tmp_path, stdlib_data, monkeypatch) -> Path:
     (tmp_path / "configs").symlink_to(repo / "configs")
     monkeypatch.chdir(tmp_path)
     return tmp_path
+
+
+def run_json(capsys, *argv: str) -> dict:
+    """`lmledger ARGV` in-process, which must exit 0; its stdout parsed as one JSON object."""
+    capsys.readouterr()
+    assert lmledger(list(argv)) == 0
+    return json.loads(capsys.readouterr().out)
 
 
 def read_scalars(run_dir: Path | str) -> dict[str, list[tuple[int, float]]]:

@@ -3,10 +3,9 @@ one real step measured beside the prediction."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
+from conftest import run_json
 from lmledger.cli import main as lmledger
 from lmledger.ledger.memory import peak_bytes
 from lmledger.runspec import load_run_spec
@@ -15,17 +14,12 @@ SMALL = ["--model.config.d_model", "96", "--model.config.n_layers", "2", "--mode
          "--model.config.d_ff", "200", "--model.config.context_length", "48", "--data.batch_size", "3"]  # fmt: skip
 
 
-def run_json(capsys, *argv: str) -> dict:
-    capsys.readouterr()
-    assert lmledger(list(argv)) == 0
-    return json.loads(capsys.readouterr().out)
-
-
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "bf16-true"])
 def test_account_measure_matches_prediction(workdir, capsys, precision):
     result = run_json(
-        capsys, "account", "--config", "configs/tiny.yaml", *SMALL, "--trainer.precision", precision, "--measure", "--json"
-    )
+        capsys, "account", "--config", "configs/tiny.yaml", *SMALL, "--trainer.precision", precision,
+        "--measure", "--json",
+    )  # fmt: skip
     assert result["run"]["vocab_size"] == 256 and result["run"]["vocab_from_data"]
     from lmledger.model import count_parameters
 
@@ -39,7 +33,8 @@ def test_account_measure_matches_prediction(workdir, capsys, precision):
     acts = memory["activations"]
     assert abs(acts["predicted"] - acts["measured"]) <= 0.03 * acts["measured"]
     assert memory["peak"]["measured"] is None  # CPU: no allocator statistics to read a peak from
-    bytes_per_param = (memory["params"]["measured"] + memory["grads"]["measured"] + memory["optimizer"]["measured"]) / result["params"]
+    state_bytes = sum(memory[row]["measured"] for row in ("params", "grads", "optimizer"))
+    bytes_per_param = state_bytes / result["params"]
     assert bytes_per_param == pytest.approx({"32-true": 16, "bf16-mixed": 16, "bf16-true": 8}[precision])
 
 
@@ -53,7 +48,9 @@ def test_account_without_measure_sizes_a_3b_config_instantly(workdir, capsys):
 
 
 def test_plan_max_batch_is_the_largest_that_fits(workdir, capsys):
-    result = run_json(capsys, "plan", "max-batch", "--config", "configs/cs336-small.yaml", "--gpu", "h100-sxm", "--json")
+    result = run_json(
+        capsys, "plan", "max-batch", "--config", "configs/cs336-small.yaml", "--gpu", "h100-sxm", "--json"
+    )
     spec = load_run_spec(["--config", "configs/cs336-small.yaml"])
     best = result["max_batch"]
     assert best > 1
@@ -74,7 +71,10 @@ def test_plan_max_batch_is_the_largest_that_fits(workdir, capsys):
     [
         (["account"], "needs --config"),
         (["account", "--config", "configs/tiny.yaml", "--model.config.nope", "1"], "nope"),
-        (["account", "--config", "configs/tiny.yaml", "--trainer.precision", "64-true", "--measure"], "--measure supports"),
+        (
+            ["account", "--config", "configs/tiny.yaml", "--trainer.precision", "64-true", "--measure"],
+            "--measure supports",
+        ),
         (["plan", "max-batch", "--config", "configs/tiny.yaml", "--gpu", "no-such-gpu"], "no-such-gpu"),
     ],
 )

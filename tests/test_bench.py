@@ -1,9 +1,9 @@
-import json
 import math
 
 import pytest
 import torch
 
+from conftest import run_json
 from lmledger import cli
 from lmledger.bench import bench_matmul
 
@@ -13,8 +13,7 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 def test_bench_matmul_cpu_json_and_plot(tmp_path, capsys):
     plot = tmp_path / "plots" / "mfu.png"
     argv = ["bench", "matmul", "--device", "cpu", "--dtypes", "fp32,bf16,tf32,fp8", "--sizes", "32,64"]
-    assert cli.main([*argv, "--repeats", "3", "--json", "--plot", str(plot)]) == 0
-    report = json.loads(capsys.readouterr().out)
+    report = run_json(capsys, *argv, "--repeats", "3", "--json", "--plot", str(plot))
 
     assert report["device"] == "cpu"
     assert [(r["dtype"], r["size"]) for r in report["results"]] == [

@@ -261,7 +261,9 @@ def test_a_pessimistic_measured_peak_is_raised_to_what_training_achieved(stdlib_
 
     real = throughput.resolve_peak
     monkeypatch.setattr(
-        throughput, "resolve_peak", lambda run: (Peak(1e3, "measured", "fp32"), real(run)[1])  # 1 kFLOP/s
+        throughput,
+        "resolve_peak",
+        lambda run: (Peak(1e3, "measured", "fp32"), real(run)[1]),  # 1 kFLOP/s
     )
     trainer = fit(stdlib_data, tmp_path, LedgerSettings(warmup_steps=1), max_steps=6)
     scalars = read_scalars(trainer.logger.log_dir)

@@ -55,14 +55,6 @@ def corpus(tmp_path_factory) -> tuple[Path, dict[str, bytes]]:
     return root, _write_corpus(root)
 
 
-@pytest.fixture(scope="module")
-def stdlib_dir(tmp_path_factory) -> Path:
-    """The real default corpus (the whole standard library takes well under a second here)."""
-    out = tmp_path_factory.mktemp("prepared") / "stdlib"
-    prep.prepare(["stdlib"], out)
-    return out
-
-
 def _documents(path: Path) -> list[bytes]:
     return path.read_bytes().split(prep.BYTE_SEPARATOR)
 
@@ -109,8 +101,8 @@ def test_val_split_is_never_empty_and_single_files_are_cut(corpus, tmp_path):
     assert 0.05 < len(val) / len(big.read_bytes()) < 0.15
 
 
-def test_stdlib_corpus(stdlib_dir):
-    meta = load_meta(stdlib_dir)
+def test_stdlib_corpus(stdlib_data):
+    meta = load_meta(stdlib_data)
     assert meta["python_version"] == platform.python_version()
     assert meta["train_tokens"] > 5_000_000 and meta["val_tokens"] > 10_000  # tens of MB of source
     files, _ = prep.list_source_files(["stdlib"])
@@ -293,9 +285,9 @@ def _first_batches(loader, n):
     return batches
 
 
-def test_train_windows_are_slices_with_shifted_targets(stdlib_dir):
-    dm = TokenDataModule(str(stdlib_dir), batch_size=8, context_length=32, seed=7)
-    raw = np.frombuffer((stdlib_dir / "train.bin").read_bytes(), dtype=np.uint8)
+def test_train_windows_are_slices_with_shifted_targets(stdlib_data):
+    dm = TokenDataModule(str(stdlib_data), batch_size=8, context_length=32, seed=7)
+    raw = np.frombuffer((stdlib_data / "train.bin").read_bytes(), dtype=np.uint8)
     for index, (x, y) in enumerate(_first_batches(dm.train_dataloader(), 3)):
         assert x.dtype == y.dtype == torch.int64 and x.shape == y.shape == (8, 32)
         starts = train_window_starts(7, 0, index, 8, raw.size, 32)
@@ -305,16 +297,16 @@ def test_train_windows_are_slices_with_shifted_targets(stdlib_dir):
             assert y[row].tolist() == raw[start + 1 : start + 33].tolist()
 
 
-def test_train_windows_depend_only_on_seed_rank_and_index(stdlib_dir):
-    a = _first_batches(TokenDataModule(str(stdlib_dir), batch_size=4, context_length=16, seed=3).train_dataloader(), 4)
-    b = _first_batches(TokenDataModule(str(stdlib_dir), batch_size=4, context_length=16, seed=3).train_dataloader(), 4)
-    c = _first_batches(TokenDataModule(str(stdlib_dir), batch_size=4, context_length=16, seed=4).train_dataloader(), 4)
-    assert all(torch.equal(xa, xb) and torch.equal(ya, yb) for (xa, ya), (xb, yb) in zip(a, b))
-    assert not any(torch.equal(xa, xc) for (xa, _), (xc, _) in zip(a, c))
+def test_train_windows_depend_only_on_seed_rank_and_index(stdlib_data):
+    a = _first_batches(TokenDataModule(str(stdlib_data), batch_size=4, context_length=16, seed=3).train_dataloader(), 4)
+    b = _first_batches(TokenDataModule(str(stdlib_data), batch_size=4, context_length=16, seed=3).train_dataloader(), 4)
+    c = _first_batches(TokenDataModule(str(stdlib_data), batch_size=4, context_length=16, seed=4).train_dataloader(), 4)
+    assert all(torch.equal(xa, xb) and torch.equal(ya, yb) for (xa, ya), (xb, yb) in zip(a, b, strict=True))
+    assert not any(torch.equal(xa, xc) for (xa, _), (xc, _) in zip(a, c, strict=True))
     assert not any(torch.equal(a[i][0], a[i + 1][0]) for i in range(3))
-    n = load_meta(stdlib_dir)["train_tokens"]
+    n = load_meta(stdlib_data)["train_tokens"]
     assert not np.array_equal(train_window_starts(3, 0, 5, 4, n, 16), train_window_starts(3, 1, 5, 4, n, 16))
-    files = TokenFiles.open(stdlib_dir)
+    files = TokenFiles.open(stdlib_data)
     kwargs = dict(batch_size=4, context_length=16, seed=3, epoch_length=10)
     rank1 = TrainBatches(files.bin_path("train"), files.dtype, n, rank=1, **kwargs)
     assert not torch.equal(rank1[0][0], a[0][0])
@@ -325,10 +317,10 @@ def test_train_windows_depend_only_on_seed_rank_and_index(stdlib_dir):
     assert clone._tokens is None and torch.equal(clone[2][1], a[2][1])
 
 
-def test_val_windows_are_consecutive_non_overlapping_and_capped(stdlib_dir):
-    n_val = load_meta(stdlib_dir)["val_tokens"]
-    raw = np.frombuffer((stdlib_dir / "val.bin").read_bytes(), dtype=np.uint8)
-    dm = TokenDataModule(str(stdlib_dir), batch_size=16, context_length=64)
+def test_val_windows_are_consecutive_non_overlapping_and_capped(stdlib_data):
+    n_val = load_meta(stdlib_data)["val_tokens"]
+    raw = np.frombuffer((stdlib_data / "val.bin").read_bytes(), dtype=np.uint8)
+    dm = TokenDataModule(str(stdlib_data), batch_size=16, context_length=64)
     loader = dm.val_dataloader()
     assert len(loader) == (n_val - 1) // 64 // 16
     batches = list(loader)
@@ -337,9 +329,9 @@ def test_val_windows_are_consecutive_non_overlapping_and_capped(stdlib_dir):
     x = torch.cat([b[0] for b in batches]).flatten()
     y = torch.cat([b[1] for b in batches]).flatten()
     assert x.tolist() == raw[: x.numel()].tolist() and y.tolist() == raw[1 : x.numel() + 1].tolist()
-    again = list(TokenDataModule(str(stdlib_dir), batch_size=16, context_length=64, seed=99).val_dataloader())
-    assert all(torch.equal(p[0], q[0]) for p, q in zip(batches, again))
-    capped = TokenDataModule(str(stdlib_dir), batch_size=16, context_length=64, val_batches=3).val_dataloader()
+    again = list(TokenDataModule(str(stdlib_data), batch_size=16, context_length=64, seed=99).val_dataloader())
+    assert all(torch.equal(p[0], q[0]) for p, q in zip(batches, again, strict=True))
+    capped = TokenDataModule(str(stdlib_data), batch_size=16, context_length=64, val_batches=3).val_dataloader()
     assert len(list(capped)) == 3
 
 
@@ -350,15 +342,15 @@ def test_short_val_split_gives_one_short_batch(bytes_dir):
     assert batch[0].shape == (3, context)
 
 
-def test_workers_give_the_same_batches(stdlib_dir):
+def test_workers_give_the_same_batches(stdlib_data):
     kwargs = dict(batch_size=4, context_length=32, seed=11)
-    serial = TokenDataModule(str(stdlib_dir), num_workers=0, val_batches=6, **kwargs)
-    parallel = TokenDataModule(str(stdlib_dir), num_workers=2, val_batches=6, **kwargs)
+    serial = TokenDataModule(str(stdlib_data), num_workers=0, val_batches=6, **kwargs)
+    parallel = TokenDataModule(str(stdlib_data), num_workers=2, val_batches=6, **kwargs)
     loader = parallel.train_dataloader()
     assert loader.persistent_workers
-    for (xs, ys), (xp, yp) in zip(_first_batches(serial.train_dataloader(), 5), _first_batches(loader, 5)):
+    for (xs, ys), (xp, yp) in zip(_first_batches(serial.train_dataloader(), 5), _first_batches(loader, 5), strict=True):
         assert torch.equal(xs, xp) and torch.equal(ys, yp)
-    for (xs, _), (xp, _) in zip(serial.val_dataloader(), parallel.val_dataloader()):
+    for (xs, _), (xp, _) in zip(serial.val_dataloader(), parallel.val_dataloader(), strict=True):
         assert torch.equal(xs, xp)
     # Persistent workers live as long as their loader (and a loader in a reference cycle until a gc pass):
     # stop them here, while they are idle, not during a later test.
@@ -401,16 +393,22 @@ def _trainer(root: Path, callbacks=()) -> pl.Trainer:
     )
 
 
-def test_resumed_run_sees_the_batches_of_an_uninterrupted_one(stdlib_dir, tmp_path):
-    make_dm = lambda: TokenDataModule(str(stdlib_dir), batch_size=2, context_length=8, seed=5)  # noqa: E731
+def test_resumed_run_sees_the_batches_of_an_uninterrupted_one(stdlib_data, tmp_path):
+    make_dm = lambda: TokenDataModule(str(stdlib_data), batch_size=2, context_length=8, seed=5)  # noqa: E731
     full, dm = _Recorder(), make_dm()
     trainer = _trainer(tmp_path, [ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1)])
     trainer.fit(full, datamodule=dm)
     assert trainer.num_training_batches == 8  # epoch = max_steps x accumulate_grad_batches
     assert len(full.seen) == 8
     expected = TrainBatches(
-        dm.files.bin_path("train"), dm.files.dtype, dm.files.num_tokens("train"),
-        batch_size=2, context_length=8, seed=5, rank=0, epoch_length=8,
+        dm.files.bin_path("train"),
+        dm.files.dtype,
+        dm.files.num_tokens("train"),
+        batch_size=2,
+        context_length=8,
+        seed=5,
+        rank=0,
+        epoch_length=8,
     )
     assert all(torch.equal(x, expected[i][0]) for i, x in enumerate(full.seen))
 
@@ -418,4 +416,4 @@ def test_resumed_run_sees_the_batches_of_an_uninterrupted_one(stdlib_dir, tmp_pa
     trainer = _trainer(resumed_dir, [ModelCheckpoint(dirpath=resumed_dir, every_n_train_steps=2, save_top_k=-1)])
     trainer.fit(resumed, datamodule=make_dm(), ckpt_path=tmp_path / "epoch=0-step=2.ckpt")
     assert len(resumed.seen) == 4  # steps 3 and 4, two batches each
-    assert all(torch.equal(a, b) for a, b in zip(resumed.seen, full.seen[4:]))
+    assert all(torch.equal(a, b) for a, b in zip(resumed.seen, full.seen[4:], strict=True))

@@ -61,13 +61,8 @@ MATRIX = [
 ]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # FLOP counts do not depend on threading; tiny matmuls on a shared 2-core box run faster on one.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# FLOP counts do not depend on threading; tiny matmuls on a shared 2-core box run faster on one.
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make_config(name: str, activation_checkpointing: int = 0) -> ModelConfig:
@@ -91,8 +86,9 @@ def total(report, *names, phases=("forward", "backward", "recompute")) -> int:
 def test_analytic_hardware_flops_match_flop_counter(name, ac, training, dtype, shape):
     cfg = make_config(name, ac)
     batch, seq = shape
-    measured = measure_flops(make_model(cfg), random_tokens(cfg, batch, seq), training=training,
-                             autocast_dtype=DTYPES[dtype])
+    measured = measure_flops(
+        make_model(cfg), random_tokens(cfg, batch, seq), training=training, autocast_dtype=DTYPES[dtype]
+    )
     predicted = analytic_flops(cfg, batch, seq, training=training)
     assert measured.total > 0
     assert abs(predicted.hardware - measured.total) / measured.total <= TOLERANCE

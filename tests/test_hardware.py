@@ -1,4 +1,3 @@
-import json
 import math
 import subprocess
 import sys
@@ -7,6 +6,7 @@ import warnings
 import pytest
 import torch
 
+from conftest import run_json
 from lmledger import cli
 from lmledger.errors import UserError
 from lmledger.ledger import hardware
@@ -209,8 +209,7 @@ def test_no_cpu_peak_for_gpu_only_formats():
 
 
 def test_gpus_resolve_json_shape(capsys):
-    assert cli.main(["gpus", "--resolve", "NVIDIA H100 80GB HBM3", "--json"]) == 0
-    entry = json.loads(capsys.readouterr().out)
+    entry = run_json(capsys, "gpus", "--resolve", "NVIDIA H100 80GB HBM3", "--json")
     assert set(entry) == {"name", "key", "peak_flops", "memory_bytes", "bandwidth_bytes_per_s"}
     assert entry["key"] == "h100-sxm"
     assert list(entry["peak_flops"]) == list(DTYPES)
@@ -218,14 +217,12 @@ def test_gpus_resolve_json_shape(capsys):
     assert entry["memory_bytes"] == 80_000_000_000
     assert entry["bandwidth_bytes_per_s"] == 3.35e12
 
-    assert cli.main(["gpus", "--resolve", "Tesla T4", "--json"]) == 0
-    t4 = json.loads(capsys.readouterr().out)
+    t4 = run_json(capsys, "gpus", "--resolve", "Tesla T4", "--json")
     assert t4["peak_flops"]["bf16"] is None and t4["peak_flops"]["fp16"] == 65e12
 
 
 def test_gpus_json_is_the_whole_table(capsys):
-    assert cli.main(["gpus", "--json"]) == 0
-    table = json.loads(capsys.readouterr().out)
+    table = run_json(capsys, "gpus", "--json")
     assert set(table) == set(GPUS)
     assert table["b200"]["peak_flops"]["fp8"] == 4.5e15
 

@@ -21,14 +21,7 @@ from lmledger.model import ModelConfig, ToyLM, count_parameters
 LOW_PRECISION = {"bf16": torch.bfloat16, "16": torch.float16}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_cpu_thread():
-    """The models here are tiny: a second intra-op thread costs more than it saves, and far
-    more when other processes share the cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny models run faster on one thread
 
 
 def small_config(**overrides) -> ModelConfig:
@@ -350,8 +343,14 @@ def test_activation_bytes_match_saved_tensors_on_cuda(precision, checkpointing, 
 )
 def test_predicted_peak_within_15_percent_on_cuda(precision, checkpointing, tied, grads_held):
     cfg = ModelConfig(
-        vocab_size=8192, context_length=512, d_model=512, n_layers=4, n_heads=8, d_ff=2048,
-        tie_embeddings=tied, activation_checkpointing=checkpointing,
+        vocab_size=8192,
+        context_length=512,
+        d_model=512,
+        n_layers=4,
+        n_heads=8,
+        d_ff=2048,
+        tie_embeddings=tied,
+        activation_checkpointing=checkpointing,
     )
     batch, seq = 8, 512
     model = build(cfg, precision, "cuda")

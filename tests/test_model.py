@@ -13,7 +13,9 @@ from lmledger.model import ModelConfig, ToyLM, count_parameters
 CONFIGS = [
     ModelConfig(vocab_size=256, context_length=32, d_model=64, n_layers=2, n_heads=4, d_ff=128),
     ModelConfig(vocab_size=1000, context_length=48, d_model=120, n_layers=3, n_heads=5, d_ff=328, tie_embeddings=True),
-    ModelConfig(vocab_size=300, context_length=16, d_model=80, n_layers=1, n_heads=2, d_ff=200, activation_checkpointing=1),
+    ModelConfig(
+        vocab_size=300, context_length=16, d_model=80, n_layers=1, n_heads=2, d_ff=200, activation_checkpointing=1
+    ),
 ]
 
 

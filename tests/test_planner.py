@@ -1,8 +1,8 @@
-import json
 import math
 
 import pytest
 
+from conftest import run_json
 from lmledger import cli
 from lmledger.errors import UserError
 from lmledger.ledger.planner import bytes_per_param, max_batch, max_params, train_time, training_flops
@@ -71,14 +71,12 @@ def test_train_time_scales_inversely_with_gpus_mfu_and_peak():
 
 
 def test_max_params_round_trips_into_train_time_through_the_cli(capsys):
-    assert cli.main(["plan", "max-params", "--gpu", "h100-sxm", "--num-gpus", "8", "--json"]) == 0
-    fit = json.loads(capsys.readouterr().out)
+    fit = run_json(capsys, "plan", "max-params", "--gpu", "h100-sxm", "--num-gpus", "8", "--json")
     assert set(fit) >= {"max_params", "bytes_per_param"}
     params = fit["max_params"]
     tokens = 20 * params  # Chinchilla's 20 tokens per parameter
     argv = ["plan", "train-time", "--params", str(params), "--tokens", str(tokens), "--gpu", "h100-sxm"]
-    assert cli.main([*argv, "--num-gpus", "8", "--mfu", "0.5", "--json"]) == 0
-    plan = json.loads(capsys.readouterr().out)
+    plan = run_json(capsys, *argv, "--num-gpus", "8", "--mfu", "0.5", "--json")
     assert set(plan) >= {"days", "total_flops"}
     # 6 * 40e9 * 800e9 FLOPs on 8 x 989.4e12 FLOP/s at MFU 0.5.
     assert plan["total_flops"] == pytest.approx(1.92e23)

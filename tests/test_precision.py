@@ -48,13 +48,7 @@ PARAM_DTYPE = {
 }
 
 
-@pytest.fixture(autouse=True)
-def one_cpu_thread():
-    """Tiny models: a second intra-op thread costs more than it saves on a shared 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny models run faster on one thread
 
 
 @dataclass

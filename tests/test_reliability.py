@@ -23,7 +23,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from conftest import read_scalars
+from conftest import MICRO_OVERRIDES, read_scalars
 from lmledger.callbacks.nonfinite import NonFiniteGuard
 from lmledger.checkpointing import AtomicCheckpointIO, StepSeeder, make_last_checkpoint_atomic, open_checkpoint
 from lmledger.cli import main as lmledger
@@ -31,31 +31,13 @@ from lmledger.errors import UserError
 
 # Lightning's seed_everything logs this info line before any class is built; it is not part of an error.
 SEED_LINE = re.compile(r"^Seed set to \d+$")
-SMALL = [
-    "--model.config.d_model", "32",
-    "--model.config.n_layers", "1",
-    "--model.config.n_heads", "2",
-    "--model.config.d_ff", "64",
-    "--model.config.context_length", "32",
-    "--data.batch_size", "4",
-    "--trainer.enable_progress_bar", "false",
-    "--trainer.enable_model_summary", "false",
-    "--trainer.limit_val_batches", "0",
-    "--trainer.log_every_n_steps", "1",
-]  # fmt: skip
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """On this kit's small test models a single intra-op thread is several times faster on a loaded 2-core box."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny models run faster on one thread
 
 
 def fit(*extra: str) -> int:
-    return lmledger(["fit", "--config", "configs/tiny.yaml", *SMALL, *extra])
+    return lmledger(["fit", "--config", "configs/tiny.yaml", *MICRO_OVERRIDES, *extra])
 
 
 def one_error_line(capsys, command: str = "fit", after_training: bool = False) -> str:
@@ -401,7 +383,7 @@ def test_bad_checkpoints_are_one_line(trained, workdir, capsys):
         ("validate", str(not_lightning), "has no state_dict"),
     ]
     for command, ckpt, expected in cases:
-        assert lmledger([command, "--config", "configs/tiny.yaml", *SMALL, "--ckpt_path", ckpt]) == 2
+        assert lmledger([command, "--config", "configs/tiny.yaml", *MICRO_OVERRIDES, "--ckpt_path", ckpt]) == 2
         assert expected in one_error_line(capsys, command), (command, ckpt)
     assert_nothing_overwritten(before, workdir)
 
@@ -414,7 +396,7 @@ def test_checkpoint_of_another_shape_is_one_line(trained, workdir, capsys):
     assert "d_model=32 there, 64 here" in line, line
     assert_nothing_overwritten(before, workdir)
     # Given a file (not "last"), LightningCLI takes the model config from the checkpoint's hyperparameters.
-    assert lmledger(["validate", "--config", "configs/tiny.yaml", *SMALL, "--model.config.d_model", "64",
+    assert lmledger(["validate", "--config", "configs/tiny.yaml", *MICRO_OVERRIDES, "--model.config.d_model", "64",
                      "--ckpt_path", str(trained)]) == 0  # fmt: skip
 
 

@@ -15,39 +15,23 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
-import torch
 import yaml
 
-from conftest import read_scalars
+from conftest import MICRO_OVERRIDES, read_scalars
 from lmledger.checkpointing import open_checkpoint
 from lmledger.cli import main as lmledger
 
 TESTS = Path(__file__).resolve().parent
 MAX_STEPS = 12
 FAST = [
-    "--model.config.d_model", "32",
-    "--model.config.n_layers", "1",
-    "--model.config.n_heads", "2",
-    "--model.config.d_ff", "64",
-    "--model.config.context_length", "32",
-    "--data.batch_size", "4",
-    "--trainer.enable_progress_bar", "false",
-    "--trainer.enable_model_summary", "false",
-    "--trainer.limit_val_batches", "0",
-    "--trainer.log_every_n_steps", "1",
+    *MICRO_OVERRIDES,
     "--trainer.max_steps", str(MAX_STEPS),
     "--trainer.callbacks.init_args.every_n_train_steps", "4",
 ]  # fmt: skip
 TAGS = ("train/loss", "train/lr")
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """On this kit's small test models a single intra-op thread is several times faster on a loaded 2-core box."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny models run faster on one thread
 
 
 class Throttle(pl.Callback):

@@ -13,10 +13,9 @@ import urllib.request
 
 import lightning as L
 import pytest
-import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 
-from conftest import read_scalars
+from conftest import one_intra_op_thread, read_scalars
 from lmledger.callbacks import LedgerSettings, ledger_callbacks
 from lmledger.data import TokenDataModule
 from lmledger.lit import LitLM
@@ -59,12 +58,8 @@ def get_json(url: str):
 
 def test_tensorboard_serves_the_ledger_tags(stdlib_data, tmp_path):
     logdir = tmp_path / "runs"
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_intra_op_thread():
         run_dir = fit_tiny_run(stdlib_data, logdir)
-    finally:
-        torch.set_num_threads(threads)
     expected = read_scalars(run_dir)["perf/mfu"]
     assert expected
 

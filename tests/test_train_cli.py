@@ -16,7 +16,8 @@ def fit(*extra: str) -> int:
 
 
 def test_fit_loss_drops_and_validate_reads_checkpoint(workdir, capsys):
-    assert fit("--trainer.max_steps", "50", "--trainer.val_check_interval", "50", "--trainer.log_every_n_steps", "5") == 0
+    code = fit("--trainer.max_steps", "50", "--trainer.val_check_interval", "50", "--trainer.log_every_n_steps", "5")
+    assert code == 0
     run = workdir / "runs" / "tiny" / "version_0"
     scalars = read_scalars(run)
     losses = [v for _, v in scalars["train/loss"]]
@@ -26,7 +27,7 @@ def test_fit_loss_drops_and_validate_reads_checkpoint(workdir, capsys):
     for tag in ("train/lr", "train/grad_norm", "val/loss", "val/ppl"):
         assert tag in scalars, tag
     val_loss = scalars["val/loss"][-1][1]
-    assert abs(scalars["val/ppl"][-1][1] - 2.718281828 ** val_loss) < 1e-3 * 2.718281828 ** val_loss
+    assert abs(scalars["val/ppl"][-1][1] - 2.718281828**val_loss) < 1e-3 * 2.718281828**val_loss
 
     # The resolved config is saved; the model's vocabulary came from the data's meta.json (a link
     # target, so it appears in hparams.yaml rather than config.yaml).

@@ -49,6 +49,7 @@ DEFAULT_OUT = "data/stdlib"
 DEFAULT_VAL_FRACTION = 0.01
 STDLIB = "stdlib"
 
+
 def token_dtype(vocab_size: int) -> np.dtype:
     """The smallest unsigned dtype whose range holds ids 0 .. vocab_size-1 (little-endian on disk)."""
     for name in TOKEN_DTYPES:
@@ -56,15 +57,19 @@ def token_dtype(vocab_size: int) -> np.dtype:
             return np.dtype(name).newbyteorder("<")
     raise UserError(f"vocab_size {vocab_size} does not fit in uint32")
 
+
 @dataclass(frozen=True)
 class Document:
     key: str  # a stable, machine-independent name: decides the split and the order
     text: bytes  # valid UTF-8 without NUL bytes
 
+
 # ---------------------------------------------------------------------------------------- corpus
+
 
 def stdlib_root() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
+
 
 def _walk_files(root: Path, suffix: str | None, skip_dirs: Iterable[str] = ()) -> list[Path]:
     """Files under root (symlinked dirs not followed), hidden entries and `skip_dirs` left out."""
@@ -76,6 +81,7 @@ def _walk_files(root: Path, suffix: str | None, skip_dirs: Iterable[str] = ()) -
             if not name.startswith(".") and (suffix is None or name.endswith(suffix)):
                 found.append(Path(dirpath, name))
     return found
+
 
 def list_source_files(sources: Sequence[str]) -> tuple[list[tuple[str, Path]], str]:
     """(key, path) of every candidate file, sorted by key, and a one-line description of the sources."""
@@ -100,6 +106,7 @@ def list_source_files(sources: Sequence[str]) -> tuple[list[tuple[str, Path]], s
             entries.setdefault(path.name, path)
     return sorted(entries.items()), "; ".join(described)
 
+
 def read_text_file(path: Path) -> bytes | None:
     """The file's bytes if it is non-binary UTF-8 text, else None."""
     try:
@@ -109,10 +116,12 @@ def read_text_file(path: Path) -> bytes | None:
         return None
     return None if BYTE_SEPARATOR in data else data
 
+
 def val_score(key: str) -> float:
     """A stable pseudo-random number in [0, 1) for a document key (the same on every machine and run)."""
     digest = hashlib.blake2b(key.encode("utf-8"), digest_size=8).digest()
     return int.from_bytes(digest, "big") / 2**64
+
 
 def split_documents(docs: Sequence[Document], val_fraction: float) -> tuple[list[Document], list[Document]]:
     """Split by document: those whose key scores below val_fraction go to val; both sides non-empty.
@@ -131,14 +140,17 @@ def split_documents(docs: Sequence[Document], val_fraction: float) -> tuple[list
         is_val[np.argmin(scores)] = True
     if is_val.all():
         is_val[np.argmax(scores)] = False
-    train = [d for d, v in zip(docs, is_val) if not v]
-    val = [d for d, v in zip(docs, is_val) if v]
+    train = [d for d, v in zip(docs, is_val, strict=True) if not v]
+    val = [d for d, v in zip(docs, is_val, strict=True) if v]
     return train, val
+
 
 # ------------------------------------------------------------------------------------ tokenizers
 
+
 def encode_bytes(docs: Sequence[Document]) -> np.ndarray:
     return np.frombuffer(BYTE_SEPARATOR.join(d.text for d in docs), dtype=np.uint8)
+
 
 def _import_tokenizers():
     try:
@@ -149,6 +161,7 @@ def _import_tokenizers():
             "(or pip install 'lmledger[bpe]'), or use --tokenizer bytes"
         ) from None
     return tokenizers
+
 
 def train_bpe(docs: Sequence[Document], vocab_size: int):
     """A byte-level BPE (GPT-2 style pre-tokenization, no prefix space) with the separator as special token."""
@@ -165,6 +178,7 @@ def train_bpe(docs: Sequence[Document], vocab_size: int):
     tokenizer.train_from_iterator((d.text.decode("utf-8") for d in docs), trainer=trainer, length=len(docs))
     return tokenizer
 
+
 def encode_bpe(tokenizer, docs: Sequence[Document], dtype: np.dtype, on_chunk: Callable[[int], object]) -> np.ndarray:
     separator = np.array([tokenizer.token_to_id(BPE_SEPARATOR)], dtype=dtype)
     pieces = []
@@ -178,7 +192,9 @@ def encode_bpe(tokenizer, docs: Sequence[Document], dtype: np.dtype, on_chunk: C
         on_chunk(len(batch))
     return np.concatenate(pieces) if pieces else np.zeros(0, dtype=dtype)
 
+
 # ---------------------------------------------------------------------------------------- output
+
 
 def check_out_dir(out: Path, overwrite: bool) -> None:
     """Refuse (before anything is read or written) to replace prepared data without --overwrite."""
@@ -190,6 +206,7 @@ def check_out_dir(out: Path, overwrite: bool) -> None:
             f"{out} already holds prepared data ({', '.join(existing)}); pass --overwrite to replace it "
             "or choose another --out"
         )
+
 
 def _write_temp(out: Path, name: str, payload: bytes | memoryview) -> Path:
     # open(..., "xb") rather than tempfile.mkstemp: the data should get the umask's permissions, not 0600.
@@ -203,6 +220,7 @@ def _write_temp(out: Path, name: str, payload: bytes | memoryview) -> Path:
         tmp.unlink(missing_ok=True)
         raise
     return tmp
+
 
 def write_prepared(out: Path, splits: dict[str, np.ndarray], meta: dict, tokenizer_json: str | None) -> None:
     """Write every file to a temp file in `out`, then move them into place with meta.json last."""
@@ -223,7 +241,9 @@ def write_prepared(out: Path, splits: dict[str, np.ndarray], meta: dict, tokeniz
         for tmp in staged.values():
             tmp.unlink(missing_ok=True)
 
+
 # ----------------------------------------------------------------------------------------- main
+
 
 def _progress() -> Progress:
     console = Console(stderr=True)
@@ -237,6 +257,7 @@ def _progress() -> Progress:
         transient=True,
         disable=not console.is_terminal,  # logs and pipes get only the summary
     )
+
 
 def prepare(
     sources: Sequence[str] = (STDLIB,),
@@ -316,8 +337,10 @@ def prepare(
         write_prepared(out, splits, meta, tokenizer_json)
     return meta
 
+
 def _mib(n_bytes: int) -> str:
     return f"{n_bytes / 2**20:.1f} MiB"
+
 
 def summary(meta: dict, out: Path, seconds: float) -> str:
     itemsize = np.dtype(meta["dtype"]).itemsize

@@ -232,9 +232,7 @@ class TrainBatches(_TokenFileDataset):
         return self.epoch_length
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        starts = train_window_starts(
-            self.seed, self.rank, index, self.batch_size, self.n_tokens, self.context_length
-        )
+        starts = train_window_starts(self.seed, self.rank, index, self.batch_size, self.n_tokens, self.context_length)
         return gather_windows(self.tokens, starts, self.context_length)
 
 

@@ -21,6 +21,11 @@ def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: 
     return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+# A named instance rather than a call in the signature (ruff B008). It must stay a ModelConfig: LightningCLI
+# turns its fields into --model.config.* (an Optional ... = None default leaves no such keys to link).
+DEFAULT_MODEL_CONFIG = ModelConfig()
+
+
 class LitLM(L.LightningModule):
     """Trains `ToyLM` on (x, y) batches of token ids.
 
@@ -37,7 +42,7 @@ class LitLM(L.LightningModule):
 
     def __init__(
         self,
-        config: ModelConfig = ModelConfig(),
+        config: ModelConfig = DEFAULT_MODEL_CONFIG,
         optimizer: Literal["adamw", "sgd"] = "adamw",
         lr: float = 3e-3,
         min_lr_ratio: float = 0.1,

@@ -16,7 +16,12 @@ import torch
 from lmledger.model import ModelConfig
 from lmledger.precision import requested_precision
 
-SHARDING_STRATEGIES = {"fsdp": "fsdp", "deepspeed_stage_1": "zero1", "deepspeed_stage_2": "zero2", "deepspeed_stage_3": "zero3"}
+SHARDING_STRATEGIES = {
+    "fsdp": "fsdp",
+    "deepspeed_stage_1": "zero1",
+    "deepspeed_stage_2": "zero2",
+    "deepspeed_stage_3": "zero3",
+}
 
 
 @dataclass(frozen=True)
@@ -92,4 +97,3 @@ def split_flags(argv: list[str], flags: tuple[str, ...]) -> tuple[set[str], list
     """Take our own boolean flags (e.g. --json) out of argv; the rest goes to the fit parser."""
     ours = {a for a in argv if a in flags}
     return ours, [a for a in argv if a not in flags]
-

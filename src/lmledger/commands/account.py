@@ -105,7 +105,10 @@ def measure(spec: RunSpec, device: torch.device) -> dict:
 
 
 def account(spec: RunSpec, do_measure: bool) -> dict:
-    device = _measure_device(spec) if do_measure else torch.device("cuda" if spec.accelerator in ("gpu", "cuda") else "cpu")
+    if do_measure:
+        device = _measure_device(spec)
+    else:
+        device = torch.device("cuda" if spec.accelerator in ("gpu", "cuda") else "cpu")
     predicted = predict(spec, device.type)
     measured = measure(spec, device) if do_measure else None
     result = {
@@ -166,21 +169,27 @@ def print_table(result: dict) -> None:
     )
     for column in ("", "predicted", "measured", "error"):
         table.add_column(column, justify="right" if column else "left")
+
+    def add_row(label: str, pair: dict, fmt) -> None:
+        predicted, measured = pair["predicted"], pair["measured"]
+        table.add_row(label, fmt(predicted), fmt(measured), _error_pct(predicted, measured))
+
     f = result["flops"]
+    was_measured = f["measured"] is not None
     table.add_row("model FLOPs (6N + attn, MFU)", f"{f['model']:.4g}", "—", "")
-    table.add_row("hardware FLOPs (as kernels)", f"{f['hardware']:.4g}", _fmt(f["measured"]), _error_pct(f["hardware"], f["measured"]))
+    add_row("hardware FLOPs (as kernels)", {"predicted": f["hardware"], "measured": f["measured"]}, _fmt)
     for row in MEMORY_ROWS:
         m = result["memory"][row]
         label = f"{row} (bytes)"
-        if row == "peak" and m["measured"] is None and run["device"] == "cpu" and result["flops"]["measured"] is not None:
+        if row == "peak" and m["measured"] is None and run["device"] == "cpu" and was_measured:
             table.add_row(label, _human_bytes(m["predicted"]), "n/a (CPU)", "")
             continue
-        table.add_row(label, _human_bytes(m["predicted"]), _human_bytes(m["measured"]), _error_pct(m["predicted"], m["measured"]))
+        add_row(label, m, _human_bytes)
     w = result["autocast_weight_copies"]
     if w["predicted"]:
-        table.add_row("autocast weight copies", _human_bytes(w["predicted"]), _human_bytes(w["measured"]), _error_pct(w["predicted"], w["measured"]))
+        add_row("autocast weight copies", w, _human_bytes)
     Console().print(table)
-    where = f"measured on {run['device']}" if result["flops"]["measured"] is not None else f"predicted for {run['device']}"
+    where = f"measured on {run['device']}" if was_measured else f"predicted for {run['device']}"
     if result["memory"]["peak"]["predicted"] is None:
         print(f"activations and peak not predicted: {run['peak_phase']}; {where}")
     else:

@@ -10,8 +10,8 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from lmledger.commands.argparser import ArgumentParser
 from lmledger.bench import DEFAULT_DTYPES, DEFAULT_SIZES, MatmulBench, bench_matmul, plot_mfu
+from lmledger.commands.argparser import ArgumentParser
 from lmledger.errors import UserError
 from lmledger.ledger.hardware import dtype_name
 

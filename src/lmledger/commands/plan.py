@@ -85,8 +85,11 @@ def _max_batch(args: argparse.Namespace, fit_args: list[str]) -> None:
     capacity = gpu.memory_bytes
 
     def bytes_for_batch(batch: int) -> int:
-        cfg = spec.model
-        return peak_bytes(cfg, batch, spec.seq_len, spec.precision, spec.optimizer, spec.strategy, spec.world_size, device="cuda").total
+        peak = peak_bytes(
+            spec.model, batch, spec.seq_len, spec.precision, spec.optimizer, spec.strategy, spec.world_size,
+            device="cuda",
+        )  # fmt: skip
+        return peak.total
 
     best = max_batch(bytes_for_batch, capacity)
     result = {
@@ -110,9 +113,15 @@ def _max_batch(args: argparse.Namespace, fit_args: list[str]) -> None:
             ("model", f"{count_parameters(spec.model):,} params, seq {spec.seq_len}"),
             ("precision / optimizer", f"{spec.precision} / {spec.optimizer}"),
             ("max batch per device", f"{best:,}"),
-            ("predicted peak at that batch" if best else "predicted peak at batch 1", f"{result['peak_bytes'] / 1e9:.2f} GB"),
+            (f"predicted peak at {'that batch' if best else 'batch 1'}", f"{result['peak_bytes'] / 1e9:.2f} GB"),
         ],
     )
+
+
+def _add_gpu_arguments(parser: argparse.ArgumentParser, *, num_gpus: bool) -> None:
+    parser.add_argument("--gpu", required=True, help="a key from `lmledger gpus` or a torch device name")
+    if num_gpus:
+        parser.add_argument("--num-gpus", type=int, default=1)
 
 
 def main(argv: list[str]) -> int:
@@ -122,16 +131,14 @@ def main(argv: list[str]) -> int:
     tt = verbs.add_parser("train-time", help="days to train N params on D tokens")
     tt.add_argument("--params", type=_count, required=True, help="parameters, e.g. 70e9 or 70B")
     tt.add_argument("--tokens", type=_count, required=True, help="training tokens, e.g. 15e12 or 15T")
-    tt.add_argument("--gpu", required=True, help="a key from `lmledger gpus` or a torch device name")
-    tt.add_argument("--num-gpus", type=int, default=1)
+    _add_gpu_arguments(tt, num_gpus=True)
     tt.add_argument("--mfu", type=float, required=True, help="model FLOPs utilization in (0, 1], e.g. 0.5")
     tt.add_argument("--dtype", default="bf16", help=f"whose dense peak applies: {', '.join(DTYPES)} (default bf16)")
     tt.add_argument("--json", action="store_true")
     tt.set_defaults(run=_train_time)
 
     mp = verbs.add_parser("max-params", help="largest model whose params, grads and optimizer state fit")
-    mp.add_argument("--gpu", required=True, help="a key from `lmledger gpus` or a torch device name")
-    mp.add_argument("--num-gpus", type=int, default=1)
+    _add_gpu_arguments(mp, num_gpus=True)
     mp.add_argument("--precision", default="32-true", help=f"one of {', '.join(PRECISIONS)} (default 32-true)")
     mp.add_argument("--optimizer", default="adamw", help=f"one of {', '.join(OPTIMIZERS)} (default adamw)")
     mp.add_argument("--json", action="store_true")
@@ -142,7 +149,7 @@ def main(argv: list[str]) -> int:
         help="largest batch of a fit config that fits on a GPU (activations included)",
         description="Any other arguments are read as by `lmledger fit`: --config FILE and --a.b VALUE overrides.",
     )
-    mb.add_argument("--gpu", required=True, help="a key from `lmledger gpus` or a torch device name")
+    _add_gpu_arguments(mb, num_gpus=False)
     mb.add_argument("--json", action="store_true")
 
     args, rest = parser.parse_known_args(argv)

@@ -51,4 +51,3 @@ def main(argv: list[str]) -> int:
     meta = prepare(args.source, args.out, args.tokenizer, args.vocab_size, args.val_fraction, args.overwrite)
     print(summary(meta, Path(args.out), time.perf_counter() - started))
     return 0
-

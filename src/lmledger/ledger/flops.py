@@ -226,9 +226,7 @@ def measure_flops(
     """
     model = getattr(model, "_orig_mod", model)
     if training and not torch.is_grad_enabled():
-        raise UserError(
-            "measuring a training step needs autograd: call measure_flops outside no_grad/inference_mode"
-        )
+        raise UserError("measuring a training step needs autograd: call measure_flops outside no_grad/inference_mode")
     if idx.ndim != 2:
         raise UserError(f"idx must be (batch, seq) token ids, got shape {tuple(idx.shape)}")
     if autocast_dtype is not None and idx.device.type not in ("cpu", "cuda"):

@@ -304,9 +304,7 @@ def _check_shape(cfg: ModelConfig, batch: int, seq: int) -> None:
     if batch < 1 or seq < 1:
         raise UserError(f"batch and seq must be >= 1, got batch={batch}, seq={seq}")
     if seq > cfg.context_length:
-        raise UserError(
-            f"seq {seq} > context_length {cfg.context_length}: lower seq or raise model.context_length"
-        )
+        raise UserError(f"seq {seq} > context_length {cfg.context_length}: lower seq or raise model.context_length")
 
 
 def activation_bytes(

@@ -8,7 +8,7 @@ params * bytes_per_param <= the GPUs' total memory (activations ignored).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from lmledger.errors import UserError
 from lmledger.ledger.hardware import GpuSpec, datasheet_peak, dtype_name, require_gpu
@@ -91,19 +91,7 @@ class TrainTime:
         return self.seconds / SECONDS_PER_DAY
 
     def to_json(self) -> dict:
-        return {
-            "params": self.params,
-            "tokens": self.tokens,
-            "gpu": self.gpu,
-            "num_gpus": self.num_gpus,
-            "mfu": self.mfu,
-            "dtype": self.dtype,
-            "peak_flops": self.peak_flops,
-            "total_flops": self.total_flops,
-            "seconds": self.seconds,
-            "hours": self.hours,
-            "days": self.days,
-        }
+        return {**asdict(self), "hours": self.hours, "days": self.days}
 
 
 def _gpu(gpu: str | GpuSpec) -> GpuSpec:
@@ -148,15 +136,7 @@ class MaxParams:
     max_params: int
 
     def to_json(self) -> dict:
-        return {
-            "gpu": self.gpu,
-            "num_gpus": self.num_gpus,
-            "precision": self.precision,
-            "optimizer": self.optimizer,
-            "capacity_bytes": self.capacity_bytes,
-            "bytes_per_param": self.bytes_per_param,
-            "max_params": self.max_params,
-        }
+        return asdict(self)
 
 
 def max_params(

@@ -1,0 +1,68 @@
+"""benchmarks/gpu_check.sh --dry-run: every stage of the GPU check at toy size on the CPU, end to end.
+
+The script cd's to the checkout and reads the cs336 configs from there; the dry run prepares its own byte-level
+corpus under OUT. So it is run here from an empty directory: a pass shows it needs nothing from the working
+directory (no configs/, no data/), and the directory must still be empty afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _finite_positive(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+def test_dry_run_measures_every_stage_or_says_why_not(tmp_path):
+    cwd, out, tmp = tmp_path / "elsewhere", tmp_path / "out", tmp_path / "tmp"
+    cwd.mkdir()
+    tmp.mkdir()
+    # TMPDIR: where the script installs wheels from .whl/, kept inside this test's directory.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp)}
+    proc = subprocess.run(
+        ["bash", str(REPO / "benchmarks" / "gpu_check.sh"), "--dry-run", "--out", str(out)],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert list(cwd.iterdir()) == []
+    assert (out / "data-bytes" / "meta.json").is_file()
+
+    results = json.loads((out / "gpu_check.json").read_text())
+    assert results["dry_run"] is True
+
+    matmul = {row["dtype"]: row for row in results["matmul"]["results"]}
+    assert {"fp32", "bf16"} <= set(matmul)
+    for dtype in ("fp32", "bf16"):
+        assert _finite_positive(matmul[dtype]["flops_per_s"]), matmul[dtype]
+
+    stages = results["stages"]
+    assert {(s["model"], s["variant"]) for s in stages} == {
+        (model, variant)
+        for model in ("cs336-small", "cs336-medium")
+        for variant in ("bf16-mixed+compile", "bf16-true+compile", "fp8-torchao+compile", "fp8-te")
+    }
+    for stage in stages:
+        assert "error" not in stage, stage
+        if stage["variant"].startswith("fp8"):
+            assert "GPU" in stage["skipped"], stage
+            continue
+        # On the CPU the bf16 rows run (at toy size, in well under the time budget): no skip allowed.
+        assert "skipped" not in stage, stage
+        for key in ("tokens_per_sec", "mfu", "hfu", "peak_predicted"):
+            assert _finite_positive(stage.get(key)), (key, stage)
+
+    table = (out / "gpu_check.md").read_text().strip()
+    stage_rows = [line for line in table.splitlines() if line.startswith("| cs336-")]
+    assert len(stage_rows) == len(stages)
+    assert proc.stdout.rstrip().endswith(table)
