@@ -5,7 +5,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 DATA   := data/stdlib
 
-.PHONY: setup demo test prepare tensorboard clean
+.PHONY: setup demo test lint prepare tensorboard clean
 
 setup: $(VENV)/.installed
 
@@ -32,6 +32,10 @@ demo: setup $(DATA)/meta.json
 
 test: setup
 	$(BIN)/python -m pytest -q
+
+lint: setup
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff format --check src tests benchmarks
 
 tensorboard: setup
 	$(BIN)/tensorboard --logdir runs --host 127.0.0.1
