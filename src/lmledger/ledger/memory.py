@@ -85,6 +85,7 @@ _STRATEGY_SHARDS: dict[str, frozenset[str]] = {
     "deepspeed_stage_3": frozenset({"params", "grads", "optimizer"}),
 }
 
+PRECISIONS = tuple(_PRECISIONS)
 OPTIMIZERS = ("adamw", "adam", "sgd", "none")
 
 

@@ -11,31 +11,19 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from lmledger.errors import UserError
+from lmledger.ledger import memory
 from lmledger.ledger.hardware import GpuSpec, datasheet_peak, dtype_name, require_gpu
 
 SECONDS_PER_DAY = 86_400
 
-# Bytes per parameter held for training, by Lightning precision: (param, grad, one optimizer state).
-_PRECISION_BYTES = {
-    "64-true": (8, 8, 8),
-    "32-true": (4, 4, 4),
-    "bf16-mixed": (4, 4, 4),
-    "16-mixed": (4, 4, 4),
-    "bf16-true": (2, 2, 2),
-    "16-true": (2, 2, 2),
-    "transformer-engine": (2, 2, 2),
-    "transformer-engine-float16": (2, 2, 2),
-}
-_OPTIMIZER_STATES = {"adamw": 2, "sgd": 1, "none": 0}
-
-PRECISIONS = tuple(_PRECISION_BYTES)
-OPTIMIZERS = tuple(_OPTIMIZER_STATES)
+PRECISIONS = memory.PRECISIONS
+OPTIMIZERS = memory.OPTIMIZERS
 
 
 def bytes_per_param(precision: str = "32-true", optimizer: str = "adamw") -> float:
-    """Bytes each parameter costs in training: the param, its grad and the optimizer state.
-
-    Conventions (what each Lightning precision actually keeps in memory):
+    """Bytes each parameter costs in training on one GPU: the param, its grad and the optimizer
+    state, by the conventions of lmledger.ledger.memory (the one table both the planner and the
+    running ledger use):
 
     ========================== ===== ==== ================ ===== ===== ====
     precision                  param grad state (each)     adamw sgd   none
@@ -57,12 +45,7 @@ def bytes_per_param(precision: str = "32-true", optimizer: str = "adamw") -> flo
       copies Transformer Engine makes for its matmuls are not counted.
     - optimizer: adamw keeps two states (m, v), sgd with momentum one, none (plain SGD) zero.
     """
-    if precision not in _PRECISION_BYTES:
-        raise UserError(f"unknown precision {precision!r}: choose from {', '.join(PRECISIONS)}")
-    if optimizer not in _OPTIMIZER_STATES:
-        raise UserError(f"unknown optimizer {optimizer!r}: choose from {', '.join(OPTIMIZERS)}")
-    param, grad, state = _PRECISION_BYTES[precision]
-    return float(param + grad + _OPTIMIZER_STATES[optimizer] * state)
+    return memory.bytes_per_param(precision, optimizer)
 
 
 def training_flops(params: float, tokens: float) -> float:
