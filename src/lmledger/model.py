@@ -20,7 +20,7 @@ from torch.utils.checkpoint import checkpoint
 from lmledger.errors import ConfigError
 
 
-@dataclass
+@dataclass(frozen=True)  # frozen: LitLM's default instance is shared
 class ModelConfig:
     vocab_size: int = 256
     context_length: int = 256
