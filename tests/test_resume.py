@@ -61,13 +61,15 @@ def scalars_of(event_file: Path) -> dict[str, dict[int, float]]:
     return {tag: dict(points) for tag, points in read_scalars(event_file).items() if tag in TAGS}
 
 
-def test_killed_run_resumes_bit_for_bit(workdir):
+@pytest.mark.parametrize("max_epochs", ["-1", "1"])  # 1: the configs' choice; -1: Lightning's default with max_steps
+def test_killed_run_resumes_bit_for_bit(workdir, max_epochs):
     run = workdir / "runs" / "cut" / "version_0"
     ckpt = run / "checkpoints" / "last.ckpt"
     # The throttle only slows the steps after the first checkpoint, so the poll below has time to kill mid-run.
     throttle = '{"class_path": "test_resume.Throttle", "init_args": {"after_step": 4, "seconds": 0.5}}'
-    victim = fit_process(workdir, "cut", "--trainer.callbacks+=" + throttle)
-    assert lmledger(fit_args("whole")) == 0  # the uninterrupted reference, in this process meanwhile
+    epochs = ("--trainer.max_epochs", max_epochs)
+    victim = fit_process(workdir, "cut", *epochs, "--trainer.callbacks+=" + throttle)
+    assert lmledger(fit_args("whole", *epochs)) == 0  # the uninterrupted reference, in this process meanwhile
     deadline = time.monotonic() + 120
     while not ckpt.exists() and victim.poll() is None and time.monotonic() < deadline:
         time.sleep(0.02)
@@ -79,7 +81,7 @@ def test_killed_run_resumes_bit_for_bit(workdir):
     first_config = (run / "config.yaml").read_bytes()
     before = set(run.glob("events.out.tfevents.*"))
 
-    assert lmledger(fit_args("cut", "--ckpt_path", "last")) == 0
+    assert lmledger(fit_args("cut", *epochs, "--ckpt_path", "last")) == 0
 
     (resumed_file,) = set(run.glob("events.out.tfevents.*")) - before  # the resumed run appends a new file
     (killed_file,) = before

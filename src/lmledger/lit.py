@@ -108,7 +108,11 @@ class LitLM(L.LightningModule):
             optimizer = torch.optim.AdamW(groups, lr=self.hparams.lr, betas=self.hparams.betas, fused=fused)
         else:
             optimizer = torch.optim.SGD(groups, lr=self.hparams.lr, momentum=0.9)
-        total = self.trainer.estimated_stepping_batches
+        # max_steps when set: Trainer.estimated_stepping_batches would otherwise load the train loader
+        # now, before a checkpoint is restored, and Lightning keeps the iterator it makes then (with its
+        # prefetched first batch), so a resumed run would restart the data at batch 0.
+        trainer = self.trainer
+        total = trainer.max_steps if trainer.max_steps > 0 else trainer.estimated_stepping_batches
         schedule = torch.optim.lr_scheduler.LambdaLR(
             optimizer,
             lambda step: warmup_cosine(step, self.hparams.warmup_steps, total, self.hparams.min_lr_ratio),
