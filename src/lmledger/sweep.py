@@ -104,7 +104,7 @@ class Point:
     @property
     def label(self) -> str:
         """The swept values, short: "precision=bf16-mixed batch_size=4"."""
-        return " ".join(f"{_short_key(k)}={_slug_value(k, v)}" for k, v in self.swept.items()) or self.id
+        return " ".join(f"{short_key(k)}={slug_value(k, v)}" for k, v in self.swept.items()) or self.id
 
 
 @dataclass(frozen=True)
@@ -155,20 +155,20 @@ def _check_override_keys(source: Path, where: str, overrides: dict, allowed_extr
             raise _fail(source, f"{where}: {key!r} can only be set in a `points` entry")
 
 
-def _slug_value(key: str, value) -> str:
+def slug_value(key: str, value) -> str:
     if key == "config":
         files = [value] if isinstance(value, str) else value
         return "+".join(Path(f).stem for f in files)
     return _format_value(value)
 
 
-def _short_key(key: str) -> str:
+def short_key(key: str) -> str:
     return key.rsplit(".", 1)[-1]
 
 
 def _point_id(command: tuple[str, ...], own_command: bool, configs: tuple[str, ...], fixed: dict, swept: dict) -> str:
     parts = ["-".join(w for w in command if not w.startswith("-"))] if own_command else []
-    parts += [f"{_short_key(k)}={_slug_value(k, v)}" for k, v in swept.items()]
+    parts += [f"{short_key(k)}={slug_value(k, v)}" for k, v in swept.items()]
     slug = re.sub(r"[^A-Za-z0-9._=+-]+", "-", "_".join(parts)).strip("-_")[:60] or "point"
     # The hash covers everything that makes the run: edit `fixed` and every point becomes a new one.
     overrides = {k: v for k, v in swept.items() if k != "config"}
@@ -641,7 +641,7 @@ def result_row(result: PointResult, columns: list[str]) -> dict[str, object]:
     values.update(
         point=result.point.id,
         status=result.status,
-        **{k: _slug_value(k, v) for k, v in result.point.swept.items()},
+        **{k: slug_value(k, v) for k, v in result.point.swept.items()},
         seconds=None if result.seconds is None else round(result.seconds, 2),
         error=result.error,
     )
@@ -658,6 +658,8 @@ def write_results(experiment: Experiment, results: list[PointResult], out_dir: P
         writer.writerow({k: "" if v is None else v for k, v in row.items()})
     _write_atomically(out_dir / "results.csv", buffer.getvalue())
     _write_atomically(out_dir / "results.md", markdown_table(experiment, columns, rows))
+    from lmledger.sweep_plots import draw_plots  # matplotlib loads only when there is something to draw
+
     return draw_plots(experiment, results, out_dir)
 
 
@@ -683,7 +685,7 @@ def markdown_table(experiment: Experiment, columns: list[str], rows: list[dict])
     """The non-empty columns of the results, human-formatted: memory in MiB, each predicted figure
     and its measured twin in one "predicted / measured" cell."""
     shown = [c for c in columns if c != "point" and any(row.get(c) not in (None, "") for row in rows)]
-    short = [_short_key(k) for k in experiment.swept_keys]
+    short = [short_key(k) for k in experiment.swept_keys]
     short_names = {k: s for k, s in zip(experiment.swept_keys, short, strict=True) if short.count(s) == 1}
     cells: list[tuple[str, str, str | None]] = []  # (header, column, its measured twin in the same cell)
     for column in shown:
@@ -713,185 +715,3 @@ def markdown_table(experiment: Experiment, columns: list[str], rows: list[dict])
     for row in rows:
         lines.append("| " + " | ".join(render(row, column, twin) for _, column, twin in cells) + " |")
     return "\n".join(lines) + "\n"
-
-
-# ---------------------------------------------------------------------------------------------
-# Plots (matplotlib's Figure directly: the Agg canvas, no pyplot state shared between threads)
-
-_COMPONENT_COLORS = {"params": "#4c72b0", "grads": "#dd8452", "optimizer": "#55a868", "activations": "#c44e52"}
-
-
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _x_value(result: PointResult, x: str | None):
-    if x is None:
-        return result.point.label
-    if x in result.point.swept:
-        value = result.point.swept[x]
-        return value if _is_number(value) else _slug_value(x, value)
-    return result.metric(x)
-
-
-def _series(results: list[PointResult], x: str | None, keys: tuple[str, ...]) -> dict[str, list[PointResult]]:
-    """Results grouped by their values of the swept keys other than x (one line per group)."""
-    groups: dict[str, list[PointResult]] = {}
-    for result in results:
-        label = " ".join(
-            f"{_short_key(k)}={_slug_value(k, result.point.swept[k])}"
-            for k in keys
-            if k != x and k in result.point.swept
-        )
-        groups.setdefault(label, []).append(result)
-    return groups
-
-
-def _tick_at_values(ax, xs: list) -> None:
-    """Numeric x with a few swept values: a tick at each value, not at matplotlib's fractions."""
-    values = sorted({x for x in xs if _is_number(x)})
-    if values and len(values) == len(set(xs)) and len(values) <= 12:
-        ax.set_xticks(values, [f"{v:g}" for v in values])
-
-
-def _save(figure, path: Path) -> Path:
-    figure.tight_layout()
-    tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp.png")
-    figure.savefig(tmp, dpi=90)
-    os.replace(tmp, path)
-    return path
-
-
-def plot_memory_bars(results: list[PointResult], path: Path) -> Path:
-    """Per point, a stacked bar of predicted bytes per component beside the measured one; peak as a tick."""
-    from matplotlib.figure import Figure
-    from matplotlib.lines import Line2D
-    from matplotlib.patches import Patch
-
-    figure = Figure(figsize=(max(7.0, 0.75 * len(results) + 4.0), 4.5))
-    ax = figure.subplots()
-    width = 0.38
-    for i, result in enumerate(results):
-        for offset, kind, hatch in ((-width / 2, "predicted", None), (width / 2, "measured", "//")):
-            bottom = 0.0
-            for component in MEMORY_COMPONENTS:
-                value = result.metrics.get(f"memory/{kind}/{component}")
-                if value is None:
-                    continue
-                mib = value / 2**20
-                ax.bar(
-                    i + offset,
-                    mib,
-                    width,
-                    bottom=bottom,
-                    color=_COMPONENT_COLORS[component],
-                    hatch=hatch,
-                    edgecolor="white",
-                    linewidth=0.5,
-                )
-                bottom += mib
-            peak = result.metrics.get(f"memory/{kind}/peak")
-            if peak is not None:
-                ax.plot(
-                    [i + offset - width / 2, i + offset + width / 2], [peak / 2**20] * 2, color="black", linewidth=2
-                )
-    many = len(results) > 3
-    ax.set_xticks(
-        range(len(results)),
-        [r.point.label for r in results],
-        rotation=30 if many else 0,
-        ha="right" if many else "center",
-        fontsize=8,
-    )
-    ax.set_ylabel("MiB")
-    ax.set_title("memory per component: predicted (solid) | measured (hatched)")
-    handles = [Patch(color=c, label=k) for k, c in _COMPONENT_COLORS.items()]
-    handles.append(Patch(facecolor="white", edgecolor="black", hatch="//", label="measured"))
-    handles.append(Line2D([], [], color="black", linewidth=2, label="peak"))
-    ax.legend(handles=handles, fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    return _save(figure, path)
-
-
-def plot_perf(results: list[PointResult], experiment: Experiment, path: Path) -> Path:
-    """MFU and tokens/s against the swept variable, one line per value of the other swept keys."""
-    from matplotlib.figure import Figure
-
-    panels = [m for m in ("perf/tokens_per_sec", "perf/mfu") if any(r.metrics.get(m) is not None for r in results)]
-    figure = Figure(figsize=(5 * len(panels), 4))
-    axes = figure.subplots(1, len(panels), squeeze=False)[0]
-    for ax, metric in zip(axes, panels, strict=True):
-        for label, members in _series(results, experiment.x, experiment.swept_keys).items():
-            points = [
-                (_x_value(r, experiment.x), r.metrics.get(metric)) for r in members if r.metrics.get(metric) is not None
-            ]
-            if all(_is_number(x) for x, _ in points):
-                points.sort(key=lambda p: p[0])
-            if points:
-                ax.plot(
-                    [x if _is_number(x) else str(x) for x, _ in points],
-                    [y for _, y in points],
-                    marker="o",
-                    label=label or None,
-                )
-        _tick_at_values(ax, [_x_value(r, experiment.x) for r in results])
-        ax.set_xlabel(_short_key(experiment.x) if experiment.x else "point")
-        ax.set_ylabel(metric)
-        ax.set_title(metric)
-        if any(not line.get_label().startswith("_") for line in ax.get_lines()):
-            ax.legend(fontsize=8)
-    return _save(figure, path)
-
-
-def plot_memory_line(results: list[PointResult], experiment: Experiment, key: str, path: Path) -> Path:
-    """Activations (and peak, where measured) against one numeric grid key: the prediction as a
-    line, the measurements as points on it."""
-    from matplotlib.figure import Figure
-
-    rows = [
-        row
-        for row in ("activations", "peak")
-        if any(r.metrics.get(f"memory/measured/{row}") is not None for r in results)
-    ]
-    rows = rows or ["activations"]
-    figure = Figure(figsize=(5 * len(rows), 4))
-    axes = figure.subplots(1, len(rows), squeeze=False)[0]
-    for ax, row in zip(axes, rows, strict=True):
-        for n, (label, members) in enumerate(_series(results, key, experiment.grid_keys).items()):
-            color = f"C{n % 10}"
-            members = sorted(members, key=lambda r: r.point.swept[key])
-            xs = [r.point.swept[key] for r in members]
-            predicted = [r.metrics.get(f"memory/predicted/{row}") for r in members]
-            if all(v is not None for v in predicted):
-                ax.plot(xs, [v / 2**20 for v in predicted], color=color, label=f"predicted {label}".strip())
-            measured = [(x, r.metrics.get(f"memory/measured/{row}")) for x, r in zip(xs, members, strict=True)]
-            measured = [(x, v) for x, v in measured if v is not None]
-            if measured:
-                ax.plot(
-                    [x for x, _ in measured],
-                    [v / 2**20 for _, v in measured],
-                    "o",
-                    color=color,
-                    label=f"measured {label}".strip(),
-                )
-        _tick_at_values(ax, [r.point.swept[key] for r in results])
-        ax.set_xlabel(key)
-        ax.set_ylabel("MiB")
-        ax.set_title(f"{row}: predicted (line), measured (points)")
-        ax.legend(fontsize=7)
-    return _save(figure, path)
-
-
-def draw_plots(experiment: Experiment, results: list[PointResult], out_dir: Path) -> list[Path]:
-    """memory.png, perf.png and memory_vs_<key>.png, each drawn when the results hold its data."""
-    done = [r for r in results if r.status == "done"]
-    written: list[Path] = []
-    if any(r.metrics.get(f"memory/predicted/{c}") is not None for r in done for c in MEMORY_COMPONENTS):
-        written.append(plot_memory_bars(done, out_dir / "memory.png"))
-    if any(r.metrics.get(m) is not None for r in done for m in ("perf/tokens_per_sec", "perf/mfu")):
-        written.append(plot_perf(done, experiment, out_dir / "perf.png"))
-    if any(r.metrics.get("memory/predicted/activations") is not None for r in done):
-        for key in experiment.grid_keys:
-            values = {r.point.swept.get(key) for r in done}
-            if len(values) >= 2 and all(_is_number(v) for v in values):
-                written.append(plot_memory_line(done, experiment, key, out_dir / f"memory_vs_{_short_key(key)}.png"))
-    return written
