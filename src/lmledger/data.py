@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,10 +29,6 @@ from lmledger.corpus import FORMAT_VERSION, META_FILE, SPLIT_FILES, TOKEN_DTYPES
 from lmledger.errors import UserError
 
 SPLITS = tuple(SPLIT_FILES)  # ("train", "val")
-
-# Lightning warns on every mid-epoch resume that a loader without state_dict() "can cause unreliable
-# results". Ours resumes exactly (the sampler starts at the restored batch count), so the warning is wrong here.
-warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch ended")
 
 
 def _redo(root: Path) -> str:

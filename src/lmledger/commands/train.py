@@ -158,6 +158,9 @@ def _run_cli(cli_class: type[LedgerCLI], argv: list[str], run: bool) -> LedgerCL
     warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
     # Lightning 2.6.6 calls a torch.utils._pytree API that torch 2.13 deprecates; nothing for users to act on.
     warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
+    # Lightning warns on every mid-epoch resume that a loader without state_dict() "can cause unreliable
+    # results". TokenDataModule's resumes exactly (its sampler starts at the restored batch count; tested).
+    warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch ended")
     try:
         return cli_class(
             LitLM,
