@@ -127,7 +127,7 @@ def test_dry_run_predicts_and_runs_nothing(workdir, capsys):
         args = ["--config", "configs/tiny.yaml", *[str(x) for kv in SMALL.items() for x in ("--" + kv[0], kv[1])]]
         expected = account(load_run_spec([*args, "--data.batch_size", str(batch)]), False)
         assert f"{expected['flops']['model']:.4g}" in out
-        assert f"{expected['memory']['peak']['predicted'] / 2**20:,.2f}" in out
+        assert f"{expected['memory']['peak']['predicted'] / 1e6:,.2f}" in out
     assert "fail:" in out and "no_such_field" in out  # the bad point is shown, not fatal
 
 

@@ -32,6 +32,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn
 
 from lmledger import __version__
 from lmledger.errors import UserError
+from lmledger.ledger.units import MB
 
 FORMAT_VERSION = 1
 META_FILE = "meta.json"
@@ -338,8 +339,8 @@ def prepare(
     return meta
 
 
-def _mib(n_bytes: int) -> str:
-    return f"{n_bytes / 2**20:.1f} MiB"
+def _mb(n_bytes: int) -> str:
+    return f"{n_bytes / MB:.1f} MB"
 
 
 def summary(meta: dict, out: Path, seconds: float) -> str:
@@ -351,7 +352,7 @@ def summary(meta: dict, out: Path, seconds: float) -> str:
         f"{meta['source']} in {seconds:.1f} s ({meta['skipped_files']} files skipped as binary or not UTF-8). "
         f"Tokenizer: {tokenizer}; vocab {meta['vocab_size']:,}, stored as {meta['dtype']}. "
         f"Train: {meta['train_tokens']:,} tokens ({meta['train_documents']:,} files, "
-        f"{_mib(meta['train_tokens'] * itemsize)}) in {out / SPLIT_FILES['train']}; "
+        f"{_mb(meta['train_tokens'] * itemsize)}) in {out / SPLIT_FILES['train']}; "
         f"val: {meta['val_tokens']:,} tokens ({meta['val_documents']:,} files, "
-        f"{_mib(meta['val_tokens'] * itemsize)}) in {out / SPLIT_FILES['val']}; metadata in {out / META_FILE}."
+        f"{_mb(meta['val_tokens'] * itemsize)}) in {out / SPLIT_FILES['val']}; metadata in {out / META_FILE}."
     )

@@ -51,6 +51,7 @@ from pathlib import Path
 import yaml
 
 from lmledger.errors import UserError
+from lmledger.ledger.units import MB
 
 TOP_LEVEL_KEYS = ("name", "description", "command", "configs", "fixed", "grid", "points", "metrics", "x", "requires")
 POINT_ONLY_KEYS = ("command", "requires")  # allowed in `points` entries, not as grid keys
@@ -669,7 +670,7 @@ def format_cell(column: str, value) -> str:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return str(value).replace("|", "\\|")
     if column.startswith("memory/"):
-        return f"{value / 2**20:,.3f}"
+        return f"{value / MB:,.3f}"
     if column.endswith(("mfu", "hfu")):
         return f"{value:.3f}"
     if "loss" in column or "ppl" in column or "per_param" in column:
@@ -682,7 +683,7 @@ def format_cell(column: str, value) -> str:
 
 
 def markdown_table(experiment: Experiment, columns: list[str], rows: list[dict]) -> str:
-    """The non-empty columns of the results, human-formatted: memory in MiB, each predicted figure
+    """The non-empty columns of the results, human-formatted: memory in MB (1e6 bytes), each predicted figure
     and its measured twin in one "predicted / measured" cell."""
     shown = [c for c in columns if c != "point" and any(row.get(c) not in (None, "") for row in rows)]
     short = [short_key(k) for k in experiment.swept_keys]
@@ -697,9 +698,9 @@ def markdown_table(experiment: Experiment, columns: list[str], rows: list[dict])
         if kind == "measured" and f"memory/predicted/{component}" in shown:
             continue  # shown beside its prediction
         if kind == "predicted" and twin in shown:
-            cells.append((f"{component} MiB (predicted / measured)", column, twin))
+            cells.append((f"{component} MB (predicted / measured)", column, twin))
         else:
-            cells.append((f"{component} MiB ({kind})", column, None))
+            cells.append((f"{component} MB ({kind})", column, None))
 
     def render(row: dict, column: str, twin: str | None) -> str:
         text = format_cell(column, row.get(column))

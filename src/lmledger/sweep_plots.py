@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from lmledger.ledger.units import MB
 from lmledger.sweep import MEMORY_COMPONENTS, Experiment, PointResult, short_key, slug_value
 
 _COMPONENT_COLORS = {"params": "#4c72b0", "grads": "#dd8452", "optimizer": "#55a868", "activations": "#c44e52"}
@@ -69,10 +70,10 @@ def plot_memory_bars(results: list[PointResult], path: Path) -> Path:
                 value = result.metrics.get(f"memory/{kind}/{component}")
                 if value is None:
                     continue
-                mib = value / 2**20
+                mb = value / MB
                 ax.bar(
                     i + offset,
-                    mib,
+                    mb,
                     width,
                     bottom=bottom,
                     color=_COMPONENT_COLORS[component],
@@ -80,12 +81,10 @@ def plot_memory_bars(results: list[PointResult], path: Path) -> Path:
                     edgecolor="white",
                     linewidth=0.5,
                 )
-                bottom += mib
+                bottom += mb
             peak = result.metrics.get(f"memory/{kind}/peak")
             if peak is not None:
-                ax.plot(
-                    [i + offset - width / 2, i + offset + width / 2], [peak / 2**20] * 2, color="black", linewidth=2
-                )
+                ax.plot([i + offset - width / 2, i + offset + width / 2], [peak / MB] * 2, color="black", linewidth=2)
     many = len(results) > 3
     ax.set_xticks(
         range(len(results)),
@@ -94,7 +93,7 @@ def plot_memory_bars(results: list[PointResult], path: Path) -> Path:
         ha="right" if many else "center",
         fontsize=8,
     )
-    ax.set_ylabel("MiB")
+    ax.set_ylabel("MB (1e6 bytes)")
     ax.set_title("memory per component: predicted (solid) | measured (hatched)")
     handles = [Patch(color=c, label=k) for k, c in _COMPONENT_COLORS.items()]
     handles.append(Patch(facecolor="white", edgecolor="black", hatch="//", label="measured"))
@@ -153,20 +152,20 @@ def plot_memory_line(results: list[PointResult], experiment: Experiment, key: st
             xs = [r.point.swept[key] for r in members]
             predicted = [r.metrics.get(f"memory/predicted/{row}") for r in members]
             if all(v is not None for v in predicted):
-                ax.plot(xs, [v / 2**20 for v in predicted], color=color, label=f"predicted {label}".strip())
+                ax.plot(xs, [v / MB for v in predicted], color=color, label=f"predicted {label}".strip())
             measured = [(x, r.metrics.get(f"memory/measured/{row}")) for x, r in zip(xs, members, strict=True)]
             measured = [(x, v) for x, v in measured if v is not None]
             if measured:
                 ax.plot(
                     [x for x, _ in measured],
-                    [v / 2**20 for _, v in measured],
+                    [v / MB for _, v in measured],
                     "o",
                     color=color,
                     label=f"measured {label}".strip(),
                 )
         _tick_at_values(ax, [r.point.swept[key] for r in results])
         ax.set_xlabel(key)
-        ax.set_ylabel("MiB")
+        ax.set_ylabel("MB (1e6 bytes)")
         ax.set_title(f"{row}: predicted (line), measured (points)")
         ax.legend(fontsize=7)
     return _save(figure, path)

@@ -23,8 +23,9 @@ import re
 import lightning.pytorch as pl
 import torch
 
-from lmledger.callbacks.run import LedgerRun, format_count, log_scalars, log_text, markdown_table
+from lmledger.callbacks.run import LedgerRun, log_scalars, log_text, markdown_table
 from lmledger.ledger.flops import FlopReport, MeasuredFlops, analytic_flops, measure_flops_meta
+from lmledger.ledger.units import format_count
 
 # FlopCounterMode module names shown in the breakdown: the embedding, each block's attention and
 # MLP (their norms do no matmul), the LM head. Deeper names split the MLP's backward unreliably

@@ -37,7 +37,6 @@ from rich.table import Table
 
 from lmledger.callbacks.run import (
     LedgerRun,
-    format_bytes,
     log_scalars,
     log_text,
     logging_step,
@@ -53,6 +52,7 @@ from lmledger.ledger.memory import (
     peak_bytes,
     state_bytes,
 )
+from lmledger.ledger.units import MB, format_bytes
 from lmledger.model import count_parameters
 
 COMPONENTS = ("params", "grads", "optimizer", "activations", "peak")
@@ -291,8 +291,8 @@ class MemoryLedger(pl.Callback):
     def _bar_chart(self) -> Figure:
         rows = memory_rows(self.run, self.predicted, self.measured)
         names = [name for name, *_ in rows]
-        predicted = [(getattr(self.predicted, n) or 0) / 1e6 for n in names]
-        measured = [self.measured.values.get(n, 0) / 1e6 for n in names]
+        predicted = [(getattr(self.predicted, n) or 0) / MB for n in names]
+        measured = [self.measured.values.get(n, 0) / MB for n in names]
         figure = Figure(figsize=(7, 0.6 * len(names) + 1.2), layout="constrained")
         axes = figure.add_subplot()
         ys = range(len(names))

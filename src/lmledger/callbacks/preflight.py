@@ -20,9 +20,10 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lmledger.callbacks.memory import MemoryPrediction, memory_table, predict_memory, print_memory_table
-from lmledger.callbacks.run import LedgerRun, format_bytes
+from lmledger.callbacks.run import LedgerRun
 from lmledger.errors import ConfigError, UserError
 from lmledger.ledger.planner import max_batch
+from lmledger.ledger.units import format_bytes
 
 
 @dataclass(frozen=True)

@@ -177,24 +177,6 @@ def untouched_rng(device: torch.device) -> Iterator[None]:
 # ------------------------------------------------------------------------------------ formatting
 
 
-def format_bytes(nbytes: float | None) -> str:
-    """Decimal units (1 GB = 1e9 bytes), as datasheets and `device_memory_gb` count."""
-    if nbytes is None:
-        return "n/a"
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if abs(nbytes) >= scale:
-            return f"{nbytes / scale:.3g} {unit}"
-    return f"{nbytes:.0f} B"
-
-
-def format_count(n: float) -> str:
-    """1234567 -> '1.23M' (FLOPs, parameters, tokens)."""
-    for unit, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
-        if abs(n) >= scale:
-            return f"{n / scale:.3g}{unit}"
-    return f"{n:.3g}"
-
-
 def markdown_table(header: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(row) + " |" for row in rows]

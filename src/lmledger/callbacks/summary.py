@@ -13,8 +13,9 @@ from rich.console import Console
 from rich.table import Table
 
 from lmledger.callbacks.memory import predict_memory
-from lmledger.callbacks.run import LedgerRun, format_bytes, format_count, log_text, markdown_table
+from lmledger.callbacks.run import LedgerRun, log_text, markdown_table
 from lmledger.ledger.flops import analytic_flops, matmul_parameters
+from lmledger.ledger.units import format_bytes, format_count
 from lmledger.model import count_parameters
 
 

@@ -11,6 +11,7 @@ import torch
 from lmledger.errors import UserError
 from lmledger.ledger import flops as ledger_flops
 from lmledger.ledger import memory as ledger_memory
+from lmledger.ledger.units import format_bytes
 from lmledger.model import ToyLM, count_parameters
 from lmledger.runspec import RunSpec, load_run_spec, split_flags
 
@@ -147,15 +148,6 @@ def _error_pct(predicted: float | None, measured: float | None) -> str:
     return f"{100 * (predicted - measured) / measured:+.2f}%"
 
 
-def _human_bytes(n: float | None) -> str:
-    if n is None:
-        return "—"
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= scale:
-            return f"{n / scale:,.2f} {unit}"
-    return f"{n:,.0f} B"
-
-
 def print_table(result: dict) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -182,12 +174,12 @@ def print_table(result: dict) -> None:
         m = result["memory"][row]
         label = f"{row} (bytes)"
         if row == "peak" and m["measured"] is None and run["device"] == "cpu" and was_measured:
-            table.add_row(label, _human_bytes(m["predicted"]), "n/a (CPU)", "")
+            table.add_row(label, format_bytes(m["predicted"]), "n/a (CPU)", "")
             continue
-        add_row(label, m, _human_bytes)
+        add_row(label, m, format_bytes)
     w = result["autocast_weight_copies"]
     if w["predicted"]:
-        add_row("autocast weight copies", w, _human_bytes)
+        add_row("autocast weight copies", w, format_bytes)
     Console().print(table)
     where = f"measured on {run['device']}" if was_measured else f"predicted for {run['device']}"
     if result["memory"]["peak"]["predicted"] is None:

@@ -13,6 +13,7 @@ from rich.table import Table
 
 from lmledger.commands.argparser import ArgumentParser
 from lmledger.errors import UserError
+from lmledger.ledger.units import MB
 from lmledger.sweep import (
     CONFIG_COMMANDS,
     Experiment,
@@ -27,8 +28,8 @@ from lmledger.sweep import (
 )
 
 
-def _mib(n) -> str:
-    return "—" if n is None else f"{n / 2**20:,.2f}"
+def _mb(n) -> str:
+    return "—" if n is None else f"{n / MB:,.2f}"
 
 
 def predicted_cost(point: Point) -> dict:
@@ -57,9 +58,9 @@ def dry_run(experiment: Experiment, out_dir: Path) -> int:
         "would",
         "params",
         "model FLOPs/step",
-        "state MiB",
-        "activations MiB",
-        "peak MiB",
+        "state MB",
+        "activations MB",
+        "peak MB",
     ):
         table.add_column(column, justify="left" if column in ("point", "command", "would") else "right")
     have_gpu = cuda_available() if any(p.requires_gpu for p in experiment.points) else False
@@ -87,9 +88,9 @@ def dry_run(experiment: Experiment, out_dir: Path) -> int:
             would,
             f"{cost['params']:,}",
             f"{cost['flops']['model']:.4g}",
-            _mib(state),
-            _mib(memory["activations"]),
-            _mib(memory["peak"]),
+            _mb(state),
+            _mb(memory["activations"]),
+            _mb(memory["peak"]),
         )
     console = Console()
     (console if console.is_terminal else Console(width=200)).print(table)

@@ -1,0 +1,30 @@
+"""How lmledger writes bytes and counts for people.
+
+Bytes are decimal everywhere (1 MB = 1e6 bytes, 1 GB = 1e9 bytes), as the lecture, GPU datasheets and
+`--ledger.device_memory_gb` count them. torch's own memory summaries use binary units (1 GiB = 2**30 bytes,
+7% more than a GB), so a figure copied from them reads 7% lower here.
+"""
+
+from __future__ import annotations
+
+MB, GB = 1e6, 1e9
+BYTE_UNITS = (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3))
+COUNT_UNITS = (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3))
+
+
+def format_bytes(nbytes: float | None) -> str:
+    """12_653_000 -> '12.65 MB'; None (not known) -> 'n/a'."""
+    if nbytes is None:
+        return "n/a"
+    for unit, scale in BYTE_UNITS:
+        if abs(nbytes) >= scale:
+            return f"{nbytes / scale:.4g} {unit}"
+    return f"{nbytes:.0f} B"
+
+
+def format_count(n: float) -> str:
+    """1234567 -> '1.23M' (FLOPs, parameters, tokens)."""
+    for unit, scale in COUNT_UNITS:
+        if abs(n) >= scale:
+            return f"{n / scale:.3g}{unit}"
+    return f"{n:.3g}"
