@@ -340,9 +340,12 @@ def test_data_too_short_for_the_context(workdir, small_data, capsys):
         (["--trainer.accelerator", "gpu"], "--trainer.accelerator gpu: this machine has no usable CUDA GPU"),
         (["--trainer.accelerator", "cuda"], "--trainer.accelerator cuda: this machine has no usable CUDA GPU"),
         (["--nonfinite.max_skips", "-1"], "nonfinite.max_skips must be >= 0"),
+        (["--trainer.accelerator", "cpu", "--trainer.strategy", "fsdp", "--trainer.devices", "2"],
+         "The strategy `fsdp` requires a GPU accelerator"),
+        (["--trainer.devices", "0"], "`Trainer(devices='0')` value is not a valid input"),
     ],
     ids=["unknown key", "wrong type", "int expected", "missing value", "missing config", "invalid shape", "gpu", "cuda",
-         "negative skips"],
+         "negative skips", "fsdp on cpu", "zero devices"],
 )  # fmt: skip
 def test_bad_config_is_one_line(workdir, capsys, args, expected):
     if args[:1] == ["--trainer.accelerator"] and torch.cuda.is_available():

@@ -1,15 +1,25 @@
 """Never train on NaNs: a step whose loss or gradients are not finite stops the run, or is skipped.
 
-The check runs after backward and before the optimizer step, so the weights and optimizer state are still
-those of the last good step. Stopping raises NonFiniteLossError (a UserError: one line from the CLI, exit 2)
-naming the step and the newest checkpoint saved before it. Skipping drops the update: the gradients are
-discarded, so optimizer.step() leaves every parameter and its Adam moments untouched, while the batch,
-the step counter and the LR schedule move on, as with fp16's GradScaler skipping an overflowed step.
+The check runs after backward and before the optimizer step, so a bad step's update is never applied: the
+weights and Adam moments stay those of the last good step. Stopping raises NonFiniteLossError (a UserError:
+one line from the CLI, exit 2) naming the step and the newest checkpoint saved before it. Skipping drops the
+update while the batch, the step counter and the LR schedule move on, as fp16's GradScaler does with an
+overflowed step.
+
+How the update is dropped without stalling the GPU: fused optimizers (LitLM's AdamW and SGD) read a
+`found_inf` tensor, the one GradScaler hands them, and return early on the device when it is 1, leaving
+parameters, moments and step counts untouched. The guard sets it from a flag computed on the device, so no
+step waits for the host. The host reads the verdict once the device has computed it (at once on CPU; on
+CUDA when an event recorded after the flag has completed, usually by the next step), then warns of the skip
+or stops. Other optimizers, and fp16 runs whose GradScaler owns `found_inf`, are judged at once, at the cost
+of one host sync per step, and a skipped update is dropped by discarding the gradients.
 """
 
 from __future__ import annotations
 
 import math
+from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -22,6 +32,44 @@ from lmledger.errors import UserError
 
 class NonFiniteLossError(UserError):
     """A training step produced a NaN or infinite loss or gradient and no skips were left."""
+
+
+@dataclass
+class _Verdict:
+    """One step's check on its way from the device: values = [bad, loss, gradient norm] (0 where unchecked)."""
+
+    step: int
+    values: torch.Tensor  # on the host once `done` has completed
+    has_loss: bool
+    has_norm: bool
+    done: torch.cuda.Event | None = None
+
+    @classmethod
+    def record(cls, step: int, bad: torch.Tensor, loss: torch.Tensor | None, norm: torch.Tensor | None) -> _Verdict:
+        zero = bad.new_zeros(())
+        values = torch.stack([bad, *(zero if t is None else t.detach().float().reshape(()) for t in (loss, norm))])
+        if values.device.type != "cuda":
+            return cls(step, values, loss is not None, norm is not None)
+        host = values.to("cpu", non_blocking=True)  # lands in pinned memory; `done` says when
+        done = torch.cuda.Event()
+        done.record()
+        return cls(step, host, loss is not None, norm is not None, done)
+
+    def ready(self) -> bool:
+        return self.done is None or self.done.query()
+
+    def problem(self) -> str | None:
+        """None for a finite step, else what was not finite, e.g. 'loss is nan'."""
+        if self.done is not None:
+            self.done.synchronize()
+        bad, loss, norm = self.values.tolist()
+        if not bad:
+            return None
+        if self.has_loss and not math.isfinite(loss):
+            return f"loss is {loss}"
+        if self.has_norm and not math.isfinite(norm):
+            return f"gradient norm is {norm}" + (f" (loss {loss:.4g})" if self.has_loss else "")
+        return "another rank's loss or gradients were not finite"
 
 
 class NonFiniteGuard(pl.Callback):
@@ -37,6 +85,8 @@ class NonFiniteGuard(pl.Callback):
         self.max_skips = max_skips
         self.skipped = 0  # over the whole run: checkpointed, so a resumed run keeps counting
         self._loss_sum: torch.Tensor | None = None  # this step's micro-batch losses (non-finite iff one is)
+        self._in_flight: deque[_Verdict] = deque()
+        self._stop: tuple[_Verdict, str] | None = None  # the bad step past max_skips, and its problem
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
         loss = loss.detach().float().sum()
@@ -44,43 +94,87 @@ class NonFiniteGuard(pl.Callback):
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer) -> None:
         loss, self._loss_sum = self._loss_sum, None
-        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         # Under fp16's GradScaler, inf gradients are routine (it lowers the scale and skips the step
         # itself), so only the loss is checked there.
-        check_grads = params and getattr(trainer.precision_plugin, "scaler", None) is None
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params]) if check_grads else None
-        checks = [t.float() for t in (loss, norm) if t is not None]
-        if not checks:
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        norm = _gradient_norm(pl_module, optimizer) if scaler is None else None
+        checked = [t.detach().float().reshape(()) for t in (loss, norm) if t is not None]
+        if not checked:
             return
-        # One host sync per step; the decision is shared so that every rank stops or skips together.
-        if trainer.strategy.reduce_boolean_decision(bool(torch.isfinite(torch.stack(checks)).all()), all=True):
-            return
+        bad = (~torch.isfinite(torch.stack(checked))).any().float()
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            # Every rank skips or stops together. A collective on the device: no host sync.
+            torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)
+        verdict = _Verdict.record(trainer.global_step, bad, loss, norm)
+        if scaler is None and _drops_update_on_found_inf(optimizer):
+            optimizer.found_inf = bad
+            self._in_flight.append(verdict)
+            self._settle(wait=False)
+        elif self._judge(verdict):  # judged now (one host sync): drop the update by hand
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    p.grad = None  # optimizers skip parameters without a gradient
+        self._raise_if_stopped(trainer)
 
-        loss_value = None if loss is None else loss.item()
-        if loss_value is not None and not math.isfinite(loss_value):
-            problem = f"loss is {loss_value}"
-        else:
-            problem = f"gradient norm is {norm.item()}" + ("" if loss_value is None else f" (loss {loss_value:.4g})")
-        step = trainer.global_step
-        if self.skipped < self.max_skips:
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._settle(wait=True)
+        self._raise_if_stopped(trainer)
+
+    def _settle(self, wait: bool) -> None:
+        """Judge the verdicts that have reached the host (all of them if `wait`), oldest first."""
+        while self._in_flight and (wait or self._in_flight[0].ready()):
+            self._judge(self._in_flight.popleft())
+
+    def _judge(self, verdict: _Verdict) -> bool:
+        """True if the step was bad: counted as skipped, or, past max_skips, the reason to stop."""
+        problem = verdict.problem()
+        if problem is None:
+            return False
+        if self._stop is None and self.skipped < self.max_skips:
             self.skipped += 1
-            for p in params:
-                p.grad = None  # optimizers skip parameters without a gradient
-            rank_zero_warn(f"step {step}: {problem}; update skipped ({self.skipped} of max_skips {self.max_skips})")
+            rank_zero_warn(
+                f"step {verdict.step}: {problem}; update skipped ({self.skipped} of max_skips {self.max_skips})"
+            )
+        elif self._stop is None:
+            self._stop = (verdict, problem)
+        return True
+
+    def _raise_if_stopped(self, trainer: pl.Trainer) -> None:
+        if self._stop is None:
             return
+        verdict, problem = self._stop
         earlier = (
             f" ({self.skipped} earlier non-finite steps skipped, max_skips {self.max_skips})" if self.skipped else ""
         )
         raise NonFiniteLossError(
-            f"step {step}: {problem}; stopped before applying it{earlier}. {_last_checkpoint(trainer)}. "
+            f"step {verdict.step}: {problem}; stopped before applying it{earlier}. {_last_checkpoint(trainer)}. "
             "Lower --model.lr or lengthen warm-up, or let --nonfinite.max_skips K skip such steps"
         )
 
     def state_dict(self) -> dict:
+        # A checkpoint is written between steps: wait for the verdicts in flight so the count is exact. One
+        # that must stop the run is raised by the next hook; this checkpoint is clean (its update was dropped).
+        self._settle(wait=True)
         return {"skipped": self.skipped}
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.skipped = state_dict["skipped"]
+
+
+def _gradient_norm(pl_module: pl.LightningModule, optimizer) -> torch.Tensor | None:
+    """This step's total gradient norm: the module's own when it keeps one (LitLM computes it once a step
+    for logging, this check and clipping), else measured over the optimizer's parameters."""
+    shared = getattr(pl_module, "gradient_norm", None)
+    if callable(shared):
+        return shared()
+    grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    return torch.nn.utils.get_total_norm(grads) if grads else None
+
+
+def _drops_update_on_found_inf(optimizer) -> bool:
+    """Whether optimizer.step() skips the update on the device when `optimizer.found_inf` is 1: torch's fused
+    Adam, AdamW and SGD kernels do (they are what GradScaler relies on)."""
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False) and optimizer.defaults.get("fused"))
 
 
 def _last_checkpoint(trainer: pl.Trainer) -> str:

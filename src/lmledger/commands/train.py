@@ -37,7 +37,7 @@ from lmledger.checkpointing import (
     open_checkpoint,
 )
 from lmledger.data import TokenDataModule
-from lmledger.errors import UserError
+from lmledger.errors import ConfigError, UserError
 from lmledger.lit import LitLM
 from lmledger.precision import check_trainer_config, trainer_precision_kwargs
 
@@ -132,7 +132,10 @@ class LedgerCLI(LightningCLI):
         callbacks = config.get("callbacks") or []
         callbacks = [*(callbacks if isinstance(callbacks, list) else [callbacks])]
         callbacks += ledger_callbacks(self._get(self.config_init, "ledger"))
-        trainer = super().instantiate_trainer(**{**precision, "callbacks": callbacks, **kwargs})
+        try:
+            trainer = super().instantiate_trainer(**{**precision, "callbacks": callbacks, **kwargs})
+        except ValueError as err:  # Lightning's checks of accelerator, strategy and devices, e.g. FSDP on CPU
+            raise ConfigError(" ".join(str(err).split())) from None
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # Lightning's default; a chosen plugin stays
             trainer.strategy.checkpoint_io = AtomicCheckpointIO()
         make_last_checkpoint_atomic(trainer.callbacks)

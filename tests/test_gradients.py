@@ -1,0 +1,166 @@
+"""The gradient norm (measured once a step, sharded or not), clipping by it, and the NaN guard's two ways of
+dropping a bad update: on the device through the fused optimizer's `found_inf`, or by hand."""
+
+from __future__ import annotations
+
+import json
+import math
+import types
+from dataclasses import replace
+
+import lightning as L
+import pytest
+import torch
+import torch.multiprocessing as mp
+from torch import nn
+
+from conftest import MICRO_OVERRIDES, read_scalars
+from lmledger.callbacks.nonfinite import NonFiniteGuard, NonFiniteLossError, _Verdict
+from lmledger.checkpointing import open_checkpoint
+from lmledger.cli import main as lmledger
+from lmledger.data import TokenDataModule
+from lmledger.lit import LitLM, total_norm
+from lmledger.model import ModelConfig
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny models run faster on one thread
+
+TINY = ModelConfig(vocab_size=256, context_length=32, d_model=32, n_layers=1, n_heads=2, d_ff=64)
+
+
+def test_one_gradient_norm_per_step_for_log_guard_and_clipping(workdir, monkeypatch):
+    calls = []
+    get_total_norm = torch.nn.utils.get_total_norm
+    monkeypatch.setattr(torch.nn.utils, "get_total_norm", lambda *a, **k: calls.append(1) or get_total_norm(*a, **k))
+    steps = 5
+    # tiny.yaml clips at 1.0, and the NaN guard is on in every fit.
+    assert lmledger(["fit", "--config", "configs/tiny.yaml", *MICRO_OVERRIDES, "--trainer.max_steps", str(steps)]) == 0
+    assert len(calls) == steps
+    norms = [v for _, v in read_scalars("runs/tiny/version_0")["train/grad_norm"]]
+    assert len(norms) == steps and all(math.isfinite(v) and v > 0 for v in norms)
+
+
+class LightningClipping(LitLM):
+    """LitLM with Lightning's stock clipping (which measures the norm itself), for comparison."""
+
+    configure_gradient_clipping = L.LightningModule.configure_gradient_clipping
+
+
+def _weights_after(cls, data_dir, clip: float | None) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    data = TokenDataModule(path=str(data_dir), batch_size=4, context_length=TINY.context_length)
+    lit = cls(replace(TINY, vocab_size=data.vocab_size), warmup_steps=1, lr=1e-2)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_steps=3, limit_val_batches=0, logger=False, gradient_clip_val=clip,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(lit, data)
+    return {k: v.clone() for k, v in lit.model.state_dict().items()}
+
+
+def test_clipping_by_the_shared_norm_equals_lightnings_own(stdlib_data):
+    ours = _weights_after(LitLM, stdlib_data, clip=0.05)
+    lightning = _weights_after(LightningClipping, stdlib_data, clip=0.05)
+    unclipped = _weights_after(LitLM, stdlib_data, clip=None)
+    for name, weight in ours.items():
+        torch.testing.assert_close(weight, lightning[name], rtol=1e-5, atol=1e-7)
+    # The clip bit: the run without it ends elsewhere.
+    assert max((ours[k] - unclipped[k]).abs().max().item() for k in ours) > 1e-4
+
+
+def _sharded_norm_worker(rank: int, store_file: str, cases: list, results) -> None:
+    torch.distributed.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=2)
+    try:
+        for case, shards in enumerate(cases):
+            grads = [torch.tensor(shard) for shard in shards[rank] if shard]
+            results[rank, case] = total_norm(grads, sharded=True, device=torch.device("cpu")).item()
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_sharded_norm_sums_the_ranks_squares(tmp_path):
+    cases = [
+        [[[1.0, 2.0]], [[2.0], [4.0]]],  # sqrt(1 + 4 + 4 + 16) = 5
+        # Rank 1 holds no gradients at all (FSDP can shard that unevenly) and must still join the reduction.
+        [[[3.0, 0.0], [4.0]], [[]]],
+        [[[math.nan]], [[1.0]]],  # one rank's NaN reaches every rank
+    ]
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_sharded_norm_worker, args=(str(tmp_path / "store"), cases, results), nprocs=2)
+        results = dict(results)
+    for rank in (0, 1):
+        assert results[rank, 0] == pytest.approx(5.0) and results[rank, 1] == pytest.approx(5.0)
+        assert math.isnan(results[rank, 2])
+
+
+# ------------------------------------------------------------------------------------------ the NaN guard
+
+
+class _Steps:
+    """Drives NonFiniteGuard's hooks by hand around a fused AdamW, as Lightning would, one step at a time."""
+
+    def __init__(self, guard: NonFiniteGuard) -> None:
+        self.guard = guard
+        self.param = nn.Parameter(torch.ones(3))
+        self.optimizer = torch.optim.AdamW([self.param], lr=0.1, fused=True)
+        self.trainer = types.SimpleNamespace(
+            precision_plugin=object(), global_step=0, ckpt_path=None, checkpoint_callbacks=[]
+        )
+        self.module = object()  # no gradient_norm(): the guard measures the optimizer's gradients itself
+
+    def step(self, value: float) -> None:
+        self.param.grad = torch.full((3,), value)
+        self.guard.on_before_backward(self.trainer, self.module, torch.tensor(value))
+        self.guard.on_before_optimizer_step(self.trainer, self.module, self.optimizer)
+        self.optimizer.step()
+        self.trainer.global_step += 1
+
+
+def test_guard_drops_the_update_on_the_device_and_judges_it_when_the_verdict_arrives(monkeypatch):
+    arrived = False
+    monkeypatch.setattr(_Verdict, "ready", lambda self: arrived)  # as if the GPU were still busy
+    run = _Steps(NonFiniteGuard(max_skips=1))
+    run.step(1.0)
+    before = run.param.detach().clone()
+    moments = {k: v.clone() for k, v in run.optimizer.state[run.param].items()}
+
+    run.step(math.nan)  # step 1: dropped by the fused kernel before the host knows
+    assert torch.equal(run.param, before)
+    for key, value in run.optimizer.state[run.param].items():
+        assert torch.equal(value, moments[key]), key  # moments and step count untouched
+    assert run.guard.skipped == 0  # verdict still in flight
+
+    run.step(1.0)  # step 2 is fine and applied
+    assert not torch.equal(run.param, before)
+    arrived = True
+    after_step_2 = run.param.detach().clone()
+    with pytest.warns(UserWarning, match=r"step 1: loss is nan; update skipped \(1 of max_skips 1\)"):
+        with pytest.raises(NonFiniteLossError, match=r"step 3: loss is nan; stopped before applying it \(1 earlier"):
+            run.step(math.nan)  # step 3: past max_skips
+    assert torch.equal(run.param, after_step_2)
+
+
+def test_a_checkpoint_counts_the_verdicts_still_in_flight(monkeypatch):
+    monkeypatch.setattr(_Verdict, "ready", lambda self: False)
+    run = _Steps(NonFiniteGuard(max_skips=3))
+    for value in (1.0, math.inf, 1.0, math.nan):
+        run.step(value)
+    assert run.guard.skipped == 0
+    with pytest.warns(UserWarning, match="update skipped"):
+        assert run.guard.state_dict() == {"skipped": 2}
+
+
+def test_fp16_with_grad_scaler_clips_and_skips_by_hand(workdir):
+    # Under GradScaler the optimizer is not fused (Lightning would leave the gradients scaled for the
+    # fused kernel to unscale, and clipping would act on scaled values), so the guard drops grads itself.
+    inject = {"class_path": "test_reliability.InjectNaN", "init_args": {"steps": [2]}}
+    args = ["--trainer.precision", "16-mixed", "--trainer.max_steps", "4", "--nonfinite.max_skips", "1"]
+    args += ["--trainer.callbacks+=" + json.dumps(inject)]
+    with pytest.warns(UserWarning, match="step 2: loss is nan; update skipped"):
+        assert lmledger(["fit", "--config", "configs/tiny.yaml", *MICRO_OVERRIDES, *args]) == 0
+    checkpoint = open_checkpoint("runs/tiny/version_0/checkpoints/last.ckpt")
+    assert checkpoint["global_step"] == 4
+    assert all(not group.get("fused") for group in checkpoint["optimizer_states"][0]["param_groups"])
+    assert all(torch.isfinite(t).all() for t in checkpoint["state_dict"].values())
+    losses = dict(read_scalars("runs/tiny/version_0")["train/loss"])
+    assert [s for s, v in sorted(losses.items()) if not math.isfinite(v)] == [2]
