@@ -152,6 +152,7 @@ def main() -> int:
                 "--trainer.max_steps", str(args.steps if not dry else 6),
                 "--trainer.limit_val_batches", "0", "--trainer.log_every_n_steps", "5" if not dry else "2",
                 "--trainer.enable_checkpointing", "false", "--trainer.callbacks", "[]",
+                "--trainer.enable_progress_bar", "false",  # a bar refresh reads the loss off the GPU: a sync
                 "--trainer.logger.init_args.save_dir", str(out / "runs"),
                 "--trainer.logger.init_args.name", name,
                 *(TOY if dry else []),

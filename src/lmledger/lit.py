@@ -74,6 +74,7 @@ class LitLM(L.LightningModule):
         # `self.model`, the same with or without compile.
         self.__dict__["_forward"] = torch.compile(self.model) if compile else self.model
         self._grad_norm: torch.Tensor | None = None
+        self._lr = torch.zeros((), dtype=torch.float32)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         return self._forward(idx, targets)
@@ -82,7 +83,11 @@ class LitLM(L.LightningModule):
         x, y = batch
         loss = self(x, y)
         self.log("train/loss", loss, prog_bar=True)
-        self.log("train/lr", self.lr_schedulers().get_last_lr()[0])
+        # Logged as a device tensor filled in place: Lightning turns a Python float into a new device tensor
+        # with a blocking host-to-device copy, which waits for the GPU to drain (a host sync every step).
+        if self._lr.device != loss.device:
+            self._lr = torch.zeros((), dtype=torch.float32, device=loss.device)
+        self.log("train/lr", self._lr.fill_(self.lr_schedulers().get_last_lr()[0]))
         return loss
 
     def on_after_backward(self) -> None:
