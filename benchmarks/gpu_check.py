@@ -1,6 +1,6 @@
 """The GPU check (run through benchmarks/gpu_check.sh): matmul MFU per dtype, then short training runs of
 cs336-small and cs336-medium at ctx 1024 in each precision, with tokens/s, MFU, HFU and predicted vs
-measured peak memory read back from the runs' TensorBoard events.
+measured peak memory read back from the runs' TensorBoard events, then the test suite's CUDA-only tests.
 
 Each stage runs `python -m lmledger.cli ...` in its own process (a crash or OOM is recorded, the rest goes
 on) under one overall deadline. Full results go to OUT/gpu_check.json and OUT/gpu_check.md; the short table
@@ -166,6 +166,16 @@ def main() -> int:
             versions = sorted((out / "runs" / name).glob("version_*"), key=lambda p: int(p.name.split("_")[1]))
             stage.update(read_run(versions[-1]))
 
+    # (c) the tests that need CUDA: allocator peaks and saved activations against the ledger, the matmul
+    # benchmark in every dtype, and no host sync in a steady-state training step. Last, with what time is left.
+    left = deadline - time.monotonic()
+    if left < 45:
+        results["cuda_tests"] = {"skipped": "out of time"}
+    else:
+        pytest = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "cuda", str(REPO / "tests")]
+        code, output = run(pytest, left, log)
+        results["cuda_tests"] = {"exit": code, "summary": last_error_line(output)}
+
     (out / "gpu_check.json").write_text(json.dumps(results, indent=2))
     table = summary_table(results)
     (out / "gpu_check.md").write_text(table + "\n")
@@ -199,6 +209,8 @@ def summary_table(results: dict) -> str:
             f"| {_fmt(s.get('hfu'), '.3f')} | {_fmt(gb(s.get('peak_predicted')), '.2f')} "
             f"| {_fmt(gb(s.get('peak_measured')), '.2f')} | {note} |"
         )
+    tests = results.get("cuda_tests", {})
+    lines += ["", f"CUDA-only tests (pytest -m cuda): {tests.get('skipped') or tests.get('summary')}"]
     return "\n".join(lines)
 
 

@@ -40,6 +40,16 @@ MICRO_OVERRIDES = [
 ]  # fmt: skip
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `cuda` skip on a machine without a CUDA GPU."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if item.get_closest_marker("cuda") is not None:
+            item.add_marker(skip)
+
+
 @contextlib.contextmanager
 def one_intra_op_thread() -> Iterator[None]:
     """Tiny models on a shared 2-core machine: one intra-op thread is several times faster, and steadier."""

@@ -66,7 +66,7 @@ def test_bench_bad_input_is_one_line(flags, match, capsys):
     assert len(err.strip().splitlines()) == 1 and match in err
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.cuda
 def test_bench_matmul_cuda_all_dtypes():
     device = torch.device("cuda")
     bench = bench_matmul(["fp32", "tf32", "bf16", "fp16", "fp8"], [1024, 4096], device, repeats=5)

@@ -62,6 +62,10 @@ def test_dry_run_measures_every_stage_or_says_why_not(tmp_path):
         for key in ("tokens_per_sec", "mfu", "hfu", "peak_predicted"):
             assert _finite_positive(stage.get(key)), (key, stage)
 
+    # The CUDA-only tests ran and, on the CPU, all skipped.
+    tests = results["cuda_tests"]
+    assert tests["exit"] == 0 and "skipped" in tests["summary"] and "passed" not in tests["summary"], tests
+
     table = (out / "gpu_check.md").read_text().strip()
     stage_rows = [line for line in table.splitlines() if line.startswith("| cs336-")]
     assert len(stage_rows) == len(stages)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import types
+import warnings
 from dataclasses import replace
 
 import lightning as L
@@ -164,3 +165,47 @@ def test_fp16_with_grad_scaler_clips_and_skips_by_hand(workdir):
     assert all(torch.isfinite(t).all() for t in checkpoint["state_dict"].values())
     losses = dict(read_scalars("runs/tiny/version_0")["train/loss"])
     assert [s for s, v in sorted(losses.items()) if not math.isfinite(v)] == [2]
+
+
+# ------------------------------------------------------------------------------------------ the hot path
+
+
+class SyncWatch(L.Callback):
+    """Counts host syncs (torch's sync debug mode) over steps `start`..`stop`, between logging steps."""
+
+    def __init__(self, start: int, stop: int) -> None:
+        self.start, self.stop = start, stop
+        self.syncs: list[str] = []
+        self._catcher = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step == self.start:
+            self._catcher = warnings.catch_warnings(record=True)
+            self.syncs = self._catcher.__enter__()
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.stop and self._catcher is not None:
+            torch.cuda.set_sync_debug_mode(0)
+            self._catcher.__exit__(None, None, None)
+            self._catcher = None
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("precision", ["bf16-mixed", "32-true"])
+def test_steady_state_steps_never_wait_for_the_gpu(stdlib_data, precision):
+    # The ledger, the NaN guard, grad-norm logging and clipping on; no logging step, bar or checkpoint
+    # inside the watched steps (those read values back on purpose).
+    from lmledger.callbacks import LedgerSettings, ledger_callbacks
+
+    data = TokenDataModule(path=str(stdlib_data), batch_size=4, context_length=TINY.context_length)
+    watch = SyncWatch(start=5, stop=9)
+    trainer = L.Trainer(
+        accelerator="gpu", devices=1, precision=precision, max_steps=12, limit_val_batches=0, logger=False,
+        log_every_n_steps=100, gradient_clip_val=1.0, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, callbacks=[NonFiniteGuard(), *ledger_callbacks(LedgerSettings()), watch],
+    )  # fmt: skip
+    trainer.fit(LitLM(replace(TINY, vocab_size=data.vocab_size), warmup_steps=1), data)
+    messages = [str(w.message) for w in watch.syncs if "synchroniz" in str(w.message)]
+    assert messages == [], messages[:3]

@@ -247,7 +247,7 @@ def test_unknown_gpu_is_one_line_exit_2():
     assert len(lines) == 1 and "unknown GPU 'NVIDIA Z9000'" in lines[0]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.cuda
 def test_peak_flops_on_this_gpu():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -318,10 +318,8 @@ def test_peak_measurement_needs_cuda():
 
 # --- CUDA only --------------------------------------------------------------------------------
 
-cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
-
-@cuda_only
+@pytest.mark.cuda
 @pytest.mark.parametrize("precision, checkpointing, tied, shape", CASES[::5], ids=map(case_id, CASES[::5]))
 def test_activation_bytes_match_saved_tensors_on_cuda(precision, checkpointing, tied, shape):
     cfg, batch, seq = case_config(checkpointing, tied, shape)
@@ -331,7 +329,7 @@ def test_activation_bytes_match_saved_tensors_on_cuda(precision, checkpointing, 
     assert saved.autocast_weight_copies == pytest.approx(predicted.autocast_weight_copies, rel=0.03)
 
 
-@cuda_only
+@pytest.mark.cuda
 @pytest.mark.parametrize(
     "precision, checkpointing, tied, grads_held",
     [
