@@ -20,14 +20,19 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-MODELS = ("cs336-small", "cs336-medium")
-# (label, trainer precision, extra overrides); fp8 rows need torchao or transformer_engine and sm_89+.
+MODELS = ("cs336-medium", "cs336-small")  # the MFU goal is set for cs336-medium: it goes first
+# (label, trainer precision, extra overrides), in the order they run: each variant on every model before
+# the next variant, so a tight budget drops the least important rows. Per-block compile: one block graph,
+# compiled once for all 24 blocks, so compile time stays seconds rather than minutes whatever the depth.
+# fp8 rows need torchao or transformer_engine and sm_89+. Whole-model compile runs last, on the first model.
 VARIANTS = (
-    ("bf16-mixed+compile", "bf16-mixed", ["--model.compile", "true"]),
-    ("bf16-true+compile", "bf16-true", ["--model.compile", "true"]),
-    ("fp8-torchao+compile", "bf16-true", ["--model.compile", "true", "--model.fp8", "torchao"]),
+    ("bf16-mixed+compile", "bf16-mixed", ["--model.compile", "blocks"]),
+    ("bf16-true+compile", "bf16-true", ["--model.compile", "blocks"]),
+    ("fp8-torchao+compile", "bf16-true", ["--model.compile", "blocks", "--model.fp8", "torchao"]),
     ("fp8-te", "transformer-engine", []),
+    ("bf16-mixed+compile-whole-model", "bf16-mixed", ["--model.compile", "true"]),
 )
+ONLY_FIRST_MODEL = {"bf16-mixed+compile-whole-model"}
 TOY = [  # dry run: the same stages at a size a CPU runs in seconds
     "--model.config.d_model", "64", "--model.config.n_layers", "2", "--model.config.n_heads", "2",
     "--model.config.d_ff", "128", "--model.config.context_length", "64", "--data.batch_size", "4",
@@ -135,8 +140,9 @@ def main() -> int:
             results["error"] = f"prepare failed: {last_error_line(output)}"
 
     # (b) short training runs
-    for model in args.models.split(","):
-        for label, precision, extra in VARIANTS:
+    models = args.models.split(",")
+    for label, precision, extra in VARIANTS:
+        for model in models[:1] if label in ONLY_FIRST_MODEL else models:
             stage = {"model": model, "variant": label, "precision": precision}
             results["stages"].append(stage)
             reason = fp8_unavailable(precision, extra, dry) if ("fp8" in label) else None

@@ -101,6 +101,10 @@ def parse_with(fragment: str):
     return parse_fit_config(["--config", "configs/tiny.yaml", "--config", f"configs/{fragment}"])
 
 
+def parse_with_args(args: list[str]):
+    return parse_fit_config(["--config", "configs/tiny.yaml", *args])
+
+
 def test_every_fragment_parses_on_top_of_tiny(workdir):
     expected = {
         "precision/32-true.yaml": ("32-true", None),
@@ -122,6 +126,7 @@ def test_every_fragment_parses_on_top_of_tiny(workdir):
     for fragment, every in (("ac/every-block.yaml", 1), ("ac/every-2nd-block.yaml", 2)):
         assert parse_with(fragment).model.config.activation_checkpointing == every
     assert parse_with("compile/on.yaml").model.compile is True
+    assert parse_with("compile/blocks.yaml").model.compile == "blocks"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -359,6 +364,33 @@ def test_compile_fit_graph_capture(stdlib_data, monkeypatch):
     trainer, lit, probe = fit_tiny(stdlib_data, "32-true", compile=True)
     check_compiled_run(lit, trainer)
     assert probe.measured == state_bytes(lit.model.num_parameters(), "32-true")
+
+
+def test_compile_blocks_compiles_one_graph_for_every_block(stdlib_data, monkeypatch):
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
+    torch.manual_seed(0)
+    trainer, lit, _ = fit_tiny(stdlib_data, "32-true", compile="blocks")
+    assert trainer.global_step == 3 and lit._forward is lit.model and TINY.n_layers == 2
+    assert all(block._compiled_call_impl is not None for block in lit.model.blocks)
+    # Both blocks ran one compiled graph, traced and compiled once (a whole-model compile unrolls them all).
+    assert counters["stats"]["unique_graphs"] == 1 and counters["aot_autograd"]["total"] == 1
+    assert not any("_compiled" in key or "_orig_mod" in key for key in lit.state_dict())
+    monkeypatch.undo()
+    torch.manual_seed(0)
+    _, eager, _ = fit_tiny(stdlib_data, "32-true")
+    for name, weight in lit.model.state_dict().items():
+        torch.testing.assert_close(weight, eager.model.state_dict()[name], rtol=1e-4, atol=1e-6)
+
+
+def test_compile_switch_parses_true_false_and_blocks(workdir):
+    for value, expected in (("true", True), ("false", False), ("blocks", "blocks")):
+        assert parse_with_args(["--model.compile", value]).model.compile == expected
+    with pytest.raises(UserError, match="model.compile"):
+        parse_with_args(["--model.compile", "layers"])
 
 
 @pytest.mark.skipif(

@@ -45,8 +45,11 @@ class LitLM(L.LightningModule):
         config: the model's architecture (vocab_size is linked from the data's meta.json by the CLI).
         optimizer: "adamw" (decoupled weight decay on matmul weights only) or "sgd" (momentum 0.9).
         lr: peak learning rate, reached after warmup_steps, then cosine to lr * min_lr_ratio.
-        compile: run the training/validation steps through torch.compile (the eager module stays
-            available as `self.model`, which is what the FLOP counter measures).
+        compile: run the training/validation steps through torch.compile. True compiles the whole model
+            (fastest steps, longest compile: the graph unrolls every block); "blocks" compiles each
+            transformer block in place (one graph, compiled once and reused by every block, so compile
+            time does not grow with depth; the embedding, head and loss stay eager). Either way the
+            FLOP counter measures an eager copy, and checkpoints keep the eager module's keys.
         fp8: "torchao" swaps the eligible linears for torchao Float8Linear (lmledger.precision),
             before compile; use with trainer precision bf16-mixed or bf16-true. None = no fp8 here
             (Transformer Engine fp8 is the trainer precision "transformer-engine").
@@ -61,7 +64,7 @@ class LitLM(L.LightningModule):
         warmup_steps: int = 50,
         weight_decay: float = 0.1,
         betas: tuple[float, float] = (0.9, 0.95),
-        compile: bool = False,
+        compile: bool | Literal["blocks"] = False,
         fp8: Literal["torchao"] | None = None,
     ) -> None:
         super().__init__()
@@ -72,7 +75,10 @@ class LitLM(L.LightningModule):
         # Compiled forward shares the eager module's parameters. Stored in __dict__ (nn.Module's
         # setattr would register it as a second submodule) so state_dict keys stay those of
         # `self.model`, the same with or without compile.
-        self.__dict__["_forward"] = torch.compile(self.model) if compile else self.model
+        self.__dict__["_forward"] = torch.compile(self.model) if compile is True else self.model
+        if compile == "blocks":
+            for block in self.model.blocks:
+                block.compile()  # in place: the block's __call__ runs the compiled graph, its keys stay
         self._grad_norm: torch.Tensor | None = None
         self._lr = torch.zeros((), dtype=torch.float32)
 

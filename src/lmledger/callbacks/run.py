@@ -36,7 +36,7 @@ class LedgerRun:
 
     config: ModelConfig
     model: ToyLM  # the eager module (never a torch.compile wrapper)
-    compiled: bool  # LitLM(compile=True): the step runs a compiled graph of `model`
+    compiled: bool  # LitLM(compile=True or "blocks"): the step runs compiled graphs of `model`
     batch_size: int
     seq_len: int
     precision: str  # Lightning's name: "32-true", "bf16-mixed", "transformer-engine", ...
