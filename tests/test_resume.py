@@ -61,13 +61,18 @@ def scalars_of(event_file: Path) -> dict[str, dict[int, float]]:
     return {tag: dict(points) for tag, points in read_scalars(event_file).items() if tag in TAGS}
 
 
-@pytest.mark.parametrize("max_epochs", ["-1", "1"])  # 1: the configs' choice; -1: Lightning's default with max_steps
+# 1: the configs' choice; -1: Lightning's default with max_steps; "by epochs": no max_steps, one epoch of
+# MAX_STEPS batches (the LR schedule's length then comes from Lightning's estimate).
+BY_EPOCHS = ["1", "--trainer.max_steps", "-1", "--trainer.limit_train_batches", str(MAX_STEPS)]
+
+
+@pytest.mark.parametrize("max_epochs", [["-1"], ["1"], BY_EPOCHS], ids=["max_epochs -1", "max_epochs 1", "by epochs"])
 def test_killed_run_resumes_bit_for_bit(workdir, max_epochs):
     run = workdir / "runs" / "cut" / "version_0"
     ckpt = run / "checkpoints" / "last.ckpt"
     # The throttle only slows the steps after the first checkpoint, so the poll below has time to kill mid-run.
     throttle = '{"class_path": "test_resume.Throttle", "init_args": {"after_step": 4, "seconds": 0.5}}'
-    epochs = ("--trainer.max_epochs", max_epochs)
+    epochs = ("--trainer.max_epochs", *max_epochs)
     victim = fit_process(workdir, "cut", *epochs, "--trainer.callbacks+=" + throttle)
     assert lmledger(fit_args("whole", *epochs)) == 0  # the uninterrupted reference, in this process meanwhile
     deadline = time.monotonic() + 120

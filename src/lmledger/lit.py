@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Literal
 
@@ -159,13 +160,18 @@ class LitLM(L.LightningModule):
             optimizer = torch.optim.AdamW(groups, lr=self.hparams.lr, betas=self.hparams.betas, fused=fused)
         else:
             optimizer = torch.optim.SGD(groups, lr=self.hparams.lr, momentum=0.9, fused=fused)
-        # max_steps when set: Trainer.estimated_stepping_batches would otherwise load the train loader
-        # now, before a checkpoint is restored, and Lightning keeps the iterator it makes then (with its
-        # prefetched first batch), so a resumed run would restart the data at batch 0.
-        trainer = self.trainer
-        total = trainer.max_steps if trainer.max_steps > 0 else trainer.estimated_stepping_batches
-        schedule = torch.optim.lr_scheduler.LambdaLR(
-            optimizer,
-            lambda step: warmup_cosine(step, self.hparams.warmup_steps, total, self.hparams.min_lr_ratio),
-        )
+        # The run's length shapes only the decay after warm-up, so it is asked for at the first step past
+        # warm-up, after a resumed run's checkpoint is restored. Asked here, Trainer.estimated_stepping_batches
+        # (runs sized by epochs) would build the train iterator before the restore, and Lightning keeps that
+        # iterator, with its prefetched first batch: the resumed run would restart the data at batch 0.
+        trainer, warmup, min_ratio = self.trainer, self.hparams.warmup_steps, self.hparams.min_lr_ratio
+
+        @functools.cache
+        def total_steps() -> int:
+            return trainer.max_steps if trainer.max_steps > 0 else trainer.estimated_stepping_batches
+
+        def multiplier(step: int) -> float:
+            return warmup_cosine(step, warmup, total_steps() if step > warmup else warmup + 1, min_ratio)
+
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, multiplier)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
