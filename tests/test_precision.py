@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import math
 import os
 import subprocess
 import sys
@@ -21,7 +22,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision, TransformerEngin
 from torch import nn
 
 import lmledger.precision as precision_module
-from conftest import TINY_OVERRIDES
+from conftest import MICRO_OVERRIDES, TINY_OVERRIDES, read_scalars
 from lmledger.cli import main as lmledger
 from lmledger.commands.train import parse_fit_config
 from lmledger.data import TokenDataModule
@@ -384,6 +385,21 @@ def test_compile_blocks_compiles_one_graph_for_every_block(stdlib_data, monkeypa
     _, eager, _ = fit_tiny(stdlib_data, "32-true")
     for name, weight in lit.model.state_dict().items():
         torch.testing.assert_close(weight, eager.model.state_dict()[name], rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["true", "blocks"])
+def test_compile_speedup_is_reported_and_training_goes_on_as_without_it(workdir, monkeypatch, mode):
+    torch._dynamo.reset()
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
+    fit = ["fit", "--config", "configs/tiny.yaml", *MICRO_OVERRIDES, "--trainer.max_steps", "4"]
+    assert lmledger([*fit, "--model.compile", mode]) == 0
+    assert lmledger([*fit, "--model.compile", mode, "--ledger.enabled", "false"]) == 0
+    probed, plain = read_scalars("runs/tiny/version_0"), read_scalars("runs/tiny/version_1")
+    ((step, speedup),) = probed["perf/compile_speedup"]
+    assert step == 0 and math.isfinite(speedup) and speedup > 0
+    assert "perf/compile_speedup" not in plain
+    # The probe's forward+backward passes moved no weight: training goes on exactly as without them.
+    assert probed["train/loss"] == plain["train/loss"] and len(plain["train/loss"]) == 4
 
 
 def test_compile_switch_parses_true_false_and_blocks(workdir):

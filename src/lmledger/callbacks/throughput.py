@@ -7,6 +7,9 @@ Each logging step (every trainer.log_every_n_steps) reports the window since the
     perf/data_wait_frac    share of the window's wall time spent between steps, i.e. fetching and
                            copying the next batch (plus Lightning's per-step bookkeeping)
     perf/tokens_per_sec_total   x world size (only when world size > 1)
+    perf/compile_speedup   under model.compile, once before step 0: seconds per forward+backward run
+                           eagerly over seconds per compiled forward+backward, on a random batch of
+                           the run's shape (the compile itself happens there instead of in step 0)
 Validation inside a window is excluded from every figure. The first `warmup_steps` batches are not
 timed (they hold the ledger's own measurements, optimizer-state allocation and kernel autotuning).
 
@@ -23,12 +26,17 @@ steps may overlap queued kernels: data_wait_frac is an upper bound on the device
 
 from __future__ import annotations
 
+import contextlib
+import statistics
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+from lightning.pytorch.utilities import rank_zero_info
 
 from lmledger.callbacks.flops import batch_shape, flops_per_batch
 from lmledger.callbacks.run import (
@@ -83,6 +91,22 @@ def resolve_peak(run: LedgerRun) -> tuple[Peak | None, str]:
     return peak, line
 
 
+def forward_backward_seconds(step: Callable[[], None], device: torch.device, eager: bool, repeats: int = 3) -> float:
+    """Median seconds of `step()` after one untimed call; with `eager`, torch.compile'd code inside runs
+    eagerly (torch.compiler.set_stance), so one model times both ways."""
+    stance = torch.compiler.set_stance("force_eager") if eager else contextlib.nullcontext()
+    times = []
+    with stance:
+        step()  # compiles (first compiled call) or warms the allocator
+        for _ in range(repeats):
+            synchronize(device)
+            start = time.perf_counter()
+            step()
+            synchronize(device)
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
 class ThroughputLedger(pl.Callback):
     """tokens/s, TFLOP/s, MFU, HFU and data-wait share at every logging step after warm-up.
 
@@ -111,8 +135,39 @@ class ThroughputLedger(pl.Callback):
         self._window = None
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.run.compiled:
+            self._report_compile_speedup(trainer, pl_module)
         if self.warmup_steps == 0:
             self._open_window()
+
+    def _report_compile_speedup(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Times the step's forward+backward compiled and eagerly before training starts. Gradients are
+        taken with autograd.grad (nothing lands in .grad, no weight moves) from a batch drawn off a
+        private generator, so training goes on exactly as it would without this."""
+        run = self.run
+        if not isinstance(trainer.strategy, (SingleDeviceStrategy, DDPStrategy)):
+            return  # sharded parameters (FSDP, DeepSpeed) cannot be used outside the strategy's own forward
+        generator = torch.Generator(run.device).manual_seed(0)
+        idx = torch.randint(0, run.config.vocab_size, (run.batch_size, run.seq_len + 1), device=run.device,
+                            generator=generator)  # fmt: skip
+        params = [p for p in run.model.parameters() if p.requires_grad]
+
+        def step() -> None:
+            with trainer.precision_plugin.forward_context():
+                loss = pl_module(idx[:, :-1], idx[:, 1:])
+            torch.autograd.grad(loss, params)
+
+        with untouched_rng(run.device):
+            compiled = forward_backward_seconds(step, run.device, eager=False)
+            eager = forward_backward_seconds(step, run.device, eager=True)
+        speedup = eager / compiled
+        log_scalars(trainer, {"perf/compile_speedup": speedup}, step=trainer.global_step)
+        line = (
+            f"torch.compile ({pl_module.hparams.get('compile')}): forward+backward {compiled * 1e3:.4g} ms "
+            f"compiled vs {eager * 1e3:.4g} ms eager, {speedup:.2f}x (batch {run.batch_size} x {run.seq_len})"
+        )
+        log_text(trainer, "perf/compile", line, step=trainer.global_step)
+        rank_zero_info(line)
 
     def _open_window(self) -> None:
         synchronize(self.run.device)
