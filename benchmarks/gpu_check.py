@@ -95,6 +95,7 @@ def read_run(run_dir: Path, warmup_logs: int = 1) -> dict:
         "mfu": steady("perf/mfu"),
         "hfu": steady("perf/hfu"),
         "data_wait_frac": steady("perf/data_wait_frac"),
+        "compile_speedup": last("perf/compile_speedup"),
         "train_loss": last("train/loss"),
         "peak_predicted": last("memory/predicted/peak"),
         "peak_measured": last("memory/measured/peak"),
@@ -205,14 +206,15 @@ def summary_table(results: dict) -> str:
         )
     if "error" in results.get("matmul", {}):
         lines.append(f"| matmul failed: {results['matmul']['error']} | | | | |")
-    lines += ["", "| model | variant | tokens/s | MFU | HFU | peak predicted GB | peak measured GB | note |"]
-    lines.append("|---|---|---|---|---|---|---|---|")
+    columns = ["model", "variant", "tokens/s", "MFU", "HFU", "compile speedup", "peak predicted GB", "peak measured GB"]
+    lines += ["", "| " + " | ".join([*columns, "note"]) + " |", "|" + "---|" * (len(columns) + 1)]
     for s in results["stages"]:
         gb = lambda b: None if b is None else b / 1e9  # noqa: E731
         note = s.get("skipped") or s.get("error") or f"{s.get('seconds')} s"
         lines.append(
             f"| {s['model']} | {s['variant']} | {_fmt(s.get('tokens_per_sec'), ',.0f')} | {_fmt(s.get('mfu'), '.3f')} "
-            f"| {_fmt(s.get('hfu'), '.3f')} | {_fmt(gb(s.get('peak_predicted')), '.2f')} "
+            f"| {_fmt(s.get('hfu'), '.3f')} | {_fmt(s.get('compile_speedup'), '.2f')} "
+            f"| {_fmt(gb(s.get('peak_predicted')), '.2f')} "
             f"| {_fmt(gb(s.get('peak_measured')), '.2f')} | {note} |"
         )
     tests = results.get("cuda_tests", {})
