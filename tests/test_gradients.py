@@ -73,7 +73,7 @@ def _sharded_norm_worker(rank: int, store_file: str, cases: list, results) -> No
     try:
         for case, shards in enumerate(cases):
             grads = [torch.tensor(shard) for shard in shards[rank] if shard]
-            results[rank, case] = total_norm(grads, sharded=True, device=torch.device("cpu")).item()
+            results[rank, case] = total_norm(grads, torch.device("cpu"), torch.distributed.group.WORLD).item()
     finally:
         torch.distributed.destroy_process_group()
 
@@ -98,12 +98,15 @@ def test_sharded_norm_sums_the_ranks_squares(tmp_path):
 
 
 class _Steps:
-    """Drives NonFiniteGuard's hooks by hand around a fused AdamW, as Lightning would, one step at a time."""
+    """Drives NonFiniteGuard's hooks by hand around a fused optimizer, as Lightning would, one step at a time."""
 
-    def __init__(self, guard: NonFiniteGuard) -> None:
+    def __init__(self, guard: NonFiniteGuard, optimizer: str = "adamw") -> None:
         self.guard = guard
         self.param = nn.Parameter(torch.ones(3))
-        self.optimizer = torch.optim.AdamW([self.param], lr=0.1, fused=True)
+        if optimizer == "adamw":
+            self.optimizer = torch.optim.AdamW([self.param], lr=0.1, fused=True)
+        else:
+            self.optimizer = torch.optim.SGD([self.param], lr=0.1, momentum=0.9, fused=True)
         self.trainer = types.SimpleNamespace(
             precision_plugin=object(), global_step=0, ckpt_path=None, checkpoint_callbacks=[]
         )
@@ -117,11 +120,36 @@ class _Steps:
         self.trainer.global_step += 1
 
 
+class _FakeEvent:
+    """A CUDA event stand-in: the verdict has not reached the host until `arrived` says so."""
+
+    def __init__(self, arrived: list[bool]) -> None:
+        self.arrived, self.waited_for = arrived, False
+
+    def query(self) -> bool:
+        return self.arrived[0] or self.waited_for
+
+    def synchronize(self) -> None:
+        self.waited_for = True
+
+
+def _verdicts_in_flight(monkeypatch, arrived: list[bool]) -> None:
+    """Every verdict behaves as one from a busy GPU: it arrives when `arrived[0]` is True (or is waited for)."""
+    record = _Verdict.record.__func__
+
+    def record_in_flight(cls, *args):
+        verdict = record(cls, *args)
+        verdict.done = _FakeEvent(arrived)
+        return verdict
+
+    monkeypatch.setattr(_Verdict, "record", classmethod(record_in_flight))
+
+
 def test_guard_drops_the_update_on_the_device_and_judges_it_when_the_verdict_arrives(monkeypatch):
-    arrived = False
-    monkeypatch.setattr(_Verdict, "ready", lambda self: arrived)  # as if the GPU were still busy
+    arrived = [False]
+    _verdicts_in_flight(monkeypatch, arrived)
     run = _Steps(NonFiniteGuard(max_skips=1))
-    run.step(1.0)
+    run.step(1.0)  # the first step is judged at once (the optimizer creates its state in it)
     before = run.param.detach().clone()
     moments = {k: v.clone() for k, v in run.optimizer.state[run.param].items()}
 
@@ -133,7 +161,7 @@ def test_guard_drops_the_update_on_the_device_and_judges_it_when_the_verdict_arr
 
     run.step(1.0)  # step 2 is fine and applied
     assert not torch.equal(run.param, before)
-    arrived = True
+    arrived[0] = True
     after_step_2 = run.param.detach().clone()
     with pytest.warns(UserWarning, match=r"step 1: loss is nan; update skipped \(1 of max_skips 1\)"):
         with pytest.raises(NonFiniteLossError, match=r"step 3: loss is nan; stopped before applying it \(1 earlier"):
@@ -141,14 +169,79 @@ def test_guard_drops_the_update_on_the_device_and_judges_it_when_the_verdict_arr
     assert torch.equal(run.param, after_step_2)
 
 
+def test_under_torch_distributed_every_rank_judges_a_verdict_exactly_one_step_later(monkeypatch):
+    # A rank that judged on arrival could stop a step before another and leave it waiting in a collective.
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "all_reduce", lambda tensor, op=None, group=None: None)
+    arrived = [True]
+    _verdicts_in_flight(monkeypatch, arrived)
+    run = _Steps(NonFiniteGuard(max_skips=0))
+    run.step(1.0)
+    run.step(math.inf)  # step 1: already on the host, yet not judged in its own step
+    run.guard.on_before_backward(run.trainer, run.module, torch.tensor(1.0))
+    run.param.grad = torch.ones(3)
+    with pytest.raises(NonFiniteLossError, match="step 1: loss is inf"):
+        run.guard.on_before_optimizer_step(run.trainer, run.module, run.optimizer)  # step 2's hook
+    arrived[0] = False
+    run = _Steps(NonFiniteGuard(max_skips=0))
+    run.step(1.0)
+    run.step(math.nan)  # step 1, still on its way to the host when step 2 asks: waited for, not skipped over
+    with pytest.raises(NonFiniteLossError, match="step 1: loss is nan"):
+        run.step(1.0)
+
+
 def test_a_checkpoint_counts_the_verdicts_still_in_flight(monkeypatch):
-    monkeypatch.setattr(_Verdict, "ready", lambda self: False)
+    _verdicts_in_flight(monkeypatch, [False])
     run = _Steps(NonFiniteGuard(max_skips=3))
     for value in (1.0, math.inf, 1.0, math.nan):
         run.step(value)
     assert run.guard.skipped == 0
     with pytest.warns(UserWarning, match="update skipped"):
         assert run.guard.state_dict() == {"skipped": 2}
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_a_bad_first_step_is_dropped_by_hand_and_leaves_no_garbage_state(optimizer):
+    # Fused SGD allocates its momentum uninitialised and fills it in the step: skipping that step on the
+    # device would keep whatever the memory held.
+    run = _Steps(NonFiniteGuard(max_skips=1), optimizer)
+    with pytest.warns(UserWarning, match="step 0: loss is nan; update skipped"):
+        run.step(math.nan)
+    assert torch.equal(run.param, torch.ones(3))
+    for _ in range(3):
+        run.step(1.0)
+    assert torch.isfinite(run.param).all() and (run.param < 1).all()
+    assert all(torch.isfinite(t).all() for t in run.optimizer.state[run.param].values() if torch.is_tensor(t))
+
+
+def test_an_optimizer_restored_unfused_is_judged_by_hand():
+    # load_state_dict takes `fused` from the checkpoint's param groups; found_inf would break an unfused step.
+    run = _Steps(NonFiniteGuard(max_skips=1))
+    unfused = torch.optim.AdamW([nn.Parameter(torch.ones(3))], lr=0.1, fused=False)
+    unfused.param_groups[0]["params"][0].grad = torch.ones(3)
+    unfused.step()
+    run.optimizer.load_state_dict(unfused.state_dict())
+    assert run.optimizer.param_groups[0]["fused"] is False
+    run.step(1.0)
+    with pytest.warns(UserWarning, match="update skipped"):
+        run.step(math.nan)
+    run.step(1.0)
+    assert torch.isfinite(run.param).all()
+
+
+def test_resuming_an_unfused_checkpoint_trains_fused(workdir):
+    args = ["fit", "--config", "configs/tiny.yaml", *MICRO_OVERRIDES, "--trainer.max_epochs", "-1"]
+    args += ["--trainer.max_steps", "2"]
+    assert lmledger(args) == 0
+    ckpt = "runs/tiny/version_0/checkpoints/last.ckpt"
+    checkpoint = open_checkpoint(ckpt)
+    for group in checkpoint["optimizer_states"][0]["param_groups"]:
+        group["fused"] = False  # as saved before fused kernels were used on CPU
+    torch.save(checkpoint, ckpt)
+    assert lmledger([*args[:-1], "4", "--ckpt_path", ckpt]) == 0
+    resumed = open_checkpoint("runs/tiny/version_1/checkpoints/last.ckpt")
+    assert resumed["global_step"] == 4
+    assert all(group["fused"] for group in resumed["optimizer_states"][0]["param_groups"])
 
 
 def test_fp16_with_grad_scaler_clips_and_skips_by_hand(workdir):

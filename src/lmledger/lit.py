@@ -15,14 +15,15 @@ from lmledger.model import ModelConfig, ToyLM
 from lmledger.precision import apply_fp8
 
 
-def total_norm(grads: list[torch.Tensor], sharded: bool, device: torch.device) -> torch.Tensor:
-    """The 2-norm of `grads` taken together; with `sharded`, of every rank's `grads` together (a collective:
-    every rank must call it, also one that holds no gradients)."""
-    if not sharded:
+def total_norm(grads: list[torch.Tensor], device: torch.device, shard_group=None) -> torch.Tensor:
+    """The 2-norm of `grads` taken together. With `shard_group` (a process group whose ranks each hold a
+    shard of the gradients), the norm of all the shards together: a collective that every rank of the group
+    must call, also one that holds no gradients."""
+    if shard_group is None:
         return torch.nn.utils.get_total_norm(grads)
     local = torch.nn.utils.get_total_norm(grads).to(device) if grads else torch.zeros((), device=device)
     squared = local.float().square()
-    torch.distributed.all_reduce(squared)
+    torch.distributed.all_reduce(squared, group=shard_group)
     return squared.sqrt()
 
 
@@ -97,20 +98,32 @@ class LitLM(L.LightningModule):
         self.log("train/lr", self._lr.fill_(self.lr_schedulers().get_last_lr()[0]))
         return loss
 
+    def on_train_batch_start(self, batch, batch_idx: int) -> None:
+        self._grad_norm = None  # a new step: gradient_norm() measures afresh (also after a step without backward)
+
     def on_after_backward(self) -> None:
         self._grad_norm = None  # the gradients changed: gradient_norm() measures them afresh
 
     def gradient_norm(self) -> torch.Tensor | None:
         """The 2-norm of all gradients, measured once per step and shared by the train/grad_norm log,
         NonFiniteGuard and clipping. Under FSDP each rank holds a shard of the gradients, so the squared
-        shard norms are summed over the ranks. None when there are no gradients."""
+        shard norms are summed over the shard group. None when there are no gradients."""
         if self._grad_norm is None:
             grads = [p.grad for p in self.parameters() if p.grad is not None]
-            sharded = isinstance(self.trainer.strategy, FSDPStrategy)
-            if not grads and not sharded:
+            shard_group = self._gradient_shard_group()
+            if not grads and shard_group is None:
                 return None
-            self._grad_norm = total_norm(grads, sharded, self.device)
+            self._grad_norm = total_norm(grads, self.device, shard_group)
         return self._grad_norm
+
+    def _gradient_shard_group(self):
+        """The process group whose ranks each hold a shard of the gradients; None when every rank holds all."""
+        strategy = self.trainer.strategy
+        if not isinstance(strategy, FSDPStrategy) or getattr(strategy.sharding_strategy, "name", "") == "NO_SHARD":
+            return None
+        # The root FSDP module's group: the ranks the shards span (one node's under hybrid sharding, whose
+        # shards repeat on every node; summing over the world would count each shard once per node).
+        return self.trainer.model.process_group
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         # Grads are unscaled here (16-mixed) and not yet clipped: this is the norm clipping acts on.
@@ -141,6 +154,18 @@ class LitLM(L.LightningModule):
         self.log("val/loss", loss, prog_bar=True, sync_dist=True)
         self.log("val/ppl", torch.exp(loss), sync_dist=True)
 
+    def _fused_optimizer(self) -> bool:
+        return getattr(self.trainer.precision_plugin, "scaler", None) is None
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        # A restored optimizer takes its param groups' settings, `fused` among them, from the checkpoint;
+        # one saved unfused (before fused kernels on CPU, or under fp16) resumes fused where this run is.
+        fused = self._fused_optimizer()
+        for state in checkpoint.get("optimizer_states", []):
+            for group in state.get("param_groups", []):
+                if "fused" in group:
+                    group["fused"] = fused
+
     def configure_optimizers(self):
         params = [p for p in self.model.parameters() if p.requires_grad]
         # Decay only matmul weights (2-D and not the embedding table); norms' gains and embeddings don't.
@@ -155,7 +180,7 @@ class LitLM(L.LightningModule):
         # (AdamW on CPU: 4x faster than foreach), and skip the update on the device when NonFiniteGuard
         # sets `found_inf`. Not under fp16's GradScaler: Lightning then leaves the gradients scaled until
         # the fused step unscales them, so grad-norm logging and clipping would see scaled values.
-        fused = getattr(self.trainer.precision_plugin, "scaler", None) is None
+        fused = self._fused_optimizer()
         if self.hparams.optimizer == "adamw":
             optimizer = torch.optim.AdamW(groups, lr=self.hparams.lr, betas=self.hparams.betas, fused=fused)
         else:

@@ -10,9 +10,10 @@ How the update is dropped without stalling the GPU: fused optimizers (LitLM's Ad
 `found_inf` tensor, the one GradScaler hands them, and return early on the device when it is 1, leaving
 parameters, moments and step counts untouched. The guard sets it from a flag computed on the device, so no
 step waits for the host. The host reads the verdict once the device has computed it (at once on CPU; on
-CUDA when an event recorded after the flag has completed, usually by the next step), then warns of the skip
-or stops. Other optimizers, and fp16 runs whose GradScaler owns `found_inf`, are judged at once, at the cost
-of one host sync per step, and a skipped update is dropped by discarding the gradients.
+CUDA when an event recorded after the flag has completed, usually by the next step; under torch.distributed
+exactly one step later on every rank), then warns of the skip or stops. Other optimizers, an optimizer's
+first step (its state is created then) and fp16 runs, whose GradScaler owns `found_inf`, are judged at
+once, at the cost of one host sync, and a skipped update is dropped by discarding the gradients.
 """
 
 from __future__ import annotations
@@ -55,8 +56,14 @@ class _Verdict:
         done.record()
         return cls(step, host, loss is not None, norm is not None, done)
 
-    def ready(self) -> bool:
-        return self.done is None or self.done.query()
+    def due(self, step: int, in_lockstep: bool) -> bool:
+        """Whether to judge this verdict in `step`'s hook. A CPU verdict is there at once. Ranks must judge
+        a verdict in the same step (a rank that stops alone leaves the others waiting in a collective), so
+        under torch.distributed a CUDA verdict is judged exactly one step later, waited for if need be (the
+        device has nearly always got that far). Alone, it is judged as soon as it has arrived."""
+        if self.done is None:
+            return True
+        return self.step < step if in_lockstep else self.done.query()
 
     def problem(self) -> str | None:
         """None for a finite step, else what was not finite, e.g. 'loss is nan'."""
@@ -95,21 +102,26 @@ class NonFiniteGuard(pl.Callback):
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer) -> None:
         loss, self._loss_sum = self._loss_sum, None
         # Under fp16's GradScaler, inf gradients are routine (it lowers the scale and skips the step
-        # itself), so only the loss is checked there.
+        # itself), so only the loss is checked there, and the scaler owns `found_inf`.
         scaler = getattr(trainer.precision_plugin, "scaler", None)
+        if scaler is None:
+            optimizer.__dict__.pop("found_inf", None)  # the previous step's flag
         norm = _gradient_norm(pl_module, optimizer) if scaler is None else None
         checked = [t.detach().float().reshape(()) for t in (loss, norm) if t is not None]
         if not checked:
             return
         bad = (~torch.isfinite(torch.stack(checked))).any().float()
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
+        in_lockstep = torch.distributed.is_available() and torch.distributed.is_initialized()
+        if in_lockstep:
             # Every rank skips or stops together. A collective on the device: no host sync.
             torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)
-        verdict = _Verdict.record(trainer.global_step, bad, loss, norm)
+        step = trainer.global_step
+        verdict = _Verdict.record(step, bad, loss, norm)
         if scaler is None and _drops_update_on_found_inf(optimizer):
             optimizer.found_inf = bad
             self._in_flight.append(verdict)
-            self._settle(wait=False)
+            while self._in_flight and self._in_flight[0].due(step, in_lockstep):
+                self._judge(self._in_flight.popleft())
         elif self._judge(verdict):  # judged now (one host sync): drop the update by hand
             for group in optimizer.param_groups:
                 for p in group["params"]:
@@ -117,12 +129,12 @@ class NonFiniteGuard(pl.Callback):
         self._raise_if_stopped(trainer)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._settle(wait=True)
+        self._settle_all()
         self._raise_if_stopped(trainer)
 
-    def _settle(self, wait: bool) -> None:
-        """Judge the verdicts that have reached the host (all of them if `wait`), oldest first."""
-        while self._in_flight and (wait or self._in_flight[0].ready()):
+    def _settle_all(self) -> None:
+        """Judge every verdict in flight, oldest first, waiting for those not yet on the host."""
+        while self._in_flight:
             self._judge(self._in_flight.popleft())
 
     def _judge(self, verdict: _Verdict) -> bool:
@@ -154,7 +166,7 @@ class NonFiniteGuard(pl.Callback):
     def state_dict(self) -> dict:
         # A checkpoint is written between steps: wait for the verdicts in flight so the count is exact. One
         # that must stop the run is raised by the next hook; this checkpoint is clean (its update was dropped).
-        self._settle(wait=True)
+        self._settle_all()
         return {"skipped": self.skipped}
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -173,8 +185,18 @@ def _gradient_norm(pl_module: pl.LightningModule, optimizer) -> torch.Tensor | N
 
 def _drops_update_on_found_inf(optimizer) -> bool:
     """Whether optimizer.step() skips the update on the device when `optimizer.found_inf` is 1: torch's fused
-    Adam, AdamW and SGD kernels do (they are what GradScaler relies on)."""
-    return bool(getattr(optimizer, "_step_supports_amp_scaling", False) and optimizer.defaults.get("fused"))
+    Adam, AdamW and SGD kernels do (they are what GradScaler relies on).
+
+    Read from the live param groups, not `defaults`: a restored optimizer takes its groups' settings from
+    the checkpoint. And not before every parameter has its state: fused SGD allocates its momentum
+    buffers uninitialised and fills them in the step itself, so a first step skipped on the device would
+    leave garbage momentum behind (that step is judged at once and its gradients dropped instead)."""
+    if not getattr(optimizer, "_step_supports_amp_scaling", False):
+        return False
+    groups = optimizer.param_groups
+    return all(group.get("fused") for group in groups) and all(
+        p in optimizer.state for group in groups for p in group["params"] if p.grad is not None
+    )
 
 
 def _last_checkpoint(trainer: pl.Trainer) -> str:
