@@ -242,6 +242,10 @@ def test_resuming_an_unfused_checkpoint_trains_fused(workdir):
     resumed = open_checkpoint("runs/tiny/version_1/checkpoints/last.ckpt")
     assert resumed["global_step"] == 4
     assert all(group["fused"] for group in resumed["optimizer_states"][0]["param_groups"])
+    # Loading weights outside a Trainer still works (no hook there may reach for one).
+    with torch.serialization.safe_globals([ModelConfig]):
+        lit = LitLM.load_from_checkpoint(ckpt)
+    assert lit.config.d_model == 32
 
 
 def test_fp16_with_grad_scaler_clips_and_skips_by_hand(workdir):

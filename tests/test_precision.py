@@ -389,10 +389,15 @@ def test_compile_blocks_compiles_one_graph_for_every_block(stdlib_data, monkeypa
 
 @pytest.mark.parametrize("mode", ["true", "blocks"])
 def test_compile_speedup_is_reported_and_training_goes_on_as_without_it(workdir, monkeypatch, mode):
+    from torch._dynamo.utils import counters
+
     torch._dynamo.reset()
+    counters.clear()
     monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
     fit = ["fit", "--config", "configs/tiny.yaml", *MICRO_OVERRIDES, "--trainer.max_steps", "4"]
     assert lmledger([*fit, "--model.compile", mode]) == 0
+    # The probe's batch is laid out as training's: the graph it compiled and timed is the one training ran.
+    assert counters["stats"]["unique_graphs"] == 1
     assert lmledger([*fit, "--model.compile", mode, "--ledger.enabled", "false"]) == 0
     probed, plain = read_scalars("runs/tiny/version_0"), read_scalars("runs/tiny/version_1")
     ((step, speedup),) = probed["perf/compile_speedup"]

@@ -27,6 +27,17 @@ def total_norm(grads: list[torch.Tensor], device: torch.device, shard_group=None
     return squared.sqrt()
 
 
+def set_fused(optimizer: torch.optim.Optimizer, fused: bool) -> None:
+    """Switch a torch AdamW/SGD between its fused and foreach kernels, state included: fused kernels keep
+    Adam's step counts on the parameter's device, the others on the CPU (as load_state_dict places them)."""
+    for group in optimizer.param_groups:
+        group["fused"] = fused
+        for p in group["params"]:
+            state = optimizer.state.get(p, {})
+            if torch.is_tensor(state.get("step")):
+                state["step"] = state["step"].to(p.device if fused else "cpu", torch.float32)
+
+
 def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
     """LR multiplier: linear warm-up from ~0 to 1, then cosine decay to min_lr_ratio at total_steps."""
     if step < warmup_steps:
@@ -157,14 +168,14 @@ class LitLM(L.LightningModule):
     def _fused_optimizer(self) -> bool:
         return getattr(self.trainer.precision_plugin, "scaler", None) is None
 
-    def on_load_checkpoint(self, checkpoint: dict) -> None:
-        # A restored optimizer takes its param groups' settings, `fused` among them, from the checkpoint;
-        # one saved unfused (before fused kernels on CPU, or under fp16) resumes fused where this run is.
+    def on_train_start(self) -> None:
+        # A restored optimizer takes its param groups' settings, `fused` among them, from the checkpoint
+        # (one saved unfused: before fused kernels on CPU, or under fp16). Set them to this run's choice
+        # once every strategy has restored its state (FSDP restores after the module's hooks have run).
         fused = self._fused_optimizer()
-        for state in checkpoint.get("optimizer_states", []):
-            for group in state.get("param_groups", []):
-                if "fused" in group:
-                    group["fused"] = fused
+        for optimizer in self.trainer.optimizers:
+            if isinstance(optimizer, (torch.optim.AdamW, torch.optim.SGD)):
+                set_fused(optimizer, fused)
 
     def configure_optimizers(self):
         params = [p for p in self.model.parameters() if p.requires_grad]

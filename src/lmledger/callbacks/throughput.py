@@ -35,7 +35,8 @@ from dataclasses import dataclass
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+from lightning.pytorch.plugins.precision import TransformerEnginePrecision
+from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.utilities import rank_zero_info
 
 from lmledger.callbacks.flops import batch_shape, flops_per_batch
@@ -141,20 +142,31 @@ class ThroughputLedger(pl.Callback):
             self._open_window()
 
     def _report_compile_speedup(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Times the step's forward+backward compiled and eagerly before training starts. Gradients are
-        taken with autograd.grad (nothing lands in .grad, no weight moves) from a batch drawn off a
-        private generator, so training goes on exactly as it would without this."""
+        """Times the step's forward+backward compiled and eagerly before training starts, on a random batch
+        laid out as the data module's are (contiguous int64 B x T, so the graph timed is the one training
+        then uses). Gradients are taken with autograd.grad (nothing lands in .grad, no weight moves) and
+        the batch comes off a private generator, so training goes on exactly as it would without this.
+
+        On one device only: under DDP, Dynamo splits the graph at DDP's gradient buckets (so the
+        all-reduce overlaps backward) only when it compiles inside DDP's forward, and training would reuse
+        the probe's unsplit graph; sharded parameters (FSDP, DeepSpeed) only exist inside the strategy's
+        forward. Not under Transformer Engine: its delayed fp8 scaling would learn from the random batch."""
         run = self.run
-        if not isinstance(trainer.strategy, (SingleDeviceStrategy, DDPStrategy)):
-            return  # sharded parameters (FSDP, DeepSpeed) cannot be used outside the strategy's own forward
+        if not isinstance(trainer.strategy, SingleDeviceStrategy):
+            return
+        if isinstance(trainer.precision_plugin, TransformerEnginePrecision):
+            return
         generator = torch.Generator(run.device).manual_seed(0)
-        idx = torch.randint(0, run.config.vocab_size, (run.batch_size, run.seq_len + 1), device=run.device,
-                            generator=generator)  # fmt: skip
+        x, y = (
+            torch.randint(0, run.config.vocab_size, (run.batch_size, run.seq_len), device=run.device,
+                          generator=generator)
+            for _ in range(2)
+        )  # fmt: skip
         params = [p for p in run.model.parameters() if p.requires_grad]
 
         def step() -> None:
             with trainer.precision_plugin.forward_context():
-                loss = pl_module(idx[:, :-1], idx[:, 1:])
+                loss = pl_module(x, y)
             torch.autograd.grad(loss, params)
 
         with untouched_rng(run.device):
