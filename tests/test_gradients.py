@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import MICRO_OVERRIDES, read_scalars
 from lmledger.callbacks.nonfinite import NonFiniteGuard, NonFiniteLossError, _Verdict
@@ -287,6 +288,48 @@ class SyncWatch(L.Callback):
             torch.cuda.set_sync_debug_mode(0)
             self._catcher.__exit__(None, None, None)
             self._catcher = None
+
+
+class ReadBackCount(L.Callback):
+    """Counts values read back to the host (aten._local_scalar_dense: .item(), bool(), float() of a tensor)
+    from each batch start to the next, i.e. including Lightning's own bookkeeping after the batch."""
+
+    class _Mode(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.reads = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.reads += func is torch.ops.aten._local_scalar_dense.default
+            return func(*args, **(kwargs or {}))
+
+    def __init__(self, steps: range) -> None:
+        self.steps, self.reads, self._mode = steps, [], None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self._mode is not None:
+            self._mode.__exit__(None, None, None)
+            self.reads.append(self._mode.reads)
+            self._mode = None
+        if trainer.global_step in self.steps:
+            self._mode = self._Mode()
+            self._mode.__enter__()
+
+
+def test_no_value_is_read_back_between_logging_steps(stdlib_data):
+    # On CUDA each read-back is a host sync. The device-only check is the test below; this one runs
+    # anywhere: steady-state steps with the ledger, the NaN guard, grad-norm logging and clipping on.
+    from lmledger.callbacks import LedgerSettings, ledger_callbacks
+
+    data = TokenDataModule(path=str(stdlib_data), batch_size=4, context_length=TINY.context_length)
+    count = ReadBackCount(steps=range(5, 9))
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_steps=12, limit_val_batches=0, logger=False, log_every_n_steps=100,
+        gradient_clip_val=1.0, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[NonFiniteGuard(), *ledger_callbacks(LedgerSettings()), count],
+    )  # fmt: skip
+    trainer.fit(LitLM(replace(TINY, vocab_size=data.vocab_size), warmup_steps=1), data)
+    assert count.reads == [0, 0, 0, 0]
 
 
 @pytest.mark.cuda

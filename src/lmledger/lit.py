@@ -101,13 +101,20 @@ class LitLM(L.LightningModule):
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
         loss = self(x, y)
-        self.log("train/loss", loss, prog_bar=True)
+        self.log("train/loss", loss)
         # Logged as a device tensor filled in place: Lightning turns a Python float into a new device tensor
         # with a blocking host-to-device copy, which waits for the GPU to drain (a host sync every step).
         if self._lr.device != loss.device:
             self._lr = torch.zeros((), dtype=torch.float32, device=loss.device)
         self.log("train/lr", self._lr.fill_(self.lr_schedulers().get_last_lr()[0]))
         return loss
+
+    def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
+        # The bar's loss is a host copy taken at logging steps (which read values back anyway). Lightning
+        # converts every prog_bar value to a Python number after every batch, bar or not: a device
+        # tensor there would cost a host sync per step.
+        if self.trainer.progress_bar_callback is not None and self.trainer._logger_connector.should_update_logs:
+            self.log("loss", outputs["loss"].detach().float().cpu(), prog_bar=True, logger=False, batch_size=1)
 
     def on_train_batch_start(self, batch, batch_idx: int) -> None:
         self._grad_norm = None  # a new step: gradient_norm() measures afresh (also after a step without backward)

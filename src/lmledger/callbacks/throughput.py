@@ -232,9 +232,12 @@ class ThroughputLedger(pl.Callback):
             metrics["perf/tokens_per_sec_total"] = metrics["perf/tokens_per_sec"] * self.run.world_size
         log_scalars(trainer, metrics)
         if trainer.progress_bar_callback is not None:  # LightningModule.log costs ~1 ms: only for a bar
-            pl_module.log("tok/s", metrics["perf/tokens_per_sec"], prog_bar=True, logger=False, batch_size=1)
+            # Host tensors: Lightning reads prog_bar values back after every batch (LitLM.on_train_batch_end).
+            pl_module.log(
+                "tok/s", torch.tensor(metrics["perf/tokens_per_sec"]), prog_bar=True, logger=False, batch_size=1
+            )
             if "perf/mfu" in metrics:
-                pl_module.log("mfu", metrics["perf/mfu"], prog_bar=True, logger=False, batch_size=1)
+                pl_module.log("mfu", torch.tensor(metrics["perf/mfu"]), prog_bar=True, logger=False, batch_size=1)
 
     def _raise_measured_peak(self, trainer: pl.Trainer, achieved: float) -> None:
         """A measured peak (CPU, unlisted GPU) is an estimate of the best this device does. If training
