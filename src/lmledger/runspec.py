@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from lmledger.ledger.memory import normalize_precision
 from lmledger.model import ModelConfig
 from lmledger.precision import requested_precision
 
@@ -41,6 +42,11 @@ class RunSpec:
     @property
     def tokens_per_step(self) -> int:
         return self.batch_size * self.seq_len
+
+    @property
+    def fused_optimizer(self) -> bool:
+        """LitLM's choice (lmledger.lit): fused optimizer kernels, except under fp16's GradScaler."""
+        return normalize_precision(self.precision) != "16-mixed"
 
 
 def _world_size(devices, num_nodes) -> int:

@@ -107,6 +107,7 @@ def predict_memory(run: LedgerRun, batch_size: int | None = None) -> MemoryPredi
             run.world_size,
             momentum=run.momentum,
             device=run.device.type,
+            fused=run.fused_optimizer,
         )
     except UserError as err:
         return MemoryPrediction(**state, activations=None, autocast_weight_copies=None, peak=None,

@@ -44,6 +44,7 @@ class LedgerRun:
     fp8: str | None  # LitLM's fp8 switch: "torchao" runs the eligible linears in fp8
     optimizer: str  # a ledger.memory optimizer name: "adamw", "sgd" or "none"
     momentum: float
+    fused_optimizer: bool  # torch's fused kernels (no foreach temporaries in the optimizer step)
     strategy: str  # a ledger.memory strategy name: "ddp", "fsdp", "zero2", "deepspeed_stage_3", ...
     world_size: int
     device: torch.device
@@ -88,10 +89,16 @@ class LedgerRun:
             fp8=hparams.get("fp8"),
             optimizer=optimizer,
             momentum=momentum,
+            fused_optimizer=_optimizer_is_fused(trainer),
             strategy=_strategy_name(trainer.strategy),
             world_size=trainer.world_size,
             device=pl_module.device,
         )
+
+
+def _optimizer_is_fused(trainer: pl.Trainer) -> bool:
+    optimizers = [getattr(o, "optimizer", o) for o in trainer.optimizers]
+    return bool(optimizers) and all(group.get("fused") for o in optimizers for group in o.param_groups)
 
 
 def _optimizer_kind(trainer: pl.Trainer) -> tuple[str, float]:

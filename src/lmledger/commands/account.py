@@ -37,7 +37,8 @@ def predict(spec: RunSpec, device: str) -> dict:
     try:
         acts = ledger_memory.activation_bytes(cfg, b, t, spec.precision, device)
         peak = ledger_memory.peak_bytes(
-            cfg, b, t, spec.precision, spec.optimizer, spec.strategy, spec.world_size, device=device
+            cfg, b, t, spec.precision, spec.optimizer, spec.strategy, spec.world_size, device=device,
+            fused=spec.fused_optimizer,
         )
     except UserError as err:  # e.g. transformer-engine: its kernels' saved tensors are not modelled
         acts = peak = None

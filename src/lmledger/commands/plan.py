@@ -87,7 +87,7 @@ def _max_batch(args: argparse.Namespace, fit_args: list[str]) -> None:
     def bytes_for_batch(batch: int) -> int:
         peak = peak_bytes(
             spec.model, batch, spec.seq_len, spec.precision, spec.optimizer, spec.strategy, spec.world_size,
-            device="cuda",
+            device="cuda", fused=spec.fused_optimizer,
         )  # fmt: skip
         return peak.total
 

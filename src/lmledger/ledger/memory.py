@@ -383,6 +383,7 @@ def peak_bytes(
     momentum: float = 0.9,
     device: str = "cpu",
     grads_held_in_forward: bool = True,
+    fused: bool = False,
 ) -> PeakReport:
     """Largest allocation total during one training step after the first.
 
@@ -401,8 +402,10 @@ def peak_bytes(
                         plus grads already made above it, plus the block's recomputed saved set
                         and weight copies.
       embedding bwd     P + O + G (+ a V*d grad for a tied embedding before it is accumulated).
-      optimizer step    P + O + G + one state's worth: foreach AdamW makes sqrt(v) for every
-                        parameter at once (torch.optim.adamw._multi_tensor_adamw); SGD adds none.
+      optimizer step    P + O + G, plus one state's worth for foreach AdamW (fused=False, torch's
+                        default), which makes sqrt(v) for every parameter at once
+                        (torch.optim.adamw._multi_tensor_adamw); the fused kernel (fused=True, what
+                        LitLM runs except under fp16's GradScaler) works in place, and SGD adds none.
 
     Between these points saved activations are freed as gradients are made, roughly in step,
     so totals there lie between the endpoints. Not modelled: backward's per-op gradient
@@ -450,7 +453,7 @@ def peak_bytes(
 
     tied_grad = v * d * grad_per_param if cfg.tie_embeddings else 0
     candidates["embedding backward"] = resident + grads + tied_grad
-    sqrt_v = opt // 2 if optimizer.lower() in ("adamw", "adam") else 0
+    sqrt_v = opt // 2 if optimizer.lower() in ("adamw", "adam") and not fused else 0
     candidates["optimizer step"] = resident + grads + sqrt_v
 
     phase = max(candidates, key=candidates.__getitem__)
