@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 
+import pytest
+import torch
 import yaml
 
 from conftest import TINY_OVERRIDES, read_scalars
 from lmledger.cli import main as lmledger
+from lmledger.lit import LitLM
+from lmledger.model import ModelConfig
 
 
 def fit(*extra: str) -> int:
@@ -64,3 +69,14 @@ def test_resume_last_without_a_run_is_one_line(workdir):
     assert "Traceback" not in proc.stderr
     assert len(errors) == 1 and "no runs/tiny/version_*/checkpoints/last.ckpt" in errors[0]
     assert not (workdir / "runs").exists()
+
+
+def test_val_loss_is_token_weighted_and_a_nan_batch_shows():
+    lit = LitLM(ModelConfig(vocab_size=256, context_length=32, d_model=32, n_layers=1, n_heads=2, d_ff=64))
+    for loss, tokens in ((2.0, 3), (1.0, 1)):
+        lit.val_loss.update(torch.tensor(loss), weight=tokens)
+    assert lit.val_loss.compute().item() == pytest.approx(1.75)
+    lit.val_loss.reset()
+    for loss, tokens in ((math.nan, 3), (1.0, 1)):
+        lit.val_loss.update(torch.tensor(loss), weight=tokens)
+    assert math.isnan(lit.val_loss.compute().item())  # not 1.0, the mean of the finite batch alone

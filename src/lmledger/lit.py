@@ -84,7 +84,10 @@ class LitLM(L.LightningModule):
         self.save_hyperparameters()
         self.config = config
         self.model = apply_fp8(ToyLM(config), fp8)
-        self.val_loss = MeanMetric()
+        # Token-weighted mean over the validation batches. nan_strategy imputes NaN with NaN, so a diverged
+        # model reads NaN; the default ("warn") would average the finite batches alone. ("disable" would
+        # skip the check's host sync, but torchmetrics 1.9 then drops the weights: its issue #3434.)
+        self.val_loss = MeanMetric(nan_strategy=float("nan"))
         # Compiled forward shares the eager module's parameters. Stored in __dict__ (nn.Module's
         # setattr would register it as a second submodule) so state_dict keys stay those of
         # `self.model`, the same with or without compile.
