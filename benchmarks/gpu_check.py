@@ -56,11 +56,16 @@ def run(cmd: list[str], timeout: float, log) -> tuple[int, str, str]:
 
 def json_in(stdout: str) -> dict | None:
     """The JSON object a `--json` command printed, whatever else came before or after it."""
-    start = stdout.find("{")
-    try:
-        return json.JSONDecoder().raw_decode(stdout[start:])[0] if start >= 0 else None
-    except ValueError:
-        return None
+    decoder, start = json.JSONDecoder(), stdout.find("{")
+    while start >= 0:
+        try:
+            found = decoder.raw_decode(stdout, start)[0]
+            if isinstance(found, dict):
+                return found
+        except ValueError:
+            pass
+        start = stdout.find("{", start + 1)
+    return None
 
 
 def last_error_line(output: str) -> str:
@@ -227,7 +232,7 @@ def summary_table(results: dict) -> str:
     for s in results["stages"]:
         gb = lambda b: None if b is None else b / 1e9  # noqa: E731
         note = s.get("skipped") or s.get("error") or f"{s.get('seconds')} s"
-        if s.get("compiled") and "peak_predicted" in s:
+        if s.get("compiled") and s.get("peak_predicted") is not None:
             note += "; predicted peak is the eager model's"
         lines.append(
             f"| {s['model']} | {s['variant']} | {_fmt(s.get('tokens_per_sec'), ',.0f')} | {_fmt(s.get('mfu'), '.3f')} "

@@ -80,3 +80,21 @@ def test_val_loss_is_token_weighted_and_a_nan_batch_shows():
     for loss, tokens in ((math.nan, 3), (1.0, 1)):
         lit.val_loss.update(torch.tensor(loss), weight=tokens)
     assert math.isnan(lit.val_loss.compute().item())  # not 1.0, the mean of the finite batch alone
+
+
+def test_progress_bar_loss_is_the_training_loss_under_accumulation(stdlib_data):
+    import lightning as L
+    from lightning.pytorch.callbacks import TQDMProgressBar
+
+    from lmledger.data import TokenDataModule
+
+    data = TokenDataModule(path=str(stdlib_data), batch_size=4, context_length=32)
+    lit = LitLM(ModelConfig(vocab_size=data.vocab_size, context_length=32, d_model=32, n_layers=1, n_heads=2, d_ff=64))
+    trainer = L.Trainer(
+        accelerator="cpu", max_steps=4, accumulate_grad_batches=2, log_every_n_steps=2, limit_val_batches=0,
+        logger=False, enable_checkpointing=False, enable_model_summary=False, callbacks=[TQDMProgressBar()],
+    )  # fmt: skip
+    trainer.fit(lit, data)
+    # The bar shows the last micro-batch's loss as training_step returned it (Lightning's own outputs["loss"]
+    # is divided by accumulate_grad_batches), as a host value.
+    assert trainer.progress_bar_metrics["loss"] == pytest.approx(trainer.callback_metrics["train/loss"].item())

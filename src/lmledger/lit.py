@@ -97,6 +97,7 @@ class LitLM(L.LightningModule):
                 block.compile()  # in place: the block's __call__ runs the compiled graph, its keys stay
         self._grad_norm: torch.Tensor | None = None
         self._lr = torch.zeros((), dtype=torch.float32)
+        self._last_loss = torch.full((), math.nan)  # the latest micro-batch's loss, for the progress bar
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         return self._forward(idx, targets)
@@ -105,19 +106,13 @@ class LitLM(L.LightningModule):
         x, y = batch
         loss = self(x, y)
         self.log("train/loss", loss)
+        self._last_loss = loss.detach()
         # Logged as a device tensor filled in place: Lightning turns a Python float into a new device tensor
         # with a blocking host-to-device copy, which waits for the GPU to drain (a host sync every step).
         if self._lr.device != loss.device:
             self._lr = torch.zeros((), dtype=torch.float32, device=loss.device)
         self.log("train/lr", self._lr.fill_(self.lr_schedulers().get_last_lr()[0]))
         return loss
-
-    def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
-        # The bar's loss is a host copy taken at logging steps (which read values back anyway). Lightning
-        # converts every prog_bar value to a Python number after every batch, bar or not: a device
-        # tensor there would cost a host sync per step.
-        if self.trainer.progress_bar_callback is not None and self.trainer._logger_connector.should_update_logs:
-            self.log("loss", outputs["loss"].detach().float().cpu(), prog_bar=True, logger=False, batch_size=1)
 
     def on_train_batch_start(self, batch, batch_idx: int) -> None:
         self._grad_norm = None  # a new step: gradient_norm() measures afresh (also after a step without backward)
@@ -150,6 +145,13 @@ class LitLM(L.LightningModule):
         # Grads are unscaled here (16-mixed) and not yet clipped: this is the norm clipping acts on.
         norm = self.gradient_norm()
         self.log("train/grad_norm", float("nan") if norm is None else norm)
+        # The bar's loss: a host copy taken once per optimizer step at logging steps (which read values back
+        # anyway), here so the bar's redraw in on_train_batch_end already shows it. Lightning converts every
+        # prog_bar value to a Python number after every batch, bar or not: a device tensor there would cost
+        # a host sync per step.
+        trainer = self.trainer
+        if trainer.progress_bar_callback is not None and trainer._logger_connector.should_update_logs:
+            self.log("loss", self._last_loss.float().cpu(), prog_bar=True, logger=False, batch_size=1)
 
     def configure_gradient_clipping(
         self, optimizer: torch.optim.Optimizer, gradient_clip_val=None, gradient_clip_algorithm=None

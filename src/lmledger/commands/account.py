@@ -37,7 +37,14 @@ def predict(spec: RunSpec, device: str) -> dict:
     try:
         acts = ledger_memory.activation_bytes(cfg, b, t, spec.precision, device)
         peak = ledger_memory.peak_bytes(
-            cfg, b, t, spec.precision, spec.optimizer, spec.strategy, spec.world_size, device=device,
+            cfg,
+            b,
+            t,
+            spec.precision,
+            spec.optimizer,
+            spec.strategy,
+            spec.world_size,
+            device=device,
             fused=spec.fused_optimizer,
         )
     except UserError as err:  # e.g. transformer-engine: its kernels' saved tensors are not modelled
@@ -69,9 +76,9 @@ def measure(spec: RunSpec, device: torch.device) -> dict:
         model = model.to(_CAST[spec.precision])
     model.train()
     if spec.optimizer == "adamw":
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=spec.fused_optimizer)  # as LitLM
     elif spec.optimizer == "sgd":
-        optimizer = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9, fused=spec.fused_optimizer)
     else:
         raise UserError(f"unknown optimizer {spec.optimizer!r}")
     autocast_dtype = _AUTOCAST.get(spec.precision)
