@@ -1,4 +1,5 @@
-"""The LightningModule around the toy LM: optimizer groups, LR schedule, loss/perplexity logging."""
+"""The LightningModule around the toy LM: optimizer groups, LR schedule, the step's one gradient norm and
+clipping by it, loss/perplexity logging."""
 
 from __future__ import annotations
 
