@@ -18,6 +18,7 @@ COMMANDS = {
     "account": ("account", "one training step of a config, on paper and measured"),
     "plan": ("plan", "napkin math: training time, largest model, largest batch"),
     "gpus": ("gpus", "the GPU spec table (dense peaks, memory, bandwidth)"),
+    "dtypes": ("dtypes", "floating-point formats: bytes, bits, range, eps, and the lecture's casts"),
     "bench": ("bench", "matmul benchmark: achieved FLOP/s and MFU per dtype and size"),
     "sweep": ("sweep", "run an experiment grid from a YAML file"),
 }
