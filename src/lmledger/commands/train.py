@@ -29,6 +29,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from lmledger.callbacks import LedgerSettings, ledger_callbacks
 from lmledger.callbacks.nonfinite import NonFiniteGuard
+from lmledger.callbacks.progress import plain_progress_if_not_a_terminal
 from lmledger.checkpointing import (
     AtomicCheckpointIO,
     StepSeeder,
@@ -132,6 +133,8 @@ class LedgerCLI(LightningCLI):
         callbacks = config.get("callbacks") or []
         callbacks = [*(callbacks if isinstance(callbacks, list) else [callbacks])]
         callbacks += ledger_callbacks(self._get(self.config_init, "ledger"))
+        # Last, so the line it prints carries the values the ledger callbacks logged for this step.
+        callbacks += plain_progress_if_not_a_terminal(config.get("enable_progress_bar"))
         try:
             trainer = super().instantiate_trainer(**{**precision, "callbacks": callbacks, **kwargs})
         except ValueError as err:  # Lightning's checks of accelerator, strategy and devices, e.g. FSDP on CPU

@@ -1,0 +1,31 @@
+"""Plain progress lines when stdout is not a terminal (pytest's captured stdout is not one)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from conftest import MICRO_OVERRIDES, read_scalars
+
+from lmledger.cli import main as lmledger
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+LINE = re.compile(r"^step (\d+)/6  loss ([\d.]+)  tok/s ([\d,]+)  mfu ([\d.]+)  elapsed \S+  eta \S+$")
+
+
+def test_a_line_per_logging_interval_with_the_logged_loss(workdir, capsys):
+    argv = ["fit", "--config", "configs/tiny.yaml", *MICRO_OVERRIDES, "--trainer.enable_progress_bar", "true"]
+    argv += ["--trainer.max_steps", "6", "--trainer.log_every_n_steps", "2", "--ledger.warmup_steps", "0"]
+    assert lmledger(argv) == 0
+    lines = [m for line in capsys.readouterr().out.splitlines() if (m := LINE.match(line))]
+    assert [int(m[1]) for m in lines] == [2, 4, 6]
+    assert all(int(m[3].replace(",", "")) > 0 and 0 < float(m[4]) for m in lines)
+    # The printed loss is the one TensorBoard got for that logging step.
+    logged = [v for _, v in read_scalars(next((workdir / "runs" / "tiny").glob("version_*")))["train/loss"]]
+    assert [float(m[2]) for m in lines] == pytest.approx(logged, abs=1e-4)
+
+
+def test_no_plain_lines_without_a_bar(workdir, capsys):
+    argv = ["fit", "--config", "configs/tiny.yaml", *MICRO_OVERRIDES, "--trainer.max_steps", "2"]
+    assert lmledger(argv) == 0
+    assert not [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
