@@ -5,8 +5,8 @@ from __future__ import annotations
 import re
 
 import pytest
-from conftest import MICRO_OVERRIDES, read_scalars
 
+from conftest import MICRO_OVERRIDES, read_scalars
 from lmledger.cli import main as lmledger
 
 pytestmark = pytest.mark.usefixtures("one_thread")
