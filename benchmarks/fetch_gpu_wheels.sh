@@ -7,7 +7,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
-python3 -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+"${PYTHON:-python3}" -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
   --platform manylinux2014_x86_64 -d .whl \
   jsonargparse==4.53.0 docstring-parser==0.18.0 typeshed-client==2.15.0 torchao==0.17.0 \

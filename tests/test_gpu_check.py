@@ -11,6 +11,7 @@ import json
 import math
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -25,7 +26,8 @@ def test_dry_run_measures_every_stage_or_says_why_not(tmp_path):
     cwd.mkdir()
     tmp.mkdir()
     # TMPDIR: where the script installs wheels from .whl/, kept inside this test's directory.
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp)}
+    # PYTHON: the interpreter running the tests, never whatever `python3` is first on PATH.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp), "PYTHON": sys.executable}
     proc = subprocess.run(
         ["bash", str(REPO / "benchmarks" / "gpu_check.sh"), "--dry-run", "--out", str(out)],
         cwd=cwd,
