@@ -202,7 +202,7 @@ def test_interrupted_overwrite_leaves_no_meta_and_no_temp_files(corpus, tmp_path
         real_replace(src, dst)
 
     monkeypatch.setattr(prep.os, "replace", crash_on_meta)
-    with pytest.raises(OSError):
+    with pytest.raises(UserError, match=r"disk vanished while writing .*meta\.json; .* holds no prepared data now"):
         prep.prepare([str(corpus[0])], out, val_fraction=0.5, overwrite=True)
     assert sorted(p.name for p in out.iterdir()) == ["train.bin", "val.bin"]
     with pytest.raises(UserError, match="no meta.json: run `lmledger prepare"):

@@ -15,13 +15,17 @@ when it has a meta.json, so a crash part-way leaves a directory the loader rejec
 
 from __future__ import annotations
 
+import errno
 import functools
 import hashlib
 import json
 import os
 import platform
+import re
 import secrets
+import stat
 import sysconfig
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +50,10 @@ BYTE_VOCAB_SIZE = 256
 BYTE_SEPARATOR = b"\x00"
 BPE_SEPARATOR = "<|endoftext|>"
 DEFAULT_BPE_VOCAB_SIZE = 10_000
+# The largest vocabularies in use are about 256k ids (Gemma: 262,144), and the HF BPE trainer reserves
+# memory per requested id before it reads a byte (5e9 ids asked it for 283 GB: issue 16 §3). 2**20 is
+# four times Gemma's; on a 3-file corpus it adds 3 MB of peak RSS over vocab 300 (2026-11-30, 2-core CPU, shared).
+MAX_BPE_VOCAB_SIZE = 2**20
 DEFAULT_OUT = "data/stdlib"
 DEFAULT_VAL_FRACTION = 0.01
 STDLIB = "stdlib"
@@ -72,16 +80,31 @@ def stdlib_root() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
 
 
+def _is_regular_file(path: Path) -> bool:
+    """A regular file (or a link to one): reading a FIFO, socket or device could block or never end."""
+    try:
+        return stat.S_ISREG(os.stat(path).st_mode)
+    except OSError:
+        return False  # a dangling link, or gone since the walk listed it
+
+
 def _walk_files(root: Path, suffix: str | None, skip_dirs: Iterable[str] = ()) -> list[Path]:
-    """Files under root (symlinked dirs not followed), hidden entries and `skip_dirs` left out."""
+    """Regular files under root (symlinked dirs not followed), hidden entries and `skip_dirs` left out."""
     skip = set(skip_dirs)
     found = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = [d for d in dirnames if not d.startswith(".") and d not in skip]
         for name in filenames:
-            if not name.startswith(".") and (suffix is None or name.endswith(suffix)):
-                found.append(Path(dirpath, name))
+            path = Path(dirpath, name)
+            if not name.startswith(".") and (suffix is None or name.endswith(suffix)) and _is_regular_file(path):
+                found.append(path)
     return found
+
+
+def printable(text: str) -> str:
+    """A path for messages and meta.json: a name that is not UTF-8 (kept by Python as surrogate escapes)
+    shows U+FFFD where its bad bytes were, instead of failing to print."""
+    return text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
 
 
 def list_source_files(sources: Sequence[str]) -> tuple[list[tuple[str, Path]], str]:
@@ -97,14 +120,19 @@ def list_source_files(sources: Sequence[str]) -> tuple[list[tuple[str, Path]], s
             continue
         path = Path(source)
         if not path.exists():
-            raise UserError(f"--source {source} does not exist; pass 'stdlib' or existing files/directories")
-        described.append(source)
+            raise UserError(f"--source {printable(source)} does not exist; pass 'stdlib' or existing files/directories")
+        described.append(printable(source))
         if path.is_dir():
             # Keys start at the directory's own name so they do not depend on where it sits on disk.
             for file in _walk_files(path, None):
                 entries.setdefault(f"{path.resolve().name}/{file.relative_to(path).as_posix()}", file)
-        else:
+        elif _is_regular_file(path):
             entries.setdefault(path.name, path)
+        else:
+            raise UserError(
+                f"--source {printable(source)} is not a regular file or a directory (a FIFO, socket or "
+                "device would be read forever); pass text files or directories"
+            )
     return sorted(entries.items()), "; ".join(described)
 
 
@@ -120,7 +148,8 @@ def read_text_file(path: Path) -> bytes | None:
 
 def val_score(key: str) -> float:
     """A stable pseudo-random number in [0, 1) for a document key (the same on every machine and run)."""
-    digest = hashlib.blake2b(key.encode("utf-8"), digest_size=8).digest()
+    # surrogateescape: a file name that is not UTF-8 scores by its raw bytes (and UTF-8 names as before).
+    digest = hashlib.blake2b(key.encode("utf-8", "surrogateescape"), digest_size=8).digest()
     return int.from_bytes(digest, "big") / 2**64
 
 
@@ -133,7 +162,9 @@ def split_documents(docs: Sequence[Document], val_fraction: float) -> tuple[list
         text = docs[0].text
         cut = text.rfind(b"\n", 0, int(len(text) * (1 - val_fraction))) + 1
         if cut <= 0 or cut >= len(text):
-            raise UserError(f"the corpus ({docs[0].key}, {len(text)} bytes) is too small to split into train and val")
+            raise UserError(
+                f"the corpus ({printable(docs[0].key)}, {len(text)} bytes) is too small to split into train and val"
+            )
         return [Document(docs[0].key, text[:cut])], [Document(docs[0].key, text[cut:])]
     scores = np.array([val_score(d.key) for d in docs])
     is_val = scores < val_fraction
@@ -209,9 +240,75 @@ def check_out_dir(out: Path, overwrite: bool) -> None:
         )
 
 
+# Our temp files: ".<final name>.<writer pid>.<12 hex>.tmp" beside the file they will replace. Names
+# without the pid come from lmledger versions before it was recorded.
+_TEMP_NAME = re.compile(r"\.(?P<name>.+?)\.(?:(?P<pid>\d+)\.)?[0-9a-f]{12}\.tmp")
+STALE_TEMP_SECONDS = 24 * 3600  # a temp file whose writer we cannot see is stale after a day
+
+
+def _temp_path(path: Path) -> Path:
+    return path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(6)}.tmp")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process
+    return True
+
+
+def remove_stale_temps(directory: Path, names: Iterable[str]) -> list[Path]:
+    """Delete temp files a killed writer of one of `names` left in `directory`: only names of our exact
+    pattern, and only when their writer's pid is dead on this machine or they are a day old."""
+    wanted = set(names)
+    removed = []
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:
+        return removed
+    now = time.time()
+    for entry in entries:
+        match = _TEMP_NAME.fullmatch(entry.name)
+        if not match or match["name"] not in wanted or not entry.is_file(follow_symlinks=False):
+            continue
+        try:
+            age = now - entry.stat(follow_symlinks=False).st_mtime
+        except OSError:
+            continue
+        pid = int(match["pid"]) if match["pid"] else None
+        if age > STALE_TEMP_SECONDS or (pid is not None and pid != os.getpid() and not _pid_alive(pid)):
+            try:
+                os.unlink(entry.path)
+            except OSError:
+                continue
+            removed.append(Path(entry.path))
+    return removed
+
+
+class WriteError(UserError):
+    """Writing a file failed (a full disk, a read-only file system): one line saying what is intact."""
+
+
+def write_failed(err: OSError, path: Path, after: str | None = None) -> WriteError:
+    """One line for an OSError while writing `path`, e.g. "no space left on device while writing
+    runs/x/results.csv; the previous results.csv is intact" (`after` replaces the part after the ';')."""
+    reason = err.strerror or str(err) or os.strerror(errno.EIO)
+    reason = reason[:1].lower() + reason[1:]
+    if after is not None:
+        pass
+    elif path.exists():
+        after = f"the previous {path.name} is intact"
+    else:
+        after = "nothing was written"
+    return WriteError(f"{reason} while writing {printable(str(path))}; {after}")
+
+
 def _write_temp(out: Path, name: str, payload: bytes | memoryview) -> Path:
     # open(..., "xb") rather than tempfile.mkstemp: the data should get the umask's permissions, not 0600.
-    tmp = out / f".{name}.{secrets.token_hex(6)}.tmp"
+    tmp = _temp_path(out / name)
     try:
         with open(tmp, "xb") as f:
             f.write(payload)
@@ -223,21 +320,61 @@ def _write_temp(out: Path, name: str, payload: bytes | memoryview) -> Path:
     return tmp
 
 
+def write_atomically(path: Path, payload: bytes | str) -> None:
+    """Write `path` through a temp file and a rename: readers see the old file or the new one, and a
+    failed write (a full disk) becomes one WriteError line with the old file untouched."""
+    data = payload.encode("utf-8") if isinstance(payload, str) else payload
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = _write_temp(path.parent, path.name, data)
+    except OSError as err:
+        raise write_failed(err, path) from None
+    try:
+        os.replace(tmp, path)
+    except OSError as err:
+        tmp.unlink(missing_ok=True)
+        raise write_failed(err, path) from None
+
+
 def write_prepared(out: Path, splits: dict[str, np.ndarray], meta: dict, tokenizer_json: str | None) -> None:
-    """Write every file to a temp file in `out`, then move them into place with meta.json last."""
-    out.mkdir(parents=True, exist_ok=True)
+    """Write every file to a temp file in `out`, then move them into place with meta.json last.
+
+    An OSError (a full disk, a read-only file system) becomes one WriteError line; until the first
+    rename the previous data is untouched, and after it meta.json is gone, so the loader refuses the
+    directory rather than reading a mix.
+    """
+    names = [*(SPLIT_FILES[s] for s in splits), *([TOKENIZER_FILE] if tokenizer_json is not None else []), META_FILE]
+    writing = out
     staged: dict[str, Path] = {}
     try:
+        out.mkdir(parents=True, exist_ok=True)
+        remove_stale_temps(out, (*SPLIT_FILES.values(), TOKENIZER_FILE, META_FILE))
         for split, tokens in splits.items():
+            writing = out / SPLIT_FILES[split]
             staged[SPLIT_FILES[split]] = _write_temp(out, SPLIT_FILES[split], memoryview(np.ascontiguousarray(tokens)))
         if tokenizer_json is not None:
+            writing = out / TOKENIZER_FILE
             staged[TOKENIZER_FILE] = _write_temp(out, TOKENIZER_FILE, tokenizer_json.encode("utf-8"))
+        writing = out / META_FILE
         staged[META_FILE] = _write_temp(out, META_FILE, (json.dumps(meta, indent=2) + "\n").encode("utf-8"))
+    except OSError as err:
+        raise write_failed(err, writing) from None
+    finally:
+        if len(staged) < len(names):
+            for tmp in staged.values():
+                tmp.unlink(missing_ok=True)
+    writing, unprepared = out / META_FILE, False
+    try:
         (out / META_FILE).unlink(missing_ok=True)  # from here until the last replace, `out` reads as unprepared
+        unprepared = True
         if tokenizer_json is None:
             (out / TOKENIZER_FILE).unlink(missing_ok=True)  # a stale one would contradict meta.json
         for name, tmp in staged.items():  # dicts keep insertion order: meta.json goes last
-            os.replace(tmp, out / name)
+            writing = out / name
+            os.replace(tmp, writing)
+    except OSError as err:
+        after = f"{out} holds no prepared data now (no meta.json); run prepare again" if unprepared else None
+        raise write_failed(err, writing, after) from None
     finally:
         for tmp in staged.values():
             tmp.unlink(missing_ok=True)
@@ -278,6 +415,11 @@ def prepare(
         vocab_size = DEFAULT_BPE_VOCAB_SIZE if vocab_size is None else vocab_size
         if vocab_size <= BYTE_VOCAB_SIZE:
             raise UserError(f"--vocab-size {vocab_size} is too small for bpe: it must exceed the 256-byte alphabet")
+        if vocab_size > MAX_BPE_VOCAB_SIZE:
+            raise UserError(
+                f"--vocab-size {vocab_size:,} is larger than lmledger allows ({MAX_BPE_VOCAB_SIZE:,}): the BPE "
+                "trainer reserves memory for every id before training, and vocabularies in use stop near 256k"
+            )
         _import_tokenizers()  # fail before reading anything
     if not 0.0 < val_fraction < 1.0:
         raise UserError(f"--val-fraction {val_fraction} must be between 0 and 1 (exclusive)")
