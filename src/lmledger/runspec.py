@@ -73,7 +73,11 @@ def load_run_spec(argv: list[str]) -> RunSpec:
     """Parse `--config FILE [--config FILE2] [--a.b value ...]` as `lmledger fit` would."""
     from lmledger.commands.train import parse_fit_config  # imports Lightning
 
-    config = parse_fit_config(argv)
+    return run_spec_from_config(parse_fit_config(argv))
+
+
+def run_spec_from_config(config) -> RunSpec:
+    """The RunSpec of a parsed `fit` config (a jsonargparse Namespace, as parse_fit_config returns)."""
     model_fields = {f.name for f in fields(ModelConfig)}
     model_args = {k: v for k, v in vars(config.model.config).items() if k in model_fields}
     meta = Path(config.data.path) / "meta.json"
