@@ -17,7 +17,12 @@ from lmledger.callbacks import LedgerSettings, ledger_callbacks
 from lmledger.cli import main as lmledger
 from lmledger.data import TokenDataModule
 from lmledger.errors import ConfigError, UserError
-from lmledger.ledger.flops import matmul_parameters
+from lmledger.ledger.flops import (
+    causal_flops_per_token,
+    matmul_parameters,
+    model_flops_per_token,
+    six_n_flops_per_token,
+)
 from lmledger.lit import LitLM
 from lmledger.model import ModelConfig, count_parameters
 
@@ -91,7 +96,7 @@ def last(scalars, tag) -> float:
 # --- every tag, and what the numbers must satisfy ---------------------------------------------------
 
 MEMORY = ("params", "grads", "optimizer", "activations", "peak")
-PERF = ("tokens_per_sec", "tflops", "mfu", "hfu", "data_wait_frac")
+PERF = ("tokens_per_sec", "tflops", "mfu", "mfu_6n", "mfu_causal", "hfu", "data_wait_frac")
 
 
 def test_a_fit_writes_every_ledger_tag(with_ledger):
@@ -111,6 +116,7 @@ def test_a_fit_writes_every_ledger_tag(with_ledger):
     assert "n/a (CPU)" in texts["memory/table"]
     assert "measured" in texts["perf/peak"] and "fp32" in texts["perf/peak"]
     assert "ToyLM.lm_head" in texts["flops/breakdown"]
+    assert "| perf/mfu_causal |" in texts["flops/breakdown"] and "| nanoGPT estimate_mfu |" in texts["flops/breakdown"]
     n_params = count_parameters(ModelConfig(vocab_size=256, **CONFIG))
     assert f"| parameters | {n_params:,} |" in texts["ledger/summary"]
     assert f"| model FLOPs per step | {int(last(scalars, 'flops/model_per_step')):,} |" in texts["ledger/summary"]
@@ -165,6 +171,17 @@ def test_mfu_on_cpu_is_a_fraction_from_the_first_logging_step_after_warmup(with_
     model, hardware = last(scalars, "flops/model_per_step"), last(scalars, "flops/hardware_per_step")
     for (_, u), (_, h) in zip(scalars["perf/mfu"], scalars["perf/hfu"], strict=True):
         assert h / u == pytest.approx(hardware / model, rel=1e-6)
+    # The other conventions: same window, same peak, their own numerators (docs/mfu.md).
+    cfg = ModelConfig(vocab_size=256, **CONFIG)
+    palm = model_flops_per_token(cfg, SEQ)
+    assert model == palm * 8 * SEQ
+    for tag, per_token in (
+        ("perf/mfu_6n", six_n_flops_per_token(cfg)),
+        ("perf/mfu_causal", causal_flops_per_token(cfg, SEQ)),
+    ):
+        assert [step for step, _ in scalars[tag]] == loss_steps[WARMUP:]
+        for (_, u), (_, other) in zip(scalars["perf/mfu"], scalars[tag], strict=True):
+            assert other / u == pytest.approx(per_token / palm, rel=1e-6)
     for (_, tflops), (_, tokens) in zip(scalars["perf/tflops"], scalars["perf/tokens_per_sec"], strict=True):
         assert tflops * 1e12 / tokens == pytest.approx(model / (8 * SEQ), rel=1e-6)
     assert all(0 <= wait <= 1 for _, wait in scalars["perf/data_wait_frac"])

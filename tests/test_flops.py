@@ -2,6 +2,7 @@
 
 import itertools
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,12 +11,17 @@ from torch.utils.checkpoint import set_checkpoint_early_stop
 from lmledger.errors import UserError
 from lmledger.ledger.flops import (
     COMPONENTS,
+    MFU_CONVENTIONS,
     analytic_flops,
     flop_counter,
+    flops_per_token_by_convention,
     matmul_parameters,
     measure_flops,
     measure_flops_meta,
     model_flops_per_token,
+    nanogpt_flops_per_token,
+    six_n_flops_per_token,
+    torchtitan_flops_per_token,
 )
 from lmledger.model import ModelConfig, ToyLM, count_parameters
 
@@ -288,3 +294,104 @@ def test_bad_input_is_a_user_error():
         measure_flops(model, torch.zeros(8, dtype=torch.long))
     with torch.no_grad(), pytest.raises(UserError, match="autograd"):
         measure_flops(model, random_tokens(cfg, 1, 8))
+
+
+# --- MFU conventions (docs/mfu.md): each numerator beside what FlopCounterMode counts -----------------
+
+
+@pytest.mark.parametrize("name", ["d120-h5-v1000", "d200-h5-v256-tied"])
+@pytest.mark.parametrize("training", [True, False])
+def test_6n_is_the_counted_matmuls_and_palm_adds_the_counted_attention(name, training):
+    # Without checkpointing, every aten.mm is a weight matmul (6N per token in training), and the
+    # model convention's attention is the SDPA forward three times over: forward, and a backward of
+    # twice its bmm, with no recompute.
+    cfg = make_config(name)
+    batch, seq = MODELS[name][1][0]
+    measured = measure_flops(make_model(cfg), random_tokens(cfg, batch, seq), training=training)
+    report = analytic_flops(cfg, batch, seq, training=training)
+    assert measured.by_op["aten.mm"] == report.model_6n == six_n_flops_per_token(cfg, training) * batch * seq
+    passes = 3 if training else 1
+    assert measured.by_op["aten.mm"] + passes * measured.by_op[SDPA_FORWARD] == report.model
+
+
+@pytest.mark.parametrize("shape", [(5, 5), (3, 5), (7, 4)])
+def test_causal_entries_are_what_sdpa_keeps(shape):
+    # With zero queries and keys every kept score is equal, so with V = I the output is the attention
+    # matrix itself, positive exactly where the causal mask keeps an entry.
+    from lmledger.ledger.flops import _causal_entries
+
+    s_q, s_k = shape
+    probe = torch.nn.functional.scaled_dot_product_attention(
+        torch.zeros(1, 1, s_q, 8), torch.zeros(1, 1, s_k, 8), torch.eye(s_k).expand(1, 1, s_k, s_k), is_causal=True
+    )
+    assert _causal_entries((1, 1, s_q, 8), (1, 1, s_k, 8), True) == (int((probe > 0).sum()), s_q * s_k)
+
+
+@pytest.mark.parametrize("name", ["d120-h5-v1000", "d96-h4-v1000-tied"])
+def test_causal_convention_against_the_counted_causal_step(name):
+    # FlopCounterMode over the real step, SDPA counted over the entries the model's causal mask keeps:
+    # T(T+1)/2 per head where the convention says T²/2, so the twin is larger by exactly the diagonal,
+    # 6·L·H·Q FLOPs per token, a (T+1)/T share of the convention's attention term.
+    cfg = make_config(name)
+    batch, seq = 3, 40
+    model, idx = make_model(cfg), random_tokens(cfg, batch, seq)
+    causal = measure_flops(model, idx, causal_attention=True)
+    full = measure_flops(model, idx)
+    report = analytic_flops(cfg, batch, seq)
+    counted = causal.by_op["aten.mm"] + 3 * causal.by_op[SDPA_FORWARD]
+    diagonal = 6 * cfg.n_layers * cfg.n_heads * cfg.head_dim * batch * seq
+    assert counted - report.model_causal == diagonal
+    attention = report.model_causal - report.model_6n
+    assert (counted - report.model_6n) / attention == pytest.approx((seq + 1) / seq, rel=1e-12)
+    assert causal.by_op[SDPA_BACKWARD] * seq * seq == full.by_op[SDPA_BACKWARD] * seq * (seq + 1) // 2
+    with torch.device("meta"):
+        meta_model, meta_idx = ToyLM(cfg), torch.zeros(batch, seq, dtype=torch.long)
+    assert measure_flops(meta_model, meta_idx, causal_attention=True).by_op == causal.by_op
+
+
+def test_the_conventions_order_and_hfu_is_the_hardware_count():
+    cfg = make_config("d120-h5-v1000", activation_checkpointing=2)
+    batch, seq = 2, 50
+    per_token = flops_per_token_by_convention(cfg, seq)
+    assert set(per_token) == set(MFU_CONVENTIONS)
+    report = analytic_flops(cfg, batch, seq)
+    assert per_token["hfu"] * batch * seq == report.hardware
+    assert per_token["palm"] * batch * seq == report.model
+    assert per_token["6n"] < per_token["causal"] < per_token["palm"] < per_token["hfu"]
+    assert 2 * (per_token["causal"] - per_token["6n"]) == per_token["palm"] - per_token["6n"]
+
+
+def _meta_model(cfg: ModelConfig) -> ToyLM:
+    with torch.device("meta"):
+        return ToyLM(cfg)
+
+
+@pytest.mark.parametrize("name", ["d120-h5-v1000", "d200-h5-v256-tied"])
+def test_nanogpt_and_torchtitan_counts_follow_their_parameter_rules_on_the_real_module(name):
+    # Their parameter counts taken the way their code takes them, from our module: nanoGPT every
+    # parameter (it subtracts only a learned position table; RoPE has none), torchtitan every parameter
+    # minus the nn.Embedding children's unless tied. T: nanoGPT the context length, torchtitan the batch's.
+    cfg = make_config(name)
+    seq = MODELS[name][1][1][1]
+    model = _meta_model(cfg)
+    n_all = sum(p.numel() for p in model.parameters())
+    embedding = sum(p.numel() for m in model.children() if isinstance(m, torch.nn.Embedding) for p in m.parameters())
+    attention_per_t = 12 * cfg.n_layers * cfg.n_heads * cfg.head_dim
+    assert nanogpt_flops_per_token(cfg) == 6 * n_all + attention_per_t * cfg.context_length
+    titan_params = n_all if cfg.tie_embeddings else n_all - embedding
+    assert torchtitan_flops_per_token(cfg, seq) == 6 * titan_params + attention_per_t * seq
+
+
+def test_cs336_medium_nanogpt_and_torchtitan_differ_from_ours_as_the_issue_says():
+    # Issue 11 §5: at context 1024, nanoGPT's count is +2.22% and torchtitan's +0.011% of ours; held
+    # to the issue's printed digits (half a unit in the last place: ±0.005% and ±0.0005%).
+    import yaml
+
+    with open(Path(__file__).parent.parent / "configs" / "cs336-medium.yaml") as f:
+        cfg = ModelConfig(**yaml.safe_load(f)["model"]["config"])
+    assert (cfg.vocab_size, cfg.context_length, cfg.tie_embeddings) == (10000, 1024, False)
+    ours = model_flops_per_token(cfg, 1024)
+    model = _meta_model(cfg)
+    assert nanogpt_flops_per_token(cfg) == 6 * sum(p.numel() for p in model.parameters()) + 12 * 24 * 1024 * 1024
+    assert abs(100 * (nanogpt_flops_per_token(cfg) / ours - 1) - 2.22) <= 0.005
+    assert abs(100 * (torchtitan_flops_per_token(cfg, 1024) / ours - 1) - 0.011) <= 0.0005

@@ -13,7 +13,7 @@ real CPU count op for op.
 
 Logged: `flops/{model,hardware,measured}_per_step` (one training batch of one device) and
 `flops/val/{model,hardware,measured}_per_batch`, plus the per-component and per-module breakdown
-once as text (`flops/breakdown`).
+once as text (`flops/breakdown`), with the FLOPs each MFU convention counts and its TensorBoard tag.
 """
 
 from __future__ import annotations
@@ -24,13 +24,23 @@ import lightning.pytorch as pl
 import torch
 
 from lmledger.callbacks.run import LedgerRun, log_scalars, log_text, markdown_table
-from lmledger.ledger.flops import FlopReport, MeasuredFlops, analytic_flops, measure_flops_meta
+from lmledger.ledger.flops import (
+    MFU_CONVENTIONS,
+    FlopReport,
+    MeasuredFlops,
+    analytic_flops,
+    flops_per_token_by_convention,
+    measure_flops_meta,
+)
 from lmledger.ledger.units import format_count
 
 # FlopCounterMode module names shown in the breakdown: the embedding, each block's attention and
 # MLP (their norms do no matmul), the LM head. Deeper names split the MLP's backward unreliably
 # (see MeasuredFlops).
 _BREAKDOWN_MODULE = re.compile(r"ToyLM\.(embed|lm_head|blocks\.\d+\.(attn|mlp))")
+
+# The conventions ThroughputLedger logs, and under which tag.
+CONVENTION_TAGS = {"6n": "perf/mfu_6n", "palm": "perf/mfu", "causal": "perf/mfu_causal", "hfu": "perf/hfu"}
 
 
 def batch_shape(batch) -> tuple[int, int]:
@@ -119,5 +129,22 @@ class FlopLedger(pl.Callback):
             markdown_table(["module", "FLOPs"], module_rows),
             "By operator:",
             markdown_table(["op", "FLOPs"], [[op, format_count(n)] for op, n in sorted(measured.by_op.items())]),
+            "What each MFU convention counts for this batch (docs/mfu.md):",
+            markdown_table(["convention", "FLOPs", "vs perf/mfu", "tag"], convention_rows(self.run.config, shape)),
         ]
         return "\n\n".join(parts)
+
+
+def convention_rows(cfg, shape: tuple[int, int]) -> list[list[str]]:
+    """One row per MFU convention: FLOPs of a training batch of `shape`, ratio to perf/mfu's, tag."""
+    batch, seq = shape
+    per_token = flops_per_token_by_convention(cfg, seq)
+    return [
+        [
+            MFU_CONVENTIONS[key],
+            format_count(n * batch * seq),
+            f"{n / per_token['palm'] - 1:+.3%}",
+            CONVENTION_TAGS.get(key, "(not logged)"),
+        ]
+        for key, n in per_token.items()
+    ]

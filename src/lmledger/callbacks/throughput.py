@@ -4,6 +4,9 @@ Each logging step (every trainer.log_every_n_steps) reports the window since the
     perf/tokens_per_sec    tokens trained per second on this device
     perf/tflops            model FLOPs per second / 1e12 (the MFU numerator)
     perf/mfu, perf/hfu     model / hardware FLOPs per second over the device's dense peak
+    perf/mfu_6n, perf/mfu_causal   MFU under two other conventions (docs/mfu.md): 6N alone, no
+                           attention (Kaplan, Chinchilla), and causal attention counted half
+                           (Megatron-LM); perf/mfu counts attention in full (PaLM appendix B)
     perf/data_wait_frac    share of the window's wall time spent between steps, i.e. fetching and
                            copying the next batch (plus Lightning's per-step bookkeeping)
     perf/tokens_per_sec_total   x world size (only when world size > 1)
@@ -61,6 +64,8 @@ class _Window:
     tokens: int = 0
     model_flops: int = 0
     hardware_flops: int = 0
+    model_6n_flops: int = 0
+    model_causal_flops: int = 0
     data_wait: float = 0.0
     paused: float = 0.0  # validation
 
@@ -207,6 +212,8 @@ class ThroughputLedger(pl.Callback):
         window.tokens += shape[0] * shape[1]
         window.model_flops += flops.model
         window.hardware_flops += flops.hardware
+        window.model_6n_flops += flops.model_6n
+        window.model_causal_flops += flops.model_causal
         if is_logging_step(trainer):
             synchronize(self.run.device)
             now = time.perf_counter()
@@ -227,6 +234,8 @@ class ThroughputLedger(pl.Callback):
             self._raise_measured_peak(trainer, window.hardware_flops / seconds)
             metrics["perf/mfu"] = window.model_flops / seconds / self.peak.flops_per_s
             metrics["perf/hfu"] = window.hardware_flops / seconds / self.peak.flops_per_s
+            metrics["perf/mfu_6n"] = window.model_6n_flops / seconds / self.peak.flops_per_s
+            metrics["perf/mfu_causal"] = window.model_causal_flops / seconds / self.peak.flops_per_s
         if self.run.world_size > 1:
             # Every rank trains the same batch shape; rank zero's rate stands for each of them.
             metrics["perf/tokens_per_sec_total"] = metrics["perf/tokens_per_sec"] * self.run.world_size

@@ -16,6 +16,11 @@ For the toy LM the two differ by exactly (training, T = seq_len, Q = head dim, H
   hardware = model + 2·B·L·H·Q·T²                 (one score recompute per SDPA backward)
                    + Σ over checkpointed blocks of their recomputed forward
 and forward-only hardware = model.
+
+Beside the model figure, the numerators other MFU figures use (MFU_CONVENTIONS, docs/mfu.md): 6N alone
+(Kaplan, Chinchilla), causal attention counted half (Megatron-LM), and what nanoGPT's and torchtitan's
+formulas give for this model. Each has a counted twin: FlopCounterMode's aten.mm total is 6N; with
+causal_attention=True its SDPA count covers only the unmasked entries.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 from lmledger.errors import UserError
-from lmledger.model import ModelConfig, ToyLM
+from lmledger.model import ModelConfig, ToyLM, count_parameters
 
 aten = torch.ops.aten
 
@@ -62,6 +67,8 @@ class FlopReport:
     hardware: int
     by_component: dict[str, dict[str, int]]
     tokens: int
+    model_6n: int  # the 6N convention (no attention), see six_n_flops_per_token
+    model_causal: int  # causal attention counted half, see causal_flops_per_token
 
 
 @dataclass(frozen=True)
@@ -90,6 +97,80 @@ def model_flops_per_token(cfg: ModelConfig, seq_len: int, training: bool = True)
     attention = 2 * 2 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len  # scores and attention·V
     forward = 2 * matmul_parameters(cfg) + attention
     return 3 * forward if training else forward
+
+
+# MFU conventions (docs/mfu.md). Published MFU figures count different FLOPs; each of these is one
+# numerator, per token of a training step (forward only: a third). perf/mfu is "palm".
+
+
+def six_n_flops_per_token(cfg: ModelConfig, training: bool = True) -> int:
+    """6·N_matmul per token (2·N_matmul forward only): attention's T×T products left out.
+
+    Source: Kaplan et al. 2020 §2.1 (C ≈ 6N, the context-dependent term dropped) and Hoffmann et al.
+    2022 (Chinchilla, C = 6ND). Kaplan's N also leaves out the LM head; ours keeps it (it is a
+    matmul), so that this differs from "palm" by attention alone."""
+    return (6 if training else 2) * matmul_parameters(cfg)
+
+
+def causal_flops_per_token(cfg: ModelConfig, seq_len: int, training: bool = True) -> int:
+    """6·N_matmul + 6·L·H·Q·T per token (2·N_matmul + 2·L·H·Q·T forward only): PaLM's attention
+    term halved, because a causal mask leaves half of each T×T product to compute.
+
+    Source: Megatron-LM, megatron/training/training.py num_floating_point_operations (core attention
+    `seq_length / 2`, "only half of the mask is non-zero"); FlashAttention's
+    benchmarks/benchmark_flash_attention.py counts causal attention at half for the same reason. The
+    exact lower triangle has T(T+1)/2 entries, (T+1)/T of this term (measure_causal_flops counts it)."""
+    _check_seq_len(cfg, seq_len)
+    attention = 2 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len  # half of PaLM's 4·L·H·Q·T
+    forward = 2 * matmul_parameters(cfg) + attention
+    return 3 * forward if training else forward
+
+
+def nanogpt_flops_per_token(cfg: ModelConfig) -> int:
+    """What nanoGPT's GPT.estimate_mfu (karpathy/nanoGPT model.py) would count per token for this
+    model: 6·N + 12·L·H·Q·T with N every parameter (its get_num_params drops only the learned position
+    table, which ToyLM does not have: RoPE) and T the model's context length (block_size), whatever
+    sequence length the batch has. Against ours it adds the norms' gains, and the token embedding table
+    when untied (nanoGPT always ties it to the LM head)."""
+    attention = 12 * cfg.n_layers * cfg.n_heads * cfg.head_dim * cfg.context_length
+    return 6 * count_parameters(cfg) + attention
+
+
+def torchtitan_flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
+    """What torchtitan's get_dense_model_nparams_and_flops (pytorch/torchtitan
+    torchtitan/models/utils.py, the llama3 model's get_nparams_and_flops) would count per token:
+    6·(N − the token embedding, unless tied) + 6·L·H·(2·Q)·T, T the training sequence length. Against
+    ours it adds the norms' gains."""
+    _check_seq_len(cfg, seq_len)
+    embedding = 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.d_model
+    attention = 6 * cfg.n_layers * cfg.n_heads * (2 * cfg.head_dim) * seq_len
+    return 6 * (count_parameters(cfg) - embedding) + attention
+
+
+# Each convention's numerator, in the order `account` prints them. perf/mfu is "palm", perf/hfu "hfu".
+MFU_CONVENTIONS = {
+    "6n": "6N (Kaplan, Chinchilla)",
+    "palm": "6N + attention (PaLM)",
+    "causal": "6N + attention / 2, causal (Megatron)",
+    "hfu": "hardware, with recompute (HFU)",
+    "nanogpt": "nanoGPT estimate_mfu",
+    "torchtitan": "torchtitan",
+}
+
+
+def flops_per_token_by_convention(cfg: ModelConfig, seq_len: int) -> dict[str, int]:
+    """FLOPs per token of a training step on sequences of `seq_len` under each MFU_CONVENTIONS entry.
+    "hfu" counts what the kernels do (analytic_flops' hardware figure: attention's score recompute and
+    activation checkpointing), which does not depend on the batch size."""
+    hardware = analytic_flops(cfg, 1, seq_len, training=True).hardware
+    return {
+        "6n": six_n_flops_per_token(cfg),
+        "palm": model_flops_per_token(cfg, seq_len),
+        "causal": causal_flops_per_token(cfg, seq_len),
+        "hfu": hardware // seq_len,
+        "nanogpt": nanogpt_flops_per_token(cfg),
+        "torchtitan": torchtitan_flops_per_token(cfg, seq_len),
+    }
 
 
 def analytic_flops(
@@ -133,6 +214,8 @@ def analytic_flops(
         hardware=sum(sum(phases.values()) for phases in by_component.values()),
         by_component=by_component,
         tokens=tokens,
+        model_6n=six_n_flops_per_token(cfg, training) * tokens,
+        model_causal=causal_flops_per_token(cfg, seq_len, training) * tokens,
     )
 
 
@@ -179,9 +262,45 @@ CPU_SDPA_FLOP_FORMULAS = {
 }
 
 
-def flop_counter() -> FlopCounterMode:
-    """A silent FlopCounterMode that also counts CPU SDPA."""
-    return FlopCounterMode(display=False, custom_mapping=CPU_SDPA_FLOP_FORMULAS)
+def _causal_entries(query_shape, key_shape, is_causal: bool) -> tuple[int, int]:
+    """Entries of one head's score matrix that a causal mask leaves, and all of them. torch's
+    is_causal mask is lower triangular from the top-left corner: query row i sees min(i + 1, S) keys."""
+    s_q, s_k = query_shape[2], key_shape[2]
+    if not is_causal:
+        return s_q * s_k, s_q * s_k
+    return sum(min(i + 1, s_k) for i in range(s_q)), s_q * s_k
+
+
+def _causal_flash_attention_flop(query_shape, key_shape, value_shape, dropout_p=0.0, is_causal=False, *args,
+                                 out_shape=None, **kwargs) -> int:  # fmt: skip
+    kept, full = _causal_entries(query_shape, key_shape, is_causal)
+    return sdpa_flop_count(query_shape, key_shape, value_shape) * kept // full
+
+
+def _causal_flash_attention_backward_flop(
+    grad_out_shape, query_shape, key_shape, value_shape, out=None, logsumexp=None, dropout_p=0.0, is_causal=False,
+    *args, out_shape=None, **kwargs,
+) -> int:  # fmt: skip
+    kept, full = _causal_entries(query_shape, key_shape, is_causal)
+    return sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape) * kept // full
+
+
+# The same ops counted over the entries a causal mask keeps (every bmm in the formulas is linear in
+# the number of score entries, so scaling by kept / full is exact): what the causal convention calls
+# the work, read off the real step's SDPA calls and their is_causal flag.
+CAUSAL_CPU_SDPA_FLOP_FORMULAS = {
+    aten._scaled_dot_product_flash_attention_for_cpu: _causal_flash_attention_flop,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward: _causal_flash_attention_backward_flop,
+}
+
+
+def flop_counter(causal_attention: bool = False) -> FlopCounterMode:
+    """A silent FlopCounterMode that also counts CPU SDPA; with `causal_attention`, CPU (and meta) SDPA
+    calls made with is_causal count only the unmasked entries. (No kernel is timed by this: torch's
+    CPU flash kernel skips key blocks of 512 past the diagonal, so below 512 tokens it computes the
+    full square; FlashAttention's CUDA kernels skip the tiles above it.)"""
+    formulas = CAUSAL_CPU_SDPA_FLOP_FORMULAS if causal_attention else CPU_SDPA_FLOP_FORMULAS
+    return FlopCounterMode(display=False, custom_mapping=formulas)
 
 
 @contextmanager
@@ -214,6 +333,7 @@ def measure_flops(
     targets: torch.Tensor | None = None,
     training: bool = True,
     autocast_dtype: torch.dtype | None = None,
+    causal_attention: bool = False,
 ) -> MeasuredFlops:
     """Count the FLOPs of one step of `model(idx, targets)` with FlopCounterMode.
 
@@ -222,7 +342,8 @@ def measure_flops(
     training=False: forward under no_grad in eval mode. Works on CPU, CUDA and meta tensors. A
     torch.compile'd module is unwrapped to the eager module it wraps (the counter cannot see inside
     compiled graphs). Gradients go through torch.autograd.grad, so no .grad is written, and the
-    train/eval mode is restored.
+    train/eval mode is restored. causal_attention=True (CPU and meta only) counts causal SDPA calls
+    over the unmasked entries alone (flop_counter).
     """
     model = getattr(model, "_orig_mod", model)
     if training and not torch.is_grad_enabled():
@@ -231,12 +352,14 @@ def measure_flops(
         raise UserError(f"idx must be (batch, seq) token ids, got shape {tuple(idx.shape)}")
     if autocast_dtype is not None and idx.device.type not in ("cpu", "cuda"):
         raise UserError(f"autocast is not available on {idx.device.type} tensors: drop autocast_dtype")
+    if causal_attention and idx.device.type not in ("cpu", "meta"):
+        raise UserError(f"causal_attention counts CPU and meta SDPA only, not {idx.device.type}: count on the CPU")
     autocast = torch.autocast(idx.device.type, dtype=autocast_dtype) if autocast_dtype else nullcontext()
     meta_routing = _fused_sdpa_on_meta() if idx.device.type == "meta" else nullcontext()
     was_training = model.training
     model.train(training)
     try:
-        with flop_counter() as counter, meta_routing:
+        with flop_counter(causal_attention) as counter, meta_routing:
             if training:
                 with autocast:
                     loss = model(idx, idx if targets is None else targets)
