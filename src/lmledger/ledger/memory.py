@@ -5,7 +5,8 @@ Each analytic figure has a measured twin here:
     predicted                          measured
     state_bytes / bytes_per_param      measure_state_bytes(model, optimizer)   (exact)
     activation_bytes                   measure_saved_activations(model)        (exact on CPU)
-    peak_bytes                         measure_peak_cuda(step_fn)              (CUDA only)
+    peak_bytes                         ledger.memtrack.MemoryTracker          (any device; 2% on CPU)
+                                       measure_peak_cuda(step_fn)              (CUDA allocator)
 
 State conventions, bytes per parameter (per rank before sharding; "AdamW" = 2 state tensors,
 "SGD" = 1 momentum buffer, 0 if momentum == 0, "none" = 0):
@@ -29,10 +30,11 @@ everything; "zero1" divides the optimizer state, "zero2" also the grads, "zero3"
 params. A divided term is ceil(n_params / world_size) elements per rank (FSDP pads its flat
 parameter to a multiple of the world size). Lightning's "deepspeed_stage_{1,2,3}" are accepted too.
 
-Peak: peak_bytes walks one steady-state step (its docstring has the formula); CPU has no
-allocator statistics, so there the peak is predicted only. On CUDA, measure_peak_cuda around a
-step is held to the prediction within 15% (cuBLAS workspaces and allocator rounding are not
-modelled).
+Peak: peak_bytes walks one steady-state step (its docstring has the formula). Its measured twin
+is the high-water mark of live tensor bytes over a real step (ledger.memtrack; the CPU keeps no
+allocator statistics), held to the prediction within 2% on CPU across precisions, checkpointing,
+tied embeddings and odd widths; on CUDA, measure_peak_cuda (the allocator's own figure) is held to
+it within 15% (cuBLAS workspaces and allocator rounding are not modelled).
 
 AdamW's per-parameter `step` counter is a 0-dim fp32 tensor (on the CPU unless the optimizer is
 capturable or fused). It is not counted: the optimizer figure is exactly states x bytes x params,
@@ -384,6 +386,7 @@ def peak_bytes(
     device: str = "cpu",
     grads_held_in_forward: bool = True,
     fused: bool = False,
+    foreach: bool | None = None,
 ) -> PeakReport:
     """Largest allocation total during one training step after the first.
 
@@ -401,11 +404,15 @@ def peak_bytes(
       recompute block   for each checkpointed block, top down: what is still saved below it,
                         plus grads already made above it, plus the block's recomputed saved set
                         and weight copies.
-      embedding bwd     P + O + G (+ a V*d grad for a tied embedding before it is accumulated).
-      optimizer step    P + O + G, plus one state's worth for foreach AdamW (fused=False, torch's
-                        default), which makes sqrt(v) for every parameter at once
-                        (torch.optim.adamw._multi_tensor_adamw); the fused kernel (fused=True, what
-                        LitLM runs except under fp16's GradScaler) works in place, and SGD adds none.
+      embedding bwd     P + O + G, and for a tied embedding 2*V*d grads more: the LM head's
+                        gradient is already the weight's .grad when the embedding's own V*d gradient
+                        arrives, and AccumulateGrad adds the two out of place (grad + new) before it
+                        drops the old one.
+      optimizer step    P + O + G + what the AdamW kernel torch runs holds (optimizer_kernel):
+                        foreach makes sqrt(v) for every parameter at once, one state's worth
+                        (torch.optim.adam._multi_tensor_adam); the per-tensor loop makes sqrt(v_i)
+                        and sqrt(v_i)/bias_correction for one parameter at a time, two of the largest
+                        parameter's state (_single_tensor_adam); fused works in place. SGD adds none.
 
     Between these points saved activations are freed as gradients are made, roughly in step,
     so totals there lie between the endpoints. Not modelled: backward's per-op gradient
@@ -451,10 +458,10 @@ def peak_bytes(
             copies_saved -= block_copies
         grads_made += (block_weights + 2 * d) * grad_per_param
 
-    tied_grad = v * d * grad_per_param if cfg.tie_embeddings else 0
-    candidates["embedding backward"] = resident + grads + tied_grad
-    sqrt_v = opt // 2 if optimizer.lower() in ("adamw", "adam") and not fused else 0
-    candidates["optimizer step"] = resident + grads + sqrt_v
+    tied_grads = 2 * v * d * grad_per_param if cfg.tie_embeddings else 0
+    candidates["embedding backward"] = resident + grads + tied_grads
+    step_temporaries = _optimizer_step_temporaries(cfg, precision, optimizer, opt, kind, fused, foreach)
+    candidates["optimizer step"] = resident + grads + step_temporaries
 
     phase = max(candidates, key=candidates.__getitem__)
     return PeakReport(
@@ -466,6 +473,52 @@ def peak_bytes(
         activations=acts.total,
         autocast_weight_copies=acts.autocast_weight_copies,
     )
+
+
+def optimizer_kernel(device: str, fused: bool = False, foreach: bool | None = None) -> str:
+    """The implementation torch.optim's AdamW / SGD run: "fused", "foreach" or "for-loop".
+
+    As torch.optim.optimizer._default_to_fused_or_foreach decides when neither flag is given:
+    foreach on the devices torch lists for foreach kernels (CUDA among them), the per-tensor loop
+    everywhere else, the CPU included; fused only when asked for."""
+    if fused:
+        return "fused"
+    if foreach is None:
+        foreach = torch.device(device).type in _foreach_devices()
+    return "foreach" if foreach else "for-loop"
+
+
+def _foreach_devices() -> list[str]:
+    try:
+        from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices
+    except ImportError:  # a private helper: if it moves, fall back to what torch 2.13 lists
+        return ["cuda", "xpu", "mtia"]
+    return _get_foreach_kernels_supported_devices()
+
+
+def _largest_parameter(cfg: ModelConfig) -> int:
+    """Elements of ToyLM's biggest parameter tensor: the embedding / LM head, qkv, or an MLP matrix."""
+    return max(cfg.vocab_size * cfg.d_model, 3 * cfg.d_model**2, cfg.d_model * cfg.d_ff)
+
+
+def _optimizer_step_temporaries(
+    cfg: ModelConfig,
+    precision: str | int,
+    optimizer: str,
+    opt_bytes: int,
+    device: str,
+    fused: bool,
+    foreach: bool | None,
+) -> int:
+    """Bytes AdamW's step holds beyond its state at its high-water mark (peak_bytes docstring)."""
+    if optimizer.lower() not in ("adamw", "adam") or opt_bytes == 0:
+        return 0
+    kernel = optimizer_kernel(device, fused, foreach)
+    if kernel == "foreach":
+        return opt_bytes // 2  # one of the two states (this rank's share)
+    if kernel == "for-loop":
+        return 2 * _largest_parameter(cfg) * _state_width(precision, None)
+    return 0
 
 
 # --------------------------------------------------------------------------------------------
