@@ -395,3 +395,49 @@ def test_cs336_medium_nanogpt_and_torchtitan_differ_from_ours_as_the_issue_says(
     assert nanogpt_flops_per_token(cfg) == 6 * sum(p.numel() for p in model.parameters()) + 12 * 24 * 1024 * 1024
     assert abs(100 * (nanogpt_flops_per_token(cfg) / ours - 1) - 2.22) <= 0.005
     assert abs(100 * (torchtitan_flops_per_token(cfg, 1024) / ours - 1) - 0.011) <= 0.0005
+
+
+# --- `lmledger account`: the conventions table -----------------------------------------------------
+
+ACCOUNT_SMALL = [
+    "--model.config.d_model", "96", "--model.config.n_layers", "2", "--model.config.n_heads", "4",
+    "--model.config.d_ff", "200", "--model.config.context_length", "48", "--data.batch_size", "3",
+]  # fmt: skip
+
+
+def test_account_lists_the_conventions_and_needs_a_measured_step_for_mfu(workdir, capsys):
+    from conftest import run_json
+    from lmledger.cli import main as lmledger
+
+    conv = run_json(capsys, "account", "--config", "configs/cs336-medium.yaml", "--json")["mfu_conventions"]
+    assert conv["perf_mfu"] == "palm" and conv["seq_len"] == 1024
+    assert conv["step_seconds"] is None and conv["peak_flops_per_s"] is None
+    rows = conv["conventions"]
+    assert list(rows) == list(MFU_CONVENTIONS) and all(row["mfu"] is None for row in rows.values())
+    assert rows["palm"]["vs_perf_mfu"] == 0
+    assert round(100 * rows["nanogpt"]["vs_perf_mfu"], 2) == 2.22
+    assert round(100 * rows["torchtitan"]["vs_perf_mfu"], 3) == 0.011
+
+    assert lmledger(["account", "--config", "configs/cs336-medium.yaml"]) == 0
+    out = capsys.readouterr().out
+    assert "6N + attention (PaLM) = perf/mfu" in out and "+2.221%" in out and "+0.011%" in out
+    assert "MFU needs a measured step time: add --measure" in out
+
+
+def test_account_measure_gives_each_convention_its_mfu(workdir, capsys):
+    from conftest import run_json
+    from lmledger.runspec import load_run_spec
+
+    result = run_json(capsys, "account", "--config", "configs/tiny.yaml", *ACCOUNT_SMALL, "--measure", "--json")
+    conv, tokens = result["mfu_conventions"], result["run"]["tokens_per_step"]
+    cfg = load_run_spec(["--config", "configs/tiny.yaml", *ACCOUNT_SMALL]).model
+    per_token = flops_per_token_by_convention(cfg, 48)
+    rows = conv["conventions"]
+    assert {key: row["flops_per_token"] for key, row in rows.items()} == per_token
+    assert conv["step_seconds"] > 0 and conv["peak_flops_per_s"] > 0 and conv["peak"]
+    palm_mfu = per_token["palm"] * tokens / conv["step_seconds"] / conv["peak_flops_per_s"]
+    assert rows["palm"]["mfu"] == pytest.approx(palm_mfu, rel=1e-9) and palm_mfu > 0
+    for key, row in rows.items():  # one step time and one peak: MFUs stand as their numerators do
+        assert row["mfu"] / rows["palm"]["mfu"] == pytest.approx(per_token[key] / per_token["palm"], rel=1e-9)
+    # nanoGPT's own printout divides by an A100's bf16 peak whatever the device.
+    assert conv["nanogpt_printed_mfu"] == pytest.approx(per_token["nanogpt"] * tokens / conv["step_seconds"] / 312e12)

@@ -4,6 +4,7 @@ and (with --measure) on this machine, each figure beside its twin."""
 from __future__ import annotations
 
 import json
+import warnings
 from contextlib import nullcontext
 
 import torch
@@ -11,6 +12,7 @@ import torch
 from lmledger.errors import UserError
 from lmledger.ledger import flops as ledger_flops
 from lmledger.ledger import memory as ledger_memory
+from lmledger.ledger.hardware import Peak, compute_dtype_for_precision, peak_flops
 from lmledger.ledger.units import format_bytes
 from lmledger.model import ToyLM, count_parameters
 from lmledger.runspec import RunSpec, load_run_spec, split_flags
@@ -18,8 +20,9 @@ from lmledger.runspec import RunSpec, load_run_spec, split_flags
 USAGE = """usage: lmledger account --config FILE [--config FILE2] [--a.b VALUE ...] [--measure] [--json]
 
 One training step of a `lmledger fit` config: parameter count, model and hardware FLOPs, predicted
-bytes per component and peak. --measure also runs real steps on this machine (CUDA if the config
-asks for a GPU and one is present, else CPU) and prints each measurement beside its prediction."""
+bytes per component and peak, and the FLOPs per token each MFU convention counts (docs/mfu.md).
+--measure also runs real steps on this machine (CUDA if the config asks for a GPU and one is
+present, else CPU), prints each measurement beside its prediction, and each convention's MFU."""
 
 MEMORY_ROWS = ("params", "grads", "optimizer", "activations", "peak")
 _AUTOCAST = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
@@ -106,10 +109,69 @@ def measure(spec: RunSpec, device: torch.device) -> dict:
         optimizer.step()
 
     peak = ledger_memory.measure_peak_cuda(step, device) if device.type == "cuda" else None
+    seconds = step_seconds(step, device)
     return {
         "flops": {"measured": counted.total},
         "memory": {**state, "activations": saved.activations, "peak": peak},
         "autocast_weight_copies": saved.autocast_weight_copies,
+        "step_seconds": seconds,
+    }
+
+
+# nanoGPT's estimate_mfu (model.py) divides by this on any device: "A100 GPU bfloat16 peak flops is 312 TFLOPS".
+NANOGPT_PEAK = 312e12
+
+
+def step_seconds(step, device: torch.device) -> float:
+    """Median seconds of a training step, after one untimed step (the throughput callback's timer)."""
+    from lmledger.callbacks.throughput import forward_backward_seconds
+
+    return forward_backward_seconds(step, device, eager=False, repeats=3)
+
+
+def mfu_conventions(spec: RunSpec, seconds: float | None, device: torch.device) -> dict:
+    """FLOPs per token of a training step under each MFU convention, and its ratio to perf/mfu's; with
+    a measured step time, MFU against the device's dense peak (a measured peak is raised to the step's
+    own hardware rate where the step beats it, as the throughput callback does)."""
+    per_token = ledger_flops.flops_per_token_by_convention(spec.model, spec.seq_len)
+    peak = peak_line = None
+    if seconds is not None:
+        dtype = compute_dtype_for_precision(spec.precision)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            peak = peak_flops(dtype, device)
+        if peak is None:
+            peak_line = "; ".join(str(w.message) for w in caught) or f"no {dtype} peak for {device}"
+        else:
+            source = peak.source.removeprefix("datasheet:")
+            detail = getattr(peak, "detail", "")
+            peak_line = f"{peak.flops_per_s / 1e12:.4g} TFLOP/s dense {peak.dtype} ({source}{detail and ': ' + detail})"
+            achieved = per_token["hfu"] * spec.tokens_per_step / seconds
+            if peak.source == "measured" and achieved > peak.flops_per_s:
+                peak = Peak(achieved, "measured", peak.dtype)
+                peak_line += f", raised to the step's own {achieved / 1e12:.4g} TFLOP/s, which beat it"
+
+    def mfu(n: int) -> float | None:
+        return None if peak is None else n * spec.tokens_per_step / seconds / peak.flops_per_s
+
+    nanogpt_printed = None if seconds is None else per_token["nanogpt"] * spec.tokens_per_step / seconds / NANOGPT_PEAK
+
+    return {
+        "perf_mfu": "palm",
+        "seq_len": spec.seq_len,
+        "step_seconds": seconds,
+        "peak_flops_per_s": peak and peak.flops_per_s,
+        "peak": peak_line,
+        "nanogpt_printed_mfu": nanogpt_printed,
+        "conventions": {
+            key: {
+                "label": ledger_flops.MFU_CONVENTIONS[key],
+                "flops_per_token": n,
+                "vs_perf_mfu": n / per_token["palm"] - 1,
+                "mfu": mfu(n),
+            }
+            for key, n in per_token.items()
+        },
     }
 
 
@@ -144,6 +206,7 @@ def account(spec: RunSpec, do_measure: bool) -> dict:
             "device": device.type,
             "peak_phase": predicted["peak_phase"],
         },
+        "mfu_conventions": mfu_conventions(spec, measured["step_seconds"] if measured else None, device),
     }
     return result
 
@@ -194,6 +257,31 @@ def print_table(result: dict) -> None:
         print(f"activations and peak not predicted: {run['peak_phase']}; {where}")
     else:
         print(f"predicted peak falls in: {run['peak_phase']}; {where}")
+    print_conventions(result["mfu_conventions"], run)
+
+
+def print_conventions(conv: dict, run: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"MFU conventions: FLOPs per token of a training step, T = {conv['seq_len']}")
+    for column in ("convention", "FLOPs / token", "vs perf/mfu", "MFU"):
+        table.add_column(column, justify="left" if column == "convention" else "right")
+    for key, row in conv["conventions"].items():
+        label = row["label"] + (" = perf/mfu" if key == conv["perf_mfu"] else "")
+        mfu = "—" if row["mfu"] is None else f"{row['mfu']:.4f}"
+        table.add_row(label, f"{row['flops_per_token']:,}", f"{row['vs_perf_mfu']:+.3%}", mfu)
+    Console().print(table)
+    if conv["step_seconds"] is None:
+        print("MFU needs a measured step time: add --measure")
+    elif conv["peak_flops_per_s"] is None:
+        print(f"no MFU: {conv['peak']}")
+    else:
+        print(
+            f"MFU: a {conv['step_seconds'] * 1e3:.4g} ms step ({run['batch_size']} x {run['seq_len']} tokens, median "
+            f"of 3) on {run['device']} against {conv['peak']}; nanoGPT's estimate_mfu would print "
+            f"{conv['nanogpt_printed_mfu']:.4g} (it divides by 312 TFLOP/s, an A100's bf16 peak, on any device)"
+        )
 
 
 def _fmt(x: float | None) -> str:
