@@ -145,7 +145,8 @@ def mfu_conventions(spec: RunSpec, seconds: float | None, device: torch.device) 
         else:
             source = peak.source.removeprefix("datasheet:")
             detail = getattr(peak, "detail", "")
-            peak_line = f"{peak.flops_per_s / 1e12:.4g} TFLOP/s dense {peak.dtype} ({source}{detail and ': ' + detail})"
+            where = detail if detail.startswith(source) else ": ".join(filter(None, (source, detail)))
+            peak_line = f"{peak.flops_per_s / 1e12:.4g} TFLOP/s dense {peak.dtype} ({where})"
             achieved = per_token["hfu"] * spec.tokens_per_step / seconds
             if peak.source == "measured" and achieved > peak.flops_per_s:
                 peak = Peak(achieved, "measured", peak.dtype)
