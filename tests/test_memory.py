@@ -503,3 +503,39 @@ def test_predicted_peak_within_15_percent_on_cuda(precision, checkpointing, tied
         cfg, batch, seq, precision, "adamw", device="cuda", grads_held_in_forward=grads_held, fused=fused
     )
     assert measured == pytest.approx(predicted.total, rel=0.15), predicted.phase
+
+
+# --- inside a fit (callbacks.memory.MemoryLedger) ------------------------------------------------
+
+
+def test_a_fit_tracks_the_second_step_only(stdlib_data, tmp_path):
+    import lightning as L
+
+    from lmledger.callbacks import MemoryLedger
+    from lmledger.data import TokenDataModule
+    from lmledger.lit import LitLM
+
+    class Probe(L.Callback):
+        """Runs after MemoryLedger: how many dispatch modes are active in each step's phases."""
+
+        def __init__(self):
+            self.modes: list[tuple[int, int]] = []
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self.start = torch._C._len_torch_dispatch_stack()
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            self.modes.append((self.start, torch._C._len_torch_dispatch_stack()))
+
+    L.seed_everything(0, verbose=False)
+    data = TokenDataModule(path=str(stdlib_data), batch_size=2, context_length=16, val_batches=1)
+    model = LitLM(ModelConfig(vocab_size=data.vocab_size, context_length=16, d_model=32, n_layers=1, n_heads=2,
+                              d_ff=64, tie_embeddings=True))  # fmt: skip
+    ledger, probe = MemoryLedger(), Probe()
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=4, logger=False, callbacks=[ledger, probe],
+                        limit_val_batches=0, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)  # fmt: skip
+    trainer.fit(model, data)
+    assert probe.modes == [(0, 0), (1, 1), (0, 0), (0, 0)]  # on in step 1 only, start to optimizer step
+    assert ledger.measured.values["peak"] == pytest.approx(ledger.predicted.peak, rel=0.02)
+    assert ledger.measured.peak_phase == MEASURED_PHASE[ledger.predicted.peak_phase]

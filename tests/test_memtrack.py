@@ -67,8 +67,8 @@ def test_tracks_what_modules_and_optimizers_hold():
     n = 8 * 4 + 4
     # params + grads + m, v; the two 0-dim step counters are 4 bytes each
     assert t.baseline_bytes == (n + n + 2 * n) * F32 + 2 * F32
-    with pytest.raises(TypeError):
-        t.track("not a tensor")
+    t.track({"ids": torch.zeros(3, dtype=torch.int64), "name": "a batch may carry strings", "n": 3})
+    assert t.baseline_bytes == (n + n + 2 * n) * F32 + 2 * F32 + 3 * 8
 
 
 # --- a training step, against torch.profiler's allocation stream ---------------------------------

@@ -7,11 +7,12 @@ Measured, each once:
 - activations: every tensor autograd saves during the first training forward (saved-tensor hooks,
   closed before backward so nothing is held longer than the step holds it). Not measured under
   torch.compile: the compiled graph saves a different (fused) set than the eager model predicted;
-- peak: torch.cuda.max_memory_allocated over the second training step (stats reset when it
-  starts; the first step allocates the optimizer state and is not the steady state the prediction
-  describes). The CPU has no allocator statistics: no `memory/measured/peak` is written there
-  rather than a NaN (a NaN draws as a gap and poisons "last value" readers), and the table says
-  "n/a (CPU)".
+- peak: over the second training step (the first allocates the optimizer state and is not the
+  steady state the prediction describes): on CUDA torch.cuda.max_memory_allocated (stats reset when
+  it starts); elsewhere, the CPU included, the high-water mark of live tensor bytes that
+  ledger.memtrack.MemoryTracker counts (parameters, gradients, optimizer state and the batch, plus
+  every tensor the step makes), with the phase it fell in (forward, zero_grad, backward, optimizer
+  step). The tracker leaves when that step ends: later steps run without it.
 
 Under *-mixed precision, the low-precision weight copies autocast makes are counted in neither
 params nor activations: they are their own line, `autocast_weight_copies` (the copies the linear
@@ -52,6 +53,7 @@ from lmledger.ledger.memory import (
     peak_bytes,
     state_bytes,
 )
+from lmledger.ledger.memtrack import MemoryTracker
 from lmledger.ledger.units import MB, format_bytes
 from lmledger.model import count_parameters
 
@@ -120,7 +122,8 @@ def predict_memory(run: LedgerRun, batch_size: int | None = None) -> MemoryPredi
 @dataclass
 class MemoryMeasurement:
     values: dict[str, int] = field(default_factory=dict)
-    why_missing: dict[str, str] = field(default_factory=dict)  # component -> "n/a (CPU)", ...
+    why_missing: dict[str, str] = field(default_factory=dict)  # component -> "n/a (compiled)", ...
+    peak_phase: str | None = None  # where the measured peak fell (tracker only; CUDA's has no phase)
 
 
 def memory_rows(
@@ -151,17 +154,19 @@ def memory_table(run: LedgerRun, predicted: MemoryPrediction, measured: MemoryMe
         table.add_column(column, justify="left" if column == "component" else "right")
     for name, pred, shown, ratio in memory_rows(run, predicted, measured):
         table.add_row(name, format_bytes(pred), shown, ratio)
-    table.caption = memory_caption(run, predicted)
+    table.caption = memory_caption(run, predicted, measured)
     return table
 
 
-def memory_caption(run: LedgerRun, predicted: MemoryPrediction) -> str:
+def memory_caption(run: LedgerRun, predicted: MemoryPrediction, measured: MemoryMeasurement | None = None) -> str:
     where = (
         f"{run.precision}, {run.optimizer}, {run.strategy} x{run.world_size}, batch {run.batch_size} x {run.seq_len}"
     )
     notes = [f"per device ({where})"]
     if predicted.peak_phase:
         notes.append(f"peak during {predicted.peak_phase}")
+    if measured is not None and measured.peak_phase:
+        notes.append(f"measured peak (live tensor bytes) during {measured.peak_phase}")
     if uses_autocast(run.precision):
         notes.append(f"{COPIES}: autocast's low-precision weight casts, in neither params nor activations; in the peak")
     if predicted.unmodelled:
@@ -191,6 +196,7 @@ class MemoryLedger(pl.Callback):
         self._hooks: contextlib.ExitStack | None = None  # the open saved-tensor hooks
         self._saved = None
         self._peak_armed = False
+        self._tracker: MemoryTracker | None = None  # live-tensor peak off CUDA, over one step
 
     # -- fit start: the prediction ------------------------------------------------------------
 
@@ -202,8 +208,6 @@ class MemoryLedger(pl.Callback):
         self._pending = {"state", "activations", "peak"} if self.measure else set()
         if self.run.compiled:
             self._skip("activations", "n/a (compiled)")
-        if self.run.device.type != "cuda":
-            self._skip("peak", f"n/a ({self.run.device.type.upper()})")
         if trainer.is_global_zero:
             print_memory_table(memory_table(self.run, self.predicted, None, "memory ledger (predicted)"))
         predicted = {f"memory/predicted/{k}": v for k, v in self.predicted.as_dict().items() if v is not None}
@@ -224,13 +228,30 @@ class MemoryLedger(pl.Callback):
             self._hooks = contextlib.ExitStack()
             self._saved = self._hooks.enter_context(measure_saved_activations(self.run.model))
         if "peak" in self._pending and steps_done == 1 and not self._peak_armed:
-            torch.cuda.reset_peak_memory_stats(self.run.device)
+            if self.run.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(self.run.device)
+            else:
+                optimizers = [getattr(o, "optimizer", o) for o in trainer.optimizers]
+                self._tracker = MemoryTracker().track(self.run.model, optimizers, batch)
+                self._tracker.phase("forward")
+                self._tracker.start()
             self._peak_armed = True
+
+    def _phase(self, name: str) -> None:
+        if self._tracker is not None:
+            self._tracker.phase(name)
+
+    def on_before_zero_grad(self, trainer, pl_module, optimizer) -> None:
+        self._phase("zero_grad")
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        self._phase("optimizer step")
 
     def on_before_backward(self, trainer, pl_module, loss) -> None:
         # Forward is over: everything backward needs has been saved. Stop recording here, so the
         # hooks' references do not keep activations alive into backward.
         self._close_hooks()
+        self._phase("backward")
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self._close_hooks()  # a step that skipped backward
@@ -241,8 +262,14 @@ class MemoryLedger(pl.Callback):
             self._saved = None
             self._pending.discard("activations")
         if self._peak_armed:
-            torch.cuda.synchronize(self.run.device)
-            self.measured.values["peak"] = torch.cuda.max_memory_allocated(self.run.device)
+            if self._tracker is not None:
+                self._stop_tracker()
+                self.measured.values["peak"] = self._tracker.peak_bytes
+                self.measured.peak_phase = self._tracker.peak_phase
+                self._tracker = None
+            else:
+                torch.cuda.synchronize(self.run.device)
+                self.measured.values["peak"] = torch.cuda.max_memory_allocated(self.run.device)
             self._peak_armed = False
             self._pending.discard("peak")
         if "state" in self._pending and trainer.global_step > self._first_step:
@@ -256,6 +283,10 @@ class MemoryLedger(pl.Callback):
         if self._hooks is not None:
             self._hooks.close()
             self._hooks = None
+
+    def _stop_tracker(self) -> None:
+        if self._tracker is not None:
+            self._tracker.stop()
 
     # -- the end: a summary -------------------------------------------------------------------
 
@@ -272,6 +303,8 @@ class MemoryLedger(pl.Callback):
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
         self._close_hooks()
+        self._stop_tracker()
+        self._tracker = None
 
     def _report_measured(self, trainer: pl.Trainer) -> None:
         self._reported = True
@@ -284,7 +317,7 @@ class MemoryLedger(pl.Callback):
         text = markdown_table(
             ["component", "predicted", "measured", "measured/predicted", "predicted bytes", "measured bytes"], rows
         )
-        text += "\n\n" + memory_caption(self.run, self.predicted)
+        text += "\n\n" + memory_caption(self.run, self.predicted, self.measured)
         log_text(trainer, "memory/table", text)
         for writer in tensorboard_writers(trainer):
             writer.add_figure("memory/predicted_vs_measured", self._bar_chart(), global_step=logging_step(trainer))

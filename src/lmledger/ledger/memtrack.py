@@ -92,7 +92,8 @@ class MemoryTracker:
 
     def track(self, *objects: Trackable) -> MemoryTracker:
         """Count already-live tensors: modules (parameters, buffers, their .grad), optimizers (every
-        state tensor), tensors, and lists / tuples / dicts of these. Each storage counts once."""
+        state tensor), tensors, and lists / tuples / dicts of these; anything else (a batch's strings)
+        holds no tensor bytes and is passed over. Each storage counts once."""
         for obj in objects:
             for tensor in _tensors_of(obj):
                 if _has_storage(tensor):
@@ -193,8 +194,6 @@ def _tensors_of(obj: object) -> Iterator[torch.Tensor]:
     elif isinstance(obj, (list, tuple)):
         for item in obj:
             yield from _tensors_of(item)
-    elif obj is not None:
-        raise TypeError(f"cannot track {type(obj).__name__}: pass tensors, modules, optimizers or lists of them")
 
 
 def track_peak(*baseline: Trackable) -> MemoryTracker:
