@@ -83,7 +83,7 @@ def resolve_peak(run: LedgerRun) -> tuple[Peak | None, str]:
     source = (
         "datasheet " + peak.source.removeprefix("datasheet:")
         if peak.source.startswith("datasheet:")
-        else f"measured on this {run.device.type} (fastest square {peak.dtype} matmul)"
+        else peak.detail or f"measured on this {run.device.type} (fastest square {peak.dtype} matmul)"
     )
     line = f"{peak.flops_per_s / 1e12:.4g} TFLOP/s dense {peak.dtype} ({source}) for precision {run.precision}"
     if peak.dtype in ("fp32", "tf32"):

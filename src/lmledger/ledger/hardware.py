@@ -1,8 +1,8 @@
-"""What a device can do: dense peak FLOP/s per dtype, memory and bandwidth; name resolution; measured peaks.
+"""What a device can do: dense peak FLOP/s per dtype, memory and bandwidth; name resolution; CPU peaks.
 
 Units: FLOP/s (int8 rows are integer ops/s), bytes, bytes/s. Every peak is the DENSE datasheet figure:
-NVIDIA prints the "with sparsity" (2:4 structured) figure, twice the dense one, first and in bold for
-Ampere and later; that figure is never reached by a training matmul, so it never appears here.
+NVIDIA and AMD print the "with sparsity" (2:4 structured) figure, twice the dense one, first and in bold
+for Ampere/CDNA 3 and later; that figure is never reached by a training matmul, so it never appears here.
 
 Memory is the datasheet's "GB" read as 1e9 bytes, as the CS336 lecture does ("80 GB" H100 -> 80e9). The
 physical HBM is GiB-sized (an 80 GB H100 reports ~85e9 bytes to torch), so capacity planning with these
@@ -15,24 +15,37 @@ bf16/fp16 (2.0e15), tf32 (9.9e14) and int8 (4.0e15) figures are the sparse ones;
 lists 1978.8e12 bf16 (the dense figure is 835e12); "NVIDIA L40S" falls through its `"l4" in chip` test and
 gets the L4's 121e12; there is no B200 and no fp8 column. This module also must not import Lightning.
 
-Unknown devices (the CPU, an unlisted GPU) get a measured peak instead: the median rate of a large
-matmul in the requested dtype, labelled "measured".
+The CPU's peak is a property of the machine, not of the moment: cores x clock x FLOP per cycle of the
+widest FMA units its flags report (`cpu_spec_peak`, labelled "spec"). Where the OS does not report enough
+for that (or on an unlisted GPU) the peak is measured: the best rate of square matmuls over several tries,
+labelled "measured"; on a CPU that measurement is cached on disk per machine (`measured_cpu_peak`).
+
+Importing this module must not import torch (`lmledger plan` and `gpus` answer without it): torch is
+imported inside the functions that need a device.
 """
 
 from __future__ import annotations
 
 import contextlib
+import datetime
 import functools
+import json
+import math
+import os
+import platform
 import re
 import statistics
 import time
 import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-
-import torch
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from lmledger.errors import UserError
+
+if TYPE_CHECKING:
+    import torch
 
 DTYPES = ("fp64", "fp32", "tf32", "bf16", "fp16", "fp8", "int8")
 
@@ -75,6 +88,7 @@ _HOPPER_SXM_PEAKS = _peaks(67 * _T, 67 * _T, 494.7 * _T, 989.4 * _T, 989.4 * _T,
 _HOPPER_NVL_PEAKS = _peaks(60 * _T, 60 * _T, 417.5 * _T, 835 * _T, 835 * _T, 1670 * _T, 1670 * _T)
 _V100_SXM2_PEAKS = _peaks(7.8 * _T, 15.7 * _T, None, None, 125 * _T, None, None)
 _V100_PCIE_PEAKS = _peaks(7 * _T, 14 * _T, None, None, 112 * _T, None, None)
+_CDNA3_PEAKS = _peaks(163.4 * _T, 163.4 * _T, 653.7 * _T, 1307.4 * _T, 1307.4 * _T, 2614.9 * _T, 2614.9 * _T)
 
 GPUS: dict[str, GpuSpec] = {
     spec.key: spec
@@ -97,14 +111,48 @@ GPUS: dict[str, GpuSpec] = {
         # NVIDIA H200 Tensor Core GPU datasheet (SXM and NVL columns): H100 compute, more and faster HBM3e.
         GpuSpec("h200", "NVIDIA H200 SXM 141GB", _HOPPER_SXM_PEAKS, int(141 * _GB), 4.8 * _T),
         GpuSpec("h200-nvl", "NVIDIA H200 NVL 141GB", _HOPPER_NVL_PEAKS, int(141 * _GB), 4.8 * _T),
-        # NVIDIA HGX B200 datasheet, per GPU (the 8-GPU board's figures / 8; sparse tensor figures halved):
-        # fp64 296 TF / 8, fp32 600 TF / 8 (REFERENCE.md leaves these two blank), tf32 as REFERENCE.md
-        # rounds it (18 PF sparse / 8 / 2 = 1.125 PF), 180 GB (1.44 TB / 8), 8 TB/s.
+        # Blackwell, per GPU, from NVIDIA's current per-GPU tables ("Individual Blackwell GPU
+        # Specifications" on the HGX B200 / GB200 NVL72 product pages, tensor figures "with sparsity",
+        # halved here). B200 (HGX, 1000 W): fp64 37 TF, fp32 75 TF, tf32 2.2 PF/2, fp16/bf16 4.5 PF/2,
+        # fp8 and int8 9 P/2, 180 GB at 7.7 TB/s. The launch material (GTC 2024) and most third-party pages
+        # say 192 GB and 8 TB/s; the HGX B200 board sheet's 62 TB/s for 8 GPUs agrees with 7.7.
         GpuSpec(
             "b200",
             "NVIDIA B200 180GB",
             _peaks(37 * _T, 75 * _T, 1.1 * _P, 2.25 * _P, 2.25 * _P, 4.5 * _P, 4.5 * _P),
             int(180 * _GB),
+            7.7 * _T,
+        ),
+        # GB200 (the Grace Blackwell superchip's GPU, up to 1200 W), same NVIDIA table: fp64 40 TF, fp32
+        # 80 TF, tf32 2.5 PF/2, fp16/bf16 5 PF/2, fp8 and int8 10 P/2, 186 GB at 8 TB/s.
+        GpuSpec(
+            "gb200",
+            "NVIDIA GB200 186GB",
+            _peaks(40 * _T, 80 * _T, 1.25 * _P, 2.5 * _P, 2.5 * _P, 5 * _P, 5 * _P),
+            int(186 * _GB),
+            8 * _T,
+        ),
+        # Blackwell Ultra. NVIDIA HGX B300 sheet, 8 GPUs: fp64 10 TF, fp32 600 TF, tf32 18 PF*, fp16/bf16
+        # 36 PF*, fp8 72 PF*, int8 2 POPS* (* with sparsity): per GPU dense fp64 1.25 TF, fp32 75 TF, tf32
+        # 1.125 PF, bf16 2.25 PF, fp8 4.5 PF, int8 0.125 POPS (Blackwell Ultra all but drops int8 and fp64).
+        # Memory: NVIDIA's per-GPU table gives 270 GB usable at 7.7 TB/s (the board sheet's "up to 2.3 TB"
+        # / 8 is the 288 GB of the announcements).
+        GpuSpec(
+            "b300",
+            "NVIDIA B300 SXM 270GB",
+            _peaks(1.25 * _T, 75 * _T, 1.125 * _P, 2.25 * _P, 2.25 * _P, 4.5 * _P, 0.125 * _P),
+            int(270 * _GB),
+            7.7 * _T,
+        ),
+        # GB300 (NVIDIA GB300 NVL72 page, 72 GPUs: fp16/bf16 360 PF*, fp8 720 PF*, tf32 180 PF*, int8
+        # 23 POPS*, 20.1 TB HBM3e at 576 TB/s): per GPU dense bf16 2.5 PF, fp8 5 PF, tf32 1.25 PF, int8
+        # 0.16 POPS, 279 GB, 8 TB/s; fp32 80 TF from NVIDIA's per-GPU table. The rack sheet's fp64 is not
+        # split per GPU consistently between sources, so it is left out.
+        GpuSpec(
+            "gb300",
+            "NVIDIA GB300 279GB",
+            _peaks(None, 80 * _T, 1.25 * _P, 2.5 * _P, 2.5 * _P, 5 * _P, 0.16 * _P),
+            int(279 * _GB),
             8 * _T,
         ),
         # NVIDIA L4 Tensor Core GPU datasheet (no FP64 figure).
@@ -132,8 +180,17 @@ GPUS: dict[str, GpuSpec] = {
             int(24 * _GB),
             1008 * _GB,
         ),
+        # NVIDIA A10 Tensor Core GPU datasheet: fp32 31.2 TF, tf32 62.5 TF, bf16/fp16 125 TF, int8 250 TOPS
+        # (dense; the sheet prints the sparse 125/250/500 beside them), 24 GB GDDR6 at 600 GB/s.
+        GpuSpec(
+            "a10",
+            "NVIDIA A10 24GB",
+            _peaks(None, 31.2 * _T, 62.5 * _T, 125 * _T, 125 * _T, None, 250 * _T),
+            int(24 * _GB),
+            600 * _GB,
+        ),
         # The A10G is AWS's variant of the A10 and has no NVIDIA datasheet of its own; these are the
-        # NVIDIA A10 datasheet's figures (as Lightning also uses), so treat A10G MFU as a lower bound.
+        # A10 datasheet's figures (as Lightning also uses), so treat A10G MFU as a lower bound.
         GpuSpec(
             "a10g",
             "NVIDIA A10G 24GB",
@@ -154,6 +211,12 @@ GPUS: dict[str, GpuSpec] = {
             int(16 * _GB),
             320 * _GB,
         ),
+        # AMD Instinct MI300X data sheet (CDNA 3): fp64 matrix 163.4 TF, fp32 matrix 163.4 TF, tf32 653.7 TF,
+        # fp16/bf16 1307.4 TF, fp8 2614.9 TF, int8 2614.9 TOPS (dense; the sheet prints sparse figures 2x
+        # beside them), 192 GB HBM3 at 5.3 TB/s. ROCm torch reports it as "AMD Instinct MI300X".
+        GpuSpec("mi300x", "AMD Instinct MI300X 192GB", _CDNA3_PEAKS, int(192 * _GB), 5.3 * _T),
+        # AMD Instinct MI325X data sheet: the MI300X's compute, 256 GB HBM3E at 6 TB/s.
+        GpuSpec("mi325x", "AMD Instinct MI325X 256GB", _CDNA3_PEAKS, int(256 * _GB), 6.0 * _T),
     )
 }
 
@@ -162,7 +225,8 @@ GPUS: dict[str, GpuSpec] = {
 # Name resolution: a key ("h100-sxm", "H100 SXM") or what torch.cuda.get_device_name() reports
 # ("NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB", "Tesla T4", "NVIDIA GeForce RTX 4090", ...).
 
-_VENDOR_WORDS = {"nvidia", "tesla", "geforce"}
+# AMD's "Instinct" is a brand word like NVIDIA's "Tesla"; ROCm torch reports e.g. "AMD Instinct MI300X".
+_VENDOR_WORDS = {"nvidia", "tesla", "geforce", "amd", "instinct"}
 _MEMORY_WORD = re.compile(r"\d+gb")
 # (model, is PCIe, memory word) -> key, for the parts sold in several memory sizes.
 _SIZED_KEYS = {
@@ -175,6 +239,22 @@ _SIZED_KEYS = {
     ("v100", True, "16gb"): "v100-pcie",
     ("v100", True, "32gb"): "v100-pcie-32gb",
 }
+# Parts sold in one form, with the words their device names may carry besides the model: "NVIDIA B300
+# SXM6 AC"; ROCm's "VF" marks an SR-IOV virtual function of the same GPU (cloud VMs). Memory words are
+# ignored for these.
+_SINGLE_KEYS: dict[str, set[str]] = {
+    "b200": {"sxm", "sxm6"},
+    "gb200": set(),
+    "b300": {"sxm", "sxm6", "ac"},
+    "gb300": set(),
+    "l4": set(),
+    "l40s": set(),
+    "a10": set(),
+    "a10g": set(),
+    "t4": set(),
+    "mi300x": {"vf", "oam"},
+    "mi325x": {"vf", "oam"},
+}
 
 
 def _words(name: str) -> list[str]:
@@ -182,57 +262,70 @@ def _words(name: str) -> list[str]:
     return [w for w in words if w not in _VENDOR_WORDS]
 
 
-def _key_from_device_name(words: list[str]) -> str | None:
+def _size_word(key: str) -> str:
+    return f"{round(GPUS[key].memory_bytes / _GB)}gb"
+
+
+def _candidates(words: list[str]) -> list[str]:
+    """The keys a name can mean: one (resolved), several (ambiguous) or none (unknown)."""
     if not words:
-        return None
+        return []
+    if "-".join(words) in GPUS:
+        return ["-".join(words)]
     model, qualifiers = words[0], set(words[1:])
     sizes = {w for w in qualifiers if _MEMORY_WORD.fullmatch(w)}
-    plain = qualifiers <= sizes  # nothing but memory sizes after the model name
+    other = qualifiers - sizes
     pcie = "pcie" in qualifiers
     if model == "h100":
-        if "nvl" in qualifiers:
-            return "h100-nvl"
-        if pcie or "hbm2e" in qualifiers:
-            return "h100-pcie"
-        if qualifiers & {"sxm", "sxm5", "hbm3"}:
-            return "h100-sxm"
-        return None  # plain "H100": the form factor decides the peak, so do not guess
+        if "nvl" in other:
+            return ["h100-nvl"]
+        if pcie or "hbm2e" in other:
+            return ["h100-pcie"]
+        if other & {"sxm", "sxm5", "hbm3"}:
+            return ["h100-sxm"]
+        if other:
+            return []
+        # Plain "H100": the form factor decides the peak (SXM and PCIe differ by 30%), so do not guess.
+        return [k for k in ("h100-sxm", "h100-pcie", "h100-nvl") if not sizes or _size_word(k) in sizes]
     if model == "h200":
-        return "h200-nvl" if "nvl" in qualifiers else "h200"
+        return ["h200-nvl" if "nvl" in qualifiers else "h200"]
     if model in ("a100", "v100"):
-        # Form factor and memory both matter (bandwidth, capacity); without the size, do not guess.
-        size = next(iter(sizes), None) if len(sizes) == 1 else None
-        return _SIZED_KEYS.get((model, pcie, size))
+        # Memory decides capacity and bandwidth; torch's names always carry it, so a name without it is
+        # ambiguous. A name that does not say PCIe is the SXM part, as torch's names are.
+        return [
+            key
+            for (part, is_pcie, size), key in _SIZED_KEYS.items()
+            if part == model and is_pcie == pcie and (len(sizes) != 1 or size in sizes)
+        ]
     if model == "rtx" and words[1:] == ["4090"]:
-        return "rtx-4090"
-    if model in ("b200", "l4", "l40s", "a10g", "t4") and plain:
-        return model
-    return None
+        return ["rtx-4090"]
+    if model in _SINGLE_KEYS and other <= _SINGLE_KEYS[model]:
+        return [model]
+    return []
 
 
 def resolve(name: str) -> GpuSpec | None:
-    """The spec for a key or a torch device name; warns and returns None for a name we do not know."""
-    words = _words(name)
-    key = "-".join(words)
-    if key not in GPUS:
-        key = _key_from_device_name(words)
-    if key is None:
-        warnings.warn(
-            f"no datasheet entry for GPU {name!r}; known keys: {', '.join(GPUS)} (peaks will be measured)",
-            stacklevel=2,
-        )
-        return None
-    return GPUS[key]
+    """The spec for a key or a torch device name; warns and returns None for a name we do not know
+    or one that matches several entries."""
+    keys = _candidates(_words(name))
+    if len(keys) == 1:
+        return GPUS[keys[0]]
+    if keys:
+        message = f"GPU name {name!r} is ambiguous: matches {', '.join(keys)}; pass one of these keys"
+    else:
+        message = f"no datasheet entry for GPU {name!r}; known keys: {', '.join(GPUS)}"
+    warnings.warn(f"{message} (peaks will be measured)", stacklevel=2)
+    return None
 
 
 def require_gpu(name: str) -> GpuSpec:
-    """`resolve` for user input: an unknown name is a UserError instead of a warning."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        spec = resolve(name)
-    if spec is None:
-        raise UserError(f"unknown GPU {name!r}: use a key from `lmledger gpus` ({', '.join(GPUS)})")
-    return spec
+    """`resolve` for user input: an unknown or ambiguous name is a UserError instead of a warning."""
+    keys = _candidates(_words(name))
+    if len(keys) == 1:
+        return GPUS[keys[0]]
+    if keys:
+        raise UserError(f"GPU name {name!r} is ambiguous: matches {', '.join(keys)}; pass one of these keys")
+    raise UserError(f"unknown GPU {name!r}: use a key from `lmledger gpus` ({', '.join(GPUS)})")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -278,14 +371,15 @@ def compute_dtype_for_precision(precision: str | int) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Peaks: datasheet for known GPUs, measured otherwise
+# Peaks: datasheet for known GPUs, the CPU's own specifications, measured otherwise
 
 
 @dataclass(frozen=True)
 class Peak:
     flops_per_s: float
-    source: str  # "datasheet:<key>" or "measured"
+    source: str  # "datasheet:<key>", "spec" (the CPU's cores x clock x FLOP/cycle) or "measured"
     dtype: str  # the dtype whose peak this is (after the tf32 rule)
+    detail: str = ""  # how a spec or measured peak was obtained, for the ledger's peak line
 
 
 def datasheet_peak(
@@ -311,11 +405,14 @@ def peak_flops(
 ) -> Peak | None:
     """The peak FLOP/s that MFU on `device` in `dtype` is measured against.
 
-    CUDA device listed in GPUS: the datasheet figure. CPU, an unlisted GPU, or a listed GPU whose
+    CUDA device listed in GPUS: the datasheet figure. CPU: its specification (`cpu_spec_peak`), else a
+    measurement cached on disk per machine (`measured_cpu_peak`). An unlisted GPU, or a listed one whose
     datasheet gives no figure for the dtype: a measured peak (cached per device and dtype in this
     process). None (with a warning) where the dtype cannot run on the device at all, e.g. fp8 on a CPU.
     `float32_matmul_precision` defaults to torch's current setting (it decides fp32 vs tf32).
     """
+    import torch
+
     dtype = dtype_name(dtype)
     device = torch.device(device) if device is not None else _default_device()
     if device.type == "cuda" and device.index is None:
@@ -335,30 +432,186 @@ def peak_flops(
     if reason is not None:
         warnings.warn(f"no peak for {dtype} on {device}: {reason}", stacklevel=2)
         return None
+    if device.type == "cpu":
+        return cpu_spec_peak(dtype) or measured_cpu_peak(dtype)
     return _measured_peak(str(device), dtype)
 
 
 def _default_device() -> torch.device:
+    import torch
+
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+# ---------------------------------------------------------------------------------------------------
+# The CPU's peak from what the OS reports about it
+
+
+@dataclass(frozen=True)
+class CpuInfo:
+    model: str  # /proc/cpuinfo "model name" (or the platform's processor string)
+    machine: str  # platform.machine(): x86_64, aarch64, ...
+    cores: int  # physical cores this process may run on (affinity mask, capped by a cgroup CPU quota)
+    logical_cpus: int  # CPUs in the affinity mask (hyperthreads count twice)
+    ghz: float | None  # the highest clock the OS reports; None if it reports none
+    clock_source: str  # "cpufreq max" or "cpuinfo MHz"
+    flags: frozenset[str]
+
+
+def _read(path: str) -> str | None:
+    try:
+        return Path(path).read_text()
+    except OSError:
+        return None
+
+
+def _cpuinfo_blocks(text: str) -> dict[int, dict[str, str]]:
+    """/proc/cpuinfo as {processor number: {field: value}}."""
+    blocks = {}
+    for chunk in text.split("\n\n"):
+        fields = {}
+        for line in chunk.splitlines():
+            name, sep, value = line.partition(":")
+            if sep:
+                fields[name.strip()] = value.strip()
+        if fields.get("processor", "").isdigit():
+            blocks[int(fields["processor"])] = fields
+    return blocks
+
+
+def _cgroup_cpu_limit() -> int | None:
+    """Whole CPUs a cgroup CPU quota allows (container --cpus), None without a quota."""
+    text = _read("/sys/fs/cgroup/cpu.max")  # cgroup v2: "QUOTA PERIOD" or "max PERIOD"
+    if text:
+        quota, _, period = text.strip().partition(" ")
+    else:  # cgroup v1
+        quota, period = _read("/sys/fs/cgroup/cpu/cpu.cfs_quota_us"), _read("/sys/fs/cgroup/cpu/cpu.cfs_period_us")
+    try:
+        quota_us, period_us = int(str(quota).strip()), int(str(period).strip())
+    except ValueError:
+        return None
+    return math.ceil(quota_us / period_us) if quota_us > 0 and period_us > 0 else None
+
+
+@functools.cache
+def cpu_info() -> CpuInfo:
+    """What the OS reports about the CPUs this process may run on (Linux; elsewhere mostly unknown)."""
+    try:
+        allowed = sorted(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        allowed = list(range(os.cpu_count() or 1))
+    blocks = _cpuinfo_blocks(_read("/proc/cpuinfo") or "")
+    mine = [blocks[cpu] for cpu in allowed if cpu in blocks]
+    first = mine[0] if mine else {}
+    model = first.get("model name") or platform.processor() or platform.machine() or "unknown CPU"
+    flags = frozenset((first.get("flags") or first.get("Features") or "").split())
+    # Hyperthreads share their core's FMA units: count (package, core) pairs, not logical CPUs.
+    pairs = set()
+    for cpu in allowed:
+        block = blocks.get(cpu, {})
+        core = block.get("core id") or _read(f"/sys/devices/system/cpu/cpu{cpu}/topology/core_id")
+        package = block.get("physical id") or _read(f"/sys/devices/system/cpu/cpu{cpu}/topology/physical_package_id")
+        pairs.add((str(package).strip(), str(core).strip()) if core is not None else ("cpu", str(cpu)))
+    cores = len(pairs) or len(allowed)
+    limit = _cgroup_cpu_limit()
+    if limit is not None:
+        cores = min(cores, limit)
+    # The clock: cpufreq's maximum (turbo included: a peak is an upper bound); in VMs without cpufreq,
+    # the "cpu MHz" the hypervisor reports (the nominal clock, constant there).
+    max_khz = [_read(f"/sys/devices/system/cpu/cpu{cpu}/cpufreq/cpuinfo_max_freq") for cpu in allowed]
+    max_khz = [int(k) for k in max_khz if k and k.strip().isdigit()]
+    mhz = [float(b["cpu MHz"]) for b in mine if re.fullmatch(r"[0-9.]+", b.get("cpu MHz", ""))]
+    if max_khz:
+        ghz, clock_source = max(max_khz) / 1e6, "cpufreq max"
+    elif mhz:
+        ghz, clock_source = max(mhz) / 1e3, "cpuinfo MHz"
+    else:
+        ghz, clock_source = None, ""
+    return CpuInfo(model, platform.machine().lower(), cores, len(allowed), ghz, clock_source, flags)
+
+
+# FP32 FLOP per cycle per core: (flags needed, FLOP/cycle, what). x86 cores issue two FMA per cycle on
+# their widest vectors (Intel since Haswell for 256-bit and Skylake-SP Gold/Platinum for 512-bit, AMD
+# since Zen 2 for 256-bit; Intel's optimization manual, AMD's software optimization guides); an FMA is
+# 2 FLOP per lane: AVX-512 2 x 16 x 2 = 64, AVX2 2 x 8 x 2 = 32; AVX without FMA issues one 8-wide add
+# and one 8-wide multiply (16), SSE2 4 + 4 (8). Parts with a single 512-bit pipe (Xeon Bronze/Silver,
+# Zen 4's 2 x 256) reach half, so the spec is an upper bound, as a peak should be.
+_X86_FP32 = (
+    ({"avx512f"}, 64, "AVX-512, 2 FMA pipes"),
+    ({"avx2", "fma"}, 32, "AVX2, 2 FMA pipes"),
+    ({"avx"}, 16, "AVX add + mul"),
+    ({"sse2"}, 8, "SSE2 add + mul"),
+)
+# aarch64: 128-bit NEON FMA, 4 fp32 lanes x 2 FLOP x 4 pipes (Arm Neoverse V1/V2, e.g. Grace) = 32; an
+# upper bound on 2-pipe cores (Neoverse N1, Cortex-A72).
+_ARM_FP32 = 32
+# Matrix units: Intel AMX's TMUL does 1024 BF16 (AMX-BF16, Sapphire Rapids on) or FP16 (AMX-FP16,
+# Granite Rapids) operations per cycle per core (Intel, "Accelerate AI Workloads with Intel AMX").
+# AVX512-BF16's VDPBF16PS and AVX512-FP16's VFMADDPH work on 32 16-bit lanes: 2 pipes x 32 x 2 = 128.
+_AMX_FLOP_PER_CYCLE = 1024
+_AVX512_16BIT_FLOP_PER_CYCLE = 128
+
+
+def _flop_per_cycle(info: CpuInfo, dtype: str) -> tuple[int, str] | None:
+    """Peak FLOP per cycle per core for `dtype` matmuls on this CPU, and what it rests on."""
+    flags = info.flags
+    if info.machine in ("x86_64", "amd64", "i386", "i686"):
+        fp32 = next(((flop, what) for need, flop, what in _X86_FP32 if need <= flags), None)
+    elif info.machine in ("aarch64", "arm64") and "asimd" in flags:
+        fp32 = (_ARM_FP32, "NEON, 4 FMA pipes")
+    else:
+        fp32 = None
+    if fp32 is None:
+        return None
+    if dtype == "fp32":
+        return fp32
+    if dtype == "fp64":
+        return fp32[0] // 2, f"{fp32[1]}, half the fp32 lanes"
+    if dtype in ("bf16", "fp16"):
+        amx, avx512 = ("amx_bf16", "avx512_bf16") if dtype == "bf16" else ("amx_fp16", "avx512_fp16")
+        if amx in flags:
+            return _AMX_FLOP_PER_CYCLE, amx.upper().replace("_", "-")
+        if avx512 in flags:
+            return _AVX512_16BIT_FLOP_PER_CYCLE, f"{avx512.upper().replace('_', '-')}, 2 pipes"
+        return fp32[0], f"{fp32[1]}; no native {dtype}, so converted and multiplied as fp32"
+    return None  # tf32, fp8, int8: no CPU matmul peak
+
+
+def cpu_spec_peak(dtype: str, info: CpuInfo | None = None) -> Peak | None:
+    """cores x clock x FLOP/cycle for `dtype`: the CPU's peak from its own specifications, or None where
+    the OS does not report the clock or the CPU's vector units are not known here."""
+    dtype = dtype_name(dtype)
+    info = info or cpu_info()
+    per_cycle = _flop_per_cycle(info, dtype)
+    if info.ghz is None or per_cycle is None:
+        return None
+    flop, what = per_cycle
+    detail = (
+        f"spec: {info.cores} core{'s' if info.cores != 1 else ''} x {info.ghz:.3g} GHz ({info.clock_source}) "
+        f"x {flop} FLOP/cycle ({what})"
+    )
+    return Peak(info.cores * info.ghz * 1e9 * flop, "spec", dtype, detail)
 
 
 # A measured peak is the best rate over a ramp of square matmuls, doubling from 64 until one call
 # takes this long (or the size cap), but never stopping below _MEASURE_MIN_SIZE: on a busy machine a
 # small matmul can lose its time slice and look slow. Small sizes can win on a CPU (bf16 without
 # native support runs a cache-friendlier path at 64-128 than at 512, and a toy model's matmuls are
-# that small), large ones win on a GPU. Each size keeps its fastest repeat and the ramp runs twice:
-# a peak is a best case, and a shared machine only ever makes calls slower.
+# that small), large ones win on a GPU. Each size keeps its fastest repeat and the ramp runs several
+# times: a peak is a best case, and a shared machine only ever makes calls slower.
 _MEASURE_TARGET_S = {"cpu": 0.02, "cuda": 0.005}
 _MEASURE_MIN_SIZE = {"cpu": 512, "cuda": 4096}
 _MEASURE_MAX_SIZE = {"cpu": 2048, "cuda": 8192}
-_MEASURE_ROUNDS = 2
+_MEASURE_ROUNDS = 2  # an unlisted GPU, once per process
+CPU_MEASURE_TRIES = 5  # the CPU, once per machine (cached on disk)
 
 
-@functools.cache
-def _measured_peak(device: str, dtype: str) -> Peak:
+def _best_matmul_rate(device: str, dtype: str, rounds: int) -> float:
+    import torch
+
     dev = torch.device(device)
     best = 0.0
-    for _ in range(_MEASURE_ROUNDS):
+    for _ in range(rounds):
         size = 64
         while True:
             seconds = time_matmul(dtype, size, dev, repeats=5, warmup=1, statistic=min)
@@ -367,20 +620,97 @@ def _measured_peak(device: str, dtype: str) -> Peak:
             if done or size >= _MEASURE_MAX_SIZE[dev.type]:
                 break
             size *= 2
-    return Peak(best, "measured", dtype)
+    return best
+
+
+@functools.cache
+def _measured_peak(device: str, dtype: str) -> Peak:
+    rate = _best_matmul_rate(device, dtype, _MEASURE_ROUNDS)
+    return Peak(rate, "measured", dtype, f"fastest square {dtype} matmul, best of {_MEASURE_ROUNDS}")
+
+
+def cache_dir() -> Path:
+    """Where lmledger keeps per-machine measurements: $LMLEDGER_CACHE_DIR, else $XDG_CACHE_HOME/lmledger,
+    else ~/.cache/lmledger."""
+    if os.environ.get("LMLEDGER_CACHE_DIR"):
+        return Path(os.environ["LMLEDGER_CACHE_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lmledger"
+
+
+CPU_PEAKS_FILE = "cpu-peaks.json"
+
+
+def _cpu_cache_key(dtype: str) -> str:
+    import torch
+
+    info = cpu_info()
+    threads = torch.get_num_threads()
+    return f"{info.model} | {info.logical_cpus} cpus | torch {torch.__version__} | {threads} threads | {dtype}"
+
+
+def _load_cpu_peaks(path: Path) -> dict:
+    try:
+        entries = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as err:
+        warnings.warn(f"ignoring unreadable CPU peak cache {path} ({err}); measuring again", stacklevel=3)
+        return {}
+    return entries if isinstance(entries, dict) else {}
+
+
+def _save_cpu_peaks(path: Path, entries: dict) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(entries, indent=1, sort_keys=True) + "\n")
+        os.replace(tmp, path)  # readers see the old file or the new one, never half of one
+    except OSError as err:
+        tmp.unlink(missing_ok=True)
+        warnings.warn(f"could not cache the measured CPU peak in {path} ({err})", stacklevel=3)
+
+
+def measured_cpu_peak(dtype: str, *, tries: int = CPU_MEASURE_TRIES, refresh: bool = False) -> Peak:
+    """The best rate of square `dtype` matmuls on this CPU over `tries` ramps, measured once per machine
+    (CPU model, CPU count, torch version, torch threads) and cached in cache_dir()/cpu-peaks.json with
+    when and how; `refresh` measures again."""
+    dtype = dtype_name(dtype)
+    path = cache_dir() / CPU_PEAKS_FILE
+    entries = _load_cpu_peaks(path)
+    key = _cpu_cache_key(dtype)
+    entry = entries.get(key)
+    valid = isinstance(entry, dict) and isinstance(entry.get("flops_per_s"), (int, float)) and entry["flops_per_s"] > 0
+    if refresh or not valid:
+        entry = {
+            "flops_per_s": _best_matmul_rate("cpu", dtype, tries),
+            "measured_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "tries": tries,
+            "method": "best rate of square matmuls, sizes 64 to 2048 doubling, fastest of 5 repeats each",
+        }
+        entries[key] = entry
+        _save_cpu_peaks(path, entries)
+    detail = f"measured {str(entry.get('measured_at', '?'))[:10]}, best of {entry.get('tries', '?')} (cache: {path})"
+    return Peak(float(entry["flops_per_s"]), "measured", dtype, detail)
 
 
 # ---------------------------------------------------------------------------------------------------
 # Timing one matmul (shared with lmledger.bench)
 
-_TORCH_DTYPES = {
-    "fp64": torch.float64,
-    "fp32": torch.float32,
-    "tf32": torch.float32,
-    "bf16": torch.bfloat16,
-    "fp16": torch.float16,
-    "fp8": torch.float8_e4m3fn,
-}
+
+def _torch_dtype(dtype: str) -> torch.dtype:
+    import torch
+
+    return {
+        "fp64": torch.float64,
+        "fp32": torch.float32,
+        "tf32": torch.float32,
+        "bf16": torch.bfloat16,
+        "fp16": torch.float16,
+        "fp8": torch.float8_e4m3fn,
+    }[dtype]
+
+
+_TIMED_DTYPES = ("fp64", "fp32", "tf32", "bf16", "fp16", "fp8")
 
 
 def matmul_flops(m: int, n: int, k: int) -> int:
@@ -390,8 +720,10 @@ def matmul_flops(m: int, n: int, k: int) -> int:
 
 def unsupported_reason(dtype: str, device: torch.device) -> str | None:
     """Why a `dtype` matmul cannot be timed on `device`, or None if it can."""
+    import torch
+
     dtype = dtype_name(dtype)
-    if dtype not in _TORCH_DTYPES:
+    if dtype not in _TIMED_DTYPES:
         return f"{dtype} matmuls are not benchmarked"
     if device.type == "cpu":
         if dtype in ("tf32", "fp8"):
@@ -410,6 +742,8 @@ def unsupported_reason(dtype: str, device: torch.device) -> str | None:
 @contextlib.contextmanager
 def float32_matmul_precision(precision: str) -> Iterator[None]:
     """Set torch's float32 matmul precision ("highest" = true fp32, "high" = tf32) for a block."""
+    import torch
+
     previous = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision(precision)
     try:
@@ -425,7 +759,9 @@ _MAX_BUFFERS = 16
 
 
 def _make_operands(dtype: str, size: int, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    torch_dtype = _TORCH_DTYPES[dtype]
+    import torch
+
+    torch_dtype = _torch_dtype(dtype)
     pair_bytes = 2 * size * size * torch_dtype.itemsize
     count = max(2, min(_MAX_BUFFERS, _ROTATE_BYTES[device.type] // pair_bytes))
     pairs = []
@@ -441,6 +777,8 @@ def _make_operands(dtype: str, size: int, device: torch.device) -> list[tuple[to
 
 
 def _matmul_fn(dtype: str, device: torch.device):
+    import torch
+
     if dtype == "fp8":
         one = torch.ones((), device=device, dtype=torch.float32)  # per-tensor scales
         return lambda a, b: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
@@ -456,6 +794,8 @@ def time_matmul(
     at float32 matmul precision "highest" (true fp32), tf32 at "high". Raises ValueError where
     `unsupported_reason` gives one.
     """
+    import torch
+
     dtype = dtype_name(dtype)
     reason = unsupported_reason(dtype, device)
     if reason is not None:
@@ -479,6 +819,8 @@ def time_matmul(
 
 
 def _cuda_seconds(matmul, operands, repeats: int, device: torch.device) -> list[float]:
+    import torch
+
     with torch.cuda.device(device):
         starts = [torch.cuda.Event(enable_timing=True) for _ in range(repeats)]
         ends = [torch.cuda.Event(enable_timing=True) for _ in range(repeats)]
