@@ -100,6 +100,12 @@ def test_plan_prints_readable_tables(capsys):
         ({"mfu": 0}, r"--mfu must be in \(0, 1\]"),
         ({"mfu": 1.5}, r"--mfu must be in \(0, 1\]"),
         ({"num_gpus": 0}, "--num-gpus"),
+        ({"num_gpus": 10**9}, "--num-gpus 1000000000 is beyond any cluster"),
+        ({"params": math.inf}, "--params must be a finite number"),
+        ({"tokens": math.nan}, "--tokens must be a finite number"),
+        ({"params": 1e300}, "--params 1e[+]300 is absurdly large"),
+        ({"mfu": math.nan}, r"--mfu must be in \(0, 1\]"),
+        ({"mfu": 1e-300}, r"--mfu must be in \(0, 1\]"),
         ({"gpu": "h900"}, "unknown GPU 'h900'"),
         ({"gpu": "a100-80gb", "dtype": "fp8"}, "a100-80gb has no fp8 peak"),
         ({"dtype": "fp9"}, "unknown dtype"),
@@ -116,8 +122,10 @@ def test_max_params_rejects_bad_input():
         max_params("h100-sxm", 1, "8-true")
     with pytest.raises(UserError, match="unknown optimizer 'lion'"):
         max_params("h100-sxm", 1, "32-true", "lion")
-    with pytest.raises(UserError, match="unknown GPU"):
-        max_params("NVIDIA H100", 1)  # form factor ambiguous
+    with pytest.raises(UserError, match="ambiguous: matches h100-sxm, h100-pcie, h100-nvl"):
+        max_params("NVIDIA H100", 1)  # the form factor decides the peak
+    with pytest.raises(UserError, match="--num-gpus"):
+        max_params("h100-sxm", 2.5)
 
 
 @pytest.mark.parametrize(
@@ -127,6 +135,26 @@ def test_max_params_rejects_bad_input():
         ["train-time", "--params", "1e9", "--tokens", "1e12", "--gpu", "h100-sxm", "--mfu", "2"],
         ["max-params", "--gpu", "not-a-gpu"],
         ["max-params", "--gpu", "h100-sxm", "--precision", "fp4"],
+        # 1e400 parses as inf, which printed "inf" and emitted JSON's non-standard Infinity.
+        ["train-time", "--params", "1e400", "--tokens", "1e12", "--gpu", "h100-sxm", "--mfu", "0.5", "--json"],
+        ["train-time", "--params", "1e9", "--tokens", "inf", "--gpu", "h100-sxm", "--mfu", "0.5", "--json"],
+        ["train-time", "--params", "1e300", "--tokens", "1e300", "--gpu", "h100-sxm", "--mfu", "0.5", "--json"],
+        ["train-time", "--params", "1e9", "--tokens", "1e12", "--gpu", "h100-sxm", "--mfu", "nan", "--json"],
+        [
+            "train-time",
+            "--params",
+            "1e9",
+            "--tokens",
+            "1e12",
+            "--gpu",
+            "h100-sxm",
+            "--mfu",
+            "0.5",
+            "--num-gpus",
+            "1e400",
+        ],
+        ["max-params", "--gpu", "h100-sxm", "--num-gpus", "99999999999"],
+        ["max-params", "--gpu", "h100-sxm", "--num-gpus", "-3"],
     ],
 )
 def test_plan_cli_bad_input_is_one_line_exit_2(argv, capsys):
@@ -168,3 +196,10 @@ def test_max_batch_is_logarithmic_in_calls():
     answer = max_batch(_linear_bytes(10**9, 3 * 10**6, calls), capacity)
     assert answer == (capacity - 10**9) // (3 * 10**6)
     assert len(calls) <= 2 * math.ceil(math.log2(answer)) + 2
+
+
+def test_plan_json_is_standard_json_at_the_limits(capsys):
+    # The largest counts accepted still give finite figures, so --json never emits Infinity or NaN.
+    argv = ["plan", "train-time", "--params", "1e24", "--tokens", "1e24", "--gpu", "t4", "--dtype", "fp16"]
+    result = run_json(capsys, *argv, "--mfu", "1e-6", "--json")
+    assert math.isfinite(result["days"]) and result["total_flops"] == pytest.approx(6e48)

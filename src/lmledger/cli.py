@@ -7,6 +7,7 @@ imported lazily so `lmledger plan` does not pay for importing Lightning.
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 
 from lmledger.errors import UserError
@@ -30,6 +31,15 @@ def _usage() -> str:
     return "\n".join(lines)
 
 
+def _discard_stdout() -> None:
+    """Point stdout at /dev/null so the interpreter's final flush of a closed pipe raises nothing."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # stdout replaced by something without a descriptor
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or argv[0] in ("-h", "--help"):
@@ -42,7 +52,12 @@ def main(argv: list[str] | None = None) -> int:
     module = importlib.import_module(f"lmledger.commands.{COMMANDS[name][0]}")
     try:
         # Commands that wrap several verbs (fit/validate) receive the verb as argv[0].
-        return int(module.main(argv if module.__name__.endswith(".train") else rest) or 0)
+        code = int(module.main(argv if module.__name__.endswith(".train") else rest) or 0)
+        sys.stdout.flush()  # a reader that went away (`| head`) shows here, inside this handler
+        return code
+    except BrokenPipeError:
+        _discard_stdout()
+        return 141  # 128 + SIGPIPE: what `yes | head` reports, quietly
     except UserError as err:
         print(f"lmledger {name}: error: {err}", file=sys.stderr)
         return 2

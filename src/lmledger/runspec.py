@@ -8,6 +8,7 @@ messages are exactly those of a real run.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -69,11 +70,22 @@ def _strategy_name(strategy) -> str:
     return SHARDING_STRATEGIES.get(name, "ddp")
 
 
+def _drop_seed_line(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith("Seed set to")
+
+
 def load_run_spec(argv: list[str]) -> RunSpec:
     """Parse `--config FILE [--config FILE2] [--a.b value ...]` as `lmledger fit` would."""
     from lmledger.commands.train import parse_fit_config  # imports Lightning
 
-    return run_spec_from_config(parse_fit_config(argv))
+    # Parsing runs LightningCLI's seed_everything, whose "Seed set to N" line means nothing here: no run.
+    seed_log = logging.getLogger("lightning.fabric.utilities.seed")
+    seed_log.addFilter(_drop_seed_line)
+    try:
+        config = parse_fit_config(argv)
+    finally:
+        seed_log.removeFilter(_drop_seed_line)
+    return run_spec_from_config(config)
 
 
 def run_spec_from_config(config) -> RunSpec:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 
 from rich.console import Console
@@ -12,19 +13,45 @@ from rich.table import Table
 from lmledger.commands.argparser import ArgumentParser
 from lmledger.errors import UserError
 from lmledger.ledger.hardware import DTYPES, require_gpu
-from lmledger.ledger.planner import OPTIMIZERS, PRECISIONS, max_params, train_time
-from lmledger.model import count_parameters
+from lmledger.ledger.planner import MAX_COUNT, MAX_GPUS, max_params, train_time
+
+# torch and Lightning are imported only by max-batch (it reads a fit config): train-time, max-params'
+# parsing and `gpus` start in a fraction of a second.
 
 _SUFFIXES = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}
 
 
 def _count(text: str) -> float:
-    """A count such as 70e9, 70B or 15T (k, M, B, T suffixes)."""
+    """A positive finite count such as 70e9, 70B or 15T (k, M, B, T suffixes), at most MAX_COUNT."""
     match = re.fullmatch(r"\s*([0-9.eE+-]+)\s*([kKmMbBtT]?)\s*", text)
     try:
-        return float(match.group(1)) * _SUFFIXES[match.group(2).lower()]
+        value = float(match.group(1)) * _SUFFIXES[match.group(2).lower()]
     except (AttributeError, ValueError):
         raise argparse.ArgumentTypeError(f"not a number: {text!r} (e.g. 70e9 or 70B)") from None
+    if not math.isfinite(value) or not 0 < value <= MAX_COUNT:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a count between 0 and {MAX_COUNT:g} (e.g. 70e9 or 70B)")
+    return value
+
+
+def _fraction(text: str) -> float:
+    """A finite number (the MFU); its range is checked by the planner."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r} (e.g. 0.5)") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"not a finite number: {text!r} (e.g. 0.5)")
+    return value
+
+
+def _gpu_count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r} (e.g. 8)") from None
+    if not 1 <= value <= MAX_GPUS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not between 1 and {MAX_GPUS:,}")
+    return value
 
 
 def _print_rows(title: str, rows: list[tuple[str, str]]) -> None:
@@ -76,6 +103,7 @@ def _max_params(args: argparse.Namespace) -> None:
 def _max_batch(args: argparse.Namespace, fit_args: list[str]) -> None:
     from lmledger.ledger.memory import peak_bytes
     from lmledger.ledger.planner import max_batch
+    from lmledger.model import count_parameters
     from lmledger.runspec import load_run_spec
 
     if not fit_args:
@@ -121,7 +149,7 @@ def _max_batch(args: argparse.Namespace, fit_args: list[str]) -> None:
 def _add_gpu_arguments(parser: argparse.ArgumentParser, *, num_gpus: bool) -> None:
     parser.add_argument("--gpu", required=True, help="a key from `lmledger gpus` or a torch device name")
     if num_gpus:
-        parser.add_argument("--num-gpus", type=int, default=1)
+        parser.add_argument("--num-gpus", type=_gpu_count, default=1, help="GPUs (default 1)")
 
 
 def main(argv: list[str]) -> int:
@@ -132,15 +160,19 @@ def main(argv: list[str]) -> int:
     tt.add_argument("--params", type=_count, required=True, help="parameters, e.g. 70e9 or 70B")
     tt.add_argument("--tokens", type=_count, required=True, help="training tokens, e.g. 15e12 or 15T")
     _add_gpu_arguments(tt, num_gpus=True)
-    tt.add_argument("--mfu", type=float, required=True, help="model FLOPs utilization in (0, 1], e.g. 0.5")
+    tt.add_argument("--mfu", type=_fraction, required=True, help="model FLOPs utilization in (0, 1], e.g. 0.5")
     tt.add_argument("--dtype", default="bf16", help=f"whose dense peak applies: {', '.join(DTYPES)} (default bf16)")
     tt.add_argument("--json", action="store_true")
     tt.set_defaults(run=_train_time)
 
     mp = verbs.add_parser("max-params", help="largest model whose params, grads and optimizer state fit")
     _add_gpu_arguments(mp, num_gpus=True)
-    mp.add_argument("--precision", default="32-true", help=f"one of {', '.join(PRECISIONS)} (default 32-true)")
-    mp.add_argument("--optimizer", default="adamw", help=f"one of {', '.join(OPTIMIZERS)} (default adamw)")
+    mp.add_argument(
+        "--precision",
+        default="32-true",
+        help="a Lightning precision: 32-true, bf16-mixed, bf16-true, ... (default 32-true)",
+    )
+    mp.add_argument("--optimizer", default="adamw", help="adamw, adam, sgd or none (default adamw)")
     mp.add_argument("--json", action="store_true")
     mp.set_defaults(run=_max_params)
 

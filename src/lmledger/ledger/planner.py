@@ -7,17 +7,30 @@ params * bytes_per_param <= the GPUs' total memory (activations ignored).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from lmledger.errors import UserError
-from lmledger.ledger import memory
 from lmledger.ledger.hardware import GpuSpec, datasheet_peak, dtype_name, require_gpu
 
 SECONDS_PER_DAY = 86_400
 
-PRECISIONS = memory.PRECISIONS
-OPTIMIZERS = memory.OPTIMIZERS
+# Beyond any real run by many orders of magnitude (the largest published runs: ~2e12 params, ~4e13 tokens,
+# ~1e5 GPUs), yet small enough that 6 * N * D and the days stay finite floats.
+MAX_COUNT = 1e24
+MAX_GPUS = 10_000_000
+MIN_MFU = 1e-6  # below this no run is training; with MAX_COUNT it keeps the days finite
+
+
+def __getattr__(name: str):
+    # ledger.memory imports torch; `lmledger plan train-time` must answer without it, so the precision
+    # and optimizer names are looked up only when someone asks for them.
+    if name in ("PRECISIONS", "OPTIMIZERS"):
+        from lmledger.ledger import memory
+
+        return getattr(memory, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def bytes_per_param(precision: str = "32-true", optimizer: str = "adamw") -> float:
@@ -45,6 +58,8 @@ def bytes_per_param(precision: str = "32-true", optimizer: str = "adamw") -> flo
       copies Transformer Engine makes for its matmuls are not counted.
     - optimizer: adamw keeps two states (m, v), sgd with momentum one, none (plain SGD) zero.
     """
+    from lmledger.ledger import memory
+
     return memory.bytes_per_param(precision, optimizer)
 
 
@@ -82,21 +97,31 @@ def _gpu(gpu: str | GpuSpec) -> GpuSpec:
 
 
 def _check_num_gpus(num_gpus: int) -> None:
-    if int(num_gpus) != num_gpus or num_gpus < 1:
+    if not (isinstance(num_gpus, int) or (isinstance(num_gpus, float) and num_gpus.is_integer())) or num_gpus < 1:
         raise UserError(f"--num-gpus must be a whole number >= 1, got {num_gpus}")
+    if num_gpus > MAX_GPUS:
+        raise UserError(f"--num-gpus {num_gpus} is beyond any cluster: use at most {MAX_GPUS:,}")
+
+
+def _check_count(flag: str, value: float) -> None:
+    """A positive, finite count no larger than MAX_COUNT (1e400 parses as inf; 1e300 * 1e300 overflows)."""
+    if not math.isfinite(value):
+        raise UserError(f"{flag} must be a finite number, got {value} (e.g. 70e9 or 70B)")
+    if not value > 0:
+        raise UserError(f"{flag} must be positive, got {value}")
+    if value > MAX_COUNT:
+        raise UserError(f"{flag} {value:g} is absurdly large: use at most {MAX_COUNT:g}")
 
 
 def train_time(
     params: float, tokens: float, gpu: str | GpuSpec, num_gpus: int = 1, mfu: float = 0.5, dtype: str = "bf16"
 ) -> TrainTime:
     """Wall-clock time to train `params` on `tokens` at `mfu` of the GPUs' dense `dtype` peak."""
-    if not params > 0:
-        raise UserError(f"--params must be positive, got {params}")
-    if not tokens > 0:
-        raise UserError(f"--tokens must be positive, got {tokens}")
+    _check_count("--params", params)
+    _check_count("--tokens", tokens)
     _check_num_gpus(num_gpus)
-    if not 0 < mfu <= 1:
-        raise UserError(f"--mfu must be in (0, 1], got {mfu} (0.5 is good, 0.3-0.4 typical)")
+    if not MIN_MFU <= mfu <= 1:
+        raise UserError(f"--mfu must be in (0, 1], got {mfu} (0.5 is good, 0.3-0.4 typical; at least {MIN_MFU:g})")
     spec = _gpu(gpu)
     dtype = dtype_name(dtype)
     peak = datasheet_peak(spec, dtype)
