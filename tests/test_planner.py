@@ -1,4 +1,7 @@
+import json
 import math
+import subprocess
+import sys
 
 import pytest
 
@@ -203,3 +206,13 @@ def test_plan_json_is_standard_json_at_the_limits(capsys):
     argv = ["plan", "train-time", "--params", "1e24", "--tokens", "1e24", "--gpu", "t4", "--dtype", "fp16"]
     result = run_json(capsys, *argv, "--mfu", "1e-6", "--json")
     assert math.isfinite(result["days"]) and result["total_flops"] == pytest.approx(6e48)
+
+
+def test_reading_a_fit_config_prints_no_seed_line():
+    # LightningCLI seeds while parsing and logs "Seed set to 1234"; nothing runs here. account reads its
+    # config through the same runspec.load_run_spec, so one subprocess covers both commands.
+    argv = ["plan", "max-batch", "--gpu", "h100-sxm", "--config", "configs/tiny.yaml", "--json"]
+    proc = subprocess.run([sys.executable, "-m", "lmledger.cli", *argv], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "Seed set" not in proc.stderr + proc.stdout
+    assert json.loads(proc.stdout)["max_batch"] > 0
