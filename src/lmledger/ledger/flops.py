@@ -119,7 +119,8 @@ def causal_flops_per_token(cfg: ModelConfig, seq_len: int, training: bool = True
     Source: Megatron-LM, megatron/training/training.py num_floating_point_operations (core attention
     `seq_length / 2`, "only half of the mask is non-zero"); FlashAttention's
     benchmarks/benchmark_flash_attention.py counts causal attention at half for the same reason. The
-    exact lower triangle has T(T+1)/2 entries, (T+1)/T of this term (measure_causal_flops counts it)."""
+    exact lower triangle has T(T+1)/2 entries, (T+1)/T of this term (measure_flops(...,
+    causal_attention=True) counts it)."""
     _check_seq_len(cfg, seq_len)
     attention = 2 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len  # half of PaLM's 4·L·H·Q·T
     forward = 2 * matmul_parameters(cfg) + attention
@@ -296,9 +297,10 @@ CAUSAL_CPU_SDPA_FLOP_FORMULAS = {
 
 def flop_counter(causal_attention: bool = False) -> FlopCounterMode:
     """A silent FlopCounterMode that also counts CPU SDPA; with `causal_attention`, CPU (and meta) SDPA
-    calls made with is_causal count only the unmasked entries. (No kernel is timed by this: torch's
-    CPU flash kernel skips key blocks of 512 past the diagonal, so below 512 tokens it computes the
-    full square; FlashAttention's CUDA kernels skip the tiles above it.)"""
+    calls made with is_causal count only the unmasked entries. That is what the causal convention
+    counts, not what every kernel executes: torch's CPU flash kernel skips key blocks of 512 past the
+    diagonal, so below 512 tokens it computes the full square; FlashAttention's CUDA kernels skip the
+    tiles above it."""
     formulas = CAUSAL_CPU_SDPA_FLOP_FORMULAS if causal_attention else CPU_SDPA_FLOP_FORMULAS
     return FlopCounterMode(display=False, custom_mapping=formulas)
 
