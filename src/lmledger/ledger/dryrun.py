@@ -1,0 +1,449 @@
+"""One training step of any model on fake tensors: what it holds and computes, with no compute and no memory.
+
+`dry_run(model, batch, ...)` copies the model onto `torch._subclasses.FakeTensorMode` tensors (shapes,
+dtypes, devices and storage sizes, no data), then runs two training steps in Lightning's order
+(forward, zero_grad, backward, optimizer step; grads of the previous step are alive during the
+forward). FLOPs and saved tensors are read on the first, the peak on the second (steady state:
+optimizer state and grads exist):
+
+    params, grads, optimizer   storages of the fake parameters, their .grad and the optimizer's state
+                               (measure_state_bytes: each storage once, 0-dim `step` counters left out),
+                               so dtypes, ties, frozen parameters and the optimizer's layout are the
+                               real ones
+    activations                what autograd saves during the forward (measure_saved_activations);
+                               autocast weight copies apart
+    peak, phase_peaks          high-water mark of live tensor bytes per phase (memtrack.MemoryTracker)
+    flops_forward/_backward    hardware FLOPs, as FlopCounterMode counts them (recompute included)
+
+`measure_step` runs the same two steps on the real tensors: it is the dry run's measured twin, and
+the two agree exactly where fake and real kernels allocate alike (tests/test_dryrun.py).
+
+A model the dry run cannot trace (an operator without a fake/meta kernel, data-dependent control
+flow such as `.item()`) gives `NotTraced(reason)`, never an exception and never zeros. No Lightning
+import: the step is a plain callable `step(model, batch) -> loss`.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+from collections import defaultdict
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.optim.optimizer import _get_foreach_kernels_supported_devices
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map_only
+
+from lmledger.errors import UserError
+from lmledger.ledger.flops import flop_counter
+from lmledger.ledger.memory import measure_saved_activations, measure_state_bytes, normalize_precision
+from lmledger.ledger.memtrack import MemoryTracker
+
+StepFn = Callable[[nn.Module, object], torch.Tensor]
+OptimizerSpec = torch.optim.Optimizer | Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None
+
+PHASES = ("forward", "backward", "optimizer step")
+
+# precision -> (dtype the module and its floating inputs are converted to, autocast dtype).
+# Lightning's plugins: *-true converts the module (HalfPrecision / DoublePrecision), *-mixed
+# runs the forward under torch.autocast (MixedPrecision); the loss scaling 16-mixed adds on CUDA
+# is a few scalars and is not modelled.
+_PRECISION_DTYPES: dict[str, tuple[torch.dtype | None, torch.dtype | None]] = {
+    "64-true": (torch.float64, None),
+    "32-true": (None, None),
+    "16-mixed": (None, torch.float16),
+    "bf16-mixed": (None, torch.bfloat16),
+    "16-true": (torch.float16, None),
+    "bf16-true": (torch.bfloat16, None),
+}
+
+
+@dataclass(frozen=True)
+class StepLedger:
+    """Bytes and FLOPs of one steady-state training step (dry or measured).
+
+    `phase_peaks` holds the high-water mark of live tensor bytes in "forward", "backward" (zero_grad
+    included: it only frees) and "optimizer step"; `peak` is the largest, reached in `peak_phase`.
+    Everything live before the step counts: params, grads, optimizer state, buffers and the batch.
+    """
+
+    params: int
+    grads: int
+    optimizer: int
+    buffers: int
+    batch: int
+    activations: int
+    autocast_weight_copies: int
+    peak: int
+    peak_phase: str
+    phase_peaks: dict[str, int]
+    flops_forward: int
+    flops_backward: int
+    flops_by_op: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def flops(self) -> int:
+        """Hardware FLOPs of the step (forward + backward, recompute included)."""
+        return self.flops_forward + self.flops_backward
+
+
+@dataclass(frozen=True)
+class NotTraced:
+    """The dry run could not run the model on fake tensors; `reason` is one line saying why."""
+
+    reason: str
+
+
+def dry_run(
+    model: nn.Module,
+    batch: object,
+    *,
+    step: StepFn | None = None,
+    optimizer: OptimizerSpec = None,
+    precision: str | int = "32-true",
+    device: torch.device | str | None = None,
+) -> StepLedger | NotTraced:
+    """One steady-state training step of `model` on a fake `batch`, with no compute and no memory.
+
+    model      any nn.Module; its parameters may be real or on the meta device (never touched)
+    batch      a tensor, or tuples / lists / dicts of tensors, of the real batch's shapes and dtypes;
+               values are never read, so `torch.empty(..., device="meta")` will do
+    step       `step(model, batch) -> scalar loss`; default: call the model on the batch (dict:
+               keywords, tuple/list: positional) and take a scalar output, `out.loss` or `out["loss"]`
+    optimizer  None (no optimizer step), an optimizer over the model's parameters (copied with its
+               groups and hyperparameters; the first step rebuilds its state), or a factory
+               `params -> optimizer`
+    precision  a Lightning precision name (32-true, bf16-mixed, 16-mixed, bf16-true, 16-true, 64-true)
+    device     the device the step runs on (default: the parameters', CPU for a meta model)
+
+    Raises UserError for bad input (an unknown precision, a step that returns no scalar loss);
+    returns NotTraced when the model cannot run on fake tensors.
+    """
+    dtype, autocast = _precision_dtypes(precision)
+    target = _target_device(model, device)
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    try:
+        fake_model, memo = _fake_copy(model, mode, target, dtype)
+        fake_batch = tree_map_only(torch.Tensor, lambda t: _fake_tensor(t, mode, target), _cast_batch(batch, dtype))
+        fake_optimizer = _fake_optimizer(optimizer, fake_model, memo, target)
+    except UserError:
+        raise
+    except Exception as err:  # deepcopy or fake conversion: a model we cannot copy
+        return NotTraced(f"could not copy the model onto fake tensors: {_one_line(err)}")
+    try:
+        with mode, _RealOutputStorages():
+            return _ledger_of_step(fake_model, fake_batch, step, fake_optimizer, autocast, target)
+    except UserError:
+        raise
+    except Exception as err:
+        return NotTraced(f"the step does not run on fake tensors: {_why(err)}")
+
+
+def measure_step(
+    model: nn.Module,
+    batch: object,
+    *,
+    step: StepFn | None = None,
+    optimizer: OptimizerSpec = None,
+    precision: str | int = "32-true",
+) -> StepLedger:
+    """dry_run's measured twin: the same two training steps on the real model and batch.
+
+    The model is trained by them (two optimizer steps) and, for *-true precisions, converted in
+    place; pass a copy to keep the original. Peak and activations are counted by the same trackers
+    as the dry run, on real storages; FLOPs by FlopCounterMode on the real kernels.
+    """
+    dtype, autocast = _precision_dtypes(precision)
+    device = _target_device(model, None)
+    if dtype is not None:
+        model.to(dtype)
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        optimizer = optimizer(list(model.parameters()))
+    return _ledger_of_step(model, _cast_batch(batch, dtype), step, optimizer, autocast, device)
+
+
+# --------------------------------------------------------------------------------------------
+# The step, on fake or real tensors
+# --------------------------------------------------------------------------------------------
+
+
+def _ledger_of_step(
+    model: nn.Module,
+    batch: object,
+    step: StepFn | None,
+    optimizer: torch.optim.Optimizer | None,
+    autocast: torch.dtype | None,
+    device: torch.device,
+) -> StepLedger:
+    step = step or default_step
+    was_training = model.training
+    model.train()
+    try:
+        # Step 1 makes grads and optimizer state; FLOPs and saved tensors are counted there. Step 2,
+        # the steady state, is tracked alone: FlopCounterMode's module hooks hold checkpoint
+        # recomputes alive longer in backward, which would raise the peak they are beside.
+        forward_flops, backward_flops = flop_counter(), flop_counter()
+        with measure_saved_activations(model) as saved:
+            loss = _forward(model, batch, step, autocast, device, forward_flops)
+        _backward_and_step(model, loss, optimizer, backward_flops)
+        del loss
+        gc.collect()  # what step 1 left in reference cycles goes now, not at a random point of step 2
+        tracker = MemoryTracker().track(model, optimizer, batch)
+        with tracker:
+            tracker.phase("forward")
+            loss = _forward(model, batch, step, autocast, device)
+            _backward_and_step(model, loss, optimizer, tracker=tracker)
+            del loss
+    finally:
+        model.train(was_training)
+    state = measure_state_bytes(model, optimizer)
+    buffers = _storage_bytes(model.buffers())
+    phase_peaks = {name: tracker.phase_peaks.get(name, 0) for name in PHASES}
+    by_op: dict[str, int] = {}
+    for counter in (forward_flops, backward_flops):
+        for op, n in counter.get_flop_counts().get("Global", {}).items():
+            by_op[str(op)] = by_op.get(str(op), 0) + n
+    return StepLedger(
+        params=state["params"],
+        grads=state["grads"],
+        optimizer=state["optimizer"],
+        buffers=buffers,
+        batch=_storage_bytes(tree_flatten(batch)[0]),
+        activations=saved.activations,
+        autocast_weight_copies=saved.autocast_weight_copies,
+        peak=tracker.peak_bytes,
+        peak_phase=max(phase_peaks, key=phase_peaks.__getitem__),
+        phase_peaks=phase_peaks,
+        flops_forward=forward_flops.get_total_flops(),
+        flops_backward=backward_flops.get_total_flops(),
+        flops_by_op=by_op,
+    )
+
+
+def _backward_and_step(
+    model: nn.Module,
+    loss: torch.Tensor,
+    optimizer: torch.optim.Optimizer | None,
+    counter: AbstractContextManager | None = None,
+    tracker: MemoryTracker | None = None,
+) -> None:
+    """Lightning's order after the forward: zero_grad (set_to_none), backward, optimizer step."""
+    if tracker is not None:
+        tracker.phase("backward")
+    (optimizer or model).zero_grad(set_to_none=True)
+    with counter or nullcontext():
+        loss.backward()
+    if tracker is not None:
+        tracker.phase("optimizer step")
+    if optimizer is not None:
+        optimizer.step()
+
+
+def _forward(
+    model: nn.Module,
+    batch: object,
+    step: StepFn,
+    autocast: torch.dtype | None,
+    device: torch.device,
+    counter: AbstractContextManager | None = None,
+) -> torch.Tensor:
+    context = torch.autocast(device.type, dtype=autocast) if autocast is not None else nullcontext()
+    with counter or nullcontext(), context:
+        loss = step(model, batch)
+    if not (isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.requires_grad):
+        got = type(loss).__name__ if not isinstance(loss, torch.Tensor) else f"a tensor of shape {tuple(loss.shape)}"
+        raise UserError(
+            f"the training step returned {got}, not a scalar loss that needs grad: "
+            "pass step=lambda model, batch: <loss> to the dry run"
+        )
+    return loss
+
+
+def default_step(model: nn.Module, batch: object) -> torch.Tensor:
+    """Call the model on the batch (dict: keywords, tuple/list: positional, else one argument) and
+    return the loss: a scalar output, `output.loss` (Hugging Face) or `output["loss"]`."""
+    if isinstance(batch, Mapping):
+        out = model(**batch)
+    elif isinstance(batch, (tuple, list)):
+        out = model(*batch)
+    else:
+        out = model(batch)
+    return loss_of(out)
+
+
+def loss_of(output: object) -> object:
+    """The scalar loss in a model's output, or the output itself when there is none to find."""
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, Mapping) and isinstance(output.get("loss"), torch.Tensor):
+        return output["loss"]
+    loss = getattr(output, "loss", None)
+    return loss if isinstance(loss, torch.Tensor) else output
+
+
+# --------------------------------------------------------------------------------------------
+# Fake copies
+# --------------------------------------------------------------------------------------------
+
+
+def _precision_dtypes(precision: str | int) -> tuple[torch.dtype | None, torch.dtype | None]:
+    name = normalize_precision(precision)
+    if name not in _PRECISION_DTYPES:
+        raise UserError(f"the dry run covers {', '.join(_PRECISION_DTYPES)}, not {name}: use one of those")
+    return _PRECISION_DTYPES[name]
+
+
+def _target_device(model: nn.Module, device: torch.device | str | None) -> torch.device:
+    if device is not None:
+        return torch.device(device)
+    for t in (*model.parameters(), *model.buffers()):
+        if t.device.type != "meta":
+            return t.device
+    return torch.device("cpu")
+
+
+class _RealOutputStorages(TorchDispatchMode):
+    """Give fake outputs the storage size the real kernels give them, where the two differ.
+
+    aten/src/ATen/native/Loss.cpp computes a reduced mse / smooth L1 / Huber loss into an
+    elementwise buffer and returns the scalar in that buffer's storage, so the loss keeps a
+    buffer the size of its input alive until it is freed; the meta kernels return a one-element
+    storage. Entered inside the FakeTensorMode, so the tensors made here are fake."""
+
+    _REDUCED_INTO_INPUT_BUFFER = frozenset(
+        {torch.ops.aten.mse_loss.default, torch.ops.aten.smooth_l1_loss.default, torch.ops.aten.huber_loss.default}
+    )
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in self._REDUCED_INTO_INPUT_BUFFER and out.dim() == 0:
+            shape = torch.broadcast_shapes(args[0].shape, args[1].shape)
+            buffer = torch.empty(shape, dtype=out.dtype, device=out.device)
+            return buffer.as_strided((), ())
+        return out
+
+
+def _cast_batch(batch: object, dtype: torch.dtype | None) -> object:
+    """Floating tensors of the batch in `dtype`, as Lightning's *-true precision plugins convert inputs."""
+    if dtype is None:
+        return batch
+    return tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, batch)
+
+
+def _fake_tensor(
+    t: torch.Tensor, mode: FakeTensorMode, device: torch.device, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """A fake tensor like t on `device` (floating tensors in `dtype` if given); one made from a real
+    tensor on that device keeps its storage sharing with the other fakes of the same mode."""
+    dtype = dtype if dtype is not None and t.is_floating_point() else t.dtype
+    same_device = t.device == device or (t.device.type == device.type and device.index is None)
+    if same_device and t.device.type != "meta" and dtype == t.dtype:
+        return mode.from_tensor(t)
+    with mode:
+        return torch.empty_strided(t.shape, t.stride(), dtype=dtype, device=device)
+
+
+def _fake_copy(
+    model: nn.Module, mode: FakeTensorMode, device: torch.device, dtype: torch.dtype | None
+) -> tuple[nn.Module, dict[int, object]]:
+    """A deep copy of model whose parameters, buffers and tensor attributes are fake, floating
+    parameters and buffers in `dtype` if given (Module.to(dtype) leaves other attributes alone).
+
+    The memo of copy.deepcopy is filled first, so each tensor object maps to one fake (tied weights
+    stay tied) and the real ones are never copied."""
+    memo: dict[int, object] = {}
+    for module in model.modules():
+        converted = [*module._parameters.values(), *module._buffers.values()]
+        attributes = [v for v in vars(module).values() if isinstance(v, torch.Tensor)]
+        for t, cast in [*((t, dtype) for t in converted), *((t, None) for t in attributes)]:
+            if t is None or id(t) in memo:
+                continue
+            fake = _fake_tensor(t.detach(), mode, device, cast)
+            if isinstance(t, nn.Parameter):
+                fake = nn.Parameter(fake, requires_grad=t.requires_grad)
+            memo[id(t)] = fake
+    return copy.deepcopy(model, memo), memo
+
+
+def _fake_optimizer(
+    optimizer: OptimizerSpec,
+    fake_model: nn.Module,
+    memo: dict[int, object],
+    device: torch.device,
+) -> torch.optim.Optimizer | None:
+    """The optimizer over the fake parameters: a factory is called on them; an optimizer is deep-copied
+    with its parameters mapped to the fakes (hyperparameters and groups kept) and an empty state."""
+    if optimizer is None:
+        return None
+    if isinstance(optimizer, torch.optim.Optimizer):
+        unknown = [p for group in optimizer.param_groups for p in group["params"] if id(p) not in memo]
+        if unknown:
+            raise UserError("the optimizer holds tensors that are not the model's parameters: pass a factory instead")
+        # Fresh state: step 1 creates it as the real optimizer did (a fake copy of a real `step`
+        # counter would hold no value for AdamW to read).
+        memo[id(optimizer.state)] = defaultdict(dict)
+        fake = copy.deepcopy(optimizer, memo)
+    else:
+        fake = optimizer(list(fake_model.parameters()))
+        if not isinstance(fake, torch.optim.Optimizer):
+            raise UserError(f"the optimizer factory returned {type(fake).__name__}, not a torch.optim.Optimizer")
+    _pin_kernel_choice(fake, device)
+    return fake
+
+
+def _pin_kernel_choice(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+    """Make the fake optimizer run the kernel torch would pick for the real parameters.
+
+    torch.optim picks foreach by default only for plain tensors on a foreach device (CUDA):
+    torch.optim.optimizer._default_to_fused_or_foreach tests `type(p) in [Tensor, Parameter]`,
+    which a FakeTensor fails. Left alone, a fake CUDA step would take the per-tensor loop and miss
+    foreach's temporaries; so an unset `foreach` is set to what the real step gets."""
+    foreach_default = device.type in _get_foreach_kernels_supported_devices()
+    for group in optimizer.param_groups:
+        unset = "foreach" in group and group["foreach"] is None
+        if unset and not group.get("fused") and not group.get("differentiable"):
+            group["foreach"] = foreach_default
+
+
+def _storage_bytes(tensors: object) -> int:
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            seen.setdefault(t.untyped_storage()._cdata, t.untyped_storage().nbytes())
+    return sum(seen.values())
+
+
+def _why(err: BaseException) -> str:
+    """One line: what fake tensors could not do, and where in the user's code."""
+    name = type(err).__name__
+    if name == "DataDependentOutputException":
+        what = f"a value read from a tensor ({err}), e.g. .item() or `if tensor:`; fake tensors hold no values"
+    elif name == "DynamicOutputShapeException":
+        what = f"an operator whose output shape depends on tensor values ({err})"
+    elif name == "UnsupportedOperatorException":
+        what = f"operator {err} has no fake/meta kernel"
+    else:
+        what = _one_line(err)
+    return f"{what}{_user_frame(err)}"
+
+
+def _user_frame(err: BaseException) -> str:
+    """' at FILE:LINE' of the innermost traceback frame outside torch and this module."""
+    where = ""
+    tb = err.__traceback__
+    while tb is not None:
+        path = tb.tb_frame.f_code.co_filename
+        if "/torch/" not in path and path != __file__:
+            where = f" at {'/'.join(path.split('/')[-2:])}:{tb.tb_lineno}"
+        tb = tb.tb_next
+    return where
+
+
+def _one_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0] if text else ''}".rstrip(": ")

@@ -1,0 +1,202 @@
+"""The dry run (one training step on fake tensors) against its measured twin and the toy LM's closed forms."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from lmledger.errors import UserError
+from lmledger.ledger.dryrun import NotTraced, StepLedger, dry_run, measure_step
+from lmledger.ledger.flops import analytic_flops
+from lmledger.ledger.memory import activation_bytes, peak_bytes, state_bytes
+from lmledger.model import ModelConfig, ToyLM, count_parameters
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny models run faster on one thread
+
+BATCH, SEQ = 3, 24
+
+
+def adamw(params):
+    return torch.optim.AdamW(params, lr=1e-3)
+
+
+def toy(**overrides) -> ToyLM:
+    fields = dict(vocab_size=200, context_length=32, d_model=48, n_layers=2, n_heads=4, d_ff=96)
+    torch.manual_seed(0)
+    return ToyLM(ModelConfig(**{**fields, **overrides}))
+
+
+def token_batch(vocab: int = 200) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ids and targets in separate storages, as the data module hands them over."""
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(0, vocab, (BATCH, SEQ), generator=g), torch.randint(0, vocab, (BATCH, SEQ), generator=g)
+
+
+def toy_step(model, batch):
+    return model(*batch)
+
+
+def assert_twins(dry: StepLedger, measured: StepLedger) -> None:
+    """The issue's tolerances: state and FLOPs exact, activations +-1%, peak +-3%."""
+    assert isinstance(dry, StepLedger), dry
+    for name in ("params", "grads", "optimizer", "buffers", "batch", "flops_forward", "flops_backward"):
+        assert getattr(dry, name) == getattr(measured, name), name
+    assert dry.flops_by_op == measured.flops_by_op
+    assert dry.activations == pytest.approx(measured.activations, rel=0.01)
+    assert dry.autocast_weight_copies == pytest.approx(measured.autocast_weight_copies, rel=0.01)
+    assert dry.peak == pytest.approx(measured.peak, rel=0.03)
+    for phase, nbytes in measured.phase_peaks.items():
+        assert dry.phase_peaks[phase] == pytest.approx(nbytes, rel=0.03), phase
+
+
+@pytest.mark.parametrize(
+    "precision, checkpointing",
+    [("32-true", 0), ("bf16-mixed", 0), ("bf16-true", 0), ("32-true", 1), ("bf16-mixed", 2)],
+)
+def test_toy_dry_run_matches_the_real_step(precision, checkpointing):
+    model = toy(activation_checkpointing=checkpointing)
+    batch = token_batch()
+    before = {name: p.clone() for name, p in model.named_parameters()}
+    dry = dry_run(model, batch, step=toy_step, optimizer=adamw, precision=precision)
+    # The dry run neither trains, converts nor allocates grads on the model it was given.
+    for name, p in model.named_parameters():
+        assert p.grad is None and p.dtype == torch.float32 and torch.equal(p, before[name]), name
+    measured = measure_step(copy.deepcopy(model), batch, step=toy_step, optimizer=adamw, precision=precision)
+    assert_twins(dry, measured)
+    assert dry.flops > 0 and dry.activations > 0 and dry.peak > dry.params + dry.grads + dry.optimizer
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+@pytest.mark.parametrize("checkpointing", [0, 1])
+def test_toy_dry_run_agrees_with_the_closed_forms(precision, checkpointing):
+    model = toy(activation_checkpointing=checkpointing)
+    cfg = model.cfg
+    dry = dry_run(model, token_batch(), step=toy_step, optimizer=adamw, precision=precision)
+    assert isinstance(dry, StepLedger), dry
+    # Parameters, grads, AdamW's two states: exact.
+    n = count_parameters(cfg)
+    assert {k: getattr(dry, k) for k in ("params", "grads", "optimizer")} == state_bytes(n, precision, "adamw")
+    # Saved activations and autocast weight copies: exact (ledger/memory.py counts them as ToyLM implements them).
+    acts = activation_bytes(cfg, BATCH, SEQ, precision, "cpu")
+    assert dry.activations == acts.total
+    assert dry.autocast_weight_copies == acts.autocast_weight_copies
+    # Hardware FLOPs, forward and backward (recompute included): exact.
+    flops = analytic_flops(cfg, BATCH, SEQ)
+    assert dry.flops == flops.hardware
+    assert dry.flops_forward == sum(phases["forward"] for phases in flops.by_component.values())
+
+
+# fp32 with every block checkpointed is left out: there the dry run (and the measured step, equal to
+# it) peaks in backward 3.8% (untied) to 6.2% (tied) above peak_bytes' walk on these shapes.
+@pytest.mark.parametrize(
+    "precision, checkpointing, tied",
+    [("32-true", 0, False), ("32-true", 2, True), ("bf16-mixed", 0, True), ("bf16-mixed", 1, False)],
+)
+def test_toy_dry_run_peak_agrees_with_the_walked_peak(precision, checkpointing, tied):
+    model = toy(activation_checkpointing=checkpointing, tie_embeddings=tied)
+    dry = dry_run(model, token_batch(), step=toy_step, optimizer=adamw, precision=precision)
+    predicted = peak_bytes(model.cfg, BATCH, SEQ, precision, "adamw", device="cpu")
+    # peak_bytes leaves out the buffers (rotary tables) and the batch, which the tracker counts.
+    assert dry.peak == pytest.approx(predicted.total + dry.buffers + dry.batch, rel=0.02)
+
+
+def test_meta_model_dry_run_equals_the_real_one():
+    """A model built on the meta device (no memory at all) gives the same ledger as the real model."""
+    real = toy()
+    with torch.device("meta"):
+        meta = toy()
+    meta_batch = tuple(torch.empty(BATCH, SEQ, dtype=torch.long, device="meta") for _ in range(2))
+    from_meta = dry_run(meta, meta_batch, step=toy_step, optimizer=adamw, device="cpu")
+    from_real = dry_run(real, token_batch(), step=toy_step, optimizer=adamw)
+    assert isinstance(from_meta, StepLedger), from_meta
+    assert from_meta.peak == from_real.peak and from_meta.flops == from_real.flops
+    assert from_meta.activations == from_real.activations and from_meta.params == from_real.params
+
+
+def test_tied_frozen_and_sgd_state_follow_the_real_parameters():
+    model = toy(tie_embeddings=True)
+    model.blocks[0].requires_grad_(False)
+    frozen = sum(p.numel() for p in model.blocks[0].parameters())
+    n = count_parameters(model.cfg)  # tied: the embedding counts once
+
+    def sgd(params):
+        return torch.optim.SGD([p for p in params if p.requires_grad], lr=0.1, momentum=0.9)
+
+    dry = dry_run(model, token_batch(), step=toy_step, optimizer=sgd)
+    assert dry.params == 4 * n
+    assert dry.grads == dry.optimizer == 4 * (n - frozen)  # one momentum buffer, none for frozen params
+    plain = dry_run(model, token_batch(), step=toy_step, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    assert plain.optimizer == 0
+
+
+def test_an_optimizer_instance_is_copied_with_its_state_and_left_alone():
+    model = toy()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+    loss = model(*token_batch())
+    loss.backward()
+    optimizer.step()  # real state exists now
+    state_before = {k: v.clone() for k, v in optimizer.state[model.embed.weight].items()}
+    dry = dry_run(model, token_batch(), step=toy_step, optimizer=optimizer)
+    measured = measure_step(copy.deepcopy(model), token_batch(), step=toy_step, optimizer=adamw_foreach)
+    assert_twins(dry, measured)  # foreach's temporaries (sqrt(v) for all params at once) included
+    for key, value in optimizer.state[model.embed.weight].items():
+        assert torch.equal(value, state_before[key]), key
+
+
+def adamw_foreach(params):
+    return torch.optim.AdamW(params, lr=1e-3, foreach=True)
+
+
+def test_default_step_reads_a_loss_from_outputs():
+    class DictLoss(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(8, 8)
+
+        def forward(self, x, y):
+            return {"loss": nn.functional.mse_loss(self.linear(x), y)}
+
+    batch = {"x": torch.randn(4, 8), "y": torch.randn(4, 8)}
+    dry = dry_run(DictLoss(), batch, optimizer=adamw)
+    measured = measure_step(DictLoss(), batch, optimizer=adamw)
+    assert_twins(dry, measured)
+    assert dry.flops_forward == 2 * 4 * 8 * 8
+
+
+def test_untraceable_models_give_a_reason_not_a_crash():
+    class ReadsAValue(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(4, 4)
+
+        def forward(self, x):
+            y = self.linear(x)
+            return y.sum() if y.sum().item() > 0 else y.mean()
+
+    class DynamicShape(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(4, 4)
+
+        def forward(self, x):
+            y = self.linear(x)
+            return y[y > 0].sum()
+
+    value = dry_run(ReadsAValue(), torch.randn(2, 4))
+    assert isinstance(value, NotTraced)
+    assert ".item()" in value.reason and "test_dryrun.py" in value.reason
+    shape = dry_run(DynamicShape(), torch.randn(2, 4))
+    assert isinstance(shape, NotTraced) and "output shape depends on tensor values" in shape.reason
+
+
+def test_bad_input_is_a_user_error():
+    model = nn.Linear(4, 4)
+    with pytest.raises(UserError, match="not a scalar loss"):
+        dry_run(model, torch.randn(2, 4))  # the output is (2, 4), no loss
+    with pytest.raises(UserError, match="unknown precision"):
+        dry_run(model, torch.randn(2, 4), precision="bf17")
+    with pytest.raises(UserError, match="transformer-engine"):
+        dry_run(model, torch.randn(2, 4), precision="transformer-engine")
