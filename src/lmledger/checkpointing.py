@@ -6,15 +6,21 @@
 - `open_checkpoint` / `check_checkpoint_fits` turn a missing, corrupt or mismatched checkpoint into one UserError line.
 - `StepSeeder` makes each training batch's random state a function of (seed, rank, batch), so a resumed run
   draws the same random numbers as an uninterrupted one without saving generator states.
+- `PreemptionCheckpoint` turns SIGTERM into "finish this step, save last.ckpt, stop" (`Preempted`).
+- `newest_checkpoint` / `claim_version_dir`: which checkpoint `--ckpt_path last` means; a run directory
+  of one's own even when two runs of the same name start together.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import glob
 import os
 import random
+import re
 import secrets
+import signal
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
@@ -27,6 +33,7 @@ from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lmledger.errors import UserError
 from lmledger.model import ModelConfig
@@ -58,23 +65,72 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
+class _RecordingFile:
+    """A binary file whose first OSError is kept: torch.save reports a failed write as a RuntimeError
+    ("[enforce fail at inline_container.cc:...]") that has lost the errno saying why."""
+
+    def __init__(self, f: IO[bytes]) -> None:
+        self.f, self.error = f, None
+
+    def write(self, data) -> int:
+        try:
+            return self.f.write(data)
+        except OSError as err:
+            self.error = self.error or err
+            raise
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+class DiskWriteError(UserError):
+    """Writing a file failed for a reason of the disk (full, read-only, over quota); the old file is intact."""
+
+
+# The errnos that mean "this disk will not take the file", as opposed to a bug.
+_DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG, errno.EIO}
+
+
+def _disk_error(err: BaseException, recorded: OSError | None, path: Path) -> DiskWriteError | None:
+    cause = err if isinstance(err, OSError) else recorded
+    if cause is None or cause.errno not in _DISK_ERRNOS:
+        return None
+    reason = (cause.strerror or os.strerror(cause.errno)).lower()
+    kept = f"the previous {path.name} is intact" if path.exists() else f"no {path.name} was written"
+    return DiskWriteError(f"{reason} while writing {path}; {kept}")
+
+
 def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], object]) -> None:
-    """Call write(f) on a temp file beside `path`, fsync it, then os.replace it over `path` and fsync the dir."""
+    """Call write(f) on a temp file beside `path`, fsync it, then os.replace it over `path` and fsync the dir.
+
+    A full, read-only or over-quota disk raises DiskWriteError (one line; `path` is left as it was).
+    """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale_temps(path)
-    tmp = _temp_name(path)
+    recorded = None
     try:
-        # "xb", not tempfile.mkstemp: the checkpoint gets the umask's permissions, not 0600.
-        with open(tmp, "xb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _remove_stale_temps(path)
+        tmp = _temp_name(path)
+        try:
+            # "xb", not tempfile.mkstemp: the checkpoint gets the umask's permissions, not 0600.
+            with open(tmp, "xb") as raw:
+                f = _RecordingFile(raw)
+                try:
+                    write(f)
+                finally:
+                    recorded = f.error
+                raw.flush()
+                os.fsync(raw.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        _fsync_dir(path.parent)
+    except (OSError, RuntimeError) as err:
+        disk = _disk_error(err, recorded, path)
+        if disk is None:
+            raise
+        raise disk from None
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -210,3 +266,141 @@ class StepSeeder(pl.Callback):
         random.seed(value)
         np.random.seed(value % 2**32)
         torch.manual_seed(value)  # also seeds every CUDA device
+
+
+# ------------------------------------------------------------------------------------- run directories
+
+
+def checkpoint_step(path: str | os.PathLike) -> int | None:
+    """The global_step recorded in a checkpoint (read through mmap: cheap), or None if it cannot be read."""
+    try:
+        with torch.serialization.safe_globals(SAFE_CHECKPOINT_GLOBALS):
+            checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        return int(checkpoint["global_step"])
+    except Exception:  # a damaged file is reported when it is opened for real, if it is the one chosen
+        return None
+
+
+def newest_checkpoint(checkpoint_dir: str | os.PathLike) -> Path | None:
+    """The checkpoint in `checkpoint_dir` that has trained furthest: the largest recorded global_step, the
+    newest modification time among equals (last.ckpt, last-v1.ckpt after a moved run directory, top-k files)."""
+    found = []
+    for path in Path(checkpoint_dir).glob("*.ckpt"):
+        if path.is_file():
+            step = checkpoint_step(path)
+            found.append((-1 if step is None else step, path.stat().st_mtime_ns, path))
+    return max(found)[2] if found else None
+
+
+_VERSION = re.compile(r"version_(\d+)")
+
+
+def versions(run_root: str | os.PathLike) -> list[int]:
+    """The N of every `run_root/version_N` directory."""
+    root = Path(run_root)
+    if not root.is_dir():
+        return []
+    return sorted(int(m.group(1)) for p in root.iterdir() if (m := _VERSION.fullmatch(p.name)) and p.is_dir())
+
+
+def claim_version_dir(run_root: str | os.PathLike) -> int:
+    """Create `run_root/version_N` for the next free N and return N.
+
+    mkdir is atomic: of two runs that pick the same N at the same moment, one creates it and the other
+    moves on to N+1 (TensorBoardLogger lists the directory and creates the version later: both took N).
+    """
+    root = Path(run_root)
+    root.mkdir(parents=True, exist_ok=True)
+    n = max(versions(root), default=-1) + 1
+    while True:
+        try:
+            (root / f"version_{n}").mkdir()
+            return n
+        except FileExistsError:
+            n += 1
+
+
+# ------------------------------------------------------------------------------------- preemption
+
+
+class Preempted(SIGTERMException):
+    """Training stopped on SIGTERM after a complete step; `checkpoint` holds it (None: nothing was saved)."""
+
+    def __init__(self, step: int, checkpoint: str | None) -> None:
+        super().__init__(143)
+        self.step, self.checkpoint = step, checkpoint
+
+
+class PreemptionCheckpoint(pl.Callback):
+    """On SIGTERM (SLURM's and Kubernetes' notice of preemption) finish the current optimizer step, save
+    last.ckpt atomically, and stop the fit with `Preempted`.
+
+    Lightning 2.6.6's own handler stops the loop after the current batch without saving, mid-accumulation
+    or mid-validation alike, and the SIGTERMException it raises exits 0. Here the handler only takes note;
+    the save happens in on_train_batch_end once the optimizer has stepped, where ModelCheckpoint saves
+    (a state every resume path is tested from), and the stop at the next batch's start, after that
+    step's metrics are logged and its validation, if due, has run. One process only: under DDP the ranks
+    would have to agree on the step first, so Lightning's own handling stays (and with it SLURM's
+    SIGUSR1 requeue, which this never touches).
+    """
+
+    def __init__(self) -> None:
+        self.requested = False
+        self.saved: str | None = None
+        self._saved_step = -1
+        self._previous_handler = None
+
+    def _on_sigterm(self, signum, frame) -> None:
+        self.requested = True
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.world_size > 1 or not hasattr(signal, "SIGTERM"):
+            return
+        connector = trainer._signal_connector
+        # A SIGTERM during set-up or the sanity check reached Lightning's handler: take it over.
+        self.requested = connector.received_sigterm
+        connector.received_sigterm = False
+        try:
+            self._previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
+        except ValueError:  # not the main thread: leave Lightning's handler in place
+            self._previous_handler = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self.requested and self._saved_step == trainer.global_step:
+            raise Preempted(trainer.global_step, self.saved)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if not self.requested or trainer.fit_loop.epoch_loop._should_accumulate():
+            return  # mid-accumulation: the step is not complete yet
+        self.saved = self._save_last(trainer)
+        self._saved_step = trainer.global_step
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._restore_handler()
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        self._restore_handler()
+
+    def _restore_handler(self) -> None:
+        if self._previous_handler is not None:
+            signal.signal(signal.SIGTERM, self._previous_handler)
+            self._previous_handler = None
+
+    @staticmethod
+    def _save_last(trainer: pl.Trainer) -> str:
+        checkpoints = [c for c in trainer.checkpoint_callbacks if isinstance(c, ModelCheckpoint)]
+        for callback in checkpoints:
+            if callback.save_last and callback.dirpath:
+                # ModelCheckpoint's own "last" save (Lightning 2.6.6), so the name (last.ckpt, or last-vN.ckpt
+                # after a moved run directory) and its record of the last path stay as a regular save keeps them.
+                callback._save_last_checkpoint(trainer, callback._monitor_candidates(trainer))
+                return callback.last_model_path
+        if checkpoints and checkpoints[0].dirpath:
+            directory = Path(checkpoints[0].dirpath)
+        elif trainer.log_dir is not None:
+            directory = Path(trainer.log_dir) / "checkpoints"
+        else:
+            directory = Path(trainer.default_root_dir) / "checkpoints"
+        path = str(directory / f"{ModelCheckpoint.CHECKPOINT_NAME_LAST}{ModelCheckpoint.FILE_EXTENSION}")
+        trainer.save_checkpoint(path)
+        return path

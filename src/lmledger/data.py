@@ -13,6 +13,7 @@ the trainer has already consumed, so a resumed run sees exactly the batches an u
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections.abc import Callable, Iterator
@@ -68,6 +69,56 @@ def load_meta(path: str | os.PathLike) -> dict:
             f"{meta_path}: vocab_size {meta['vocab_size']} does not fit dtype {meta['dtype']}; {_redo(root)}"
         )
     return meta
+
+
+# Where a directory's verified hashes are remembered: (size, mtime_ns, sha256) of each .bin, so the hash is
+# computed on first use and again only when a file changes.
+VERIFIED_FILE = ".lmledger-verified.json"
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def verify_sha256(files: TokenFiles) -> None:
+    """UserError unless each .bin hashes to the sha256 its meta.json records (data re-prepared or edited in
+    place under the same meta.json). Hashed on a directory's first use and after a file changes; the
+    verdict is kept in VERIFIED_FILE (skipped quietly where the directory is read-only)."""
+    recorded = files.meta.get("sha256")
+    if not isinstance(recorded, dict):
+        return  # prepared by a version that recorded none
+    stamp_path = files.root / VERIFIED_FILE
+    try:
+        stamp = json.loads(stamp_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        stamp = {}
+    stamp = stamp if isinstance(stamp, dict) else {}
+    fresh = {}
+    for split in SPLITS:
+        name = SPLIT_FILES[split]
+        if name not in recorded:
+            continue
+        st = files.bin_path(split).stat()
+        key = [st.st_size, st.st_mtime_ns, recorded[name]]
+        if stamp.get(name) != key:
+            actual = _sha256(files.bin_path(split))
+            if actual != recorded[name]:
+                raise UserError(
+                    f"{files.bin_path(split)} has sha256 {actual[:12]}... but {META_FILE} records "
+                    f"{str(recorded[name])[:12]}...: the file changed after it was prepared; {_redo(files.root)}"
+                )
+        fresh[name] = key
+    if fresh != stamp:
+        try:
+            tmp = stamp_path.with_name(f".{VERIFIED_FILE}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(fresh), encoding="utf-8")
+            os.replace(tmp, stamp_path)
+        except OSError:
+            pass  # a read-only directory is hashed again next time
 
 
 @dataclass(frozen=True)
@@ -305,12 +356,29 @@ class TokenDataModule(pl.LightningDataModule):
                 raise UserError(f"data.{name} must be >= {least}, got {value}")
         if val_batches is not None and val_batches < 1:
             raise UserError(f"data.val_batches must be >= 1 or null (all), got {val_batches}")
+        try:
+            str(path).encode("utf-8")
+        except UnicodeEncodeError:
+            shown = str(path).encode("utf-8", "backslashreplace").decode("ascii")
+            raise UserError(
+                f"data.path {shown} is not valid UTF-8 (the run's config.yaml could not record it); rename the "
+                "directory or link it under a UTF-8 name"
+            ) from None
         self.save_hyperparameters()
         self.path, self.batch_size, self.context_length = path, batch_size, context_length
         self.num_workers, self.seed, self.val_batches = num_workers, seed, val_batches
         # Read and checked here, not in setup(): the CLI links vocab_size into the model right after __init__.
         self.files = TokenFiles.open(path)
         self.files.require_context(context_length)
+        verify_sha256(self.files)
+
+    def state_dict(self) -> dict:
+        """What checkpoints record of the data: its sha256s, compared on resume (lmledger.commands.train)."""
+        recorded = self.files.meta.get("sha256")
+        return {"sha256": dict(recorded)} if isinstance(recorded, dict) else {}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        pass  # compared before the run starts; the batches themselves resume from the loop's progress
 
     @property
     def vocab_size(self) -> int:

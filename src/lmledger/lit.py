@@ -12,6 +12,7 @@ import torch
 from lightning.pytorch.strategies import FSDPStrategy
 from torchmetrics.aggregation import MeanMetric
 
+from lmledger.errors import ConfigError
 from lmledger.model import ModelConfig, ToyLM
 from lmledger.precision import apply_fp8
 
@@ -45,6 +46,32 @@ def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: 
         return (step + 1) / warmup_steps
     progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
     return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def _real(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def check_hyperparameters(
+    lr: float = 3e-3,
+    min_lr_ratio: float = 0.1,
+    warmup_steps: int = 50,
+    weight_decay: float = 0.1,
+    betas=(0.9, 0.95),
+    **_,
+) -> None:
+    """ConfigError naming the first LitLM setting that would train wrongly: a negative or NaN lr steps uphill
+    or poisons every weight, min_lr_ratio > 1 makes the "decay" climb, betas outside [0, 1) diverge."""
+    if not (_real(lr) and lr > 0):
+        raise ConfigError(f"model.lr must be a finite number > 0, got {lr}")
+    if not (_real(min_lr_ratio) and 0 <= min_lr_ratio <= 1):
+        raise ConfigError(f"model.min_lr_ratio must be between 0 and 1 (the final LR over lr), got {min_lr_ratio}")
+    if not (isinstance(warmup_steps, int) and not isinstance(warmup_steps, bool) and warmup_steps >= 0):
+        raise ConfigError(f"model.warmup_steps must be an integer >= 0, got {warmup_steps}")
+    if not (_real(weight_decay) and weight_decay >= 0):
+        raise ConfigError(f"model.weight_decay must be a finite number >= 0, got {weight_decay}")
+    if not (isinstance(betas, (list, tuple)) and len(betas) == 2 and all(_real(b) and 0 <= b < 1 for b in betas)):
+        raise ConfigError(f"model.betas must be two numbers in [0, 1), got {betas}")
 
 
 # A named instance rather than a call in the signature (ruff B008). It must stay a ModelConfig: LightningCLI
@@ -82,6 +109,7 @@ class LitLM(L.LightningModule):
         fp8: Literal["torchao"] | None = None,
     ) -> None:
         super().__init__()
+        check_hyperparameters(lr, min_lr_ratio, warmup_steps, weight_decay, betas)
         self.save_hyperparameters()
         self.config = config
         self.model = apply_fp8(ToyLM(config), fp8)
