@@ -14,7 +14,7 @@ SMALL = ["--model.config.d_model", "96", "--model.config.n_layers", "2", "--mode
          "--model.config.d_ff", "200", "--model.config.context_length", "48", "--data.batch_size", "3"]  # fmt: skip
 
 
-@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "bf16-true"])
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "16-mixed", "bf16-true"])
 def test_account_measure_matches_prediction(workdir, capsys, precision):
     result = run_json(
         capsys, "account", "--config", "configs/tiny.yaml", *SMALL, "--trainer.precision", precision,
@@ -32,10 +32,15 @@ def test_account_measure_matches_prediction(workdir, capsys, precision):
         assert memory[row]["predicted"] == memory[row]["measured"], row
     acts = memory["activations"]
     assert abs(acts["predicted"] - acts["measured"]) <= 0.03 * acts["measured"]
-    assert memory["peak"]["measured"] is None  # CPU: no allocator statistics to read a peak from
+    # CPU: live tensor bytes over a steady step (ledger.memtrack), where the prediction says
+    peak = memory["peak"]
+    assert abs(peak["predicted"] - peak["measured"]) <= 0.02 * peak["measured"]
+    assert result["run"]["measured_peak_phase"] == {"embedding backward": "backward"}.get(
+        result["run"]["peak_phase"], result["run"]["peak_phase"]
+    )
     state_bytes = sum(memory[row]["measured"] for row in ("params", "grads", "optimizer"))
     bytes_per_param = state_bytes / result["params"]
-    assert bytes_per_param == pytest.approx({"32-true": 16, "bf16-mixed": 16, "bf16-true": 8}[precision])
+    assert bytes_per_param == pytest.approx(8 if precision == "bf16-true" else 16)
 
 
 def test_account_without_measure_sizes_a_3b_config_instantly(workdir, capsys):

@@ -13,6 +13,7 @@ from lmledger.errors import UserError
 from lmledger.ledger import flops as ledger_flops
 from lmledger.ledger import memory as ledger_memory
 from lmledger.ledger.hardware import Peak, compute_dtype_for_precision, peak_flops
+from lmledger.ledger.memtrack import track_peak
 from lmledger.ledger.units import format_bytes
 from lmledger.model import ToyLM, count_parameters
 from lmledger.runspec import RunSpec, load_run_spec, split_flags
@@ -68,7 +69,8 @@ def _measure_device(spec: RunSpec) -> torch.device:
 
 def measure(spec: RunSpec, device: torch.device) -> dict:
     """Build the model for real and run training steps: FLOPs counted once, saved activations on
-    the first step, state after the optimizer has stepped, CUDA peak over a second, steady step."""
+    the first step, state after the optimizer has stepped, the peak over a second, steady step (the
+    CUDA allocator's; elsewhere live tensor bytes, ledger.memtrack, with the phase it fell in)."""
     if spec.precision not in MEASURABLE:
         raise UserError(f"--measure supports precisions {', '.join(MEASURABLE)}, not {spec.precision}")
     if spec.world_size > 1 or spec.strategy != "ddp":
@@ -100,19 +102,29 @@ def measure(spec: RunSpec, device: torch.device) -> dict:
     optimizer.step()
     state = ledger_memory.measure_state_bytes(model, optimizer)
 
-    def step() -> None:
+    def step(phase=lambda name: None) -> None:
         # Lightning's order: forward, then zero_grad, backward, step (last step's grads live through forward).
+        phase("forward")
         with autocast():
             loss = model(x, y)
+        phase("zero_grad")
         optimizer.zero_grad(set_to_none=True)
+        phase("backward")
         loss.backward()
+        phase("optimizer step")
         optimizer.step()
 
-    peak = ledger_memory.measure_peak_cuda(step, device) if device.type == "cuda" else None
+    if device.type == "cuda":
+        peak, peak_phase = ledger_memory.measure_peak_cuda(step, device), None
+    else:
+        with track_peak(model, optimizer, x, y) as tracker:
+            step(tracker.phase)
+        peak, peak_phase = tracker.peak_bytes, tracker.peak_phase
     seconds = step_seconds(step, device)
     return {
         "flops": {"measured": counted.total},
         "memory": {**state, "activations": saved.activations, "peak": peak},
+        "peak_phase": peak_phase,
         "autocast_weight_copies": saved.autocast_weight_copies,
         "step_seconds": seconds,
     }
@@ -206,6 +218,7 @@ def account(spec: RunSpec, do_measure: bool) -> dict:
             "vocab_from_data": spec.vocab_from_data,
             "device": device.type,
             "peak_phase": predicted["peak_phase"],
+            "measured_peak_phase": measured["peak_phase"] if measured else None,
         },
         "mfu_conventions": mfu_conventions(spec, measured["step_seconds"] if measured else None, device),
     }
@@ -244,11 +257,7 @@ def print_table(result: dict) -> None:
     add_row("hardware FLOPs (as kernels)", {"predicted": f["hardware"], "measured": f["measured"]}, _fmt)
     for row in MEMORY_ROWS:
         m = result["memory"][row]
-        label = f"{row} (bytes)"
-        if row == "peak" and m["measured"] is None and run["device"] == "cpu" and was_measured:
-            table.add_row(label, format_bytes(m["predicted"]), "n/a (CPU)", "")
-            continue
-        add_row(label, m, format_bytes)
+        add_row(f"{row} (bytes)", m, format_bytes)
     w = result["autocast_weight_copies"]
     if w["predicted"]:
         add_row("autocast weight copies", w, format_bytes)
@@ -257,7 +266,9 @@ def print_table(result: dict) -> None:
     if result["memory"]["peak"]["predicted"] is None:
         print(f"activations and peak not predicted: {run['peak_phase']}; {where}")
     else:
-        print(f"predicted peak falls in: {run['peak_phase']}; {where}")
+        measured_in = run["measured_peak_phase"]
+        measured_in = f"; measured peak (live tensor bytes) in: {measured_in}" if measured_in else ""
+        print(f"predicted peak falls in: {run['peak_phase']}{measured_in}; {where}")
     print_conventions(result["mfu_conventions"], run)
 
 
