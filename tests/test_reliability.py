@@ -6,12 +6,15 @@ traceback, and leave every file already on disk as it was.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import math
 import os
 import random
 import re
+import resource
 import shutil
 import signal
 import time
@@ -25,7 +28,13 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from conftest import MICRO_OVERRIDES, read_scalars
 from lmledger.callbacks.nonfinite import NonFiniteGuard
-from lmledger.checkpointing import AtomicCheckpointIO, StepSeeder, make_last_checkpoint_atomic, open_checkpoint
+from lmledger.checkpointing import (
+    AtomicCheckpointIO,
+    StepSeeder,
+    atomic_write,
+    make_last_checkpoint_atomic,
+    open_checkpoint,
+)
 from lmledger.cli import main as lmledger
 from lmledger.errors import UserError
 
@@ -343,9 +352,20 @@ def test_data_too_short_for_the_context(workdir, small_data, capsys):
         (["--trainer.accelerator", "cpu", "--trainer.strategy", "fsdp", "--trainer.devices", "2"],
          "The strategy `fsdp` requires a GPU accelerator"),
         (["--trainer.devices", "0"], "`Trainer(devices='0')` value is not a valid input"),
+        (["--trainer.devices", "-3"], "--trainer.devices must be a count >= 1"),
+        (["--trainer.gradient_clip_val", "-1"], "--trainer.gradient_clip_val must be >= 0"),
+        (["--trainer.accumulate_grad_batches", "0"], "--trainer.accumulate_grad_batches must be an integer >= 1"),
+        (["--model.min_lr_ratio", "5"], "model.min_lr_ratio must be between 0 and 1"),
+        (["--model.lr", "-1"], "model.lr must be a finite number > 0, got -1"),
+        (["--model.lr", ".nan"], "model.lr must be a finite number > 0, got nan"),
+        (["--ckpt_path", "best"], "--ckpt_path best: there is no 'best' checkpoint"),
+        (["--ckpt_path", "hpc"], "--ckpt_path hpc: there is no 'hpc' checkpoint"),
+        (["--ckpt_path", "https://example.com/x.ckpt"], "remote checkpoints are not supported here"),
+        (["--ckpt_path", "s3://bucket/x.ckpt"], "remote checkpoints are not supported here"),
     ],
     ids=["unknown key", "wrong type", "int expected", "missing value", "missing config", "invalid shape", "gpu", "cuda",
-         "negative skips", "fsdp on cpu", "zero devices"],
+         "negative skips", "fsdp on cpu", "zero devices", "negative devices", "negative clip", "zero accumulation",
+         "min_lr_ratio 5", "negative lr", "nan lr", "best", "hpc", "https", "s3"],
 )  # fmt: skip
 def test_bad_config_is_one_line(workdir, capsys, args, expected):
     if args[:1] == ["--trainer.accelerator"] and torch.cuda.is_available():
@@ -361,6 +381,37 @@ def test_unknown_key_in_a_config_file(workdir, capsys):
     Path("extra.yaml").write_text("model:\n  learning_rate: 0.1\n")
     assert fit("--config", "extra.yaml") == 2
     assert "learning_rate" in one_error_line(capsys)
+
+
+@pytest.mark.parametrize(
+    ("fragment", "expected"),
+    [
+        ("data: [1, 2]\n", "config extra.yaml: `data` must be a mapping of settings"),
+        ("model: {config: 5}\n", "config extra.yaml: `model.config` must be a mapping of settings"),
+        ("trainer: 3\n", "config extra.yaml: `trainer` must be a mapping of settings"),
+    ],
+    ids=["data list", "model.config int", "trainer int"],
+)
+def test_a_config_section_that_is_not_a_mapping(workdir, capsys, fragment, expected):
+    # jsonargparse reset `data: [1, 2]` to the class defaults and trained on them; `config: 5` blamed context_length.
+    Path("extra.yaml").write_text(fragment)
+    assert fit("--config", "extra.yaml", "--trainer.max_steps", "1") == 2
+    assert expected in one_error_line(capsys)
+    assert not (workdir / "runs").exists()
+
+
+def test_a_data_path_that_is_not_utf8(workdir, small_data, capsys):
+    name = os.fsdecode(b"data-\xff")  # a byte that is no UTF-8, as a Latin-1 file name arrives in sys.argv
+    os.symlink(small_data, workdir / name)
+    assert fit("--data.path", name, "--trainer.max_steps", "1") == 2
+    assert "is not valid UTF-8" in one_error_line(capsys)
+    assert not (workdir / "runs").exists()
+
+
+def test_validate_needs_a_checkpoint(workdir, capsys):
+    assert lmledger(["validate", "--config", "configs/tiny.yaml", *MICRO_OVERRIDES]) == 2
+    assert "validate needs --ckpt_path" in one_error_line(capsys, "validate")
+    assert not (workdir / "runs").exists()  # no empty training-run version either
 
 
 @pytest.fixture
@@ -391,6 +442,105 @@ def test_bad_checkpoints_are_one_line(trained, workdir, capsys):
     assert_nothing_overwritten(before, workdir)
 
 
+def test_checkpoints_named_like_lightnings_keywords_are_checked_too(trained, workdir, capsys):
+    # Names starting with last/best/hpc/registry skipped the pre-check (a `startswith` test) and gave tracebacks.
+    truncated = workdir / "last.ckpt"
+    truncated.write_bytes(trained.read_bytes()[:1000])
+    pickled = workdir / "best_model.ckpt"
+    torch.save({"state_dict": {}, "x": _Evil()}, pickled)
+    before = snapshot(workdir)
+    for ckpt, expected in ((truncated, "cannot be read"), (pickled, "refused for safety")):
+        assert fit("--ckpt_path", ckpt.name) == 2
+        line = one_error_line(capsys)
+        assert f"checkpoint {ckpt.name}" in line and expected in line, line
+    assert_nothing_overwritten(before, workdir)
+
+
+class _Evil:
+    def __reduce__(self):
+        return (print, ("pickled code ran",))
+
+
+def _with_hparams(trained: Path, path: Path, hparams) -> Path:
+    checkpoint = torch.load(trained, weights_only=True)
+    checkpoint["hyper_parameters"] = hparams
+    torch.save(checkpoint, path)
+    return path
+
+
+def test_a_checkpoints_bad_hyperparameters_are_blamed_on_the_checkpoint(trained, workdir, capsys):
+    hparams = torch.load(trained, weights_only=True)["hyper_parameters"]
+    cases = [
+        (_with_hparams(trained, workdir / "list.ckpt", list(hparams.items())), "stores its hyperparameters as a list"),
+        (_with_hparams(trained, workdir / "lr.ckpt", {**hparams, "lr": -1.0}), "model.lr must be a finite number"),
+        (_with_hparams(trained, workdir / "type.ckpt", {**hparams, "lr": "fast"}), "finite number > 0, got fast"),
+        (_with_hparams(trained, workdir / "config.ckpt", {**hparams, "config": 5}), "holds hyperparameters this model"),
+    ]
+    before = snapshot(workdir)
+    for ckpt, expected in cases:
+        for command in ("fit", "validate"):
+            capsys.readouterr()
+            assert lmledger([command, "--config", "configs/tiny.yaml", *MICRO_OVERRIDES, "--ckpt_path", str(ckpt)]) == 2
+            line = one_error_line(capsys, command)
+            assert f"checkpoint {ckpt}" in line and expected in line, line
+    assert_nothing_overwritten(before, workdir)
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        (["--model.config.n_heads", "1"], ["model.config.n_heads: 2 in the checkpoint, 1 now"]),  # same shapes
+        (["--model.optimizer", "sgd", "--model.config.tie_embeddings", "true"],
+         ["model.config.tie_embeddings: False in the checkpoint, True now",
+          "model.optimizer: adamw in the checkpoint, sgd now"]),
+        (["--model.lr", "0.01"], ["model.lr: 0.003 in the checkpoint, 0.01 now"]),
+    ],
+    ids=["heads", "optimizer and tied embeddings", "lr"],
+)  # fmt: skip
+def test_resume_refuses_a_changed_model_or_optimizer(trained, workdir, capsys, change, expected):
+    before = snapshot(workdir)
+    assert fit("--trainer.max_steps", "4", *change, "--ckpt_path", "last") == 2
+    line = one_error_line(capsys)
+    assert "was trained with other settings" in line and all(e in line for e in expected), line
+    assert_nothing_overwritten(before, workdir)
+    assert sorted(p.name for p in (workdir / "runs/tiny").iterdir()) == ["version_0"]
+    # What may change on resume: the length, logging, compilation choice.
+    ok = ["--trainer.max_steps", "3", "--trainer.log_every_n_steps", "2"]
+    assert fit(*ok, "--model.config.activation_checkpointing", "1", "--ckpt_path", "last") == 0
+
+
+def test_resume_onto_other_data_is_refused_unless_asked(workdir, small_data, capsys):
+    data = workdir / "mine"
+    shutil.copytree(small_data, data)
+    assert fit("--data.path", str(data), "--model.config.context_length", "8", "--trainer.max_steps", "2") == 0
+    # Re-prepared from other text: same vocabulary (bytes), other tokens.
+    src = workdir / "other-src"
+    src.mkdir()
+    for i in range(12):
+        (src / f"o{i:02d}.py").write_text(f"y = {i * 7}  # other\n" * (5 + i))
+    assert lmledger(["prepare", "--source", str(src), "--out", str(data), "--val-fraction", "0.1", "--overwrite"]) == 0
+    before = snapshot(workdir)
+    args = ["--data.path", str(data), "--model.config.context_length", "8", "--trainer.max_steps", "4"]
+    capsys.readouterr()
+    assert fit(*args, "--ckpt_path", "last") == 2
+    line = one_error_line(capsys)
+    assert "was trained on other data" in line and "train.bin" in line and "--allow_other_data true" in line, line
+    assert_nothing_overwritten(before, workdir)
+    assert fit(*args, "--ckpt_path", "last", "--allow_other_data", "true") == 0
+
+
+def test_data_edited_after_prepare_is_caught_by_its_hash(workdir, small_data, capsys):
+    data = workdir / "edited"
+    shutil.copytree(small_data, data)
+    with open(data / "train.bin", "r+b") as f:  # same size, same meta.json: only the hash can tell
+        first = f.read(1)
+        f.seek(0)
+        f.write(bytes([(first[0] + 1) % 60]))
+    assert fit("--data.path", str(data)) == 2
+    assert "train.bin has sha256" in one_error_line(capsys)
+    assert not (workdir / "runs").exists()
+
+
 def test_checkpoint_of_another_shape_is_one_line(trained, workdir, capsys):
     before = snapshot(workdir)
     assert fit("--model.config.d_model", "64", "--ckpt_path", "last") == 2
@@ -408,3 +558,88 @@ def test_prepare_refuses_to_overwrite(workdir, small_data, capsys):
     assert lmledger(["prepare", "--source", "stdlib", "--out", str(small_data)]) == 2
     assert "already holds prepared data" in one_error_line(capsys, "prepare")
     assert snapshot(small_data) == before
+
+
+# ------------------------------------------------------------------------------ interrupted runs
+
+
+class SelfSignal(pl.Callback):
+    """Test-only: sends this process `signum` as training batch `at_step` starts."""
+
+    def __init__(self, signum: int, at_step: int) -> None:
+        self.signum, self.at_step = signum, at_step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step == self.at_step:
+            os.kill(os.getpid(), self.signum)
+
+
+def test_ctrl_c_exits_130(workdir, capsys):
+    spec = {"class_path": f"{__name__}.SelfSignal", "init_args": {"signum": int(signal.SIGINT), "at_step": 2}}
+    # Lightning catches KeyboardInterrupt, shuts down and calls sys.exit(1); the shell convention is 128 + SIGINT.
+    assert fit("--trainer.max_steps", "6", "--trainer.callbacks+=" + json.dumps(spec)) == 130
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.splitlines()[-1] == "lmledger fit: interrupted"
+
+
+def test_a_disk_error_while_saving_names_the_file_and_keeps_the_old_one(tmp_path):
+    path = tmp_path / "last.ckpt"
+    AtomicCheckpointIO().save_checkpoint({"state_dict": {"w": torch.ones(2)}}, path)
+    before = path.read_bytes()
+
+    def full_disk(f):
+        f.write(b"x" * 10)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    with pytest.raises(UserError) as caught:
+        atomic_write(path, full_disk)
+    assert str(caught.value) == f"no space left on device while writing {path}; the previous last.ckpt is intact"
+    # torch.save turns the OSError into "RuntimeError: [enforce fail at inline_container.cc:...]"; still one line.
+    big = {"state_dict": {"w": torch.ones(1 << 16)}}
+    with pytest.raises(UserError, match="^file too large while writing .*; the previous last.ckpt is intact$"):
+        with _file_size_limit(1 << 12):
+            AtomicCheckpointIO().save_checkpoint(big, path)
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]  # no temp file left behind
+
+
+@contextlib.contextmanager
+def _file_size_limit(limit: int):
+    """RLIMIT_FSIZE for this process: writes past `limit` bytes fail with EFBIG (SIGXFSZ ignored)."""
+    old_limit, old_handler = resource.getrlimit(resource.RLIMIT_FSIZE), signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, old_limit[1]))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, old_limit)
+        signal.signal(signal.SIGXFSZ, old_handler)
+
+
+def test_a_full_disk_during_a_fit_is_one_line(workdir, capsys):
+    assert fit("--trainer.max_steps", "2") == 0
+    ckpt = workdir / "runs/tiny/version_0/checkpoints/last.ckpt"
+    before = ckpt.read_bytes()
+    # The checkpoint (~330 kB) is the only file of the run past the limit; a real full disk fails the same write.
+    spec = {"class_path": f"{__name__}.FileSizeLimit", "init_args": {"limit": 200_000}}
+    assert fit("--trainer.max_steps", "4", "--ckpt_path", "last", "--trainer.callbacks+=" + json.dumps(spec)) == 2
+    line = one_error_line(capsys, after_training=True)
+    shown = ckpt.relative_to(workdir)
+    assert line == f"lmledger fit: error: file too large while writing {shown}; the previous last.ckpt is intact"
+    assert ckpt.read_bytes() == before
+    assert sorted(p.name for p in ckpt.parent.iterdir()) == ["last.ckpt"]
+
+
+class FileSizeLimit(pl.Callback):
+    """Test-only: a file size limit for the training steps of this fit (lifted when the fit ends)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self._context = limit, None
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self._context = _file_size_limit(self.limit)
+        self._context.__enter__()
+
+    def teardown(self, trainer, pl_module, stage) -> None:
+        if self._context is not None:
+            self._context.__exit__(None, None, None)
+            self._context = None

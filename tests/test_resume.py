@@ -120,3 +120,67 @@ def test_same_seed_same_curve_and_the_saved_config_reproduces_a_run(workdir):
     assert seed != 1234
     assert lmledger(fit_args("tiny", *ten_steps)) == 0
     assert losses(2) != losses(0)
+
+
+# ------------------------------------------------------------------------------------- resume, every time
+
+
+def curve(run_dir: Path) -> list[dict[int, float]]:
+    """train/loss per event file of a run directory, oldest first."""
+    files = sorted(run_dir.glob("events.out.tfevents.*"), key=lambda p: int(p.name.split(".")[3]))
+    return [dict(read_scalars(f).get("train/loss", [])) for f in files]
+
+
+def self_term(step: int) -> str:
+    return "--trainer.callbacks+=" + f'{{"class_path": "test_preemption.SelfTerm", "init_args": {{"at_step": {step}}}}}'
+
+
+def test_a_moved_run_resumes_from_its_newest_checkpoint(workdir, capsys):
+    assert lmledger(fit_args("whole")) == 0
+    assert lmledger(fit_args("A", self_term(5))) == 143  # saved at step 6
+    Path("runs/A").rename("runs/B")
+    # Lightning no longer recognises its last.ckpt (the recorded path moved) and saves last-v1.ckpt beside it.
+    assert lmledger(fit_args("B", self_term(8), "--ckpt_path", "last")) == 143  # saved at step 9
+    checkpoints = Path("runs/B/version_0/checkpoints")
+    steps = {p.name: open_checkpoint(p)["global_step"] for p in checkpoints.glob("*.ckpt")}
+    assert steps == {"last.ckpt": 6, "last-v1.ckpt": 9}
+    capsys.readouterr()
+    assert lmledger(fit_args("B", "--ckpt_path", "last")) == 0
+    # One line, before training, names the run and the step it resumes.
+    out = capsys.readouterr().out.splitlines()
+    assert f"lmledger fit: resuming {Path('runs/B/version_0')} at step 9 from last-v1.ckpt" in out
+    pieces = curve(Path("runs/B/version_0"))
+    whole = dict(read_scalars(Path("runs/whole/version_0"))["train/loss"])
+    assert sorted(s for piece in pieces for s in piece) == list(range(MAX_STEPS))  # no step repeated or lost
+    assert all(piece == {s: whole[s] for s in piece} for piece in pieces)
+
+
+def test_a_finished_run_says_so_and_a_longer_one_trains_the_extra_steps(workdir, capsys):
+    from test_reliability import snapshot
+
+    assert lmledger(fit_args("done")) == 0
+    run = Path("runs/done/version_0")
+    before = snapshot(workdir)
+    capsys.readouterr()
+    assert lmledger(fit_args("done", "--ckpt_path", "last")) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert f"lmledger fit: {run} finished at step {MAX_STEPS}; nothing to resume" in out[-1]
+    assert snapshot(workdir) == before  # nothing written, not even a resumed config
+
+    assert lmledger(fit_args("done", "--trainer.max_steps", str(MAX_STEPS + 4), "--ckpt_path", "last")) == 0
+    first, extension = curve(run)
+    assert sorted(first) == list(range(MAX_STEPS))
+    assert sorted(extension) == list(range(MAX_STEPS, MAX_STEPS + 4))
+    assert open_checkpoint(run / "checkpoints/last.ckpt")["global_step"] == MAX_STEPS + 4
+
+
+def test_validate_last_then_resume_again(workdir, capsys):
+    """validate --ckpt_path last writes nothing into the run, so the run resumes as before."""
+    assert lmledger(fit_args("v", self_term(3))) == 143
+    run = Path("runs/v/version_0")
+    files = sorted(p.name for p in run.rglob("*"))
+    validate = ["validate", "--config", "configs/tiny.yaml", *FAST, "--trainer.logger.init_args.name", "v"]
+    assert lmledger([*validate, "--ckpt_path", "last"]) == 0
+    assert sorted(p.name for p in run.rglob("*")) == files and sorted(Path("runs/v").iterdir()) == [run]
+    assert lmledger(fit_args("v", "--ckpt_path", "last")) == 0
+    assert sorted(s for piece in curve(run) for s in piece) == list(range(MAX_STEPS))

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import math
+import os
 import subprocess
 import sys
+import time
+from pathlib import Path
 
+import lightning.pytorch as pl
 import pytest
 import torch
 import yaml
 
-from conftest import TINY_OVERRIDES, read_scalars
+from conftest import MICRO_OVERRIDES, TINY_OVERRIDES, read_scalars
 from lmledger.cli import main as lmledger
 from lmledger.lit import LitLM
 from lmledger.model import ModelConfig
@@ -98,3 +102,39 @@ def test_progress_bar_loss_is_the_training_loss_under_accumulation(stdlib_data):
     # The bar shows the last micro-batch's loss as training_step returned it (Lightning's own outputs["loss"]
     # is divided by accumulate_grad_batches), as a host value.
     assert trainer.progress_bar_metrics["loss"] == pytest.approx(trainer.callback_metrics["train/loss"].item())
+
+
+class WidenVersionWindow(pl.Callback):
+    """Test-only: reads the run's version as the fit sets up, then waits, as a slow file system would between
+    Lightning choosing a version and creating its directory."""
+
+    def setup(self, trainer, pl_module, stage) -> None:
+        trainer.logger.version  # noqa: B018 (the read that picks a version)
+        time.sleep(3)
+
+
+def test_two_fits_started_together_get_their_own_versions(workdir):
+    widen = '{"class_path": "test_train_cli.WidenVersionWindow"}'
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+    command = [sys.executable, "-m", "lmledger.cli", "fit", "--config", "configs/tiny.yaml", *MICRO_OVERRIDES,
+               "--trainer.max_steps", "2", "--trainer.logger.init_args.name", "race",
+               "--trainer.callbacks+=" + widen]  # fmt: skip
+    pipes = {"stdout": subprocess.DEVNULL, "stderr": subprocess.PIPE, "text": True}
+    runs = [subprocess.Popen(command, env=env, **pipes) for _ in "ab"]
+    results = [(run.wait(timeout=300), run.stderr.read()) for run in runs]
+    assert [code for code, _ in results] == [0, 0], [err[-1500:] for _, err in results]
+    versions = sorted(p.name for p in (workdir / "runs/race").iterdir())
+    assert versions == ["version_0", "version_1"]
+    for version in versions:
+        assert len(list((workdir / "runs/race" / version).glob("events.out.tfevents.*"))) == 1, version
+
+
+def test_validate_writes_no_run_directory(workdir, capsys):
+    assert lmledger(["fit", "--config", "configs/tiny.yaml", *MICRO_OVERRIDES, "--trainer.max_steps", "2"]) == 0
+    before = sorted(str(p) for p in workdir.rglob("*") if "data" not in p.parts)
+    ckpt = "runs/tiny/version_0/checkpoints/last.ckpt"
+    for path in (ckpt, "last"):
+        validate = ["validate", "--config", "configs/tiny.yaml", *MICRO_OVERRIDES, "--trainer.limit_val_batches", "2"]
+        assert lmledger([*validate, "--ckpt_path", path]) == 0
+        assert "val/loss" in capsys.readouterr().out
+    assert sorted(str(p) for p in workdir.rglob("*") if "data" not in p.parts) == before

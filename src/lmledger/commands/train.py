@@ -29,6 +29,7 @@ from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import Trainer
 from lightning.pytorch.accelerators import MPSAccelerator
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.plugins.io import TorchCheckpointIO
@@ -397,6 +398,8 @@ class LedgerCLI(LightningCLI):
         make_last_checkpoint_atomic(trainer.callbacks)
         if self.subcommand == "fit":
             trainer.callbacks.append(PreemptionCheckpoint())
+        else:  # validate saves nothing; a ModelCheckpoint there only warns that its directory differs
+            trainer.callbacks = [c for c in trainer.callbacks if not isinstance(c, ModelCheckpoint)]
         return trainer
 
     def _check_checkpoint(self) -> None:
