@@ -27,14 +27,16 @@ from __future__ import annotations
 
 import copy
 import gc
+import sys
 from collections import defaultdict
-from collections.abc import Callable, Mapping
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
+from unittest import mock
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.optim.optimizer import _get_foreach_kernels_supported_devices
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map_only
@@ -136,7 +138,7 @@ def dry_run(
     except Exception as err:  # deepcopy or fake conversion: a model we cannot copy
         return NotTraced(f"could not copy the model onto fake tensors: {_one_line(err)}")
     try:
-        with mode, _RealOutputStorages():
+        with mode, _RealOutputStorages(), _eager_library_decisions():
             return _ledger_of_step(fake_model, fake_batch, step, fake_optimizer, autocast, target)
     except UserError:
         raise
@@ -326,6 +328,28 @@ class _RealOutputStorages(TorchDispatchMode):
             buffer = torch.empty(shape, dtype=out.dtype, device=out.device)
             return buffer.as_strided((), ())
         return out
+
+
+@contextmanager
+def _eager_library_decisions() -> Iterator[None]:
+    """Let libraries that branch on "am I being traced?" take their eager branch on fake tensors.
+
+    Hugging Face transformers (masking_utils.find_packed_sequence_indices) reads the position ids to
+    tell packed sequences apart; on a fake tensor it cannot, so it assumes packing and materializes
+    a (batch, 1, seq, seq) mask, which also makes grouped-query attention repeat k and v. Eagerly,
+    on the position ids its models make themselves, it finds no packing and lets SDPA mask causally.
+    The dry run answers "not packed": batches of packed sequences are not modelled."""
+    masking = sys.modules.get("transformers.masking_utils")
+    finder = getattr(masking, "find_packed_sequence_indices", None)
+    if finder is None:
+        yield
+        return
+
+    def not_packed_when_fake(position_ids: torch.Tensor) -> torch.Tensor | None:
+        return None if isinstance(position_ids, FakeTensor) else finder(position_ids)
+
+    with mock.patch.object(masking, "find_packed_sequence_indices", not_packed_when_fake):
+        yield
 
 
 def _cast_batch(batch: object, dtype: torch.dtype | None) -> object:

@@ -1,0 +1,9 @@
+"""Short LightningModules around other people's models, trained with lmledger's data and ledger.
+
+    hf_lm.LlamaLM, hf_lm.GPT2LM   Hugging Face transformers' LlamaForCausalLM / GPT2LMHeadModel, tiny,
+                                  built from a config object (no download); needs `pip install .[hf]`
+    byte_convnet.ByteConvNet      a causal 1-D convolutional net over bytes: no attention, no transformers
+
+Each has a config under configs/examples/; `python -m examples.fit fit --config configs/examples/X.yaml`
+(from the repository root) trains it on the prepared stdlib corpus. docs/any-model.md has the details.
+"""

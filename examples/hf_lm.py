@@ -1,0 +1,141 @@
+"""Hugging Face causal LMs as LightningModules: LlamaForCausalLM and GPT2LMHeadModel, tiny, no download.
+
+The model is built from a config object (random weights), so nothing is fetched from the Hub. Batches
+are lmledger's (inputs, targets) token windows, targets already shifted by one, so the loss is taken
+here on every position (Hugging Face's `labels=` would shift a second time). Weight decay applies to
+matrices only, as in lmledger.lit.LitLM.
+"""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lmledger.errors import ConfigError
+
+
+class HFCausalLM(pl.LightningModule):
+    """A `transformers` causal LM trained on (inputs, targets) token windows; subclasses build the model."""
+
+    def __init__(self, lr: float = 3e-3, weight_decay: float = 0.1, activation_checkpointing: int = 0) -> None:
+        super().__init__()
+        self.lr, self.weight_decay = lr, weight_decay
+        self.model = self.build()
+        if activation_checkpointing:
+            # Recompute every n-th decoder layer in backward (non-reentrant torch.utils.checkpoint).
+            kwargs = {"use_reentrant": False}
+            if hasattr(self.model, "activation_checkpointing_enable"):  # newer transformers (5.24 has it)
+                self.model.activation_checkpointing_enable(kwargs, every_n_layers=activation_checkpointing)
+            elif activation_checkpointing == 1:
+                self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+            else:
+                raise ConfigError("checkpointing every n-th layer needs a newer transformers: use 0 or 1")
+
+    def build(self) -> nn.Module:
+        raise NotImplementedError
+
+    def loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        inputs, targets = batch
+        logits = self.model(input_ids=inputs, use_cache=False).logits
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
+        loss = self.loss(batch)
+        self.log("train/loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx: int) -> None:
+        self.log("val/loss", self.loss(batch), prog_bar=True)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        params = [p for p in self.parameters() if p.requires_grad]
+        groups = [
+            {"params": [p for p in params if p.ndim >= 2], "weight_decay": self.weight_decay},
+            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+        ]
+        return torch.optim.AdamW(groups, lr=self.lr)
+
+
+class LlamaLM(HFCausalLM):
+    """LlamaForCausalLM: RMSNorm, RoPE, SwiGLU, grouped-query attention, untied LM head."""
+
+    def __init__(
+        self,
+        vocab_size: int = 256,
+        context_length: int = 128,
+        hidden_size: int = 128,
+        num_layers: int = 4,
+        num_heads: int = 4,
+        num_kv_heads: int = 2,
+        intermediate_size: int = 384,
+        lr: float = 3e-3,
+        weight_decay: float = 0.1,
+        activation_checkpointing: int = 0,
+    ) -> None:
+        self.hf_config = _llama_config(
+            vocab_size, context_length, hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size
+        )
+        super().__init__(lr, weight_decay, activation_checkpointing)
+        self.save_hyperparameters()
+
+    def build(self) -> nn.Module:
+        from transformers import LlamaForCausalLM
+
+        return LlamaForCausalLM(self.hf_config)
+
+
+class GPT2LM(HFCausalLM):
+    """GPT2LMHeadModel: LayerNorm, learned positions, GELU MLP (4x), tied LM head, biases."""
+
+    def __init__(
+        self,
+        vocab_size: int = 256,
+        context_length: int = 128,
+        hidden_size: int = 128,
+        num_layers: int = 4,
+        num_heads: int = 4,
+        dropout: float = 0.0,
+        lr: float = 3e-3,
+        weight_decay: float = 0.1,
+        activation_checkpointing: int = 0,
+    ) -> None:
+        from transformers import GPT2Config
+
+        self.hf_config = GPT2Config(
+            vocab_size=vocab_size,
+            n_positions=context_length,
+            n_embd=hidden_size,
+            n_layer=num_layers,
+            n_head=num_heads,
+            resid_pdrop=dropout,
+            embd_pdrop=dropout,
+            attn_pdrop=dropout,
+            bos_token_id=0,  # GPT-2's own ids (50256) lie outside a byte vocabulary
+            eos_token_id=0,
+        )
+        super().__init__(lr, weight_decay, activation_checkpointing)
+        self.save_hyperparameters()
+
+    def build(self) -> nn.Module:
+        from transformers import GPT2LMHeadModel
+
+        return GPT2LMHeadModel(self.hf_config)
+
+
+def _llama_config(vocab, context, hidden, layers, heads, kv_heads, intermediate):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=vocab,
+        max_position_embeddings=context,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        intermediate_size=intermediate,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=None,
+    )
