@@ -88,3 +88,21 @@ def test_bad_input_is_one_line(workdir, capsys, argv, message):
     assert lmledger(argv) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("lmledger")]
     assert len(err) == 1 and message in err[0], err
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_account_follows_deepspeed_for_a_deepspeed_strategy(workdir, capsys, stage):
+    result = run_json(
+        capsys, "account", "--config", "configs/cs336-xl.yaml", "--trainer.strategy", f"deepspeed_stage_{stage}",
+        "--trainer.devices", "8", "--trainer.precision", "bf16-mixed", "--json",
+    )  # fmt: skip
+    assert result["run"]["strategy"] == f"deepspeed_stage_{stage}" and result["run"]["world_size"] == 8
+    n = result["params"]
+    state = sum(result["memory"][row]["predicted"] for row in ("params", "grads", "optimizer"))
+    # DeepSpeed's estimators: 2N + 18N/8 (ZeRO-2), 18N/8 + 4 x the largest layer (ZeRO-3: the
+    # 10,000 x 1,600 embedding, above the 6,400 x 1,600 MLP matrices); its bf16 mode has no
+    # autocast, so no weight copies
+    largest = 10_000 * 1_600 if stage == 3 else 0
+    expected = (2 * n if stage == 2 else 0) + 18 * -(-n // 8) + 4 * largest
+    assert state == expected
+    assert result["autocast_weight_copies"]["predicted"] == 0

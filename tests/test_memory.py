@@ -11,6 +11,7 @@ from lmledger.errors import UserError
 from lmledger.ledger.memory import (
     activation_bytes,
     bytes_per_param,
+    largest_layer_params,
     measure_peak_cuda,
     measure_saved_activations,
     measure_state_bytes,
@@ -77,12 +78,57 @@ def random_batch(cfg: ModelConfig, batch: int, seq: int, device: str = "cpu"):
         ("32-true", "adamw", "zero3", 4, 16 / 4),
         ("32-true", "adamw", "zero1", 4, 4 + 4 + 8 / 4),
         ("32-true", "adamw", "zero2", 4, 4 + (4 + 8) / 4),
-        ("bf16-true", "sgd", "deepspeed_stage_2", 2, 2 + (2 + 2) / 2),
+        # DeepSpeed: 16-bit model, and per rank's partition an fp32 master, fp32 grads for the step
+        # and fp32 optimizer states, whatever Lightning precision asked for 16 bits.
+        ("bf16-true", "sgd", "deepspeed_stage_2", 2, 2 + (2 + 4) / 2 + (4 + 4) / 2),
+        ("bf16-mixed", "adamw", "deepspeed_stage_1", 8, 2 + 2 + (4 + 4 + 8) / 8),
+        ("16-mixed", "adamw", "deepspeed_stage_2", 8, 2 + (2 + 4 + 4 + 8) / 8),
+        ("bf16-mixed", "adamw", "deepspeed_stage_3", 8, (2 + 4 + 4 + 8) / 8),
+        # 32-true: no fp32 cast of the grads; stages 1 and 2 still clone a master, stage 3 reuses the params
+        ("32-true", "adamw", "deepspeed_stage_2", 4, 4 + (4 + 4 + 8) / 4),
+        ("32-true", "adamw", "deepspeed_stage_3", 4, (4 + 4 + 8) / 4),
         ("bf16", "adamw", "ddp", 1, 16),  # Lightning's short name for bf16-mixed
     ],
 )
 def test_bytes_per_param_conventions(precision, optimizer, strategy, world_size, expected):
     assert bytes_per_param(precision, optimizer, strategy, world_size) == pytest.approx(expected)
+
+
+def test_deepspeed_stage_3_gathers_the_largest_layer_and_refuses_unknown_precisions():
+    cfg = small_config(vocab_size=1000)  # the 1000 x 120 embedding is the largest module
+    n, layer = count_parameters(cfg), largest_layer_params(cfg)
+    assert layer == 1000 * 120
+    state = state_bytes(n, "bf16-mixed", "adamw", "deepspeed_stage_3", 4, largest_layer=layer)
+    per_rank = -(-n // 4)
+    assert state == {"params": 2 * per_rank + 2 * layer, "grads": 4 * per_rank + 2 * layer, "optimizer": 12 * per_rank}
+    with pytest.raises(UserError, match="DeepSpeed runs"):
+        state_bytes(n, "64-true", "adamw", "deepspeed_stage_2", 4)
+    # its forward runs the 16-bit model without autocast: no weight copies in the peak
+    zero3 = peak_bytes(cfg, 2, 32, "bf16-mixed", "adamw", "deepspeed_stage_3", 4, device="cuda")
+    assert zero3.autocast_weight_copies == 0
+    assert zero3.activations == activation_bytes(cfg, 2, 32, "bf16-true", "cuda").total
+
+
+@pytest.mark.parametrize("gpus_per_node, nodes", [(1, 1), (2, 1), (8, 1), (8, 4), (3, 1)])
+@pytest.mark.parametrize("tied", [False, True])
+def test_deepspeed_rows_equal_deepspeeds_own_estimators(gpus_per_node, nodes, tied):
+    stage_2 = pytest.importorskip("deepspeed.runtime.zero.stage_1_and_2", reason="deepspeed is an optional dependency")
+    stage_3 = pytest.importorskip("deepspeed.runtime.zero.stage3")
+    cfg = small_config(vocab_size=1000, n_layers=3, tie_embeddings=tied)
+    torch.manual_seed(0)
+    model = ToyLM(cfg)  # DeepSpeed counts a real model: unique storages, and each module's own params
+    n, layer = stage_3.model_to_params(model)
+    assert (n, layer) == (count_parameters(cfg), largest_layer_params(cfg))
+    world = gpus_per_node * nodes
+    for precision in ("bf16-mixed", "16-mixed", "bf16-true"):
+        zero2 = sum(state_bytes(n, precision, "adamw", "deepspeed_stage_2", world).values())
+        _, gpu = stage_2.estimate_zero2_model_states_mem_needs(n, gpus_per_node, nodes, cpu_offload=False)
+        assert 0 <= zero2 - gpu < 18  # we round each rank's share up, DeepSpeed's int() rounds down
+        zero3 = sum(state_bytes(n, precision, "adamw", "deepspeed_stage_3", world, largest_layer=layer).values())
+        _, gpu, _ = stage_3.estimate_zero3_model_states_mem_needs(
+            n, layer, gpus_per_node, nodes, cpu_offload=False, cpu_offload_params=False
+        )
+        assert 0 <= zero3 - gpu < 18
 
 
 def test_transformer_engine_fp32_master_and_sgd_without_momentum():

@@ -20,9 +20,10 @@ from lmledger.precision import requested_precision
 
 SHARDING_STRATEGIES = {
     "fsdp": "fsdp",
-    "deepspeed_stage_1": "zero1",
-    "deepspeed_stage_2": "zero2",
-    "deepspeed_stage_3": "zero3",
+    # DeepSpeed keeps its own rows in ledger.memory (16-bit model, fp32 master in the optimizer)
+    "deepspeed_stage_1": "deepspeed_stage_1",
+    "deepspeed_stage_2": "deepspeed_stage_2",
+    "deepspeed_stage_3": "deepspeed_stage_3",
 }
 
 
@@ -34,7 +35,7 @@ class RunSpec:
     precision: str
     weights_dtype: torch.dtype | None  # a Transformer Engine plugin's weights dtype (else None)
     optimizer: str
-    strategy: str  # a ledger.memory strategy name: ddp, fsdp, zero1, zero2, zero3
+    strategy: str  # a ledger.memory strategy name: ddp, fsdp, deepspeed_stage_1/2/3
     world_size: int
     accelerator: str
     data_path: str

@@ -47,8 +47,10 @@ from lmledger.callbacks.run import (
 from lmledger.errors import UserError
 from lmledger.ledger.memory import (
     activation_bytes,
+    largest_layer_params,
     measure_saved_activations,
     measure_state_bytes,
+    model_precision,
     normalize_precision,
     peak_bytes,
     state_bytes,
@@ -95,10 +97,11 @@ def predict_memory(run: LedgerRun, batch_size: int | None = None) -> MemoryPredi
     n_params = count_parameters(run.config)
     state = state_bytes(
         n_params, run.precision, run.optimizer, run.strategy, run.world_size,
-        momentum=run.momentum, weights_dtype=run.weights_dtype,
+        momentum=run.momentum, weights_dtype=run.weights_dtype, largest_layer=largest_layer_params(run.config),
     )  # fmt: skip
     try:
-        saved = activation_bytes(run.config, batch, run.seq_len, run.precision, run.device.type)
+        forward_precision = model_precision(run.precision, run.strategy)
+        saved = activation_bytes(run.config, batch, run.seq_len, forward_precision, run.device.type)
         peak = peak_bytes(
             run.config,
             batch,
@@ -114,7 +117,7 @@ def predict_memory(run: LedgerRun, batch_size: int | None = None) -> MemoryPredi
     except UserError as err:
         return MemoryPrediction(**state, activations=None, autocast_weight_copies=None, peak=None,
                                 peak_phase=None, unmodelled=str(err))  # fmt: skip
-    copies = saved.autocast_weight_copies if uses_autocast(run.precision) else None
+    copies = saved.autocast_weight_copies if uses_autocast(forward_precision) else None
     return MemoryPrediction(**state, activations=saved.total, autocast_weight_copies=copies, peak=peak.total,
                             peak_phase=peak.phase)  # fmt: skip
 

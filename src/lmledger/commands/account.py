@@ -36,10 +36,11 @@ def predict(spec: RunSpec, device: str) -> dict:
     report = ledger_flops.analytic_flops(cfg, b, t, training=True)
     state = ledger_memory.state_bytes(
         count_parameters(cfg), spec.precision, spec.optimizer, spec.strategy, spec.world_size,
-        weights_dtype=spec.weights_dtype,
+        weights_dtype=spec.weights_dtype, largest_layer=ledger_memory.largest_layer_params(cfg),
     )  # fmt: skip
     try:
-        acts = ledger_memory.activation_bytes(cfg, b, t, spec.precision, device)
+        forward_precision = ledger_memory.model_precision(spec.precision, spec.strategy)
+        acts = ledger_memory.activation_bytes(cfg, b, t, forward_precision, device)
         peak = ledger_memory.peak_bytes(
             cfg,
             b,

@@ -28,7 +28,31 @@ State conventions, bytes per parameter (per rank before sharding; "AdamW" = 2 st
 Sharding over `world_size` ranks (`strategy`): "ddp" (also "auto", "single_device") replicates
 everything; "zero1" divides the optimizer state, "zero2" also the grads, "zero3" / "fsdp" also the
 params. A divided term is ceil(n_params / world_size) elements per rank (FSDP pads its flat
-parameter to a multiple of the world size). Lightning's "deepspeed_stage_{1,2,3}" are accepted too.
+parameter to a multiple of the world size).
+
+DeepSpeed (Lightning's "deepspeed_stage_{1,2,3}") follows what its ZeRO optimizers allocate, not the
+table above: for any 16-bit precision Lightning hands DeepSpeed its "fp16" / "bf16" section, and
+DeepSpeed converts the model (no autocast), then keeps an fp32 master copy, fp32 gradients and fp32
+optimizer states of each rank's partition. Per parameter, N params, W ranks, s optimizer states,
+w = 2 (4 under 32-true); L = the largest layer's parameters:
+
+    stage  params        grads                      optimizer            16-bit AdamW total
+    1      w N           w N + 4N/W                 4N/W + 4sN/W         4N + 16N/W
+    2      w N           w N/W + 4N/W               4N/W + 4sN/W         2N + 18N/W
+    3      w N/W + w L   4N/W + w L                 4N/W + 4sN/W         18N/W + 4L
+
+Sources (DeepSpeed 0.19.8, deepspeed/runtime/zero/): stage_1_and_2.py keeps the model's 16-bit
+params whole (bit16_groups), clones each rank's partition to fp32 (single_partition_of_fp32_groups,
+the master) and casts the partition's gradients to fp32 for the step (4_grads_32bit); stage 2
+partitions the 16-bit gradients (averaged_gradients), stage 1 leaves them whole. Under 32-true the
+cast is a no-op (no 4N/W grads) but the master is still a clone. stage3.py keeps 16-bit param
+partitions (fp16_partitioned_groups_flat), fp32 gradient partitions (grad_partitions_flat_buffer,
+gradient_accumulation_dtype = fp32) and fp32 masters (fp32_partitioned_groups_flat; shared with the
+params under 32-true), and gathers one layer's 16-bit params and makes its 16-bit grads at a time
+(largest_layer_memory = 4L). Totals equal DeepSpeed's own estimate_zero2_model_states_mem_needs
+(2N + 18N/W since DeepSpeed 0.14.3, PR #5099; 4N + 16N/W before, which is stage 1's figure here)
+and estimate_zero3_model_states_mem_needs (18N/W + 4L) without offload; the tests hold them equal.
+Offload (CPU / NVMe) is not modelled.
 
 Peak: peak_bytes walks one steady-state step (its docstring has the formula). Its measured twin
 is the high-water mark of live tensor bytes over a real step (ledger.memtrack; the CPU keeps no
@@ -87,6 +111,11 @@ _STRATEGY_SHARDS: dict[str, frozenset[str]] = {
     "deepspeed_stage_3": frozenset({"params", "grads", "optimizer"}),
 }
 
+_DEEPSPEED_STAGES = {"deepspeed_stage_1": 1, "deepspeed_stage_2": 2, "deepspeed_stage_3": 3}
+# Precisions Lightning's DeepSpeedPrecision accepts, and the width DeepSpeed runs the model in.
+_DEEPSPEED_MODEL_WIDTH = {"32-true": 4, "16-mixed": 2, "bf16-mixed": 2, "16-true": 2, "bf16-true": 2}
+FP32_MASTER = 4  # DeepSpeed's master weights, fp32 gradients for the step and optimizer states
+
 PRECISIONS = tuple(_PRECISIONS)
 OPTIMIZERS = ("adamw", "adam", "sgd", "none")
 
@@ -138,12 +167,21 @@ def state_bytes(
     *,
     momentum: float = 0.9,
     weights_dtype: torch.dtype | None = None,
+    largest_layer: int = 0,
 ) -> dict[str, int]:
-    """Bytes one rank holds for params, grads and optimizer state (conventions: module docstring)."""
+    """Bytes one rank holds for params, grads and optimizer state (conventions: module docstring).
+
+    largest_layer: parameters of the biggest module, which ZeRO-3 gathers whole (DeepSpeed only;
+    largest_layer_params(cfg) for ToyLM)."""
     if n_params < 0:
         raise UserError(f"n_params must be >= 0, got {n_params}")
     width = _state_width(precision, weights_dtype)
     sharded = _sharded_terms(strategy, world_size)
+    if strategy in _DEEPSPEED_STAGES:
+        states = optimizer_states(optimizer, momentum)
+        return _deepspeed_state_bytes(
+            n_params, precision, states, _DEEPSPEED_STAGES[strategy], world_size, largest_layer
+        )
     per_rank = math.ceil(n_params / world_size)
     elements = {term: per_rank if term in sharded else n_params for term in ("params", "grads", "optimizer")}
     return {
@@ -162,12 +200,62 @@ def bytes_per_param(
     momentum: float = 0.9,
     weights_dtype: torch.dtype | None = None,
 ) -> float:
-    """params + grads + optimizer bytes per parameter on one rank (32-true AdamW DDP: 16)."""
+    """params + grads + optimizer bytes per parameter on one rank (32-true AdamW DDP: 16). Under
+    DeepSpeed ZeRO-3 the gathered largest layer is left out (it is not per parameter)."""
     width = _state_width(precision, weights_dtype)
     sharded = _sharded_terms(strategy, world_size)
+    if strategy in _DEEPSPEED_STAGES:
+        stage, states = _DEEPSPEED_STAGES[strategy], optimizer_states(optimizer, momentum)
+        terms = _deepspeed_terms(precision, states, stage)
+        return sum(whole + split / world_size for whole, split, _layer in terms.values())
     share = {term: 1 / world_size if term in sharded else 1.0 for term in ("params", "grads", "optimizer")}
     states = optimizer_states(optimizer, momentum)
     return width * (share["params"] + share["grads"] + states * share["optimizer"])
+
+
+def _deepspeed_terms(precision: str | int, states: int, stage: int) -> dict[str, tuple[int, int, int]]:
+    """Per term: (bytes per parameter on every rank, bytes per parameter divided over the ranks,
+    bytes per parameter of the largest layer) under DeepSpeed ZeRO `stage` (module docstring)."""
+    name = normalize_precision(precision)
+    if name not in _DEEPSPEED_MODEL_WIDTH:
+        raise UserError(
+            f"DeepSpeed runs precisions {', '.join(_DEEPSPEED_MODEL_WIDTH)}, not {name}: choose one of them"
+        )
+    w = _DEEPSPEED_MODEL_WIDTH[name]
+    grad_cast = FP32_MASTER if w < FP32_MASTER else 0  # fp32 copy of this rank's gradient partition
+    master = FP32_MASTER if stage < 3 or w < FP32_MASTER else 0  # stage 3 reuses fp32 params as master
+    optimizer = (master, FP32_MASTER * states)
+    if stage == 1:
+        return {"params": (w, 0, 0), "grads": (w, grad_cast, 0), "optimizer": (0, sum(optimizer), 0)}
+    if stage == 2:
+        return {"params": (w, 0, 0), "grads": (0, w + grad_cast, 0), "optimizer": (0, sum(optimizer), 0)}
+    return {"params": (0, w, w), "grads": (0, FP32_MASTER, w), "optimizer": (0, sum(optimizer), 0)}
+
+
+def _deepspeed_state_bytes(
+    n_params: int, precision: str | int, states: int, stage: int, world_size: int, largest_layer: int
+) -> dict[str, int]:
+    per_rank = math.ceil(n_params / world_size)
+    return {
+        term: whole * n_params + split * per_rank + layer * largest_layer
+        for term, (whole, split, layer) in _deepspeed_terms(precision, states, stage).items()
+    }
+
+
+def model_precision(precision: str | int, strategy: str = "ddp") -> str:
+    """The precision the model's forward runs in: DeepSpeed takes a *-mixed precision as its own
+    16-bit mode (Lightning's _format_precision_config writes an "fp16" / "bf16" section, and
+    DeepSpeedPrecision adds no autocast), so its activations are those of the *-true counterpart."""
+    name = normalize_precision(precision)
+    if strategy in _DEEPSPEED_STAGES and name.endswith("-mixed"):
+        return name.replace("-mixed", "-true")
+    return name
+
+
+def largest_layer_params(cfg: ModelConfig) -> int:
+    """Parameters of ToyLM's biggest module, as DeepSpeed's model_to_params counts them (each
+    module's own parameters): the embedding / LM head, qkv, or an MLP matrix."""
+    return max(cfg.vocab_size * cfg.d_model, 3 * cfg.d_model**2, cfg.d_model * cfg.d_ff)
 
 
 def _storage_key(t: torch.Tensor) -> int:
@@ -417,13 +505,19 @@ def peak_bytes(
     Between these points saved activations are freed as gradients are made, roughly in step,
     so totals there lie between the endpoints. Not modelled: backward's per-op gradient
     temporaries (a few tokens x d_ff), library workspaces (cuBLAS), allocator rounding, and the
-    gathered parameters of FSDP / ZeRO-3. With `batch` per rank, activations are not divided.
+    gathered parameters of FSDP (DeepSpeed ZeRO-3's largest layer is in params and grads). With
+    `batch` per rank, activations are not divided. DeepSpeed runs a *-mixed precision as its
+    16-bit model without autocast, so activations are those of the *-true counterpart.
     """
     _check_shape(cfg, batch, seq)
+    deepspeed = strategy in _DEEPSPEED_STAGES
+    precision = model_precision(precision, strategy)
     widths = _activation_widths(precision)
     kind = _check_device(device)
     n = count_parameters(cfg)
-    state = state_bytes(n, precision, optimizer, strategy, world_size, momentum=momentum)
+    state = state_bytes(
+        n, precision, optimizer, strategy, world_size, momentum=momentum, largest_layer=largest_layer_params(cfg)
+    )
     params, grads, opt = state["params"], state["grads"], state["optimizer"]
     resident = params + opt  # alive through the whole step
     grad_per_param = grads / n
@@ -460,7 +554,12 @@ def peak_bytes(
 
     tied_grads = 2 * v * d * grad_per_param if cfg.tie_embeddings else 0
     candidates["embedding backward"] = resident + grads + tied_grads
-    step_temporaries = _optimizer_step_temporaries(cfg, precision, optimizer, opt, kind, fused, foreach)
+    if deepspeed:  # the wrapped optimizer steps one flat fp32 partition per param group
+        one_state = largest_tensor = FP32_MASTER * math.ceil(n / world_size)
+    else:
+        one_state = opt // max(optimizer_states(optimizer, momentum), 1)
+        largest_tensor = largest_layer_params(cfg) * _state_width(precision, None)
+    step_temporaries = _optimizer_step_temporaries(optimizer, one_state, largest_tensor, kind, fused, foreach)
     candidates["optimizer step"] = resident + grads + step_temporaries
 
     phase = max(candidates, key=candidates.__getitem__)
@@ -496,28 +595,19 @@ def _foreach_devices() -> list[str]:
     return _get_foreach_kernels_supported_devices()
 
 
-def _largest_parameter(cfg: ModelConfig) -> int:
-    """Elements of ToyLM's biggest parameter tensor: the embedding / LM head, qkv, or an MLP matrix."""
-    return max(cfg.vocab_size * cfg.d_model, 3 * cfg.d_model**2, cfg.d_model * cfg.d_ff)
-
-
 def _optimizer_step_temporaries(
-    cfg: ModelConfig,
-    precision: str | int,
-    optimizer: str,
-    opt_bytes: int,
-    device: str,
-    fused: bool,
-    foreach: bool | None,
+    optimizer: str, one_state: int, largest_tensor: int, device: str, fused: bool, foreach: bool | None
 ) -> int:
-    """Bytes AdamW's step holds beyond its state at its high-water mark (peak_bytes docstring)."""
-    if optimizer.lower() not in ("adamw", "adam") or opt_bytes == 0:
+    """Bytes AdamW's step holds beyond its state at its high-water mark (peak_bytes docstring):
+    sqrt(v) of every tensor at once (foreach: one state's worth), or sqrt(v_i) and its quotient for
+    the largest tensor (the per-tensor loop)."""
+    if optimizer.lower() not in ("adamw", "adam"):
         return 0
     kernel = optimizer_kernel(device, fused, foreach)
     if kernel == "foreach":
-        return opt_bytes // 2  # one of the two states (this rank's share)
+        return one_state
     if kernel == "for-loop":
-        return 2 * _largest_parameter(cfg) * _state_width(precision, None)
+        return 2 * largest_tensor
     return 0
 
 
