@@ -105,12 +105,20 @@ def test_progress_bar_loss_is_the_training_loss_under_accumulation(stdlib_data):
 
 
 class WidenVersionWindow(pl.Callback):
-    """Test-only: reads the run's version as the fit sets up, then waits, as a slow file system would between
-    Lightning choosing a version and creating its directory."""
+    """Test-only: Lightning's TensorBoardLogger picks the next free version by listing the directory and creates
+    it later; this waits in between (as a slow shared file system would), so two runs both see it free."""
 
-    def setup(self, trainer, pl_module, stage) -> None:
-        trainer.logger.version  # noqa: B018 (the read that picks a version)
-        time.sleep(3)
+    def __init__(self) -> None:
+        from lightning.pytorch.loggers import TensorBoardLogger
+
+        pick = TensorBoardLogger._get_next_version
+
+        def slow_pick(logger):
+            version = pick(logger)
+            time.sleep(3)
+            return version
+
+        TensorBoardLogger._get_next_version = slow_pick
 
 
 def test_two_fits_started_together_get_their_own_versions(workdir):
