@@ -457,6 +457,7 @@ def test_16_mixed_on_a_cpu_predicts_the_per_tensor_adamw():
     assert predicted.total == pytest.approx(measured.peak_bytes, rel=0.02)
 
 
+NARROW = dict(d_model=48, n_heads=4, d_ff=96, vocab_size=200, batch=3, seq=24)
 # Every precision the activation model covers, checkpointing off / every block / every other block,
 # tied and untied, each on one of SHAPES (odd widths) in turn; the optimizer as LitLM builds it
 # (fused except under 16-mixed) and a few with the kernels torch picks by default, or foreach.
@@ -471,6 +472,9 @@ PEAK_CASES = [
     ("bf16-true", 1, False, SHAPES[3], "for-loop"),
     ("32-true", 2, False, SHAPES[1], "foreach"),
     ("bf16-mixed", 0, True, SHAPES[2], "foreach"),
+    # narrow and short: a recomputed block's SwiGLU backward (its gradient temporaries) is the peak
+    ("32-true", 1, False, NARROW, "fused"),
+    ("32-true", 1, True, NARROW, "for-loop"),
 ]  # fmt: skip
 
 

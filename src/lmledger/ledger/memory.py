@@ -491,7 +491,9 @@ def peak_bytes(
                         while log_softmax's saved output is still held.
       recompute block   for each checkpointed block, top down: what is still saved below it,
                         plus grads already made above it, plus the block's recomputed saved set
-                        and weight copies.
+                        and weight copies, plus the gradients alive in its SwiGLU backward: the
+                        residual stream's (tokens x d) and two of tokens x d_ff (of w1 x and w3 x,
+                        while the product's is still held).
       embedding bwd     P + O + G, and for a tied embedding 2*V*d grads more: the LM head's
                         gradient is already the weight's .grad when the embedding's own V*d gradient
                         arrives, and AccumulateGrad adds the two out of place (grad + new) before it
@@ -541,11 +543,14 @@ def peak_bytes(
     still_saved = acts.total - acts.by_component["logits_loss"] - _norm_saved(tokens, d, widths, kind)
     copies_saved = acts.autocast_weight_copies - v * d * copy_width
     grads_made = (v * d + d) * grad_per_param
+    # In a recomputed block's SwiGLU backward: the residual gradient, and the gradients of the
+    # product, of silu(w1 x) and of w3 x alive together once w2's backward has freed the product.
+    mlp_backward = tokens * d * widths.residual + 2 * tokens * cfg.d_ff * c
     for layer in reversed(range(cfg.n_layers)):
         if cfg.is_checkpointed(layer):
             recomputed = block_saved + block_copies
             live = resident + still_saved + copies_saved + grads_made
-            candidates[f"recompute block {layer}"] = live + recomputed
+            candidates[f"recompute block {layer}"] = live + recomputed + mlp_backward
             still_saved -= tokens * d * widths.residual
         else:
             still_saved -= block_saved
