@@ -117,8 +117,12 @@ def test_dry_run_predicts_and_runs_nothing(workdir, capsys):
         points=[{"model.config.no_such_field": 1}],
     )
     capsys.readouterr()
-    assert lmledger(["sweep", str(path), "--dry-run", "--out", "sweeps/dry"]) == 0
-    out = capsys.readouterr().out
+    assert lmledger(["sweep", str(path), "--dry-run", "--out", "sweeps/dry"]) == 2  # a point is bad
+    captured = capsys.readouterr()
+    out = captured.out
+    assert captured.err.strip() == (
+        "lmledger sweep: error: 1 of 3 points have bad arguments (marked fail above); fix them before running the sweep"
+    )
     assert not (workdir / "sweeps").exists() and not (workdir / "runs").exists()
     from lmledger.commands.account import account
     from lmledger.runspec import load_run_spec
@@ -128,7 +132,7 @@ def test_dry_run_predicts_and_runs_nothing(workdir, capsys):
         expected = account(load_run_spec([*args, "--data.batch_size", str(batch)]), False)
         assert f"{expected['flops']['model']:.4g}" in out
         assert f"{expected['memory']['peak']['predicted'] / 1e6:,.2f}" in out
-    assert "fail:" in out and "no_such_field" in out  # the bad point is shown, not fatal
+    assert "fail:" in out and "no_such_field" in out  # the bad point is shown beside the good ones
 
 
 def test_account_grid_results_and_resume(workdir):
@@ -193,9 +197,9 @@ def test_account_grid_results_and_resume(workdir):
 
 
 def test_fit_sweep_collects_tensorboard_and_survives_a_bad_point(workdir, capsys):
-    """Two fit points through the real CLI, one with an override the CLI rejects: the good one's
-    losses come from its own TensorBoard run; the bad one is failed with the CLI's error line; a
-    re-run redoes only the failed point."""
+    """Two fit points through the real CLI, one whose data directory does not exist (its arguments
+    parse; the run fails): the good one's losses come from its own TensorBoard run; the bad one is
+    failed with the CLI's error line; a re-run redoes only the failed point."""
     path = write_experiment(
         workdir / "train.yaml",
         command="fit",
@@ -209,7 +213,7 @@ def test_fit_sweep_collects_tensorboard_and_survives_a_bad_point(workdir, capsys
             "trainer.limit_val_batches": 2,
             "trainer.log_every_n_steps": 2,
         },
-        grid={"model.optimizer": ["adamw", "adamz"]},
+        grid={"data.path": ["data/stdlib", "data/nowhere"]},
     )
     capsys.readouterr()
     assert lmledger(["sweep", str(path), "--jobs", "2", "--out", "sweeps/train"]) == 1  # one point failed
@@ -217,7 +221,7 @@ def test_fit_sweep_collects_tensorboard_and_survives_a_bad_point(workdir, capsys
     good, bad = load_experiment(path).points
     rows = {row["point"]: row for row in read_csv(out / "results.csv")}
     assert rows[good.id]["status"] == "done" and rows[bad.id]["status"] == "failed"
-    assert "adamz" in rows[bad.id]["error"] and rows[good.id]["error"] == ""
+    assert "data/nowhere" in rows[bad.id]["error"] and rows[good.id]["error"] == ""
     # the losses are the last values this point's own run logged
     from conftest import read_scalars
 

@@ -25,7 +25,12 @@ the overrides, e.g. a fragment such as configs/precision/bf16-true.yaml. A `poin
 top level.
 
 Results live in one directory: runs/<point-id>/ (TensorBoard, one parent for all points),
-points/<point-id>/ (status.json, stdout.log, stderr.log), results.csv, results.md and the PNGs.
+points/<point-id>/ (status.json, stdout.log, stderr.log, lock), results.csv, results.md and the PNGs.
+
+Every point's arguments are parsed (by the `fit` parser, nothing built) before any point runs. A point
+runs in its own session and process group and is sent SIGTERM when the sweep dies, even by SIGKILL; a
+held lock on points/<id>/lock tells a later sweep that it is still running. A training point stopped by
+SIGTERM (exit 143) is `interrupted`, and the next sweep resumes it with `--ckpt_path last`.
 """
 
 from __future__ import annotations
@@ -35,21 +40,25 @@ import hashlib
 import io
 import itertools
 import json
+import logging
 import math
 import os
 import re
 import shlex
+import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor, as_completed
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import yaml
 
+from lmledger.corpus import write_atomically, write_failed
 from lmledger.errors import UserError
 from lmledger.ledger.units import MB
 
@@ -78,6 +87,15 @@ DEFAULT_METRICS = {
         "run/tokens_per_step",
     ),
 }
+# A sweep this large is a mistake or a job for a scheduler: each point is a process, and 10^6 points took
+# 70 s and 650 MB to list (issue 16 §4). The check runs before the grid is expanded.
+MAX_POINTS = 10_000
+# A plain directory name: no '/', and not '.', '..' or hidden.
+_DIR_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*")
+# Exit codes of a point stopped by a signal it handled (128 + signal number, as the shell reports them),
+# and the negative codes subprocess gives for one it did not handle.
+INTERRUPTED_CODES = (128 + signal.SIGTERM, 128 + signal.SIGINT, -signal.SIGTERM, -signal.SIGINT)
+
 # TensorBoard tags summarised by their median over the run (steady-state speed, robust to the first,
 # slow step); every other tag by its last value.
 _MEDIAN_PREFIX = "perf/"
@@ -195,8 +213,12 @@ def load_experiment(path: str | Path) -> Experiment:
         raise _fail(source, f"unknown top-level key {unknown[0]!r}; allowed: {', '.join(TOP_LEVEL_KEYS)}")
 
     name = raw.get("name", source.stem)
-    if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9._-]+", name):
-        raise _fail(source, f"name must be letters, digits, '.', '_' or '-', got {name!r}")
+    if not isinstance(name, str) or not _DIR_NAME.fullmatch(name):
+        raise _fail(
+            source,
+            f"name must be a plain directory name (letters, digits, '.', '_' or '-', not starting with '.'), "
+            f"got {name!r}",
+        )
     command = _parse_command(source, "command", raw["command"]) if "command" in raw else None
     configs = _parse_configs(source, "configs", raw["configs"]) if "configs" in raw else ()
     fixed = raw.get("fixed") or {}
@@ -220,6 +242,23 @@ def load_experiment(path: str | Path) -> Experiment:
         for key, values in grid.items():
             if not isinstance(values, list) or not values:
                 raise _fail(source, f"grid key {key!r} needs a non-empty list of values, got {values!r}")
+            seen_values: dict[str, object] = {}
+            for value in values:
+                text = slug_value(key, value) if key == "config" else _format_value(value)
+                if text in seen_values:
+                    raise _fail(
+                        source,
+                        f"grid key {key!r} lists the same value twice ({seen_values[text]!r} and {value!r} are "
+                        f"both `{text}` on the command line): remove one",
+                    )
+                seen_values[text] = value
+        n_points = math.prod(len(values) for values in grid.values()) + len(raw.get("points") or [])
+        if n_points > MAX_POINTS:
+            raise _fail(
+                source,
+                f"the grid has {n_points:,} points, more than a sweep may have ({MAX_POINTS:,}): "
+                "split it into several experiment files or list the points you need under `points`",
+            )
         grid_keys = tuple(grid)
         for combo in itertools.product(*grid.values()):
             swept = dict(zip(grid_keys, combo, strict=True))
@@ -231,6 +270,8 @@ def load_experiment(path: str | Path) -> Experiment:
     if points is not None:
         if not isinstance(points, list) or not points:
             raise _fail(source, "points must be a non-empty list of mappings of overrides")
+        if len(points) > MAX_POINTS:
+            raise _fail(source, f"{len(points):,} points, more than a sweep may have ({MAX_POINTS:,}): split the file")
         for i, entry in enumerate(points):
             where = f"points[{i}]"
             if not isinstance(entry, dict) or not entry:
@@ -262,11 +303,15 @@ def load_experiment(path: str | Path) -> Experiment:
         point_fixed = {} if own else dict(fixed)
         point_id = _point_id(point_command, own, point_configs, point_fixed, swept)
         built.append(Point(point_id, point_command, point_configs, point_fixed, swept, needs_gpu))
-    seen: dict[str, Point] = {}
+    # Two points are the same run when their command lines are (`4` and `"4"` both give `--key 4`).
+    seen: dict[tuple[str, ...], Point] = {}
     for point in built:
-        if point.id in seen:
-            raise _fail(source, f"duplicate point ({point.label}): two entries make the same run; remove one")
-        seen[point.id] = point
+        line = tuple(cli_args(point))
+        if line in seen:
+            raise _fail(
+                source, f"duplicate point ({point.label}): two entries make the same run ({' '.join(line)}); remove one"
+            )
+        seen[line] = point
 
     swept_keys = list(dict.fromkeys(k for p in built for k in p.swept))
     metrics = raw.get("metrics")
@@ -420,13 +465,118 @@ def metric_columns(experiment: Experiment, results: Iterable[PointResult]) -> li
 
 
 # ---------------------------------------------------------------------------------------------
+# Checking every point before any runs
+
+
+@dataclass
+class CheckedPoints:
+    specs: dict[str, object]  # point id -> its RunSpec (fit, validate and account points)
+    errors: dict[str, str]  # point id -> the one line its arguments give
+
+
+def check_points(experiment: Experiment) -> CheckedPoints:
+    """Parse every config-reading point's arguments with `lmledger fit`'s own parser, building nothing.
+
+    A parse costs ~0.1 s, so a point is not parsed whole: its base (configs and fixed overrides) is parsed
+    once per distinct base, each (key, value) once on top of that base, and a point combines the parsed
+    values in place (milliseconds). A point whose combination fails, or that uses a value that failed on
+    its own, is parsed whole once to confirm (a value may be valid only beside another, e.g. a class_path).
+    Other commands (plan, bench, gpus) are checked when they run: they fail in a second.
+    """
+    from lmledger.commands.train import parse_fit_config
+    from lmledger.runspec import run_spec_from_config
+
+    def parse(args: list[str]):
+        try:
+            return parse_fit_config(args)
+        except UserError as err:
+            return err
+
+    bases: dict[tuple[str, ...], object] = {}
+    values: dict[tuple[tuple[str, ...], str, str], object] = {}
+    confirmed_bad: dict[tuple[tuple[str, ...], str, str], str] = {}
+    specs: dict[str, object] = {}
+    errors: dict[str, str] = {}
+    # Parsing a config seeds the RNG, and Lightning says so once per parse: noise in a listing.
+    seed_log = logging.getLogger("lightning.fabric.utilities.seed")
+    level = seed_log.level
+    seed_log.setLevel(logging.WARNING)
+    try:
+        for point in experiment.points:
+            if point.subcommand not in CONFIG_COMMANDS:
+                continue
+            base_args = _config_args(point) + _flags(point.fixed)
+            group = tuple(base_args)
+            if group not in bases:
+                bases[group] = parse(base_args)
+            overrides = {k: _format_value(v) for k, v in point.swept.items() if k != "config"}
+            keys = [(group, k, text) for k, text in overrides.items()]
+            known_bad = next((confirmed_bad[key] for key in keys if key in confirmed_bad), None)
+            if known_bad is not None:
+                errors[point.id] = known_bad
+                continue
+            spec = failed_alone = None
+            base = bases[group]
+            if not isinstance(base, Exception):
+                for key in keys:
+                    if key not in values:
+                        parsed = parse([*base_args, f"--{key[1]}", key[2]])
+                        values[key] = parsed if isinstance(parsed, Exception) else parsed.get(key[1])
+                failed_alone = next((key for key in keys if isinstance(values[key], Exception)), None)
+                if failed_alone is None:
+                    spec = _combined_spec(base, {key[1]: values[key] for key in keys}, run_spec_from_config)
+            if spec is None:  # the whole command line decides
+                parsed = parse(fit_args(point))
+                try:
+                    spec = parsed if isinstance(parsed, Exception) else run_spec_from_config(parsed)
+                except (UserError, ValueError, TypeError) as err:
+                    spec = UserError(str(err))
+                if isinstance(spec, Exception) and failed_alone is not None:
+                    confirmed_bad[failed_alone] = str(values[failed_alone])
+            if isinstance(spec, Exception):
+                errors[point.id] = str(spec)
+            else:
+                specs[point.id] = spec
+    finally:
+        seed_log.setLevel(level)
+    return CheckedPoints(specs, errors)
+
+
+def _combined_spec(base, values: dict[str, object], build):
+    """build(base with `values` set at their dotted keys), or None when that fails; base is restored."""
+    missing = object()
+    saved: dict[str, object] = {}
+    try:
+        for key, value in values.items():
+            saved[key] = base.get(key, missing)
+            base[key] = value
+        return build(base)
+    except Exception:  # a combination the parts do not predict: the caller parses the whole line
+        return None
+    finally:
+        for key, old in reversed(saved.items()):
+            if old is missing:
+                base.pop(key, None)
+            else:
+                base[key] = old
+
+
+def bad_points_error(experiment: Experiment, errors: dict[str, str]) -> UserError:
+    first = next(p for p in experiment.points if p.id in errors)
+    return UserError(
+        f"{len(errors)} of {len(experiment.points)} points have bad arguments, nothing was run; "
+        f"first, {first.id}: {errors[first.id]} (--dry-run lists them all)"
+    )
+
+
+# ---------------------------------------------------------------------------------------------
 # Running
 
 
 @dataclass
 class PointResult:
     point: Point
-    status: str  # "done", "failed" or "skipped"
+    status: str  # "done", "failed", "interrupted" or "skipped"
     metrics: dict[str, object] = field(default_factory=dict)
     error: str = ""
     seconds: float | None = None
@@ -453,24 +603,29 @@ class PointResult:
         }
 
 
-def _write_atomically(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)  # readers see the old file or the new one, never half of one
+def _write_json(path: Path, obj: dict) -> None:
+    write_atomically(path, json.dumps(obj, indent=1, default=str) + "\n")
 
 
 def status_path(out_dir: Path, point: Point) -> Path:
     return out_dir / "points" / point.id / "status.json"
 
 
-def finished_result(out_dir: Path, point: Point) -> PointResult | None:
-    """The point's result if an earlier invocation finished it (failed points are redone)."""
-    path = status_path(out_dir, point)
+def lock_path(out_dir: Path, point: Point) -> Path:
+    return out_dir / "points" / point.id / "lock"
+
+
+def saved_status(out_dir: Path, point: Point) -> dict:
     try:
-        saved = json.loads(path.read_text())
+        saved = json.loads(status_path(out_dir, point).read_text())
     except (OSError, ValueError):
-        return None
+        return {}
+    return saved if isinstance(saved, dict) else {}
+
+
+def finished_result(out_dir: Path, point: Point) -> PointResult | None:
+    """The point's result if an earlier invocation finished it (failed and interrupted points run again)."""
+    saved = saved_status(out_dir, point)
     if saved.get("status") != "done":
         return None
     return PointResult(
@@ -486,6 +641,47 @@ def finished_result(out_dir: Path, point: Point) -> PointResult | None:
     )
 
 
+def resumable(out_dir: Path, point: Point) -> bool:
+    """Whether the point's next run continues its last one (`--ckpt_path last`): a fit stopped by a
+    signal, or whose sweep died under it ("running"), whose newest run directory holds a checkpoint."""
+    if point.subcommand != "fit" or saved_status(out_dir, point).get("status") not in ("interrupted", "running"):
+        return False
+    run_dir = newest_run_dir(out_dir, point)
+    return run_dir is not None and any((run_dir / "checkpoints").glob("*.ckpt"))
+
+
+def running_pid(out_dir: Path, point: Point) -> int | None:
+    """The pid of the point's process if one (from this or an earlier sweep) holds its lock, else None."""
+    path = lock_path(out_dir, point)
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        import fcntl
+
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            text = path.read_text().strip()
+            return int(text) if text.isdigit() else -1
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
+
+
+def check_nothing_running(experiment: Experiment, out_dir: Path) -> None:
+    for point in experiment.points:
+        pid = running_pid(out_dir, point)
+        if pid is not None:
+            kill = f" (kill {pid})" if pid > 0 else ""
+            raise UserError(
+                f"point {point.id} of {out_dir} is still running (pid {pid}), from an earlier `lmledger sweep`: "
+                f"wait for it to finish or stop it{kill}, then run the sweep again"
+            )
+
+
 def _last_line(text: str) -> str:
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     return lines[-1] if lines else ""
@@ -499,24 +695,108 @@ def _subprocess_env(jobs: int) -> dict[str, str]:
     return env
 
 
-def run_point(point: Point, out_dir: Path, jobs: int = 1) -> PointResult:
-    """Run one point through the real CLI in its own process; record its status atomically."""
+class Running:
+    """The point processes running now, so that a stopping sweep can stop them (they are in their own
+    process groups, out of reach of the terminal's Ctrl-C)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._procs: set[subprocess.Popen] = set()
+        self.stopping = False
+
+    def add(self, proc: subprocess.Popen) -> None:
+        with self._lock:
+            self._procs.add(proc)
+            stop = self.stopping
+        if stop:
+            _signal_group(proc, signal.SIGTERM)
+
+    def discard(self, proc: subprocess.Popen) -> None:
+        with self._lock:
+            self._procs.discard(proc)
+
+    def stop_all(self) -> None:
+        with self._lock:
+            self.stopping = True
+            procs = list(self._procs)
+        for proc in procs:
+            _signal_group(proc, signal.SIGTERM)
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)  # the point and whatever it started (start_new_session: pgid == pid)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def point_command(args: list[str]) -> list[str]:
+    """The process of a point: `lmledger ARGS`, through point_main so that it dies with this process."""
+    return [sys.executable, "-m", "lmledger.sweep", "point", str(os.getpid()), *args]
+
+
+def run_point(point: Point, out_dir: Path, jobs: int = 1, running: Running | None = None) -> PointResult:
+    """Run one point through the real CLI in its own process group; record its status atomically."""
+    import fcntl
+
     logs = status_path(out_dir, point).parent
-    logs.mkdir(parents=True, exist_ok=True)
     args = cli_args(point, out_dir)
-    argv = [sys.executable, "-m", "lmledger.cli", *args]
-    start = time.perf_counter()
-    with open(logs / "stdout.log", "w") as stdout, open(logs / "stderr.log", "w") as stderr:
-        code = subprocess.run(
-            argv, stdout=stdout, stderr=stderr, stdin=subprocess.DEVNULL, env=_subprocess_env(jobs)
-        ).returncode
+    if resumable(out_dir, point):
+        args += ["--ckpt_path", "last"]
+    argv = point_command(args)
+    try:
+        logs.mkdir(parents=True, exist_ok=True)
+        lock = os.open(lock_path(out_dir, point), os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as err:
+        raise write_failed(err, lock_path(out_dir, point)) from None
+    try:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return PointResult(point, "failed", error="already running (another sweep holds its lock)", argv=args)
+        _write_json(status_path(out_dir, point), {"point": point.id, "status": "running", "argv": args})
+        start = time.perf_counter()
+        try:
+            stdout, stderr = open(logs / "stdout.log", "w"), open(logs / "stderr.log", "w")
+        except OSError as err:
+            raise write_failed(err, logs / "stdout.log") from None
+        with stdout, stderr:
+            # The child inherits the locked descriptor: the lock is held as long as the point (or anything
+            # it started) lives, whatever happens to this process.
+            proc = subprocess.Popen(
+                argv,
+                stdout=stdout,
+                stderr=stderr,
+                stdin=subprocess.DEVNULL,
+                env=_subprocess_env(jobs),
+                start_new_session=True,
+                pass_fds=(lock,),
+            )
+            if running is not None:
+                running.add(proc)
+            try:
+                os.ftruncate(lock, 0)
+                os.pwrite(lock, f"{proc.pid}\n".encode(), 0)
+            except OSError:
+                pass  # the pid is for the message only
+            try:
+                code = proc.wait()
+            finally:
+                if running is not None:
+                    running.discard(proc)
+    finally:
+        os.close(lock)
     seconds = time.perf_counter() - start
     out_text = (logs / "stdout.log").read_text(errors="replace")
-    error = ""
-    metrics: dict[str, object] = {}
-    output = None
+    status, error, metrics, output = "done", "", {}, None
     run_dir = newest_run_dir(out_dir, point) if point.subcommand in TRAINING_COMMANDS else None
-    if code != 0:
+    if code in INTERRUPTED_CODES:
+        status = "interrupted"
+        name = signal.Signals(-code if code < 0 else code - 128).name
+        resumes = " (resuming from its last checkpoint)" if point.subcommand == "fit" else ""
+        error = f"stopped by {name} (exit code {code}); the next sweep runs it again{resumes}"
+    elif code != 0:
+        status = "failed"
         error = _last_line((logs / "stderr.log").read_text(errors="replace"))
         if code < 0:  # killed by a signal: SIGKILL is what the kernel's OOM killer sends
             reason = "out of memory?" if code == -9 else "signal"
@@ -528,21 +808,42 @@ def run_point(point: Point, out_dir: Path, jobs: int = 1) -> PointResult:
         try:
             output = json.loads(_last_line(out_text))
         except ValueError:
-            error = "printed no JSON object on stdout (see its stdout.log)"
+            status, error = "failed", "printed no JSON object on stdout (see its stdout.log)"
         else:
             metrics = account_metrics(output) if point.subcommand == "account" else flatten(output)
     outcome = PointResult(
-        point,
-        "failed" if error else "done",
-        metrics,
-        error,
-        seconds,
-        str(run_dir) if run_dir else None,
-        argv=args,
-        output=output,
+        point, status, metrics, error, seconds, str(run_dir) if run_dir else None, argv=args, output=output
     )
-    _write_atomically(status_path(out_dir, point), json.dumps(outcome.to_json(), indent=1, default=str))
+    _write_json(status_path(out_dir, point), outcome.to_json())
     return outcome
+
+
+def _die_with_parent(parent: int) -> None:
+    """Make this process receive SIGTERM when `parent` dies, however it dies (SIGKILL included)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1  # <linux/prctl.h>; prctl(2): the signal comes when the parent *thread* exits
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) == 0:
+            if os.getppid() != parent:  # it died before the call: nobody will send the signal
+                os.kill(os.getpid(), signal.SIGTERM)
+            return
+
+    def watch() -> None:  # elsewhere: poll; an orphan is adopted by another process
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="lmledger-sweep-parent-watch", daemon=True).start()
+
+
+def point_main(argv: list[str]) -> int:
+    """The process of one point: `python -m lmledger.sweep point PARENT_PID LMLEDGER_ARGS...`."""
+    _die_with_parent(int(argv[0]))
+    from lmledger.cli import main
+
+    return main(argv[1:])
 
 
 def cuda_available() -> bool:
@@ -575,23 +876,22 @@ def check_out_dir(experiment: Experiment, out_dir: Path) -> bool:
 
 def claim_out_dir(experiment: Experiment, out_dir: Path) -> None:
     if not check_out_dir(experiment, out_dir):
-        _write_atomically(
-            out_dir / SWEEP_RECORD, json.dumps({"name": experiment.name, "experiment": str(experiment.source)}) + "\n"
-        )
+        _write_json(out_dir / SWEEP_RECORD, {"name": experiment.name, "experiment": str(experiment.source)})
 
 
-def run_sweep(
-    experiment: Experiment,
-    out_dir: Path,
-    jobs: int = 1,
-    on_start: Callable[[Point], None] | None = None,
-    on_done: Callable[[PointResult], None] | None = None,
-) -> list[PointResult]:
-    """Run every unfinished point (`jobs` at a time), skip finished ones and GPU-only ones without a
-    GPU, then write results.csv, results.md and the plots. Returns one result per point, in order."""
-    if jobs < 1:
-        raise UserError(f"--jobs must be >= 1, got {jobs}")
-    claim_out_dir(experiment, out_dir)
+@dataclass
+class SweepPlan:
+    """What a checked sweep will do: results known already (reused, skipped) and the points to run."""
+
+    results: dict[str, PointResult]
+    pending: list[Point]
+
+
+def plan_sweep(experiment: Experiment, out_dir: Path) -> SweepPlan:
+    """Everything a sweep checks before it writes or runs anything: the results directory is this
+    experiment's, no point of an earlier sweep still runs, and every point to run has good arguments."""
+    check_out_dir(experiment, out_dir)
+    check_nothing_running(experiment, out_dir)
     have_gpu = cuda_available() if any(p.requires_gpu for p in experiment.points) else False
     results: dict[str, PointResult] = {}
     pending: list[Point] = []
@@ -602,14 +902,41 @@ def run_sweep(
             results[point.id] = done
         else:
             pending.append(point)
-            continue
-        if on_done:
-            on_done(results[point.id])
+    errors = check_points(replace(experiment, points=tuple(pending))).errors
+    if errors:
+        raise bad_points_error(experiment, errors)
+    return SweepPlan(results, pending)
+
+
+def run_sweep(
+    experiment: Experiment,
+    out_dir: Path,
+    jobs: int = 1,
+    on_start: Callable[[Point], None] | None = None,
+    on_done: Callable[[PointResult], None] | None = None,
+    plan: SweepPlan | None = None,
+) -> list[PointResult]:
+    """Run every unfinished point of a checked sweep (plan_sweep, unless `plan` is given) `jobs` at a
+    time, skip finished ones and GPU-only ones without a GPU, then write results.csv, results.md and the
+    plots. Returns one result per point, in order."""
+    if jobs < 1:
+        raise UserError(f"--jobs must be >= 1, got {jobs}")
+    plan = plan_sweep(experiment, out_dir) if plan is None else plan
+    results, pending = dict(plan.results), plan.pending
+    claim_out_dir(experiment, out_dir)
+    if on_done:
+        for point in experiment.points:
+            if point.id in results:
+                on_done(results[point.id])
+
+    running = Running()
 
     def work(point: Point) -> PointResult:
+        if running.stopping:
+            return PointResult(point, "interrupted", error="not started: the sweep was stopped")
         if on_start:
             on_start(point)
-        return run_point(point, out_dir, jobs)
+        return run_point(point, out_dir, jobs, running)
 
     pool = ThreadPoolExecutor(max_workers=jobs)
     try:
@@ -619,8 +946,9 @@ def run_sweep(
             if on_done:
                 on_done(result)
     except BaseException:
-        # Ctrl-C reaches the running points too (same process group); start no new ones. The next
-        # invocation redoes whatever did not finish.
+        # Ctrl-C, SIGTERM or a failed write: stop the running points (SIGTERM: a fit saves last.ckpt and
+        # is recorded interrupted), start no new ones, and wait for them. The next sweep resumes them.
+        running.stop_all()
         pool.shutdown(wait=True, cancel_futures=True)
         raise
     pool.shutdown()
@@ -657,8 +985,8 @@ def write_results(experiment: Experiment, results: list[PointResult], out_dir: P
     writer.writeheader()
     for row in rows:
         writer.writerow({k: "" if v is None else v for k, v in row.items()})
-    _write_atomically(out_dir / "results.csv", buffer.getvalue())
-    _write_atomically(out_dir / "results.md", markdown_table(experiment, columns, rows))
+    write_atomically(out_dir / "results.csv", buffer.getvalue())
+    write_atomically(out_dir / "results.md", markdown_table(experiment, columns, rows))
     from lmledger.sweep_plots import draw_plots  # matplotlib loads only when there is something to draw
 
     return draw_plots(experiment, results, out_dir)
@@ -716,3 +1044,9 @@ def markdown_table(experiment: Experiment, columns: list[str], rows: list[dict])
     for row in rows:
         lines.append("| " + " | ".join(render(row, column, twin) for _, column, twin in cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] != ["point"]:
+        sys.exit("usage: python -m lmledger.sweep point PARENT_PID LMLEDGER_ARGS... (run by `lmledger sweep`)")
+    sys.exit(point_main(sys.argv[2:]))

@@ -3,7 +3,8 @@ lmledger.sweep for the file format), or with --dry-run list its points with thei
 
 from __future__ import annotations
 
-import logging
+import signal
+import sys
 import threading
 from pathlib import Path
 
@@ -15,16 +16,18 @@ from lmledger.commands.argparser import ArgumentParser
 from lmledger.errors import UserError
 from lmledger.ledger.units import MB
 from lmledger.sweep import (
-    CONFIG_COMMANDS,
     Experiment,
     Point,
     PointResult,
     check_out_dir,
+    check_points,
     cuda_available,
     finished_result,
-    fit_args,
     load_experiment,
+    plan_sweep,
+    resumable,
     run_sweep,
+    running_pid,
 )
 
 
@@ -32,25 +35,12 @@ def _mb(n) -> str:
     return "—" if n is None else f"{n / MB:,.2f}"
 
 
-def predicted_cost(point: Point) -> dict:
-    """`account`'s prediction for a point (in-process, nothing built or run); {} for other commands."""
-    if point.subcommand not in CONFIG_COMMANDS:
-        return {}
-    from lmledger.commands.account import account
-    from lmledger.runspec import load_run_spec
-
-    # Parsing a config seeds the RNG, and Lightning says so once per point: noise in a listing.
-    seed_log = logging.getLogger("lightning.fabric.utilities.seed")
-    level = seed_log.level
-    seed_log.setLevel(logging.WARNING)
-    try:
-        return account(load_run_spec(fit_args(point)), False)
-    finally:
-        seed_log.setLevel(level)
-
-
 def dry_run(experiment: Experiment, out_dir: Path) -> int:
+    """List the points with what a run would do and its predicted cost; 2 if any point's arguments are bad."""
+    from lmledger.commands.account import account
+
     check_out_dir(experiment, out_dir)
+    checked = check_points(experiment)  # every point parsed, nothing built: milliseconds a point
     table = Table(title=f"sweep {experiment.name}: {len(experiment.points)} points (dry run: nothing is run)")
     for column in (
         "point",
@@ -65,20 +55,24 @@ def dry_run(experiment: Experiment, out_dir: Path) -> int:
         table.add_column(column, justify="left" if column in ("point", "command", "would") else "right")
     have_gpu = cuda_available() if any(p.requires_gpu for p in experiment.points) else False
     for point in experiment.points:
+        if point.id in checked.errors:
+            table.add_row(point.id, point.subcommand, f"fail: {checked.errors[point.id]}", "", "", "", "", "")
+            continue
         if point.requires_gpu and not have_gpu:
             would = "skip (needs a GPU)"
         elif finished_result(out_dir, point) is not None:
             would = "skip (done)"
+        elif (pid := running_pid(out_dir, point)) is not None:
+            would = f"still running (pid {pid})"
+        elif resumable(out_dir, point):
+            would = "resume"
         else:
             would = "run"
-        try:
-            cost = predicted_cost(point)
-        except UserError as err:
-            table.add_row(point.id, point.subcommand, f"fail: {err}", "", "", "", "", "")
-            continue
-        if not cost:
+        spec = checked.specs.get(point.id)
+        if spec is None:
             table.add_row(point.id, " ".join(point.command), would, "", "", "", "", "")
             continue
+        cost = account(spec, False)
         memory = {row: cost["memory"][row]["predicted"] for row in cost["memory"]}
         parts = [memory["params"], memory["grads"], memory["optimizer"]]
         state = None if None in parts else sum(parts)
@@ -95,10 +89,18 @@ def dry_run(experiment: Experiment, out_dir: Path) -> int:
     console = Console()
     (console if console.is_terminal else Console(width=200)).print(table)
     print(f"results would go to {out_dir}")
+    if checked.errors:
+        print(
+            f"lmledger sweep: error: {len(checked.errors)} of {len(experiment.points)} points have bad arguments "
+            "(marked fail above); fix them before running the sweep",
+            file=sys.stderr,
+        )
+        return 2
     return 0
 
 
 def run(experiment: Experiment, out_dir: Path, jobs: int) -> int:
+    plan = plan_sweep(experiment, out_dir)  # bad points or a point still running: one line, nothing run
     stderr = Console(stderr=True)
     running: set[str] = set()
     lock = threading.Lock()
@@ -109,6 +111,7 @@ def run(experiment: Experiment, out_dir: Path, jobs: int) -> int:
         TimeElapsedColumn(),
         TextColumn("{task.description}"),
         console=stderr,
+        disable=not stderr.is_terminal,  # logs and pipes get the failed points and the summary only
     ) as progress:
         task = progress.add_task("", total=len(experiment.points), name=f"sweep {experiment.name}")
 
@@ -130,21 +133,33 @@ def run(experiment: Experiment, out_dir: Path, jobs: int) -> int:
                 elif result.status == "skipped":
                     progress.console.print(f"[yellow]skipped[/yellow] {result.point.id}: {result.error}")
 
-        results = run_sweep(experiment, out_dir, jobs, on_start=on_start, on_done=on_done)
+        results = run_sweep(experiment, out_dir, jobs, on_start=on_start, on_done=on_done, plan=plan)
     done = [r for r in results if r.status == "done"]
     reused = sum(r.reused for r in done)
     failed = [r for r in results if r.status == "failed"]
+    interrupted = [r for r in results if r.status == "interrupted"]
     skipped = sum(r.status == "skipped" for r in results)
     print(
         f"sweep {experiment.name}: {len(done)} done ({reused} from an earlier run), {len(failed)} failed, "
-        f"{skipped} skipped -> {out_dir / 'results.md'}"
+        f"{len(interrupted)} interrupted, {skipped} skipped -> {out_dir / 'results.md'}"
     )
     if any(p.subcommand in ("fit", "validate") for p in experiment.points):
         print(f"compare the runs: tensorboard --logdir {out_dir / 'runs'}")
-    if failed:
+    if failed or interrupted:
         logs = out_dir / "points"
-        print(f"re-run the same command to retry the {len(failed)} failed point(s); their logs are in {logs}")
-    return 1 if failed else 0
+        print(
+            f"re-run the same command to retry the {len(failed)} failed and resume the {len(interrupted)} "
+            f"interrupted point(s); their logs are in {logs}"
+        )
+    return 1 if failed or interrupted else 0
+
+
+class Terminated(BaseException):
+    """SIGTERM reached the sweep (a scheduler preempting it): stop the points, as Ctrl-C does."""
+
+
+def _raise_terminated(signum, frame) -> None:
+    raise Terminated
 
 
 def main(argv: list[str]) -> int:
@@ -166,4 +181,15 @@ def main(argv: list[str]) -> int:
     out_dir = Path(args.out) if args.out else Path("runs") / "sweeps" / experiment.name
     if args.dry_run:
         return dry_run(experiment, out_dir)
-    return run(experiment, out_dir, args.jobs)
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        return run(experiment, out_dir, args.jobs)
+    except Terminated:
+        print(
+            f"lmledger sweep: stopped by SIGTERM; the running points were stopped too, and the next "
+            f"`lmledger sweep {args.experiment}` resumes them",
+            file=sys.stderr,
+        )
+        return 143
+    finally:
+        signal.signal(signal.SIGTERM, previous)
