@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -277,6 +278,37 @@ def test_a_point_stopped_by_a_signal_is_interrupted_and_resumed_from_its_checkpo
     (result,) = sweep_module.run_sweep(experiment, out)
     assert launched[2][-2:] == ["--ckpt_path", "last"] and result.status == "done"
     assert result.reused is False and sweep_module.run_sweep(experiment, out)[0].reused  # done is done
+
+
+def test_sigterm_to_the_sweep_stops_its_points_and_records_them_interrupted(workdir, capsys, monkeypatch):
+    """A scheduler preempting the sweep (SIGTERM) reaches the points too, though they run in their own
+    process groups; the sweep waits for them, records them interrupted and exits 143."""
+    started = []
+
+    def sleeping_point(args):
+        started.append(args)
+        return [sys.executable, "-c", "import time; time.sleep(120)"]
+
+    monkeypatch.setattr(sweep_module, "point_command", sleeping_point)
+    path = write_experiment(workdir / "e.yaml", points=[PLAN])
+    point = load_experiment(path).points[0]
+    lock = workdir / "sweeps" / "e" / "points" / point.id / "lock"
+
+    def preempt():
+        pid = _wait_for(lambda: _point_pid(lock), "the point to start", timeout=60)
+        os.kill(os.getpid(), signal.SIGTERM)  # to the sweep (this process) alone, not to the point's group
+        return pid
+
+    pids = []
+    timer = threading.Thread(target=lambda: pids.append(preempt()))
+    timer.start()
+    capsys.readouterr()
+    assert lmledger(["sweep", str(path), "--out", "sweeps/e"]) == 143
+    timer.join()
+    assert "stopped by SIGTERM" in capsys.readouterr().err
+    status = json.loads((lock.parent / "status.json").read_text())
+    assert status["status"] == "interrupted" and "SIGTERM" in status["error"]
+    assert not _alive(pids[0]) and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
 
 
 # ------------------------------------------------------------------------------------- a full disk

@@ -6,9 +6,10 @@ matplotlib's Figure is used directly (the Agg canvas): no pyplot state shared be
 
 from __future__ import annotations
 
-import os
+import io
 from pathlib import Path
 
+from lmledger.corpus import write_atomically
 from lmledger.ledger.units import MB
 from lmledger.sweep import MEMORY_COMPONENTS, Experiment, PointResult, short_key, slug_value
 
@@ -47,10 +48,11 @@ def _tick_at_values(ax, xs: list) -> None:
 
 
 def _save(figure, path: Path) -> Path:
+    """Render in memory, then write atomically: a full disk leaves the previous PNG whole (one line)."""
     figure.tight_layout()
-    tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp.png")
-    figure.savefig(tmp, dpi=90)
-    os.replace(tmp, path)
+    png = io.BytesIO()
+    figure.savefig(png, format="png", dpi=90)
+    write_atomically(path, png.getvalue())
     return path
 
 

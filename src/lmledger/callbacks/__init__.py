@@ -42,7 +42,7 @@ class LedgerSettings:
     Args:
         enabled: keep the ledger during the run (false: no ledger callbacks at all).
         device_memory_gb: memory one device may use, in GB (1e9 bytes); the run stops before step 1
-            if the predicted peak exceeds it. None: CUDA's free memory (no check on a CPU).
+            if the predicted peak exceeds it. None: CUDA's free memory, or the RAM available on a CPU.
         warmup_steps: training batches at the start of each fit that perf/* leaves out (they hold the
             memory measurement, optimizer-state allocation and kernel autotuning).
         measure: measure memory on the first two steps beside the prediction (false: predictions only).
