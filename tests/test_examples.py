@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import read_scalars
 from lmledger.ledger.dryrun import StepLedger, dry_run, measure_step
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `examples` lives at the repository root
@@ -109,3 +110,32 @@ def test_byte_convnet_dry_run_matches_the_real_step():
     assert_twins(dry, measured)
     # Convolutions are counted: depthwise conv forward is 2 x tokens x width x kernel per layer.
     assert dry.flops_by_op["aten.convolution"] == 2 * 2 * BATCH * SEQ * 32 * 4
+
+
+# Each example config, shrunk, trained for two steps by examples/fit.py (LightningCLI in subclass mode)
+# with the Ledger callback: the configs are valid, and the ledger's predicted and measured peaks land.
+SHRINK = {
+    "hf-llama": ["--model.init_args.hidden_size", "32", "--model.init_args.num_layers", "1"],
+    "hf-gpt2": ["--model.init_args.hidden_size", "32", "--model.init_args.num_layers", "1"],
+    "byte-convnet": ["--model.init_args.width", "32", "--model.init_args.num_layers", "1"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(SHRINK))
+def test_example_configs_train_with_the_ledger(name, workdir):
+    if name.startswith("hf-"):
+        pytest.importorskip("transformers")
+    from examples.fit import main
+
+    context = [] if name == "byte-convnet" else ["--model.init_args.context_length", "32"]
+    main(
+        ["fit", "--config", f"configs/examples/{name}.yaml", *SHRINK[name], *context,
+         "--data.init_args.batch_size", "2", "--data.init_args.context_length", "32",
+         "--trainer.max_steps", "2", "--trainer.limit_val_batches", "0", "--trainer.enable_progress_bar", "false"]
+    )  # fmt: skip
+    (run,) = (workdir / "runs" / f"examples-{name}").iterdir()
+    assert (run / "config.yaml").is_file()
+    scalars = read_scalars(run)
+    predicted, measured = scalars["memory/predicted/peak"][0][1], scalars["memory/measured/peak"][0][1]
+    assert measured == pytest.approx(predicted, rel=0.03)
+    assert scalars["flops/measured_per_step"][0][1] == scalars["flops/hardware_per_step"][0][1]

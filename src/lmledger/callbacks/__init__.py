@@ -5,6 +5,8 @@
     ThroughputLedger  tokens/s, TFLOP/s, MFU, HFU, data-wait share (throughput.py)
     PreflightGuard    stops a run whose predicted peak does not fit, before step 1 (preflight.py)
     LedgerSummary     the key numbers (params, peak, FLOPs/step) as one TensorBoard text (summary.py)
+    Ledger            all of them in one callback for LitLM; for any other LightningModule a dry run
+                      beside measurement (ledger.py): `Trainer(callbacks=[Ledger()])`
 
 `ledger_callbacks(LedgerSettings(...))` builds them all; the CLI exposes the settings as `--ledger.*`.
 The callbacks never change what is trained: counting runs on a meta-device copy, measurement only
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 import lightning.pytorch as pl
 
 from lmledger.callbacks.flops import FlopLedger
+from lmledger.callbacks.ledger import Ledger
 from lmledger.callbacks.memory import MemoryLedger
 from lmledger.callbacks.preflight import PreflightGuard
 from lmledger.callbacks.summary import LedgerSummary
@@ -26,6 +29,7 @@ from lmledger.errors import ConfigError
 
 __all__ = [
     "FlopLedger",
+    "Ledger",
     "LedgerSettings",
     "LedgerSummary",
     "MemoryLedger",

@@ -39,7 +39,6 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.optim.optimizer import _get_foreach_kernels_supported_devices
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map_only
 
 from lmledger.errors import UserError
 from lmledger.ledger.flops import flop_counter
@@ -109,6 +108,7 @@ def dry_run(
     optimizer: OptimizerSpec = None,
     precision: str | int = "32-true",
     device: torch.device | str | None = None,
+    share: tuple[object, ...] = (),
 ) -> StepLedger | NotTraced:
     """One steady-state training step of `model` on a fake `batch`, with no compute and no memory.
 
@@ -122,6 +122,8 @@ def dry_run(
                `params -> optimizer`
     precision  a Lightning precision name (32-true, bf16-mixed, 16-mixed, bf16-true, 16-true, 64-true)
     device     the device the step runs on (default: the parameters', CPU for a meta model)
+    share      objects the model refers to that the copy must share, not copy (a LightningModule's
+               Trainer)
 
     Raises UserError for bad input (an unknown precision, a step that returns no scalar loss);
     returns NotTraced when the model cannot run on fake tensors.
@@ -130,8 +132,8 @@ def dry_run(
     target = _target_device(model, device)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     try:
-        fake_model, memo = _fake_copy(model, mode, target, dtype)
-        fake_batch = tree_map_only(torch.Tensor, lambda t: _fake_tensor(t, mode, target), _cast_batch(batch, dtype))
+        fake_model, memo = _fake_copy(model, mode, target, dtype, share)
+        fake_batch = map_tensors(lambda t: _fake_tensor(t, mode, target), _cast_batch(batch, dtype))
         fake_optimizer = _fake_optimizer(optimizer, fake_model, memo, target)
     except UserError:
         raise
@@ -195,7 +197,7 @@ def _ledger_of_step(
         _backward_and_step(model, loss, optimizer, backward_flops)
         del loss
         gc.collect()  # what step 1 left in reference cycles goes now, not at a random point of step 2
-        tracker = MemoryTracker().track(model, optimizer, batch)
+        tracker = MemoryTracker().track(model, optimizer, batch_tensors(batch))
         with tracker:
             tracker.phase("forward")
             loss = _forward(model, batch, step, autocast, device)
@@ -215,7 +217,7 @@ def _ledger_of_step(
         grads=state["grads"],
         optimizer=state["optimizer"],
         buffers=buffers,
-        batch=_storage_bytes(tree_flatten(batch)[0]),
+        batch=_storage_bytes(batch_tensors(batch)),
         activations=saved.activations,
         autocast_weight_copies=saved.autocast_weight_copies,
         peak=tracker.peak_bytes,
@@ -352,11 +354,40 @@ def _eager_library_decisions() -> Iterator[None]:
         yield
 
 
+def batch_tensors(batch: object) -> list[torch.Tensor]:
+    """The tensors of a batch in order: a tensor, or mappings (dict, Hugging Face BatchEncoding),
+    tuples and lists of them, nested; anything else holds none."""
+    if isinstance(batch, torch.Tensor):
+        return [batch]
+    if isinstance(batch, Mapping):
+        batch = list(batch.values())
+    if isinstance(batch, (tuple, list)):
+        return [t for item in batch for t in batch_tensors(item)]
+    return []
+
+
+def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], batch: object) -> object:
+    """The batch with fn applied to every tensor, containers rebuilt as their own type (a
+    BatchEncoding stays one, a namedtuple stays one)."""
+    if isinstance(batch, torch.Tensor):
+        return fn(batch)
+    if isinstance(batch, Mapping):
+        out = copy.copy(batch)
+        for key, value in batch.items():
+            out[key] = map_tensors(fn, value)
+        return out
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+        return type(batch)(*(map_tensors(fn, item) for item in batch))
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(map_tensors(fn, item) for item in batch)
+    return batch
+
+
 def _cast_batch(batch: object, dtype: torch.dtype | None) -> object:
     """Floating tensors of the batch in `dtype`, as Lightning's *-true precision plugins convert inputs."""
     if dtype is None:
         return batch
-    return tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, batch)
+    return map_tensors(lambda t: t.to(dtype) if t.is_floating_point() else t, batch)
 
 
 def _fake_tensor(
@@ -373,14 +404,18 @@ def _fake_tensor(
 
 
 def _fake_copy(
-    model: nn.Module, mode: FakeTensorMode, device: torch.device, dtype: torch.dtype | None
+    model: nn.Module,
+    mode: FakeTensorMode,
+    device: torch.device,
+    dtype: torch.dtype | None,
+    share: tuple[object, ...] = (),
 ) -> tuple[nn.Module, dict[int, object]]:
     """A deep copy of model whose parameters, buffers and tensor attributes are fake, floating
     parameters and buffers in `dtype` if given (Module.to(dtype) leaves other attributes alone).
 
     The memo of copy.deepcopy is filled first, so each tensor object maps to one fake (tied weights
     stay tied) and the real ones are never copied."""
-    memo: dict[int, object] = {}
+    memo: dict[int, object] = {id(obj): obj for obj in share}
     for module in model.modules():
         converted = [*module._parameters.values(), *module._buffers.values()]
         attributes = [v for v in vars(module).values() if isinstance(v, torch.Tensor)]

@@ -1,0 +1,218 @@
+"""Trainer(callbacks=[Ledger()]) on modules that are not lmledger's: the dry run's prediction beside the measurement."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.loggers import TensorBoardLogger
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from conftest import read_scalars
+from lmledger.callbacks import FlopLedger, Ledger, LedgerSummary, MemoryLedger, PreflightGuard, ThroughputLedger
+from lmledger.callbacks.ledger import AnyModelLedger
+from lmledger.errors import UserError
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `examples` lives at the repository root
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny models run faster on one thread
+
+BATCH, SEQ = 4, 32
+
+
+def token_loader(n_batches: int = 6) -> DataLoader:
+    g = torch.Generator().manual_seed(0)
+    inputs, targets = (torch.randint(0, 256, (n_batches * BATCH, SEQ), generator=g) for _ in range(2))
+    return DataLoader(TensorDataset(inputs, targets), batch_size=BATCH)
+
+
+def fit(module: pl.LightningModule, loader, callbacks, tmp_path: Path | None = None, steps: int = 3) -> pl.Trainer:
+    trainer = pl.Trainer(
+        max_steps=steps,
+        accelerator="cpu",
+        logger=TensorBoardLogger(tmp_path, name="run") if tmp_path else False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        log_every_n_steps=1,
+        callbacks=callbacks,
+    )
+    trainer.fit(module, loader)
+    return trainer
+
+
+def tiny_llama():
+    pytest.importorskip("transformers")
+    from examples.hf_lm import LlamaLM
+
+    torch.manual_seed(0)
+    return LlamaLM(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128, context_length=SEQ)
+
+
+def test_hf_llama_ledger_predicts_what_the_fit_measures(tmp_path, capsys):
+    ledger = Ledger(warmup_steps=1)
+    trainer = fit(tiny_llama(), token_loader(), [ledger], tmp_path)
+    (child,) = ledger.callbacks
+    assert isinstance(child, AnyModelLedger)
+    predicted, measured = child.predicted, child.measured
+    assert predicted is not None, child.why_not_predicted
+    for name in ("params", "grads", "optimizer"):
+        assert predicted.__getattribute__(name) == measured.values[name], name
+    assert predicted.activations == pytest.approx(measured.values["activations"], rel=0.01)
+    assert predicted.peak == pytest.approx(measured.values["peak"], rel=0.03)
+    assert predicted.flops == measured.flops
+    assert child.tokens == BATCH * SEQ  # the first integer rank-2 tensor: the input ids
+
+    # The table: every ratio shown is 1 within the tolerances, and the fit's tokens/s is there.
+    rows = {name: (pred, meas, ratio) for name, pred, meas, ratio in child.rows()}
+    for name in ("params", "grads", "optimizer", "FLOPs/step (hardware)"):
+        assert rows[name][2] == "1.000", name
+    assert 0.99 <= float(rows["activations"][2]) <= 1.01 and 0.97 <= float(rows["peak"][2]) <= 1.03
+    assert float(rows["tokens/s"][1]) > 0
+    out = capsys.readouterr().out
+    assert "ledger (predicted)" in out and "ledger (predicted beside measured)" in out and "ledger (summary)" in out
+
+    scalars = read_scalars(trainer.logger.log_dir)
+    assert scalars["memory/predicted/peak"][0][1] == predicted.peak
+    assert scalars["memory/measured/peak"][0][1] == measured.values["peak"]
+    assert scalars["flops/hardware_per_step"][0][1] == pytest.approx(predicted.flops)
+    assert scalars["flops/measured_per_step"][0][1] == pytest.approx(measured.flops)
+    assert "perf/tokens_per_sec" in scalars and "perf/samples_per_sec" not in scalars
+
+
+def test_the_ledger_does_not_change_what_is_trained():
+    """GPT-2 with dropout: the dry run and the measurement draw nothing from the RNG and move no weight."""
+    pytest.importorskip("transformers")
+    from examples.hf_lm import GPT2LM
+
+    def train(callbacks) -> dict[str, torch.Tensor]:
+        torch.manual_seed(0)
+        module = GPT2LM(hidden_size=32, num_layers=1, num_heads=2, context_length=SEQ, dropout=0.1)
+        fit(module, token_loader(), callbacks)
+        return {k: v.clone() for k, v in module.state_dict().items()}
+
+    with_ledger, without = train([Ledger(warmup_steps=1)]), train([])
+    for name, value in without.items():
+        assert torch.equal(with_ledger[name], value), name
+
+
+class Regressor(pl.LightningModule):
+    """No tokens: float features in, a float target out, mse loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 8))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.mse_loss(self.net(x), y)
+        self.log("train/loss", loss)
+        return {"loss": loss}
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
+
+
+def test_a_model_without_tokens_reports_samples_per_second(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    loader = DataLoader(TensorDataset(torch.randn(64, 16, generator=g), torch.randn(64, 8, generator=g)), batch_size=16)
+    ledger = Ledger(warmup_steps=1)
+    trainer = fit(Regressor(), loader, [ledger], tmp_path)
+    child = ledger.callbacks[0]
+    assert child.tokens is None and child.samples == 16
+    assert child.predicted.optimizer == child.measured.values["optimizer"] == child.predicted.params  # momentum
+    assert child.predicted.peak == pytest.approx(child.measured.values["peak"], rel=0.03)
+    scalars = read_scalars(trainer.logger.log_dir)
+    assert "perf/samples_per_sec" in scalars and "perf/tokens_per_sec" not in scalars
+
+
+class DictBatchLM(pl.LightningModule):
+    """Batches are mappings (a Hugging Face BatchEncoding here); the module states its own tokens per batch."""
+
+    def __init__(self, tokens: int | None = None) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(256, 32)
+        self.head = nn.Linear(32, 256)
+        if tokens is not None:
+            self.tokens_per_batch = tokens
+
+    def training_step(self, batch, batch_idx):
+        logits = self.head(self.embed(batch["input_ids"]))
+        return F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten())
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+@pytest.mark.parametrize("stated", [None, 100])
+def test_batch_encoding_batches_and_stated_tokens(stated):
+    transformers = pytest.importorskip("transformers")
+    g = torch.Generator().manual_seed(0)
+    encodings = [
+        transformers.BatchEncoding(
+            {"attention_mask": torch.ones(BATCH, SEQ), "input_ids": torch.randint(0, 256, (BATCH, SEQ), generator=g)}
+        )
+        for _ in range(3)
+    ]
+    for encoding in encodings:
+        encoding["labels"] = encoding["input_ids"].roll(-1, dims=1)
+    ledger = Ledger(warmup_steps=1)
+    fit(DictBatchLM(stated), DataLoader(encodings, batch_size=None), [ledger])
+    child = ledger.callbacks[0]
+    # The float attention mask is skipped: tokens are the input ids' B x T unless the module says otherwise.
+    assert child.tokens == (stated if stated is not None else BATCH * SEQ)
+    assert child.predicted is not None, child.why_not_predicted
+    assert child.predicted.activations == child.measured.values["activations"]
+
+
+class ReadsALoss(Regressor):
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)["loss"]
+        if loss.item() > 1e9:  # data-dependent: fake tensors hold no values
+            raise RuntimeError("diverged")
+        return loss
+
+
+def test_an_untraceable_module_is_measured_with_a_reason(capsys):
+    g = torch.Generator().manual_seed(0)
+    loader = DataLoader(TensorDataset(torch.randn(48, 16, generator=g), torch.randn(48, 8, generator=g)), batch_size=16)
+    ledger = Ledger(warmup_steps=1)
+    fit(ReadsALoss(), loader, [ledger])
+    child = ledger.callbacks[0]
+    assert child.predicted is None and ".item()" in child.why_not_predicted
+    assert child.measured.values["peak"] > child.measured.values["params"] > 0
+    assert "not predicted" in capsys.readouterr().out
+
+
+def test_a_predicted_peak_over_the_limit_stops_before_step_one():
+    module = Regressor()
+    trainer = pl.Trainer(max_steps=3, accelerator="cpu", logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, callbacks=[Ledger(device_memory_gb=1e-6)])  # fmt: skip
+    g = torch.Generator().manual_seed(0)
+    loader = DataLoader(TensorDataset(torch.randn(32, 16, generator=g), torch.randn(32, 8, generator=g)), batch_size=16)
+    with pytest.raises(UserError, match="exceeds 1 kB per device"):
+        trainer.fit(module, loader)
+    assert trainer.global_step == 0
+
+
+def test_litlm_gets_the_toy_ledger(workdir):
+    from lmledger.data import TokenDataModule
+    from lmledger.lit import LitLM
+    from lmledger.model import ModelConfig
+
+    data = TokenDataModule(path="data/stdlib", batch_size=2, context_length=16)
+    module = LitLM(config=ModelConfig(vocab_size=data.vocab_size, context_length=16, d_model=32, n_layers=1,
+                                      n_heads=2, d_ff=64))  # fmt: skip
+    ledger = Ledger()
+    trainer = pl.Trainer(max_steps=2, accelerator="cpu", logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, limit_val_batches=0, callbacks=[ledger])  # fmt: skip
+    trainer.fit(module, datamodule=data)
+    assert [type(c) for c in ledger.callbacks] == [PreflightGuard, LedgerSummary, FlopLedger, ThroughputLedger,
+                                                   MemoryLedger]  # fmt: skip
+    memory = ledger.callbacks[-1]
+    assert memory.measured.values["params"] == memory.predicted.params  # the toy closed forms ran, and measured
