@@ -200,3 +200,28 @@ def test_bad_input_is_a_user_error():
         dry_run(model, torch.randn(2, 4), precision="bf17")
     with pytest.raises(UserError, match="transformer-engine"):
         dry_run(model, torch.randn(2, 4), precision="transformer-engine")
+    if not torch.cuda.is_available():  # a CPU-only torch would abort the process on a fake CUDA tensor
+        with pytest.raises(UserError, match="not available on this machine"):
+            dry_run(model, torch.randn(2, 4), device="cuda")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_cuda_dry_run_matches_the_real_step_and_the_allocator(precision):
+    """On a GPU: the dry run with fake CUDA tensors (the kernels CUDA picks, e.g. SDPA's flash or
+    memory-efficient backend) against the real step, and its peak against CUDA's allocator over the
+    same two steps. Sizes are large enough that cuBLAS workspaces and the allocator's 512-byte
+    rounding, which the tracker does not see, stay small beside the activations."""
+    fields = dict(vocab_size=4096, context_length=512, d_model=512, n_layers=4, n_heads=8, d_ff=1536)
+    torch.manual_seed(0)
+    model = ToyLM(ModelConfig(**fields)).cuda()
+    g = torch.Generator(device="cuda").manual_seed(1)
+    batch = tuple(torch.randint(0, 4096, (8, 512), device="cuda", generator=g) for _ in range(2))
+    dry = dry_run(model, batch, step=toy_step, optimizer=adamw, precision=precision)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    measured = measure_step(model, batch, step=toy_step, optimizer=adamw, precision=precision)
+    torch.cuda.synchronize()
+    allocator_peak = torch.cuda.max_memory_allocated()
+    assert_twins(dry, measured)
+    assert dry.peak == pytest.approx(allocator_peak, rel=0.10), f"allocator/dry = {allocator_peak / dry.peak:.4f}"

@@ -303,12 +303,19 @@ def _precision_dtypes(precision: str | int) -> tuple[torch.dtype | None, torch.d
 
 
 def _target_device(model: nn.Module, device: torch.device | str | None) -> torch.device:
-    if device is not None:
-        return torch.device(device)
-    for t in (*model.parameters(), *model.buffers()):
-        if t.device.type != "meta":
-            return t.device
-    return torch.device("cpu")
+    if device is None:
+        found = [t.device for t in (*model.parameters(), *model.buffers()) if t.device.type != "meta"]
+        return found[0] if found else torch.device("cpu")
+    try:
+        device = torch.device(device)
+    except RuntimeError as err:
+        raise UserError(f"unknown device {device!r} ({err}): use cpu or cuda") from None
+    backend = getattr(torch, device.type, None)
+    if device.type not in ("cpu", "meta") and not (backend is not None and backend.is_available()):
+        # Fake tensors still go through the device's guard: a torch build without that device aborts
+        # the process, past any exception handler.
+        raise UserError(f"device {device} is not available on this machine: dry-run on a machine that has it")
+    return device
 
 
 class _RealOutputStorages(TorchDispatchMode):
