@@ -410,8 +410,8 @@ class AnyModelLedger(pl.Callback):
                 _ratio(m.flops, pred_flops),
             )
         )
-        unit = "tokens/s" if self.tokens is not None else "samples/s"
-        rows.append((unit, "", f"{m.rate:.4g}" if m.rate else "", ""))
+        if m.rate:  # measured after the warm-up steps
+            rows.append(("tokens/s" if self.tokens is not None else "samples/s", "", f"{m.rate:.4g}", ""))
         if m.hfu is not None:
             rows.append(("HFU", "", f"{m.hfu:.2%}", ""))
         return rows
