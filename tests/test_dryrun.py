@@ -225,3 +225,19 @@ def test_cuda_dry_run_matches_the_real_step_and_the_allocator(precision):
     allocator_peak = torch.cuda.max_memory_allocated()
     assert_twins(dry, measured)
     assert dry.peak == pytest.approx(allocator_peak, rel=0.10), f"allocator/dry = {allocator_peak / dry.peak:.4f}"
+
+
+def test_compiled_submodules_and_held_data():
+    """A torch.compile'd block dry-runs as its eager code; data a module holds is shared, not copied."""
+    import numpy as np
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from lmledger.ledger.dryrun import _fake_copy
+
+    plain = dry_run(toy(), token_batch(), step=toy_step, optimizer=adamw)
+    model = toy()
+    model.blocks[0] = torch.compile(model.blocks[0])
+    model.table = np.zeros(1000, dtype=np.float32)
+    assert dry_run(model, token_batch(), step=toy_step, optimizer=adamw) == plain
+    copy_, _ = _fake_copy(model, FakeTensorMode(), torch.device("cpu"), None)
+    assert copy_.table is model.table and copy_.embed is not model.embed

@@ -34,7 +34,9 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from unittest import mock
 
+import numpy as np
 import torch
+import torch.utils.data
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.optim.optimizer import _get_foreach_kernels_supported_devices
@@ -140,7 +142,9 @@ def dry_run(
     except Exception as err:  # deepcopy or fake conversion: a model we cannot copy
         return NotTraced(f"could not copy the model onto fake tensors: {_one_line(err)}")
     try:
-        with mode, _RealOutputStorages(), _eager_library_decisions():
+        # force_eager: torch.compile'd submodules run their eager code, which is what fake tensors can
+        # follow; the dry run describes the eager step.
+        with mode, torch.compiler.set_stance("force_eager"), _RealOutputStorages(), _eager_library_decisions():
             return _ledger_of_step(fake_model, fake_batch, step, fake_optimizer, autocast, target)
     except UserError:
         raise
@@ -410,6 +414,11 @@ def _fake_tensor(
         return torch.empty_strided(t.shape, t.stride(), dtype=dtype, device=device)
 
 
+# Objects a module may keep that the step does not change and that can be large (a memory-mapped
+# array would be read whole by deepcopy): the fake copy shares them with the original.
+_SHARED_TYPES = (np.ndarray, torch.utils.data.Dataset, torch.utils.data.DataLoader)
+
+
 def _fake_copy(
     model: nn.Module,
     mode: FakeTensorMode,
@@ -424,6 +433,9 @@ def _fake_copy(
     stay tied) and the real ones are never copied."""
     memo: dict[int, object] = {id(obj): obj for obj in share}
     for module in model.modules():
+        for value in vars(module).values():
+            if isinstance(value, _SHARED_TYPES):  # data a module holds on to: never copied
+                memo[id(value)] = value
         converted = [*module._parameters.values(), *module._buffers.values()]
         attributes = [v for v in vars(module).values() if isinstance(v, torch.Tensor)]
         for t, cast in [*((t, dtype) for t in converted), *((t, None) for t in attributes)]:
