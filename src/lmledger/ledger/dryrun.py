@@ -142,8 +142,8 @@ def dry_run(
     except Exception as err:  # deepcopy or fake conversion: a model we cannot copy
         return NotTraced(f"could not copy the model onto fake tensors: {_one_line(err)}")
     try:
-        # force_eager: torch.compile'd submodules run their eager code, which is what fake tensors can
-        # follow; the dry run describes the eager step.
+        # force_eager: torch.compile'd submodules run their eager code, so a dry run compiles nothing
+        # (dynamo would trace the fake step too, at compile time's cost); it describes the eager step.
         with mode, torch.compiler.set_stance("force_eager"), _RealOutputStorages(), _eager_library_decisions():
             return _ledger_of_step(fake_model, fake_batch, step, fake_optimizer, autocast, target)
     except UserError:
