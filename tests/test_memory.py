@@ -558,15 +558,30 @@ def test_predicted_peak_within_15_percent_on_cuda(precision, checkpointing, tied
 # --- inside a fit (callbacks.memory.MemoryLedger) ------------------------------------------------
 
 
-def test_a_fit_tracks_the_second_step_only(stdlib_data, tmp_path):
+def small_fit(data_path, callbacks, module_class=None, max_steps=4):
     import lightning as L
 
-    from lmledger.callbacks import MemoryLedger
     from lmledger.data import TokenDataModule
     from lmledger.lit import LitLM
 
+    L.seed_everything(0, verbose=False)
+    data = TokenDataModule(path=str(data_path), batch_size=2, context_length=16, val_batches=1)
+    model = (module_class or LitLM)(ModelConfig(vocab_size=data.vocab_size, context_length=16, d_model=32,
+                                                n_layers=1, n_heads=2, d_ff=64, tie_embeddings=True))  # fmt: skip
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, logger=False, callbacks=callbacks,
+                        limit_val_batches=0, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)  # fmt: skip
+    trainer.fit(model, data)
+    return model
+
+
+def test_a_fit_tracks_the_second_step_only(stdlib_data):
+    import lightning as L
+
+    from lmledger.callbacks import MemoryLedger
+
     class Probe(L.Callback):
-        """Runs after MemoryLedger: how many dispatch modes are active in each step's phases."""
+        """Runs after MemoryLedger: how many dispatch modes are active in each step."""
 
         def __init__(self):
             self.modes: list[tuple[int, int]] = []
@@ -577,15 +592,33 @@ def test_a_fit_tracks_the_second_step_only(stdlib_data, tmp_path):
         def on_before_optimizer_step(self, trainer, pl_module, optimizer):
             self.modes.append((self.start, torch._C._len_torch_dispatch_stack()))
 
-    L.seed_everything(0, verbose=False)
-    data = TokenDataModule(path=str(stdlib_data), batch_size=2, context_length=16, val_batches=1)
-    model = LitLM(ModelConfig(vocab_size=data.vocab_size, context_length=16, d_model=32, n_layers=1, n_heads=2,
-                              d_ff=64, tie_embeddings=True))  # fmt: skip
     ledger, probe = MemoryLedger(), Probe()
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=4, logger=False, callbacks=[ledger, probe],
-                        limit_val_batches=0, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False)  # fmt: skip
-    trainer.fit(model, data)
-    assert probe.modes == [(0, 0), (1, 1), (0, 0), (0, 0)]  # on in step 1 only, start to optimizer step
+    model = small_fit(stdlib_data, [ledger, probe])
+    # on inside step 1's optimizer_step call only (which holds forward, backward and the step)
+    assert probe.modes == [(0, 0), (0, 1), (0, 0), (0, 0)]
+    assert "optimizer_step" not in vars(model)
     assert ledger.measured.values["peak"] == pytest.approx(ledger.predicted.peak, rel=0.02)
     assert ledger.measured.peak_phase == MEASURED_PHASE[ledger.predicted.peak_phase]
+
+
+def test_a_failing_step_leaves_no_tracker_behind(stdlib_data):
+    # An earlier callback that raises in on_exception (PreflightGuard does, for a CUDA OOM) stops
+    # Lightning from calling MemoryLedger's: the tracker must unwind with the step itself.
+    import lightning as L
+
+    from lmledger.callbacks import MemoryLedger
+    from lmledger.lit import LitLM
+
+    class FailsAtStep1(LitLM):
+        def training_step(self, batch, batch_idx):
+            if self.global_step == 1:
+                raise RuntimeError("step 1 fails")
+            return super().training_step(batch, batch_idx)
+
+    class RaisesOnException(L.Callback):
+        def on_exception(self, trainer, pl_module, exception):
+            raise UserError("one line instead") from exception
+
+    with pytest.raises(UserError):
+        small_fit(stdlib_data, [RaisesOnException(), MemoryLedger()], FailsAtStep1)
+    assert torch._C._len_torch_dispatch_stack() == 0

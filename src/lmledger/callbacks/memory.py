@@ -12,7 +12,11 @@ Measured, each once:
   it starts); elsewhere, the CPU included, the high-water mark of live tensor bytes that
   ledger.memtrack.MemoryTracker counts (parameters, gradients, optimizer state and the batch, plus
   every tensor the step makes), with the phase it fell in (forward, zero_grad, backward, optimizer
-  step). The tracker leaves when that step ends: later steps run without it.
+  step). The tracker runs inside that step's LightningModule.optimizer_step call, which in
+  automatic optimization holds the whole step (the closure: forward, zero_grad, backward; then the
+  step), as a `with` block: it leaves when the step ends or raises, even if an earlier callback's
+  on_exception raises (PreflightGuard turns a CUDA OOM into one line that way, and Lightning calls no
+  on_exception after it). Later steps run without it. Manual optimization: not measured.
 
 Under *-mixed precision, the low-precision weight copies autocast makes are counted in neither
 params nor activations: they are their own line, `autocast_weight_copies` (the copies the linear
@@ -233,15 +237,37 @@ class MemoryLedger(pl.Callback):
         if "peak" in self._pending and steps_done == 1 and not self._peak_armed:
             if self.run.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(self.run.device)
+            elif not pl_module.automatic_optimization:
+                self._skip("peak", "n/a (manual optimization)")
+                return
             else:
-                optimizers = [getattr(o, "optimizer", o) for o in trainer.optimizers]
-                self._tracker = MemoryTracker().track(self.run.model, optimizers, batch)
-                self._tracker.phase("forward")
-                self._tracker.start()
+                self._track_next_optimizer_step(trainer, pl_module, batch)
             self._peak_armed = True
 
-    def _phase(self, name: str) -> None:
+    def _track_next_optimizer_step(self, trainer, pl_module, batch) -> None:
+        """Run the next pl_module.optimizer_step call (the whole step; module docstring) inside a
+        MemoryTracker, through an instance attribute that removes itself when called."""
+        optimizers = [getattr(o, "optimizer", o) for o in trainer.optimizers]
+        tracker = self._tracker = MemoryTracker().track(self.run.model, optimizers, batch)
+        optimizer_step = pl_module.optimizer_step
+
+        def tracked_optimizer_step(*args, **kwargs):
+            vars(pl_module).pop("optimizer_step", None)  # this step only
+            tracker.phase("forward")
+            with tracker:
+                return optimizer_step(*args, **kwargs)
+
+        pl_module.optimizer_step = tracked_optimizer_step
+
+    def _untrack(self, pl_module) -> None:
+        if pl_module is not None:
+            vars(pl_module).pop("optimizer_step", None)
         if self._tracker is not None:
+            self._tracker.stop()
+            self._tracker = None
+
+    def _phase(self, name: str) -> None:
+        if self._tracker is not None and self._tracker.running:
             self._tracker.phase(name)
 
     def on_before_zero_grad(self, trainer, pl_module, optimizer) -> None:
@@ -264,17 +290,18 @@ class MemoryLedger(pl.Callback):
                 self.measured.values[COPIES] = self._saved.autocast_weight_copies
             self._saved = None
             self._pending.discard("activations")
-        if self._peak_armed:
-            if self._tracker is not None:
-                self._stop_tracker()
-                self.measured.values["peak"] = self._tracker.peak_bytes
-                self.measured.peak_phase = self._tracker.peak_phase
-                self._tracker = None
-            else:
-                torch.cuda.synchronize(self.run.device)
-                self.measured.values["peak"] = torch.cuda.max_memory_allocated(self.run.device)
+        if self._peak_armed and self._tracker is not None and self._tracker.stopped:
+            self.measured.values["peak"] = self._tracker.peak_bytes
+            self.measured.peak_phase = self._tracker.peak_phase
+            self._tracker = None
             self._peak_armed = False
             self._pending.discard("peak")
+        elif self._peak_armed and self._tracker is None:
+            torch.cuda.synchronize(self.run.device)
+            self.measured.values["peak"] = torch.cuda.max_memory_allocated(self.run.device)
+            self._peak_armed = False
+            self._pending.discard("peak")
+        # else: a tracker still waits for its optimizer step (gradient accumulation)
         if "state" in self._pending and trainer.global_step > self._first_step:
             optimizer = trainer.optimizers[0] if trainer.optimizers else None
             self.measured.values.update(measure_state_bytes(self.run.model, getattr(optimizer, "optimizer", optimizer)))
@@ -286,10 +313,6 @@ class MemoryLedger(pl.Callback):
         if self._hooks is not None:
             self._hooks.close()
             self._hooks = None
-
-    def _stop_tracker(self) -> None:
-        if self._tracker is not None:
-            self._tracker.stop()
 
     # -- the end: a summary -------------------------------------------------------------------
 
@@ -306,8 +329,10 @@ class MemoryLedger(pl.Callback):
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
         self._close_hooks()
-        self._stop_tracker()
-        self._tracker = None
+        self._untrack(pl_module)
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._untrack(pl_module)  # a run that ended before its tracked step
 
     def _report_measured(self, trainer: pl.Trainer) -> None:
         self._reported = True

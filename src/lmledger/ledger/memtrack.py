@@ -87,6 +87,7 @@ class MemoryTracker:
         self._sizes: dict[int, int] = {}  # id(storage) -> bytes, for every live tracked storage
         self._refs: dict[int, weakref.ref] = {}
         self._mode: _Dispatch | None = None
+        self.stopped = False  # started and stopped: the readings are final
 
     # -- what is live at the start -------------------------------------------------------------
 
@@ -122,11 +123,16 @@ class MemoryTracker:
         self._mode.__enter__()
         return self
 
+    @property
+    def running(self) -> bool:
+        return self._mode is not None
+
     def stop(self) -> None:
         """Leave the dispatch mode and drop every weakref (their callbacks die with them)."""
         if self._mode is not None:
             mode, self._mode = self._mode, None
             mode.__exit__(None, None, None)
+            self.stopped = True
         self._refs.clear()
         self._sizes.clear()
 
