@@ -34,6 +34,7 @@ from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.exceptions import SIGTERMException
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from lmledger.callbacks import LedgerSettings, ledger_callbacks
 from lmledger.callbacks.nonfinite import NonFiniteGuard
@@ -100,13 +101,14 @@ def _flatten(value, prefix: str = "") -> dict:
 
 
 def hyperparameter_differences(saved: dict, current) -> list[str]:
-    """'model.KEY: A in the checkpoint, B now' for each model setting that differs (RESUME_MAY_CHANGE aside)."""
+    """'model.KEY: A in the checkpoint, B now' for each model setting that differs (RESUME_MAY_CHANGE aside).
+    Only settings both sides know are compared: a checkpoint from before a setting existed ran its default."""
     theirs, ours = _flatten({k: v for k, v in saved.items() if not k.startswith("_")}), _flatten(current)
     differences = []
-    for key in sorted(set(theirs) | set(ours)):
+    for key in sorted(set(theirs) & set(ours)):
         if key in RESUME_MAY_CHANGE or key.startswith("_"):
             continue
-        then, now = theirs.get(key, "unset"), ours.get(key, "unset")
+        then, now = theirs[key], ours[key]
         if then != now:
             differences.append(f"model.{key}: {_show(then)} in the checkpoint, {_show(now)} now")
     return differences
@@ -409,6 +411,8 @@ class LedgerCLI(LightningCLI):
 
     def before_fit(self) -> None:
         self._check_checkpoint()
+        if rank_zero_only.rank != 0:
+            return  # a process DDP launched for another rank: rank 0 has claimed the directory and said it
         # The run directory is claimed now, after every check, so a refused run leaves none behind.
         for logger in self.trainer.loggers:
             if isinstance(logger, (TensorBoardLogger, CSVLogger)) and logger._version is None:
@@ -484,8 +488,11 @@ def main(argv: list[str]) -> int:
         if saved:
             print(f"lmledger {subcommand}: preempted at step {stop.step}: saved {saved}; resume with --ckpt_path last",
                   file=sys.stderr)  # fmt: skip
+        elif subcommand == "fit":
+            print(f"lmledger {subcommand}: preempted (SIGTERM) before a step could be saved; --ckpt_path last "
+                  "resumes from the run's newest checkpoint, if it has one", file=sys.stderr)  # fmt: skip
         else:
-            print(f"lmledger {subcommand}: preempted (SIGTERM) before a step could be saved", file=sys.stderr)
+            print(f"lmledger {subcommand}: stopped by SIGTERM", file=sys.stderr)
         return 143  # 128 + SIGTERM, what a shell reports for a process SIGTERM ended
     except SystemExit as exit_:
         # Lightning turns Ctrl-C into sys.exit(1) after its graceful shutdown; cli.py reports it as 130.
