@@ -241,3 +241,27 @@ def test_compiled_submodules_and_held_data():
     assert dry_run(model, token_batch(), step=toy_step, optimizer=adamw) == plain
     copy_, _ = _fake_copy(model, FakeTensorMode(), torch.device("cpu"), None)
     assert copy_.table is model.table and copy_.embed is not model.embed
+
+
+def test_largest_batch_edges():
+    from lmledger.ledger.dryrun import largest_batch
+
+    class Mlp(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(64, 64)
+
+        def forward(self, x):
+            return self.linear(x).square().mean()
+
+    def batch_for(size):
+        return torch.empty(size, 64, device="meta")
+
+    one = dry_run(Mlp(), batch_for(1), device="cpu").peak
+    assert largest_batch(Mlp(), batch_for, one - 1, device="cpu").size == 0
+    found = largest_batch(Mlp(), batch_for, 10 * one, device="cpu")
+    assert found.fits.peak <= 10 * one < found.over.peak and found.size > 1
+    capped = largest_batch(Mlp(), batch_for, 10**12, device="cpu", limit=5)
+    assert capped.size == 5 and capped.over is None
+    with pytest.raises(UserError, match="capacity_bytes"):
+        largest_batch(Mlp(), batch_for, 0)

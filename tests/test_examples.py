@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import read_scalars
-from lmledger.ledger.dryrun import StepLedger, dry_run, measure_step
+from lmledger.ledger.dryrun import StepLedger, dry_run, largest_batch, measure_step
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `examples` lives at the repository root
 
@@ -110,6 +110,27 @@ def test_byte_convnet_dry_run_matches_the_real_step():
     assert_twins(dry, measured)
     # Convolutions are counted: depthwise conv forward is 2 x tokens x width x kernel per layer.
     assert dry.flops_by_op["aten.convolution"] == 2 * 2 * BATCH * SEQ * 32 * 4
+
+
+def test_largest_batch_of_an_hf_model_fits_and_the_next_does_not():
+    """Issue 12: the largest batch the dry run predicts fits under the limit when measured on the real
+    step, and one more sample does not."""
+    cls, sizes = hf_examples()["llama"]
+    torch.manual_seed(0)
+    module = cls(**{**sizes, "num_layers": 1})
+    capacity = 3_000_000  # bytes
+
+    def meta_batch(size: int):
+        return tuple(torch.empty(size, SEQ, dtype=torch.long, device="meta") for _ in range(2))
+
+    found = largest_batch(module, meta_batch, capacity, step=module_loss, optimizer=module.configure_optimizers())
+    assert 1 < found.size < 64 and found.fits.peak <= capacity < found.over.peak
+    g = torch.Generator().manual_seed(0)
+    for size, fits in ((found.size, True), (found.size + 1, False)):
+        real = copy.deepcopy(module)
+        batch = tuple(torch.randint(0, 256, (size, SEQ), generator=g) for _ in range(2))
+        measured = measure_step(real, batch, step=module_loss, optimizer=real.configure_optimizers())
+        assert (measured.peak <= capacity) == fits, (size, measured.peak)
 
 
 # Each example config, shrunk, trained for two steps by examples/fit.py (LightningCLI in subclass mode)

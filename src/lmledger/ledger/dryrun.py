@@ -152,6 +152,63 @@ def dry_run(
         return NotTraced(f"the step does not run on fake tensors: {_why(err)}")
 
 
+@dataclass(frozen=True)
+class LargestBatch:
+    """The largest batch size whose dry-run peak fits; `fits` is its ledger (None when size is 0:
+    not even one sample fits), `over` the ledger of size + 1 (None when the search hit `limit`)."""
+
+    size: int
+    fits: StepLedger | None
+    over: StepLedger | None
+
+
+def largest_batch(
+    model: nn.Module,
+    batch_for: Callable[[int], object],
+    capacity_bytes: int,
+    *,
+    step: StepFn | None = None,
+    optimizer: OptimizerSpec = None,
+    precision: str | int = "32-true",
+    device: torch.device | str | None = None,
+    limit: int = 1 << 16,
+) -> LargestBatch | NotTraced:
+    """The largest batch size b <= limit whose predicted peak is at most capacity_bytes.
+
+    `batch_for(b)` makes a batch of b samples (meta tensors will do). Sizes double until one does not
+    fit, then bisect; each probe is a dry run, so nothing is allocated. The peak grows with the batch,
+    which the search relies on."""
+    if capacity_bytes <= 0 or limit < 1:
+        raise UserError(f"capacity_bytes and limit must be positive, got {capacity_bytes} and {limit}")
+    ledgers: dict[int, StepLedger] = {}
+
+    def fits(size: int) -> bool | NotTraced:
+        result = dry_run(model, batch_for(size), step=step, optimizer=optimizer, precision=precision, device=device)
+        if isinstance(result, NotTraced):
+            return result
+        ledgers[size] = result
+        return result.peak <= capacity_bytes
+
+    low, high = 0, 1  # low fits (0 trivially), high is the next size to try
+    while True:
+        verdict = fits(high)
+        if isinstance(verdict, NotTraced):
+            return verdict
+        if not verdict:
+            break
+        low = high
+        if high == limit:
+            return LargestBatch(limit, ledgers[limit], None)
+        high = min(2 * high, limit)
+    while high - low > 1:  # low fits, high does not
+        middle = (low + high) // 2
+        verdict = fits(middle)
+        if isinstance(verdict, NotTraced):
+            return verdict
+        low, high = (middle, high) if verdict else (low, middle)
+    return LargestBatch(low, ledgers.get(low), ledgers[high])
+
+
 def measure_step(
     model: nn.Module,
     batch: object,
