@@ -146,3 +146,8 @@ def test_validate_writes_no_run_directory(workdir, capsys):
         assert lmledger([*validate, "--ckpt_path", path]) == 0
         assert "val/loss" in capsys.readouterr().out
     assert sorted(str(p) for p in workdir.rglob("*") if "data" not in p.parts) == before
+    # Given a place to log (as `lmledger sweep` gives each point), it logs the validation there, and only that.
+    assert lmledger([*validate, "--ckpt_path", ckpt, "--trainer.logger.init_args.save_dir", "evals"]) == 0
+    (run,) = (workdir / "evals/tiny").iterdir()
+    assert run.name == "version_0" and sorted(p.name.split(".")[0] for p in run.iterdir()) == ["events", "hparams"]
+    assert "val/loss" in read_scalars(run)

@@ -4,7 +4,8 @@ Runs live under `runs/<name>/version_<n>/` (TensorBoard events, the resolved con
 each new run takes the next version, so nothing from an earlier run is overwritten.
 `--ckpt_path last` resumes the newest run of that name that has a last.ckpt, logging into the same version.
 
-`validate` needs --ckpt_path (a file or `last`) and writes nothing: no run directory, no config.
+`validate` needs --ckpt_path (a file or `last`) and writes nothing: no config, and no run directory unless the
+command line names one to log in (`--trainer.logger.init_args.save_dir DIR`, as `lmledger sweep` does).
 
 Every run also gets, without configuring anything: checkpoints written atomically (AtomicCheckpointIO),
 a NaN/Inf guard (`--nonfinite.max_skips K`, default 0 = stop at the first non-finite step), per-batch
@@ -259,6 +260,7 @@ class LedgerCLI(LightningCLI):
         )
 
     def parse_arguments(self, parser, args) -> None:
+        self._argv = [str(a) for a in args or []]
         _check_config_files(args)
         super().parse_arguments(parser, args)
         # LightningCLI reads a --ckpt_path file's hyperparameters right after parsing; a missing or damaged
@@ -305,9 +307,12 @@ class LedgerCLI(LightningCLI):
         _check_trainer_values(config.trainer)
         self._resume = None
         if self.subcommand == "validate":
-            # Evaluating writes nothing: no run directory of its own, no config; the metrics are printed.
+            # Evaluating writes no config and, unless the command line names a directory to log in (as
+            # `lmledger sweep` does for each point), no run directory: the metrics are printed. (A logger
+            # name alone only says which run `--ckpt_path last` means.)
             self.save_config_callback = None
-            config.trainer.logger = False
+            if not any(arg.startswith("--trainer.logger.init_args.save_dir") for arg in self._argv):
+                config.trainer.logger = False
             return
         ckpt = config.get("ckpt_path")
         if not ckpt:
@@ -409,19 +414,24 @@ class LedgerCLI(LightningCLI):
         if ckpt and ckpt not in SPECIAL_CKPT_PATHS and _is_local_file_protocol(ckpt):
             check_checkpoint_fits(ckpt, self.model)
 
-    def before_fit(self) -> None:
-        self._check_checkpoint()
+    def _claim_run_dir(self) -> None:
+        # The run directory is claimed now, after every check, so a refused run leaves none behind. Rank 0
+        # only: DDP's launcher re-runs the CLI for the other ranks, which log nothing.
         if rank_zero_only.rank != 0:
-            return  # a process DDP launched for another rank: rank 0 has claimed the directory and said it
-        # The run directory is claimed now, after every check, so a refused run leaves none behind.
+            return
         for logger in self.trainer.loggers:
             if isinstance(logger, (TensorBoardLogger, CSVLogger)) and logger._version is None:
                 logger._version = claim_version_dir(logger.root_dir)
-        if self._resume:
+
+    def before_fit(self) -> None:
+        self._check_checkpoint()
+        self._claim_run_dir()
+        if self._resume and rank_zero_only.rank == 0:
             print(f"lmledger fit: {self._resume}", flush=True)
 
     def before_validate(self) -> None:
         self._check_checkpoint()
+        self._claim_run_dir()
 
 
 def _run_cli(cli_class: type[LedgerCLI], argv: list[str], run: bool) -> LedgerCLI:
