@@ -102,3 +102,44 @@ def test_three_preemptions_in_one_run_give_the_uninterrupted_curve(workdir, caps
         "config-resumed.yaml",
         "config.yaml",
     ]
+
+
+class SelfTermInValidation(pl.Callback):
+    """Test-only: sends this process SIGTERM as the first validation batch after step `at_step` starts."""
+
+    def __init__(self, at_step: int) -> None:
+        self.at_step = at_step
+
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0) -> None:
+        if not trainer.sanity_checking and trainer.global_step == self.at_step and batch_idx == 0:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+VAL = ["--trainer.limit_val_batches", "2", "--trainer.val_check_interval", "4", "--trainer.num_sanity_val_steps", "0"]
+ACCUMULATE = ["--trainer.accumulate_grad_batches", "2"]
+CASES = {
+    # The validation due after step 4 completes, step 5 runs, and the run stops with step 5 saved.
+    "during validation": (
+        VAL,
+        '{"class_path": "test_preemption.SelfTermInValidation", "init_args": {"at_step": 4}}',
+        5,
+    ),
+    # The signal comes in the first of step 6's two micro-batches; the step finishes both before saving.
+    "mid-accumulation": (ACCUMULATE, '{"class_path": "test_preemption.SelfTerm", "init_args": {"at_step": 6}}', 7),
+}
+
+
+@pytest.mark.parametrize("case", CASES, ids=list(CASES))
+def test_sigterm_waits_for_a_whole_step(workdir, capsys, case):
+    extra, callback, saved_step = CASES[case]
+    assert lmledger(fit_args("whole", *extra)) == 0
+    capsys.readouterr()
+    assert lmledger(fit_args("cut", *extra, "--trainer.callbacks+=" + callback)) == 143
+    (line,) = [line for line in capsys.readouterr().err.splitlines() if line.startswith("lmledger")]
+    assert int(PREEMPTED.match(line).group(1)) == saved_step, line
+    assert lmledger(fit_args("cut", *extra, "--ckpt_path", "last")) == 0
+    run = workdir / "runs/cut/version_0"
+    assert_same_curve_no_step_lost(curves(run), workdir / "runs/whole/version_0")
+    if "--trainer.val_check_interval" in extra:  # every validation ran once, with the uninterrupted values
+        val = sorted(point for f in run.glob("events.*") for point in read_scalars(f).get("val/loss", []))
+        assert val == read_scalars(workdir / "runs/whole/version_0")["val/loss"]
