@@ -185,13 +185,16 @@ def _check_trainer_values(trainer) -> None:
         )
 
 
-def _ckpt_path_form(ckpt: str, subcommand: str) -> None:
+def _ckpt_path_form(ckpt: str, subcommand: str, default_root_dir) -> None:
     """--ckpt_path values we refuse before anything is built: remote URLs, and Lightning's names that
-    need state this process does not have."""
+    need state this process does not have ("best": a fit earlier in the same process; "registry": a
+    model registry; "hpc": Lightning's SLURM requeue checkpoint, hpc_ckpt_N.ckpt, when there is none)."""
     if not _is_local_file_protocol(ckpt):
         raise UserError(
             f"--ckpt_path {ckpt}: remote checkpoints are not supported here; copy it to a local file and pass that"
         )
+    if ckpt == "hpc" and any(Path(default_root_dir or ".").glob("hpc_ckpt_*.ckpt")):
+        return
     if ckpt in ("best", "hpc", "registry"):
         raise UserError(
             f"--ckpt_path {ckpt}: there is no {ckpt!r} checkpoint to resolve in a fresh `lmledger {subcommand}`; "
@@ -274,7 +277,7 @@ class LedgerCLI(LightningCLI):
                 "without one it would evaluate untrained weights"
             )
         if ckpt:
-            _ckpt_path_form(str(ckpt), subcommand)
+            _ckpt_path_form(str(ckpt), subcommand, config.trainer.get("default_root_dir"))
         if ckpt == "last" and subcommand == "validate":
             # Resolved here so that LightningCLI builds the model from the checkpoint's hyperparameters.
             found = _resolve_last(config, subcommand)
