@@ -391,6 +391,8 @@ class PreemptionCheckpoint(pl.Callback):
         checkpoints = [c for c in trainer.checkpoint_callbacks if isinstance(c, ModelCheckpoint)]
         for callback in checkpoints:
             if callback.save_last and callback.dirpath:
+                if callback._last_global_step_saved == trainer.global_step and callback.last_model_path:
+                    return callback.last_model_path  # it has just saved this step (a regular save)
                 # ModelCheckpoint's own "last" save (Lightning 2.6.6), so the name (last.ckpt, or last-vN.ckpt
                 # after a moved run directory) and its record of the last path stay as a regular save keeps them.
                 callback._save_last_checkpoint(trainer, callback._monitor_candidates(trainer))

@@ -339,7 +339,7 @@ class LedgerCLI(LightningCLI):
             path, version = Path(ckpt), None
             checkpoint = open_checkpoint(path, mmap=True)
         step = int(checkpoint.get("global_step", 0))
-        self._check_not_finished(config.trainer, checkpoint, path, run_dir or path, step)
+        self._check_not_finished(config.trainer, checkpoint, run_dir or path, step)
         self._check_same_data(config, checkpoint, path)
         config.ckpt_path = str(path)
         if version is not None:
@@ -351,7 +351,7 @@ class LedgerCLI(LightningCLI):
             self._resume = f"resuming from {path} at step {step}, in a new run directory"
 
     @staticmethod
-    def _check_not_finished(trainer, checkpoint: dict, path: Path, run: Path, step: int) -> None:
+    def _check_not_finished(trainer, checkpoint: dict, run: Path, step: int) -> None:
         max_steps = trainer.get("max_steps")
         max_epochs = trainer.get("max_epochs")
         fit_loop = checkpoint.get("loops", {}).get("fit_loop", {})
