@@ -601,9 +601,10 @@ def test_a_fit_tracks_the_second_step_only(stdlib_data):
     assert ledger.measured.peak_phase == MEASURED_PHASE[ledger.predicted.peak_phase]
 
 
-def test_a_failing_step_leaves_no_tracker_behind(stdlib_data):
+@pytest.mark.parametrize("failing_step", [0, 1])  # the saved-tensor hooks' step, the tracker's
+def test_a_failing_step_leaves_no_hooks_or_tracker_behind(stdlib_data, failing_step):
     # An earlier callback that raises in on_exception (PreflightGuard does, for a CUDA OOM) stops
-    # Lightning from calling MemoryLedger's: the tracker must unwind with the step itself.
+    # Lightning from calling MemoryLedger's: what it opened must unwind with the step itself.
     import lightning as L
 
     from lmledger.callbacks import MemoryLedger
@@ -611,8 +612,8 @@ def test_a_failing_step_leaves_no_tracker_behind(stdlib_data):
 
     class FailsAtStep1(LitLM):
         def training_step(self, batch, batch_idx):
-            if self.global_step == 1:
-                raise RuntimeError("step 1 fails")
+            if self.global_step == failing_step:
+                raise RuntimeError("this step fails")
             return super().training_step(batch, batch_idx)
 
     class RaisesOnException(L.Callback):
@@ -622,3 +623,4 @@ def test_a_failing_step_leaves_no_tracker_behind(stdlib_data):
     with pytest.raises(UserError):
         small_fit(stdlib_data, [RaisesOnException(), MemoryLedger()], FailsAtStep1)
     assert torch._C._len_torch_dispatch_stack() == 0
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None

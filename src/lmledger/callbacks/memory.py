@@ -12,11 +12,13 @@ Measured, each once:
   it starts); elsewhere, the CPU included, the high-water mark of live tensor bytes that
   ledger.memtrack.MemoryTracker counts (parameters, gradients, optimizer state and the batch, plus
   every tensor the step makes), with the phase it fell in (forward, zero_grad, backward, optimizer
-  step). The tracker runs inside that step's LightningModule.optimizer_step call, which in
-  automatic optimization holds the whole step (the closure: forward, zero_grad, backward; then the
-  step), as a `with` block: it leaves when the step ends or raises, even if an earlier callback's
-  on_exception raises (PreflightGuard turns a CUDA OOM into one line that way, and Lightning calls no
-  on_exception after it). Later steps run without it. Manual optimization: not measured.
+  step). Manual optimization: not measured.
+
+The hooks and the tracker run as `with` blocks inside their step's LightningModule.optimizer_step
+call, which in automatic optimization holds the whole step (the closure: forward, zero_grad,
+backward; then the step): they leave when the step ends or raises, even if an earlier callback's
+on_exception raises (PreflightGuard turns a CUDA OOM into one line that way, and Lightning then
+calls no on_exception after it). Later steps run without them.
 
 Under *-mixed precision, the low-precision weight copies autocast makes are counted in neither
 params nor activations: they are their own line, `autocast_weight_copies` (the copies the linear
@@ -232,8 +234,10 @@ class MemoryLedger(pl.Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         steps_done = trainer.global_step - self._first_step
         if "activations" in self._pending and steps_done == 0 and self._hooks is None:
-            self._hooks = contextlib.ExitStack()
-            self._saved = self._hooks.enter_context(measure_saved_activations(self.run.model))
+            if pl_module.automatic_optimization:
+                self._around_next_optimizer_step(pl_module, self._record_saved_tensors)
+            else:  # forward runs before any optimizer step: open the hooks now
+                self._open_saved_tensor_hooks()
         if "peak" in self._pending and steps_done == 1 and not self._peak_armed:
             if self.run.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(self.run.device)
@@ -241,23 +245,43 @@ class MemoryLedger(pl.Callback):
                 self._skip("peak", "n/a (manual optimization)")
                 return
             else:
-                self._track_next_optimizer_step(trainer, pl_module, batch)
+                optimizers = [getattr(o, "optimizer", o) for o in trainer.optimizers]
+                self._tracker = MemoryTracker().track(self.run.model, optimizers, batch)
+                self._around_next_optimizer_step(pl_module, self._run_tracker)
             self._peak_armed = True
 
-    def _track_next_optimizer_step(self, trainer, pl_module, batch) -> None:
-        """Run the next pl_module.optimizer_step call (the whole step; module docstring) inside a
-        MemoryTracker, through an instance attribute that removes itself when called."""
-        optimizers = [getattr(o, "optimizer", o) for o in trainer.optimizers]
-        tracker = self._tracker = MemoryTracker().track(self.run.model, optimizers, batch)
+    @staticmethod
+    def _around_next_optimizer_step(pl_module, context) -> None:
+        """Run the next pl_module.optimizer_step call (in automatic optimization the whole step:
+        module docstring) inside `with context():`, through an instance attribute that removes
+        itself when called. An exception in the step unwinds the block whatever the callbacks do."""
         optimizer_step = pl_module.optimizer_step
 
-        def tracked_optimizer_step(*args, **kwargs):
+        def measured_optimizer_step(*args, **kwargs):
             vars(pl_module).pop("optimizer_step", None)  # this step only
-            tracker.phase("forward")
-            with tracker:
+            with context():
                 return optimizer_step(*args, **kwargs)
 
-        pl_module.optimizer_step = tracked_optimizer_step
+        pl_module.optimizer_step = measured_optimizer_step
+
+    def _open_saved_tensor_hooks(self) -> None:
+        self._hooks = contextlib.ExitStack()
+        self._saved = self._hooks.enter_context(measure_saved_activations(self.run.model))
+
+    @contextlib.contextmanager
+    def _record_saved_tensors(self):
+        """The saved-tensor hooks, from here until on_before_backward (or the end of the block)."""
+        self._open_saved_tensor_hooks()
+        try:
+            yield
+        finally:
+            self._close_hooks()
+
+    @contextlib.contextmanager
+    def _run_tracker(self):
+        self._tracker.phase("forward")
+        with self._tracker:
+            yield
 
     def _untrack(self, pl_module) -> None:
         if pl_module is not None:
