@@ -216,3 +216,18 @@ def test_litlm_gets_the_toy_ledger(workdir):
                                                    MemoryLedger]  # fmt: skip
     memory = ledger.callbacks[-1]
     assert memory.measured.values["params"] == memory.predicted.params  # the toy closed forms ran, and measured
+
+
+@pytest.mark.parametrize("steps", [1, 2])
+def test_short_fits_leave_nothing_attached(steps):
+    """The peak is measured on step 2, with the cycle collector paused for that step only."""
+    import gc
+
+    g = torch.Generator().manual_seed(0)
+    loader = DataLoader(TensorDataset(torch.randn(48, 16, generator=g), torch.randn(48, 8, generator=g)), batch_size=16)
+    ledger = Ledger()
+    fit(Regressor(), loader, [ledger], steps=steps)
+    child = ledger.callbacks[0]
+    assert gc.isenabled() and child._tracker is None and not child._counters
+    assert child.measured.values["params"] == child.predicted.params
+    assert ("peak" in child.measured.values) == (steps == 2)

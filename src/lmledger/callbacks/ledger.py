@@ -28,6 +28,7 @@ saying why it is not predicted, and is measured only.
 from __future__ import annotations
 
 import contextlib
+import gc
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -179,6 +180,7 @@ class AnyModelLedger(pl.Callback):
         self._pause_start: float | None = None
         self._peak_flops: float | None = None
         self._reported = False
+        self._gc_was_enabled = False
 
     # -- before step 1: the dry run ---------------------------------------------------------------
 
@@ -273,6 +275,10 @@ class AnyModelLedger(pl.Callback):
             self.measured.flops = (self.measured.flops or 0) + counter.get_total_flops()
 
     def _arm_peak(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch) -> None:
+        # The cycle collector is off for this step, as in the dry run (dryrun._no_cyclic_gc): what a
+        # step leaves in reference cycles is then freed at the same point every time.
+        self._gc_was_enabled = gc.isenabled()
+        gc.disable()
         if pl_module.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(pl_module.device)
             return
@@ -313,6 +319,7 @@ class AnyModelLedger(pl.Callback):
             elif pl_module.device.type == "cuda":
                 torch.cuda.synchronize(pl_module.device)
                 self.measured.values["peak"] = torch.cuda.max_memory_allocated(pl_module.device)
+            self._restore_gc()
             self._report_measured(trainer)
         if self._window_start is not None:
             self._window_batches += 1
@@ -365,7 +372,13 @@ class AnyModelLedger(pl.Callback):
             self._hooks.close()
             self._hooks = None
 
+    def _restore_gc(self) -> None:
+        if self._gc_was_enabled:
+            gc.enable()
+        self._gc_was_enabled = False
+
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        self._restore_gc()
         self._close_hooks()
         self._stop_counter()
         if self._tracker is not None:
@@ -386,8 +399,12 @@ class AnyModelLedger(pl.Callback):
             Console().print(self.table("ledger (predicted beside measured)"))
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._restore_gc()
         self._close_hooks()
         self._stop_counter()
+        if self._tracker is not None:  # a fit that stopped inside the measured step
+            self._tracker.stop()
+            self._tracker = None
         if trainer.is_global_zero and (self.predicted is not None or self.measured.values):
             Console().print(self.table("ledger (summary)"))
 
