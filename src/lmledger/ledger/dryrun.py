@@ -16,11 +16,15 @@ optimizer state and grads exist):
     flops_forward/_backward    hardware FLOPs, as FlopCounterMode counts them (recompute included)
 
 `measure_step` runs the same two steps on the real tensors: it is the dry run's measured twin, and
-the two agree exactly where fake and real kernels allocate alike (tests/test_dryrun.py).
+the two agree exactly where fake and real code allocate alike (tests/test_dryrun.py,
+tests/test_examples.py). Two places where they do not are corrected: losses the real kernels return
+inside an input-sized buffer (_RealOutputStorages), and libraries that branch on being traced
+(_eager_library_decisions). `largest_batch` searches the batch size that fits a capacity.
 
 A model the dry run cannot trace (an operator without a fake/meta kernel, data-dependent control
-flow such as `.item()`) gives `NotTraced(reason)`, never an exception and never zeros. No Lightning
-import: the step is a plain callable `step(model, batch) -> loss`.
+flow such as `.item()`) gives `NotTraced(reason)`, never a crash and never zeros; bad input (an
+unknown precision, a step that returns no loss, a device this machine lacks) is a UserError. No
+Lightning import: the step is a plain callable `step(model, batch) -> loss`.
 """
 
 from __future__ import annotations
@@ -127,8 +131,8 @@ def dry_run(
     share      objects the model refers to that the copy must share, not copy (a LightningModule's
                Trainer)
 
-    Raises UserError for bad input (an unknown precision, a step that returns no scalar loss);
-    returns NotTraced when the model cannot run on fake tensors.
+    Raises UserError for bad input (an unknown precision, a step that returns no scalar loss, a
+    device this machine lacks); returns NotTraced when the model cannot run on fake tensors.
     """
     dtype, autocast = _precision_dtypes(precision)
     target = _target_device(model, device)
