@@ -197,7 +197,8 @@ class AnyModelLedger(pl.Callback):
                 self._start_counter()
         elif self._batches == 1 and self.measure:
             self._arm_peak(trainer, pl_module, batch)
-        if self._batches == self.warmup_steps:
+        # Throughput leaves out the warm-up and the two measured steps (their counters slow them).
+        if self._batches == max(self.warmup_steps, 2 if self.measure else 0):
             synchronize(pl_module.device)
             self._window_start, self._window_batches, self._paused = time.perf_counter(), 0, 0.0
 
@@ -206,9 +207,7 @@ class AnyModelLedger(pl.Callback):
         self.samples = samples_per_batch(batch)
         why = _not_modelled(trainer, pl_module)
         if why is None:
-            optimizer = (
-                getattr(trainer.optimizers[0], "optimizer", trainer.optimizers[0]) if trainer.optimizers else None
-            )
+            optimizer = _torch_optimizer(trainer)
 
             def step(module, fake_batch):
                 module.log = module.log_dict = _no_log  # the copy's metrics must not reach the real trainer
