@@ -54,8 +54,9 @@ def assert_twins(dry: StepLedger, measured: StepLedger) -> None:
 
 @pytest.mark.parametrize(
     "precision, checkpointing",
-    [("32-true", 0), ("bf16-mixed", 0), ("bf16-true", 0), ("32-true", 1), ("bf16-mixed", 2)],
-)
+    [("32-true", 0), ("bf16-mixed", 0), ("bf16-true", 0), ("16-mixed", 0), ("64-true", 0), ("32-true", 1),
+     ("bf16-mixed", 2)],
+)  # fmt: skip
 def test_toy_dry_run_matches_the_real_step(precision, checkpointing):
     model = toy(activation_checkpointing=checkpointing)
     batch = token_batch()
@@ -130,6 +131,29 @@ def test_tied_frozen_and_sgd_state_follow_the_real_parameters():
     assert dry.grads == dry.optimizer == 4 * (n - frozen)  # one momentum buffer, none for frozen params
     plain = dry_run(model, token_batch(), step=toy_step, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
     assert plain.optimizer == 0
+
+
+OPTIMIZERS = {
+    # Factored second moments: a row and a column vector per matrix; it reads param.norm().item().
+    "adafactor": lambda ps: torch.optim.Adafactor(ps, lr=1e-2),
+    "adagrad": lambda ps: torch.optim.Adagrad(ps),  # makes its state in the constructor
+    "rmsprop-momentum": lambda ps: torch.optim.RMSprop(ps, momentum=0.9),  # square average + momentum
+    "adamw-amsgrad": lambda ps: torch.optim.AdamW(ps, amsgrad=True),  # m, v and max v
+}
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_optimizer_state_is_whatever_the_optimizer_allocates(name):
+    model = toy()
+    dry = dry_run(model, token_batch(), step=toy_step, optimizer=OPTIMIZERS[name])
+    measured = measure_step(copy.deepcopy(model), token_batch(), step=toy_step, optimizer=OPTIMIZERS[name])
+    assert_twins(dry, measured)
+    n = count_parameters(model.cfg)
+    states = {"adagrad": 1, "rmsprop-momentum": 2, "adamw-amsgrad": 3}
+    if name in states:
+        assert dry.optimizer == 4 * n * states[name]
+    else:  # Adafactor: far less than one full state
+        assert 0 < dry.optimizer < 4 * n / 10
 
 
 def test_an_optimizer_instance_is_copied_with_its_state_and_left_alone():

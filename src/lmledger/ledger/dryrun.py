@@ -42,7 +42,7 @@ import numpy as np
 import torch
 import torch.utils.data
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensor, FakeTensorMode
 from torch.optim.optimizer import _get_foreach_kernels_supported_devices
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -140,7 +140,8 @@ def dry_run(
     try:
         fake_model, memo = _fake_copy(model, mode, target, dtype, share)
         fake_batch = map_tensors(lambda t: _fake_tensor(t, mode, target), _cast_batch(batch, dtype))
-        fake_optimizer = _fake_optimizer(optimizer, fake_model, memo, target)
+        with mode:  # an optimizer that makes state in its constructor (Adagrad) makes it fake
+            fake_optimizer = _fake_optimizer(optimizer, fake_model, memo, target)
     except UserError:
         raise
     except Exception as err:  # deepcopy or fake conversion: a model we cannot copy
@@ -323,7 +324,27 @@ def _backward_and_step(
     if tracker is not None:
         tracker.phase("optimizer step")
     if optimizer is not None:
-        optimizer.step()
+        on_fake = any(isinstance(p, FakeTensor) for group in optimizer.param_groups for p in group["params"])
+        with _PlaceholderScalars() if on_fake else nullcontext():
+            optimizer.step()
+
+
+class _PlaceholderScalars(TorchDispatchMode):
+    """In a fake optimizer step, a scalar read from a tensor that has no value reads as 1.
+
+    Optimizers read such values to size the step, never to size a tensor: Adafactor scales its
+    learning rate by param.norm().item() (torch/optim/_adafactor.py), so the step's memory and FLOPs
+    do not depend on them. The forward and backward get no such help: a model's values may decide
+    what it computes."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        try:
+            return func(*args, **(kwargs or {}))
+        except DataDependentOutputException:
+            if func is not torch.ops.aten._local_scalar_dense.default:
+                raise
+            dtype = args[0].dtype
+            return True if dtype == torch.bool else 1.0 if dtype.is_floating_point or dtype.is_complex else 1
 
 
 def _forward(
