@@ -42,7 +42,6 @@ aten = torch.ops.aten
 
 BLOCK_COMPONENTS = ("qkv", "attn_scores", "attn_values", "attn_out", "mlp_w1", "mlp_w3", "mlp_w2")
 COMPONENTS = (*BLOCK_COMPONENTS, "lm_head")
-PHASES = ("forward", "backward", "recompute")
 
 # Backward FLOPs as a multiple of forward FLOPs, per FlopCounterMode's formulas.
 _BACKWARD_MULTIPLIER = {
