@@ -106,3 +106,13 @@ def test_account_follows_deepspeed_for_a_deepspeed_strategy(workdir, capsys, sta
     expected = (2 * n if stage == 2 else 0) + 18 * -(-n // 8) + 4 * largest
     assert state == expected
     assert result["autocast_weight_copies"]["predicted"] == 0
+
+
+def test_account_measures_a_checkpointed_bf16_mixed_step_as_lightning_runs_it(workdir, capsys):
+    # Lightning's autocast keeps no weight cache: a checkpointed block's casts die with its forward
+    result = run_json(
+        capsys, "account", "--config", "configs/tiny.yaml", *SMALL, "--trainer.precision", "bf16-mixed",
+        "--model.config.activation_checkpointing", "1", "--measure", "--json",
+    )  # fmt: skip
+    peak = result["memory"]["peak"]
+    assert abs(peak["predicted"] - peak["measured"]) <= 0.02 * peak["measured"]

@@ -90,7 +90,8 @@ def measure(spec: RunSpec, device: torch.device) -> dict:
     autocast_dtype = _AUTOCAST.get(spec.precision)
 
     def autocast():
-        return torch.autocast(device.type, autocast_dtype) if autocast_dtype else nullcontext()
+        # as Lightning's precision plugin runs it: no weight cache (a cast lives while backward needs it)
+        return torch.autocast(device.type, autocast_dtype, cache_enabled=False) if autocast_dtype else nullcontext()
 
     x = torch.randint(0, spec.model.vocab_size, (spec.batch_size, spec.seq_len), device=device)
     y = torch.randint(0, spec.model.vocab_size, (spec.batch_size, spec.seq_len), device=device)

@@ -355,7 +355,11 @@ def _forward(
     device: torch.device,
     counter: AbstractContextManager | None = None,
 ) -> torch.Tensor:
-    context = torch.autocast(device.type, dtype=autocast) if autocast is not None else nullcontext()
+    # cache_enabled=False as Lightning's precision plugin runs autocast: a weight cast lives while
+    # backward needs it, not until autocast exits (the copies of checkpointed blocks die early)
+    context = (
+        torch.autocast(device.type, dtype=autocast, cache_enabled=False) if autocast is not None else nullcontext()
+    )
     with counter or nullcontext(), context:
         loss = step(model, batch)
     if not (isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.requires_grad):

@@ -475,6 +475,7 @@ def peak_bytes(
     grads_held_in_forward: bool = True,
     fused: bool = False,
     foreach: bool | None = None,
+    autocast_cache: bool = False,
 ) -> PeakReport:
     """Largest allocation total during one training step after the first.
 
@@ -482,11 +483,13 @@ def peak_bytes(
     Wall / Wsaved = autocast copies of all matmul weights / of those saved for backward; NV =
     tokens x vocab. The step is walked phase by phase and the largest total wins:
 
-      forward end       P + O + [G] + A + Wall + NV*(c + 4 if c < 4 else 4)
+      forward end       P + O + [G] + A + Wsaved (Wall) + NV*(c + 4 if c < 4 else 4)
                         [G]: Lightning zeroes grads after forward, so last step's grads are still
-                        alive (grads_held_in_forward); the autocast cache holds every weight copy
-                        until autocast exits; the logits (c bytes) and their fp32 copy are alive
-                        while log_softmax runs.
+                        alive (grads_held_in_forward); a weight copy lives while backward needs it
+                        (Wsaved): Lightning runs torch.autocast with cache_enabled=False
+                        (lightning/pytorch/plugins/precision/amp.py), whereas torch.autocast's own
+                        default (autocast_cache=True) keeps every copy (Wall) until autocast exits;
+                        the logits (c bytes) and their fp32 copy are alive while log_softmax runs.
       loss backward     P + O + A + Wsaved + 2*NV*4: nll's gradient and log_softmax's, both fp32,
                         while log_softmax's saved output is still held.
       recompute block   for each checkpointed block, top down: what is still saved below it,
@@ -530,9 +533,11 @@ def peak_bytes(
     block_weights = _matmul_weights_per_block(cfg)
 
     logits_alive = logits * c + (logits * FP32 if c < FP32 else 0)  # the logits and their fp32 copy
-    all_copies = (cfg.n_layers * block_weights + v * d) * copy_width
+    copies_alive = (
+        (cfg.n_layers * block_weights + v * d) * copy_width if autocast_cache else acts.autocast_weight_copies
+    )
     candidates = {
-        "forward": resident + (grads if grads_held_in_forward else 0) + acts.total + all_copies + logits_alive,
+        "forward": resident + (grads if grads_held_in_forward else 0) + acts.total + copies_alive + logits_alive,
         "loss backward": resident + acts.total + acts.autocast_weight_copies + 2 * logits * FP32,
     }
 
