@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from conftest import read_scalars
 from lmledger.callbacks import FlopLedger, Ledger, LedgerSummary, MemoryLedger, PreflightGuard, ThroughputLedger
-from lmledger.callbacks.ledger import AnyModelLedger
+from lmledger.callbacks.ledger import AnyModelLedger, ToyCrossCheck
 from lmledger.errors import UserError
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `examples` lives at the repository root
@@ -170,6 +170,22 @@ def test_batch_encoding_batches_and_stated_tokens(stated):
     assert child.predicted.activations == child.measured.values["activations"]
 
 
+class UsesItsTrainer(Regressor):
+    def training_step(self, batch, batch_idx):
+        out = super().training_step(batch, batch_idx)
+        return {"loss": out["loss"] * (1 + 0 * self.trainer.global_step)}
+
+
+def test_a_training_step_that_reads_its_trainer_is_predicted():
+    g = torch.Generator().manual_seed(0)
+    loader = DataLoader(TensorDataset(torch.randn(48, 16, generator=g), torch.randn(48, 8, generator=g)), batch_size=16)
+    ledger = Ledger(warmup_steps=1)
+    fit(UsesItsTrainer(), loader, [ledger])
+    child = ledger.callbacks[0]
+    assert child.predicted is not None, child.why_not_predicted
+    assert child.predicted.peak == pytest.approx(child.measured.values["peak"], rel=0.03)
+
+
 class ReadsALoss(Regressor):
     def training_step(self, batch, batch_idx):
         loss = super().training_step(batch, batch_idx)["loss"]
@@ -213,9 +229,14 @@ def test_litlm_gets_the_toy_ledger(workdir):
                          enable_progress_bar=False, limit_val_batches=0, callbacks=[ledger])  # fmt: skip
     trainer.fit(module, datamodule=data)
     assert [type(c) for c in ledger.callbacks] == [PreflightGuard, LedgerSummary, FlopLedger, ThroughputLedger,
-                                                   MemoryLedger]  # fmt: skip
+                                                   ToyCrossCheck, MemoryLedger]  # fmt: skip
     memory = ledger.callbacks[-1]
     assert memory.measured.values["params"] == memory.predicted.params  # the toy closed forms ran, and measured
+    # The dry run of LitLM's own training step (fused AdamW) beside the closed forms.
+    rows = {name: ratio for name, _, _, ratio in ledger.callbacks[4].rows()}
+    for name in ("params", "grads", "optimizer", "activations", "FLOPs/step (hardware)"):
+        assert rows[name] == "1.000", name
+    assert 0.98 <= float(rows["peak"]) <= 1.02
 
 
 @pytest.mark.parametrize("steps", [1, 2])

@@ -2,8 +2,9 @@
 
     Trainer(callbacks=[lmledger.callbacks.Ledger()])
 
-For lmledger's own LitLM (a ToyLM fed by a TokenDataModule) it is the ledger_callbacks() set, which
-also has the toy LM's closed forms. For any other module it is AnyModelLedger:
+For lmledger's own LitLM (a ToyLM fed by a TokenDataModule) it is the ledger_callbacks() set, with
+the toy LM's closed forms beside the measurement, plus ToyCrossCheck: the dry run beside the closed
+forms. For any other module it is AnyModelLedger:
 
 - before step 1, on the real first batch, a dry run (lmledger.ledger.dryrun) of the module's own
   training_step on fake tensors of that batch's shapes, with the optimizer it configured and the
@@ -120,6 +121,9 @@ class Ledger(pl.Callback):
 
             if is_toy_run(trainer, pl_module):
                 self.callbacks = ledger_callbacks(self.settings)
+                # Before MemoryLedger: its saved-tensor hooks open in the same hook and must see
+                # only the training step.
+                self.callbacks.insert(len(self.callbacks) - 1, ToyCrossCheck())
             else:
                 self.callbacks = [
                     AnyModelLedger(self.settings.device_memory_gb, self.settings.warmup_steps, self.settings.measure)
@@ -139,6 +143,65 @@ def _forward_hook(name: str):
 
 for _name in [n for n in vars(pl.Callback) if n.startswith("on_") or n == "teardown"]:
     setattr(Ledger, _name, _forward_hook(_name))
+
+
+class ToyCrossCheck(pl.Callback):
+    """For LitLM: the dry run of its training step beside the toy LM's closed forms, once, before step 1.
+
+    Prints one table and logs memory/dryrun/* and flops/dryrun_per_step; MemoryLedger and FlopLedger
+    show the closed forms beside the measurement. The closed-form peak leaves out the buffers (rotary
+    tables) and the batch, which the dry run counts as the tracker does: the table adds them to it."""
+
+    def __init__(self) -> None:
+        self.closed: dict[str, int | None] = {}
+        self.dry: StepLedger | NotTraced | None = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self.dry is not None:
+            return
+        from lmledger.callbacks.memory import predict_memory
+        from lmledger.callbacks.run import LedgerRun
+        from lmledger.ledger.flops import analytic_flops
+
+        self.dry = dry_run_training_step(trainer, pl_module, batch, batch_idx)
+        if isinstance(self.dry, NotTraced):
+            rank_zero_info(f"ledger: no dry run beside the closed forms: {self.dry.reason}")
+            return
+        run = LedgerRun.from_trainer(trainer, pl_module)
+        closed = predict_memory(run)
+        self.closed = {name: getattr(closed, name) for name in MEMORY}
+        if self.closed["peak"] is not None:
+            self.closed["peak"] += self.dry.buffers + self.dry.batch
+        self.closed["flops"] = analytic_flops(run.config, run.batch_size, run.seq_len).hardware
+        scalars = {f"memory/dryrun/{name}": getattr(self.dry, name) for name in MEMORY}
+        scalars["flops/dryrun_per_step"] = self.dry.flops
+        log_scalars(trainer, scalars, step=trainer.global_step)
+        if trainer.is_global_zero:
+            Console().print(self.table())
+
+    def rows(self) -> list[tuple[str, str, str, str]]:
+        rows = []
+        for name in (*MEMORY, "flops"):
+            closed = self.closed.get(name)
+            dry = self.dry.flops if name == "flops" else getattr(self.dry, name)
+            if name == "autocast_weight_copies" and not closed and not dry:
+                continue
+            show = format_count if name == "flops" else format_bytes
+            label = "FLOPs/step (hardware)" if name == "flops" else name
+            rows.append((label, show(closed) if closed is not None else "n/a", show(dry), _ratio(dry, closed)))
+        return rows
+
+    def table(self) -> Table:
+        table = Table(title="toy LM: closed form beside dry run", title_justify="left")
+        for column in ("", "closed form", "dry run", "dry run/closed form"):
+            table.add_column(column, justify="right" if column else "left")
+        for row in self.rows():
+            table.add_row(*row)
+        table.caption = (
+            f"peak: the closed form's plus the buffers ({format_bytes(self.dry.buffers)}) and the batch "
+            f"({format_bytes(self.dry.batch)}) the dry run counts; dry-run peak during {self.dry.peak_phase}"
+        )
+        return table
 
 
 # --------------------------------------------------------------------------------------------
@@ -205,32 +268,9 @@ class AnyModelLedger(pl.Callback):
     def _predict(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch, batch_idx: int) -> None:
         self.tokens = tokens_per_batch(pl_module, batch)
         self.samples = samples_per_batch(batch)
-        why = _not_modelled(trainer, pl_module)
-        if why is None:
-            optimizer = _torch_optimizer(trainer)
-
-            def step(module, fake_batch):
-                module.log = module.log_dict = _no_log  # the copy's metrics must not reach the real trainer
-                return loss_of(module.training_step(fake_batch, batch_idx))
-
-            with untouched_rng(pl_module.device), warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                try:
-                    result = dry_run(
-                        pl_module,
-                        batch,
-                        step=step,
-                        optimizer=optimizer,
-                        precision=str(trainer.precision),
-                        device=pl_module.device,
-                        share=(trainer,),
-                    )
-                except UserError as err:
-                    result = NotTraced(str(err))
-            if isinstance(result, NotTraced):
-                why = result.reason
-            else:
-                self.predicted = result
+        result = dry_run_training_step(trainer, pl_module, batch, batch_idx)
+        why = result.reason if isinstance(result, NotTraced) else None
+        self.predicted = None if why else result
         self.why_not_predicted = why
         if why is not None:
             rank_zero_info(f"ledger: {type(pl_module).__name__} is measured only, not predicted: {why}")
@@ -446,6 +486,36 @@ class AnyModelLedger(pl.Callback):
             notes.append(f"not predicted: {self.why_not_predicted}")
         table.caption = "; ".join(notes)
         return table
+
+
+def dry_run_training_step(
+    trainer: pl.Trainer, pl_module: pl.LightningModule, batch: object, batch_idx: int
+) -> StepLedger | NotTraced:
+    """The dry run of `pl_module.training_step` on `batch` with the trainer's optimizer and precision,
+    or why there is none. The copy keeps the trainer and logs nothing; the RNG streams are untouched."""
+    why = _not_modelled(trainer, pl_module)
+    if why is not None:
+        return NotTraced(why)
+
+    def step(module, fake_batch):
+        module.trainer = trainer  # a LightningModule copies without its trainer (__getstate__)
+        module.log = module.log_dict = _no_log  # the copy's metrics must not reach the real trainer
+        return loss_of(module.training_step(fake_batch, batch_idx))
+
+    with untouched_rng(pl_module.device), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            return dry_run(
+                pl_module,
+                batch,
+                step=step,
+                optimizer=_torch_optimizer(trainer),
+                precision=str(trainer.precision),
+                device=pl_module.device,
+                share=(trainer,),
+            )
+        except UserError as err:
+            return NotTraced(str(err))
 
 
 def _ratio(measured: float | None, predicted: float | None) -> str:
