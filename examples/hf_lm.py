@@ -3,7 +3,7 @@
 The model is built from a config object (random weights), so nothing is fetched from the Hub. Batches
 are lmledger's (inputs, targets) token windows, targets already shifted by one, so the loss is taken
 here on every position (Hugging Face's `labels=` would shift a second time). Weight decay applies to
-matrices only, as in lmledger.lit.LitLM.
+matrices (embeddings included), not to norms' gains and biases.
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ class HFCausalLM(pl.LightningModule):
 
     def __init__(self, lr: float = 3e-3, weight_decay: float = 0.1, activation_checkpointing: int = 0) -> None:
         super().__init__()
+        if activation_checkpointing < 0:
+            raise ConfigError("activation_checkpointing must be >= 0 (0 = off, n = every n-th layer)")
         self.lr, self.weight_decay = lr, weight_decay
         self.model = self.build()
         if activation_checkpointing:
