@@ -289,3 +289,86 @@ def test_largest_batch_edges():
     assert capped.size == 3 and capped.over is None
     with pytest.raises(UserError, match="capacity_bytes"):
         largest_batch(Mlp(), batch_for, 0)
+
+
+class EncoderLM(nn.Module):
+    """torch's own TransformerEncoder (with dropout)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(100, 32)
+        layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.1, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(32, 100)
+
+    def forward(self, x, y):
+        return nn.functional.cross_entropy(self.head(self.encoder(self.embed(x))).flatten(0, 1), y.flatten())
+
+
+class ConvNet(nn.Module):
+    """Convolutions, batch and group norm (running statistics updated in place), pooling, dropout."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(16, 32, 3), nn.GroupNorm(4, 32), nn.GELU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+            nn.Dropout(0.2), nn.Linear(32, 10),
+        )  # fmt: skip
+
+    def forward(self, x, y):
+        return nn.functional.cross_entropy(self.net(x), y)
+
+
+class RecurrentLM(nn.Module):
+    """LSTM and GRU layers: oneDNN's RNN kernels on a CPU, whose workspace the meta kernel leaves empty."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(100, 32)
+        self.lstm = nn.LSTM(32, 64, num_layers=2, batch_first=True)
+        self.gru = nn.GRU(64, 32, batch_first=True)
+        self.head = nn.Linear(32, 100)
+
+    def forward(self, x, y):
+        h = self.gru(self.lstm(self.embed(x))[0])[0]
+        return nn.functional.cross_entropy(self.head(h).flatten(0, 1), y.flatten())
+
+
+class Vae(nn.Module):
+    """Sampling (randn_like) and a handful of losses, mse-like ones returning into input-sized buffers."""
+
+    def __init__(self):
+        super().__init__()
+        self.encode, self.decode = nn.Linear(64, 16), nn.Linear(8, 64)
+
+    def forward(self, x, y):
+        mu, logvar = self.encode(x).chunk(2, -1)
+        out = self.decode(mu + torch.randn_like(mu) * (0.5 * logvar).exp())
+        F = nn.functional
+        kl = (-0.5 * (1 + logvar - mu**2 - logvar.exp()).sum(-1)).mean()
+        return F.binary_cross_entropy_with_logits(out, y) + kl + F.smooth_l1_loss(out, y) + F.mse_loss(out, y)
+
+
+def _ids():
+    g = torch.Generator().manual_seed(2)
+    return torch.randint(0, 100, (4, 16), generator=g), torch.randint(0, 100, (4, 16), generator=g)
+
+
+ZOO = {
+    "transformer-encoder": (EncoderLM, _ids),
+    "convnet": (ConvNet, lambda: (torch.randn(4, 3, 16, 16), torch.randint(0, 10, (4,)))),
+    "lstm-gru": (RecurrentLM, _ids),
+    "vae": (Vae, lambda: (torch.randn(8, 64), torch.rand(8, 64))),
+}
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+@pytest.mark.parametrize("name", sorted(ZOO))
+def test_dry_run_matches_the_real_step_beyond_transformers(name, precision):
+    cls, make_batch = ZOO[name]
+    torch.manual_seed(0)
+    model, batch = cls(), make_batch()
+    dry = dry_run(model, batch, step=toy_step, optimizer=adamw, precision=precision)
+    measured = measure_step(copy.deepcopy(model), batch, step=toy_step, optimizer=adamw, precision=precision)
+    assert_twins(dry, measured)

@@ -42,7 +42,12 @@ import numpy as np
 import torch
 import torch.utils.data
 from torch import nn
-from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensor, FakeTensorMode
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    FakeTensor,
+    FakeTensorMode,
+    unset_fake_temporarily,
+)
 from torch.optim.optimizer import _get_foreach_kernels_supported_devices
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -424,14 +429,24 @@ def _target_device(model: nn.Module, device: torch.device | str | None) -> torch
 class _RealOutputStorages(TorchDispatchMode):
     """Give fake outputs the storage size the real kernels give them, where the two differ.
 
-    aten/src/ATen/native/Loss.cpp computes a reduced mse / smooth L1 / Huber loss into an
-    elementwise buffer and returns the scalar in that buffer's storage, so the loss keeps a
-    buffer the size of its input alive until it is freed; the meta kernels return a one-element
-    storage. Entered inside the FakeTensorMode, so the tensors made here are fake."""
+    - aten/src/ATen/native/Loss.cpp computes a reduced mse / smooth L1 / Huber loss into an
+      elementwise buffer and returns the scalar in that buffer's storage, so the loss keeps a
+      buffer the size of its input alive until it is freed; the meta kernels return a one-element
+      storage.
+    - oneDNN's RNN layer (aten.mkldnn_rnn_layer: LSTM and GRU on a CPU) returns a workspace that
+      backward needs, whose size only oneDNN knows (gates and states per step, page-aligned); the
+      meta kernel returns an empty one. The dry run asks oneDNN: the layer runs once for real, on
+      uninitialized tensors of the same shapes, per distinct shape. The only real compute and
+      memory of a dry run: one RNN layer's, while it runs.
+    Entered inside the FakeTensorMode, so the tensors made here are fake."""
 
     _REDUCED_INTO_INPUT_BUFFER = frozenset(
         {torch.ops.aten.mse_loss.default, torch.ops.aten.smooth_l1_loss.default, torch.ops.aten.huber_loss.default}
     )
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._rnn_workspaces: dict[tuple, int] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -439,7 +454,25 @@ class _RealOutputStorages(TorchDispatchMode):
             shape = torch.broadcast_shapes(args[0].shape, args[1].shape)
             buffer = torch.empty(shape, dtype=out.dtype, device=out.device)
             return buffer.as_strided((), ())
+        if func is torch.ops.aten.mkldnn_rnn_layer.default and out[3].numel() == 0:
+            nbytes = self._rnn_workspace_bytes(func, args, kwargs or {})
+            return (*out[:3], torch.empty(nbytes, dtype=torch.uint8, device=out[3].device))
         return out
+
+    def _rnn_workspace_bytes(self, func, args, kwargs) -> int:
+        key = tuple(
+            (tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else tuple(a) if isinstance(a, list) else a
+            for a in args
+        )
+        if key not in self._rnn_workspaces:
+
+            def real(a):
+                return torch.empty(a.shape, dtype=a.dtype) if isinstance(a, torch.Tensor) else a
+
+            with unset_fake_temporarily():  # grad mode stays: without it oneDNN makes no workspace
+                outputs = func(*(real(a) for a in args), **kwargs)
+            self._rnn_workspaces[key] = outputs[3].untyped_storage().nbytes()
+        return self._rnn_workspaces[key]
 
 
 @contextmanager
