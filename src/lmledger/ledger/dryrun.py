@@ -17,9 +17,10 @@ optimizer state and grads exist):
 
 `measure_step` runs the same two steps on the real tensors: it is the dry run's measured twin, and
 the two agree exactly where fake and real code allocate alike (tests/test_dryrun.py,
-tests/test_examples.py). Two places where they do not are corrected: losses the real kernels return
-inside an input-sized buffer (_RealOutputStorages), and libraries that branch on being traced
-(_eager_library_decisions). `largest_batch` searches the batch size that fits a capacity.
+tests/test_examples.py). Where they do not, the dry run follows the real code: losses the real
+kernels return inside an input-sized buffer and oneDNN's RNN workspace (_RealOutputStorages),
+libraries that branch on being traced (_eager_library_decisions), scalars an optimizer reads
+(_PlaceholderScalars). `largest_batch` searches the batch size that fits a capacity.
 
 A model the dry run cannot trace (an operator without a fake/meta kernel, data-dependent control
 flow such as `.item()`) gives `NotTraced(reason)`, never a crash and never zeros; bad input (an
