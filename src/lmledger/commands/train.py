@@ -1,4 +1,9 @@
-"""`lmledger fit|validate`: LightningCLI over LitLM and TokenDataModule.
+"""`lmledger fit|validate`: LightningCLI over LitLM and TokenDataModule, or over any LightningModule.
+
+`--model CLASS_PATH` / `--data CLASS_PATH` (or a --config whose `model:` / `data:` has a `class_path`) switch
+LightningCLI to subclass mode: any LightningModule and LightningDataModule (data defaults to TokenDataModule),
+with lmledger.callbacks.Ledger as the ledger and the same run directories, checkpoints and resume. Class paths
+import from the working directory too, as under `python -m`.
 
 Runs live under `runs/<name>/version_<n>/` (TensorBoard events, the resolved config.yaml, checkpoints/);
 each new run takes the next version, so nothing from an earlier run is overwritten.
@@ -16,13 +21,16 @@ and has steps left to train, before Lightning touches it. docs/reliability.md li
 
 from __future__ import annotations
 
+import importlib
 import logging
 import math
+import os
 import secrets
 import sys
 import warnings
 from pathlib import Path
 
+import lightning.pytorch as pl
 import torch
 import yaml
 from jsonargparse import ArgumentError, Namespace
@@ -37,7 +45,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
-from lmledger.callbacks import LedgerSettings, ledger_callbacks
+from lmledger.callbacks import Ledger, LedgerSettings, ledger_callbacks
 from lmledger.callbacks.nonfinite import NonFiniteGuard
 from lmledger.callbacks.progress import plain_progress_if_not_a_terminal
 from lmledger.checkpointing import (
@@ -53,6 +61,7 @@ from lmledger.checkpointing import (
 )
 from lmledger.data import TokenDataModule, load_meta
 from lmledger.errors import ConfigError, UserError
+from lmledger.ledger.dryrun import batch_tensors
 from lmledger.lit import LitLM, check_hyperparameters
 from lmledger.precision import check_trainer_config, trainer_precision_kwargs
 
@@ -73,7 +82,8 @@ class NothingToResume(Exception):
 
 
 # Model settings that may differ on resume: they change how the same function is computed, not which.
-RESUME_MAY_CHANGE = ("compile", "config.activation_checkpointing", "config.vocab_size")
+# (Top-level `activation_checkpointing` is the examples' and other modules' name for the same switch.)
+RESUME_MAY_CHANGE = ("compile", "config.activation_checkpointing", "config.vocab_size", "activation_checkpointing")
 
 
 def find_last_checkpoint(save_dir: str, name: str) -> tuple[Path, int] | None:
@@ -103,9 +113,18 @@ def _flatten(value, prefix: str = "") -> dict:
 
 def hyperparameter_differences(saved: dict, current) -> list[str]:
     """'model.KEY: A in the checkpoint, B now' for each model setting that differs (RESUME_MAY_CHANGE aside).
-    Only settings both sides know are compared: a checkpoint from before a setting existed ran its default."""
-    theirs, ours = _flatten({k: v for k, v in saved.items() if not k.startswith("_")}), _flatten(current)
+    Only settings both sides know are compared: a checkpoint from before a setting existed ran its default.
+    `current` in subclass mode is {class_path, init_args}: the class and its arguments are compared (a module
+    that saves no hyperparameters has none to compare)."""
     differences = []
+    if isinstance(current, Namespace):
+        current = current.as_dict()
+    if isinstance(current, dict) and "class_path" in current:
+        then = saved.get("_class_path")
+        if then is not None and then != current["class_path"]:
+            differences.append(f"model.class_path: {then} in the checkpoint, {current['class_path']} now")
+        current = {**(current.get("init_args") or {}), **(current.get("dict_kwargs") or {})}
+    theirs, ours = _flatten({k: v for k, v in saved.items() if not k.startswith("_")}), _flatten(current)
     for key in sorted(set(theirs) & set(ours)):
         if key in RESUME_MAY_CHANGE or key.startswith("_"):
             continue
@@ -121,7 +140,7 @@ def _show(value) -> str:
     return str(value)
 
 
-def _checked_hyperparameters(checkpoint: dict, path) -> dict:
+def _checked_hyperparameters(checkpoint: dict, path, litlm: bool = True) -> dict:
     """The checkpoint's model hyperparameters, refused in one line naming the checkpoint when they are not
     a mapping or hold a value LitLM would refuse (LightningCLI merges them into the config, where the
     error would otherwise blame the command line)."""
@@ -131,7 +150,7 @@ def _checked_hyperparameters(checkpoint: dict, path) -> dict:
             f"checkpoint {path} stores its hyperparameters as a {type(hparams).__name__}, not a mapping of names "
             "to values: it was not written by `lmledger fit`; pass a checkpoint of this kit"
         )
-    if "_class_path" not in hparams:  # our LitLM's; another class checks its own
+    if litlm and "_class_path" not in hparams:  # our LitLM's; another class checks its own
         try:
             check_hyperparameters(**{k: v for k, v in hparams.items() if not k.startswith("_")})
         except (ConfigError, TypeError) as err:
@@ -142,22 +161,85 @@ def _checked_hyperparameters(checkpoint: dict, path) -> dict:
     return hparams
 
 
-def _check_config_files(args) -> None:
+def _config_files(args) -> list[str]:
+    args = list(args or [])
+    return [args[i + 1] for i, a in enumerate(args[:-1]) if a == "--config"] + [
+        a.split("=", 1)[1] for a in args if a.startswith("--config=")
+    ]
+
+
+def _read_config(name: str) -> dict | None:
+    path = Path(name)
+    try:
+        doc = yaml.safe_load(path.read_text(encoding="utf-8")) if path.is_file() else None
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return None  # jsonargparse reports an unreadable config in its own words
+    return doc if isinstance(doc, dict) else None
+
+
+def named_classes(args) -> list[tuple[str, str]]:
+    """(where, class path) for each model or data class the command line or its --config files name:
+    `--model X`, `--data=X`, `--model.class_path X`, or `model: {class_path: X}` / `model: X` in a file."""
+    args = [str(a) for a in args or []]
+    found = []
+    for i, arg in enumerate(args):
+        for key in ("model", "data"):
+            for flag in (f"--{key}", f"--{key}.class_path"):
+                if arg == flag and i + 1 < len(args):
+                    found.append((flag, args[i + 1]))
+                elif arg.startswith(flag + "="):
+                    found.append((flag, arg.split("=", 1)[1]))
+    for name in _config_files(args):
+        doc = _read_config(name) or {}
+        for key in ("model", "data"):
+            section = doc.get(key)
+            if isinstance(section, dict) and "class_path" in section:
+                found.append((f"config {name}: {key}.class_path", section["class_path"]))
+            elif isinstance(section, str):
+                found.append((f"config {name}: {key}", section))
+    return found
+
+
+_BASES = {"model": pl.LightningModule, "data": pl.LightningDataModule}
+
+
+def _check_class_paths(named: list[tuple[str, str]]) -> None:
+    """Each dotted class path imports and names a LightningModule (--model) or LightningDataModule (--data);
+    jsonargparse's own report of either runs to several lines about every type it tried."""
+    for where, value in named:
+        key = "data" if where.startswith("--data") or where.split(": ")[-1].startswith("data") else "model"
+        base = _BASES[key]
+        if not isinstance(value, str) or "." not in value:
+            continue  # a bare class name: jsonargparse resolves it among the subclasses it knows
+        module_name, _, attr = value.rpartition(".")
+        try:
+            obj = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as err:
+            raise UserError(
+                f"{where} {value}: cannot import it ({type(err).__name__}: {err}); name a {base.__name__} class "
+                "as package.module.Class, importable from the working directory"
+            ) from None
+        except Exception as err:  # the module itself fails on import
+            raise UserError(f"{where} {value}: importing {module_name} failed ({type(err).__name__}: {err})") from None
+        if not (isinstance(obj, type) and issubclass(obj, base)):
+            what = f"a {type(obj).__name__}" if not isinstance(obj, type) else f"a class that is not a {base.__name__}"
+            raise UserError(
+                f"{where} {value} is {what}; `--{key}` takes a {base.__name__} subclass "
+                f"({'lightning.pytorch.' + base.__name__})"
+            )
+
+
+def _check_config_files(args, any_model: bool = False) -> None:
     """Sections of a --config file that are not mappings: jsonargparse 4 resets `data: [1, 2]` to the class
     defaults without a word, and `model: {config: 5}` ends in a message about a missing context_length."""
-    args = list(args or [])
-    files = [args[i + 1] for i, a in enumerate(args[:-1]) if a == "--config"]
-    files += [a.split("=", 1)[1] for a in args if a.startswith("--config=")]
-    for name in files:
-        path = Path(name)
-        try:
-            doc = yaml.safe_load(path.read_text(encoding="utf-8")) if path.is_file() else None
-        except (OSError, UnicodeDecodeError, yaml.YAMLError):
-            continue  # jsonargparse reports an unreadable config in its own words
-        if not isinstance(doc, dict):
+    for name in _config_files(args):
+        doc = _read_config(name)
+        if doc is None:
             continue
         sections = [(key, doc.get(key)) for key in ("model", "data", "trainer")]
-        if isinstance(doc.get("model"), dict):
+        if any_model:  # `model: package.Class` is a class path there
+            sections = [(key, value) for key, value in sections if not (key != "trainer" and isinstance(value, str))]
+        elif isinstance(doc.get("model"), dict):
             sections.append(("model.config", doc["model"].get("config")))
         for key, value in sections:
             if value is not None and not isinstance(value, dict):
@@ -248,10 +330,19 @@ def _check_accelerator(accelerator) -> None:
 
 
 class LedgerCLI(LightningCLI):
+    @property
+    def any_model(self) -> bool:
+        """Subclass mode: the model is any LightningModule (LitLM-specific checks and links are skipped)."""
+        return bool(self.subclass_mode_model)
+
     def add_arguments_to_parser(self, parser) -> None:
-        # The vocabulary comes from the data's meta.json; the window length from the model config.
-        parser.link_arguments("data.vocab_size", "model.config.vocab_size", apply_on="instantiate")
-        parser.link_arguments("model.config.context_length", "data.context_length")
+        if self.any_model:
+            # The data a module trains on, unless the command line names another: lmledger's token windows.
+            parser.set_defaults({"data": {"class_path": "lmledger.data.TokenDataModule"}})
+        else:
+            # The vocabulary comes from the data's meta.json; the window length from the model config.
+            parser.link_arguments("data.vocab_size", "model.config.vocab_size", apply_on="instantiate")
+            parser.link_arguments("model.config.context_length", "data.context_length")
         parser.add_lightning_class_args(NonFiniteGuard, "nonfinite")
         parser.add_class_arguments(LedgerSettings, "ledger")
 
@@ -264,7 +355,7 @@ class LedgerCLI(LightningCLI):
 
     def parse_arguments(self, parser, args) -> None:
         self._argv = [str(a) for a in args or []]
-        _check_config_files(args)
+        _check_config_files(args, self.any_model)
         super().parse_arguments(parser, args)
         # LightningCLI reads a --ckpt_path file's hyperparameters right after parsing; a missing or damaged
         # file would fail there with a traceback, so check it first.
@@ -284,7 +375,7 @@ class LedgerCLI(LightningCLI):
             if found is not None:
                 config.ckpt_path = ckpt = str(found[0])
         if ckpt and ckpt not in SPECIAL_CKPT_PATHS:
-            _checked_hyperparameters(open_checkpoint(ckpt, mmap=True), ckpt)
+            _checked_hyperparameters(open_checkpoint(ckpt, mmap=True), ckpt, litlm=not self.any_model)
         # `--seed_everything true` promises a random seed, but Lightning 2.6.6's seed_everything(None) takes
         # PL_GLOBAL_SEED from the environment or else 0. Draw one here; it is saved in config.yaml like any seed.
         if config.get("seed_everything") is True:
@@ -328,7 +419,7 @@ class LedgerCLI(LightningCLI):
             path, version = found
             run_dir = path.parent.parent
             checkpoint = open_checkpoint(path, mmap=True)
-            hparams = _checked_hyperparameters(checkpoint, path)
+            hparams = _checked_hyperparameters(checkpoint, path, litlm=not self.any_model)
             differences = hyperparameter_differences(hparams, config.model)
             if differences:
                 raise UserError(
@@ -376,16 +467,17 @@ class LedgerCLI(LightningCLI):
     @staticmethod
     def _check_same_data(config, checkpoint: dict, path: Path) -> None:
         trained_on = (checkpoint.get(TokenDataModule.__qualname__) or {}).get("sha256")
-        if not trained_on or config.get("allow_other_data"):
-            return
+        data_path = _setting(config.data, "path")
+        if not trained_on or config.get("allow_other_data") or not isinstance(data_path, (str, os.PathLike)):
+            return  # another data module: its state (if any) is Lightning's to restore
         try:
-            now = load_meta(config.data.path).get("sha256")
+            now = load_meta(data_path).get("sha256")
         except UserError:
             return  # the data module reports a bad directory in its own words
         if now and now != trained_on:
             changed = ", ".join(sorted(k for k in set(now) | set(trained_on) if now.get(k) != trained_on.get(k)))
             raise UserError(
-                f"checkpoint {path} was trained on other data than {config.data.path} holds now ({changed} differ "
+                f"checkpoint {path} was trained on other data than {data_path} holds now ({changed} differ "
                 "by sha256); resume onto the same data, or pass --allow_other_data true to continue on this data"
             )
 
@@ -396,7 +488,13 @@ class LedgerCLI(LightningCLI):
         # The ledger callbacks ride along with whatever callbacks the config lists (--ledger.enabled false: none).
         callbacks = config.get("callbacks") or []
         callbacks = [*(callbacks if isinstance(callbacks, list) else [callbacks])]
-        callbacks += ledger_callbacks(self._get(self.config_init, "ledger"))
+        settings = self._get(self.config_init, "ledger")
+        if self.any_model:
+            callbacks.append(StepChecks(read_batches=settings.enabled))
+            if settings.enabled:  # Ledger picks the toy LM's callbacks itself for a LitLM
+                callbacks.append(Ledger(settings.device_memory_gb, settings.warmup_steps, settings.measure))
+        else:
+            callbacks += ledger_callbacks(settings)
         # Last, so the line it prints carries the values the ledger callbacks logged for this step.
         callbacks += plain_progress_if_not_a_terminal(config.get("enable_progress_bar"))
         try:
@@ -437,6 +535,59 @@ class LedgerCLI(LightningCLI):
         self._claim_run_dir()
 
 
+def _setting(section, name: str):
+    """A class's argument from its config section: `section.name`, or `section.init_args.name` in subclass mode."""
+    if section is None:
+        return None
+    if "init_args" in section and isinstance(section.get("init_args"), Namespace):
+        return section.init_args.get(name)
+    return section.get(name)
+
+
+class StepChecks(pl.Callback):
+    """What Lightning lets pass for any module and lmledger refuses in one line, on the first training batch:
+    a training_step that returns no loss (Lightning skips the step: nothing trains), a loss that is not a
+    scalar that needs grad (a traceback in backward), and, with the ledger on, a batch holding no tensor
+    (the ledger reads batch shapes from tensors; without them its samples/s would be wrong)."""
+
+    def __init__(self, read_batches: bool = True) -> None:
+        self.read_batches = read_batches
+        self._checked_start = self._checked_loss = self._checked_end = False
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self._checked_start:
+            return
+        self._checked_start = True
+        if self.read_batches and not batch_tensors(batch):
+            raise UserError(
+                f"the first training batch is a {type(batch).__name__} holding no tensor: the ledger reads "
+                "batches of tensors (a tensor, or tuples, lists or dicts of them); return tensors from the "
+                "data module's collate_fn, or run with --ledger.enabled false"
+            )
+
+    def on_before_backward(self, trainer, pl_module, loss) -> None:
+        if self._checked_loss:
+            return
+        self._checked_loss = True
+        if loss.numel() != 1 or not loss.requires_grad:
+            got = f"a tensor of shape {tuple(loss.shape)}" if loss.numel() != 1 else "a loss that needs no grad"
+            raise UserError(
+                f"{type(pl_module).__name__}.training_step returned {got}: return a scalar loss computed from "
+                "the model's parameters (reduce it with .mean(); do not detach it or compute it under no_grad)"
+            )
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self._checked_end:
+            return
+        self._checked_end = True
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs  # Lightning passes {} for a skip
+        if pl_module.automatic_optimization and loss is None:
+            raise UserError(
+                f"{type(pl_module).__name__}.training_step returned None on the first batch, so Lightning skipped "
+                "the step and nothing trains: return the loss (a scalar tensor, or a dict with a 'loss' key)"
+            )
+
+
 def _run_cli(cli_class: type[LedgerCLI], argv: list[str], run: bool) -> LedgerCLI:
     for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
         logging.getLogger(name).addFilter(_DropAdverts())
@@ -448,14 +599,21 @@ def _run_cli(cli_class: type[LedgerCLI], argv: list[str], run: bool) -> LedgerCL
     # Lightning warns on every mid-epoch resume that a loader without state_dict() "can cause unreliable
     # results". TokenDataModule's resumes exactly (its sampler starts at the restored batch count; tested).
     warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch ended")
+    named = named_classes(argv[1:] if argv and argv[0] in SUBCOMMANDS else argv)
+    if named:
+        # Class paths import from the working directory, as under `python -m` (the console script's
+        # sys.path lacks it); DDP's launcher re-runs the same command there.
+        if os.getcwd() not in sys.path and "" not in sys.path:
+            sys.path.insert(0, os.getcwd())
+        _check_class_paths(named)
     try:
         return cli_class(
-            LitLM,
-            TokenDataModule,
+            pl.LightningModule if named else LitLM,
+            pl.LightningDataModule if named else TokenDataModule,
             args=argv,
             run=run,
-            subclass_mode_model=False,
-            subclass_mode_data=False,
+            subclass_mode_model=bool(named),
+            subclass_mode_data=bool(named),
             save_config_kwargs={"overwrite": False},
             parser_kwargs={"exit_on_error": False},
             trainer_defaults={
@@ -480,6 +638,44 @@ class _ParseOnlyCLI(LedgerCLI):
 
     def instantiate_classes(self) -> None:
         pass
+
+
+class _BuildCLI(LedgerCLI):
+    """Parses a fit config and builds its model and data module; no trainer, nothing run or written."""
+
+    def before_instantiate_classes(self) -> None:
+        _check_accelerator(self.config.trainer.get("accelerator"))
+
+    def instantiate_trainer(self, **kwargs) -> None:
+        return None
+
+
+def build_model_and_data(argv: list[str]):
+    """(model, data module, parsed config) of `lmledger fit ARGV` (argv without the `fit`), built as fit
+    builds them, for account and plan max-batch."""
+    # LightningCLI seeds while parsing (the model's initial weights follow the config's seed); its
+    # "Seed set to N" line means nothing here: no run.
+    seed_log = logging.getLogger("lightning.fabric.utilities.seed")
+    seed_log.addFilter(_drop_seed_line)
+    try:
+        cli = _run_cli(_BuildCLI, argv, run=False)
+    finally:
+        seed_log.removeFilter(_drop_seed_line)
+    return cli.model, cli.datamodule, cli.config
+
+
+def _drop_seed_line(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith("Seed set to")
+
+
+def first_batch(datamodule) -> object:
+    """The first training batch of a data module (set up for fit, no trainer attached), read once."""
+    try:
+        datamodule.setup("fit")
+        loader = datamodule.train_dataloader()
+        return next(iter(loader))
+    except StopIteration:
+        raise UserError(f"{type(datamodule).__name__}.train_dataloader() yields no batch") from None
 
 
 def parse_fit_config(argv: list[str]):

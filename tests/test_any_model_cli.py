@@ -1,0 +1,173 @@
+"""`lmledger fit|validate` over any LightningModule (issue 12 §3): --model / --data class paths or a config
+whose model: / data: name a class_path, with the ledger, run directories, checkpoints and exact resume."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch import nn
+
+from conftest import read_scalars
+from lmledger.checkpointing import open_checkpoint
+from lmledger.cli import main as lmledger
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # `examples` lives at the repository root
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny models run faster on one thread
+
+CONVNET = "examples.byte_convnet.ByteConvNet"
+TRAINER = [
+    "--trainer.limit_val_batches", "0",
+    "--trainer.log_every_n_steps", "1",
+    "--trainer.enable_progress_bar", "false",
+    "--trainer.enable_model_summary", "false",
+]  # fmt: skip
+SMALL = ["--data.init_args.batch_size", "2", "--data.init_args.context_length", "32", *TRAINER]
+SMALL_CONVNET = ["--model.init_args.width", "32", "--model.init_args.num_layers", "1", *SMALL]
+
+
+def convnet_fit(name: str, *extra: str) -> list[str]:
+    return [
+        "fit", "--config", "configs/examples/byte-convnet.yaml", *SMALL_CONVNET,
+        "--trainer.logger.init_args.name", name, *extra,
+    ]  # fmt: skip
+
+
+def save_every(steps: int) -> list[str]:
+    return ["--trainer.callbacks.init_args.every_n_train_steps", str(steps)]
+
+
+def test_a_config_naming_classes_trains_with_the_ledger_and_saves_a_checkpoint(workdir):
+    assert lmledger(convnet_fit("conv", "--trainer.max_steps", "3", *save_every(3))) == 0
+    run = workdir / "runs" / "conv" / "version_0"
+    assert (run / "config.yaml").is_file()
+    assert open_checkpoint(run / "checkpoints" / "last.ckpt")["global_step"] == 3
+    scalars = read_scalars(run)
+    assert scalars["memory/measured/peak"][0][1] == pytest.approx(scalars["memory/predicted/peak"][0][1], rel=0.03)
+    assert scalars["flops/measured_per_step"][0][1] == scalars["flops/hardware_per_step"][0][1]
+    assert len(scalars["train/loss"]) == 3
+    assert "perf/samples_per_sec" not in scalars  # token ids in the batch: tokens/s, never samples/s
+
+
+def test_model_flag_alone_trains_on_lmledgers_token_data(workdir):
+    args = ["fit", "--model", CONVNET, "--model.init_args.width", "16", "--model.init_args.num_layers", "1",
+            "--trainer.max_steps", "2", "--trainer.logger.init_args.name", "flag", *SMALL]  # fmt: skip
+    assert lmledger(args) == 0
+    scalars = read_scalars(workdir / "runs" / "flag" / "version_0")
+    assert [step for step, _ in scalars["train/loss"]] == [0, 1]
+    assert "memory/predicted/params" in scalars
+
+
+def test_hf_llama_config_through_lmledger_fit(workdir):
+    pytest.importorskip("transformers")
+    args = ["fit", "--config", "configs/examples/hf-llama.yaml", "--model.init_args.hidden_size", "32",
+            "--model.init_args.num_layers", "1", "--model.init_args.context_length", "32",
+            "--trainer.max_steps", "2", *SMALL]  # fmt: skip
+    assert lmledger(args) == 0
+    scalars = read_scalars(workdir / "runs" / "examples-hf-llama" / "version_0")
+    assert scalars["memory/measured/activations"][0][1] == pytest.approx(
+        scalars["memory/predicted/activations"][0][1], rel=0.01
+    )
+
+
+class SelfTerm(pl.Callback):
+    """Test-only: SIGTERM to this process as training batch `at_step` starts (PreemptionCheckpoint saves it)."""
+
+    def __init__(self, at_step: int) -> None:
+        self.at_step = at_step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step == self.at_step:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_preempted_any_model_run_resumes_bit_for_bit(workdir, capsys):
+    steps = ["--trainer.max_steps", "6"]
+    assert lmledger(convnet_fit("whole", *steps)) == 0
+    term = '{"class_path": "test_any_model_cli.SelfTerm", "init_args": {"at_step": 3}}'
+    assert lmledger(convnet_fit("cut", *steps, "--trainer.callbacks+=" + term)) == 143
+    assert "preempted at step" in capsys.readouterr().err
+    assert lmledger(convnet_fit("cut", *steps, "--ckpt_path", "last")) == 0
+    assert "resuming runs/cut/version_0 at step" in capsys.readouterr().out
+    whole = dict(read_scalars(workdir / "runs/whole/version_0")["train/loss"])
+    cut = dict(read_scalars(workdir / "runs/cut/version_0")["train/loss"])
+    assert sorted(cut) == list(range(6)) and cut == whole  # exact float equality, every step once
+
+
+def test_resume_refuses_another_class_or_other_settings_in_one_line(workdir, capsys):
+    assert lmledger(convnet_fit("r", "--trainer.max_steps", "2", *save_every(2))) == 0
+    capsys.readouterr()
+    more = ["--trainer.max_steps", "4", "--ckpt_path", "last"]
+    assert lmledger(convnet_fit("r", *more, "--model.init_args.kernel_size", "4")) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "model.kernel_size: 8 in the checkpoint, 4 now" in err
+    # validate on the same run builds the model from the checkpoint's class and arguments
+    validate = ["validate", "--config", "configs/examples/byte-convnet.yaml", *SMALL, "--trainer.limit_val_batches",
+                "2", "--trainer.logger.init_args.name", "r", "--ckpt_path", "last"]  # fmt: skip
+    assert lmledger(validate) == 0
+    assert "val/loss" in capsys.readouterr().out
+
+
+class NotAModule:
+    pass
+
+
+class NoLoss(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Embedding(256, 8)
+
+    def training_step(self, batch, batch_idx):
+        self.layer(batch[0]).sum()  # computes and forgets the loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class TokenLoss(NoLoss):
+    def training_step(self, batch, batch_idx):
+        return self.layer(batch[0]).mean(-1)  # not reduced to a scalar
+
+
+class Strings(pl.LightningDataModule):
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(["some text"] * 8, batch_size=2)
+
+
+@pytest.mark.parametrize(
+    ("model", "data", "expected"),
+    [
+        ("test_any_model_cli.NotAModule", None, "is a class that is not a LightningModule"),
+        ("test_any_model_cli.nn", None, "is a module"),
+        ("no_such_package.Model", None, "cannot import it"),
+        (CONVNET, "test_any_model_cli.NoLoss", "is a class that is not a LightningDataModule"),
+        ("test_any_model_cli.NoLoss", None, "training_step returned None on the first batch"),
+        ("test_any_model_cli.TokenLoss", None, "training_step returned a tensor of shape (2, 32)"),
+        ("test_any_model_cli.NoLoss", "test_any_model_cli.Strings", "first training batch is a list holding no tensor"),
+    ],
+)
+def test_bad_modules_and_batches_are_one_line(workdir, capsys, model, data, expected):
+    data_args = ["--data", data] if data else SMALL[:4]
+    args = ["fit", "--model", model, *data_args, "--trainer.max_steps", "2", *TRAINER]
+    assert lmledger(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith("lmledger fit: error:") and expected in err, err
+
+
+def test_plain_litlm_config_is_untouched_by_subclass_mode(monkeypatch):
+    from lmledger.commands.train import named_classes, parse_fit_config
+
+    assert named_classes(["--config", "configs/tiny.yaml"]) == []
+    monkeypatch.chdir(REPO)
+    config = parse_fit_config(["--config", "configs/tiny.yaml"])
+    assert config.model.config.d_model == 128 and "class_path" not in config.model
+    config = parse_fit_config(["--config", "configs/examples/byte-convnet.yaml"])
+    assert config.model.class_path == CONVNET and config.data.class_path == "lmledger.data.TokenDataModule"
