@@ -3,6 +3,8 @@ one real step measured beside the prediction."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from conftest import run_json
@@ -116,3 +118,47 @@ def test_account_measures_a_checkpointed_bf16_mixed_step_as_lightning_runs_it(wo
     )  # fmt: skip
     peak = result["memory"]["peak"]
     assert abs(peak["predicted"] - peak["measured"]) <= 0.02 * peak["measured"]
+
+
+# Any LightningModule (issue 12 §3): a config whose model is a class_path, here the examples' Hugging Face
+# Llama, shrunk. account and plan max-batch dry-run its training_step on its data's first batch.
+HF_LLAMA = [
+    "--config", "configs/examples/hf-llama.yaml", "--model.init_args.hidden_size", "64",
+    "--model.init_args.num_layers", "1", "--model.init_args.intermediate_size", "128",
+    "--model.init_args.context_length", "32", "--data.init_args.context_length", "32",
+]  # fmt: skip
+
+
+@pytest.fixture
+def examples_importable(monkeypatch):
+    pytest.importorskip("transformers")
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1]))  # `examples` is at the repository root
+
+
+def test_account_of_an_hf_config_puts_the_dry_run_beside_the_real_step(workdir, capsys, examples_importable):
+    result = run_json(capsys, "account", *HF_LLAMA, "--data.init_args.batch_size", "3", "--measure", "--json")
+    assert result["run"]["model"] == "examples.hf_lm.LlamaLM" and result["run"]["tokens_per_step"] == 3 * 32
+    assert result["flops"]["model"] is None and result["flops"]["hardware"] == result["flops"]["measured"]
+    memory = result["memory"]
+    for row in ("params", "grads", "optimizer"):
+        assert memory[row]["predicted"] == memory[row]["measured"] > 0, row
+    assert memory["activations"]["predicted"] == pytest.approx(memory["activations"]["measured"], rel=0.01)
+    assert memory["peak"]["predicted"] == pytest.approx(memory["peak"]["measured"], rel=0.03)
+    assert result["params"] * 4 == memory["params"]["predicted"]  # fp32, no tied weights in Llama
+
+
+def test_plan_max_batch_of_an_hf_model_fits_under_the_cap_measured(workdir, capsys, examples_importable):
+    """Issue 12: under --device-memory-gb X on a CPU, the measured peak (ledger.memtrack on the real step) of
+    the predicted largest batch fits under X, and one more sample's does not."""
+    from lmledger.commands.train import build_model_and_data, first_batch
+    from lmledger.ledger.predict import measure
+
+    capacity_gb = 0.0035
+    result = run_json(capsys, "plan", "max-batch", *HF_LLAMA, "--device-memory-gb", str(capacity_gb), "--json")
+    best = result["max_batch"]
+    assert 2 <= best < 64 and result["peak_bytes"] <= capacity_gb * 1e9 < result["next_peak_bytes"]
+    module, data, _ = build_model_and_data([*HF_LLAMA, "--data.init_args.batch_size", str(best + 1)])
+    inputs, targets = first_batch(data)
+    for size, fits in ((best, True), (best + 1, False)):
+        measured = measure(module, (inputs[:size], targets[:size]))
+        assert (measured.peak <= capacity_gb * 1e9) == fits, (size, measured.peak)

@@ -158,6 +158,9 @@ def test_max_params_rejects_bad_input():
         ],
         ["max-params", "--gpu", "h100-sxm", "--num-gpus", "99999999999"],
         ["max-params", "--gpu", "h100-sxm", "--num-gpus", "-3"],
+        ["max-batch", "--config", "configs/tiny.yaml"],  # no memory to fit in
+        ["max-batch", "--gpu", "h100-sxm", "--device-memory-gb", "80", "--config", "configs/tiny.yaml"],
+        ["max-batch", "--device-memory-gb", "0", "--config", "configs/tiny.yaml"],
     ],
 )
 def test_plan_cli_bad_input_is_one_line_exit_2(argv, capsys):

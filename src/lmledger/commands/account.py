@@ -19,11 +19,14 @@ from lmledger.model import ToyLM, count_parameters
 from lmledger.runspec import RunSpec, load_run_spec, split_flags
 
 USAGE = """usage: lmledger account --config FILE [--config FILE2] [--a.b VALUE ...] [--measure] [--json]
+       lmledger account --model CLASS_PATH [--data CLASS_PATH] [--a.b VALUE ...] [--measure] [--json]
 
 One training step of a `lmledger fit` config: parameter count, model and hardware FLOPs, predicted
 bytes per component and peak, and the FLOPs per token each MFU convention counts (docs/mfu.md).
 --measure also runs real steps on this machine (CUDA if the config asks for a GPU and one is
-present, else CPU), prints each measurement beside its prediction, and each convention's MFU."""
+present, else CPU), prints each measurement beside its prediction, and each convention's MFU.
+A config whose model is any LightningModule (--model CLASS_PATH, or `model: {class_path: ...}`) is
+predicted by a dry run of its training_step on the shapes of its data's first batch (docs/any-model.md)."""
 
 MEMORY_ROWS = ("params", "grads", "optimizer", "activations", "peak")
 _AUTOCAST = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
@@ -302,13 +305,104 @@ def _fmt(x: float | None) -> str:
     return "—" if x is None else f"{x:.4g}"
 
 
+def account_any_model(argv: list[str], do_measure: bool) -> dict:
+    """account for a config naming any LightningModule: the dry run beside (with --measure) the real step,
+    both on its data's first batch. No model FLOPs (6N + attention needs the architecture) and no MFU."""
+    from lmledger.callbacks.ledger import samples_per_batch, tokens_per_batch
+    from lmledger.commands.train import build_model_and_data, first_batch
+    from lmledger.ledger import predict as any_model
+    from lmledger.ledger.dryrun import NotTraced, map_tensors
+
+    module, data, config = build_model_and_data(argv)
+    precision = str(config.trainer.get("precision") or "32-true")
+    wants_gpu = config.trainer.get("accelerator") in ("gpu", "cuda", "auto")
+    device = torch.device("cuda") if wants_gpu and torch.cuda.is_available() else torch.device("cpu")
+    batch = first_batch(data)
+    if device.type == "cuda":
+        module.to(device)
+        batch = map_tensors(lambda t: t.to(device), batch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        predicted = any_model.predict(module, batch, precision=precision, device=device)
+        measured = any_model.measure(module, batch, precision=precision) if do_measure else None
+    not_predicted = predicted.reason if isinstance(predicted, NotTraced) else None
+    p = None if not_predicted else predicted
+
+    def pair(name: str) -> dict:
+        return {
+            "predicted": getattr(p, name) if p else None,
+            "measured": getattr(measured, name) if measured else None,
+        }
+
+    tokens = tokens_per_batch(module, batch)
+    return {
+        "params": any_model.parameter_count(module),
+        "flops": {"model": None, "hardware": p.flops if p else None, "measured": measured.flops if measured else None},
+        "memory": {row: pair(row) for row in MEMORY_ROWS},
+        "autocast_weight_copies": pair("autocast_weight_copies"),
+        "run": {
+            "model": config.model.class_path,
+            "data": config.data.class_path,
+            "batch_size": samples_per_batch(batch),
+            "tokens_per_step": tokens,
+            "precision": precision,
+            "device": device.type,
+            "peak_phase": p.peak_phase if p else None,
+            "measured_peak_phase": measured.peak_phase if measured else None,
+            "not_predicted": not_predicted,
+        },
+        "mfu_conventions": None,
+    }
+
+
+def print_any_model_table(result: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    run = result["run"]
+    per_batch = f"{run['tokens_per_step']} tokens" if run["tokens_per_step"] is not None else "no token ids"
+    table = Table(
+        title=(
+            f"one training step of {run['model']}: {result['params']:,} params, batch of {run['batch_size']} "
+            f"({per_batch}), {run['precision']}"
+        )
+    )
+    for column in ("", "predicted (dry run)", "measured", "error"):
+        table.add_column(column, justify="right" if column else "left")
+    f = result["flops"]
+    table.add_row("hardware FLOPs", _fmt(f["hardware"]), _fmt(f["measured"]), _error_pct(f["hardware"], f["measured"]))
+    for row in MEMORY_ROWS:
+        m = result["memory"][row]
+        measured = format_bytes(m["measured"]) if m["measured"] is not None else "—"
+        table.add_row(
+            f"{row} (bytes)", format_bytes(m["predicted"]), measured, _error_pct(m["predicted"], m["measured"])
+        )
+    Console().print(table)
+    if run["not_predicted"]:
+        print(f"not predicted: {run['not_predicted']}")
+    else:
+        measured_in = run["measured_peak_phase"]
+        measured_in = f"; measured peak (live tensor bytes) in: {measured_in}" if measured_in else ""
+        print(f"predicted peak falls in: {run['peak_phase']}{measured_in}; on {run['device']}")
+    print("no model FLOPs or MFU for a module that is not lmledger's ToyLM: HFU comes from a fit's perf/hfu")
+
+
 def main(argv: list[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(USAGE)
         return 0
     flags, rest = split_flags(argv, ("--measure", "--json"))
+    from lmledger.commands.train import named_classes
+
+    if named_classes(rest):
+        result = account_any_model(rest, "--measure" in flags)
+        if "--json" in flags:
+            print(json.dumps(result))
+        else:
+            print_any_model_table(result)
+        return 0
     if not any(a == "--config" or a.startswith("--config=") for a in rest):
-        raise UserError("account needs --config FILE (e.g. configs/tiny.yaml)")
+        raise UserError("account needs --config FILE (e.g. configs/tiny.yaml) or --model CLASS_PATH")
     spec = load_run_spec(rest)
     result = account(spec, "--measure" in flags)
     if "--json" in flags:

@@ -44,6 +44,13 @@ def _fraction(text: str) -> float:
     return value
 
 
+def _positive_gb(text: str) -> float:
+    value = _fraction(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of GB (e.g. 80)")
+    return value
+
+
 def _gpu_count(text: str) -> int:
     try:
         value = int(text)
@@ -100,22 +107,39 @@ def _max_params(args: argparse.Namespace) -> None:
     )
 
 
+def _capacity(args: argparse.Namespace) -> tuple[int, str, str | None]:
+    """(bytes one device may use, how to show it, the GPU key or None) from --gpu or --device-memory-gb."""
+    if (args.gpu is None) == (args.device_memory_gb is None):
+        raise UserError("max-batch needs the memory to fit in: --gpu KEY or --device-memory-gb GB (one of them)")
+    if args.gpu is not None:
+        gpu = require_gpu(args.gpu)
+        return gpu.memory_bytes, f"{gpu.key} ({gpu.memory_bytes / 1e9:g} GB)", gpu.key
+    return round(args.device_memory_gb * 1e9), f"{args.device_memory_gb:g} GB per device", None
+
+
 def _max_batch(args: argparse.Namespace, fit_args: list[str]) -> None:
+    from lmledger.commands.train import named_classes
+
+    if not fit_args:
+        raise UserError("max-batch needs --config FILE (a `lmledger fit` config, e.g. configs/cs336-small.yaml)")
+    _capacity(args)  # a missing or doubled memory size is refused before any config is read
+    if named_classes(fit_args):
+        _max_batch_any_model(args, fit_args)
+        return
     from lmledger.ledger.memory import peak_bytes
     from lmledger.ledger.planner import max_batch
     from lmledger.model import count_parameters
     from lmledger.runspec import load_run_spec
 
-    if not fit_args:
-        raise UserError("max-batch needs --config FILE (a `lmledger fit` config, e.g. configs/cs336-small.yaml)")
+    capacity, shown, gpu_key = _capacity(args)
     spec = load_run_spec(fit_args)
-    gpu = require_gpu(args.gpu)
-    capacity = gpu.memory_bytes
+    # The closed forms for a GPU (its kernels' transients); with only a memory size, for the config's device.
+    device = "cuda" if gpu_key or spec.accelerator in ("gpu", "cuda") else "cpu"
 
     def bytes_for_batch(batch: int) -> int:
         peak = peak_bytes(
             spec.model, batch, spec.seq_len, spec.precision, spec.optimizer, spec.strategy, spec.world_size,
-            device="cuda", fused=spec.fused_optimizer,
+            device=device, fused=spec.fused_optimizer,
         )  # fmt: skip
         return peak.total
 
@@ -126,7 +150,7 @@ def _max_batch(args: argparse.Namespace, fit_args: list[str]) -> None:
         "tokens_per_step": best * spec.seq_len,
         "peak_bytes": bytes_for_batch(best) if best else bytes_for_batch(1),
         "capacity_bytes": capacity,
-        "gpu": gpu.key,
+        "gpu": gpu_key,
         "precision": spec.precision,
         "optimizer": spec.optimizer,
         "activation_checkpointing": spec.model.activation_checkpointing,
@@ -137,7 +161,7 @@ def _max_batch(args: argparse.Namespace, fit_args: list[str]) -> None:
     _print_rows(
         "largest batch that fits (params, grads, optimizer, activations, transients)",
         [
-            ("GPU", f"{gpu.key} ({capacity / 1e9:g} GB)"),
+            ("memory", shown),
             ("model", f"{count_parameters(spec.model):,} params, seq {spec.seq_len}"),
             ("precision / optimizer", f"{spec.precision} / {spec.optimizer}"),
             ("max batch per device", f"{best:,}"),
@@ -146,8 +170,64 @@ def _max_batch(args: argparse.Namespace, fit_args: list[str]) -> None:
     )
 
 
+def _max_batch_any_model(args: argparse.Namespace, fit_args: list[str]) -> None:
+    """max-batch for any LightningModule: dry runs of its training_step on batches shaped like its data's
+    first batch, doubling then bisecting the number of samples (ledger.predict.max_batch)."""
+    import warnings
+
+    import torch
+
+    from lmledger.commands.train import build_model_and_data, first_batch
+    from lmledger.ledger import predict as any_model
+    from lmledger.ledger.dryrun import NotTraced, batch_tensors
+
+    capacity, shown, gpu_key = _capacity(args)
+    module, data, config = build_model_and_data(fit_args)
+    precision = str(config.trainer.get("precision") or "32-true")
+    wants_gpu = gpu_key is not None or config.trainer.get("accelerator") in ("gpu", "cuda")
+    # Fake CUDA tensors need a CUDA build and device; without one the CPU's kernels stand in (note below).
+    device = torch.device("cuda" if wants_gpu and torch.cuda.is_available() else "cpu")
+    batch = first_batch(data)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        found = any_model.max_batch(module, batch, capacity, precision=precision, device=device)
+    if isinstance(found, NotTraced):
+        raise UserError(f"{config.model.class_path} cannot be dry-run, so no batch size is predicted: {found.reason}")
+    per_sample = batch_tensors(batch)[0].shape[1:]
+    seq_len = per_sample[0] if len(per_sample) == 1 else None
+    ledger = found.fits or found.over
+    result = {
+        "max_batch": found.size,
+        "seq_len": seq_len,
+        "tokens_per_step": found.size * seq_len if seq_len is not None else None,
+        "peak_bytes": ledger.peak if ledger else None,
+        "next_peak_bytes": found.over.peak if found.over else None,
+        "capacity_bytes": capacity,
+        "gpu": gpu_key,
+        "precision": precision,
+        "model": config.model.class_path,
+        "device": device.type,
+    }
+    if args.json:
+        print(json.dumps(result))
+        return
+    _print_rows(
+        "largest batch that fits (dry runs of the module's training step)",
+        [
+            ("memory", shown),
+            ("model", f"{config.model.class_path}, {any_model.parameter_count(module):,} params"),
+            ("precision", precision),
+            ("max batch per device", f"{found.size:,}"),
+            (f"predicted peak at {'that batch' if found.size else 'batch 1'}", f"{result['peak_bytes'] / 1e9:.4g} GB"),
+        ],
+    )
+    if wants_gpu and device.type == "cpu":
+        print("dry-run with the CPU's kernels: this machine has no CUDA GPU (a GPU's attention and optimizer kernels "
+              "may hold a few % more or less)")  # fmt: skip
+
+
 def _add_gpu_arguments(parser: argparse.ArgumentParser, *, num_gpus: bool) -> None:
-    parser.add_argument("--gpu", required=True, help="a key from `lmledger gpus` or a torch device name")
+    parser.add_argument("--gpu", required=num_gpus, help="a key from `lmledger gpus` or a torch device name")
     if num_gpus:
         parser.add_argument("--num-gpus", type=_gpu_count, default=1, help="GPUs (default 1)")
 
@@ -182,6 +262,9 @@ def main(argv: list[str]) -> int:
         description="Any other arguments are read as by `lmledger fit`: --config FILE and --a.b VALUE overrides.",
     )
     _add_gpu_arguments(mb, num_gpus=False)
+    mb.add_argument(
+        "--device-memory-gb", type=_positive_gb, help="memory one device may use, in GB (1e9 bytes), instead of --gpu"
+    )
     mb.add_argument("--json", action="store_true")
 
     args, rest = parser.parse_known_args(argv)
