@@ -90,12 +90,11 @@ def test_toy_dry_run_agrees_with_the_closed_forms(precision, checkpointing):
     assert dry.flops_forward == sum(phases["forward"] for phases in flops.by_component.values())
 
 
-# fp32 with every block checkpointed is left out: there the dry run (and the measured step, equal to
-# it) peaks in backward 3.8% (untied) to 6.2% (tied) above peak_bytes' walk on these shapes.
 @pytest.mark.parametrize(
     "precision, checkpointing, tied",
-    [("32-true", 0, False), ("32-true", 2, True), ("bf16-mixed", 0, True), ("bf16-mixed", 1, False)],
-)
+    [("32-true", 0, False), ("32-true", 1, True), ("32-true", 2, True), ("bf16-mixed", 0, True),
+     ("bf16-mixed", 1, False)],
+)  # fmt: skip
 def test_toy_dry_run_peak_agrees_with_the_walked_peak(precision, checkpointing, tied):
     model = toy(activation_checkpointing=checkpointing, tie_embeddings=tied)
     dry = dry_run(model, token_batch(), step=toy_step, optimizer=adamw, precision=precision)
