@@ -171,3 +171,34 @@ def test_plain_litlm_config_is_untouched_by_subclass_mode(monkeypatch):
     assert config.model.config.d_model == 128 and "class_path" not in config.model
     config = parse_fit_config(["--config", "configs/examples/byte-convnet.yaml"])
     assert config.model.class_path == CONVNET and config.data.class_path == "lmledger.data.TokenDataModule"
+
+
+def test_sweep_of_account_points_over_an_any_model_config(workdir, capsys):
+    """Sweeps take configs naming a class_path: a --dry-run lists the points (no closed forms to show), and an
+    `account --measure` grid runs each point's dry run beside its real step."""
+    import csv
+
+    import yaml
+
+    from lmledger.sweep import load_experiment, run_sweep
+
+    (workdir / "examples").symlink_to(REPO / "examples")  # points import it from their working directory
+    spec = {
+        "name": "conv",
+        "command": "account --measure",
+        "configs": ["configs/examples/byte-convnet.yaml"],
+        "fixed": {"model.init_args.width": 16, "model.init_args.num_layers": 1, "data.init_args.context_length": 16},
+        "grid": {"data.init_args.batch_size": [1, 3]},
+    }
+    path = workdir / "conv.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    assert lmledger(["sweep", str(path), "--dry-run", "--out", "sweeps/conv"]) == 0
+    assert "fail:" not in capsys.readouterr().out
+    results = run_sweep(load_experiment(path), workdir / "sweeps" / "conv", jobs=1)
+    assert [r.status for r in results] == ["done", "done"], [r.error for r in results]
+    with open(workdir / "sweeps" / "conv" / "results.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    for row in rows:
+        predicted, measured = float(row["memory/predicted/activations"]), float(row["memory/measured/activations"])
+        assert predicted == pytest.approx(measured, rel=0.01)
+    assert float(rows[1]["memory/measured/activations"]) > 2.5 * float(rows[0]["memory/measured/activations"])
