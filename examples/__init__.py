@@ -4,6 +4,6 @@
                                   built from a config object (no download); needs `pip install .[hf]`
     byte_convnet.ByteConvNet      a causal 1-D convolutional net over bytes: no attention, no transformers
 
-Each has a config under configs/examples/; `python -m examples.fit fit --config configs/examples/X.yaml`
-(from the repository root) trains it on the prepared stdlib corpus. docs/any-model.md has the details.
+Each has a config under configs/examples/; `lmledger fit --config configs/examples/X.yaml` (from the
+repository root) trains it on the prepared stdlib corpus. docs/any-model.md has the details.
 """

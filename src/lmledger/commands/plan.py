@@ -222,8 +222,8 @@ def _max_batch_any_model(args: argparse.Namespace, fit_args: list[str]) -> None:
         ],
     )
     if wants_gpu and device.type == "cpu":
-        print("dry-run with the CPU's kernels: this machine has no CUDA GPU (a GPU's attention and optimizer kernels "
-              "may hold a few % more or less)")  # fmt: skip
+        print("dry-run with the CPU's kernels: this machine has no CUDA GPU, and a GPU's attention and optimizer "
+              "kernels may hold more or less than these")  # fmt: skip
 
 
 def _add_gpu_arguments(parser: argparse.ArgumentParser, *, num_gpus: bool) -> None:
