@@ -2,16 +2,20 @@
 
 Runs the same short fit of a config (default configs/tiny.yaml, on this machine's default device)
 again and again in one process, alternating with and without `ledger_callbacks(LedgerSettings())`
-in ABBA order, so a drift in machine load falls on both arms alike. A step is the time from one
-training batch's end to the next one's (everything the loop does per batch, the ledger's hooks
-included); each fit's first `--skip` steps are left out: they hold the ledger's memory measurement
-and its throughput warm-up, one-off costs the ratio is not about. Goal: ratio <= 1.01.
+(for a config whose model is a class_path, e.g. configs/examples/hf-llama.yaml: with and without
+`lmledger.callbacks.Ledger()`, its dry run and measured steps) in ABBA order, so a drift in
+machine load falls on both arms alike. A step is the time from one training batch's end to the next
+one's (everything the loop does per batch, the ledger's hooks included); each fit's first `--skip`
+steps are left out: they hold the ledger's memory measurement and its throughput warm-up, one-off
+costs the ratio is not about. Goal: ratio <= 1.01.
 
 Step times on a shared machine jitter by more than the ledger costs, so the script also clocks
 the ledger's hooks themselves in the "with" fits: their median time per step over the median step
 without the ledger is the direct cost, which noise cannot hide or inflate.
 
     python benchmarks/ledger_overhead.py [--pairs 4] [--steps 30] [--threads 1] [--config configs/tiny.yaml]
+    python benchmarks/ledger_overhead.py --config configs/examples/hf-llama.yaml   # a Hugging Face Llama
+    python benchmarks/ledger_overhead.py --quick [--config ...]                    # checks the script runs
 
 On 2 CPU cores the default takes about 1-2 minutes. Validation and checkpointing are off in both
 arms; the logger (TensorBoard, every trainer.log_every_n_steps) is on in both. One intra-op thread
@@ -21,8 +25,10 @@ by default: with two on two busy cores, a step can stall for a whole scheduler s
 from __future__ import annotations
 
 import argparse
+import importlib
 import itertools
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -32,11 +38,13 @@ import torch
 import yaml
 from lightning.pytorch.loggers import TensorBoardLogger
 
-from lmledger.callbacks import LedgerSettings, ledger_callbacks
+from lmledger.callbacks import Ledger, LedgerSettings, ledger_callbacks
 from lmledger.cli import main as lmledger
 from lmledger.data import TokenDataModule
 from lmledger.lit import LitLM
 from lmledger.model import ModelConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `examples` lives at the repository root
 
 
 class StepTimes(L.Callback):
@@ -96,22 +104,40 @@ def prepared_data(path: str, scratch: Path) -> str:
     return str(out)
 
 
+def _any_model(model_cfg: dict, data_cfg: dict, data: str) -> tuple[L.LightningModule, TokenDataModule]:
+    """A config whose model is a class_path (configs/examples/): that class with its init_args, on token data."""
+    module_name, _, name = model_cfg["class_path"].rpartition(".")
+    model = getattr(importlib.import_module(module_name), name)(**model_cfg.get("init_args", {}))
+    init = data_cfg.get("init_args", {})
+    datamodule = TokenDataModule(
+        path=data, batch_size=init.get("batch_size", 16), context_length=init.get("context_length", 128)
+    )
+    return model, datamodule
+
+
 def timed_fit(config: dict, data: str, steps: int, ledger: bool, log_dir: Path) -> StepTimes:
     trainer_cfg = config.get("trainer", {})
     model_cfg = config.get("model", {})
     L.seed_everything(config.get("seed_everything", 1234), verbose=False)
-    datamodule = TokenDataModule(
-        path=data,
-        batch_size=config.get("data", {}).get("batch_size", 16),
-        context_length=model_cfg["config"]["context_length"],
-    )
-    model = LitLM(
-        ModelConfig(**{**model_cfg["config"], "vocab_size": datamodule.vocab_size}),
-        optimizer=model_cfg.get("optimizer", "adamw"),
-        lr=model_cfg.get("lr", 3e-3),
-    )
+    any_model = "class_path" in model_cfg
+    if any_model:
+        model, datamodule = _any_model(model_cfg, config.get("data", {}), data)
+    else:
+        datamodule = TokenDataModule(
+            path=data,
+            batch_size=config.get("data", {}).get("batch_size", 16),
+            context_length=model_cfg["config"]["context_length"],
+        )
+        model = LitLM(
+            ModelConfig(**{**model_cfg["config"], "vocab_size": datamodule.vocab_size}),
+            optimizer=model_cfg.get("optimizer", "adamw"),
+            lr=model_cfg.get("lr", 3e-3),
+        )
     timer = StepTimes()
-    ledger_cbs = ledger_callbacks(LedgerSettings()) if ledger else []
+    if not ledger:
+        ledger_cbs = []
+    else:
+        ledger_cbs = [Ledger()] if any_model else ledger_callbacks(LedgerSettings())
     clock_hooks(ledger_cbs, timer)
     trainer = L.Trainer(
         accelerator=trainer_cfg.get("accelerator", "auto"),
@@ -139,14 +165,19 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30, help="training steps per fit")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (CPU)")
     parser.add_argument("--skip", type=int, default=5, help="first steps of each fit left out")
+    parser.add_argument("--quick", action="store_true", help="1 pair of 8-step fits: checks the script runs")
     args = parser.parse_args()
+    if args.quick:
+        args.pairs, args.steps = 1, args.skip + 3
     if args.steps < args.skip + 2:
         parser.error("--steps must exceed --skip by at least 2")
     config = yaml.safe_load(Path(args.config).read_text())
     torch.set_num_threads(args.threads)
 
     with tempfile.TemporaryDirectory() as scratch:
-        data = prepared_data(args.data or config.get("data", {}).get("path", "data/stdlib"), Path(scratch))
+        data_cfg = config.get("data", {})
+        data_path = data_cfg.get("init_args", data_cfg).get("path", "data/stdlib")
+        data = prepared_data(args.data or data_path, Path(scratch))
         times: dict[bool, list[float]] = {False: [], True: []}
         hook_times: list[float] = []
         cpu_times: dict[bool, list[float]] = {False: [], True: []}
