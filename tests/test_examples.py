@@ -133,8 +133,8 @@ def test_largest_batch_of_an_hf_model_fits_and_the_next_does_not():
         assert (measured.peak <= capacity) == fits, (size, measured.peak)
 
 
-# Each example config, shrunk, trained for two steps by examples/fit.py (LightningCLI in subclass mode)
-# with the Ledger callback: the configs are valid, and the ledger's predicted and measured peaks land.
+# Each example config, shrunk, trained for two steps by `lmledger fit` (through examples/fit.py, which
+# forwards to it) with the Ledger callback: the configs are valid, and the ledger's predicted and measured peaks land.
 SHRINK = {
     "hf-llama": ["--model.init_args.hidden_size", "32", "--model.init_args.num_layers", "1"],
     "hf-gpt2": ["--model.init_args.hidden_size", "32", "--model.init_args.num_layers", "1"],
@@ -149,11 +149,12 @@ def test_example_configs_train_with_the_ledger(name, workdir):
     from examples.fit import main
 
     context = [] if name == "byte-convnet" else ["--model.init_args.context_length", "32"]
-    main(
+    code = main(
         ["fit", "--config", f"configs/examples/{name}.yaml", *SHRINK[name], *context,
          "--data.init_args.batch_size", "2", "--data.init_args.context_length", "32",
          "--trainer.max_steps", "2", "--trainer.limit_val_batches", "0", "--trainer.enable_progress_bar", "false"]
     )  # fmt: skip
+    assert code == 0
     (run,) = (workdir / "runs" / f"examples-{name}").iterdir()
     assert (run / "config.yaml").is_file()
     scalars = read_scalars(run)
