@@ -64,6 +64,17 @@ def test_the_same_run_twice_is_refused(workdir, capsys):
         points=[{"data.batch_size": "8"}],
     )
     assert "duplicate point (batch_size=8)" in one_error_line(capsys, str(path), "--dry-run")
+    # two fragments with the same file name in different directories are different runs
+    for folder in ("a", "b"):
+        (workdir / folder).mkdir()
+        (workdir / folder / "bs.yaml").write_text(f"data:\n  batch_size: {2 if folder == 'a' else 3}\n")
+    path = write_experiment(
+        workdir / "e.yaml",
+        command="account",
+        configs=["configs/tiny.yaml"],
+        grid={"config": ["a/bs.yaml", "b/bs.yaml"]},
+    )
+    assert len(load_experiment(path).points) == 2
 
 
 def test_a_grid_over_the_limit_is_refused_before_it_is_expanded(workdir, capsys):

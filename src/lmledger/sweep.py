@@ -174,10 +174,14 @@ def _check_override_keys(source: Path, where: str, overrides: dict, allowed_extr
             raise _fail(source, f"{where}: {key!r} can only be set in a `points` entry")
 
 
+def _config_files(value) -> list[str]:
+    """A point's `config` as a list of file names (checked later, by _parse_configs)."""
+    return [str(v) for v in value] if isinstance(value, list) else [str(value)]
+
+
 def slug_value(key: str, value) -> str:
     if key == "config":
-        files = [value] if isinstance(value, str) else value
-        return "+".join(Path(f).stem for f in files)
+        return "+".join(Path(f).stem for f in _config_files(value))
     return _format_value(value)
 
 
@@ -244,7 +248,7 @@ def load_experiment(path: str | Path) -> Experiment:
                 raise _fail(source, f"grid key {key!r} needs a non-empty list of values, got {values!r}")
             seen_values: dict[str, object] = {}
             for value in values:
-                text = slug_value(key, value) if key == "config" else _format_value(value)
+                text = " ".join(_config_files(value)) if key == "config" else _format_value(value)
                 if text in seen_values:
                     raise _fail(
                         source,
