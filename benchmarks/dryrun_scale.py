@@ -55,7 +55,7 @@ def main() -> None:
     before = resident_bytes()
     start = time.perf_counter()
     with torch.device("meta"):
-        model = ToyLM(spec.model)
+        model = ToyLM(spec.config)
     batch = tuple(torch.empty(spec.batch_size, spec.seq_len, dtype=torch.long, device="meta") for _ in range(2))
     fused = spec.fused_optimizer and args.device != "meta"
 
@@ -80,11 +80,11 @@ def main() -> None:
         raise SystemExit(f"{config}: not traced: {ledger.reason}")
 
     closed = peak_bytes(
-        spec.model, spec.batch_size, spec.seq_len, spec.precision, spec.optimizer, spec.strategy, spec.world_size,
+        spec.config, spec.batch_size, spec.seq_len, spec.precision, spec.optimizer, spec.strategy, spec.world_size,
         device=args.device, fused=spec.fused_optimizer,
     ).total  # fmt: skip
     print(
-        f"{config}: ToyLM {count_parameters(spec.model) / 1e9:.3g}B params, batch {spec.batch_size} x {spec.seq_len}, "
+        f"{config}: ToyLM {count_parameters(spec.config) / 1e9:.3g}B params, batch {spec.batch_size} x {spec.seq_len}, "
         f"{spec.precision}, {spec.optimizer}, dry-run for {args.device}, {torch.get_num_threads()} thread(s)"
     )
     print(f"dry run: {seconds:.2f} s  (goal < {SECONDS_GOAL:.0f} s: ratio {seconds / SECONDS_GOAL:.3f})")

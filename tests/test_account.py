@@ -25,7 +25,7 @@ def test_account_measure_matches_prediction(workdir, capsys, precision):
     assert result["run"]["vocab_size"] == 256 and result["run"]["vocab_from_data"]
     from lmledger.model import count_parameters
 
-    assert result["params"] == count_parameters(load_run_spec(["--config", "configs/tiny.yaml", *SMALL]).model)
+    assert result["params"] == count_parameters(load_run_spec(["--config", "configs/tiny.yaml", *SMALL]).config)
     flops = result["flops"]
     assert abs(flops["hardware"] - flops["measured"]) <= 0.005 * flops["measured"]
     assert flops["model"] < flops["hardware"]  # the attention backward's score recompute
@@ -63,7 +63,7 @@ def test_plan_max_batch_is_the_largest_that_fits(workdir, capsys):
     assert best > 1
 
     def peak(b: int) -> int:
-        return peak_bytes(spec.model, b, spec.seq_len, spec.precision, spec.optimizer, device="cuda").total
+        return peak_bytes(spec.config, b, spec.seq_len, spec.precision, spec.optimizer, device="cuda").total
 
     assert peak(best) <= result["capacity_bytes"] < peak(best + 1)
     checkpointed = run_json(
@@ -151,7 +151,7 @@ def test_plan_max_batch_of_an_hf_model_fits_under_the_cap_measured(workdir, caps
     """Issue 12: under --device-memory-gb X on a CPU, the measured peak (ledger.memtrack on the real step) of
     the predicted largest batch fits under X, and one more sample's does not."""
     from lmledger.commands.train import build_model_and_data, first_batch
-    from lmledger.ledger.predict import measure
+    from lmledger.ledger.predict import measure_module as measure
 
     capacity_gb = 0.0035
     result = run_json(capsys, "plan", "max-batch", *HF_LLAMA, "--device-memory-gb", str(capacity_gb), "--json")

@@ -430,7 +430,7 @@ def test_account_measure_gives_each_convention_its_mfu(workdir, capsys):
 
     result = run_json(capsys, "account", "--config", "configs/tiny.yaml", *ACCOUNT_SMALL, "--measure", "--json")
     conv, tokens = result["mfu_conventions"], result["run"]["tokens_per_step"]
-    cfg = load_run_spec(["--config", "configs/tiny.yaml", *ACCOUNT_SMALL]).model
+    cfg = load_run_spec(["--config", "configs/tiny.yaml", *ACCOUNT_SMALL]).config
     per_token = flops_per_token_by_convention(cfg, 48)
     rows = conv["conventions"]
     assert {key: row["flops_per_token"] for key, row in rows.items()} == per_token

@@ -9,46 +9,17 @@ messages are exactly those of a real run.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, fields
+from dataclasses import fields
 from pathlib import Path
 
 import torch
 
-from lmledger.ledger.memory import normalize_precision
+from lmledger.ledger.run import Run, sharding
 from lmledger.model import ModelConfig
 from lmledger.precision import requested_precision
 
-SHARDING_STRATEGIES = {
-    "fsdp": "fsdp",
-    # DeepSpeed keeps its own rows in ledger.memory (16-bit model, fp32 master in the optimizer)
-    "deepspeed_stage_1": "deepspeed_stage_1",
-    "deepspeed_stage_2": "deepspeed_stage_2",
-    "deepspeed_stage_3": "deepspeed_stage_3",
-}
-
-
-@dataclass(frozen=True)
-class RunSpec:
-    model: ModelConfig
-    batch_size: int  # per device
-    seq_len: int
-    precision: str
-    weights_dtype: torch.dtype | None  # a Transformer Engine plugin's weights dtype (else None)
-    optimizer: str
-    strategy: str  # a ledger.memory strategy name: ddp, fsdp, deepspeed_stage_1/2/3
-    world_size: int
-    accelerator: str
-    data_path: str
-    vocab_from_data: bool
-
-    @property
-    def tokens_per_step(self) -> int:
-        return self.batch_size * self.seq_len
-
-    @property
-    def fused_optimizer(self) -> bool:
-        """LitLM's choice (lmledger.lit): fused optimizer kernels, except under fp16's GradScaler."""
-        return normalize_precision(self.precision) != "16-mixed"
+# A run described by a config is the same ledger.run.Run the callbacks build from a live Trainer.
+RunSpec = Run
 
 
 def _world_size(devices, num_nodes) -> int:
@@ -64,18 +35,26 @@ def _world_size(devices, num_nodes) -> int:
 
 
 def _strategy_name(strategy) -> str:
-    name = strategy if isinstance(strategy, str) else getattr(strategy, "class_path", "") or ""
-    name = name.rsplit(".", 1)[-1].lower()
-    if name.endswith("strategy"):
-        name = name[: -len("strategy")]
-    return SHARDING_STRATEGIES.get(name, "ddp")
+    """The ledger.run.sharding name of a config's trainer.strategy: a registry name ("fsdp",
+    "deepspeed_stage_2") or a class_path with init_args (FSDP's sharding_strategy, DeepSpeed's stage)."""
+    if isinstance(strategy, str):
+        return sharding(strategy)
+    name = getattr(strategy, "class_path", "") or ""
+    init = getattr(strategy, "init_args", None)
+    init = init.as_dict() if hasattr(init, "as_dict") else dict(init or {})
+    stage = init.get("stage", None)
+    return sharding(
+        name,
+        fsdp_sharding=init.get("sharding_strategy"),
+        deepspeed_stage=int(stage) if isinstance(stage, int) and not isinstance(stage, bool) else None,
+    )
 
 
 def _drop_seed_line(record: logging.LogRecord) -> bool:
     return not record.getMessage().startswith("Seed set to")
 
 
-def load_run_spec(argv: list[str]) -> RunSpec:
+def load_run_spec(argv: list[str]) -> Run:
     """Parse `--config FILE [--config FILE2] [--a.b value ...]` as `lmledger fit` would."""
     from lmledger.commands.train import parse_fit_config  # imports Lightning
 
@@ -89,8 +68,8 @@ def load_run_spec(argv: list[str]) -> RunSpec:
     return run_spec_from_config(config)
 
 
-def run_spec_from_config(config) -> RunSpec:
-    """The RunSpec of a parsed `fit` config (a jsonargparse Namespace, as parse_fit_config returns)."""
+def run_spec_from_config(config) -> Run:
+    """The Run of a parsed `fit` config (a jsonargparse Namespace, as parse_fit_config returns)."""
     model_fields = {f.name for f in fields(ModelConfig)}
     model_args = {k: v for k, v in vars(config.model.config).items() if k in model_fields}
     meta = Path(config.data.path) / "meta.json"
@@ -101,8 +80,8 @@ def run_spec_from_config(config) -> RunSpec:
         model_args["vocab_size"] = load_meta(config.data.path)["vocab_size"]
     trainer = config.trainer
     precision, weights_dtype = requested_precision(trainer)
-    return RunSpec(
-        model=ModelConfig(**model_args),
+    return Run(
+        config=ModelConfig(**model_args),
         batch_size=config.data.batch_size,
         seq_len=config.model.config.context_length,
         precision=precision,
@@ -110,6 +89,9 @@ def run_spec_from_config(config) -> RunSpec:
         optimizer=config.model.optimizer,
         strategy=_strategy_name(trainer.strategy),
         world_size=_world_size(trainer.devices, trainer.num_nodes),
+        device=torch.device("cuda" if str(trainer.accelerator) in ("gpu", "cuda") else "cpu"),
+        fp8=config.model.get("fp8"),
+        compiled=bool(config.model.get("compile")),
         accelerator=str(trainer.accelerator),
         data_path=config.data.path,
         vocab_from_data=vocab_from_data,

@@ -50,20 +50,14 @@ from lmledger.callbacks.run import (
     markdown_table,
     tensorboard_writers,
 )
-from lmledger.errors import UserError
 from lmledger.ledger.memory import (
-    activation_bytes,
-    largest_layer_params,
     measure_saved_activations,
     measure_state_bytes,
-    model_precision,
     normalize_precision,
-    peak_bytes,
-    state_bytes,
 )
 from lmledger.ledger.memtrack import MemoryTracker
+from lmledger.ledger.predict import predict
 from lmledger.ledger.units import MB, format_bytes
-from lmledger.model import count_parameters
 
 COMPONENTS = ("params", "grads", "optimizer", "activations", "peak")
 COPIES = "autocast_weight_copies"
@@ -98,34 +92,15 @@ def uses_autocast(precision: str) -> bool:
 
 
 def predict_memory(run: LedgerRun, batch_size: int | None = None) -> MemoryPrediction:
-    """The ledger's prediction for `run`, or for the same run at another per-device batch size."""
-    batch = run.batch_size if batch_size is None else batch_size
-    n_params = count_parameters(run.config)
-    state = state_bytes(
-        n_params, run.precision, run.optimizer, run.strategy, run.world_size,
-        momentum=run.momentum, weights_dtype=run.weights_dtype, largest_layer=largest_layer_params(run.config),
-    )  # fmt: skip
-    try:
-        forward_precision = model_precision(run.precision, run.strategy)
-        saved = activation_bytes(run.config, batch, run.seq_len, forward_precision, run.device.type)
-        peak = peak_bytes(
-            run.config,
-            batch,
-            run.seq_len,
-            run.precision,
-            run.optimizer,
-            run.strategy,
-            run.world_size,
-            momentum=run.momentum,
-            device=run.device.type,
-            fused=run.fused_optimizer,
-        )
-    except UserError as err:
-        return MemoryPrediction(**state, activations=None, autocast_weight_copies=None, peak=None,
-                                peak_phase=None, unmodelled=str(err))  # fmt: skip
-    copies = saved.autocast_weight_copies if uses_autocast(forward_precision) else None
-    return MemoryPrediction(**state, activations=saved.total, autocast_weight_copies=copies, peak=peak.total,
-                            peak_phase=peak.phase)  # fmt: skip
+    """The ledger's prediction for `run`, or for the same run at another per-device batch size
+    (ledger.predict.predict, the one account, plan and the sweeps show too)."""
+    p = predict(run, batch_size=batch_size)
+    if p.peak is None:
+        return MemoryPrediction(**p.state, activations=None, autocast_weight_copies=None, peak=None,
+                                peak_phase=None, unmodelled=p.unmodelled)  # fmt: skip
+    copies = p.autocast_weight_copies if uses_autocast(p.forward_precision) else None
+    return MemoryPrediction(**p.state, activations=p.activations, autocast_weight_copies=copies, peak=p.peak,
+                            peak_phase=p.peak_phase)  # fmt: skip
 
 
 @dataclass

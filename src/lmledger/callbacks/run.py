@@ -2,7 +2,8 @@
 
 `LedgerRun.from_trainer` gathers the facts every ledger figure depends on (model shape, batch,
 precision, optimizer, sharding) from the objects Lightning has already built, so the callbacks
-need no configuration of their own. The writers send one-off values (a table, a measured figure)
+need no configuration of their own; it is the ledger.run.Run that account and plan build from a
+config. The writers send one-off values (a table, a measured figure)
 straight to the loggers at the current step: `LightningModule.log` would hold them until the next
 logging step, and drop them if none comes.
 """
@@ -11,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
 
 import lightning.pytorch as pl
 import torch
@@ -20,7 +20,8 @@ from lightning.pytorch.plugins.precision import TransformerEnginePrecision
 from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
 
 from lmledger.errors import UserError
-from lmledger.model import ModelConfig, ToyLM
+from lmledger.ledger.run import Run, sharding
+from lmledger.model import ToyLM
 
 DISABLE_HINT = "or run without the ledger (--ledger.enabled false)"
 # Lightning's canonical precision names (trainer.precision) that ledger.memory and ledger.hardware know.
@@ -30,28 +31,12 @@ ACCOUNTED_PRECISIONS = (
 )  # fmt: skip
 
 
-@dataclass(frozen=True)
-class LedgerRun:
-    """The shape of one training run, per device."""
-
-    config: ModelConfig
-    model: ToyLM  # the eager module (never a torch.compile wrapper)
-    compiled: bool  # LitLM(compile=True or "blocks"): the step runs compiled graphs of `model`
-    batch_size: int
-    seq_len: int
-    precision: str  # Lightning's name: "32-true", "bf16-mixed", "transformer-engine", ...
-    weights_dtype: torch.dtype | None  # a Transformer Engine plugin's weights dtype (else None)
-    fp8: str | None  # LitLM's fp8 switch: "torchao" runs the eligible linears in fp8
-    optimizer: str  # a ledger.memory optimizer name: "adamw", "sgd" or "none"
-    momentum: float
-    fused_optimizer: bool  # torch's fused kernels (no foreach temporaries in the optimizer step)
-    strategy: str  # a ledger.memory strategy name: "ddp", "fsdp", "zero2", "deepspeed_stage_3", ...
-    world_size: int
-    device: torch.device
+class LedgerRun(Run):
+    """The ledger.run.Run of a live fit, built from the Trainer (`from_trainer`); `model` is its ToyLM."""
 
     @property
-    def tokens_per_batch(self) -> int:
-        return self.batch_size * self.seq_len
+    def model(self) -> ToyLM:
+        return self.module
 
     @classmethod
     def from_trainer(cls, trainer: pl.Trainer, pl_module: pl.LightningModule) -> LedgerRun:
@@ -80,7 +65,7 @@ class LedgerRun:
         plugin = trainer.precision_plugin
         return cls(
             config=model.cfg,
-            model=model,
+            module=model,
             compiled=bool(hparams.get("compile", False)),
             batch_size=batch_size,
             seq_len=seq_len,
@@ -119,18 +104,16 @@ def _optimizer_kind(trainer: pl.Trainer) -> tuple[str, float]:
 
 
 def _strategy_name(strategy: pl.strategies.Strategy) -> str:
-    """Lightning strategy -> the sharding it implies (ledger.memory names). Anything that does not
-    shard (single device, DDP and its variants) replicates the state: "ddp"."""
+    """The ledger.run.sharding name of a live Lightning strategy (as runspec names a config's)."""
     if isinstance(strategy, FSDPStrategy):
-        # torch.distributed.fsdp.ShardingStrategy: SHARD_GRAD_OP keeps whole params (ZeRO-2);
-        # NO_SHARD is DDP; FULL_SHARD and the hybrids shard all three within a shard group.
-        name = getattr(strategy.sharding_strategy, "name", str(strategy.sharding_strategy))
-        return {"SHARD_GRAD_OP": "zero2", "NO_SHARD": "ddp"}.get(name, "fsdp")
+        return sharding(
+            "fsdp", fsdp_sharding=getattr(strategy.sharding_strategy, "name", str(strategy.sharding_strategy))
+        )
     if isinstance(strategy, ModelParallelStrategy):
-        return "fsdp"
+        return sharding("modelparallel")
     if isinstance(strategy, DeepSpeedStrategy):
         stage = (strategy.config or {}).get("zero_optimization", {}).get("stage", 0)
-        return f"deepspeed_stage_{stage}" if stage else "ddp"
+        return sharding("deepspeed", deepspeed_stage=int(stage))
     return "ddp"
 
 

@@ -3,6 +3,7 @@ and (with --measure) on this machine, each figure beside its twin."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import warnings
 from contextlib import nullcontext
@@ -14,6 +15,7 @@ from lmledger.ledger import flops as ledger_flops
 from lmledger.ledger import memory as ledger_memory
 from lmledger.ledger.hardware import Peak, compute_dtype_for_precision, peak_flops
 from lmledger.ledger.memtrack import track_peak
+from lmledger.ledger.predict import predict as predict_run
 from lmledger.ledger.units import format_bytes
 from lmledger.model import ToyLM, count_parameters
 from lmledger.runspec import RunSpec, load_run_spec, split_flags
@@ -35,34 +37,13 @@ MEASURABLE = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
 
 
 def predict(spec: RunSpec, device: str) -> dict:
-    cfg, b, t = spec.model, spec.batch_size, spec.seq_len
-    report = ledger_flops.analytic_flops(cfg, b, t, training=True)
-    state = ledger_memory.state_bytes(
-        count_parameters(cfg), spec.precision, spec.optimizer, spec.strategy, spec.world_size,
-        weights_dtype=spec.weights_dtype, largest_layer=ledger_memory.largest_layer_params(cfg),
-    )  # fmt: skip
-    try:
-        forward_precision = ledger_memory.model_precision(spec.precision, spec.strategy)
-        acts = ledger_memory.activation_bytes(cfg, b, t, forward_precision, device)
-        peak = ledger_memory.peak_bytes(
-            cfg,
-            b,
-            t,
-            spec.precision,
-            spec.optimizer,
-            spec.strategy,
-            spec.world_size,
-            device=device,
-            fused=spec.fused_optimizer,
-        )
-    except UserError as err:  # e.g. transformer-engine: its kernels' saved tensors are not modelled
-        acts = peak = None
-        note = str(err)
+    """ledger.predict.predict of the config's run on `device` ("cpu" or "cuda"), as account shows it."""
+    p = predict_run(dataclasses.replace(spec, device=torch.device(device)))
     return {
-        "flops": {"model": report.model, "hardware": report.hardware},
-        "memory": {**state, "activations": acts and acts.total, "peak": peak and peak.total},
-        "autocast_weight_copies": acts and acts.autocast_weight_copies,
-        "peak_phase": peak.phase if peak else note,
+        "flops": {"model": p.flops_model, "hardware": p.flops_hardware},
+        "memory": {**p.state, "activations": p.activations, "peak": p.peak},
+        "autocast_weight_copies": p.autocast_weight_copies,
+        "peak_phase": p.peak_phase if p.peak is not None else p.unmodelled,
     }
 
 
@@ -80,7 +61,7 @@ def measure(spec: RunSpec, device: torch.device) -> dict:
     if spec.world_size > 1 or spec.strategy != "ddp":
         raise UserError("--measure runs one process; measure a sharded or multi-device config with `lmledger fit`")
     torch.manual_seed(0)
-    model = ToyLM(spec.model).to(device)
+    model = ToyLM(spec.config).to(device)
     if spec.precision in _CAST:
         model = model.to(_CAST[spec.precision])
     model.train()
@@ -96,8 +77,8 @@ def measure(spec: RunSpec, device: torch.device) -> dict:
         # as Lightning's precision plugin runs it: no weight cache (a cast lives while backward needs it)
         return torch.autocast(device.type, autocast_dtype, cache_enabled=False) if autocast_dtype else nullcontext()
 
-    x = torch.randint(0, spec.model.vocab_size, (spec.batch_size, spec.seq_len), device=device)
-    y = torch.randint(0, spec.model.vocab_size, (spec.batch_size, spec.seq_len), device=device)
+    x = torch.randint(0, spec.config.vocab_size, (spec.batch_size, spec.seq_len), device=device)
+    y = torch.randint(0, spec.config.vocab_size, (spec.batch_size, spec.seq_len), device=device)
     counted = ledger_flops.measure_flops(model, x, y, training=True, autocast_dtype=autocast_dtype)
 
     with ledger_memory.measure_saved_activations(model) as saved:
@@ -150,7 +131,7 @@ def mfu_conventions(spec: RunSpec, seconds: float | None, device: torch.device) 
     """FLOPs per token of a training step under each MFU convention, and its ratio to perf/mfu's; with
     a measured step time, MFU against the device's dense peak (a measured peak is raised to the step's
     own hardware rate where the step beats it, as the throughput callback does)."""
-    per_token = ledger_flops.flops_per_token_by_convention(spec.model, spec.seq_len)
+    per_token = ledger_flops.flops_per_token_by_convention(spec.config, spec.seq_len)
     peak = peak_line = None
     if seconds is not None:
         dtype = compute_dtype_for_precision(spec.precision)
@@ -201,7 +182,7 @@ def account(spec: RunSpec, do_measure: bool) -> dict:
     predicted = predict(spec, device.type)
     measured = measure(spec, device) if do_measure else None
     result = {
-        "params": count_parameters(spec.model),
+        "params": count_parameters(spec.config),
         "flops": {**predicted["flops"], "measured": measured["flops"]["measured"] if measured else None},
         "memory": {
             row: {"predicted": predicted["memory"][row], "measured": measured["memory"][row] if measured else None}
@@ -219,7 +200,7 @@ def account(spec: RunSpec, do_measure: bool) -> dict:
             "optimizer": spec.optimizer,
             "strategy": spec.strategy,
             "world_size": spec.world_size,
-            "vocab_size": spec.model.vocab_size,
+            "vocab_size": spec.config.vocab_size,
             "vocab_from_data": spec.vocab_from_data,
             "device": device.type,
             "peak_phase": predicted["peak_phase"],
@@ -311,7 +292,8 @@ def account_any_model(argv: list[str], do_measure: bool) -> dict:
     from lmledger.callbacks.ledger import samples_per_batch, tokens_per_batch
     from lmledger.commands.train import build_model_and_data, first_batch
     from lmledger.ledger import predict as any_model
-    from lmledger.ledger.dryrun import NotTraced, map_tensors
+    from lmledger.ledger.dryrun import map_tensors
+    from lmledger.ledger.run import Run
 
     module, data, config = build_model_and_data(argv)
     precision = str(config.trainer.get("precision") or "32-true")
@@ -321,11 +303,14 @@ def account_any_model(argv: list[str], do_measure: bool) -> dict:
     if device.type == "cuda":
         module.to(device)
         batch = map_tensors(lambda t: t.to(device), batch)
+    tokens = tokens_per_batch(module, batch)
+    samples = samples_per_batch(batch)
+    run = Run(None, samples, (tokens or samples) // max(samples, 1), precision, device=device, module=module)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        predicted = any_model.predict(module, batch, precision=precision, device=device)
-        measured = any_model.measure(module, batch, precision=precision) if do_measure else None
-    not_predicted = predicted.reason if isinstance(predicted, NotTraced) else None
+        predicted = predict_run(run, batch)
+        measured = any_model.measure_module(module, batch, precision=precision) if do_measure else None
+    not_predicted = predicted.unmodelled
     p = None if not_predicted else predicted
 
     def pair(name: str) -> dict:
@@ -334,16 +319,19 @@ def account_any_model(argv: list[str], do_measure: bool) -> dict:
             "measured": getattr(measured, name) if measured else None,
         }
 
-    tokens = tokens_per_batch(module, batch)
     return {
         "params": any_model.parameter_count(module),
-        "flops": {"model": None, "hardware": p.flops if p else None, "measured": measured.flops if measured else None},
+        "flops": {
+            "model": None,
+            "hardware": p.flops_hardware if p else None,
+            "measured": measured.flops if measured else None,
+        },
         "memory": {row: pair(row) for row in MEMORY_ROWS},
         "autocast_weight_copies": pair("autocast_weight_copies"),
         "run": {
             "model": config.model.class_path,
             "data": config.data.class_path,
-            "batch_size": samples_per_batch(batch),
+            "batch_size": samples,
             "tokens_per_step": tokens,
             "precision": precision,
             "device": device.type,

@@ -126,8 +126,12 @@ def _max_batch(args: argparse.Namespace, fit_args: list[str]) -> None:
     if named_classes(fit_args):
         _max_batch_any_model(args, fit_args)
         return
-    from lmledger.ledger.memory import peak_bytes
+    import dataclasses
+
+    import torch
+
     from lmledger.ledger.planner import max_batch
+    from lmledger.ledger.predict import predict
     from lmledger.model import count_parameters
     from lmledger.runspec import load_run_spec
 
@@ -135,13 +139,10 @@ def _max_batch(args: argparse.Namespace, fit_args: list[str]) -> None:
     spec = load_run_spec(fit_args)
     # The closed forms for a GPU (its kernels' transients); with only a memory size, for the config's device.
     device = "cuda" if gpu_key or spec.accelerator in ("gpu", "cuda") else "cpu"
+    run = dataclasses.replace(spec, device=torch.device(device))
 
     def bytes_for_batch(batch: int) -> int:
-        peak = peak_bytes(
-            spec.model, batch, spec.seq_len, spec.precision, spec.optimizer, spec.strategy, spec.world_size,
-            device=device, fused=spec.fused_optimizer,
-        )  # fmt: skip
-        return peak.total
+        return predict(run, batch_size=batch).peak
 
     best = max_batch(bytes_for_batch, capacity)
     result = {
@@ -153,7 +154,7 @@ def _max_batch(args: argparse.Namespace, fit_args: list[str]) -> None:
         "gpu": gpu_key,
         "precision": spec.precision,
         "optimizer": spec.optimizer,
-        "activation_checkpointing": spec.model.activation_checkpointing,
+        "activation_checkpointing": spec.config.activation_checkpointing,
     }
     if args.json:
         print(json.dumps(result))
@@ -162,7 +163,7 @@ def _max_batch(args: argparse.Namespace, fit_args: list[str]) -> None:
         "largest batch that fits (params, grads, optimizer, activations, transients)",
         [
             ("memory", shown),
-            ("model", f"{count_parameters(spec.model):,} params, seq {spec.seq_len}"),
+            ("model", f"{count_parameters(spec.config):,} params, seq {spec.seq_len}"),
             ("precision / optimizer", f"{spec.precision} / {spec.optimizer}"),
             ("max batch per device", f"{best:,}"),
             (f"predicted peak at {'that batch' if best else 'batch 1'}", f"{result['peak_bytes'] / 1e9:.2f} GB"),
@@ -190,7 +191,7 @@ def _max_batch_any_model(args: argparse.Namespace, fit_args: list[str]) -> None:
     batch = first_batch(data)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        found = any_model.max_batch(module, batch, capacity, precision=precision, device=device)
+        found = any_model.max_batch_module(module, batch, capacity, precision=precision, device=device)
     if isinstance(found, NotTraced):
         raise UserError(f"{config.model.class_path} cannot be dry-run, so no batch size is predicted: {found.reason}")
     per_sample = batch_tensors(batch)[0].shape[1:]

@@ -1,21 +1,28 @@
-"""The prediction for any model from its config, before anything runs: what `account` and `plan max-batch`
-call for a module that is not lmledger's ToyLM (the toy LM keeps its closed forms, ledger.memory/flops).
+"""One prediction of a training step, before anything runs: `predict(run, batch=...)`.
+
+For lmledger's ToyLM (run.config set) it is the lecture's closed forms (ledger.memory, ledger.flops): what
+the fit tables (callbacks.memory.predict_memory), the preflight guard, account, plan max-batch and the
+sweeps' dry run all show. For any other module (run.module, no config) it is a dry run of the module's
+training step on fake tensors of `batch`'s shapes (ledger.dryrun).
 
 A LightningModule is used by duck typing only (no Lightning import): its `training_step(batch, batch_idx)`
 is the step and its `configure_optimizers()` the optimizer, as Lightning's automatic optimization runs
-them. The prediction is dryrun.dry_run on the shapes of one real batch; `measure` is the same two steps
-on real tensors (dryrun.measure_step), the prediction's twin.
+them. `measure_module` is the same two steps on real tensors (dryrun.measure_step), the dry run's twin.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from lmledger.errors import UserError
+from lmledger.ledger import flops as ledger_flops
+from lmledger.ledger import memory as ledger_memory
 from lmledger.ledger.dryrun import (
     LargestBatch,
     NotTraced,
@@ -27,6 +34,83 @@ from lmledger.ledger.dryrun import (
     map_tensors,
     measure_step,
 )
+from lmledger.ledger.run import Run
+from lmledger.model import count_parameters
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """Bytes per device and FLOPs of one training step of a run, predicted.
+
+    activations / peak are None where there is no model for the run (`unmodelled` says why: a precision
+    or device ledger.memory does not cover, a module the dry run cannot trace). flops_model (6N + attention,
+    what MFU divides) exists for ToyLM only. `dry` is the dry run's whole ledger for any other module."""
+
+    params: int | None
+    grads: int | None
+    optimizer: int | None
+    activations: int | None
+    autocast_weight_copies: int | None
+    peak: int | None
+    peak_phase: str | None
+    flops_model: int | None
+    flops_hardware: int | None
+    forward_precision: str
+    unmodelled: str | None = None
+    dry: StepLedger | None = None
+
+    @property
+    def state(self) -> dict[str, int | None]:
+        return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer}
+
+
+def predict(run: Run, batch: object = None, *, batch_size: int | None = None) -> Prediction:
+    """The prediction for `run`, or for the same run at another per-device batch size.
+
+    ToyLM (run.config set): closed forms. Any other module (run.module): a dry run on `batch` (resized to
+    batch_size samples if given), which is then required."""
+    if run.config is None:
+        return _dry_prediction(run, batch, batch_size)
+    if batch_size is not None:
+        run = dataclasses.replace(run, batch_size=batch_size)
+    cfg, b, t = run.config, run.batch_size, run.seq_len
+    report = ledger_flops.analytic_flops(cfg, b, t, training=True)
+    state = ledger_memory.state_bytes(
+        count_parameters(cfg), run.precision, run.optimizer, run.strategy, run.world_size,
+        momentum=run.momentum, weights_dtype=run.weights_dtype,
+        largest_layer=ledger_memory.largest_layer_params(cfg),
+    )  # fmt: skip
+    forward_precision = ledger_memory.model_precision(run.precision, run.strategy)
+    flops = {"flops_model": report.model, "flops_hardware": report.hardware}
+    try:
+        saved = ledger_memory.activation_bytes(cfg, b, t, forward_precision, run.device.type)
+        peak = ledger_memory.peak_bytes(
+            cfg, b, t, run.precision, run.optimizer, run.strategy, run.world_size,
+            momentum=run.momentum, device=run.device.type, fused=run.fused_optimizer,
+        )  # fmt: skip
+    except UserError as err:  # e.g. transformer-engine: its kernels' saved tensors are not modelled
+        return Prediction(**state, activations=None, autocast_weight_copies=None, peak=None, peak_phase=None,
+                          **flops, forward_precision=forward_precision, unmodelled=str(err))  # fmt: skip
+    return Prediction(
+        **state, activations=saved.total, autocast_weight_copies=saved.autocast_weight_copies, peak=peak.total,
+        peak_phase=peak.phase, **flops, forward_precision=forward_precision,
+    )  # fmt: skip
+
+
+def _dry_prediction(run: Run, batch: object, batch_size: int | None) -> Prediction:
+    if run.module is None or batch is None:
+        raise UserError("a run of a module other than lmledger's ToyLM is predicted by a dry run: pass its batch")
+    if batch_size is not None:
+        batch = resized(batch, batch_size)
+    result = predict_module(run.module, batch, precision=run.precision, device=run.device)
+    forward_precision = ledger_memory.normalize_precision(run.precision)
+    if isinstance(result, NotTraced):
+        return Prediction(None, None, None, None, None, None, None, None, None, forward_precision, result.reason)
+    return Prediction(
+        params=result.params, grads=result.grads, optimizer=result.optimizer, activations=result.activations,
+        autocast_weight_copies=result.autocast_weight_copies, peak=result.peak, peak_phase=result.peak_phase,
+        flops_model=None, flops_hardware=result.flops, forward_precision=forward_precision, dry=result,
+    )  # fmt: skip
 
 
 def _no_log(*args, **kwargs) -> None:
@@ -86,7 +170,7 @@ def resized(batch: object, size: int) -> object:
     return map_tensors(resize, batch)
 
 
-def predict(
+def predict_module(
     module: nn.Module,
     batch: object,
     *,
@@ -99,13 +183,13 @@ def predict(
     )
 
 
-def measure(module: nn.Module, batch: object, *, precision: str | int = "32-true") -> StepLedger:
-    """predict's measured twin: the same two steps on a copy of the module and the real batch."""
+def measure_module(module: nn.Module, batch: object, *, precision: str | int = "32-true") -> StepLedger:
+    """predict_module's measured twin: the same two steps on a copy of the module and the real batch."""
     real = copy.deepcopy(module)
     return measure_step(real, batch, step=module_step, optimizer=configured_optimizer(real), precision=precision)
 
 
-def max_batch(
+def max_batch_module(
     module: nn.Module,
     batch: object,
     capacity_bytes: int,

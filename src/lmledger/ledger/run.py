@@ -1,0 +1,97 @@
+"""One description of a training run, per device: the facts every ledger figure depends on.
+
+Built at the edges and nowhere else: from a live Trainer by the callbacks (callbacks/run.py) and from a
+`lmledger fit` config by account, plan and sweep (runspec.py). Both go through `sharding` for the
+strategy, so a run has one strategy name whichever way it was described. Pure: torch and the toy LM's
+config only, no Lightning.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from lmledger.ledger.memory import normalize_precision
+from lmledger.model import ModelConfig
+
+
+@dataclass(frozen=True)
+class Run:
+    """The shape of one training run, per device.
+
+    config           the toy LM's ModelConfig (None for another module: its prediction is a dry run)
+    module           the eager module when the run is live (never a torch.compile wrapper), else None
+    precision        Lightning's name: "32-true", "bf16-mixed", "transformer-engine", ...
+    weights_dtype    a Transformer Engine plugin's weights dtype (else None)
+    optimizer        a ledger.memory optimizer name: "adamw", "sgd" or "none"
+    momentum         SGD's momentum (0 keeps no state); LitLM's SGD uses 0.9
+    fused_optimizer  torch's fused kernels (no foreach temporaries in the optimizer step); LitLM's
+                     choice, except under fp16's GradScaler
+    strategy         a ledger.memory strategy name (`sharding`): ddp, fsdp, zero2, deepspeed_stage_N
+    compiled / fp8   LitLM's compile and fp8 switches
+    accelerator, data_path, vocab_from_data   what a config said (account and sweep print them)
+    """
+
+    config: ModelConfig | None
+    batch_size: int
+    seq_len: int
+    precision: str = "32-true"
+    optimizer: str = "adamw"
+    strategy: str = "ddp"
+    world_size: int = 1
+    device: torch.device = torch.device("cpu")
+    weights_dtype: torch.dtype | None = None
+    momentum: float = 0.9
+    fused_optimizer: bool | None = None  # None: LitLM's rule (fused_by_default)
+    compiled: bool = False
+    fp8: str | None = None
+    module: nn.Module | None = None
+    accelerator: str = "auto"
+    data_path: str | None = None
+    vocab_from_data: bool = False
+
+    def __post_init__(self) -> None:
+        if self.fused_optimizer is None:
+            object.__setattr__(self, "fused_optimizer", fused_by_default(self.precision))
+        object.__setattr__(self, "device", torch.device(self.device))
+
+    @property
+    def tokens_per_batch(self) -> int:
+        return self.batch_size * self.seq_len
+
+    tokens_per_step = tokens_per_batch  # per device, one optimizer step without accumulation
+
+
+def fused_by_default(precision: str) -> bool:
+    """LitLM's choice (lmledger.lit): fused optimizer kernels, except under fp16's GradScaler."""
+    return normalize_precision(precision) != "16-mixed"
+
+
+# Lightning 2.6.6's DeepSpeedStrategy(stage=2) default: the registry's plain "deepspeed" is ZeRO stage 2
+# (lightning/pytorch/strategies/deepspeed.py, DeepSpeedStrategy.__init__).
+DEEPSPEED_DEFAULT_STAGE = 2
+
+
+def sharding(name: str, *, fsdp_sharding: str | None = None, deepspeed_stage: int | None = None) -> str:
+    """The ledger.memory strategy name of a Lightning strategy, given its registry or class name ("fsdp",
+    "deepspeed_stage_3_offload", "FSDPStrategy", ...) and, where it has one, FSDP's sharding strategy
+    (torch.distributed.fsdp.ShardingStrategy's name) or DeepSpeed's ZeRO stage. Anything that does not
+    shard (single device, DDP and its variants) replicates the state: "ddp"."""
+    name = name.rsplit(".", 1)[-1].lower()
+    if name.endswith("strategy"):
+        name = name[: -len("strategy")]
+    if name.startswith("deepspeed"):
+        if deepspeed_stage is None:
+            digits = name.removeprefix("deepspeed_stage_")[:1]
+            deepspeed_stage = int(digits) if digits.isdigit() else DEEPSPEED_DEFAULT_STAGE
+        return f"deepspeed_stage_{deepspeed_stage}" if deepspeed_stage else "ddp"
+    if name.startswith("fsdp"):
+        # SHARD_GRAD_OP keeps whole params (ZeRO-2); NO_SHARD is DDP; FULL_SHARD and the hybrids shard
+        # all three within a shard group.
+        kind = str(fsdp_sharding or "FULL_SHARD").rsplit(".", 1)[-1].upper()
+        return {"SHARD_GRAD_OP": "zero2", "NO_SHARD": "ddp"}.get(kind, "fsdp")
+    if name == "modelparallel":
+        return "fsdp"
+    return "ddp"
