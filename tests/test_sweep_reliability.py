@@ -346,3 +346,15 @@ def test_a_full_disk_during_a_sweep_is_one_line_and_the_old_results_are_intact(w
     err = one_error_line(capsys, str(path), "--out", "sweeps/new")
     assert err.endswith("no space left on device while writing sweeps/new/sweep.json; nothing was written")
     monkeypatch.setattr(os, "fsync", REAL_FSYNC)
+
+
+def test_a_long_dry_run_listing_is_plain_aligned_columns():
+    from lmledger.commands.sweep import plain_table
+
+    text = plain_table(
+        ("point", "would", "peak MB"), [("a-1", "run", "1.50"), ("long-point-2", "fail: x", "12,345.00")], 2
+    )
+    header, rule, *rows = text.splitlines()
+    assert rule.split() == ["-" * 12, "-" * 7, "-" * 9]
+    assert [row.index("run") if "run" in row else row.index("fail") for row in rows] == [14, 14]  # left-aligned
+    assert {len(row) for row in rows} == {len(header)} and rows[0].endswith("     1.50")  # right-aligned numbers
