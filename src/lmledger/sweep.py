@@ -805,7 +805,7 @@ def run_point(point: Point, out_dir: Path, jobs: int = 1, running: Running | Non
     if code in INTERRUPTED_CODES:
         status = "interrupted"
         name = signal.Signals(-code if code < 0 else code - 128).name
-        resumes = " (resuming from its last checkpoint)" if point.subcommand == "fit" else ""
+        resumes = ", from its last checkpoint if it saved one" if point.subcommand == "fit" else ""
         error = f"stopped by {name} (exit code {code}); the next sweep runs it again{resumes}"
     elif code != 0:
         status = "failed"
