@@ -202,3 +202,16 @@ def test_sweep_of_account_points_over_an_any_model_config(workdir, capsys):
         predicted, measured = float(row["memory/predicted/activations"]), float(row["memory/measured/activations"])
         assert predicted == pytest.approx(measured, rel=0.01)
     assert float(rows[1]["memory/measured/activations"]) > 2.5 * float(rows[0]["memory/measured/activations"])
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--data", "lmledger.data.TokenDataModule"], "names a data module but no model: add --model CLASS_PATH"),
+        (["--model", "ByteConvNet"], "name the class by its import path, package.module.Class"),
+    ],
+)
+def test_a_data_module_alone_or_a_bare_class_name_is_one_line(workdir, capsys, args, expected):
+    assert lmledger(["fit", *args, "--trainer.max_steps", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and expected in err, err

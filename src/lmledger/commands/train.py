@@ -206,11 +206,18 @@ _BASES = {"model": pl.LightningModule, "data": pl.LightningDataModule}
 def _check_class_paths(named: list[tuple[str, str]]) -> None:
     """Each dotted class path imports and names a LightningModule (--model) or LightningDataModule (--data);
     jsonargparse's own report of either runs to several lines about every type it tried."""
-    for where, value in named:
-        key = "data" if where.startswith("--data") or where.split(": ")[-1].startswith("data") else "model"
+    keys = ["data" if where.startswith("--data") or where.split(": ")[-1].startswith("data") else "model"
+            for where, _ in named]  # fmt: skip
+    if "model" not in keys:
+        raise UserError(f"{named[0][0]} names a data module but no model: add --model CLASS_PATH (a LightningModule)")
+    for (where, value), key in zip(named, keys, strict=True):
         base = _BASES[key]
         if not isinstance(value, str) or "." not in value:
-            continue  # a bare class name: jsonargparse resolves it among the subclasses it knows
+            # Nothing of the user's is imported here, so a bare name could only resolve to Lightning's own.
+            raise UserError(
+                f"{where} {value!r}: name the class by its import path, package.module.Class (e.g. "
+                "examples.byte_convnet.ByteConvNet), importable from the working directory"
+            )
         module_name, _, attr = value.rpartition(".")
         try:
             obj = getattr(importlib.import_module(module_name), attr)
