@@ -29,13 +29,19 @@ from typing import IO, Any
 import lightning.pytorch as pl
 import numpy as np
 import torch
-from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lmledger.errors import UserError
+from lmledger.lightning_private import (
+    accumulating,
+    batches_fetched,
+    is_local_path,
+    save_last_checkpoint,
+    take_received_sigterm,
+)
 from lmledger.model import ModelConfig
 
 # Objects besides tensors and containers that our checkpoints may hold: a LitLM built in Python (not through
@@ -142,12 +148,12 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     """
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
-        if storage_options is not None or not _is_local_file_protocol(path):
+        if storage_options is not None or not is_local_path(path):
             return super().save_checkpoint(checkpoint, path, storage_options)
         atomic_write(path, lambda f: torch.save(checkpoint, f))
 
     def load_checkpoint(self, path, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
-        if not _is_local_file_protocol(path):
+        if not is_local_path(path):
             # Lightning turns weights_only=None into False for http(s) URLs; keep it safe unless asked otherwise.
             safe = True if weights_only is None else weights_only
             return super().load_checkpoint(path, map_location=map_location or "cpu", weights_only=safe)
@@ -260,8 +266,7 @@ class StepSeeder(pl.Callback):
         seed = os.environ.get("PL_GLOBAL_SEED")
         if seed is None:
             return
-        # Counts every batch fetched in the run, across epochs; restored from the checkpoint on resume.
-        batch_index = trainer.fit_loop.epoch_loop.batch_progress.total.ready - 1
+        batch_index = batches_fetched(trainer) - 1
         value = step_seed(int(seed), trainer.global_rank, batch_index)
         random.seed(value)
         np.random.seed(value % 2**32)
@@ -356,10 +361,8 @@ class PreemptionCheckpoint(pl.Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.world_size > 1 or not hasattr(signal, "SIGTERM"):
             return
-        connector = trainer._signal_connector
         # A SIGTERM during set-up or the sanity check reached Lightning's handler: take it over.
-        self.requested = connector.received_sigterm
-        connector.received_sigterm = False
+        self.requested = take_received_sigterm(trainer)
         try:
             self._previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
         except ValueError:  # not the main thread: leave Lightning's handler in place
@@ -370,7 +373,7 @@ class PreemptionCheckpoint(pl.Callback):
             raise Preempted(trainer.global_step, self.saved)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if not self.requested or trainer.fit_loop.epoch_loop._should_accumulate():
+        if not self.requested or accumulating(trainer):
             return  # mid-accumulation: the step is not complete yet
         self.saved = self._save_last(trainer)
         self._saved_step = trainer.global_step
@@ -391,12 +394,7 @@ class PreemptionCheckpoint(pl.Callback):
         checkpoints = [c for c in trainer.checkpoint_callbacks if isinstance(c, ModelCheckpoint)]
         for callback in checkpoints:
             if callback.save_last and callback.dirpath:
-                if callback._last_global_step_saved == trainer.global_step and callback.last_model_path:
-                    return callback.last_model_path  # it has just saved this step (a regular save)
-                # ModelCheckpoint's own "last" save (Lightning 2.6.6), so the name (last.ckpt, or last-vN.ckpt
-                # after a moved run directory) and its record of the last path stay as a regular save keeps them.
-                callback._save_last_checkpoint(trainer, callback._monitor_candidates(trainer))
-                return callback.last_model_path
+                return save_last_checkpoint(callback, trainer)
         if checkpoints and checkpoints[0].dirpath:
             directory = Path(checkpoints[0].dirpath)
         elif trainer.log_dir is not None:

@@ -1,6 +1,6 @@
 """Token files: open and validate a prepared directory, and serve it to Lightning as batches.
 
-`lmledger prepare` (lmledger.commands.prepare, which owns the format) writes DIR/train.bin, DIR/val.bin
+`lmledger prepare` (lmledger.corpus, which owns the format) writes DIR/train.bin, DIR/val.bin
 and DIR/meta.json. Here:
 - `load_meta` / `TokenFiles.open` check a directory and turn every way it can be wrong into one UserError line;
 - `train_window_starts` / `val_window_starts` / `gather_windows` are the pure window functions;
@@ -28,6 +28,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from lmledger.corpus import FORMAT_VERSION, META_FILE, SPLIT_FILES, TOKEN_DTYPES
 from lmledger.errors import UserError
+from lmledger.lightning_private import batches_fetched
 
 SPLITS = tuple(SPLIT_FILES)  # ("train", "val")
 
@@ -397,7 +398,7 @@ class TokenDataModule(pl.LightningDataModule):
         """
         if self.trainer is None:
             return 0
-        return self.trainer.fit_loop.epoch_loop.batch_progress.total.ready
+        return batches_fetched(self.trainer)
 
     def train_batches_per_epoch(self) -> int:
         trainer = self.trainer

@@ -13,6 +13,7 @@ from lightning.pytorch.strategies import FSDPStrategy
 from torchmetrics.aggregation import MeanMetric
 
 from lmledger.errors import ConfigError
+from lmledger.lightning_private import should_update_logs
 from lmledger.model import ModelConfig, ToyLM
 from lmledger.precision import apply_fp8
 
@@ -179,7 +180,7 @@ class LitLM(L.LightningModule):
         # prog_bar value to a Python number after every batch, bar or not: a device tensor there would cost
         # a host sync per step.
         trainer = self.trainer
-        if trainer.progress_bar_callback is not None and trainer._logger_connector.should_update_logs:
+        if trainer.progress_bar_callback is not None and should_update_logs(trainer):
             self.log("loss", self._last_loss.float().cpu(), prog_bar=True, logger=False, batch_size=1)
 
     def configure_gradient_clipping(

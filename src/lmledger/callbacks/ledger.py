@@ -48,10 +48,11 @@ from lmledger.ledger.flops import flop_counter
 from lmledger.ledger.hardware import compute_dtype_for_precision, peak_flops
 from lmledger.ledger.memory import measure_saved_activations, measure_state_bytes
 from lmledger.ledger.memtrack import MemoryTracker
-from lmledger.ledger.units import GB, format_bytes, format_count
+from lmledger.ledger.units import GB, MEMORY_COMPONENTS, format_bytes, format_count
+from lmledger.lightning_private import should_update_logs
 from lmledger.model import ToyLM
 
-MEMORY = ("params", "grads", "optimizer", "activations", "autocast_weight_copies", "peak")
+MEMORY = (*MEMORY_COMPONENTS, "autocast_weight_copies", "peak")
 
 
 # --------------------------------------------------------------------------------------------
@@ -362,7 +363,7 @@ class AnyModelLedger(pl.Callback):
             self._report_measured(trainer)
         if self._window_start is not None:
             self._window_batches += 1
-            if trainer._logger_connector.should_update_logs:
+            if should_update_logs(trainer):
                 self._log_throughput(trainer, pl_module)
 
     def _log_throughput(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -16,6 +16,8 @@ from typing import TextIO
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks.progress.progress_bar import ProgressBar
 
+from lmledger.lightning_private import accumulating
+
 
 def _clock(seconds: float) -> str:
     minutes, secs = divmod(int(round(seconds)), 60)
@@ -57,7 +59,7 @@ class PlainProgress(ProgressBar):
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         step = trainer.global_step
-        if step == self._start_step or step % trainer.log_every_n_steps or trainer.fit_loop._should_accumulate():
+        if step == self._start_step or step % trainer.log_every_n_steps or accumulating(trainer):
             return
         metrics = self.get_metrics(trainer, pl_module)
         metrics.pop("v_num", None)

@@ -19,6 +19,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.plugins.precision import TransformerEnginePrecision
 from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
 
+from lmledger import lightning_private
 from lmledger.errors import UserError
 from lmledger.ledger.run import Run, sharding
 from lmledger.model import ToyLM
@@ -122,12 +123,12 @@ def _strategy_name(strategy: pl.strategies.Strategy) -> str:
 
 def logging_step(trainer: pl.Trainer) -> int:
     """The step Lightning's own train metrics use (as LearningRateMonitor does: optimizer steps)."""
-    return trainer.fit_loop.epoch_loop._batches_that_stepped
+    return lightning_private.batches_that_stepped(trainer)
 
 
 def is_logging_step(trainer: pl.Trainer) -> bool:
     """Whether Lightning writes train metrics after this batch (every log_every_n_steps)."""
-    return trainer._logger_connector.should_update_logs
+    return lightning_private.should_update_logs(trainer)
 
 
 def log_scalars(trainer: pl.Trainer, metrics: Mapping[str, float], step: int | None = None) -> None:

@@ -34,7 +34,6 @@ import lightning.pytorch as pl
 import torch
 import yaml
 from jsonargparse import ArgumentError, Namespace
-from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import Trainer
 from lightning.pytorch.accelerators import MPSAccelerator
@@ -62,6 +61,7 @@ from lmledger.checkpointing import (
 from lmledger.data import TokenDataModule, load_meta
 from lmledger.errors import ConfigError, UserError
 from lmledger.ledger.dryrun import batch_tensors
+from lmledger.lightning_private import cli_value, is_local_path
 from lmledger.lit import LitLM, check_hyperparameters
 from lmledger.precision import check_trainer_config, trainer_precision_kwargs
 
@@ -278,7 +278,7 @@ def _ckpt_path_form(ckpt: str, subcommand: str, default_root_dir) -> None:
     """--ckpt_path values we refuse before anything is built: remote URLs, and Lightning's names that
     need state this process does not have ("best": a fit earlier in the same process; "registry": a
     model registry; "hpc": Lightning's SLURM requeue checkpoint, hpc_ckpt_N.ckpt, when there is none)."""
-    if not _is_local_file_protocol(ckpt):
+    if not is_local_path(ckpt):
         raise UserError(
             f"--ckpt_path {ckpt}: remote checkpoints are not supported here; copy it to a local file and pass that"
         )
@@ -490,12 +490,12 @@ class LedgerCLI(LightningCLI):
 
     def instantiate_trainer(self, **kwargs) -> Trainer:
         # Our plugins for transformer-engine (tied weights) and 16-mixed on CPU (lmledger.precision).
-        config = self._get(self.config_init, "trainer", default={})
+        config = cli_value(self, self.config_init, "trainer", default={})
         precision = trainer_precision_kwargs(config.get("precision"), config.get("accelerator"), config.get("plugins"))
         # The ledger callbacks ride along with whatever callbacks the config lists (--ledger.enabled false: none).
         callbacks = config.get("callbacks") or []
         callbacks = [*(callbacks if isinstance(callbacks, list) else [callbacks])]
-        settings = self._get(self.config_init, "ledger")
+        settings = cli_value(self, self.config_init, "ledger")
         if self.any_model:
             callbacks.append(StepChecks(read_batches=settings.enabled))
             if settings.enabled:  # Ledger picks the toy LM's callbacks itself for a LitLM
@@ -519,7 +519,7 @@ class LedgerCLI(LightningCLI):
 
     def _check_checkpoint(self) -> None:
         ckpt = self.config_init[self.subcommand].get("ckpt_path")
-        if ckpt and ckpt not in SPECIAL_CKPT_PATHS and _is_local_file_protocol(ckpt):
+        if ckpt and ckpt not in SPECIAL_CKPT_PATHS and is_local_path(ckpt):
             check_checkpoint_fits(ckpt, self.model)
 
     def _claim_run_dir(self) -> None:

@@ -1,0 +1,72 @@
+"""Every read or write of Lightning's private state, in one place.
+
+Each function was read from Lightning 2.6.6 and is held to the installed version by a canary in
+tests/test_canaries.py (named beside it), so an upgrade that moves one fails there, not mid-run.
+LedgerCLI also overrides LightningCLI._parse_ckpt_path (canary: test_cli_parses_ckpt_path_in_a_private_hook).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.cli import LightningCLI
+
+
+def is_local_path(path: str | os.PathLike) -> bool:
+    """Whether Lightning treats `path` as a local file (no s3://, http://, ...).
+    Canary: test_local_file_protocol."""
+    return _is_local_file_protocol(path)
+
+
+def should_update_logs(trainer: pl.Trainer) -> bool:
+    """Whether Lightning writes train metrics after this batch (every log_every_n_steps).
+    Canary: test_should_update_logs_follows_log_every_n_steps."""
+    return trainer._logger_connector.should_update_logs
+
+
+def batches_that_stepped(trainer: pl.Trainer) -> int:
+    """The step Lightning's own train metrics are logged at: optimizer steps taken (LearningRateMonitor's).
+    Canary: test_epoch_loop_counts_batches_that_stepped."""
+    return trainer.fit_loop.epoch_loop._batches_that_stepped
+
+
+def batches_fetched(trainer: pl.Trainer) -> int:
+    """Training batches the fit loop has fetched, across epochs; restored from a checkpoint on resume.
+    Canary: test_epoch_loop_counts_batches_that_stepped."""
+    return trainer.fit_loop.epoch_loop.batch_progress.total.ready
+
+
+def accumulating(trainer: pl.Trainer) -> bool:
+    """Whether the batch just run only accumulates gradients (no optimizer step follows it).
+    Canary: test_epoch_loop_counts_batches_that_stepped."""
+    return trainer.fit_loop.epoch_loop._should_accumulate()
+
+
+def take_received_sigterm(trainer: pl.Trainer) -> bool:
+    """Whether Lightning's SIGTERM handler has fired; clears its flag so that Lightning does not stop too.
+    Canary: test_signal_connector_keeps_a_sigterm_flag."""
+    connector = trainer._signal_connector
+    received = connector.received_sigterm
+    connector.received_sigterm = False
+    return received
+
+
+def save_last_checkpoint(callback: ModelCheckpoint, trainer: pl.Trainer) -> str:
+    """Have `callback` save its "last" checkpoint now, unless it already saved this step; return its path.
+    ModelCheckpoint's own save keeps its naming (last-vN.ckpt) and its record of the last path.
+    Canary: test_model_checkpoint_saves_last_through_private_methods."""
+    if callback._last_global_step_saved != trainer.global_step or not callback.last_model_path:
+        callback._save_last_checkpoint(trainer, callback._monitor_candidates(trainer))
+    return callback.last_model_path
+
+
+def cli_value(cli: LightningCLI, config: Any, key: str, default: Any = None) -> Any:
+    """`key` of a LightningCLI config, looked up under the running subcommand when there is one.
+    Canary: test_cli_get_reads_under_the_subcommand."""
+    return cli._get(config, key, default=default)

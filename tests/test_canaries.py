@@ -1,0 +1,256 @@
+"""Canaries: facts about the installed Lightning and torch that a workaround in lmledger relies on.
+
+Each test asserts the fact still holds. When an upgrade makes one fail, the workaround named in its
+docstring can probably go (or lmledger.lightning_private must follow the moved attribute). No fits:
+each calls the library directly.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import random
+import signal
+import sys
+import types
+import warnings
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from lightning.fabric.utilities.throughput import Throughput, get_available_flops
+from lightning.pytorch import Trainer, seed_everything
+from lightning.pytorch.callbacks import ModelCheckpoint, ThroughputMonitor
+from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.strategies import DeepSpeedStrategy
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+
+from lmledger import lightning_private
+
+
+def _trainer(**kwargs) -> Trainer:
+    options = dict(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    return Trainer(**{**options, **kwargs})
+
+
+def _as_fitting(trainer: Trainer) -> Trainer:
+    trainer.state.fn, trainer.state.stage = TrainerFn.FITTING, RunningStage.TRAINING
+    return trainer
+
+
+# ------------------------------------------------------------------ lmledger.lightning_private
+
+
+def test_local_file_protocol():
+    assert lightning_private.is_local_path("runs/x/last.ckpt")
+    assert not lightning_private.is_local_path("s3://bucket/last.ckpt")
+
+
+def test_should_update_logs_follows_log_every_n_steps():
+    trainer = _as_fitting(_trainer(log_every_n_steps=3))
+    loop = trainer.fit_loop.epoch_loop
+    logged = []
+    for stepped in range(6):
+        loop._batches_that_stepped = stepped
+        logged.append(lightning_private.should_update_logs(trainer))
+    # Checked after the batch that takes step `stepped + 1`: steps 3 and 6 are logged.
+    assert logged == [False, False, True, False, False, True]
+    assert lightning_private.batches_that_stepped(trainer) == 5
+
+
+def test_epoch_loop_counts_batches_that_stepped():
+    trainer = _as_fitting(_trainer(accumulate_grad_batches=2, max_steps=10))
+    progress = trainer.fit_loop.epoch_loop.batch_progress
+    progress.total.ready = progress.current.ready = 1
+    assert lightning_private.batches_fetched(trainer) == 1
+    assert lightning_private.accumulating(trainer)  # batch 1 of 2: gradients only
+    progress.total.ready = progress.current.ready = 2
+    assert not lightning_private.accumulating(trainer)  # batch 2 of 2: the optimizer steps
+
+
+def test_signal_connector_keeps_a_sigterm_flag():
+    """Lightning's SIGTERM handler only sets a flag; the loops stop on it (PreemptionCheckpoint takes it)."""
+    trainer = _trainer()
+    connector = trainer._signal_connector
+    connector._sigterm_notifier_fn(signal.SIGTERM, None)
+    assert trainer.received_sigterm
+    assert lightning_private.take_received_sigterm(trainer)
+    assert not trainer.received_sigterm
+    assert not lightning_private.take_received_sigterm(trainer)
+
+
+def test_model_checkpoint_saves_last_through_private_methods():
+    callback = ModelCheckpoint(dirpath="unused", save_last=True)
+    assert callback._last_global_step_saved == 0
+    assert list(inspect.signature(callback._save_last_checkpoint).parameters) == ["trainer", "monitor_candidates"]
+    assert list(inspect.signature(callback._monitor_candidates).parameters) == ["trainer"]
+    # Nothing to do when the callback has already saved this step.
+    callback._last_global_step_saved, callback.last_model_path = 7, "unused/last.ckpt"
+    callback._save_last_checkpoint = None  # would fail if called
+    assert lightning_private.save_last_checkpoint(callback, SimpleNamespace(global_step=7)) == "unused/last.ckpt"
+
+
+def test_cli_get_reads_under_the_subcommand():
+    from jsonargparse import Namespace
+
+    cli = SimpleNamespace(subcommand="fit")
+    cli._get = types.MethodType(LightningCLI._get, cli)
+    config = Namespace(fit=Namespace(trainer={"max_steps": 5}))
+    assert lightning_private.cli_value(cli, config, "trainer") == {"max_steps": 5}
+    assert lightning_private.cli_value(cli, config, "ledger", default={}) == {}
+
+
+def test_cli_parses_ckpt_path_in_a_private_hook():
+    """LedgerCLI._parse_ckpt_path turns a checkpoint's unparseable hyperparameters into one line."""
+    assert "self._parse_ckpt_path()" in inspect.getsource(LightningCLI.__init__)
+
+
+# ------------------------------------------------------------------ behaviour lmledger works around
+
+
+def test_link_last_removes_the_old_link_before_making_the_new_one(tmp_path, monkeypatch):
+    """checkpointing.make_last_checkpoint_atomic: save_last="link" leaves no last.ckpt for a moment."""
+    (tmp_path / "step=2.ckpt").write_bytes(b"new")
+    link = tmp_path / "last.ckpt"
+    link.write_bytes(b"old")
+    seen = []
+    real_symlink = os.symlink
+    monkeypatch.setattr(os, "symlink", lambda src, dst: (seen.append(os.path.lexists(dst)), real_symlink(src, dst)))
+    trainer = SimpleNamespace(is_global_zero=True, strategy=SimpleNamespace(barrier=lambda: None))
+    ModelCheckpoint._link_checkpoint(trainer, str(tmp_path / "step=2.ckpt"), str(link))
+    assert seen == [False] and link.read_bytes() == b"new"
+
+
+def test_lightning_stops_on_sigterm_without_saving():
+    """checkpointing.PreemptionCheckpoint: the loop raises SIGTERMException (exit 0) and saves nothing."""
+    from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
+
+    source = inspect.getsource(_TrainingEpochLoop.on_advance_end)
+    assert "received_sigterm" in source and "raise SIGTERMException" in source
+    assert "save_checkpoint" not in source
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    assert issubclass(SIGTERMException, SystemExit) and SIGTERMException().code is None  # exit status 0
+
+
+def test_16_mixed_on_cpu_becomes_bf16():
+    """precision.trainer_precision_kwargs passes Lightning's fp16 MixedPrecision plugin explicitly on CPU."""
+    with pytest.warns(UserWarning, match="bf16-mixed"):
+        trainer = _trainer(precision="16-mixed")
+    assert trainer.precision == "bf16-mixed"
+
+
+def test_transformer_engine_unties_tied_weights(monkeypatch):
+    """precision.TiedTransformerEnginePrecision: Lightning's layer swap clones each weight."""
+    from lightning.fabric.plugins.precision.transformer_engine import _convert_layers
+
+    te = types.ModuleType("transformer_engine.pytorch")
+    te.Linear, te.LayerNorm = torch.nn.Linear, torch.nn.LayerNorm
+    monkeypatch.setitem(sys.modules, "transformer_engine", types.ModuleType("transformer_engine"))
+    monkeypatch.setitem(sys.modules, "transformer_engine.pytorch", te)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32, bias=False), torch.nn.Linear(32, 16, bias=False))
+    model[1].weight = torch.nn.Parameter(torch.zeros(16, 32))
+    model[0].weight = torch.nn.Parameter(model[1].weight.T)  # a view of the same storage
+    tied = model[0].weight.untyped_storage().data_ptr() == model[1].weight.untyped_storage().data_ptr()
+    _convert_layers(model)
+    untied = model[0].weight.untyped_storage().data_ptr() != model[1].weight.untyped_storage().data_ptr()
+    assert tied and untied
+
+
+def test_throughput_monitor_synchronizes_every_batch_and_waits_for_its_window(monkeypatch):
+    """callbacks/throughput.py: why lmledger times its own windows instead of using ThroughputMonitor."""
+    synced = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: synced.append(1))
+    monitor = ThroughputMonitor(batch_size_fn=lambda batch: 1)
+    stage = RunningStage.TRAINING
+    monitor._throughputs[stage], monitor._t0s[stage] = Throughput(window_size=100), 0.0
+    monitor._samples[stage] = monitor._batches[stage] = 0
+    monitor._module_has_flops = False
+    trainer = SimpleNamespace(
+        state=SimpleNamespace(stage=stage), strategy=SimpleNamespace(root_device=torch.device("cuda"))
+    )
+    for _ in range(3):
+        monitor._update(trainer, None, None, 0)
+    assert len(synced) == 3
+    assert "batches_per_sec" not in monitor._throughputs[stage].compute()  # nothing until 100 batches
+
+
+def test_lightning_resolves_no_peak_for_nvidia_h200(monkeypatch):
+    """ledger/hardware.py keeps its own table: Lightning maps "NVIDIA H200" to no peak."""
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert get_available_flops(torch.device("cuda"), torch.bfloat16) is None
+
+
+def test_deepspeed_strategy_defaults_to_zero_stage_2():
+    """ledger.run reads a config's plain "deepspeed" as ZeRO stage 2."""
+    assert inspect.signature(DeepSpeedStrategy.__init__).parameters["stage"].default == 2
+
+
+def test_loops_restore_their_progress_before_the_train_loader_is_iterated():
+    """data.TokenDataModule.batches_consumed reads the restored progress when it builds the loader."""
+    source = inspect.getsource(Trainer._run)
+    assert source.index("restore_training_state()") < source.index("self._run_stage()")
+    from lightning.pytorch.loops.fit_loop import _FitLoop
+
+    assert "self.setup_data()" in inspect.getsource(_FitLoop.run)
+
+
+def test_gradient_clip_val_may_be_negative():
+    """commands/train._check_trainer_values refuses what Lightning accepts: a negative clip ascends."""
+    assert _trainer(gradient_clip_val=-1.0).gradient_clip_val == -1.0
+
+
+def test_seed_everything_none_without_environment_is_zero(monkeypatch):
+    """commands/train: `--seed_everything true` draws its own seed, since Lightning would use 0."""
+    monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)
+    with torch.random.fork_rng(devices=[]):
+        state = np.random.get_state(), random.getstate()
+        try:
+            assert seed_everything(None, verbose=False) == 0
+        finally:
+            np.random.set_state(state[0])
+            random.setstate(state[1])
+            os.environ.pop("PL_GLOBAL_SEED", None)
+
+
+def test_lightning_advertises_a_cloud_logger():
+    """commands/train._DropAdverts filters this line out of every run's output."""
+    from lightning.pytorch.trainer.connectors.logger_connector import logger_connector
+
+    assert "💡 Tip" in inspect.getsource(logger_connector)
+
+
+def test_lightning_pytree_uses_the_deprecated_leafspec():
+    """commands/train filters torch's FutureWarning about LeafSpec, raised from Lightning's own code."""
+    from lightning.pytorch.utilities import _pytree
+
+    with pytest.warns(FutureWarning, match=r"isinstance\(treespec, LeafSpec\)` is deprecated"):
+        _pytree._tree_flatten(torch.zeros(1))
+
+
+# ------------------------------------------------------------------ torch
+
+
+def test_cpu_flash_attention_has_no_flop_formula():
+    """ledger/flops.py registers torch's SDPA formulas for the CPU flash-attention ops."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    aten = torch.ops.aten
+    mode = FlopCounterMode(display=False)
+    assert aten.mm in mode.flop_registry and aten._scaled_dot_product_flash_attention in mode.flop_registry
+    for op in (
+        aten._scaled_dot_product_flash_attention_for_cpu,
+        aten._scaled_dot_product_flash_attention_for_cpu_backward,
+    ):
+        assert op not in mode.flop_registry
+
+
+def test_foreach_supported_devices_helper_exists():
+    """ledger/memory.py and ledger/dryrun.py ask torch which devices run foreach kernels (private helpers)."""
+    from torch.optim.optimizer import _get_foreach_kernels_supported_devices as from_optimizer
+    from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices as from_utils
+
+    assert "cuda" in from_utils() and from_optimizer() == from_utils()
