@@ -22,7 +22,7 @@ def test_lecture_train_time_on_h100():
 
 
 def test_lecture_train_time_on_a100_is_not_143_days():
-    # REFERENCE.md: notes that say "1024 A100" for 143.9 days are wrong; A100s (312e12) take ~456 days.
+    # docs/reference.md, "Napkin math": "1024 A100" for 143.9 days is wrong; A100s (312e12) take ~456 days.
     plan = train_time(70e9, 15e12, "NVIDIA A100-SXM4-80GB", num_gpus=1024, mfu=0.5)
     assert plan.days == pytest.approx(456, abs=1)
 

@@ -241,7 +241,7 @@ class ThroughputLedger(pl.Callback):
             metrics["perf/tokens_per_sec_total"] = metrics["perf/tokens_per_sec"] * self.run.world_size
         log_scalars(trainer, metrics)
         if trainer.progress_bar_callback is not None:  # LightningModule.log costs ~1 ms: only for a bar
-            # Host tensors: Lightning reads prog_bar values back after every batch (LitLM.on_train_batch_end).
+            # Host tensors: Lightning reads prog_bar values back after every batch (see LitLM.on_before_optimizer_step).
             pl_module.log(
                 "tok/s", torch.tensor(metrics["perf/tokens_per_sec"]), prog_bar=True, logger=False, batch_size=1
             )

@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from lmledger.errors import UserError
+from lmledger.ledger.units import GB
 
 if TYPE_CHECKING:
     import torch
@@ -51,7 +52,6 @@ DTYPES = ("fp64", "fp32", "tf32", "bf16", "fp16", "fp8", "int8")
 
 _T = 1e12
 _P = 1e15
-_GB = 1e9  # datasheet gigabyte (see the module docstring)
 
 
 @dataclass(frozen=True)
@@ -94,23 +94,23 @@ GPUS: dict[str, GpuSpec] = {
     spec.key: spec
     for spec in (
         # NVIDIA A100 Tensor Core GPU datasheet: SXM and PCIe share the peak figures; bandwidth differs.
-        GpuSpec("a100-40gb", "NVIDIA A100 SXM4 40GB", _A100_PEAKS, int(40 * _GB), 1555 * _GB),
-        GpuSpec("a100-80gb", "NVIDIA A100 SXM4 80GB", _A100_PEAKS, int(80 * _GB), 2039 * _GB),
-        GpuSpec("a100-pcie-40gb", "NVIDIA A100 PCIe 40GB", _A100_PEAKS, int(40 * _GB), 1555 * _GB),
-        GpuSpec("a100-pcie-80gb", "NVIDIA A100 PCIe 80GB", _A100_PEAKS, int(80 * _GB), 1935 * _GB),
+        GpuSpec("a100-40gb", "NVIDIA A100 SXM4 40GB", _A100_PEAKS, int(40 * GB), 1555 * GB),
+        GpuSpec("a100-80gb", "NVIDIA A100 SXM4 80GB", _A100_PEAKS, int(80 * GB), 2039 * GB),
+        GpuSpec("a100-pcie-40gb", "NVIDIA A100 PCIe 40GB", _A100_PEAKS, int(40 * GB), 1555 * GB),
+        GpuSpec("a100-pcie-80gb", "NVIDIA A100 PCIe 80GB", _A100_PEAKS, int(80 * GB), 1935 * GB),
         # NVIDIA H100 Tensor Core GPU datasheet (SXM5, PCIe, NVL columns).
-        GpuSpec("h100-sxm", "NVIDIA H100 SXM5 80GB", _HOPPER_SXM_PEAKS, int(80 * _GB), 3.35 * _T),
+        GpuSpec("h100-sxm", "NVIDIA H100 SXM5 80GB", _HOPPER_SXM_PEAKS, int(80 * GB), 3.35 * _T),
         GpuSpec(
             "h100-pcie",
             "NVIDIA H100 PCIe 80GB",
             _peaks(51 * _T, 51 * _T, 378 * _T, 756 * _T, 756 * _T, 1513 * _T, 1513 * _T),
-            int(80 * _GB),
+            int(80 * GB),
             2.0 * _T,
         ),
-        GpuSpec("h100-nvl", "NVIDIA H100 NVL 94GB", _HOPPER_NVL_PEAKS, int(94 * _GB), 3.9 * _T),
+        GpuSpec("h100-nvl", "NVIDIA H100 NVL 94GB", _HOPPER_NVL_PEAKS, int(94 * GB), 3.9 * _T),
         # NVIDIA H200 Tensor Core GPU datasheet (SXM and NVL columns): H100 compute, more and faster HBM3e.
-        GpuSpec("h200", "NVIDIA H200 SXM 141GB", _HOPPER_SXM_PEAKS, int(141 * _GB), 4.8 * _T),
-        GpuSpec("h200-nvl", "NVIDIA H200 NVL 141GB", _HOPPER_NVL_PEAKS, int(141 * _GB), 4.8 * _T),
+        GpuSpec("h200", "NVIDIA H200 SXM 141GB", _HOPPER_SXM_PEAKS, int(141 * GB), 4.8 * _T),
+        GpuSpec("h200-nvl", "NVIDIA H200 NVL 141GB", _HOPPER_NVL_PEAKS, int(141 * GB), 4.8 * _T),
         # Blackwell, per GPU, from NVIDIA's current per-GPU tables ("Individual Blackwell GPU
         # Specifications" on the HGX B200 / GB200 NVL72 product pages, tensor figures "with sparsity",
         # halved here). B200 (HGX, 1000 W): fp64 37 TF, fp32 75 TF, tf32 2.2 PF/2, fp16/bf16 4.5 PF/2,
@@ -120,7 +120,7 @@ GPUS: dict[str, GpuSpec] = {
             "b200",
             "NVIDIA B200 180GB",
             _peaks(37 * _T, 75 * _T, 1.1 * _P, 2.25 * _P, 2.25 * _P, 4.5 * _P, 4.5 * _P),
-            int(180 * _GB),
+            int(180 * GB),
             7.7 * _T,
         ),
         # GB200 (the Grace Blackwell superchip's GPU, up to 1200 W), same NVIDIA table: fp64 40 TF, fp32
@@ -129,7 +129,7 @@ GPUS: dict[str, GpuSpec] = {
             "gb200",
             "NVIDIA GB200 186GB",
             _peaks(40 * _T, 80 * _T, 1.25 * _P, 2.5 * _P, 2.5 * _P, 5 * _P, 5 * _P),
-            int(186 * _GB),
+            int(186 * GB),
             8 * _T,
         ),
         # Blackwell Ultra. NVIDIA HGX B300 sheet, 8 GPUs: fp64 10 TF, fp32 600 TF, tf32 18 PF*, fp16/bf16
@@ -141,7 +141,7 @@ GPUS: dict[str, GpuSpec] = {
             "b300",
             "NVIDIA B300 SXM 270GB",
             _peaks(1.25 * _T, 75 * _T, 1.125 * _P, 2.25 * _P, 2.25 * _P, 4.5 * _P, 0.125 * _P),
-            int(270 * _GB),
+            int(270 * GB),
             7.7 * _T,
         ),
         # GB300 (NVIDIA GB300 NVL72 page, 72 GPUs: fp16/bf16 360 PF*, fp8 720 PF*, tf32 180 PF*, int8
@@ -152,7 +152,7 @@ GPUS: dict[str, GpuSpec] = {
             "gb300",
             "NVIDIA GB300 279GB",
             _peaks(None, 80 * _T, 1.25 * _P, 2.5 * _P, 2.5 * _P, 5 * _P, 0.16 * _P),
-            int(279 * _GB),
+            int(279 * GB),
             8 * _T,
         ),
         # NVIDIA L4 Tensor Core GPU datasheet (no FP64 figure).
@@ -160,16 +160,16 @@ GPUS: dict[str, GpuSpec] = {
             "l4",
             "NVIDIA L4 24GB",
             _peaks(None, 30.3 * _T, 60 * _T, 121 * _T, 121 * _T, 242.5 * _T, 242.5 * _T),
-            int(24 * _GB),
-            300 * _GB,
+            int(24 * GB),
+            300 * GB,
         ),
         # NVIDIA L40S datasheet (it prints dense and sparse side by side; no FP64 figure).
         GpuSpec(
             "l40s",
             "NVIDIA L40S 48GB",
             _peaks(None, 91.6 * _T, 183 * _T, 362.05 * _T, 362.05 * _T, 733 * _T, 733 * _T),
-            int(48 * _GB),
-            864 * _GB,
+            int(48 * GB),
+            864 * GB,
         ),
         # NVIDIA Ada GPU architecture whitepaper, GeForce RTX 4090 column. Tensor figures are the ones
         # with FP32 accumulate (what training GEMMs use; GeForce runs them at half the FP16-accumulate rate).
@@ -177,8 +177,8 @@ GPUS: dict[str, GpuSpec] = {
             "rtx-4090",
             "NVIDIA GeForce RTX 4090 24GB",
             _peaks(None, 82.6 * _T, 82.6 * _T, 165.2 * _T, 165.2 * _T, 330.3 * _T, 660.6 * _T),
-            int(24 * _GB),
-            1008 * _GB,
+            int(24 * GB),
+            1008 * GB,
         ),
         # NVIDIA A10 Tensor Core GPU datasheet: fp32 31.2 TF, tf32 62.5 TF, bf16/fp16 125 TF, int8 250 TOPS
         # (dense; the sheet prints the sparse 125/250/500 beside them), 24 GB GDDR6 at 600 GB/s.
@@ -186,8 +186,8 @@ GPUS: dict[str, GpuSpec] = {
             "a10",
             "NVIDIA A10 24GB",
             _peaks(None, 31.2 * _T, 62.5 * _T, 125 * _T, 125 * _T, None, 250 * _T),
-            int(24 * _GB),
-            600 * _GB,
+            int(24 * GB),
+            600 * GB,
         ),
         # The A10G is AWS's variant of the A10 and has no NVIDIA datasheet of its own; these are the
         # A10 datasheet's figures (as Lightning also uses), so treat A10G MFU as a lower bound.
@@ -195,28 +195,28 @@ GPUS: dict[str, GpuSpec] = {
             "a10g",
             "NVIDIA A10G 24GB",
             _peaks(None, 31.2 * _T, 62.5 * _T, 125 * _T, 125 * _T, None, 250 * _T),
-            int(24 * _GB),
-            600 * _GB,
+            int(24 * GB),
+            600 * GB,
         ),
         # NVIDIA Tesla V100 datasheet (SXM2 and PCIe columns). Volta has no sparsity, tf32 or bf16.
-        GpuSpec("v100", "NVIDIA Tesla V100 SXM2 16GB", _V100_SXM2_PEAKS, int(16 * _GB), 900 * _GB),
-        GpuSpec("v100-32gb", "NVIDIA Tesla V100 SXM2 32GB", _V100_SXM2_PEAKS, int(32 * _GB), 900 * _GB),
-        GpuSpec("v100-pcie", "NVIDIA Tesla V100 PCIe 16GB", _V100_PCIE_PEAKS, int(16 * _GB), 900 * _GB),
-        GpuSpec("v100-pcie-32gb", "NVIDIA Tesla V100 PCIe 32GB", _V100_PCIE_PEAKS, int(32 * _GB), 900 * _GB),
+        GpuSpec("v100", "NVIDIA Tesla V100 SXM2 16GB", _V100_SXM2_PEAKS, int(16 * GB), 900 * GB),
+        GpuSpec("v100-32gb", "NVIDIA Tesla V100 SXM2 32GB", _V100_SXM2_PEAKS, int(32 * GB), 900 * GB),
+        GpuSpec("v100-pcie", "NVIDIA Tesla V100 PCIe 16GB", _V100_PCIE_PEAKS, int(16 * GB), 900 * GB),
+        GpuSpec("v100-pcie-32gb", "NVIDIA Tesla V100 PCIe 32GB", _V100_PCIE_PEAKS, int(32 * GB), 900 * GB),
         # NVIDIA T4 Tensor Core GPU datasheet (fp16 is "mixed precision FP16/FP32"; no FP64 figure).
         GpuSpec(
             "t4",
             "NVIDIA Tesla T4 16GB",
             _peaks(None, 8.1 * _T, None, None, 65 * _T, None, 130 * _T),
-            int(16 * _GB),
-            320 * _GB,
+            int(16 * GB),
+            320 * GB,
         ),
         # AMD Instinct MI300X data sheet (CDNA 3): fp64 matrix 163.4 TF, fp32 matrix 163.4 TF, tf32 653.7 TF,
         # fp16/bf16 1307.4 TF, fp8 2614.9 TF, int8 2614.9 TOPS (dense; the sheet prints sparse figures 2x
         # beside them), 192 GB HBM3 at 5.3 TB/s. ROCm torch reports it as "AMD Instinct MI300X".
-        GpuSpec("mi300x", "AMD Instinct MI300X 192GB", _CDNA3_PEAKS, int(192 * _GB), 5.3 * _T),
+        GpuSpec("mi300x", "AMD Instinct MI300X 192GB", _CDNA3_PEAKS, int(192 * GB), 5.3 * _T),
         # AMD Instinct MI325X data sheet: the MI300X's compute, 256 GB HBM3E at 6 TB/s.
-        GpuSpec("mi325x", "AMD Instinct MI325X 256GB", _CDNA3_PEAKS, int(256 * _GB), 6.0 * _T),
+        GpuSpec("mi325x", "AMD Instinct MI325X 256GB", _CDNA3_PEAKS, int(256 * GB), 6.0 * _T),
     )
 }
 
@@ -263,7 +263,7 @@ def _words(name: str) -> list[str]:
 
 
 def _size_word(key: str) -> str:
-    return f"{round(GPUS[key].memory_bytes / _GB)}gb"
+    return f"{round(GPUS[key].memory_bytes / GB)}gb"
 
 
 def _candidates(words: list[str]) -> list[str]:

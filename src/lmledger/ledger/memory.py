@@ -76,6 +76,7 @@ import torch
 from torch import nn
 
 from lmledger.errors import UserError
+from lmledger.ledger.units import STATE_COMPONENTS
 from lmledger.model import ModelConfig, count_parameters
 
 # --------------------------------------------------------------------------------------------
@@ -183,7 +184,7 @@ def state_bytes(
             n_params, precision, states, _DEEPSPEED_STAGES[strategy], world_size, largest_layer
         )
     per_rank = math.ceil(n_params / world_size)
-    elements = {term: per_rank if term in sharded else n_params for term in ("params", "grads", "optimizer")}
+    elements = {term: per_rank if term in sharded else n_params for term in STATE_COMPONENTS}
     return {
         "params": elements["params"] * width,
         "grads": elements["grads"] * width,
@@ -208,7 +209,7 @@ def bytes_per_param(
         stage, states = _DEEPSPEED_STAGES[strategy], optimizer_states(optimizer, momentum)
         terms = _deepspeed_terms(precision, states, stage)
         return sum(whole + split / world_size for whole, split, _layer in terms.values())
-    share = {term: 1 / world_size if term in sharded else 1.0 for term in ("params", "grads", "optimizer")}
+    share = {term: 1 / world_size if term in sharded else 1.0 for term in STATE_COMPONENTS}
     states = optimizer_states(optimizer, momentum)
     return width * (share["params"] + share["grads"] + states * share["optimizer"])
 

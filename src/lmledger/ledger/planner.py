@@ -1,6 +1,6 @@
 """Napkin math before a run: how long training takes, the largest model that fits, the largest batch.
 
-Formulas are the CS336 lecture 2 ones (see REFERENCE.md): training FLOPs = 6 * params * tokens
+Formulas are the CS336 lecture 2 ones (docs/reference.md, "Napkin math"): training FLOPs = 6 * params * tokens
 (forward 2N per token, backward 4N), time = FLOPs / (peak * GPUs * MFU), and a model fits when
 params * bytes_per_param <= the GPUs' total memory (activations ignored).
 """

@@ -11,6 +11,11 @@ MB, GB = 1e6, 1e9
 BYTE_UNITS = (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3))
 COUNT_UNITS = (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3))
 
+# The memory ledger's parts, in the order every table, JSON object and plot lists them.
+STATE_COMPONENTS = ("params", "grads", "optimizer")  # held between steps
+MEMORY_COMPONENTS = (*STATE_COMPONENTS, "activations")
+MEMORY_ROWS = (*MEMORY_COMPONENTS, "peak")
+
 
 def format_bytes(nbytes: float | None) -> str:
     """12_653_000 -> '12.65 MB'; None (not known) -> 'n/a'."""
