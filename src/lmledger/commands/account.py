@@ -6,18 +6,16 @@ from __future__ import annotations
 import dataclasses
 import json
 import warnings
-from contextlib import nullcontext
 
 import torch
 
 from lmledger.errors import UserError
 from lmledger.ledger import flops as ledger_flops
-from lmledger.ledger import memory as ledger_memory
 from lmledger.ledger.hardware import Peak, compute_dtype_for_precision, peak_flops
-from lmledger.ledger.memtrack import track_peak
+from lmledger.ledger.predict import measure as measure_run
 from lmledger.ledger.predict import predict as predict_run
 from lmledger.ledger.units import format_bytes
-from lmledger.model import ToyLM, count_parameters
+from lmledger.model import count_parameters
 from lmledger.runspec import RunSpec, load_run_spec, split_flags
 
 USAGE = """usage: lmledger account --config FILE [--config FILE2] [--a.b VALUE ...] [--measure] [--json]
@@ -31,9 +29,6 @@ A config whose model is any LightningModule (--model CLASS_PATH, or `model: {cla
 predicted by a dry run of its training_step on the shapes of its data's first batch (docs/any-model.md)."""
 
 MEMORY_ROWS = ("params", "grads", "optimizer", "activations", "peak")
-_AUTOCAST = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
-_CAST = {"bf16-true": torch.bfloat16, "16-true": torch.float16}
-MEASURABLE = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
 
 
 def predict(spec: RunSpec, device: str) -> dict:
@@ -53,66 +48,22 @@ def _measure_device(spec: RunSpec) -> torch.device:
 
 
 def measure(spec: RunSpec, device: torch.device) -> dict:
-    """Build the model for real and run training steps: FLOPs counted once, saved activations on
-    the first step, state after the optimizer has stepped, the peak over a second, steady step (the
-    CUDA allocator's; elsewhere live tensor bytes, ledger.memtrack, with the phase it fell in)."""
-    if spec.precision not in MEASURABLE:
-        raise UserError(f"--measure supports precisions {', '.join(MEASURABLE)}, not {spec.precision}")
-    if spec.world_size > 1 or spec.strategy != "ddp":
-        raise UserError("--measure runs one process; measure a sharded or multi-device config with `lmledger fit`")
-    torch.manual_seed(0)
-    model = ToyLM(spec.config).to(device)
-    if spec.precision in _CAST:
-        model = model.to(_CAST[spec.precision])
-    model.train()
-    if spec.optimizer == "adamw":
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=spec.fused_optimizer)  # as LitLM
-    elif spec.optimizer == "sgd":
-        optimizer = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9, fused=spec.fused_optimizer)
-    else:
-        raise UserError(f"unknown optimizer {spec.optimizer!r}")
-    autocast_dtype = _AUTOCAST.get(spec.precision)
-
-    def autocast():
-        # as Lightning's precision plugin runs it: no weight cache (a cast lives while backward needs it)
-        return torch.autocast(device.type, autocast_dtype, cache_enabled=False) if autocast_dtype else nullcontext()
-
-    x = torch.randint(0, spec.config.vocab_size, (spec.batch_size, spec.seq_len), device=device)
-    y = torch.randint(0, spec.config.vocab_size, (spec.batch_size, spec.seq_len), device=device)
-    counted = ledger_flops.measure_flops(model, x, y, training=True, autocast_dtype=autocast_dtype)
-
-    with ledger_memory.measure_saved_activations(model) as saved:
-        with autocast():
-            loss = model(x, y)
-    loss.backward()
-    optimizer.step()
-    state = ledger_memory.measure_state_bytes(model, optimizer)
-
-    def step(phase=lambda name: None) -> None:
-        # Lightning's order: forward, then zero_grad, backward, step (last step's grads live through forward).
-        phase("forward")
-        with autocast():
-            loss = model(x, y)
-        phase("zero_grad")
-        optimizer.zero_grad(set_to_none=True)
-        phase("backward")
-        loss.backward()
-        phase("optimizer step")
-        optimizer.step()
-
-    if device.type == "cuda":
-        peak, peak_phase = ledger_memory.measure_peak_cuda(step, device), None
-    else:
-        with track_peak(model, optimizer, x, y) as tracker:
-            step(tracker.phase)
-        peak, peak_phase = tracker.peak_bytes, tracker.peak_phase
-    seconds = step_seconds(step, device)
+    """ledger.predict.measure of the config's run on `device` (real training steps: FLOPs counted once,
+    saved activations on the first step, state after it, the peak over a second, steady step), and the
+    median time of a further step."""
+    m = measure_run(dataclasses.replace(spec, device=device))
     return {
-        "flops": {"measured": counted.total},
-        "memory": {**state, "activations": saved.activations, "peak": peak},
-        "peak_phase": peak_phase,
-        "autocast_weight_copies": saved.autocast_weight_copies,
-        "step_seconds": seconds,
+        "flops": {"measured": m.flops},
+        "memory": {
+            "params": m.params,
+            "grads": m.grads,
+            "optimizer": m.optimizer,
+            "activations": m.activations,
+            "peak": m.peak,
+        },  # fmt: skip
+        "peak_phase": m.peak_phase,
+        "autocast_weight_copies": m.autocast_weight_copies,
+        "step_seconds": step_seconds(m.step, device),
     }
 
 

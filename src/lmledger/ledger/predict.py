@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 from collections.abc import Callable, Mapping
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -34,8 +35,9 @@ from lmledger.ledger.dryrun import (
     map_tensors,
     measure_step,
 )
+from lmledger.ledger.memtrack import track_peak
 from lmledger.ledger.run import Run
-from lmledger.model import count_parameters
+from lmledger.model import ToyLM, count_parameters
 
 
 @dataclass(frozen=True)
@@ -94,6 +96,88 @@ def predict(run: Run, batch: object = None, *, batch_size: int | None = None) ->
     return Prediction(
         **state, activations=saved.total, autocast_weight_copies=saved.autocast_weight_copies, peak=peak.total,
         peak_phase=peak.phase, **flops, forward_precision=forward_precision,
+    )  # fmt: skip
+
+
+# Precisions `measure` runs as Lightning's plugins do: *-mixed under autocast, *-true with the module cast.
+_AUTOCAST = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+_CAST = {"bf16-true": torch.bfloat16, "16-true": torch.float16}
+MEASURABLE = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """predict's measured twin for a ToyLM run: bytes and FLOPs of real training steps on this machine,
+    and `step`, one more training step to time."""
+
+    flops: int
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    autocast_weight_copies: int
+    peak: int
+    peak_phase: str | None  # where the tracked peak fell (None: CUDA's allocator, which has no phases)
+    step: Callable[[], None]
+
+
+def measure(run: Run) -> Measurement:
+    """Build the run's ToyLM for real on run.device and run training steps: FLOPs counted once, saved
+    activations on the first step, state after the optimizer has stepped, the peak over a second, steady
+    step (the CUDA allocator's; elsewhere live tensor bytes, ledger.memtrack, with the phase it fell in)."""
+    if run.precision not in MEASURABLE:
+        raise UserError(f"--measure supports precisions {', '.join(MEASURABLE)}, not {run.precision}")
+    if run.world_size > 1 or run.strategy != "ddp":
+        raise UserError("--measure runs one process; measure a sharded or multi-device config with `lmledger fit`")
+    torch.manual_seed(0)
+    model = ToyLM(run.config).to(run.device)
+    if run.precision in _CAST:
+        model = model.to(_CAST[run.precision])
+    model.train()
+    if run.optimizer == "adamw":
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=run.fused_optimizer)  # as LitLM
+    elif run.optimizer == "sgd":
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=run.momentum, fused=run.fused_optimizer)
+    else:
+        raise UserError(f"unknown optimizer {run.optimizer!r}")
+    autocast_dtype = _AUTOCAST.get(run.precision)
+
+    def autocast():
+        # as Lightning's precision plugin runs it: no weight cache (a cast lives while backward needs it)
+        return torch.autocast(run.device.type, autocast_dtype, cache_enabled=False) if autocast_dtype else nullcontext()
+
+    x = torch.randint(0, run.config.vocab_size, (run.batch_size, run.seq_len), device=run.device)
+    y = torch.randint(0, run.config.vocab_size, (run.batch_size, run.seq_len), device=run.device)
+    counted = ledger_flops.measure_flops(model, x, y, training=True, autocast_dtype=autocast_dtype)
+
+    with ledger_memory.measure_saved_activations(model) as saved:
+        with autocast():
+            loss = model(x, y)
+    loss.backward()
+    optimizer.step()
+    state = ledger_memory.measure_state_bytes(model, optimizer)
+
+    def step(phase=lambda name: None) -> None:
+        # Lightning's order: forward, then zero_grad, backward, step (last step's grads live through forward).
+        phase("forward")
+        with autocast():
+            loss = model(x, y)
+        phase("zero_grad")
+        optimizer.zero_grad(set_to_none=True)
+        phase("backward")
+        loss.backward()
+        phase("optimizer step")
+        optimizer.step()
+
+    if run.device.type == "cuda":
+        peak, peak_phase = ledger_memory.measure_peak_cuda(step, run.device), None
+    else:
+        with track_peak(model, optimizer, x, y) as tracker:
+            step(tracker.phase)
+        peak, peak_phase = tracker.peak_bytes, tracker.peak_phase
+    return Measurement(
+        flops=counted.total, **state, activations=saved.activations,
+        autocast_weight_copies=saved.autocast_weight_copies, peak=peak, peak_phase=peak_phase, step=step,
     )  # fmt: skip
 
 
