@@ -18,9 +18,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lmledger import sweep as sweep_module
 from lmledger.cli import main as lmledger
-from lmledger.sweep import MAX_POINTS, load_experiment
+from lmledger.sweep import MAX_POINTS, CheckedPoints, check_points, fit_args, load_experiment, runner
 
 PLAN = {"command": "plan max-params", "gpu": "h100-sxm"}  # a point that runs in a second, no Lightning
 
@@ -140,13 +139,13 @@ def test_points_are_checked_with_one_parse_per_value_not_per_point(workdir, caps
         },
     )
     experiment = load_experiment(path)
-    checked = sweep_module.check_points(experiment)
+    checked = check_points(experiment)
     assert len(calls) == 23 and not checked.errors and len(checked.specs) == 200
     # each combined spec is what parsing the point's whole command line gives
     from lmledger.runspec import load_run_spec
 
     for point in (experiment.points[0], experiment.points[57], experiment.points[-1]):
-        assert checked.specs[point.id] == load_run_spec(sweep_module.fit_args(point))
+        assert checked.specs[point.id] == load_run_spec(fit_args(point))
     spec = checked.specs[experiment.points[57].id]  # batch 3, context 16 * 2**8, sgd
     assert (spec.batch_size, spec.seq_len, spec.optimizer) == (3, 4096, "sgd")
 
@@ -234,7 +233,7 @@ def test_a_point_dies_with_its_sweep_and_the_next_sweep_resumes_it(workdir, caps
         sweep.wait()
         # dead, and every thread of it gone: the lock is free (the main thread is a zombie a moment earlier)
         _wait_for(
-            lambda: not _alive(pid) and sweep_module.running_pid(out, point) is None,
+            lambda: not _alive(pid) and runner.running_pid(out, point) is None,
             "the point to die with its sweep",
             timeout=60,
         )
@@ -270,25 +269,25 @@ def test_a_point_stopped_by_a_signal_is_interrupted_and_resumed_from_its_checkpo
         kill = "import os, signal; os.kill(os.getpid(), signal.SIGTERM)" if status < 0 else ""
         return [sys.executable, "-c", f"{kill}\nimport sys; sys.exit({max(status, 0)})"]
 
-    monkeypatch.setattr(sweep_module, "point_command", fake_point)
-    monkeypatch.setattr(sweep_module, "check_points", lambda e: sweep_module.CheckedPoints({}, {}))
+    monkeypatch.setattr(runner, "point_command", fake_point)
+    monkeypatch.setattr(runner, "check_points", lambda e: CheckedPoints({}, {}))
     path = write_experiment(
         workdir / "e.yaml", command="fit", configs=["configs/tiny.yaml"], grid={"seed_everything": [1]}
     )
     experiment = load_experiment(path)
     out = workdir / "sweeps" / "e"
-    (result,) = sweep_module.run_sweep(experiment, out)
+    (result,) = runner.run_sweep(experiment, out)
     assert result.status == "interrupted" and "the next sweep runs it again" in result.error
     assert json.loads((out / "points" / result.point.id / "status.json").read_text())["status"] == "interrupted"
 
-    (result,) = sweep_module.run_sweep(experiment, out)  # no checkpoint yet: from the start
+    (result,) = runner.run_sweep(experiment, out)  # no checkpoint yet: from the start
     assert "--ckpt_path" not in launched[1]
     checkpoints = out / "runs" / result.point.id / "version_0" / "checkpoints"
     checkpoints.mkdir(parents=True)
     (checkpoints / "last.ckpt").write_bytes(b"")
-    (result,) = sweep_module.run_sweep(experiment, out)
+    (result,) = runner.run_sweep(experiment, out)
     assert launched[2][-2:] == ["--ckpt_path", "last"] and result.status == "done"
-    assert result.reused is False and sweep_module.run_sweep(experiment, out)[0].reused  # done is done
+    assert result.reused is False and runner.run_sweep(experiment, out)[0].reused  # done is done
 
 
 def test_sigterm_to_the_sweep_stops_its_points_and_records_them_interrupted(workdir, capsys, monkeypatch):
@@ -300,7 +299,7 @@ def test_sigterm_to_the_sweep_stops_its_points_and_records_them_interrupted(work
         started.append(args)
         return [sys.executable, "-c", "import time; time.sleep(120)"]
 
-    monkeypatch.setattr(sweep_module, "point_command", sleeping_point)
+    monkeypatch.setattr(runner, "point_command", sleeping_point)
     path = write_experiment(workdir / "e.yaml", points=[PLAN])
     point = load_experiment(path).points[0]
     lock = workdir / "sweeps" / "e" / "points" / point.id / "lock"

@@ -1,4 +1,4 @@
-"""The PNGs of a sweep (lmledger.sweep): memory per component, predicted beside measured; MFU and
+"""The PNGs of a sweep: memory per component, predicted beside measured; MFU and
 tokens/s against the swept variable; activations against each numeric grid key.
 
 matplotlib's Figure is used directly (the Agg canvas): no pyplot state shared between threads.
@@ -10,8 +10,9 @@ import io
 from pathlib import Path
 
 from lmledger.corpus import write_atomically
-from lmledger.ledger.units import MB
-from lmledger.sweep import MEMORY_COMPONENTS, Experiment, PointResult, short_key, slug_value
+from lmledger.ledger.units import MB, MEMORY_COMPONENTS
+from lmledger.sweep.collect import PointResult
+from lmledger.sweep.spec import Experiment, short_key, slug_value
 
 _COMPONENT_COLORS = {"params": "#4c72b0", "grads": "#dd8452", "optimizer": "#55a868", "activations": "#c44e52"}
 

@@ -1,0 +1,51 @@
+"""Experiment sweeps: a YAML grid of `lmledger` runs, each point in its own process and run directory,
+collected into one table and a few plots (docs/sweeps.md).
+
+Imports run one way: spec (the file, points, command lines) <- collect (metrics, PointResult) <- check
+(arguments parsed before anything runs) and report (results.csv/md; plots, loaded when drawing) <- runner.
+"""
+
+from lmledger.sweep.check import CheckedPoints, bad_points_error, check_points
+from lmledger.sweep.collect import DEFAULT_METRICS, PointResult, account_metrics, flatten, json_path, read_tensorboard
+from lmledger.sweep.report import markdown_table, write_results
+from lmledger.sweep.runner import (
+    SweepPlan,
+    check_out_dir,
+    cuda_available,
+    finished_result,
+    plan_sweep,
+    resumable,
+    run_point,
+    run_sweep,
+    running_pid,
+)
+from lmledger.sweep.spec import MAX_POINTS, Experiment, Point, cli_args, fit_args, load_experiment
+
+__all__ = [
+    "DEFAULT_METRICS",
+    "MAX_POINTS",
+    "CheckedPoints",
+    "Experiment",
+    "Point",
+    "PointResult",
+    "SweepPlan",
+    "account_metrics",
+    "bad_points_error",
+    "check_out_dir",
+    "check_points",
+    "cli_args",
+    "cuda_available",
+    "finished_result",
+    "fit_args",
+    "flatten",
+    "json_path",
+    "load_experiment",
+    "markdown_table",
+    "plan_sweep",
+    "read_tensorboard",
+    "resumable",
+    "run_point",
+    "run_sweep",
+    "running_pid",
+    "write_results",
+]

@@ -1,0 +1,118 @@
+"""Every point's arguments parsed by `lmledger fit`'s own parser, nothing built, before any point runs."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from lmledger.errors import UserError
+from lmledger.sweep.spec import CONFIG_COMMANDS, Experiment, config_args, fit_args, format_value, override_flags
+
+
+@dataclass
+class CheckedPoints:
+    specs: dict[str, object]  # point id -> its RunSpec (fit, validate and account points)
+    errors: dict[str, str]  # point id -> the one line its arguments give
+
+
+def check_points(experiment: Experiment) -> CheckedPoints:
+    """Parse every config-reading point's arguments with `lmledger fit`'s own parser, building nothing.
+
+    A parse costs ~0.1 s, so a point is not parsed whole: its base (configs and fixed overrides) is parsed
+    once per distinct base, each (key, value) once on top of that base, and a point combines the parsed
+    values in place (milliseconds). A point whose combination fails, or that uses a value that failed on
+    its own, is parsed whole once to confirm (a value may be valid only beside another, e.g. a class_path).
+    Other commands (plan, bench, gpus) are checked when they run: they fail in a second.
+    """
+    from lmledger.commands.train import parse_fit_config
+    from lmledger.runspec import run_spec_from_config
+
+    def spec_of(config):
+        # A config naming any LightningModule parses but has no closed forms to list (its dry run needs the
+        # module built): checked, not predicted.
+        return _ANY_MODEL if "class_path" in config.model else run_spec_from_config(config)
+
+    def parse(args: list[str]):
+        try:
+            return parse_fit_config(args)
+        except UserError as err:
+            return err
+
+    bases: dict[tuple[str, ...], object] = {}
+    values: dict[tuple[tuple[str, ...], str, str], object] = {}
+    confirmed_bad: dict[tuple[tuple[str, ...], str, str], str] = {}
+    specs: dict[str, object] = {}
+    errors: dict[str, str] = {}
+    # Parsing a config seeds the RNG, and Lightning says so once per parse: noise in a listing.
+    seed_log = logging.getLogger("lightning.fabric.utilities.seed")
+    level = seed_log.level
+    seed_log.setLevel(logging.WARNING)
+    try:
+        for point in experiment.points:
+            if point.subcommand not in CONFIG_COMMANDS:
+                continue
+            base_args = config_args(point) + override_flags(point.fixed)
+            group = tuple(base_args)
+            if group not in bases:
+                bases[group] = parse(base_args)
+            overrides = {k: format_value(v) for k, v in point.swept.items() if k != "config"}
+            keys = [(group, k, text) for k, text in overrides.items()]
+            known_bad = next((confirmed_bad[key] for key in keys if key in confirmed_bad), None)
+            if known_bad is not None:
+                errors[point.id] = known_bad
+                continue
+            spec = failed_alone = None
+            base = bases[group]
+            if not isinstance(base, Exception):
+                for key in keys:
+                    if key not in values:
+                        parsed = parse([*base_args, f"--{key[1]}", key[2]])
+                        values[key] = parsed if isinstance(parsed, Exception) else parsed.get(key[1])
+                failed_alone = next((key for key in keys if isinstance(values[key], Exception)), None)
+                if failed_alone is None:
+                    spec = _combined_spec(base, {key[1]: values[key] for key in keys}, spec_of)
+            if spec is None:  # the whole command line decides
+                parsed = parse(fit_args(point))
+                try:
+                    spec = parsed if isinstance(parsed, Exception) else spec_of(parsed)
+                except (UserError, ValueError, TypeError) as err:
+                    spec = UserError(str(err))
+                if isinstance(spec, Exception) and failed_alone is not None:
+                    confirmed_bad[failed_alone] = str(values[failed_alone])
+            if isinstance(spec, Exception):
+                errors[point.id] = str(spec)
+            elif spec is not _ANY_MODEL:
+                specs[point.id] = spec
+    finally:
+        seed_log.setLevel(level)
+    return CheckedPoints(specs, errors)
+
+
+_ANY_MODEL = object()  # check_points: a point whose model is a class_path (no RunSpec)
+
+
+def _combined_spec(base, values: dict[str, object], build):
+    """build(base with `values` set at their dotted keys), or None when that fails; base is restored."""
+    missing = object()
+    saved: dict[str, object] = {}
+    try:
+        for key, value in values.items():
+            saved[key] = base.get(key, missing)
+            base[key] = value
+        return build(base)
+    except Exception:  # a combination the parts do not predict: the caller parses the whole line
+        return None
+    finally:
+        for key, old in reversed(saved.items()):
+            if old is missing:
+                base.pop(key, None)
+            else:
+                base[key] = old
+
+
+def bad_points_error(experiment: Experiment, errors: dict[str, str]) -> UserError:
+    first = next(p for p in experiment.points if p.id in errors)
+    return UserError(
+        f"{len(errors)} of {len(experiment.points)} points have bad arguments, nothing was run; "
+        f"first, {first.id}: {errors[first.id]} (--dry-run lists them all)"
+    )

@@ -1,0 +1,143 @@
+"""A point's metrics: the scalars of its TensorBoard run, or the JSON object a command printed, under
+one set of names (the TensorBoard tags `fit` logs), and the PointResult that holds them."""
+
+from __future__ import annotations
+
+import math
+import re
+import statistics
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from lmledger.ledger.units import MEMORY_ROWS
+from lmledger.sweep.spec import Experiment, Point
+
+_LEDGER_TAGS = (
+    *(f"memory/{kind}/{row}" for kind in ("predicted", "measured") for row in MEMORY_ROWS),
+    "flops/model_per_step",
+    "flops/hardware_per_step",
+    "flops/measured_per_step",
+)
+DEFAULT_METRICS = {
+    "fit": ("train/loss", "val/loss", "perf/tokens_per_sec", "perf/mfu", *_LEDGER_TAGS),
+    "validate": ("val/loss", "val/ppl"),
+    "account": (
+        "params",
+        *_LEDGER_TAGS,
+        "state_bytes_per_param/predicted",
+        "state_bytes_per_param/measured",
+        "run/tokens_per_step",
+    ),
+}
+
+# TensorBoard tags summarised by their median over the run (steady-state speed, robust to the first,
+# slow step); every other tag by its last value.
+_MEDIAN_PREFIX = "perf/"
+
+
+@dataclass
+class PointResult:
+    point: Point
+    status: str  # "done", "failed", "interrupted" or "skipped"
+    metrics: dict[str, object] = field(default_factory=dict)
+    error: str = ""
+    seconds: float | None = None
+    run_dir: str | None = None
+    reused: bool = False  # finished by an earlier invocation of the sweep
+    argv: list[str] = field(default_factory=list)  # the `lmledger` arguments it ran with
+    output: dict | None = None  # the JSON object a JSON command printed
+
+    def metric(self, name: str):
+        """A collected metric, or a path into the printed JSON such as "results/-1/mfu"."""
+        value = self.metrics.get(name)
+        return json_path(self.output, name) if value is None and self.output is not None else value
+
+    def to_json(self) -> dict:
+        return {
+            "point": self.point.id,
+            "status": self.status,
+            "argv": self.argv,
+            "metrics": self.metrics,
+            "error": self.error,
+            "seconds": self.seconds,
+            "run_dir": self.run_dir,
+            "output": self.output,
+        }
+
+
+def flatten(obj, prefix: str = "") -> dict[str, object]:
+    """A JSON object's scalar leaves as {"a/b/0/c": value} (list items by index)."""
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) else None
+    if items is None:
+        return {prefix: obj}
+    flat: dict[str, object] = {}
+    for key, value in items:
+        flat.update(flatten(value, f"{prefix}/{key}" if prefix else str(key)))
+    return flat
+
+
+def json_path(obj, path: str):
+    """The value at "a/b/-1/c" in a JSON object (list items by index, negative from the end), or None."""
+    for part in path.split("/"):
+        if isinstance(obj, dict):
+            obj = obj.get(part)
+        elif isinstance(obj, list) and re.fullmatch(r"-?\d+", part) and -len(obj) <= int(part) < len(obj):
+            obj = obj[int(part)]
+        else:
+            return None
+    return None if isinstance(obj, (dict, list)) else obj
+
+
+def account_metrics(result: dict) -> dict[str, object]:
+    """`account --json` under the TensorBoard tag names `fit` logs, so both feed the same columns."""
+    metrics = flatten(result)
+    for row, pair in result.get("memory", {}).items():
+        for kind in ("predicted", "measured"):
+            metrics[f"memory/{kind}/{row}"] = pair.get(kind)
+    for kind in ("model", "hardware", "measured"):
+        metrics[f"flops/{kind}_per_step"] = result.get("flops", {}).get(kind)
+    params = result.get("params")
+    for kind in ("predicted", "measured"):
+        state = [metrics.get(f"memory/{kind}/{row}") for row in ("params", "grads", "optimizer")]
+        if params and all(v is not None for v in state):
+            metrics[f"state_bytes_per_param/{kind}"] = sum(state) / params
+    return metrics
+
+
+def read_tensorboard(run_dir: Path) -> dict[str, float]:
+    """Each scalar tag of a run, summarised: the median of perf/* tags, the last value of the rest."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    accumulator = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
+    accumulator.Reload()
+    summary: dict[str, float] = {}
+    for tag in accumulator.Tags()["scalars"]:
+        values = [event.value for event in accumulator.Scalars(tag) if math.isfinite(event.value)]
+        if values:
+            summary[tag] = statistics.median(values) if tag.startswith(_MEDIAN_PREFIX) else values[-1]
+    return summary
+
+
+def newest_run_dir(out_dir: Path, point: Point) -> Path | None:
+    versions = []
+    for path in (out_dir / "runs" / point.id).glob("version_*"):
+        match = re.fullmatch(r"version_(\d+)", path.name)
+        if match and path.is_dir():
+            versions.append((int(match.group(1)), path))
+    return max(versions)[1] if versions else None
+
+
+def metric_columns(experiment: Experiment, results: Iterable[PointResult]) -> list[str]:
+    if experiment.metrics is not None:
+        columns = list(experiment.metrics)
+    else:
+        columns = []
+        for point in experiment.points:
+            columns += DEFAULT_METRICS.get(point.subcommand, ())
+        for result in results:  # other JSON commands: every field they printed
+            if result.point.subcommand not in DEFAULT_METRICS:
+                columns += result.metrics
+    if experiment.x and experiment.x not in experiment.swept_keys:
+        columns.append(experiment.x)
+    return list(dict.fromkeys(columns))

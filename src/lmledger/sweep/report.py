@@ -1,0 +1,98 @@
+"""A sweep's results: results.csv (every column, raw) and results.md (human units, each prediction beside
+its measured twin), then the plots."""
+
+from __future__ import annotations
+
+import csv
+import io
+from pathlib import Path
+
+from lmledger.corpus import write_atomically
+from lmledger.ledger.units import MB
+from lmledger.sweep.collect import PointResult, metric_columns
+from lmledger.sweep.spec import Experiment, short_key, slug_value
+
+
+def table_columns(experiment: Experiment, results: list[PointResult]) -> list[str]:
+    return ["point", "status", *experiment.swept_keys, *metric_columns(experiment, results), "seconds", "error"]
+
+
+def result_row(result: PointResult, columns: list[str]) -> dict[str, object]:
+    values = {c: result.metric(c) for c in columns}
+    values.update(
+        point=result.point.id,
+        status=result.status,
+        **{k: slug_value(k, v) for k, v in result.point.swept.items()},
+        seconds=None if result.seconds is None else round(result.seconds, 2),
+        error=result.error,
+    )
+    return {c: values.get(c) for c in columns}
+
+
+def write_results(experiment: Experiment, results: list[PointResult], out_dir: Path) -> list[Path]:
+    columns = table_columns(experiment, results)
+    rows = [result_row(r, columns) for r in results]
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, columns, lineterminator="\n")
+    writer.writeheader()
+    for row in rows:
+        writer.writerow({k: "" if v is None else v for k, v in row.items()})
+    write_atomically(out_dir / "results.csv", buffer.getvalue())
+    write_atomically(out_dir / "results.md", markdown_table(experiment, columns, rows))
+    from lmledger.sweep.plots import draw_plots  # matplotlib loads only when there is something to draw
+
+    return draw_plots(experiment, results, out_dir)
+
+
+def format_cell(column: str, value) -> str:
+    if value is None or value == "":
+        return ""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return str(value).replace("|", "\\|")
+    if column.startswith("memory/"):
+        return f"{value / MB:,.3f}"
+    if column.endswith(("mfu", "hfu")):
+        return f"{value:.3f}"
+    if "loss" in column or "ppl" in column or "per_param" in column:
+        return f"{value:.4g}"
+    if column.startswith("flops/") or abs(value) >= 1e7:
+        return f"{value:.4g}"
+    if isinstance(value, float):
+        return f"{value:,.1f}" if abs(value) >= 100 else f"{value:.4g}"
+    return f"{value:,}"
+
+
+def markdown_table(experiment: Experiment, columns: list[str], rows: list[dict]) -> str:
+    """The non-empty columns of the results, human-formatted: memory in MB (1e6 bytes), each predicted figure
+    and its measured twin in one "predicted / measured" cell."""
+    shown = [c for c in columns if c != "point" and any(row.get(c) not in (None, "") for row in rows)]
+    short = [short_key(k) for k in experiment.swept_keys]
+    short_names = {k: s for k, s in zip(experiment.swept_keys, short, strict=True) if short.count(s) == 1}
+    cells: list[tuple[str, str, str | None]] = []  # (header, column, its measured twin in the same cell)
+    for column in shown:
+        if not column.startswith("memory/"):
+            cells.append((short_names.get(column, column), column, None))
+            continue
+        _, kind, component = column.split("/", 2)
+        twin = f"memory/measured/{component}"
+        if kind == "measured" and f"memory/predicted/{component}" in shown:
+            continue  # shown beside its prediction
+        if kind == "predicted" and twin in shown:
+            cells.append((f"{component} MB (predicted / measured)", column, twin))
+        else:
+            cells.append((f"{component} MB ({kind})", column, None))
+
+    def render(row: dict, column: str, twin: str | None) -> str:
+        text = format_cell(column, row.get(column))
+        if twin is None:
+            return text
+        measured = format_cell(twin, row.get(twin))
+        return f"{text or '—'} / {measured or '—'}" if text or measured else ""
+
+    lines = [f"# sweep {experiment.name}", ""]
+    if experiment.description:
+        lines += [experiment.description, ""]
+    lines += ["| " + " | ".join(h for h, _, _ in cells) + " |", "|" + "|".join("---" for _ in cells) + "|"]
+    for row in rows:
+        lines.append("| " + " | ".join(render(row, column, twin) for _, column, twin in cells) + " |")
+    return "\n".join(lines) + "\n"
