@@ -158,7 +158,7 @@ def test_transformer_engine_unties_tied_weights(monkeypatch):
     assert tied and untied
 
 
-def test_throughput_monitor_synchronizes_every_batch_and_waits_for_its_window(monkeypatch):
+def test_throughput_monitor_syncs_every_batch(monkeypatch):
     """callbacks/throughput.py: why lmledger times its own windows instead of using ThroughputMonitor."""
     synced = []
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: synced.append(1))
@@ -198,9 +198,10 @@ def test_loops_restore_their_progress_before_the_train_loader_is_iterated():
     assert "self.setup_data()" in inspect.getsource(_FitLoop.run)
 
 
-def test_gradient_clip_val_may_be_negative():
-    """commands/train._check_trainer_values refuses what Lightning accepts: a negative clip ascends."""
+def test_trainer_accepts_values_that_train_wrongly():
+    """commands/train._check_trainer_values refuses them: a negative clip ascends, 0 accumulation trains nothing."""
     assert _trainer(gradient_clip_val=-1.0).gradient_clip_val == -1.0
+    assert _trainer(accumulate_grad_batches=0).accumulate_grad_batches == 0
 
 
 def test_seed_everything_none_without_environment_is_zero(monkeypatch):
@@ -254,3 +255,47 @@ def test_foreach_supported_devices_helper_exists():
     from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices as from_utils
 
     assert "cuda" in from_utils() and from_optimizer() == from_utils()
+
+
+def test_lightning_fsdp_refuses_clipping_by_norm():
+    """LitLM.configure_gradient_clipping clips by its own norm, which also works under FSDP."""
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+    from lightning.pytorch.plugins.precision import FSDPPrecision
+
+    with pytest.raises(MisconfigurationException, match="not supported"):
+        FSDPPrecision("32-true").clip_grad_by_norm(None, 1.0)
+
+
+def test_lightning_zeroes_grads_after_the_forward():
+    """ledger.memory.peak_bytes: the previous step's grads are still alive at the end of forward."""
+    from lightning.pytorch.loops.optimization.automatic import Closure, ClosureResult
+
+    order = []
+
+    def forward():
+        order.append("forward")
+        return ClosureResult(closure_loss=torch.tensor(1.0))
+
+    Closure(forward, lambda loss: order.append("backward"), lambda: order.append("zero_grad")).closure()
+    assert order == ["forward", "zero_grad", "backward"]
+
+
+def test_lightning_autocast_keeps_no_weight_cache():
+    """ledger.memory.peak_bytes and the dry run: a weight copy lives only while backward needs it."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    assert MixedPrecision("bf16-mixed", "cpu").autocast_context_manager()._cache_enabled is False
+    assert torch.autocast("cpu")._cache_enabled  # torch's own default keeps every copy until exit
+
+
+# ------------------------------------------------------------------ torchmetrics
+
+
+def test_mean_metric_without_nan_check_drops_the_weights():
+    """LitLM.val_loss keeps MeanMetric's NaN check: with nan_strategy="disable" the weights are ignored
+    (torchmetrics issue #3434)."""
+    from torchmetrics.aggregation import MeanMetric
+
+    metric = MeanMetric(nan_strategy="disable")
+    metric.update(torch.tensor([1.0, 3.0]), weight=torch.tensor([1.0, 0.0]))
+    assert metric.compute().item() == 2.0  # the unweighted mean; weighted it is 1.0

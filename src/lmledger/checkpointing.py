@@ -167,9 +167,9 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 def make_last_checkpoint_atomic(callbacks: list[pl.Callback]) -> None:
     """Keep last.ckpt whole across a kill for every ModelCheckpoint among `callbacks`.
 
-    With save_last="link", Lightning 2.6.6 deletes the old last.ckpt before creating the new symlink, and
-    deletes the previous top-k file (the old link's target) before that: a kill in between leaves last.ckpt
-    missing or dangling. A full save through AtomicCheckpointIO never does, so "link" becomes a full save.
+    With save_last="link" Lightning removes last.ckpt before linking the new one (canary
+    test_link_last_removes_the_old_link_before_making_the_new_one): a kill in between leaves it missing or
+    dangling. A full save through AtomicCheckpointIO never does, so "link" becomes a full save.
     """
     for callback in callbacks:
         # Lightning links only when it also keeps top-k files; with save_top_k=0 "link" already saves in full.
@@ -340,13 +340,11 @@ class PreemptionCheckpoint(pl.Callback):
     """On SIGTERM (SLURM's and Kubernetes' notice of preemption) finish the current optimizer step, save
     last.ckpt atomically, and stop the fit with `Preempted`.
 
-    Lightning 2.6.6's own handler stops the loop after the current batch without saving, mid-accumulation
-    or mid-validation alike, and the SIGTERMException it raises exits 0. Here the handler only takes note;
-    the save happens in on_train_batch_end once the optimizer has stepped, where ModelCheckpoint saves
-    (a state every resume path is tested from), and the stop at the next batch's start, after that
-    step's metrics are logged and its validation, if due, has run. One process only: under DDP the ranks
-    would have to agree on the step first, so Lightning's own handling stays (and with it SLURM's
-    SIGUSR1 requeue, which this never touches).
+    Lightning's own handler stops after the current batch without saving, mid-accumulation alike, and
+    exits 0 (canary test_lightning_stops_on_sigterm_without_saving). Here the handler only takes note;
+    the save follows the optimizer step (where ModelCheckpoint saves) and the stop comes at the next
+    batch's start, after that step's logging and validation. One process only: under DDP the ranks would
+    first have to agree on the step, so Lightning's handling (and SLURM's SIGUSR1 requeue) stays.
     """
 
     def __init__(self) -> None:

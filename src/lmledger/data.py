@@ -392,9 +392,9 @@ class TokenDataModule(pl.LightningDataModule):
     def batches_consumed(self) -> int:
         """Training batches the attached trainer has already taken (restored from a checkpoint on resume).
 
-        Lightning 2.6.6 restores the loops' progress (Trainer._run: restore_training_state) before
-        fit_loop.setup_data() first iterates the train loader, and batch_progress.total.ready counts every
-        batch the loop has fetched, across epochs; the prefetcher's look-ahead is not counted.
+        Lightning restores the loops' progress before it first iterates the train loader (canary
+        test_loops_restore_their_progress_before_the_train_loader_is_iterated); the count is of batches
+        fetched across epochs, without the prefetcher's look-ahead.
         """
         if self.trainer is None:
             return 0

@@ -114,13 +114,10 @@ class LitLM(L.LightningModule):
         self.save_hyperparameters()
         self.config = config
         self.model = apply_fp8(ToyLM(config), fp8)
-        # Token-weighted mean over the validation batches. nan_strategy imputes NaN with NaN, so a diverged
-        # model reads NaN; the default ("warn") would average the finite batches alone. ("disable" would
-        # skip the check's host sync, but torchmetrics 1.9 then drops the weights: its issue #3434.)
+        # Token-weighted mean over validation batches; a NaN batch makes it NaN ("warn" would drop it,
+        # "disable" drops the weights: canary test_mean_metric_without_nan_check_drops_the_weights).
         self.val_loss = MeanMetric(nan_strategy=float("nan"))
-        # Compiled forward shares the eager module's parameters. Stored in __dict__ (nn.Module's
-        # setattr would register it as a second submodule) so state_dict keys stay those of
-        # `self.model`, the same with or without compile.
+        # In __dict__, not a submodule, so state_dict keys are `self.model`'s with or without compile.
         self.__dict__["_forward"] = torch.compile(self.model) if compile is True else self.model
         if compile == "blocks":
             for block in self.model.blocks:
@@ -137,8 +134,7 @@ class LitLM(L.LightningModule):
         loss = self(x, y)
         self.log("train/loss", loss)
         self._last_loss = loss.detach()
-        # Logged as a device tensor filled in place: Lightning turns a Python float into a new device tensor
-        # with a blocking host-to-device copy, which waits for the GPU to drain (a host sync every step).
+        # A device tensor filled in place: a Python float would cost a blocking host-to-device copy per step.
         if self._lr.device != loss.device:
             self._lr = torch.zeros((), dtype=torch.float32, device=loss.device)
         self.log("train/lr", self._lr.fill_(self.lr_schedulers().get_last_lr()[0]))
@@ -175,10 +171,8 @@ class LitLM(L.LightningModule):
         # Grads are unscaled here (16-mixed) and not yet clipped: this is the norm clipping acts on.
         norm = self.gradient_norm()
         self.log("train/grad_norm", float("nan") if norm is None else norm)
-        # The bar's loss: a host copy taken once per optimizer step at logging steps (which read values back
-        # anyway), here so the bar's redraw in on_train_batch_end already shows it. Lightning converts every
-        # prog_bar value to a Python number after every batch, bar or not: a device tensor there would cost
-        # a host sync per step.
+        # The bar's loss, copied to the host only at logging steps: Lightning reads every prog_bar value
+        # back after every batch, so a device tensor there would cost a host sync per step.
         trainer = self.trainer
         if trainer.progress_bar_callback is not None and should_update_logs(trainer):
             self.log("loss", self._last_loss.float().cpu(), prog_bar=True, logger=False, batch_size=1)
@@ -188,8 +182,8 @@ class LitLM(L.LightningModule):
     ) -> None:
         if not gradient_clip_val or gradient_clip_algorithm == "value":
             return super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
-        # Clip by the norm already measured this step. Lightning's own clipping measures it again, and
-        # refuses FSDP (its precision plugin cannot reach the root FSDP module to reduce the norm).
+        # Clip by the norm measured this step; Lightning's clipping measures again and refuses FSDP
+        # (canary test_lightning_fsdp_refuses_clipping_by_norm).
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         norm = self.gradient_norm()
         if params and norm is not None:
@@ -202,8 +196,7 @@ class LitLM(L.LightningModule):
     def on_validation_epoch_end(self) -> None:
         loss = self.val_loss.compute()
         self.val_loss.reset()
-        # MeanMetric.compute() has already reduced over ranks; sync_dist averages equal values (and
-        # tells Lightning so, which otherwise warns under DDP).
+        # Already reduced over ranks; sync_dist only silences Lightning's DDP warning.
         self.log("val/loss", loss, prog_bar=True, sync_dist=True)
         self.log("val/ppl", torch.exp(loss), sync_dist=True)
 
@@ -211,9 +204,8 @@ class LitLM(L.LightningModule):
         return getattr(self.trainer.precision_plugin, "scaler", None) is None
 
     def on_train_start(self) -> None:
-        # A restored optimizer takes its param groups' settings, `fused` among them, from the checkpoint
-        # (one saved unfused: before fused kernels on CPU, or under fp16). Set them to this run's choice
-        # once every strategy has restored its state (FSDP restores after the module's hooks have run).
+        # A restored optimizer takes `fused` from the checkpoint (saved under fp16, say): set this run's
+        # choice once every strategy has restored its state (FSDP restores after the module's hooks).
         fused = self._fused_optimizer()
         for optimizer in self.trainer.optimizers:
             if isinstance(optimizer, (torch.optim.AdamW, torch.optim.SGD)):
@@ -229,20 +221,16 @@ class LitLM(L.LightningModule):
             {"params": decay, "weight_decay": self.hparams.weight_decay},
             {"params": no_decay, "weight_decay": 0.0},
         ]
-        # Fused kernels (CPU and CUDA) update every parameter in one launch instead of several per tensor
-        # (AdamW on 2 CPU cores: 3-9x faster than foreach, benchmarks/optimizer_step.py), and skip the
-        # update on the device when NonFiniteGuard sets `found_inf`. Not under fp16's GradScaler: Lightning
-        # then leaves the gradients scaled until the fused step unscales them, so grad-norm logging and
-        # clipping would see scaled values.
+        # Fused kernels: one launch for all parameters (AdamW 3-9x faster than foreach on 2 CPU cores,
+        # benchmarks/optimizer_step.py) and NonFiniteGuard's `found_inf` skips the step on the device. Not
+        # under fp16's GradScaler, which would leave the gradients scaled for logging and clipping.
         fused = self._fused_optimizer()
         if self.hparams.optimizer == "adamw":
             optimizer = torch.optim.AdamW(groups, lr=self.hparams.lr, betas=self.hparams.betas, fused=fused)
         else:
             optimizer = torch.optim.SGD(groups, lr=self.hparams.lr, momentum=0.9, fused=fused)
-        # The run's length shapes only the decay after warm-up, so it is asked for at the first step past
-        # warm-up, after a resumed run's checkpoint is restored. Asked here, Trainer.estimated_stepping_batches
-        # (runs sized by epochs) would build the train iterator before the restore, and Lightning keeps that
-        # iterator, with its prefetched first batch: the resumed run would restart the data at batch 0.
+        # The run's length is asked for only past warm-up, after a resume's restore: asked here,
+        # estimated_stepping_batches would build the train iterator early and a resumed run restart its data.
         trainer, warmup, min_ratio = self.trainer, self.hparams.warmup_steps, self.hparams.min_lr_ratio
 
         @functools.cache

@@ -188,9 +188,9 @@ def trainer_precision_kwargs(precision: str | int | None, accelerator: object = 
     `plugins=[*plugins, OUR_PLUGIN]` where Lightning's own choice is not what we want:
 
     - transformer-engine(-float16): TiedTransformerEnginePrecision, which keeps tied weights tied;
-    - 16-mixed on CPU: Lightning 2.6.6 swaps it for bf16-mixed with a warning ("AMP with fp16 is
-      not supported on CPU"), but torch runs fp16 autocast and GradScaler on CPU, so we give
-      Lightning's MixedPrecision plugin for fp16 explicitly and the run is what was asked for.
+    - 16-mixed on CPU: Lightning swaps it for bf16-mixed (canary test_16_mixed_on_cpu_becomes_bf16),
+      but torch runs fp16 autocast and GradScaler on CPU, so Lightning's fp16 MixedPrecision plugin
+      is given explicitly and the run is what was asked for.
     """
     plugins = _as_list(plugins)
     if precision is None:
@@ -220,11 +220,9 @@ def _dtype(name: str | torch.dtype) -> torch.dtype:
 class TiedTransformerEnginePrecision(TransformerEnginePrecision):
     """Lightning's Transformer Engine (fp8) precision, with tied weights kept tied.
 
-    Lightning 2.6.6 swaps each nn.Linear for a te.Linear built around a clone of the old weight
-    (fabric/plugins/precision/transformer_engine.py, `_convert_layers`). An LM head tied to the
-    embedding thus gets its own copy: the model silently unties, trains one more V x d matrix
-    and no longer matches the ledger. convert_module records which parameters were shared
-    before the swap and shares them again after it.
+    Lightning swaps each nn.Linear for a te.Linear holding a clone of its weight (canary
+    test_transformer_engine_unties_tied_weights), so a tied LM head silently unties and trains one more
+    V x d matrix. convert_module records which parameters were shared and shares them again after.
 
     Args:
         weights_dtype: "bfloat16" (Lightning's `transformer-engine`), "float16", or "float32" for

@@ -16,12 +16,12 @@ Each logging step (every trainer.log_every_n_steps) reports the window since the
 Validation inside a window is excluded from every figure. The first `warmup_steps` batches are not
 timed (they hold the ledger's own measurements, optimizer-state allocation and kernel autotuning).
 
-Why not Lightning's ThroughputMonitor (2.6.6): it synchronizes the device after every batch; its
-rolling window (default 100 batches) gives no value before it fills; and it takes its peak from
-`get_available_flops`, whose table maps "NVIDIA H200" to nothing and lists sparse peaks for the H200
-and H100 NVL. Here the device is synchronized only when a window starts or ends, every window is
-reported, and the peak comes from lmledger.ledger.hardware (dense datasheet figures; a measured
-matmul peak, labelled so, on a CPU or an unlisted GPU).
+Why not Lightning's ThroughputMonitor: it synchronizes the device after every batch and its rolling
+window gives no value before it fills (canary test_throughput_monitor_syncs_every_batch); its peaks come
+from `get_available_flops`, which maps "NVIDIA H200" to nothing (canary
+test_lightning_resolves_no_peak_for_nvidia_h200) and lists sparse peaks for H200 and H100 NVL. Here
+the device is synchronized only when a window starts or ends, every window is reported, and the peak
+comes from lmledger.ledger.hardware (dense datasheet figures, or a measured matmul peak labelled so).
 
 On CUDA the host runs ahead of the device, so between two synchronizations the host's time between
 steps may overlap queued kernels: data_wait_frac is an upper bound on the device's idle share.

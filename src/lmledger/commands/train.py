@@ -71,7 +71,7 @@ SPECIAL_CKPT_PATHS = ("last", "best", "hpc", "registry")
 
 
 class _DropAdverts(logging.Filter):
-    """Lightning 2.6 prints a "💡 Tip" advertising a cloud logger on every run; it is noise here."""
+    """Lightning's "💡 Tip" for a cloud logger, on every run (canary test_lightning_advertises_a_cloud_logger)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not str(record.msg).startswith("💡 Tip")
@@ -257,8 +257,8 @@ def _check_config_files(args, any_model: bool = False) -> None:
 
 
 def _check_trainer_values(trainer) -> None:
-    """Values Lightning 2.6.6 accepts and then misuses: negative clipping ascends the gradient, zero
-    accumulation trains nothing and exits 0, negative devices end in a traceback."""
+    """Values Lightning accepts and then misuses (canary test_trainer_accepts_values_that_train_wrongly):
+    negative clipping ascends the gradient, zero accumulation trains nothing, negative devices crash."""
     clip = trainer.get("gradient_clip_val")
     if clip is not None and not (isinstance(clip, (int, float)) and math.isfinite(clip) and clip >= 0):
         raise ConfigError(f"--trainer.gradient_clip_val must be >= 0 (0 or null: no clipping), got {clip}")
@@ -383,8 +383,8 @@ class LedgerCLI(LightningCLI):
                 config.ckpt_path = ckpt = str(found[0])
         if ckpt and ckpt not in SPECIAL_CKPT_PATHS:
             _checked_hyperparameters(open_checkpoint(ckpt, mmap=True), ckpt, litlm=not self.any_model)
-        # `--seed_everything true` promises a random seed, but Lightning 2.6.6's seed_everything(None) takes
-        # PL_GLOBAL_SEED from the environment or else 0. Draw one here; it is saved in config.yaml like any seed.
+        # `--seed_everything true` promises a random seed; Lightning would use 0 (canary
+        # test_seed_everything_none_without_environment_is_zero). Drawn here, it is saved in config.yaml.
         if config.get("seed_everything") is True:
             config.seed_everything = secrets.randbelow(2**32)
 
@@ -601,7 +601,7 @@ def _run_cli(cli_class: type[LedgerCLI], argv: list[str], run: bool) -> LedgerCL
     # LightningCLI warns when it gets `args` while sys.argv also holds arguments, as it does when we run
     # as the console script. sys.argv must stay as it is: DDP's launcher re-runs it for ranks 1..N-1.
     warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
-    # Lightning 2.6.6 calls a torch.utils._pytree API that torch 2.13 deprecates; nothing for users to act on.
+    # From Lightning's own code, nothing to act on (canary test_lightning_pytree_uses_the_deprecated_leafspec).
     warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
     # Lightning warns on every mid-epoch resume that a loader without state_dict() "can cause unreliable
     # results". TokenDataModule's resumes exactly (its sampler starts at the restored batch count; tested).

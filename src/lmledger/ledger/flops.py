@@ -243,9 +243,8 @@ def _check_seq_len(cfg: ModelConfig, seq_len: int) -> None:
         )
 
 
-# torch 2.13 has no FLOP formula for the CPU flash-attention ops, so FlopCounterMode counts CPU SDPA
-# as 0 (pytorch issue 195460). Register torch's own SDPA formulas for them, so CPU counts follow the
-# CUDA kernels' convention.
+# FlopCounterMode counts CPU SDPA as 0 (no formula for the CPU flash-attention ops, pytorch issue 195460;
+# canary test_cpu_flash_attention_has_no_flop_formula): give them torch's own SDPA formulas.
 def _cpu_flash_attention_flop(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
     return sdpa_flop_count(query_shape, key_shape, value_shape)
 

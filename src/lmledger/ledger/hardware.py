@@ -9,8 +9,8 @@ physical HBM is GiB-sized (an 80 GB H100 reports ~85e9 bytes to torch), so capac
 figures is slightly conservative.
 
 Why our own table instead of Lightning's `lightning.fabric.utilities.throughput.get_available_flops`
-(checked against Lightning 2.6.6's throughput.py): its H200 entries are keyed "h200 sxm1" / "h200 nvl1",
-so the name torch reports for an H200, plain "NVIDIA H200", maps to no entry (warning + None); the H200
+(read in Lightning 2.6.6; canary test_lightning_resolves_no_peak_for_nvidia_h200): its H200 entries are
+keyed "h200 sxm1" / "h200 nvl1", so plain "NVIDIA H200" (torch's name for it) maps to nothing; the H200
 bf16/fp16 (2.0e15), tf32 (9.9e14) and int8 (4.0e15) figures are the sparse ones; its "h100 nvl" entry
 lists 1978.8e12 bf16 (the dense figure is 835e12); "NVIDIA L40S" falls through its `"l4" in chip` test and
 gets the L4's 121e12; there is no B200 and no fp8 column. This module also must not import Lightning.

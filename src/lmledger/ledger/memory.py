@@ -41,28 +41,19 @@ w = 2 (4 under 32-true); L = the largest layer's parameters:
     2      w N           w N/W + 4N/W               4N/W + 4sN/W         2N + 18N/W
     3      w N/W + w L   4N/W + w L                 4N/W + 4sN/W         18N/W + 4L
 
-Sources (DeepSpeed 0.19.8, deepspeed/runtime/zero/): stage_1_and_2.py keeps the model's 16-bit
-params whole (bit16_groups), clones each rank's partition to fp32 (single_partition_of_fp32_groups,
-the master) and casts the partition's gradients to fp32 for the step (4_grads_32bit); stage 2
-partitions the 16-bit gradients (averaged_gradients), stage 1 leaves them whole. Under 32-true the
-cast is a no-op (no 4N/W grads) but the master is still a clone. stage3.py keeps 16-bit param
-partitions (fp16_partitioned_groups_flat), fp32 gradient partitions (grad_partitions_flat_buffer,
-gradient_accumulation_dtype = fp32) and fp32 masters (fp32_partitioned_groups_flat; shared with the
-params under 32-true), and gathers one layer's 16-bit params and makes its 16-bit grads at a time
-(largest_layer_memory = 4L). Totals equal DeepSpeed's own estimate_zero2_model_states_mem_needs
-(2N + 18N/W since DeepSpeed 0.14.3, PR #5099; 4N + 16N/W before, which is stage 1's figure here)
-and estimate_zero3_model_states_mem_needs (18N/W + 4L) without offload; the tests hold them equal.
-Offload (CPU / NVMe) is not modelled.
+Source: DeepSpeed 0.19.8, deepspeed/runtime/zero/. stage_1_and_2.py keeps the 16-bit params whole
+(bit16_groups), an fp32 master of each rank's partition (single_partition_of_fp32_groups) and fp32
+gradients of it for the step; stage 2 partitions the 16-bit gradients, stage 1 does not (under
+32-true the gradient cast is a no-op, the master still a clone). stage3.py keeps 16-bit param, fp32
+gradient and fp32 master partitions (the master shared with the params under 32-true) and gathers one
+layer at a time (largest_layer_memory = 4L). The totals equal DeepSpeed's estimate_zero2_ (2N + 18N/W,
+DeepSpeed PR #5099) and estimate_zero3_model_states_mem_needs (18N/W + 4L) without offload (tests hold
+them equal); offload is not modelled.
 
-Peak: peak_bytes walks one steady-state step (its docstring has the formula). Its measured twin
-is the high-water mark of live tensor bytes over a real step (ledger.memtrack; the CPU keeps no
-allocator statistics), held to the prediction within 2% on CPU across precisions, checkpointing,
-tied embeddings and odd widths; on CUDA, measure_peak_cuda (the allocator's own figure) is held to
-it within 15% (cuBLAS workspaces and allocator rounding are not modelled).
+Peak: peak_bytes walks one steady-state step. Measured twins: live tensor bytes (ledger.memtrack,
+within 2% on CPU) and the CUDA allocator's peak (within 15%: workspaces and rounding not modelled).
 
-AdamW's per-parameter `step` counter is a 0-dim fp32 tensor (on the CPU unless the optimizer is
-capturable or fused). It is not counted: the optimizer figure is exactly states x bytes x params,
-and measure_state_bytes skips 0-dim tensors to match.
+AdamW's 0-dim `step` counters are not counted, here or in measure_state_bytes.
 """
 
 from __future__ import annotations
@@ -480,40 +471,26 @@ def peak_bytes(
 ) -> PeakReport:
     """Largest allocation total during one training step after the first.
 
-    P, O, G = params, optimizer state, grads (state_bytes); A = activation_bytes().total;
-    Wall / Wsaved = autocast copies of all matmul weights / of those saved for backward; NV =
-    tokens x vocab. The step is walked phase by phase and the largest total wins:
+    P, O, G = params, optimizer state, grads; A = activation_bytes().total; Wall / Wsaved = autocast
+    copies of all matmul weights / of those saved for backward; NV = tokens x vocab; c = compute bytes.
+    The largest of these totals wins:
 
-      forward end       P + O + [G] + A + Wsaved (Wall) + NV*(c + 4 if c < 4 else 4)
-                        [G]: Lightning zeroes grads after forward, so last step's grads are still
-                        alive (grads_held_in_forward); a weight copy lives while backward needs it
-                        (Wsaved): Lightning runs torch.autocast with cache_enabled=False
-                        (lightning/pytorch/plugins/precision/amp.py), whereas torch.autocast's own
-                        default (autocast_cache=True) keeps every copy (Wall) until autocast exits;
-                        the logits (c bytes) and their fp32 copy are alive while log_softmax runs.
-      loss backward     P + O + A + Wsaved + 2*NV*4: nll's gradient and log_softmax's, both fp32,
-                        while log_softmax's saved output is still held.
-      recompute block   for each checkpointed block, top down: what is still saved below it,
-                        plus grads already made above it, plus the block's recomputed saved set
-                        and weight copies, plus the gradients alive in its SwiGLU backward: the
-                        residual stream's (tokens x d) and two of tokens x d_ff (of w1 x and w3 x,
-                        while the product's is still held).
-      embedding bwd     P + O + G, and for a tied embedding 2*V*d grads more: the LM head's
-                        gradient is already the weight's .grad when the embedding's own V*d gradient
-                        arrives, and AccumulateGrad adds the two out of place (grad + new) before it
-                        drops the old one.
-      optimizer step    P + O + G + what the AdamW kernel torch runs holds (optimizer_kernel):
-                        foreach makes sqrt(v) for every parameter at once, one state's worth
-                        (torch.optim.adam._multi_tensor_adam); the per-tensor loop makes sqrt(v_i)
-                        and sqrt(v_i)/bias_correction for one parameter at a time, two of the largest
-                        parameter's state (_single_tensor_adam); fused works in place. SGD adds none.
+    1. forward end: P + O + [G] + A + Wsaved + NV*(c + 4 if c < 4 else 4). [G]: Lightning zeroes grads
+       after forward (grads_held_in_forward); Wsaved, not Wall: Lightning's autocast keeps no weight
+       cache (Wall with autocast_cache=True); the logits and their fp32 copy live through log_softmax.
+       (Canaries test_lightning_zeroes_grads_after_the_forward, test_lightning_autocast_keeps_no_weight_cache.)
+    2. loss backward: P + O + A + Wsaved + 2*NV*4 (nll's and log_softmax's fp32 gradients).
+    3. recompute, per checkpointed block top down: the saved set below it + grads made above it + its
+       recomputed saved set and weight copies + its SwiGLU backward's gradients (tokens x d and two of
+       tokens x d_ff).
+    4. embedding backward: P + O + G, plus 2*V*d for a tied embedding (AccumulateGrad adds the head's
+       and the embedding's gradients out of place).
+    5. optimizer step: P + O + G + the AdamW kernel's temporaries (optimizer_kernel): foreach, sqrt(v)
+       of every tensor (one state); for-loop, two of the largest tensor's state; fused and SGD, none.
 
-    Between these points saved activations are freed as gradients are made, roughly in step,
-    so totals there lie between the endpoints. Not modelled: backward's per-op gradient
-    temporaries (a few tokens x d_ff), library workspaces (cuBLAS), allocator rounding, and the
-    gathered parameters of FSDP (DeepSpeed ZeRO-3's largest layer is in params and grads). With
-    `batch` per rank, activations are not divided. DeepSpeed runs a *-mixed precision as its
-    16-bit model without autocast, so activations are those of the *-true counterpart.
+    Between these points totals lie between the endpoints. Not modelled: per-op gradient temporaries,
+    library workspaces, allocator rounding, FSDP's gathered parameters. `batch` is per rank. DeepSpeed
+    runs *-mixed as its 16-bit model without autocast (activations of the *-true counterpart).
     """
     _check_shape(cfg, batch, seq)
     deepspeed = strategy in _DEEPSPEED_STAGES
@@ -601,7 +578,7 @@ def optimizer_kernel(device: str, fused: bool = False, foreach: bool | None = No
 def _foreach_devices() -> list[str]:
     try:
         from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices
-    except ImportError:  # a private helper: if it moves, fall back to what torch 2.13 lists
+    except ImportError:  # private (canary test_foreach_supported_devices_helper_exists): torch 2.13's list
         return ["cuda", "xpu", "mtia"]
     return _get_foreach_kernels_supported_devices()
 
