@@ -134,6 +134,16 @@ def test_lightning_stops_on_sigterm_without_saving():
     assert issubclass(SIGTERMException, SystemExit) and SIGTERMException().code is None  # exit status 0
 
 
+def test_remote_checkpoints_load_unsafely_by_default(monkeypatch):
+    """checkpointing.AtomicCheckpointIO.load_checkpoint passes weights_only=True for URLs."""
+    from lightning.fabric.utilities import cloud_io
+
+    seen = {}
+    monkeypatch.setattr(torch.hub, "load_state_dict_from_url", lambda url, **kwargs: seen.update(kwargs))
+    cloud_io._load("https://example.invalid/last.ckpt")
+    assert seen["weights_only"] is False
+
+
 def test_16_mixed_on_cpu_becomes_bf16():
     """precision.trainer_precision_kwargs passes Lightning's fp16 MixedPrecision plugin explicitly on CPU."""
     with pytest.warns(UserWarning, match="bf16-mixed"):
@@ -299,3 +309,18 @@ def test_mean_metric_without_nan_check_drops_the_weights():
     metric = MeanMetric(nan_strategy="disable")
     metric.update(torch.tensor([1.0, 3.0]), weight=torch.tensor([1.0, 0.0]))
     assert metric.compute().item() == 2.0  # the unweighted mean; weighted it is 1.0
+
+
+def test_a_storage_keeps_one_python_object_that_dies_with_it():
+    """ledger.memtrack sees a storage freed when its Python object is finalized."""
+    import weakref
+
+    tensor = torch.empty(10)
+    assert tensor.untyped_storage() is tensor.untyped_storage()
+    freed = []
+    ref = weakref.ref(tensor.untyped_storage(), lambda _: freed.append(True))
+    view = tensor[2:]
+    del tensor
+    assert not freed  # the view still holds the storage
+    del view
+    assert freed and ref() is None

@@ -154,7 +154,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
     def load_checkpoint(self, path, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
         if not is_local_path(path):
-            # Lightning turns weights_only=None into False for http(s) URLs; keep it safe unless asked otherwise.
+            # Lightning reads weights_only=None as False for URLs; keep it safe unless asked otherwise
+            # (canary test_remote_checkpoints_load_unsafely_by_default).
             safe = True if weights_only is None else weights_only
             return super().load_checkpoint(path, map_location=map_location or "cpu", weights_only=safe)
         if weights_only is False:

@@ -7,9 +7,8 @@ tracker counts bytes itself, the same way on every device:
   gradients, an optimizer's state, the batch) — the baseline;
 - every storage an operator returns that is not one of that operator's inputs' storages (a view,
   an in-place or `out=` result) is a new allocation, seen by a TorchDispatchMode;
-- a storage is freed when its Python object is finalized (torch keeps one Python object per live
-  storage, so a weakref callback fires exactly when the storage goes), baseline ones included
-  (zero_grad(set_to_none=True) frees the gradients it was told about).
+- a storage is freed when its one Python object is finalized (a weakref callback; canary
+  test_a_storage_keeps_one_python_object_that_dies_with_it), baseline ones included.
 
 The peak is taken after every operator, with the operator's inputs still alive, and charged to the
 phase the caller last named (`phase("backward")`). Not seen: scratch buffers a kernel allocates and
