@@ -147,14 +147,15 @@ def test_account_of_an_hf_config_puts_the_dry_run_beside_the_real_step(workdir, 
     assert result["params"] * 4 == memory["params"]["predicted"]  # fp32, no tied weights in Llama
 
 
-def test_plan_max_batch_of_an_hf_model_fits_under_the_cap_measured(workdir, capsys, examples_importable):
-    """Issue 12: under --device-memory-gb X on a CPU, the measured peak (ledger.memtrack on the real step) of
-    the predicted largest batch fits under X, and one more sample's does not."""
+@pytest.mark.parametrize("flag", ["--ledger.device_memory_gb", "--device-memory-gb"])
+def test_plan_max_batch_of_an_hf_model_fits_under_the_cap_measured(workdir, capsys, examples_importable, flag):
+    """Issue 12: under --ledger.device_memory_gb X on a CPU, the measured peak (ledger.memtrack on the real step)
+    of the predicted largest batch fits under X, and one more sample's does not."""
     from lmledger.commands.train import build_model_and_data, first_batch
     from lmledger.ledger.predict import measure_module as measure
 
     capacity_gb = 0.0035
-    result = run_json(capsys, "plan", "max-batch", *HF_LLAMA, "--device-memory-gb", str(capacity_gb), "--json")
+    result = run_json(capsys, "plan", "max-batch", *HF_LLAMA, flag, str(capacity_gb), "--json")
     best = result["max_batch"]
     assert 2 <= best < 64 and result["peak_bytes"] <= capacity_gb * 1e9 < result["next_peak_bytes"]
     module, data, _ = build_model_and_data([*HF_LLAMA, "--data.init_args.batch_size", str(best + 1)])

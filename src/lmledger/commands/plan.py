@@ -110,11 +110,30 @@ def _max_params(args: argparse.Namespace) -> None:
 def _capacity(args: argparse.Namespace) -> tuple[int, str, str | None]:
     """(bytes one device may use, how to show it, the GPU key or None) from --gpu or --device-memory-gb."""
     if (args.gpu is None) == (args.device_memory_gb is None):
-        raise UserError("max-batch needs the memory to fit in: --gpu KEY or --device-memory-gb GB (one of them)")
+        raise UserError(
+            "max-batch needs the memory to fit in: --gpu KEY or --device-memory-gb GB (or --ledger.device_memory_gb), "
+            "one of them"
+        )
     if args.gpu is not None:
         gpu = require_gpu(args.gpu)
         return gpu.memory_bytes, f"{gpu.key} ({gpu.memory_bytes / 1e9:g} GB)", gpu.key
     return round(args.device_memory_gb * 1e9), f"{args.device_memory_gb:g} GB per device", None
+
+
+def _ledger_memory_flag(fit_args: list[str]) -> float | None:
+    """`--ledger.device_memory_gb X` among the fit arguments (the cap a fit's preflight would use), or None."""
+    for i, arg in enumerate(fit_args):
+        value = None
+        if arg == "--ledger.device_memory_gb" and i + 1 < len(fit_args):
+            value = fit_args[i + 1]
+        elif arg.startswith("--ledger.device_memory_gb="):
+            value = arg.split("=", 1)[1]
+        if value is not None:
+            try:
+                return _positive_gb(value)
+            except argparse.ArgumentTypeError as err:
+                raise UserError(f"--ledger.device_memory_gb: {err}") from None
+    return None
 
 
 def _max_batch(args: argparse.Namespace, fit_args: list[str]) -> None:
@@ -122,6 +141,8 @@ def _max_batch(args: argparse.Namespace, fit_args: list[str]) -> None:
 
     if not fit_args:
         raise UserError("max-batch needs --config FILE (a `lmledger fit` config, e.g. configs/cs336-small.yaml)")
+    if args.gpu is None and args.device_memory_gb is None:
+        args.device_memory_gb = _ledger_memory_flag(fit_args)
     _capacity(args)  # a missing or doubled memory size is refused before any config is read
     if named_classes(fit_args):
         _max_batch_any_model(args, fit_args)
