@@ -259,6 +259,23 @@ def test_cpu_flash_attention_has_no_flop_formula():
         assert op not in mode.flop_registry
 
 
+@pytest.mark.parametrize("make", [torch.optim.AdamW, lambda p, **kw: torch.optim.SGD(p, momentum=0.9, **kw)])
+def test_fused_optimizers_skip_the_step_when_found_inf_is_set(make):
+    """callbacks.nonfinite drops a bad update on the device through `optimizer.found_inf`."""
+    param = torch.nn.Parameter(torch.ones(4))
+    optimizer = make([param], lr=0.1, fused=True)
+    assert optimizer._step_supports_amp_scaling
+    param.grad = torch.ones(4)
+    optimizer.step()  # creates the state
+    before = param.detach().clone()
+    optimizer.found_inf = torch.ones(())
+    optimizer.step()
+    assert torch.equal(param.detach(), before)
+    optimizer.found_inf = torch.zeros(())
+    optimizer.step()
+    assert not torch.equal(param.detach(), before)
+
+
 def test_foreach_supported_devices_helper_exists():
     """ledger/memory.py and ledger/dryrun.py ask torch which devices run foreach kernels (private helpers)."""
     from torch.optim.optimizer import _get_foreach_kernels_supported_devices as from_optimizer

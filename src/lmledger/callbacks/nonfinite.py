@@ -185,7 +185,7 @@ def _gradient_norm(pl_module: pl.LightningModule, optimizer) -> torch.Tensor | N
 
 def _drops_update_on_found_inf(optimizer) -> bool:
     """Whether optimizer.step() skips the update on the device when `optimizer.found_inf` is 1: torch's fused
-    Adam, AdamW and SGD kernels do (they are what GradScaler relies on).
+    Adam, AdamW and SGD kernels do (canary test_fused_optimizers_skip_the_step_when_found_inf_is_set).
 
     Read from the live param groups, not `defaults`: a restored optimizer takes its groups' settings from
     the checkpoint. And not before every parameter has its state: fused SGD allocates its momentum

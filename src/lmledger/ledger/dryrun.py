@@ -361,8 +361,8 @@ def _forward(
     device: torch.device,
     counter: AbstractContextManager | None = None,
 ) -> torch.Tensor:
-    # cache_enabled=False as Lightning's precision plugin runs autocast: a weight cast lives while
-    # backward needs it, not until autocast exits (the copies of checkpointed blocks die early)
+    # cache_enabled=False, as Lightning runs autocast (canary test_lightning_autocast_keeps_no_weight_cache):
+    # a weight cast lives while backward needs it, not until autocast exits
     context = (
         torch.autocast(device.type, dtype=autocast, cache_enabled=False) if autocast is not None else nullcontext()
     )
