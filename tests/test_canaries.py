@@ -101,6 +101,18 @@ def test_cli_get_reads_under_the_subcommand():
     assert lightning_private.cli_value(cli, config, "ledger", default={}) == {}
 
 
+@pytest.mark.parametrize("logger_class", ["TensorBoardLogger", "CSVLogger"])
+def test_logger_picks_its_version_lazily(tmp_path, logger_class):
+    from lightning.pytorch import loggers
+
+    logger = getattr(loggers, logger_class)(save_dir=tmp_path, name="run")
+    assert logger._version is None  # nothing chosen until first asked
+    lightning_private.pin_logger_version(logger, lambda root: 7)
+    assert logger.version == 7 and logger.log_dir.endswith("version_7")
+    lightning_private.pin_logger_version(logger, lambda root: 8)  # chosen once
+    assert logger.version == 7
+
+
 def test_cli_parses_ckpt_path_in_a_private_hook():
     """LedgerCLI._parse_ckpt_path turns a checkpoint's unparseable hyperparameters into one line."""
     assert "self._parse_ckpt_path()" in inspect.getsource(LightningCLI.__init__)

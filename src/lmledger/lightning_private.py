@@ -8,6 +8,7 @@ LedgerCLI also overrides LightningCLI._parse_ckpt_path (canary: test_cli_parses_
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
@@ -64,6 +65,14 @@ def save_last_checkpoint(callback: ModelCheckpoint, trainer: pl.Trainer) -> str:
     if callback._last_global_step_saved != trainer.global_step or not callback.last_model_path:
         callback._save_last_checkpoint(trainer, callback._monitor_candidates(trainer))
     return callback.last_model_path
+
+
+def pin_logger_version(logger: Any, claim: Callable[[str], int]) -> None:
+    """Give a TensorBoardLogger / CSVLogger that has not chosen its version yet the one `claim(root_dir)`
+    returns, instead of the next free one it would list the directory for later.
+    Canary: test_logger_picks_its_version_lazily."""
+    if logger._version is None:
+        logger._version = claim(logger.root_dir)
 
 
 def cli_value(cli: LightningCLI, config: Any, key: str, default: Any = None) -> Any:

@@ -61,7 +61,7 @@ from lmledger.checkpointing import (
 from lmledger.data import TokenDataModule, load_meta
 from lmledger.errors import ConfigError, UserError
 from lmledger.ledger.dryrun import batch_tensors
-from lmledger.lightning_private import cli_value, is_local_path
+from lmledger.lightning_private import cli_value, is_local_path, pin_logger_version
 from lmledger.lit import LitLM, check_hyperparameters
 from lmledger.precision import check_trainer_config, trainer_precision_kwargs
 
@@ -528,8 +528,8 @@ class LedgerCLI(LightningCLI):
         if rank_zero_only.rank != 0:
             return
         for logger in self.trainer.loggers:
-            if isinstance(logger, (TensorBoardLogger, CSVLogger)) and logger._version is None:
-                logger._version = claim_version_dir(logger.root_dir)
+            if isinstance(logger, (TensorBoardLogger, CSVLogger)):
+                pin_logger_version(logger, claim_version_dir)
 
     def before_fit(self) -> None:
         self._check_checkpoint()
