@@ -156,6 +156,21 @@ def test_remote_checkpoints_load_unsafely_by_default(monkeypatch):
     assert seen["weights_only"] is False
 
 
+def test_lightning_copies_batches_to_cuda_without_blocking():
+    """data.TokenDataModule pins its batches so that this copy overlaps compute."""
+    from lightning.fabric.utilities.apply_func import move_data_to_device
+
+    seen = {}
+
+    class Recorded(torch.Tensor):
+        def to(self, *args, **kwargs):
+            seen.update(kwargs)
+            return self
+
+    move_data_to_device(torch.zeros(2).as_subclass(Recorded), torch.device("cuda"))
+    assert seen == {"non_blocking": True}
+
+
 def test_16_mixed_on_cpu_becomes_bf16():
     """precision.trainer_precision_kwargs passes Lightning's fp16 MixedPrecision plugin explicitly on CPU."""
     with pytest.warns(UserWarning, match="bf16-mixed"):

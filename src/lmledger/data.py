@@ -438,8 +438,8 @@ class TokenDataModule(pl.LightningDataModule):
         return self._loader(dataset)
 
     def _loader(self, dataset: Dataset, sampler: DistributedSampler | None = None) -> DataLoader:
-        # Items are whole batches (batch_size=None). Pinned host memory lets Lightning's default
-        # transfer_batch_to_device copy with non_blocking=True, overlapping the copy with compute.
+        # Items are whole batches (batch_size=None). Pinned, so Lightning's non-blocking copy to the GPU
+        # overlaps compute (canary test_lightning_copies_batches_to_cuda_without_blocking).
         on_cuda = self.trainer is not None and isinstance(self.trainer.accelerator, CUDAAccelerator)
         return DataLoader(
             dataset,
