@@ -14,6 +14,7 @@ import signal
 import sys
 import types
 import warnings
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -132,6 +133,26 @@ def test_link_last_removes_the_old_link_before_making_the_new_one(tmp_path, monk
     trainer = SimpleNamespace(is_global_zero=True, strategy=SimpleNamespace(barrier=lambda: None))
     ModelCheckpoint._link_checkpoint(trainer, str(tmp_path / "step=2.ckpt"), str(link))
     assert seen == [False] and link.read_bytes() == b"new"
+
+
+def test_lightning_saves_through_the_system_temp_dir_without_fsync(tmp_path, monkeypatch):
+    """checkpointing.AtomicCheckpointIO writes beside the checkpoint, fsyncs and renames instead."""
+    import shutil
+    import tempfile
+
+    from lightning.fabric.utilities.cloud_io import _atomic_save
+
+    fsynced, moved = [], []
+    real_move = shutil.move
+    monkeypatch.setattr(os, "fsync", lambda fd: fsynced.append(fd))
+    monkeypatch.setattr(shutil, "move", lambda src, dst, *a, **k: moved.append(src) or real_move(src, dst, *a, **k))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "system-temp"))
+    (tmp_path / "system-temp").mkdir()
+    (tmp_path / "runs").mkdir()
+    _atomic_save({"step": 1}, tmp_path / "runs" / "last.ckpt")
+    assert not fsynced
+    assert [Path(src).parent for src in moved] == [tmp_path / "system-temp"]
+    assert (tmp_path / "runs" / "last.ckpt").is_file()
 
 
 def test_lightning_stops_on_sigterm_without_saving():

@@ -142,9 +142,9 @@ def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], object]) 
 class AtomicCheckpointIO(TorchCheckpointIO):
     """torch.save/torch.load checkpoints; local saves are atomic and loads refuse to run pickled code.
 
-    Lightning's own local save (an fsspec transaction) writes the temp file in the system temp dir and
-    shutil.moves it into place: a copy, not a rename, when /tmp is another filesystem, never fsynced, and a
-    killed save leaves a checkpoint-sized orphan in /tmp. Remote URLs (s3://...) keep Lightning's path.
+    Lightning's own local save writes a temp file in the system temp dir and moves it into place without
+    fsync (canary test_lightning_saves_through_the_system_temp_dir_without_fsync): a copy when /tmp is
+    another filesystem, and a killed save leaves a checkpoint-sized orphan there. URLs keep Lightning's path.
     """
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
