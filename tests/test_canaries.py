@@ -192,6 +192,17 @@ def test_lightning_copies_batches_to_cuda_without_blocking():
     assert seen == {"non_blocking": True}
 
 
+def test_a_lightning_module_copies_without_its_trainer():
+    """callbacks.ledger's dry run gives the module's fake copy the trainer back."""
+    import copy
+
+    from lightning.pytorch import LightningModule
+
+    module = LightningModule()
+    module.trainer = _trainer()
+    assert copy.deepcopy(module)._trainer is None
+
+
 def test_16_mixed_on_cpu_becomes_bf16():
     """precision.trainer_precision_kwargs passes Lightning's fp16 MixedPrecision plugin explicitly on CPU."""
     with pytest.warns(UserWarning, match="bf16-mixed"):

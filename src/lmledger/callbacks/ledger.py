@@ -499,7 +499,7 @@ def dry_run_training_step(
         return NotTraced(why)
 
     def step(module, fake_batch):
-        module.trainer = trainer  # a LightningModule copies without its trainer (__getstate__)
+        module.trainer = trainer  # copies lose it (canary test_a_lightning_module_copies_without_its_trainer)
         module.log = module.log_dict = _no_log  # the copy's metrics must not reach the real trainer
         return loss_of(module.training_step(fake_batch, batch_idx))
 
