@@ -1,8 +1,9 @@
 """Experiment sweeps: a YAML grid of `lmledger` runs, each point in its own process and run directory,
 collected into one table and a few plots (docs/sweeps.md).
 
-Imports run one way: spec (the file, points, command lines) <- collect (metrics, PointResult) <- check
-(arguments parsed before anything runs) and report (results.csv/md; plots, loaded when drawing) <- runner.
+Each module imports only the ones before it: spec (the file, points, command lines), collect (metrics,
+PointResult), check (arguments parsed before anything runs), plots, report (results.csv/md, then the
+plots, loaded only to draw them), runner (processes, locks, statuses).
 """
 
 from lmledger.sweep.check import CheckedPoints, bad_points_error, check_points

@@ -153,6 +153,7 @@ def _point_id(command: tuple[str, ...], own_command: bool, configs: tuple[str, .
 
 def load_experiment(path: str | Path) -> Experiment:
     """Read and check an experiment file; every problem is one UserError line naming the key."""
+    # Checked by hand, not by jsonargparse dataclasses: its type errors are 8-line union dumps without the fix.
     source = Path(path)
     if not source.is_file():
         raise UserError(f"experiment file {source} does not exist")
