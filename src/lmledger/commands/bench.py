@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import argparse
-import json
+from json import dumps
 from pathlib import Path
 
 import torch
@@ -11,7 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from lmledger.bench import DEFAULT_DTYPES, DEFAULT_SIZES, MatmulBench, bench_matmul, plot_mfu
-from lmledger.commands.argparser import ArgumentParser
+from lmledger.commands.argparser import run_command
 from lmledger.errors import UserError
 from lmledger.ledger.hardware import dtype_name
 
@@ -50,42 +49,48 @@ def _table(bench: MatmulBench) -> Table:
     return table
 
 
-def _matmul(args: argparse.Namespace) -> None:
-    device = _device(args.device)
-    dtypes = [dtype_name(d.strip()) for d in args.dtypes.split(",")] if args.dtypes else DEFAULT_DTYPES[device.type]
-    sizes = _sizes(args.sizes) if args.sizes else list(DEFAULT_SIZES[device.type])
-    if args.repeats is not None and args.repeats < 1:
-        raise UserError(f"--repeats must be >= 1, got {args.repeats}")
-    plot = Path(args.plot) if args.plot else None
-    if plot is not None and plot.exists():
-        raise UserError(f"--plot {plot} already exists: choose a new file name or remove it")
+def matmul(
+    dtypes: str | None = None,
+    sizes: str | None = None,
+    repeats: int | None = None,
+    device: str | None = None,
+    plot: str | None = None,
+    json: bool = False,
+) -> int:
+    """square matmuls: achieved FLOP/s and MFU per dtype and size
 
-    bench = bench_matmul(dtypes, sizes, device, args.repeats)
-    if plot is not None:
-        plot.parent.mkdir(parents=True, exist_ok=True)
-        plot_mfu(bench, plot)
-    if args.json:
-        print(json.dumps({**bench.to_json(), "plot": None if plot is None else str(plot)}))
+    Args:
+        dtypes: comma-separated, from fp64,fp32,tf32,bf16,fp16,fp8 (default: fp32,bf16 on CPU; all but fp64
+            on CUDA)
+        sizes: comma-separated m=n=k (default: 128,256,512 on CPU; 1024..8192 on CUDA)
+        repeats: timed repeats, median reported (default 5 on CPU, 20 on CUDA)
+        device: cpu or cuda (default: cuda when available)
+        plot (PNG): write MFU vs size per dtype to this new PNG file
+        json: print one JSON object
+    """
+    where = _device(device)
+    names = [dtype_name(d.strip()) for d in dtypes.split(",")] if dtypes else DEFAULT_DTYPES[where.type]
+    sides = _sizes(sizes) if sizes else list(DEFAULT_SIZES[where.type])
+    if repeats is not None and repeats < 1:
+        raise UserError(f"--repeats must be >= 1, got {repeats}")
+    png = Path(plot) if plot else None
+    if png is not None and png.exists():
+        raise UserError(f"--plot {png} already exists: choose a new file name or remove it")
+
+    bench = bench_matmul(names, sides, where, repeats)
+    if png is not None:
+        png.parent.mkdir(parents=True, exist_ok=True)
+        plot_mfu(bench, png)
+    if json:
+        print(dumps({**bench.to_json(), "plot": None if png is None else str(png)}))
     else:
         console = Console()
         # Piped output has no terminal width to respect: keep the notes whole rather than cut at 80.
         (console if console.is_terminal else Console(width=160)).print(_table(bench))
-        if plot is not None:
-            print(f"wrote {plot}")
+        if png is not None:
+            print(f"wrote {png}")
+    return 0
 
 
 def main(argv: list[str]) -> int:
-    parser = ArgumentParser(prog="lmledger bench", description="Benchmarks that relate speed to the peak.")
-    kinds = parser.add_subparsers(dest="kind", required=True)
-    mm = kinds.add_parser("matmul", help="square matmuls: achieved FLOP/s and MFU per dtype and size")
-    dtypes_help = "comma-separated, from fp64,fp32,tf32,bf16,fp16,fp8 (default: fp32,bf16 on CPU; all but fp64 on CUDA)"
-    mm.add_argument("--dtypes", help=dtypes_help)
-    mm.add_argument("--sizes", help="comma-separated m=n=k (default: 128,256,512 on CPU; 1024..8192 on CUDA)")
-    mm.add_argument("--repeats", type=int, help="timed repeats, median reported (default 5 on CPU, 20 on CUDA)")
-    mm.add_argument("--device", help="cpu or cuda (default: cuda when available)")
-    mm.add_argument("--plot", metavar="PNG", help="write MFU vs size per dtype to this new PNG file")
-    mm.add_argument("--json", action="store_true", help="print one JSON object")
-    mm.set_defaults(run=_matmul)
-    args = parser.parse_args(argv)
-    args.run(args)
-    return 0
+    return run_command("lmledger bench", {"matmul": matmul}, argv, "Benchmarks that relate speed to the peak.")

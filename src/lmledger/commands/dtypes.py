@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
+from json import dumps
 
 from rich.console import Console
 from rich.table import Table
 
-from lmledger.commands.argparser import ArgumentParser
+from lmledger.commands.argparser import run_command
 
 
 def _console() -> Console:
@@ -65,23 +65,25 @@ def _casts_table(demo: dict) -> Table:
     return table
 
 
-def main(argv: list[str]) -> int:
-    parser = ArgumentParser(
-        prog="lmledger dtypes",
-        description="Bytes, bits, range, eps and smallest values per floating-point format, with the CS336 "
-        "lecture's casts (underflow, fp8 overflow, tensor sizes) run by this torch.",
-    )
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
-    args = parser.parse_args(argv)
+def dtypes(json: bool = False) -> int:
+    """Bytes, bits, range, eps and smallest values per floating-point format, with the CS336 lecture's
+    casts (underflow, fp8 overflow, tensor sizes) run by this torch.
 
+    Args:
+        json: print one JSON object
+    """
     from lmledger.ledger.dtypes import demonstrations, format_table, jsonable
 
     rows, demo = format_table(), demonstrations()
-    if args.json:
+    if json:
         result = {"dtypes": [row.to_json() for row in rows], "demonstrations": demo}
-        print(json.dumps(jsonable(result), allow_nan=False))
+        print(dumps(jsonable(result), allow_nan=False))
         return 0
     console = _console()
     console.print(_formats_table(rows))
     console.print(_casts_table(demo))
     return 0
+
+
+def main(argv: list[str]) -> int:
+    return run_command("lmledger dtypes", dtypes, argv)

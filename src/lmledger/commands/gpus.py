@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
+from json import dumps
 
 from rich.console import Console
 from rich.table import Table
 
-from lmledger.commands.argparser import ArgumentParser
+from lmledger.commands.argparser import run_command
 from lmledger.ledger.hardware import DTYPES, GPUS, GpuSpec, require_gpu
 
 
@@ -55,25 +55,27 @@ def _entry_table(spec: GpuSpec, title: str) -> Table:
     return table
 
 
-def main(argv: list[str]) -> int:
-    parser = ArgumentParser(
-        prog="lmledger gpus",
-        description="Dense datasheet peaks (never the 'with sparsity' figures), memory and bandwidth per GPU.",
-    )
-    parser.add_argument("--resolve", metavar="NAME", help='a key or a torch device name, e.g. "NVIDIA H100 80GB HBM3"')
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
-    args = parser.parse_args(argv)
+def gpus(resolve: str | None = None, json: bool = False) -> int:
+    """Dense datasheet peaks (never the 'with sparsity' figures), memory and bandwidth per GPU.
 
-    if args.resolve is not None:
-        spec = require_gpu(args.resolve)
-        if args.json:
-            print(json.dumps(spec.to_json()))
+    Args:
+        resolve (NAME): a key or a torch device name, e.g. "NVIDIA H100 80GB HBM3"
+        json: print one JSON object
+    """
+    if resolve is not None:
+        spec = require_gpu(resolve)
+        if json:
+            print(dumps(spec.to_json()))
         else:
-            _console().print(_entry_table(spec, f"{args.resolve} -> {spec.key}"))
+            _console().print(_entry_table(spec, f"{resolve} -> {spec.key}"))
         return 0
-    if args.json:
-        print(json.dumps({key: spec.to_json() for key, spec in GPUS.items()}))
+    if json:
+        print(dumps({key: spec.to_json() for key, spec in GPUS.items()}))
     else:
         title = "GPU peaks (dense) — lmledger gpus --resolve NAME for one entry"
         _console().print(_table(list(GPUS.values()), title))
     return 0
+
+
+def main(argv: list[str]) -> int:
+    return run_command("lmledger gpus", gpus, argv)

@@ -1,5 +1,5 @@
 """`lmledger sweep EXPERIMENT.yaml [--dry-run] [--jobs N] [--out DIR]`: run an experiment grid (see
-lmledger.sweep for the file format), or with --dry-run list its points with their predicted cost."""
+lmledger.sweep.spec for the file format), or with --dry-run list its points with their predicted cost."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from lmledger.commands.argparser import ArgumentParser
+from lmledger.commands.argparser import run_command
 from lmledger.errors import UserError
 from lmledger.ledger.units import MB
 from lmledger.sweep import (
@@ -62,7 +62,7 @@ def plain_table(columns: tuple[str, ...], rows: list[tuple[str, ...]], left: int
     return "\n".join([line(columns), line("-" * w for w in widths), *(line(row) for row in rows)])
 
 
-def dry_run(experiment: Experiment, out_dir: Path) -> int:
+def dry_run_listing(experiment: Experiment, out_dir: Path) -> int:
     """List the points with what a run would do and its predicted cost; 2 if any point's arguments are bad."""
     from lmledger.commands.account import account
 
@@ -190,34 +190,36 @@ def _raise_terminated(signum, frame) -> None:
     raise Terminated
 
 
-def main(argv: list[str]) -> int:
-    parser = ArgumentParser(
-        prog="lmledger sweep",
-        description="Run an experiment grid: each point through the real CLI in its own process and run "
-        "directory; re-running skips finished points and redoes failed ones.",
-    )
-    parser.add_argument("experiment", help="an experiment YAML file, e.g. experiments/batch_memory.yaml")
-    parser.add_argument(
-        "--dry-run", action="store_true", help="list the points with their predicted memory and FLOPs; run nothing"
-    )
-    parser.add_argument("--jobs", type=int, default=1, help="points run at once (default 1)")
-    parser.add_argument("--out", help="results directory (default runs/sweeps/<experiment name>)")
-    args = parser.parse_args(argv)
-    if args.jobs < 1:
-        raise UserError(f"--jobs must be >= 1, got {args.jobs}")
-    experiment = load_experiment(args.experiment)
-    out_dir = Path(args.out) if args.out else Path("runs") / "sweeps" / experiment.name
-    if args.dry_run:
-        return dry_run(experiment, out_dir)
+def sweep(experiment: str, dry_run: bool = False, jobs: int = 1, out: str | None = None) -> int:
+    """Run an experiment grid: each point through the real CLI in its own process and run directory;
+    re-running skips finished points and redoes failed ones.
+
+    Args:
+        experiment: an experiment YAML file, e.g. experiments/batch_memory.yaml
+        dry_run: list the points with their predicted memory and FLOPs; run nothing
+        jobs: points run at once (default 1)
+        out: results directory (default runs/sweeps/<experiment name>)
+    """
+    if jobs < 1:
+        raise UserError(f"--jobs must be >= 1, got {jobs}")
+    path = experiment
+    loaded = load_experiment(path)
+    out_dir = Path(out) if out else Path("runs") / "sweeps" / loaded.name
+    if dry_run:
+        return dry_run_listing(loaded, out_dir)
     previous = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
-        return run(experiment, out_dir, args.jobs)
+        return run(loaded, out_dir, jobs)
     except Terminated:
         print(
             f"lmledger sweep: stopped by SIGTERM; the running points were stopped too, and the next "
-            f"`lmledger sweep {args.experiment}` resumes them",
+            f"`lmledger sweep {path}` resumes them",
             file=sys.stderr,
         )
         return 143
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def main(argv: list[str]) -> int:
+    return run_command("lmledger sweep", sweep, argv)

@@ -1,0 +1,101 @@
+"""Command flags built from the command functions' signatures (commands/argparser.py) keep the names,
+placeholders and errors the hand-written argparse parsers had."""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+import pytest
+
+from lmledger.cli import main as lmledger
+from lmledger.commands.argparser import ArgumentParser, add_function_arguments
+from lmledger.corpus import DEFAULT_BPE_VOCAB_SIZE, DEFAULT_OUT, DEFAULT_VAL_FRACTION, STDLIB
+from lmledger.errors import UserError
+
+# The flags each command had before its parser came from a signature (typed here, not read from the code).
+FLAGS = {
+    ("gpus",): {"--help", "--resolve", "--json"},
+    ("dtypes",): {"--help", "--json"},
+    ("bench", "matmul"): {"--help", "--dtypes", "--sizes", "--repeats", "--device", "--plot", "--json"},
+    ("prepare",): {"--help", "--source", "--tokenizer", "--vocab-size", "--out", "--overwrite", "--val-fraction"},
+    ("sweep",): {"--help", "--dry-run", "--jobs", "--out"},
+}
+
+
+def help_text(capsys, *words: str) -> str:
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_:
+        lmledger([*words, "--help"])
+    assert exit_.value.code == 0
+    return capsys.readouterr().out
+
+
+@pytest.mark.parametrize("words", list(FLAGS), ids=" ".join)
+def test_each_command_keeps_its_flags(capsys, words):
+    text = help_text(capsys, *words)
+    assert set(re.findall(r"(?<![\w-])--[a-z][a-z-]*", text)) == FLAGS[words]
+
+
+def test_placeholders_and_quoted_constants_reach_the_help(capsys):
+    text = " ".join(help_text(capsys, "prepare").split())
+    for usage in ("--source stdlib|PATH [stdlib|PATH ...]", "--tokenizer {bytes,bpe}", "--vocab-size N", "--out DIR"):
+        assert usage in text
+    assert f"bpe vocabulary size (default {DEFAULT_BPE_VOCAB_SIZE})" in text
+    assert f"(default {DEFAULT_OUT})" in text and f"(default {DEFAULT_VAL_FRACTION};" in text
+    assert "Tokenize a corpus into DIR/train.bin" in text  # the docstring's summary is the description
+    assert "--resolve NAME" in help_text(capsys, "gpus") and "--plot PNG" in help_text(capsys, "bench", "matmul")
+    sweep = help_text(capsys, "sweep")
+    assert re.search(r"usage: lmledger sweep \[-h\] \[--dry-run\] \[--jobs JOBS\] \[--out OUT\] experiment", sweep)
+
+
+def test_the_real_prepare_signature_parses_as_the_old_parser_did():
+    from lmledger.commands.prepare import prepare_corpus
+
+    parser = ArgumentParser(prog="lmledger prepare")
+    add_function_arguments(parser, prepare_corpus)
+    assert vars(parser.parse_args([])) == {
+        "source": (STDLIB,),
+        "tokenizer": "bytes",
+        "vocab_size": None,
+        "out": DEFAULT_OUT,
+        "overwrite": False,
+        "val_fraction": DEFAULT_VAL_FRACTION,
+    }
+    args = parser.parse_args(["--source", "a", "b", "--tokenizer", "bpe", "--vocab-size", "300", "--overwrite"])
+    assert (args.source, args.tokenizer, args.vocab_size, args.overwrite) == (["a", "b"], "bpe", 300, True)
+    assert parser.parse_args(["--val-fraction", "0.25"]).val_fraction == 0.25
+
+
+def example(
+    path: str, mode: Literal["a", "b"] = "a", sizes: list[int] | None = None, dry_run: bool = False, n: int = 1
+) -> int:
+    """A command.
+
+    Args:
+        path: where
+        mode: which
+        sizes (S): how big, in a help line
+            that continues
+        dry_run: do nothing
+        n (N): how many
+    """
+    return 0
+
+
+def test_signature_rules_and_one_line_errors():
+    parser = ArgumentParser(prog="lmledger example")
+    add_function_arguments(parser, example)
+    args = parser.parse_args(["p", "--mode", "b", "--sizes", "1", "2", "--dry-run", "--n", "3"])
+    assert vars(args) == {"path": "p", "mode": "b", "sizes": [1, 2], "dry_run": True, "n": 3}
+    assert "how big, in a help line that continues" in parser.format_help().replace("\n", " ").replace("  ", "")
+    for argv, message in (
+        (["p", "--mode", "c"], "argument --mode: invalid choice: 'c'"),
+        (["p", "--n", "x"], "argument --n: invalid int value: 'x'"),
+        (["p", "--dry_run"], "unrecognized arguments: --dry_run"),  # dashes only, as argparse users expect
+        ([], "the following arguments are required: path"),
+    ):
+        with pytest.raises(UserError) as err:
+            parser.parse_args(argv)
+        assert str(err.value).startswith(message) and "\n" not in str(err.value)
+        assert str(err.value).endswith("(see `lmledger example --help`)")
