@@ -1,13 +1,12 @@
-"""Running a checked sweep: each point through the real CLI in its own session and process group, its
-status recorded atomically under points/<id>/, a lock held while it lives, and SIGTERM when the sweep dies.
+"""Running a checked sweep, each point through the real CLI in its own process.
 
 Results live in one directory: runs/<point-id>/ (TensorBoard, one parent for all points),
 points/<point-id>/ (status.json, stdout.log, stderr.log, lock), results.csv, results.md and the PNGs.
 
-Every point's arguments are parsed (by the `fit` parser, nothing built) before any point runs. A point
-runs in its own session and process group and is sent SIGTERM when the sweep dies, even by SIGKILL; a
-held lock on points/<id>/lock tells a later sweep that it is still running. A training point stopped by
-SIGTERM (exit 143) is `interrupted`, and the next sweep resumes it with `--ckpt_path last`.
+Every point's arguments are parsed (check.py, nothing built) before any point runs. A point runs in its
+own session and process group and is sent SIGTERM when the sweep dies, even by SIGKILL; a held lock on
+points/<id>/lock tells a later sweep that it is still running. A training point stopped by SIGTERM
+(exit 143) is `interrupted`, and the next sweep resumes it with `--ckpt_path last`.
 """
 
 from __future__ import annotations

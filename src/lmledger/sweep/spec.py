@@ -13,7 +13,7 @@ An experiment file (experiments/*.yaml; docs/sweeps.md has the full story):
     points:                           # ... and/or an explicit list of points
       - {trainer.precision: transformer-engine, trainer.accelerator: gpu, requires: gpu}
       - {command: plan max-params, gpu: h100-sxm, precision: bf16-true}
-    metrics: [train/loss, val/loss]   # default: DEFAULT_METRICS of the command
+    metrics: [train/loss, val/loss]   # default: the command's collect.DEFAULT_METRICS
     x: trainer.precision              # the swept variable on the plots (default: the first grid key)
     requires: gpu                     # every point needs a CUDA GPU
 
