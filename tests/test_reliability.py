@@ -643,3 +643,6 @@ class FileSizeLimit(pl.Callback):
         if self._context is not None:
             self._context.__exit__(None, None, None)
             self._context = None
+
+    def on_exception(self, trainer, pl_module, exception) -> None:
+        self.teardown(trainer, pl_module, "fit")  # Lightning skips teardown hooks when a fit raises
