@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import re
+import signal
 
 import lightning as L
 import pytest
@@ -15,6 +16,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from conftest import TINY_OVERRIDES, read_scalars
 from lmledger.callbacks import LedgerSettings, ledger_callbacks
 from lmledger.cli import main as lmledger
+from lmledger.commands import train
 from lmledger.data import TokenDataModule
 from lmledger.errors import ConfigError, UserError
 from lmledger.ledger.flops import (
@@ -225,14 +227,24 @@ class OutOfMemoryAtStep2(LitLM):
         return super().training_step(batch, batch_idx)
 
 
-def test_an_out_of_memory_error_becomes_one_line_with_the_ledger(stdlib_data, tmp_path, capsys):
-    with pytest.raises(UserError) as raised:
+def test_an_out_of_memory_error_becomes_one_line_with_the_ledger(stdlib_data, tmp_path, capsys, monkeypatch):
+    sigterm = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(torch.cuda.OutOfMemoryError) as raised:
         fit(stdlib_data, tmp_path, LedgerSettings(device_memory_gb=100), module=OutOfMemoryAtStep2)
-    message = str(raised.value)
-    assert "\n" not in message and message.startswith("CUDA out of memory at step 2")
-    assert "within the 100 GB available" in message and "--data.batch_size" in message
-    assert isinstance(raised.value.__cause__, torch.cuda.OutOfMemoryError)
+    line = raised.value.ledger_line
+    assert "\n" not in line and line.startswith("CUDA out of memory at step 2")
+    assert "within the 100 GB available" in line and "--data.batch_size" in line
     assert "memory ledger at the OOM" in capsys.readouterr().err
+    # The guard explains and lets Lightning finish its teardown: the signal handlers it set are gone.
+    assert signal.getsignal(signal.SIGTERM) is sigterm
+
+    # The CLI prints that line in place of the traceback.
+    def run_cli_that_runs_out_of_memory(*args, **kwargs):
+        raise raised.value
+
+    monkeypatch.setattr(train, "_run_cli", run_cli_that_runs_out_of_memory)
+    with pytest.raises(UserError, match="^CUDA out of memory at step 2"):
+        train.main(["fit"])
 
 
 # --- settings and the CLI --------------------------------------------------------------------------

@@ -16,9 +16,7 @@ Measured, each once:
 
 The hooks and the tracker run as `with` blocks inside their step's LightningModule.optimizer_step
 call, which in automatic optimization holds the whole step (the closure: forward, zero_grad,
-backward; then the step): they leave when the step ends or raises, even if an earlier callback's
-on_exception raises (PreflightGuard turns a CUDA OOM into one line that way, and Lightning then
-calls no on_exception after it). Later steps run without them.
+backward; then the step): they leave when the step ends or raises. Later steps run without them.
 
 Under *-mixed precision, the low-precision weight copies autocast makes are counted in neither
 params nor activations: they are their own line, `autocast_weight_copies` (the copies the linear

@@ -11,8 +11,8 @@ At fit start (before the sanity check and step 1) the predicted peak of a traini
   CPU the setting replaces the RAM figure (the user may know of swap, or of other jobs to come).
 If the peak does not fit, the run stops with a UserError naming predicted vs available, the largest
 component and the largest per-device batch size that fits (ledger.planner.max_batch over
-predict_memory). If CUDA runs out of memory anyway, the ledger is printed and the error becomes the
-same kind of one-line UserError.
+predict_memory). If CUDA runs out of memory anyway, the ledger is printed, and the OOM carries one line
+(`ledger_line`) that `lmledger fit` prints in place of the traceback.
 """
 
 from __future__ import annotations
@@ -171,9 +171,8 @@ class PreflightGuard(pl.Callback):
                 )
         elif self.predicted.peak is not None:
             line += f"; predicted peak {format_bytes(self.predicted.peak)} per device"
-        # Lightning re-raises the original error once every on_exception hook has run, and an OOM
-        # prints a traceback. Raising the one-line error here instead skips the rest of Lightning's
-        # interrupt handling, so first flush the loggers as it would have.
-        for logger in trainer.loggers:
-            logger.finalize("failed")
-        raise UserError(line) from exception
+        # Raising here would skip Lightning's teardown (signal handlers, strategy) and the other callbacks'
+        # on_exception. Lightning re-raises the OOM itself; the CLI prints `ledger_line` instead of it.
+        exception.ledger_line = line
+        if hasattr(exception, "add_note"):  # Python >= 3.11: a traceback in library use shows the line too
+            exception.add_note(line)

@@ -710,6 +710,10 @@ def main(argv: list[str]) -> int:
         else:
             print(f"lmledger {subcommand}: stopped by SIGTERM", file=sys.stderr)
         return 143  # 128 + SIGTERM, what a shell reports for a process SIGTERM ended
+    except torch.cuda.OutOfMemoryError as oom:  # PreflightGuard explains it in one line
+        if not hasattr(oom, "ledger_line"):
+            raise
+        raise UserError(oom.ledger_line) from oom
     except SystemExit as exit_:
         # Lightning turns Ctrl-C into sys.exit(1) after its graceful shutdown; cli.py reports it as 130.
         if isinstance(exit_.__context__, KeyboardInterrupt):
