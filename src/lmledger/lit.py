@@ -201,6 +201,8 @@ class LitLM(L.LightningModule):
         self.log("val/ppl", torch.exp(loss), sync_dist=True)
 
     def _fused_optimizer(self) -> bool:
+        # The live plugin decides (a DeepSpeed or custom plugin may differ from its name); for Lightning's
+        # own plugins this is ledger.precisions' Row.fused_optimizer (tests/test_precisions.py).
         return getattr(self.trainer.precision_plugin, "scaler", None) is None
 
     def on_train_start(self) -> None:

@@ -1,6 +1,6 @@
 """Precision names -> what the Trainer gets, the checks that run before it is built, and fp8.
 
-Precisions (Lightning's names; the bytes each keeps per parameter are in lmledger.ledger.memory):
+Precisions (Lightning's names; what each keeps and runs in is in lmledger.ledger.precisions):
 
     32-true              fp32 weights, grads, AdamW state and matmuls
     bf16-mixed           fp32 weights and state, matmuls in bf16 under torch.autocast
@@ -28,11 +28,11 @@ from lightning_utilities.core.imports import RequirementCache
 from torch import nn
 
 from lmledger.errors import UserError
-from lmledger.ledger.memory import normalize_precision
+from lmledger.ledger.precisions import ROWS, normalize_precision
 
 FP8_PATHS = ("torchao",)  # values of LitLM's `fp8` switch; Transformer Engine is a trainer precision
-TE_PRECISIONS = ("transformer-engine", "transformer-engine-float16")
-BF16_PRECISIONS = ("bf16-mixed", "bf16-true")
+TE_PRECISIONS = tuple(row.name for row in ROWS.values() if row.transformer_engine)
+BF16_PRECISIONS = tuple(row.name for row in ROWS.values() if row.compute_dtype == "bf16")
 
 # fp8 tensor cores (and torch._scaled_mm on CUDA) start at sm_89, Ada; bf16 ones at sm_80, Ampere.
 FP8_MIN_CAPABILITY = (8, 9)
@@ -197,7 +197,7 @@ def trainer_precision_kwargs(precision: str | int | None, accelerator: object = 
         return {}
     name = normalize_precision(precision)
     if name in TE_PRECISIONS:
-        weights = "float16" if name == "transformer-engine-float16" else "bfloat16"
+        weights = ROWS[name].convert_to
         return {"precision": None, "plugins": [*plugins, TiedTransformerEnginePrecision(weights_dtype=weights)]}
     if name == "16-mixed" and resolve_accelerator(accelerator) == "cpu":
         return {"precision": None, "plugins": [*plugins, MixedPrecision("16-mixed", device="cpu")]}

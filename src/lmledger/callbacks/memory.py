@@ -48,10 +48,10 @@ from lmledger.callbacks.run import (
     markdown_table,
     tensorboard_writers,
 )
+from lmledger.ledger import precisions
 from lmledger.ledger.memory import (
     measure_saved_activations,
     measure_state_bytes,
-    normalize_precision,
 )
 from lmledger.ledger.memtrack import MemoryTracker
 from lmledger.ledger.predict import predict
@@ -86,7 +86,7 @@ class MemoryPrediction:
 
 
 def uses_autocast(precision: str) -> bool:
-    return normalize_precision(precision).endswith("-mixed")
+    return precisions.precision(precision).autocast is not None
 
 
 def predict_memory(run: LedgerRun, batch_size: int | None = None) -> MemoryPrediction:

@@ -21,15 +21,11 @@ from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelP
 
 from lmledger import lightning_private
 from lmledger.errors import UserError
+from lmledger.ledger.precisions import PRECISIONS
 from lmledger.ledger.run import Run, sharding
 from lmledger.model import ToyLM
 
 DISABLE_HINT = "or run without the ledger (--ledger.enabled false)"
-# Lightning's canonical precision names (trainer.precision) that ledger.memory and ledger.hardware know.
-ACCOUNTED_PRECISIONS = (
-    "32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "64-true",
-    "transformer-engine", "transformer-engine-float16",
-)  # fmt: skip
 
 
 class LedgerRun(Run):
@@ -56,9 +52,9 @@ class LedgerRun(Run):
                 f"TokenDataModule {DISABLE_HINT}"
             )
         precision = str(trainer.precision)
-        if precision not in ACCOUNTED_PRECISIONS:
+        if precision not in PRECISIONS:
             raise UserError(
-                f"the ledger accounts for precisions {', '.join(ACCOUNTED_PRECISIONS)}, not {precision}: "
+                f"the ledger accounts for precisions {', '.join(PRECISIONS)}, not {precision}: "
                 f"choose one of them {DISABLE_HINT}"
             )
         optimizer, momentum = _optimizer_kind(trainer)

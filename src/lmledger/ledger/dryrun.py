@@ -53,27 +53,15 @@ from torch.optim.optimizer import _get_foreach_kernels_supported_devices
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lmledger.errors import UserError
+from lmledger.ledger import precisions
 from lmledger.ledger.flops import flop_counter
-from lmledger.ledger.memory import measure_saved_activations, measure_state_bytes, normalize_precision
+from lmledger.ledger.memory import measure_saved_activations, measure_state_bytes
 from lmledger.ledger.memtrack import MemoryTracker
 
 StepFn = Callable[[nn.Module, object], torch.Tensor]
 OptimizerSpec = torch.optim.Optimizer | Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None
 
 PHASES = ("forward", "backward", "optimizer step")
-
-# precision -> (dtype the module and its floating inputs are converted to, autocast dtype).
-# Lightning's plugins: *-true converts the module (HalfPrecision / DoublePrecision), *-mixed
-# runs the forward under torch.autocast (MixedPrecision); the loss scaling 16-mixed adds on CUDA
-# is a few scalars and is not modelled.
-_PRECISION_DTYPES: dict[str, tuple[torch.dtype | None, torch.dtype | None]] = {
-    "64-true": (torch.float64, None),
-    "32-true": (None, None),
-    "16-mixed": (None, torch.float16),
-    "bf16-mixed": (None, torch.bfloat16),
-    "16-true": (torch.float16, None),
-    "bf16-true": (torch.bfloat16, None),
-}
 
 
 @dataclass(frozen=True)
@@ -405,10 +393,14 @@ def loss_of(output: object) -> object:
 
 
 def _precision_dtypes(precision: str | int) -> tuple[torch.dtype | None, torch.dtype | None]:
-    name = normalize_precision(precision)
-    if name not in _PRECISION_DTYPES:
-        raise UserError(f"the dry run covers {', '.join(_PRECISION_DTYPES)}, not {name}: use one of those")
-    return _PRECISION_DTYPES[name]
+    """(dtype the module and its floating inputs are converted to, autocast dtype), as Lightning's plugins
+    run the precision (ledger.precisions). The loss scaling 16-mixed adds on CUDA is a few scalars, not
+    modelled; Transformer Engine's layer swap is not run."""
+    row = precisions.precision(precision)
+    if row.transformer_engine:
+        covered = [r.name for r in precisions.ROWS.values() if not r.transformer_engine]
+        raise UserError(f"the dry run covers {', '.join(covered)}, not {row.name}: use one of those")
+    return row.convert_dtype, row.autocast_dtype
 
 
 def _target_device(model: nn.Module, device: torch.device | str | None) -> torch.device:

@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from lmledger.errors import UserError
+from lmledger.ledger import precisions
 from lmledger.ledger.units import GB
 
 if TYPE_CHECKING:
@@ -350,24 +351,10 @@ def dtype_name(dtype: str | torch.dtype) -> str:
     return name
 
 
-# Lightning precision string -> the dtype its matmuls run in, i.e. whose peak MFU is measured against.
-# "32-true" gives "fp32"; `peak_flops` turns that into tf32 on Ampere+ unless the float32 matmul precision
-# is "highest". Transformer Engine runs its Linear layers' matmuls in fp8 (weights stay bf16/fp16).
-_PRECISION_COMPUTE_DTYPE = {
-    "64-true": "fp64", "64": "fp64",
-    "32-true": "fp32", "32": "fp32",
-    "bf16-mixed": "bf16", "bf16-true": "bf16", "bf16": "bf16",
-    "16-mixed": "fp16", "16-true": "fp16", "16": "fp16",
-    "transformer-engine": "fp8", "transformer-engine-float16": "fp8",
-}  # fmt: skip
-
-
 def compute_dtype_for_precision(precision: str | int) -> str:
-    dtype = _PRECISION_COMPUTE_DTYPE.get(str(precision))
-    if dtype is None:
-        known = ", ".join(p for p in _PRECISION_COMPUTE_DTYPE if "-" in p)
-        raise UserError(f"unknown precision {precision!r}: choose from {known}")
-    return dtype
+    """The dtype a Lightning precision's matmuls run in, whose peak MFU is measured against (ledger.precisions).
+    "fp32" becomes tf32 in `peak_flops` on Ampere+ unless the float32 matmul precision is "highest"."""
+    return precisions.precision(precision).compute_dtype
 
 
 # ---------------------------------------------------------------------------------------------------

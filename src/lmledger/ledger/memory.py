@@ -8,22 +8,12 @@ Each analytic figure has a measured twin here:
     peak_bytes                         ledger.memtrack.MemoryTracker          (any device; 2% on CPU)
                                        measure_peak_cuda(step_fn)              (CUDA allocator)
 
-State conventions, bytes per parameter (per rank before sharding; "AdamW" = 2 state tensors,
-"SGD" = 1 momentum buffer, 0 if momentum == 0, "none" = 0):
-
-    precision                   params  grads  one state  AdamW total   what holds them
-    64-true                        8      8       8          32         fp64 everything
-    32-true                        4      4       4          16         fp32 everything
-    16-mixed, bf16-mixed           4      4       4          16         torch autocast: fp32 params,
-                                                                        grads and m, v; low-precision
-                                                                        weight copies are transient
-                                                                        (see activation_bytes)
-    16-true, bf16-true             2      2       2           8         model converted; AdamW's m, v
-                                                                        follow the param dtype
-    transformer-engine             2      2       2           8         Lightning's TE plugin keeps
-    (-float16)                                                          weights in bf16 (fp16); pass
-                                                                        weights_dtype=torch.float32 for
-                                                                        an fp32-master setup: 16
+State, per rank before sharding: each parameter, its gradient and each optimizer state tensor
+("AdamW" = 2, "SGD" = 1 momentum buffer, 0 if momentum == 0, "none" = 0) take the bytes per element
+of the precision's row in ledger.precisions (32-true AdamW: 4 + 4 + 2 * 4 = 16 per parameter).
+Under *-mixed the low-precision weight copies autocast makes are transient (activation_bytes);
+Transformer Engine keeps weights in its plugin's weights_dtype (pass weights_dtype=torch.float32
+for an fp32-master setup: 16 with AdamW).
 
 Sharding over `world_size` ranks (`strategy`): "ddp" (also "auto", "single_device") replicates
 everything; "zero1" divides the optimizer state, "zero2" also the grads, "zero3" / "fsdp" also the
@@ -31,7 +21,7 @@ params. A divided term is ceil(n_params / world_size) elements per rank (FSDP pa
 parameter to a multiple of the world size).
 
 DeepSpeed (Lightning's "deepspeed_stage_{1,2,3}") follows what its ZeRO optimizers allocate, not the
-table above: for any 16-bit precision Lightning hands DeepSpeed its "fp16" / "bf16" section, and
+rule above: for any 16-bit precision Lightning hands DeepSpeed its "fp16" / "bf16" section, and
 DeepSpeed converts the model (no autocast), then keeps an fp32 master copy, fp32 gradients and fp32
 optimizer states of each rank's partition. Per parameter, N params, W ranks, s optimizer states,
 w = 2 (4 under 32-true); L = the largest layer's parameters:
@@ -67,28 +57,13 @@ import torch
 from torch import nn
 
 from lmledger.errors import UserError
+from lmledger.ledger import precisions
 from lmledger.ledger.units import STATE_COMPONENTS
 from lmledger.model import ModelConfig, count_parameters
 
 # --------------------------------------------------------------------------------------------
 # Parameters, gradients, optimizer state
 # --------------------------------------------------------------------------------------------
-
-# Lightning's short precision names, mapped to the canonical ones.
-_PRECISION_ALIASES = {"64": "64-true", "32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed"}
-
-# precision -> (param/grad/state bytes, compute bytes, autocast?).  Compute bytes are the
-# matmul operands' width; None = the activation model does not cover it (see activation_bytes).
-_PRECISIONS: dict[str, tuple[int, int | None, bool]] = {
-    "64-true": (8, None, False),
-    "32-true": (4, 4, False),
-    "16-mixed": (4, 2, True),
-    "bf16-mixed": (4, 2, True),
-    "16-true": (2, 2, False),
-    "bf16-true": (2, 2, False),
-    "transformer-engine": (2, None, False),
-    "transformer-engine-float16": (2, None, False),
-}
 
 _STRATEGY_SHARDS: dict[str, frozenset[str]] = {
     "ddp": frozenset(),
@@ -104,30 +79,20 @@ _STRATEGY_SHARDS: dict[str, frozenset[str]] = {
 }
 
 _DEEPSPEED_STAGES = {"deepspeed_stage_1": 1, "deepspeed_stage_2": 2, "deepspeed_stage_3": 3}
-# Precisions Lightning's DeepSpeedPrecision accepts, and the width DeepSpeed runs the model in.
-_DEEPSPEED_MODEL_WIDTH = {"32-true": 4, "16-mixed": 2, "bf16-mixed": 2, "16-true": 2, "bf16-true": 2}
 FP32_MASTER = 4  # DeepSpeed's master weights, fp32 gradients for the step and optimizer states
 
-PRECISIONS = tuple(_PRECISIONS)
 OPTIMIZERS = ("adamw", "adam", "sgd", "none")
 
 
-def normalize_precision(precision: str | int) -> str:
-    """Lightning's precision name in canonical form ("bf16" -> "bf16-mixed", 32 -> "32-true")."""
-    name = _PRECISION_ALIASES.get(str(precision), str(precision))
-    if name not in _PRECISIONS:
-        raise UserError(f"unknown precision {precision!r}: use one of {', '.join(_PRECISIONS)}")
-    return name
-
-
-def _state_width(precision: str | int, weights_dtype: torch.dtype | None) -> int:
-    """Bytes per element of params, grads and each optimizer state tensor."""
-    name = normalize_precision(precision)
+def _state_widths(precision: str | int, weights_dtype: torch.dtype | None) -> dict[str, int]:
+    """Bytes per element of a param, a grad and one optimizer state tensor; a Transformer Engine
+    plugin's weights_dtype sets all three."""
+    row = precisions.precision(precision)
     if weights_dtype is None:
-        return _PRECISIONS[name][0]
-    if not name.startswith("transformer-engine"):
-        raise UserError(f"weights_dtype only applies to transformer-engine precisions, not {name}")
-    return torch.empty((), dtype=weights_dtype).element_size()
+        return {"params": row.param_bytes, "grads": row.grad_bytes, "optimizer": row.state_bytes}
+    if not row.transformer_engine:
+        raise UserError(f"weights_dtype only applies to transformer-engine precisions, not {row.name}")
+    return dict.fromkeys(STATE_COMPONENTS, torch.empty((), dtype=weights_dtype).element_size())
 
 
 def optimizer_states(optimizer: str, momentum: float = 0.9) -> int:
@@ -167,7 +132,7 @@ def state_bytes(
     largest_layer_params(cfg) for ToyLM)."""
     if n_params < 0:
         raise UserError(f"n_params must be >= 0, got {n_params}")
-    width = _state_width(precision, weights_dtype)
+    width = _state_widths(precision, weights_dtype)
     sharded = _sharded_terms(strategy, world_size)
     if strategy in _DEEPSPEED_STAGES:
         states = optimizer_states(optimizer, momentum)
@@ -176,11 +141,8 @@ def state_bytes(
         )
     per_rank = math.ceil(n_params / world_size)
     elements = {term: per_rank if term in sharded else n_params for term in STATE_COMPONENTS}
-    return {
-        "params": elements["params"] * width,
-        "grads": elements["grads"] * width,
-        "optimizer": elements["optimizer"] * width * optimizer_states(optimizer, momentum),
-    }
+    elements["optimizer"] *= optimizer_states(optimizer, momentum)
+    return {term: elements[term] * width[term] for term in STATE_COMPONENTS}
 
 
 def bytes_per_param(
@@ -194,26 +156,25 @@ def bytes_per_param(
 ) -> float:
     """params + grads + optimizer bytes per parameter on one rank (32-true AdamW DDP: 16). Under
     DeepSpeed ZeRO-3 the gathered largest layer is left out (it is not per parameter)."""
-    width = _state_width(precision, weights_dtype)
+    width = _state_widths(precision, weights_dtype)
     sharded = _sharded_terms(strategy, world_size)
     if strategy in _DEEPSPEED_STAGES:
         stage, states = _DEEPSPEED_STAGES[strategy], optimizer_states(optimizer, momentum)
         terms = _deepspeed_terms(precision, states, stage)
         return sum(whole + split / world_size for whole, split, _layer in terms.values())
     share = {term: 1 / world_size if term in sharded else 1.0 for term in STATE_COMPONENTS}
-    states = optimizer_states(optimizer, momentum)
-    return width * (share["params"] + share["grads"] + states * share["optimizer"])
+    share["optimizer"] *= optimizer_states(optimizer, momentum)
+    return sum(width[term] * share[term] for term in STATE_COMPONENTS)
 
 
 def _deepspeed_terms(precision: str | int, states: int, stage: int) -> dict[str, tuple[int, int, int]]:
     """Per term: (bytes per parameter on every rank, bytes per parameter divided over the ranks,
     bytes per parameter of the largest layer) under DeepSpeed ZeRO `stage` (module docstring)."""
-    name = normalize_precision(precision)
-    if name not in _DEEPSPEED_MODEL_WIDTH:
-        raise UserError(
-            f"DeepSpeed runs precisions {', '.join(_DEEPSPEED_MODEL_WIDTH)}, not {name}: choose one of them"
-        )
-    w = _DEEPSPEED_MODEL_WIDTH[name]
+    row = precisions.precision(precision)
+    w = row.deepspeed_model_bytes
+    if w is None:
+        runs = [r.name for r in precisions.ROWS.values() if r.deepspeed_model_bytes is not None]
+        raise UserError(f"DeepSpeed runs precisions {', '.join(runs)}, not {row.name}: choose one of them")
     grad_cast = FP32_MASTER if w < FP32_MASTER else 0  # fp32 copy of this rank's gradient partition
     master = FP32_MASTER if stage < 3 or w < FP32_MASTER else 0  # stage 3 reuses fp32 params as master
     optimizer = (master, FP32_MASTER * states)
@@ -238,7 +199,7 @@ def model_precision(precision: str | int, strategy: str = "ddp") -> str:
     """The precision the model's forward runs in: DeepSpeed takes a *-mixed precision as its own
     16-bit mode (Lightning's _format_precision_config writes an "fp16" / "bf16" section, and
     DeepSpeedPrecision adds no autocast), so its activations are those of the *-true counterpart."""
-    name = normalize_precision(precision)
+    name = precisions.normalize_precision(precision)
     if strategy in _DEEPSPEED_STAGES and name.endswith("-mixed"):
         return name.replace("-mixed", "-true")
     return name
@@ -314,13 +275,12 @@ class _Widths:
 
 
 def _activation_widths(precision: str | int) -> _Widths:
-    name = normalize_precision(precision)
-    param, compute, autocast = _PRECISIONS[name]
-    if compute is None:
-        raise UserError(
-            f"activation bytes are modelled for 32-true, 16-mixed, bf16-mixed, 16-true and bf16-true, not {name}"
-        )
-    return _Widths(compute=compute, residual=param, autocast=autocast)
+    row = precisions.precision(precision)
+    if row.activation_bytes is None:
+        modelled = [r.name for r in precisions.ROWS.values() if r.activation_bytes is not None]
+        raise UserError(f"activation bytes are modelled for {', '.join(modelled)}, not {row.name}")
+    compute, residual = row.activation_bytes
+    return _Widths(compute=compute, residual=residual, autocast=row.autocast is not None)
 
 
 def _check_device(device: str) -> str:
@@ -546,7 +506,7 @@ def peak_bytes(
         one_state = largest_tensor = FP32_MASTER * math.ceil(n / world_size)
     else:
         one_state = opt // max(optimizer_states(optimizer, momentum), 1)
-        largest_tensor = largest_layer_params(cfg) * _state_width(precision, None)
+        largest_tensor = largest_layer_params(cfg) * precisions.precision(precision).state_bytes
     step_temporaries = _optimizer_step_temporaries(optimizer, one_state, largest_tensor, kind, fused, foreach)
     candidates["optimizer step"] = resident + grads + step_temporaries
 

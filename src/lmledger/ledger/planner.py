@@ -24,38 +24,26 @@ MIN_MFU = 1e-6  # below this no run is training; with MAX_COUNT it keeps the day
 
 
 def __getattr__(name: str):
-    # ledger.memory imports torch; `lmledger plan train-time` must answer without it, so the precision
-    # and optimizer names are looked up only when someone asks for them.
-    if name in ("PRECISIONS", "OPTIMIZERS"):
+    # ledger.memory imports torch; `lmledger plan train-time` must answer without it, so the optimizer
+    # names are looked up only when someone asks for them.
+    if name == "OPTIMIZERS":
         from lmledger.ledger import memory
 
-        return getattr(memory, name)
+        return memory.OPTIMIZERS
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def bytes_per_param(precision: str = "32-true", optimizer: str = "adamw") -> float:
     """Bytes each parameter costs in training on one GPU: the param, its grad and the optimizer
-    state, by the conventions of lmledger.ledger.memory (the one table both the planner and the
-    running ledger use):
-
-    ========================== ===== ==== ================ ===== ===== ====
-    precision                  param grad state (each)     adamw sgd   none
-    ========================== ===== ==== ================ ===== ===== ====
-    32-true                    4     4    4 (fp32)         16    12    8
-    bf16-mixed, 16-mixed       4     4    4 (fp32)         16    12    8
-    bf16-true, 16-true         2     2    2 (param dtype)  8     6     4
-    transformer-engine(-fp16)  2     2    2 (param dtype)  8     6     4
-    64-true                    8     8    8                32    24    16
-    ========================== ===== ==== ================ ===== ===== ====
+    state, by the conventions of lmledger.ledger.memory (the one rule both the planner and the
+    running ledger use), with each precision's bytes per element from ledger.precisions: 32-true
+    and *-mixed AdamW 4 + 4 + 2 * 4 = 16, *-true 8, 64-true 32.
 
     - mixed (torch autocast): params, grads and AdamW m, v stay fp32; the bf16/fp16 copies autocast
-      makes of the weights live only through a forward pass and are not counted. Same 16 bytes as
-      32-true: mixed precision buys speed, not parameter memory. (Frameworks that keep bf16 params +
-      grads beside an fp32 master copy land at 2+2+4+4+4 = 16 too; Megatron-style fp32 grads 18-20.)
-    - true: everything in the param dtype, AdamW's m and v included (torch creates optimizer state
-      like the param).
-    - transformer-engine: Lightning's plugin keeps weights in bf16 (fp16 for -float16); the fp8
-      copies Transformer Engine makes for its matmuls are not counted.
+      makes of the weights live only through a forward pass and are not counted. Mixed precision buys
+      speed, not parameter memory. (Frameworks that keep bf16 params + grads beside an fp32 master
+      copy land at 2+2+4+4+4 = 16 too; Megatron-style fp32 grads 18-20.)
+    - transformer-engine: the fp8 copies Transformer Engine makes for its matmuls are not counted.
     - optimizer: adamw keeps two states (m, v), sgd with momentum one, none (plain SGD) zero.
     """
     from lmledger.ledger import memory

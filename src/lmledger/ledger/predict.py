@@ -24,6 +24,7 @@ from torch import nn
 from lmledger.errors import UserError
 from lmledger.ledger import flops as ledger_flops
 from lmledger.ledger import memory as ledger_memory
+from lmledger.ledger import precisions
 from lmledger.ledger.dryrun import (
     LargestBatch,
     NotTraced,
@@ -99,10 +100,9 @@ def predict(run: Run, batch: object = None, *, batch_size: int | None = None) ->
     )  # fmt: skip
 
 
-# Precisions `measure` runs as Lightning's plugins do: *-mixed under autocast, *-true with the module cast.
-_AUTOCAST = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
-_CAST = {"bf16-true": torch.bfloat16, "16-true": torch.float16}
-MEASURABLE = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
+# Precisions `measure` runs (as Lightning's plugins do: autocast, or the module converted): those whose
+# activations the closed forms model.
+MEASURABLE = tuple(row.name for row in precisions.ROWS.values() if row.activation_bytes is not None)
 
 
 @dataclass(frozen=True)
@@ -130,9 +130,10 @@ def measure(run: Run) -> Measurement:
     if run.world_size > 1 or run.strategy != "ddp":
         raise UserError("--measure runs one process; measure a sharded or multi-device config with `lmledger fit`")
     torch.manual_seed(0)
+    row = precisions.precision(run.precision)
     model = ToyLM(run.config).to(run.device)
-    if run.precision in _CAST:
-        model = model.to(_CAST[run.precision])
+    if row.convert_dtype is not None:
+        model = model.to(row.convert_dtype)
     model.train()
     if run.optimizer == "adamw":
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=run.fused_optimizer)  # as LitLM
@@ -140,7 +141,7 @@ def measure(run: Run) -> Measurement:
         optimizer = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=run.momentum, fused=run.fused_optimizer)
     else:
         raise UserError(f"unknown optimizer {run.optimizer!r}")
-    autocast_dtype = _AUTOCAST.get(run.precision)
+    autocast_dtype = row.autocast_dtype
 
     def autocast():
         # as Lightning's precision plugin runs it: no weight cache (a cast lives while backward needs it)
@@ -187,7 +188,7 @@ def _dry_prediction(run: Run, batch: object, batch_size: int | None) -> Predicti
     if batch_size is not None:
         batch = resized(batch, batch_size)
     result = predict_module(run.module, batch, precision=run.precision, device=run.device)
-    forward_precision = ledger_memory.normalize_precision(run.precision)
+    forward_precision = precisions.normalize_precision(run.precision)
     if isinstance(result, NotTraced):
         return Prediction(None, None, None, None, None, None, None, None, None, forward_precision, result.reason)
     return Prediction(

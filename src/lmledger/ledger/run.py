@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from lmledger.ledger.memory import normalize_precision
+from lmledger.ledger import precisions
 from lmledger.model import ModelConfig
 
 
@@ -66,7 +66,7 @@ class Run:
 
 def fused_by_default(precision: str) -> bool:
     """LitLM's choice (lmledger.lit): fused optimizer kernels, except under fp16's GradScaler."""
-    return normalize_precision(precision) != "16-mixed"
+    return precisions.precision(precision).fused_optimizer
 
 
 # Lightning 2.6.6's DeepSpeedStrategy(stage=2) default: the registry's plain "deepspeed" is ZeRO stage 2
