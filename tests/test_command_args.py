@@ -3,13 +3,14 @@ placeholders and errors the hand-written argparse parsers had."""
 
 from __future__ import annotations
 
+import argparse
 import re
-from typing import Literal
+from typing import Annotated, Literal
 
 import pytest
 
 from lmledger.cli import main as lmledger
-from lmledger.commands.argparser import ArgumentParser, add_function_arguments
+from lmledger.commands.argparser import ArgumentParser, add_function_arguments, run_command
 from lmledger.corpus import DEFAULT_BPE_VOCAB_SIZE, DEFAULT_OUT, DEFAULT_VAL_FRACTION, STDLIB
 from lmledger.errors import UserError
 
@@ -20,6 +21,11 @@ FLAGS = {
     ("bench", "matmul"): {"--help", "--dtypes", "--sizes", "--repeats", "--device", "--plot", "--json"},
     ("prepare",): {"--help", "--source", "--tokenizer", "--vocab-size", "--out", "--overwrite", "--val-fraction"},
     ("sweep",): {"--help", "--dry-run", "--jobs", "--out"},
+    # account and plan max-batch also name the fit arguments they pass through (--config, --a.b overrides)
+    ("account",): {"--help", "--config", "--model", "--data", "--a", "--measure", "--json"},
+    ("plan", "train-time"): {"--help", "--params", "--tokens", "--gpu", "--num-gpus", "--mfu", "--dtype", "--json"},
+    ("plan", "max-params"): {"--help", "--gpu", "--num-gpus", "--precision", "--optimizer", "--json"},
+    ("plan", "max-batch"): {"--help", "--gpu", "--device-memory-gb", "--json", "--config", "--a"},
 }
 
 
@@ -99,3 +105,42 @@ def test_signature_rules_and_one_line_errors():
             parser.parse_args(argv)
         assert str(err.value).startswith(message) and "\n" not in str(err.value)
         assert str(err.value).endswith("(see `lmledger example --help`)")
+
+
+def _even(text: str) -> int:
+    value = int(text)
+    if value % 2:
+        raise argparse.ArgumentTypeError(f"{text!r} is odd")
+    return value
+
+
+def test_required_flags_parsed_values_and_passed_through_arguments():
+    calls = []
+
+    def passes(*rest: str, size: Annotated[int, _even], name: str = "x") -> int:
+        """passes the rest on
+
+        Args:
+            size: an even number
+        """
+        calls.append((rest, size, name))
+        return 3
+
+    def refuses(*, size: Annotated[int, _even]) -> None:
+        """refuses the rest"""
+        calls.append(((), size, None))
+
+    verbs = {"passes": passes, "refuses": refuses}
+    assert run_command("lmledger ex", verbs, ["passes", "--config", "c.yaml", "--size", "4", "--a.b=-1"]) == 3
+    assert run_command("lmledger ex", verbs, ["refuses", "--size", "2"]) == 0
+    assert calls == [(("--config", "c.yaml", "--a.b=-1"), 4, "x"), ((), 2, None)]
+    for argv, message in (
+        (["passes", "--config", "c.yaml"], "the following arguments are required: --size"),
+        (["refuses", "--size", "3"], "argument --size: '3' is odd"),
+        (["refuses", "--size", "2", "--config", "c"], "unrecognized arguments: --config c (see `lmledger ex --help`)"),
+        (["other"], "argument kind: invalid choice: 'other'"),
+    ):
+        with pytest.raises(UserError) as err:
+            run_command("lmledger ex", verbs, argv)
+        assert str(err.value).startswith(message) and "\n" not in str(err.value)
+    assert len(calls) == 2

@@ -96,9 +96,3 @@ def run_spec_from_config(config) -> Run:
         data_path=config.data.path,
         vocab_from_data=vocab_from_data,
     )
-
-
-def split_flags(argv: list[str], flags: tuple[str, ...]) -> tuple[set[str], list[str]]:
-    """Take our own boolean flags (e.g. --json) out of argv; the rest goes to the fit parser."""
-    ours = {a for a in argv if a in flags}
-    return ours, [a for a in argv if a not in flags]

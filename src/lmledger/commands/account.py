@@ -3,32 +3,32 @@ and (with --measure) on this machine, each figure beside its twin."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
-import json
 import warnings
+from json import dumps
 
 import torch
 
+from lmledger.commands.argparser import run_command
 from lmledger.errors import UserError
 from lmledger.ledger import flops as ledger_flops
 from lmledger.ledger.hardware import Peak, compute_dtype_for_precision, peak_flops
 from lmledger.ledger.predict import measure as measure_run
 from lmledger.ledger.predict import predict as predict_run
-from lmledger.ledger.units import format_bytes
+from lmledger.ledger.units import MEMORY_ROWS, format_bytes
 from lmledger.model import count_parameters
-from lmledger.runspec import RunSpec, load_run_spec, split_flags
+from lmledger.runspec import RunSpec, load_run_spec
 
-USAGE = """usage: lmledger account --config FILE [--config FILE2] [--a.b VALUE ...] [--measure] [--json]
-       lmledger account --model CLASS_PATH [--data CLASS_PATH] [--a.b VALUE ...] [--measure] [--json]
-
-One training step of a `lmledger fit` config: parameter count, model and hardware FLOPs, predicted
+# The fit arguments (--config, --model, overrides) pass through to LightningCLI's parser, not argparse's.
+USAGE = """lmledger account --config FILE [--config FILE2] [--a.b VALUE ...] [--measure] [--json]
+       lmledger account --model CLASS_PATH [--data CLASS_PATH] [--a.b VALUE ...] [--measure] [--json]"""
+DESCRIPTION = """One training step of a `lmledger fit` config: parameter count, model and hardware FLOPs, predicted
 bytes per component and peak, and the FLOPs per token each MFU convention counts (docs/mfu.md).
 --measure also runs real steps on this machine (CUDA if the config asks for a GPU and one is
 present, else CPU), prints each measurement beside its prediction, and each convention's MFU.
 A config whose model is any LightningModule (--model CLASS_PATH, or `model: {class_path: ...}`) is
 predicted by a dry run of its training_step on the shapes of its data's first batch (docs/any-model.md)."""
-
-MEMORY_ROWS = ("params", "grads", "optimizer", "activations", "peak")
 
 
 def predict(spec: RunSpec, device: str) -> dict:
@@ -326,26 +326,41 @@ def print_any_model_table(result: dict) -> None:
     print("no model FLOPs or MFU for a module that is not lmledger's ToyLM: HFU comes from a fit's perf/hfu")
 
 
-def main(argv: list[str]) -> int:
-    if any(a in ("-h", "--help") for a in argv):
-        print(USAGE)
-        return 0
-    flags, rest = split_flags(argv, ("--measure", "--json"))
+def account_command(*fit_args: str, measure: bool = False, json: bool = False) -> int:
+    """`lmledger account`: one training step, on paper and (with --measure) here (DESCRIPTION says more).
+
+    Args:
+        measure: also run real steps here and print each measurement beside its prediction
+        json: print one JSON object
+    """
     from lmledger.commands.train import named_classes
 
+    rest = list(fit_args)
     if named_classes(rest):
-        result = account_any_model(rest, "--measure" in flags)
-        if "--json" in flags:
-            print(json.dumps(result))
+        result = account_any_model(rest, measure)
+        if json:
+            print(dumps(result))
         else:
             print_any_model_table(result)
         return 0
     if not any(a == "--config" or a.startswith("--config=") for a in rest):
         raise UserError("account needs --config FILE (e.g. configs/tiny.yaml) or --model CLASS_PATH")
-    spec = load_run_spec(rest)
-    result = account(spec, "--measure" in flags)
-    if "--json" in flags:
-        print(json.dumps(result))
+    result = account(load_run_spec(rest), measure)
+    if json:
+        print(dumps(result))
     else:
         print_table(result)
     return 0
+
+
+def main(argv: list[str]) -> int:
+    # Exact flags only: an abbreviation is a fit argument, as LightningCLI reads it.
+    return run_command(
+        "lmledger account",
+        account_command,
+        argv,
+        DESCRIPTION,
+        usage=USAGE,
+        allow_abbrev=False,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )

@@ -22,10 +22,10 @@ class ArgumentParser(argparse.ArgumentParser):
         raise UserError(f"{message} (see `{self.prog} --help`)")
 
 
-def _docstring(function: Callable) -> tuple[str, dict[str, tuple[str | None, str]]]:
-    """The summary (text before `Args:`) and, per parameter, (metavar, help) from lines such as
-    `vocab_size (N): bpe vocabulary size (default {DEFAULT_BPE_VOCAB_SIZE})`. A `{NAME}` naming an
-    upper-case global of the function's module is replaced by its value, so help quotes the constant."""
+def _docstring(function: Callable) -> tuple[list[str], dict[str, tuple[str | None, str]]]:
+    """The summary's paragraphs (text before `Args:`, each on one line) and, per parameter, (metavar, help)
+    from lines such as `vocab_size (N): bpe vocabulary size (default {DEFAULT_BPE_VOCAB_SIZE})`. A `{NAME}`
+    naming an upper-case global of the function's module is replaced by its value, so help quotes the constant."""
     text = re.sub(
         r"\{([A-Z][A-Z0-9_]*)\}",
         lambda m: str(function.__globals__[m[1]]) if m[1] in function.__globals__ else m[0],
@@ -42,7 +42,8 @@ def _docstring(function: Callable) -> tuple[str, dict[str, tuple[str | None, str
         elif name and line.startswith("        "):  # a continuation line
             metavar, help_ = params[name]
             params[name] = (metavar, f"{help_} {line.strip()}")
-    return " ".join(summary.split()), params
+    paragraphs = [" ".join(p.split()) for p in re.split(r"\n\s*\n", summary)]
+    return [p for p in paragraphs if p], params
 
 
 def _value_type(hint) -> tuple[object, bool]:
@@ -55,41 +56,77 @@ def _value_type(hint) -> tuple[object, bool]:
     return hint, False
 
 
+def _passes_rest(function: Callable) -> bool:
+    """Whether the function takes `*args`: the arguments its own flags do not name (a fit config)."""
+    return any(p.kind is p.VAR_POSITIONAL for p in inspect.signature(function).parameters.values())
+
+
 def add_function_arguments(parser: argparse.ArgumentParser, function: Callable) -> None:
-    """One argument per parameter: no default -> positional; `flag: bool = False` -> a bare `--flag`;
-    `Literal[...]` -> choices; a list or sequence -> one or more values; `snake_case` -> `--snake-case`."""
+    """One argument per parameter: no default -> positional, or a required flag when keyword-only;
+    `flag: bool = False` -> a bare `--flag`; `Literal[...]` -> choices; a list or sequence -> one or more
+    values; `Annotated[T, parse]` -> `parse(text)` makes the value; `snake_case` -> `--snake-case`;
+    `*args` -> no argument (run_command hands it the arguments left over)."""
     _, docs = _docstring(function)
-    hints = typing.get_type_hints(function)
+    hints = typing.get_type_hints(function, include_extras=True)
     for param in inspect.signature(function).parameters.values():
+        if param.kind is param.VAR_POSITIONAL:
+            continue
         metavar, help_ = docs.get(param.name, (None, None))
-        kind, several = _value_type(hints.get(param.name, str))
+        hint, parse = hints.get(param.name, str), None
+        if typing.get_origin(hint) is typing.Annotated:
+            hint, parse = typing.get_args(hint)[:2]
+        kind, several = _value_type(hint)
         options: dict = {"help": help_, "metavar": metavar}
         if kind is bool:
             options = {"help": help_, "action": "store_true"}
         elif typing.get_origin(kind) is typing.Literal:
             options["choices"] = typing.get_args(kind)
-        elif kind is not str:
-            options["type"] = kind
+        elif parse is not None or kind is not str:
+            options["type"] = parse or kind
         if several:
             options["nargs"] = "+"
-        if param.default is inspect.Parameter.empty:
+        if param.default is inspect.Parameter.empty and param.kind is not param.KEYWORD_ONLY:
             parser.add_argument(param.name, **options)
+            continue
+        flag = "--" + param.name.replace("_", "-")
+        if param.default is inspect.Parameter.empty:
+            options["required"] = True
         else:
-            flag = "--" + param.name.replace("_", "-")
-            parser.add_argument(flag, dest=param.name, default=param.default, **options)
+            options["default"] = param.default
+        parser.add_argument(flag, dest=param.name, **options)
 
 
-def run_command(prog: str, command: Callable | Mapping[str, Callable], argv: list[str], description: str = "") -> int:
+def run_command(
+    prog: str,
+    command: Callable | Mapping[str, Callable],
+    argv: list[str],
+    description: str = "",
+    verb_name: str = "kind",
+    **parser_options,
+) -> int:
     """Parse argv for `command` (or for one verb of a {verb: function} mapping, as `bench matmul`) and call
-    it with what was parsed; its docstring's summary is the --help description."""
+    it with what was parsed. A command's docstring summary is its --help description; a verb's first
+    paragraph is its line in the command's --help, the rest its own description. A function with `*args`
+    receives the arguments its flags do not name; any other refuses them. verb_name names the verb in
+    errors ("required: kind"); parser_options go to the command's ArgumentParser (usage, allow_abbrev)."""
     if callable(command):
-        parser = ArgumentParser(prog=prog, description=description or _docstring(command)[0])
+        parser = ArgumentParser(
+            prog=prog, description=description or " ".join(_docstring(command)[0]), **parser_options
+        )
         add_function_arguments(parser, command)
-        return command(**vars(parser.parse_args(argv))) or 0
-    parser = ArgumentParser(prog=prog, description=description)
-    verbs = parser.add_subparsers(dest="kind", required=True)
-    for verb, function in command.items():
-        summary = _docstring(function)[0]
-        add_function_arguments(verbs.add_parser(verb, help=summary), function)
-    args = vars(parser.parse_args(argv))
-    return command[args.pop("kind")](**args) or 0
+        function, parsed = command, parser.parse_known_args(argv)
+    else:
+        parser = ArgumentParser(prog=prog, description=description, **parser_options)
+        verbs = parser.add_subparsers(dest=verb_name, required=True)
+        for verb, function in command.items():
+            summary = _docstring(function)[0]
+            verb_parser = verbs.add_parser(
+                verb, help=summary[0] if summary else None, description=" ".join(summary[1:]) or None
+            )
+            add_function_arguments(verb_parser, function)
+        parsed = parser.parse_known_args(argv)
+        function = command[vars(parsed[0]).pop(verb_name)]
+    args, rest = parsed
+    if rest and not _passes_rest(function):
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    return function(*rest, **vars(args)) or 0

@@ -3,22 +3,25 @@
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import re
+from json import dumps
+from typing import Annotated
 
 from rich.console import Console
 from rich.table import Table
 
-from lmledger.commands.argparser import ArgumentParser
+from lmledger.commands.argparser import run_command
 from lmledger.errors import UserError
 from lmledger.ledger.hardware import DTYPES, require_gpu
 from lmledger.ledger.planner import MAX_COUNT, MAX_GPUS, max_params, train_time
+from lmledger.ledger.units import GB
 
 # torch and Lightning are imported only by max-batch (it reads a fit config): train-time, max-params'
 # parsing and `gpus` start in a fraction of a second.
 
 _SUFFIXES = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}
+PEAK_DTYPES = ", ".join(DTYPES)  # quoted in train-time's --help
 
 
 def _count(text: str) -> float:
@@ -70,10 +73,29 @@ def _print_rows(title: str, rows: list[tuple[str, str]]) -> None:
     Console().print(table)
 
 
-def _train_time(args: argparse.Namespace) -> None:
-    result = train_time(args.params, args.tokens, args.gpu, args.num_gpus, args.mfu, args.dtype)
-    if args.json:
-        print(json.dumps(result.to_json()))
+def train_time_command(
+    *,
+    params: Annotated[float, _count],
+    tokens: Annotated[float, _count],
+    gpu: str,
+    num_gpus: Annotated[int, _gpu_count] = 1,
+    mfu: Annotated[float, _fraction],
+    dtype: str = "bf16",
+    json: bool = False,
+) -> None:
+    """days to train N params on D tokens
+
+    Args:
+        params: parameters, e.g. 70e9 or 70B
+        tokens: training tokens, e.g. 15e12 or 15T
+        gpu: a key from `lmledger gpus` or a torch device name
+        num_gpus: GPUs (default 1)
+        mfu: model FLOPs utilization in (0, 1], e.g. 0.5
+        dtype: whose dense peak applies: {PEAK_DTYPES} (default bf16)
+    """
+    result = train_time(params, tokens, gpu, num_gpus, mfu, dtype)
+    if json:
+        print(dumps(result.to_json()))
         return
     _print_rows(
         "training time (6·N·D / (peak · GPUs · MFU))",
@@ -90,16 +112,31 @@ def _train_time(args: argparse.Namespace) -> None:
     )
 
 
-def _max_params(args: argparse.Namespace) -> None:
-    result = max_params(args.gpu, args.num_gpus, args.precision, args.optimizer)
-    if args.json:
-        print(json.dumps(result.to_json()))
+def max_params_command(
+    *,
+    gpu: str,
+    num_gpus: Annotated[int, _gpu_count] = 1,
+    precision: str = "32-true",
+    optimizer: str = "adamw",
+    json: bool = False,
+) -> None:
+    """largest model whose params, grads and optimizer state fit
+
+    Args:
+        gpu: a key from `lmledger gpus` or a torch device name
+        num_gpus: GPUs (default 1)
+        precision: a Lightning precision: 32-true, bf16-mixed, bf16-true, ... (default 32-true)
+        optimizer: adamw, adam, sgd or none (default adamw)
+    """
+    result = max_params(gpu, num_gpus, precision, optimizer)
+    if json:
+        print(dumps(result.to_json()))
         return
     _print_rows(
         "largest model that fits (activations ignored)",
         [
             ("GPU", f"{result.num_gpus} × {result.gpu}"),
-            ("memory (all GPUs)", f"{result.capacity_bytes / 1e9:g} GB"),
+            ("memory (all GPUs)", f"{result.capacity_bytes / GB:g} GB"),
             ("precision / optimizer", f"{result.precision} / {result.optimizer}"),
             ("bytes per param", f"{result.bytes_per_param:g}"),
             ("max params", f"{result.max_params:,} ({result.max_params / 1e9:.3g}B)"),
@@ -107,17 +144,17 @@ def _max_params(args: argparse.Namespace) -> None:
     )
 
 
-def _capacity(args: argparse.Namespace) -> tuple[int, str, str | None]:
+def _capacity(gpu: str | None, device_memory_gb: float | None) -> tuple[int, str, str | None]:
     """(bytes one device may use, how to show it, the GPU key or None) from --gpu or --device-memory-gb."""
-    if (args.gpu is None) == (args.device_memory_gb is None):
+    if (gpu is None) == (device_memory_gb is None):
         raise UserError(
             "max-batch needs the memory to fit in: --gpu KEY or --device-memory-gb GB (or --ledger.device_memory_gb), "
             "one of them"
         )
-    if args.gpu is not None:
-        gpu = require_gpu(args.gpu)
-        return gpu.memory_bytes, f"{gpu.key} ({gpu.memory_bytes / 1e9:g} GB)", gpu.key
-    return round(args.device_memory_gb * 1e9), f"{args.device_memory_gb:g} GB per device", None
+    if gpu is not None:
+        spec = require_gpu(gpu)
+        return spec.memory_bytes, f"{spec.key} ({spec.memory_bytes / GB:g} GB)", spec.key
+    return round(device_memory_gb * GB), f"{device_memory_gb:g} GB per device", None
 
 
 def _ledger_memory_flag(fit_args: list[str]) -> float | None:
@@ -136,16 +173,30 @@ def _ledger_memory_flag(fit_args: list[str]) -> float | None:
     return None
 
 
-def _max_batch(args: argparse.Namespace, fit_args: list[str]) -> None:
+def max_batch_command(
+    *fit_args: str,
+    gpu: str | None = None,
+    device_memory_gb: Annotated[float | None, _positive_gb] = None,
+    json: bool = False,
+) -> None:
+    """largest batch of a fit config that fits on a GPU (activations included)
+
+    Any other arguments are read as by `lmledger fit`: --config FILE and --a.b VALUE overrides.
+
+    Args:
+        gpu: a key from `lmledger gpus` or a torch device name
+        device_memory_gb: memory one device may use, in GB (1e9 bytes), instead of --gpu
+    """
     from lmledger.commands.train import named_classes
 
+    fit_args = list(fit_args)
     if not fit_args:
         raise UserError("max-batch needs --config FILE (a `lmledger fit` config, e.g. configs/cs336-small.yaml)")
-    if args.gpu is None and args.device_memory_gb is None:
-        args.device_memory_gb = _ledger_memory_flag(fit_args)
-    _capacity(args)  # a missing or doubled memory size is refused before any config is read
+    if gpu is None and device_memory_gb is None:
+        device_memory_gb = _ledger_memory_flag(fit_args)
+    capacity, shown, gpu_key = _capacity(gpu, device_memory_gb)  # refused before any config is read
     if named_classes(fit_args):
-        _max_batch_any_model(args, fit_args)
+        _max_batch_any_model(capacity, shown, gpu_key, fit_args, json)
         return
     import dataclasses
 
@@ -156,7 +207,6 @@ def _max_batch(args: argparse.Namespace, fit_args: list[str]) -> None:
     from lmledger.model import count_parameters
     from lmledger.runspec import load_run_spec
 
-    capacity, shown, gpu_key = _capacity(args)
     spec = load_run_spec(fit_args)
     # The closed forms for a GPU (its kernels' transients); with only a memory size, for the config's device.
     device = "cuda" if gpu_key or spec.accelerator in ("gpu", "cuda") else "cpu"
@@ -177,8 +227,8 @@ def _max_batch(args: argparse.Namespace, fit_args: list[str]) -> None:
         "optimizer": spec.optimizer,
         "activation_checkpointing": spec.config.activation_checkpointing,
     }
-    if args.json:
-        print(json.dumps(result))
+    if json:
+        print(dumps(result))
         return
     _print_rows(
         "largest batch that fits (params, grads, optimizer, activations, transients)",
@@ -187,12 +237,12 @@ def _max_batch(args: argparse.Namespace, fit_args: list[str]) -> None:
             ("model", f"{count_parameters(spec.config):,} params, seq {spec.seq_len}"),
             ("precision / optimizer", f"{spec.precision} / {spec.optimizer}"),
             ("max batch per device", f"{best:,}"),
-            (f"predicted peak at {'that batch' if best else 'batch 1'}", f"{result['peak_bytes'] / 1e9:.2f} GB"),
+            (f"predicted peak at {'that batch' if best else 'batch 1'}", f"{result['peak_bytes'] / GB:.2f} GB"),
         ],
     )
 
 
-def _max_batch_any_model(args: argparse.Namespace, fit_args: list[str]) -> None:
+def _max_batch_any_model(capacity: int, shown: str, gpu_key: str | None, fit_args: list[str], json: bool) -> None:
     """max-batch for any LightningModule: dry runs of its training_step on batches shaped like its data's
     first batch, doubling then bisecting the number of samples (ledger.predict.max_batch)."""
     import warnings
@@ -203,7 +253,6 @@ def _max_batch_any_model(args: argparse.Namespace, fit_args: list[str]) -> None:
     from lmledger.ledger import predict as any_model
     from lmledger.ledger.dryrun import NotTraced, batch_tensors
 
-    capacity, shown, gpu_key = _capacity(args)
     module, data, config = build_model_and_data(fit_args)
     precision = str(config.trainer.get("precision") or "32-true")
     wants_gpu = gpu_key is not None or config.trainer.get("accelerator") in ("gpu", "cuda")
@@ -230,8 +279,8 @@ def _max_batch_any_model(args: argparse.Namespace, fit_args: list[str]) -> None:
         "model": config.model.class_path,
         "device": device.type,
     }
-    if args.json:
-        print(json.dumps(result))
+    if json:
+        print(dumps(result))
         return
     _print_rows(
         "largest batch that fits (dry runs of the module's training step)",
@@ -240,7 +289,7 @@ def _max_batch_any_model(args: argparse.Namespace, fit_args: list[str]) -> None:
             ("model", f"{config.model.class_path}, {any_model.parameter_count(module):,} params"),
             ("precision", precision),
             ("max batch per device", f"{found.size:,}"),
-            (f"predicted peak at {'that batch' if found.size else 'batch 1'}", f"{result['peak_bytes'] / 1e9:.4g} GB"),
+            (f"predicted peak at {'that batch' if found.size else 'batch 1'}", f"{result['peak_bytes'] / GB:.4g} GB"),
         ],
     )
     if wants_gpu and device.type == "cpu":
@@ -248,52 +297,6 @@ def _max_batch_any_model(args: argparse.Namespace, fit_args: list[str]) -> None:
               "kernels may hold more or less than these")  # fmt: skip
 
 
-def _add_gpu_arguments(parser: argparse.ArgumentParser, *, num_gpus: bool) -> None:
-    parser.add_argument("--gpu", required=num_gpus, help="a key from `lmledger gpus` or a torch device name")
-    if num_gpus:
-        parser.add_argument("--num-gpus", type=_gpu_count, default=1, help="GPUs (default 1)")
-
-
 def main(argv: list[str]) -> int:
-    parser = ArgumentParser(prog="lmledger plan", description="Napkin math (CS336 lecture 2).")
-    verbs = parser.add_subparsers(dest="verb", required=True)
-
-    tt = verbs.add_parser("train-time", help="days to train N params on D tokens")
-    tt.add_argument("--params", type=_count, required=True, help="parameters, e.g. 70e9 or 70B")
-    tt.add_argument("--tokens", type=_count, required=True, help="training tokens, e.g. 15e12 or 15T")
-    _add_gpu_arguments(tt, num_gpus=True)
-    tt.add_argument("--mfu", type=_fraction, required=True, help="model FLOPs utilization in (0, 1], e.g. 0.5")
-    tt.add_argument("--dtype", default="bf16", help=f"whose dense peak applies: {', '.join(DTYPES)} (default bf16)")
-    tt.add_argument("--json", action="store_true")
-    tt.set_defaults(run=_train_time)
-
-    mp = verbs.add_parser("max-params", help="largest model whose params, grads and optimizer state fit")
-    _add_gpu_arguments(mp, num_gpus=True)
-    mp.add_argument(
-        "--precision",
-        default="32-true",
-        help="a Lightning precision: 32-true, bf16-mixed, bf16-true, ... (default 32-true)",
-    )
-    mp.add_argument("--optimizer", default="adamw", help="adamw, adam, sgd or none (default adamw)")
-    mp.add_argument("--json", action="store_true")
-    mp.set_defaults(run=_max_params)
-
-    mb = verbs.add_parser(
-        "max-batch",
-        help="largest batch of a fit config that fits on a GPU (activations included)",
-        description="Any other arguments are read as by `lmledger fit`: --config FILE and --a.b VALUE overrides.",
-    )
-    _add_gpu_arguments(mb, num_gpus=False)
-    mb.add_argument(
-        "--device-memory-gb", type=_positive_gb, help="memory one device may use, in GB (1e9 bytes), instead of --gpu"
-    )
-    mb.add_argument("--json", action="store_true")
-
-    args, rest = parser.parse_known_args(argv)
-    if args.verb == "max-batch":
-        _max_batch(args, rest)
-    elif rest:
-        parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    else:
-        args.run(args)
-    return 0
+    verbs = {"train-time": train_time_command, "max-params": max_params_command, "max-batch": max_batch_command}
+    return run_command("lmledger plan", verbs, argv, "Napkin math (CS336 lecture 2).", verb_name="verb")
