@@ -55,9 +55,8 @@ from lmledger.ledger.memory import (
 )
 from lmledger.ledger.memtrack import MemoryTracker
 from lmledger.ledger.predict import predict
-from lmledger.ledger.units import MB, format_bytes
+from lmledger.ledger.units import MB, MEMORY_COMPONENTS, MEMORY_ROWS, format_bytes
 
-COMPONENTS = ("params", "grads", "optimizer", "activations", "peak")
 COPIES = "autocast_weight_copies"
 
 
@@ -76,11 +75,11 @@ class MemoryPrediction:
     unmodelled: str | None = None
 
     def as_dict(self) -> dict[str, int | None]:
-        return {name: getattr(self, name) for name in (*COMPONENTS, COPIES)}
+        return {name: getattr(self, name) for name in (*MEMORY_ROWS, COPIES)}
 
     def largest_component(self) -> tuple[str, int]:
         """The biggest term the peak is made of."""
-        terms = {name: getattr(self, name) for name in (*COMPONENTS[:-1], COPIES)}
+        terms = {name: getattr(self, name) for name in (*MEMORY_COMPONENTS, COPIES)}
         name = max((n for n, v in terms.items() if v is not None), key=lambda n: terms[n])
         return name, terms[name]
 
@@ -112,7 +111,7 @@ def memory_rows(
     run: LedgerRun, predicted: MemoryPrediction, measured: MemoryMeasurement | None
 ) -> list[tuple[str, int | None, str, str]]:
     """(component, predicted bytes, measured text, measured/predicted text) per table line."""
-    names = list(COMPONENTS)
+    names = list(MEMORY_ROWS)
     if uses_autocast(run.precision):
         names.insert(4, COPIES)
     rows = []
@@ -333,7 +332,7 @@ class MemoryLedger(pl.Callback):
 
     def _report_measured(self, trainer: pl.Trainer) -> None:
         self._reported = True
-        scalars = {f"memory/measured/{k}": v for k, v in self.measured.values.items() if k in (*COMPONENTS, COPIES)}
+        scalars = {f"memory/measured/{k}": v for k, v in self.measured.values.items() if k in (*MEMORY_ROWS, COPIES)}
         log_scalars(trainer, scalars)
         rows = []
         for name, pred, shown, ratio in memory_rows(self.run, self.predicted, self.measured):

@@ -9,6 +9,7 @@ from rich.table import Table
 
 from lmledger.commands.argparser import run_command
 from lmledger.ledger.hardware import DTYPES, GPUS, GpuSpec, require_gpu
+from lmledger.ledger.units import GB, format_bytes
 
 
 def _console() -> Console:
@@ -34,7 +35,7 @@ def _table(specs: list[GpuSpec], title: str) -> Table:
             spec.key,
             spec.name,
             *(_tera(spec.peak_flops[dtype]) for dtype in DTYPES),
-            f"{spec.memory_bytes / 1e9:g}",
+            f"{spec.memory_bytes / GB:g}",
             f"{spec.bandwidth_bytes_per_s / 1e12:g}",
         )
     return table
@@ -50,7 +51,7 @@ def _entry_table(spec: GpuSpec, title: str) -> Table:
         unit = "TOP/s" if dtype == "int8" else "TFLOP/s"
         flops = spec.peak_flops[dtype]
         table.add_row(f"{dtype} (dense)", "—" if flops is None else f"{flops / 1e12:g} {unit}")
-    table.add_row("memory", f"{spec.memory_bytes / 1e9:g} GB")
+    table.add_row("memory", format_bytes(spec.memory_bytes))
     table.add_row("bandwidth", f"{spec.bandwidth_bytes_per_s / 1e12:g} TB/s")
     return table
 

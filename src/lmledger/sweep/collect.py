@@ -10,7 +10,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lmledger.ledger.units import MEMORY_ROWS
+from lmledger.ledger.units import MEMORY_ROWS, STATE_COMPONENTS
 from lmledger.sweep.spec import Experiment, Point
 
 _LEDGER_TAGS = (
@@ -99,7 +99,7 @@ def account_metrics(result: dict) -> dict[str, object]:
         metrics[f"flops/{kind}_per_step"] = result.get("flops", {}).get(kind)
     params = result.get("params")
     for kind in ("predicted", "measured"):
-        state = [metrics.get(f"memory/{kind}/{row}") for row in ("params", "grads", "optimizer")]
+        state = [metrics.get(f"memory/{kind}/{row}") for row in STATE_COMPONENTS]
         if params and all(v is not None for v in state):
             metrics[f"state_bytes_per_param/{kind}"] = sum(state) / params
     return metrics
