@@ -629,8 +629,10 @@ def test_a_fit_tracks_the_second_step_only(stdlib_data, precision, checkpointing
 
 @pytest.mark.parametrize("failing_step", [0, 1])  # the saved-tensor hooks' step, the tracker's
 def test_a_failing_step_leaves_no_hooks_or_tracker_behind(stdlib_data, failing_step):
-    # An earlier callback that raises in on_exception (PreflightGuard does, for a CUDA OOM) stops
-    # Lightning from calling MemoryLedger's: what it opened must unwind with the step itself.
+    # A user's callback that raises in on_exception stops Lightning from calling MemoryLedger's (and from
+    # tearing down): what the ledger opened must unwind with the step itself.
+    import signal
+
     import lightning as L
 
     from lmledger.callbacks import MemoryLedger
@@ -646,7 +648,11 @@ def test_a_failing_step_leaves_no_hooks_or_tracker_behind(stdlib_data, failing_s
         def on_exception(self, trainer, pl_module, exception):
             raise UserError("one line instead") from exception
 
-    with pytest.raises(UserError):
-        small_fit(stdlib_data, [RaisesOnException(), MemoryLedger()], FailsAtStep1)
+    sigterm = signal.getsignal(signal.SIGTERM)
+    try:
+        with pytest.raises(UserError):
+            small_fit(stdlib_data, [RaisesOnException(), MemoryLedger()], FailsAtStep1)
+    finally:  # the skipped teardown left Lightning's SIGTERM handler installed; later tests need the default
+        signal.signal(signal.SIGTERM, sigterm)
     assert torch._C._len_torch_dispatch_stack() == 0
     assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
