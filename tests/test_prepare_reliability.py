@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from lmledger import atomic
 from lmledger import corpus as prep
 from lmledger.cli import main as lmledger
 
@@ -188,7 +189,7 @@ def test_temp_files_of_a_killed_prepare_are_cleaned_and_nothing_else(source, tmp
         remaining = {p.name for p in out.iterdir()}
         assert remaining == set(kept) | {"train.bin", "val.bin", "meta.json"}
         # our own temp files carry our pid, so a later prepare can tell when their writer is gone
-        assert renamed and all(prep._TEMP_NAME.fullmatch(n)["pid"] == str(os.getpid()) for n in renamed)
+        assert renamed and all(atomic.TEMP_NAME.fullmatch(n)["pid"] == str(os.getpid()) for n in renamed)
     finally:
         alive.kill()
         alive.wait()

@@ -1,8 +1,7 @@
 """Checkpoints that survive a kill, load without running code, and say clearly when they do not fit.
 
-- `atomic_write` puts bytes on disk under a temporary name and renames them into place, so a kill at any
-  moment leaves either the previous file or the complete new one, never a torn one.
-- `AtomicCheckpointIO` is Lightning's checkpoint plugin over `atomic_write`; it loads with weights_only=True.
+- `AtomicCheckpointIO` is Lightning's checkpoint plugin over `lmledger.atomic.atomic_write` (a kill leaves
+  the previous file or the complete new one, never a torn one); it loads with weights_only=True.
 - `open_checkpoint` / `check_checkpoint_fits` turn a missing, corrupt or mismatched checkpoint into one UserError line.
 - `StepSeeder` makes each training batch's random state a function of (seed, rank, batch), so a resumed run
   draws the same random numbers as an uninterrupted one without saving generator states.
@@ -14,17 +13,13 @@
 from __future__ import annotations
 
 import dataclasses
-import errno
-import glob
 import os
 import random
 import re
-import secrets
 import signal
 import zipfile
-from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import lightning.pytorch as pl
 import numpy as np
@@ -34,6 +29,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from lmledger.atomic import atomic_write
 from lmledger.errors import UserError
 from lmledger.lightning_private import (
     accumulating,
@@ -50,93 +46,6 @@ SAFE_CHECKPOINT_GLOBALS = [ModelConfig]
 
 
 # ------------------------------------------------------------------------------------- writing
-
-
-def _temp_name(path: Path) -> Path:
-    return path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
-
-
-def _remove_stale_temps(path: Path) -> None:
-    """Temp files a killed writer of `path` left behind (only one process writes a given checkpoint)."""
-    for stale in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):
-        stale.unlink(missing_ok=True)
-
-
-def _fsync_dir(directory: Path) -> None:
-    # The rename lives in the directory entry; without this a power cut can forget it.
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-class _RecordingFile:
-    """A binary file whose first OSError is kept: torch.save reports a failed write as a RuntimeError
-    ("[enforce fail at inline_container.cc:...]") that has lost the errno saying why."""
-
-    def __init__(self, f: IO[bytes]) -> None:
-        self.f, self.error = f, None
-
-    def write(self, data) -> int:
-        try:
-            return self.f.write(data)
-        except OSError as err:
-            self.error = self.error or err
-            raise
-
-    def flush(self) -> None:
-        self.f.flush()
-
-
-class DiskWriteError(UserError):
-    """Writing a file failed for a reason of the disk (full, read-only, over quota); the old file is intact."""
-
-
-# The errnos that mean "this disk will not take the file", as opposed to a bug.
-_DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG, errno.EIO}
-
-
-def _disk_error(err: BaseException, recorded: OSError | None, path: Path) -> DiskWriteError | None:
-    cause = err if isinstance(err, OSError) else recorded
-    if cause is None or cause.errno not in _DISK_ERRNOS:
-        return None
-    reason = (cause.strerror or os.strerror(cause.errno)).lower()
-    kept = f"the previous {path.name} is intact" if path.exists() else f"no {path.name} was written"
-    return DiskWriteError(f"{reason} while writing {path}; {kept}")
-
-
-def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], object]) -> None:
-    """Call write(f) on a temp file beside `path`, fsync it, then os.replace it over `path` and fsync the dir.
-
-    A full, read-only or over-quota disk raises DiskWriteError (one line; `path` is left as it was).
-    """
-    path = Path(path)
-    recorded = None
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        _remove_stale_temps(path)
-        tmp = _temp_name(path)
-        try:
-            # "xb", not tempfile.mkstemp: the checkpoint gets the umask's permissions, not 0600.
-            with open(tmp, "xb") as raw:
-                f = _RecordingFile(raw)
-                try:
-                    write(f)
-                finally:
-                    recorded = f.error
-                raw.flush()
-                os.fsync(raw.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-        _fsync_dir(path.parent)
-    except (OSError, RuntimeError) as err:
-        disk = _disk_error(err, recorded, path)
-        if disk is None:
-            raise
-        raise disk from None
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):

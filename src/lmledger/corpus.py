@@ -15,17 +15,13 @@ when it has a meta.json, so a crash part-way leaves a directory the loader rejec
 
 from __future__ import annotations
 
-import errno
 import functools
 import hashlib
 import json
 import os
 import platform
-import re
-import secrets
 import stat
 import sysconfig
-import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +31,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from lmledger import __version__
+from lmledger.atomic import fsync_dir, printable, remove_stale_temps, stage, write_error
 from lmledger.errors import UserError
 from lmledger.ledger.units import MB
 
@@ -99,12 +96,6 @@ def _walk_files(root: Path, suffix: str | None, skip_dirs: Iterable[str] = ()) -
             if not name.startswith(".") and (suffix is None or name.endswith(suffix)) and _is_regular_file(path):
                 found.append(path)
     return found
-
-
-def printable(text: str) -> str:
-    """A path for messages and meta.json: a name that is not UTF-8 (kept by Python as surrogate escapes)
-    shows U+FFFD where its bad bytes were, instead of failing to print."""
-    return text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
 
 
 def list_source_files(sources: Sequence[str]) -> tuple[list[tuple[str, Path]], str]:
@@ -240,106 +231,10 @@ def check_out_dir(out: Path, overwrite: bool) -> None:
         )
 
 
-# Our temp files: ".<final name>.<writer pid>.<12 hex>.tmp" beside the file they will replace. Names
-# without the pid come from lmledger versions before it was recorded.
-_TEMP_NAME = re.compile(r"\.(?P<name>.+?)\.(?:(?P<pid>\d+)\.)?[0-9a-f]{12}\.tmp")
-STALE_TEMP_SECONDS = 24 * 3600  # a temp file whose writer we cannot see is stale after a day
-
-
-def _temp_path(path: Path) -> Path:
-    return path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(6)}.tmp")
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # someone else's process
-    return True
-
-
-def remove_stale_temps(directory: Path, names: Iterable[str]) -> list[Path]:
-    """Delete temp files a killed writer of one of `names` left in `directory`: only names of our exact
-    pattern, and only when their writer's pid is dead on this machine or they are a day old."""
-    wanted = set(names)
-    removed = []
-    try:
-        entries = list(os.scandir(directory))
-    except OSError:
-        return removed
-    now = time.time()
-    for entry in entries:
-        match = _TEMP_NAME.fullmatch(entry.name)
-        if not match or match["name"] not in wanted or not entry.is_file(follow_symlinks=False):
-            continue
-        try:
-            age = now - entry.stat(follow_symlinks=False).st_mtime
-        except OSError:
-            continue
-        pid = int(match["pid"]) if match["pid"] else None
-        if age > STALE_TEMP_SECONDS or (pid is not None and pid != os.getpid() and not _pid_alive(pid)):
-            try:
-                os.unlink(entry.path)
-            except OSError:
-                continue
-            removed.append(Path(entry.path))
-    return removed
-
-
-class WriteError(UserError):
-    """Writing a file failed (a full disk, a read-only file system): one line saying what is intact."""
-
-
-def write_failed(err: OSError, path: Path, after: str | None = None) -> WriteError:
-    """One line for an OSError while writing `path`, e.g. "no space left on device while writing
-    runs/x/results.csv; the previous results.csv is intact" (`after` replaces the part after the ';')."""
-    reason = err.strerror or str(err) or os.strerror(errno.EIO)
-    reason = reason[:1].lower() + reason[1:]
-    if after is not None:
-        pass
-    elif path.exists():
-        after = f"the previous {path.name} is intact"
-    else:
-        after = "nothing was written"
-    return WriteError(f"{reason} while writing {printable(str(path))}; {after}")
-
-
-def _write_temp(out: Path, name: str, payload: bytes | memoryview) -> Path:
-    # open(..., "xb") rather than tempfile.mkstemp: the data should get the umask's permissions, not 0600.
-    tmp = _temp_path(out / name)
-    try:
-        with open(tmp, "xb") as f:
-            f.write(payload)
-            f.flush()
-            os.fsync(f.fileno())
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return tmp
-
-
-def write_atomically(path: Path, payload: bytes | str) -> None:
-    """Write `path` through a temp file and a rename: readers see the old file or the new one, and a
-    failed write (a full disk) becomes one WriteError line with the old file untouched."""
-    data = payload.encode("utf-8") if isinstance(payload, str) else payload
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = _write_temp(path.parent, path.name, data)
-    except OSError as err:
-        raise write_failed(err, path) from None
-    try:
-        os.replace(tmp, path)
-    except OSError as err:
-        tmp.unlink(missing_ok=True)
-        raise write_failed(err, path) from None
-
-
 def write_prepared(out: Path, splits: dict[str, np.ndarray], meta: dict, tokenizer_json: str | None) -> None:
     """Write every file to a temp file in `out`, then move them into place with meta.json last.
 
-    An OSError (a full disk, a read-only file system) becomes one WriteError line; until the first
+    An OSError (a full disk, a read-only file system) becomes one DiskWriteError line; until the first
     rename the previous data is untouched, and after it meta.json is gone, so the loader refuses the
     directory rather than reading a mix.
     """
@@ -351,14 +246,14 @@ def write_prepared(out: Path, splits: dict[str, np.ndarray], meta: dict, tokeniz
         remove_stale_temps(out, (*SPLIT_FILES.values(), TOKENIZER_FILE, META_FILE))
         for split, tokens in splits.items():
             writing = out / SPLIT_FILES[split]
-            staged[SPLIT_FILES[split]] = _write_temp(out, SPLIT_FILES[split], memoryview(np.ascontiguousarray(tokens)))
+            staged[SPLIT_FILES[split]] = stage(writing, memoryview(np.ascontiguousarray(tokens)))
         if tokenizer_json is not None:
             writing = out / TOKENIZER_FILE
-            staged[TOKENIZER_FILE] = _write_temp(out, TOKENIZER_FILE, tokenizer_json.encode("utf-8"))
+            staged[TOKENIZER_FILE] = stage(writing, tokenizer_json)
         writing = out / META_FILE
-        staged[META_FILE] = _write_temp(out, META_FILE, (json.dumps(meta, indent=2) + "\n").encode("utf-8"))
+        staged[META_FILE] = stage(writing, json.dumps(meta, indent=2) + "\n")
     except OSError as err:
-        raise write_failed(err, writing) from None
+        raise write_error(err, writing) from None
     finally:
         if len(staged) < len(names):
             for tmp in staged.values():
@@ -372,9 +267,11 @@ def write_prepared(out: Path, splits: dict[str, np.ndarray], meta: dict, tokeniz
         for name, tmp in staged.items():  # dicts keep insertion order: meta.json goes last
             writing = out / name
             os.replace(tmp, writing)
+        unprepared = False
+        fsync_dir(out)  # the renames live in the directory entry
     except OSError as err:
         after = f"{out} holds no prepared data now (no meta.json); run prepare again" if unprepared else None
-        raise write_failed(err, writing, after) from None
+        raise write_error(err, writing, after) from None
     finally:
         for tmp in staged.values():
             tmp.unlink(missing_ok=True)

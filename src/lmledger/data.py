@@ -26,6 +26,7 @@ import torch
 from lightning.pytorch.accelerators import CUDAAccelerator
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from lmledger.atomic import DiskWriteError, atomic_write
 from lmledger.corpus import FORMAT_VERSION, META_FILE, SPLIT_FILES, TOKEN_DTYPES
 from lmledger.errors import UserError
 from lmledger.lightning_private import batches_fetched
@@ -115,10 +116,8 @@ def verify_sha256(files: TokenFiles) -> None:
         fresh[name] = key
     if fresh != stamp:
         try:
-            tmp = stamp_path.with_name(f".{VERIFIED_FILE}.{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(fresh), encoding="utf-8")
-            os.replace(tmp, stamp_path)
-        except OSError:
+            atomic_write(stamp_path, json.dumps(fresh))
+        except DiskWriteError:
             pass  # a read-only directory is hashed again next time
 
 

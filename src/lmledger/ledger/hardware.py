@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from lmledger.atomic import DiskWriteError, atomic_write
 from lmledger.errors import UserError
 from lmledger.ledger import precisions
 from lmledger.ledger.units import GB
@@ -647,14 +648,10 @@ def _load_cpu_peaks(path: Path) -> dict:
 
 
 def _save_cpu_peaks(path: Path, entries: dict) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps(entries, indent=1, sort_keys=True) + "\n")
-        os.replace(tmp, path)  # readers see the old file or the new one, never half of one
-    except OSError as err:
-        tmp.unlink(missing_ok=True)
-        warnings.warn(f"could not cache the measured CPU peak in {path} ({err})", stacklevel=3)
+        atomic_write(path, json.dumps(entries, indent=1, sort_keys=True) + "\n")
+    except DiskWriteError as err:
+        warnings.warn(f"could not cache the measured CPU peak ({err})", stacklevel=3)
 
 
 def measured_cpu_peak(dtype: str, *, tries: int = CPU_MEASURE_TRIES, refresh: bool = False) -> Peak:

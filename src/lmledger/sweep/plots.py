@@ -9,7 +9,7 @@ from __future__ import annotations
 import io
 from pathlib import Path
 
-from lmledger.corpus import write_atomically
+from lmledger.atomic import atomic_write
 from lmledger.ledger.units import MB, MEMORY_COMPONENTS
 from lmledger.sweep.collect import PointResult
 from lmledger.sweep.spec import Experiment, short_key, slug_value
@@ -53,7 +53,7 @@ def _save(figure, path: Path) -> Path:
     figure.tight_layout()
     png = io.BytesIO()
     figure.savefig(png, format="png", dpi=90)
-    write_atomically(path, png.getvalue())
+    atomic_write(path, png.getvalue())
     return path
 
 

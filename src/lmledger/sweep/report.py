@@ -7,7 +7,7 @@ import csv
 import io
 from pathlib import Path
 
-from lmledger.corpus import write_atomically
+from lmledger.atomic import atomic_write
 from lmledger.ledger.units import MB
 from lmledger.sweep.collect import PointResult, metric_columns
 from lmledger.sweep.spec import Experiment, short_key, slug_value
@@ -37,8 +37,8 @@ def write_results(experiment: Experiment, results: list[PointResult], out_dir: P
     writer.writeheader()
     for row in rows:
         writer.writerow({k: "" if v is None else v for k, v in row.items()})
-    write_atomically(out_dir / "results.csv", buffer.getvalue())
-    write_atomically(out_dir / "results.md", markdown_table(experiment, columns, rows))
+    atomic_write(out_dir / "results.csv", buffer.getvalue())
+    atomic_write(out_dir / "results.md", markdown_table(experiment, columns, rows))
     from lmledger.sweep.plots import draw_plots  # matplotlib loads only when there is something to draw
 
     return draw_plots(experiment, results, out_dir)

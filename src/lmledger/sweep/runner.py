@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from lmledger.corpus import write_atomically, write_failed
+from lmledger.atomic import atomic_write, write_error
 from lmledger.errors import UserError
 from lmledger.sweep.check import bad_points_error, check_points
 from lmledger.sweep.collect import PointResult, account_metrics, flatten, newest_run_dir, read_tensorboard
@@ -36,7 +36,7 @@ INTERRUPTED_CODES = (128 + signal.SIGTERM, 128 + signal.SIGINT, -signal.SIGTERM,
 
 
 def _write_json(path: Path, obj: dict) -> None:
-    write_atomically(path, json.dumps(obj, indent=1, default=str) + "\n")
+    atomic_write(path, json.dumps(obj, indent=1, default=str) + "\n")
 
 
 def status_path(out_dir: Path, point: Point) -> Path:
@@ -180,7 +180,7 @@ def run_point(point: Point, out_dir: Path, jobs: int = 1, running: Running | Non
         logs.mkdir(parents=True, exist_ok=True)
         lock = os.open(lock_path(out_dir, point), os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as err:
-        raise write_failed(err, lock_path(out_dir, point)) from None
+        raise write_error(err, lock_path(out_dir, point)) from None
     try:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -191,7 +191,7 @@ def run_point(point: Point, out_dir: Path, jobs: int = 1, running: Running | Non
         try:
             stdout, stderr = open(logs / "stdout.log", "w"), open(logs / "stderr.log", "w")
         except OSError as err:
-            raise write_failed(err, logs / "stdout.log") from None
+            raise write_error(err, logs / "stdout.log") from None
         with stdout, stderr:
             # The child inherits the locked descriptor: the lock is held as long as the point (or anything
             # it started) lives, whatever happens to this process.
