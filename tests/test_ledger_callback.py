@@ -17,6 +17,7 @@ from conftest import read_scalars
 from lmledger.callbacks import FlopLedger, Ledger, LedgerSummary, MemoryLedger, PreflightGuard, ThroughputLedger
 from lmledger.callbacks.ledger import AnyModelLedger, ToyCrossCheck
 from lmledger.errors import UserError
+from lmledger.ledger.units import format_bytes
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `examples` lives at the repository root
 
@@ -220,6 +221,22 @@ def test_a_predicted_peak_over_the_limit_stops_before_step_one():
     g = torch.Generator().manual_seed(0)
     loader = DataLoader(TensorDataset(torch.randn(32, 16, generator=g), torch.randn(32, 8, generator=g)), batch_size=16)
     with pytest.raises(UserError, match="exceeds 1 kB per device"):
+        trainer.fit(module, loader)
+    assert trainer.global_step == 0
+
+
+def test_a_cpu_run_is_held_to_the_machines_ram(monkeypatch):
+    from lmledger.callbacks import preflight
+
+    # This machine's share of RAM, as PreflightGuard sees it for LitLM, less than the predicted peak.
+    monkeypatch.setattr(preflight, "available_ram", lambda: preflight.Capacity(1000, "MemAvailable in /proc/meminfo"))
+    module = Regressor()
+    held = sum(t.numel() * t.element_size() for t in module.parameters())
+    trainer = pl.Trainer(max_steps=3, accelerator="cpu", logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, callbacks=[Ledger()])  # fmt: skip
+    g = torch.Generator().manual_seed(0)
+    loader = DataLoader(TensorDataset(torch.randn(32, 16, generator=g), torch.randn(32, 8, generator=g)), batch_size=16)
+    with pytest.raises(UserError, match=rf"exceeds {format_bytes(1000 + held)} per device \(MemAvailable"):
         trainer.fit(module, loader)
     assert trainer.global_step == 0
 

@@ -41,6 +41,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from rich.console import Console
 from rich.table import Table
 
+from lmledger.callbacks.preflight import available_memory, processes_on_this_machine
 from lmledger.callbacks.run import log_scalars, log_text, markdown_table, synchronize, untouched_rng
 from lmledger.errors import ConfigError, UserError
 from lmledger.ledger.dryrun import NotTraced, StepLedger, batch_tensors, dry_run, loss_of
@@ -48,7 +49,7 @@ from lmledger.ledger.flops import flop_counter
 from lmledger.ledger.hardware import compute_dtype_for_precision, peak_flops
 from lmledger.ledger.memory import measure_saved_activations, measure_state_bytes
 from lmledger.ledger.memtrack import MemoryTracker
-from lmledger.ledger.units import GB, MEMORY_COMPONENTS, format_bytes, format_count
+from lmledger.ledger.units import MEMORY_COMPONENTS, format_bytes, format_count
 from lmledger.lightning_private import should_update_logs
 from lmledger.model import ToyLM
 
@@ -277,7 +278,7 @@ class AnyModelLedger(pl.Callback):
             rank_zero_info(f"ledger: {type(pl_module).__name__} is measured only, not predicted: {why}")
         else:
             self._log_prediction(trainer)
-            self._preflight(pl_module.device)
+            self._preflight(trainer, pl_module)
             if trainer.is_global_zero:
                 Console().print(self.table("ledger (predicted)"))
 
@@ -287,18 +288,15 @@ class AnyModelLedger(pl.Callback):
         scalars["flops/hardware_per_step"] = p.flops
         log_scalars(trainer, scalars, step=trainer.global_step)
 
-    def _preflight(self, device: torch.device) -> None:
-        if self.device_memory_gb is not None:
-            capacity = self.device_memory_gb * GB
-        elif device.type == "cuda":
-            capacity = torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_allocated(device)
-        else:
-            return
-        if self.predicted.peak > capacity:
+    def _preflight(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # The capacity PreflightGuard uses for LitLM: CUDA's free memory, this machine's share of RAM, or the setting.
+        processes = processes_on_this_machine(trainer)
+        capacity = available_memory(pl_module.device, self.device_memory_gb, pl_module, processes)
+        if capacity is not None and self.predicted.peak > capacity.bytes:
             raise UserError(
                 f"the predicted peak {format_bytes(self.predicted.peak)} ({self.predicted.peak_phase}) exceeds "
-                f"{format_bytes(capacity)} per device: lower the batch size, checkpoint activations or "
-                "raise ledger.device_memory_gb"
+                f"{format_bytes(capacity.bytes)} per device ({capacity.source}): lower the batch size, "
+                "checkpoint activations or set ledger.device_memory_gb"
             )
 
     # -- steps 1 and 2: measurement -----------------------------------------------------------------

@@ -114,7 +114,7 @@ def does_not_fit(run: LedgerRun, predicted: MemoryPrediction, capacity: Capacity
     )
 
 
-def _processes_on_this_machine(trainer: pl.Trainer) -> int:
+def processes_on_this_machine(trainer: pl.Trainer) -> int:
     """Training processes sharing this machine's RAM (a CPU DDP run starts one per device)."""
     return max(1, trainer.world_size // max(1, trainer.num_nodes))
 
@@ -139,7 +139,7 @@ class PreflightGuard(pl.Callback):
         self.run = LedgerRun.from_trainer(trainer, pl_module)
         self.predicted = predict_memory(self.run)
         self.capacity = available_memory(
-            self.run.device, self.device_memory_gb, pl_module, _processes_on_this_machine(trainer)
+            self.run.device, self.device_memory_gb, pl_module, processes_on_this_machine(trainer)
         )
         if self.capacity is None:
             return
