@@ -6,6 +6,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import resource
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -84,6 +86,18 @@ def workdir(tmp_path, stdlib_data, monkeypatch) -> Path:
     (tmp_path / "configs").symlink_to(repo / "configs")
     monkeypatch.chdir(tmp_path)
     return tmp_path
+
+
+@contextlib.contextmanager
+def file_size_limit(limit: int) -> Iterator[None]:
+    """RLIMIT_FSIZE for this process: writes past `limit` bytes fail with EFBIG (SIGXFSZ ignored)."""
+    old_limit, old_handler = resource.getrlimit(resource.RLIMIT_FSIZE), signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, old_limit[1]))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, old_limit)
+        signal.signal(signal.SIGXFSZ, old_handler)
 
 
 def run_json(capsys, *argv: str) -> dict:

@@ -3,8 +3,6 @@ whose model: / data: name a class_path, with the ledger, run directories, checkp
 
 from __future__ import annotations
 
-import os
-import signal
 import sys
 from pathlib import Path
 
@@ -77,21 +75,10 @@ def test_hf_llama_config_through_lmledger_fit(workdir):
     )
 
 
-class SelfTerm(pl.Callback):
-    """Test-only: SIGTERM to this process as training batch `at_step` starts (PreemptionCheckpoint saves it)."""
-
-    def __init__(self, at_step: int) -> None:
-        self.at_step = at_step
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        if trainer.global_step == self.at_step:
-            os.kill(os.getpid(), signal.SIGTERM)
-
-
 def test_preempted_any_model_run_resumes_bit_for_bit(workdir, capsys):
     steps = ["--trainer.max_steps", "6"]
     assert lmledger(convnet_fit("whole", *steps)) == 0
-    term = '{"class_path": "test_any_model_cli.SelfTerm", "init_args": {"at_step": 3}}'
+    term = '{"class_path": "test_preemption.SelfTerm", "init_args": {"at_step": 3}}'
     assert lmledger(convnet_fit("cut", *steps, "--trainer.callbacks+=" + term)) == 143
     assert "preempted at step" in capsys.readouterr().err
     assert lmledger(convnet_fit("cut", *steps, "--ckpt_path", "last")) == 0

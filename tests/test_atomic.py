@@ -3,17 +3,15 @@ temp files a later writer removes."""
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
-import resource
-import signal
 import stat
 import subprocess
 import sys
 
 import pytest
 
+from conftest import file_size_limit
 from lmledger import atomic
 from lmledger.atomic import DiskWriteError, atomic_write
 from lmledger.errors import UserError
@@ -67,21 +65,9 @@ def test_a_disk_error_is_one_line_saying_what_is_intact(tmp_path):
             raise RuntimeError("[enforce fail at inline_container.cc:1] unexpected pos") from None
 
     with pytest.raises(DiskWriteError, match=r"^file too large while writing .*; the previous results\.csv is intact$"):
-        with _file_size_limit(1 << 12):
+        with file_size_limit(1 << 12):
             atomic_write(path, hidden)
     assert path.read_bytes() == b"old" and sorted(p.name for p in tmp_path.iterdir()) == ["results.csv"]
-
-
-@contextlib.contextmanager
-def _file_size_limit(limit: int):
-    """RLIMIT_FSIZE for this process: writes past `limit` bytes fail with EFBIG (SIGXFSZ ignored)."""
-    old_limit, old_handler = resource.getrlimit(resource.RLIMIT_FSIZE), signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, old_limit[1]))
-    try:
-        yield
-    finally:
-        resource.setrlimit(resource.RLIMIT_FSIZE, old_limit)
-        signal.signal(signal.SIGXFSZ, old_handler)
 
 
 def test_an_error_that_is_not_the_disks_passes_through_and_leaves_nothing(tmp_path):

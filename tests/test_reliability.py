@@ -6,7 +6,6 @@ traceback, and leave every file already on disk as it was.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import hashlib
 import json
@@ -14,7 +13,6 @@ import math
 import os
 import random
 import re
-import resource
 import shutil
 import signal
 import time
@@ -26,7 +24,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from conftest import MICRO_OVERRIDES, read_scalars
+from conftest import MICRO_OVERRIDES, file_size_limit, read_scalars
 from lmledger.callbacks.nonfinite import NonFiniteGuard
 from lmledger.checkpointing import (
     AtomicCheckpointIO,
@@ -597,22 +595,10 @@ def test_a_disk_error_while_saving_names_the_file_and_keeps_the_old_one(tmp_path
     # torch.save turns the OSError into "RuntimeError: [enforce fail at inline_container.cc:...]"; still one line.
     big = {"state_dict": {"w": torch.ones(1 << 16)}}
     with pytest.raises(UserError, match="^file too large while writing .*; the previous last.ckpt is intact$"):
-        with _file_size_limit(1 << 12):
+        with file_size_limit(1 << 12):
             AtomicCheckpointIO().save_checkpoint(big, path)
     assert path.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]  # no temp file left behind
-
-
-@contextlib.contextmanager
-def _file_size_limit(limit: int):
-    """RLIMIT_FSIZE for this process: writes past `limit` bytes fail with EFBIG (SIGXFSZ ignored)."""
-    old_limit, old_handler = resource.getrlimit(resource.RLIMIT_FSIZE), signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, old_limit[1]))
-    try:
-        yield
-    finally:
-        resource.setrlimit(resource.RLIMIT_FSIZE, old_limit)
-        signal.signal(signal.SIGXFSZ, old_handler)
 
 
 def test_a_full_disk_during_a_fit_is_one_line(workdir, capsys):
@@ -636,7 +622,7 @@ class FileSizeLimit(pl.Callback):
         self.limit, self._context = limit, None
 
     def on_train_start(self, trainer, pl_module) -> None:
-        self._context = _file_size_limit(self.limit)
+        self._context = file_size_limit(self.limit)
         self._context.__enter__()
 
     def teardown(self, trainer, pl_module, stage) -> None:
