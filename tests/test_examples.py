@@ -133,8 +133,8 @@ def test_largest_batch_of_an_hf_model_fits_and_the_next_does_not():
         assert (measured.peak <= capacity) == fits, (size, measured.peak)
 
 
-# Each example config, shrunk, trained for two steps by `lmledger fit` (through examples/fit.py, which
-# forwards to it) with the Ledger callback: the configs are valid, and the ledger's predicted and measured peaks land.
+# Each example config, shrunk, trained for two steps by `lmledger fit` with the Ledger callback: the configs
+# are valid, and the ledger's predicted and measured peaks land.
 SHRINK = {
     "hf-llama": ["--model.init_args.hidden_size", "32", "--model.init_args.num_layers", "1"],
     "hf-gpt2": ["--model.init_args.hidden_size", "32", "--model.init_args.num_layers", "1"],
@@ -146,7 +146,7 @@ SHRINK = {
 def test_example_configs_train_with_the_ledger(name, workdir):
     if name.startswith("hf-"):
         pytest.importorskip("transformers")
-    from examples.fit import main
+    from lmledger.cli import main
 
     context = [] if name == "byte-convnet" else ["--model.init_args.context_length", "32"]
     code = main(
