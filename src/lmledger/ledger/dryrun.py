@@ -57,20 +57,32 @@ from lmledger.ledger import precisions
 from lmledger.ledger.flops import flop_counter
 from lmledger.ledger.memory import measure_saved_activations, measure_state_bytes
 from lmledger.ledger.memtrack import MemoryTracker
+from lmledger.ledger.ops import OpRecorder, OpSummary
 
 StepFn = Callable[[nn.Module, object], torch.Tensor]
 OptimizerSpec = torch.optim.Optimizer | Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None
 
 PHASES = ("forward", "backward", "optimizer step")
+# Under gradient accumulation (k micro-batches per optimizer step) the phases are the micro-batches: the
+# first (the previous step's grads alive through its forward, freed by zero_grad before its backward), the
+# later ones (grads alive and accumulating throughout), and the optimizer step.
+ACCUMULATION_PHASES = ("first micro-batch", "later micro-batches", "optimizer step")
+
+
+def phases(accumulate: int = 1) -> tuple[str, ...]:
+    """The phase names a step of `accumulate` micro-batches is tracked in (dry run and live alike)."""
+    return PHASES if accumulate == 1 else ACCUMULATION_PHASES
 
 
 @dataclass(frozen=True)
 class StepLedger:
-    """Bytes and FLOPs of one steady-state training step (dry or measured).
+    """Bytes and FLOPs of one steady-state training (optimizer) step (dry or measured).
 
     `phase_peaks` holds the high-water mark of live tensor bytes in "forward", "backward" (zero_grad
-    included: it only frees) and "optimizer step"; `peak` is the largest, reached in `peak_phase`.
-    Everything live before the step counts: params, grads, optimizer state, buffers and the batch.
+    included: it only frees) and "optimizer step" (under accumulation: `ACCUMULATION_PHASES`); `peak` is
+    the largest, reached in `peak_phase`. Everything live before the step counts: params, grads,
+    optimizer state, buffers and the batch. FLOPs cover every micro-batch of the step; `activations`
+    what one micro-batch saves.
     """
 
     params: int
@@ -86,6 +98,7 @@ class StepLedger:
     flops_forward: int
     flops_backward: int
     flops_by_op: dict[str, int] = field(default_factory=dict)
+    ops: OpSummary | None = None  # step 1's ops: FLOPs, bytes, category (ledger/ops.py; the roofline reads it)
 
     @property
     def flops(self) -> int:
@@ -109,6 +122,7 @@ def dry_run(
     precision: str | int = "32-true",
     device: torch.device | str | None = None,
     share: tuple[object, ...] = (),
+    accumulate: int = 1,
 ) -> StepLedger | NotTraced:
     """One steady-state training step of `model` on a fake `batch`, with no compute and no memory.
 
@@ -124,12 +138,17 @@ def dry_run(
     device     the device the step runs on (default: the parameters', CPU for a meta model)
     share      objects the model refers to that the copy must share, not copy (a LightningModule's
                Trainer)
+    accumulate micro-batches per optimizer step (Lightning's accumulate_grad_batches): each runs
+               forward and backward on a batch of `batch`'s shapes, its loss divided by `accumulate`
+               as Lightning divides it; zero_grad after the first one's forward
 
     Raises UserError for bad input (an unknown precision, a step that returns no scalar loss, a
     device this machine lacks); returns NotTraced when the model cannot run on fake tensors.
     """
     dtype, autocast = _precision_dtypes(precision)
     target = _target_device(model, device)
+    if not (isinstance(accumulate, int) and accumulate >= 1):
+        raise UserError(f"accumulate must be a positive number of micro-batches, got {accumulate!r}")
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     try:
         fake_model, memo = _fake_copy(model, mode, target, dtype, share)
@@ -144,7 +163,7 @@ def dry_run(
         # force_eager: torch.compile'd submodules run their eager code, so a dry run compiles nothing
         # (dynamo would trace the fake step too, at compile time's cost); it describes the eager step.
         with mode, torch.compiler.set_stance("force_eager"), _RealOutputStorages(), _eager_library_decisions():
-            return _ledger_of_step(fake_model, fake_batch, step, fake_optimizer, autocast, target)
+            return _ledger_of_step(fake_model, fake_batch, step, fake_optimizer, autocast, target, accumulate)
     except UserError:
         raise
     except Exception as err:
@@ -171,6 +190,7 @@ def largest_batch(
     precision: str | int = "32-true",
     device: torch.device | str | None = None,
     limit: int = 1 << 16,
+    accumulate: int = 1,
 ) -> LargestBatch | NotTraced:
     """The largest batch size b <= limit whose predicted peak is at most capacity_bytes.
 
@@ -182,7 +202,10 @@ def largest_batch(
     ledgers: dict[int, StepLedger] = {}
 
     def fits(size: int) -> bool | NotTraced:
-        result = dry_run(model, batch_for(size), step=step, optimizer=optimizer, precision=precision, device=device)
+        result = dry_run(
+            model, batch_for(size), step=step, optimizer=optimizer, precision=precision, device=device,
+            accumulate=accumulate,
+        )  # fmt: skip
         if isinstance(result, NotTraced):
             return result
         ledgers[size] = result
@@ -215,6 +238,7 @@ def measure_step(
     step: StepFn | None = None,
     optimizer: OptimizerSpec = None,
     precision: str | int = "32-true",
+    accumulate: int = 1,
 ) -> StepLedger:
     """dry_run's measured twin: the same two training steps on the real model and batch.
 
@@ -228,7 +252,7 @@ def measure_step(
         model.to(dtype)
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         optimizer = optimizer(list(model.parameters()))
-    return _ledger_of_step(model, _cast_batch(batch, dtype), step, optimizer, autocast, device)
+    return _ledger_of_step(model, _cast_batch(batch, dtype), step, optimizer, autocast, device, accumulate)
 
 
 # --------------------------------------------------------------------------------------------
@@ -243,30 +267,48 @@ def _ledger_of_step(
     optimizer: torch.optim.Optimizer | None,
     autocast: torch.dtype | None,
     device: torch.device,
+    accumulate: int = 1,
 ) -> StepLedger:
     step = step or default_step
     was_training = model.training
     model.train()
+    names = phases(accumulate)
     try:
         # Step 1 makes grads and optimizer state; FLOPs and saved tensors are counted there. Step 2,
         # the steady state, is tracked alone: FlopCounterMode's module hooks hold checkpoint
         # recomputes alive longer in backward, which would raise the peak they are beside.
         forward_flops, backward_flops = flop_counter(), flop_counter()
-        with measure_saved_activations(model) as saved:
-            loss = _forward(model, batch, step, autocast, device, forward_flops)
-        _backward_and_step(model, loss, optimizer, backward_flops)
-        del loss
+        # Below the FLOP counters on the mode stack: it sees the ops they price, with their formulas.
+        recorder = OpRecorder(forward_flops.flop_registry).watch(optimizer)
+        with recorder:
+            with measure_saved_activations(model) as saved:  # what one micro-batch saves
+                loss = _forward(model, batch, step, autocast, device, forward_flops, accumulate)
+            recorder.phase = "backward"
+            _backward(model, loss, optimizer, first=True, counter=backward_flops)
+            del loss
+            for _ in range(accumulate - 1):
+                recorder.phase = "forward"
+                loss = _forward(model, batch, step, autocast, device, forward_flops, accumulate)
+                recorder.phase = "backward"
+                _backward(model, loss, optimizer, first=False, counter=backward_flops)
+                del loss
+            _optimizer_step(optimizer)
         tracker = MemoryTracker().track(model, optimizer, batch_tensors(batch))
         with tracker, _no_cyclic_gc():
-            tracker.phase("forward")
-            loss = _forward(model, batch, step, autocast, device)
-            _backward_and_step(model, loss, optimizer, tracker=tracker)
-            del loss
+            for micro in range(accumulate):
+                tracker.phase(names[0] if accumulate == 1 or micro == 0 else names[1])
+                loss = _forward(model, batch, step, autocast, device, accumulate=accumulate)
+                if accumulate == 1:
+                    tracker.phase(names[1])
+                _backward(model, loss, optimizer, first=micro == 0)
+                del loss
+            tracker.phase(names[2])
+            _optimizer_step(optimizer)
     finally:
         model.train(was_training)
     state = measure_state_bytes(model, optimizer)
     buffers = _storage_bytes(model.buffers())
-    phase_peaks = {name: tracker.phase_peaks.get(name, 0) for name in PHASES}
+    phase_peaks = {name: tracker.phase_peaks.get(name, 0) for name in names}
     by_op: dict[str, int] = {}
     for counter in (forward_flops, backward_flops):
         for op, n in counter.get_flop_counts().get("Global", {}).items():
@@ -285,6 +327,7 @@ def _ledger_of_step(
         flops_forward=forward_flops.get_total_flops(),
         flops_backward=backward_flops.get_total_flops(),
         flops_by_op=by_op,
+        ops=recorder.summary(),
     )
 
 
@@ -302,25 +345,27 @@ def _no_cyclic_gc() -> Iterator[None]:
             gc.enable()
 
 
-def _backward_and_step(
+def _backward(
     model: nn.Module,
     loss: torch.Tensor,
     optimizer: torch.optim.Optimizer | None,
+    *,
+    first: bool = True,
     counter: AbstractContextManager | None = None,
-    tracker: MemoryTracker | None = None,
 ) -> None:
-    """Lightning's order after the forward: zero_grad (set_to_none), backward, optimizer step."""
-    if tracker is not None:
-        tracker.phase("backward")
-    (optimizer or model).zero_grad(set_to_none=True)
+    """Lightning's order after a forward: zero_grad (set_to_none; the first micro-batch only), backward."""
+    if first:
+        (optimizer or model).zero_grad(set_to_none=True)
     with counter or nullcontext():
         loss.backward()
-    if tracker is not None:
-        tracker.phase("optimizer step")
-    if optimizer is not None:
-        on_fake = any(isinstance(p, FakeTensor) for group in optimizer.param_groups for p in group["params"])
-        with _PlaceholderScalars() if on_fake else nullcontext():
-            optimizer.step()
+
+
+def _optimizer_step(optimizer: torch.optim.Optimizer | None) -> None:
+    if optimizer is None:
+        return
+    on_fake = any(isinstance(p, FakeTensor) for group in optimizer.param_groups for p in group["params"])
+    with _PlaceholderScalars() if on_fake else nullcontext():
+        optimizer.step()
 
 
 class _PlaceholderScalars(TorchDispatchMode):
@@ -348,6 +393,7 @@ def _forward(
     autocast: torch.dtype | None,
     device: torch.device,
     counter: AbstractContextManager | None = None,
+    accumulate: int = 1,
 ) -> torch.Tensor:
     # cache_enabled=False, as Lightning runs autocast (canary test_lightning_autocast_keeps_no_weight_cache):
     # a weight cast lives while backward needs it, not until autocast exits
@@ -362,7 +408,8 @@ def _forward(
             f"the training step returned {got}, not a scalar loss that needs grad: "
             "pass step=lambda model, batch: <loss> to the dry run"
         )
-    return loss
+    # Lightning scales each micro-batch's loss by 1/accumulate_grad_batches (ClosureResult's normalize).
+    return loss / accumulate if accumulate > 1 else loss
 
 
 def default_step(model: nn.Module, batch: object) -> torch.Tensor:
