@@ -53,7 +53,7 @@ from torch.optim.optimizer import _get_foreach_kernels_supported_devices
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lmledger.errors import UserError
-from lmledger.ledger import precisions
+from lmledger.ledger import moe, precisions
 from lmledger.ledger.flops import flop_counter
 from lmledger.ledger.memory import measure_saved_activations, measure_state_bytes
 from lmledger.ledger.memtrack import MemoryTracker
@@ -123,6 +123,7 @@ def dry_run(
     device: torch.device | str | None = None,
     share: tuple[object, ...] = (),
     accumulate: int = 1,
+    routing: str | None = None,
 ) -> StepLedger | NotTraced:
     """One steady-state training step of `model` on a fake `batch`, with no compute and no memory.
 
@@ -141,6 +142,8 @@ def dry_run(
     accumulate micro-batches per optimizer step (Lightning's accumulate_grad_batches): each runs
                forward and backward on a batch of `batch`'s shapes, its loss divided by `accumulate`
                as Lightning divides it; zero_grad after the first one's forward
+    routing    None, "balanced" or "worst": the mixture-of-experts routing assumed where top-k
+               routing decides a shape (ledger.moe; moe.predict_moe runs both)
 
     Raises UserError for bad input (an unknown precision, a step that returns no scalar loss, a
     device this machine lacks); returns NotTraced when the model cannot run on fake tensors.
@@ -162,8 +165,10 @@ def dry_run(
     try:
         # force_eager: torch.compile'd submodules run their eager code, so a dry run compiles nothing
         # (dynamo would trace the fake step too, at compile time's cost); it describes the eager step.
-        with mode, torch.compiler.set_stance("force_eager"), _RealOutputStorages(), _eager_library_decisions():
-            return _ledger_of_step(fake_model, fake_batch, step, fake_optimizer, autocast, target, accumulate)
+        moe_routing = moe.RoutingAssumption(routing)  # grouped GEMMs on CPU fakes; routing-decided shapes
+        with mode, torch.compiler.set_stance("force_eager"), _RealOutputStorages(), moe_routing:
+            with _eager_library_decisions():
+                return _ledger_of_step(fake_model, fake_batch, step, fake_optimizer, autocast, target, accumulate)
     except UserError:
         raise
     except Exception as err:
@@ -191,6 +196,7 @@ def largest_batch(
     device: torch.device | str | None = None,
     limit: int = 1 << 16,
     accumulate: int = 1,
+    share: tuple[object, ...] = (),
 ) -> LargestBatch | NotTraced:
     """The largest batch size b <= limit whose predicted peak is at most capacity_bytes.
 
@@ -204,7 +210,7 @@ def largest_batch(
     def fits(size: int) -> bool | NotTraced:
         result = dry_run(
             model, batch_for(size), step=step, optimizer=optimizer, precision=precision, device=device,
-            accumulate=accumulate,
+            accumulate=accumulate, share=share,
         )  # fmt: skip
         if isinstance(result, NotTraced):
             return result
@@ -683,12 +689,12 @@ def _why(err: BaseException) -> str:
 
 
 def _user_frame(err: BaseException) -> str:
-    """' at FILE:LINE' of the innermost traceback frame outside torch and this module."""
+    """' at FILE:LINE' of the innermost traceback frame outside torch and lmledger.ledger (this module, ops, moe)."""
     where = ""
     tb = err.__traceback__
     while tb is not None:
         path = tb.tb_frame.f_code.co_filename
-        if "/torch/" not in path and path != __file__:
+        if "/torch/" not in path and path.rsplit("/", 1)[0] != __file__.rsplit("/", 1)[0]:  # not ledger/
             where = f" at {'/'.join(path.split('/')[-2:])}:{tb.tb_lineno}"
         tb = tb.tb_next
     return where

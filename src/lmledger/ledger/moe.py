@@ -1,0 +1,317 @@
+"""Mixture of experts in the dry run: expert shapes that top-k routing decides, under a stated assumption.
+
+A token-choice MoE layer routes each token to k of E experts (`torch.topk` over the router's scores)
+and then sizes each expert's batch from the routing: `nonzero`/`where`, `bincount`, `unique`, a mask,
+or `.item()`/`.tolist()` of per-expert counts. Fake tensors hold no values, so such shapes stop a dry
+run. `RoutingAssumption` answers them: the indices every topk (and top-1 argmax / max) returns are
+given values, those values are carried through every later operator whose inputs all have values
+(computed for real, on small CPU tensors: indices, masks, counts), and a data-dependent operator
+whose inputs have values is answered by the real result's shape. Two assumptions:
+
+    balanced  row r of the scores picks experts (r·k + j) mod E, j < k: each expert gets tokens·k/E
+              (floor or ceil), every expert is hit. The fewest tokens the busiest expert can get.
+    worst     every row picks experts 0..k-1: k experts get every token, the others none. No expert
+              can get more (topk picks distinct experts per token), so each expert's temporaries are
+              as large as they can be. A capacity-bounded layer sizes its buffers by its capacity,
+              not by routing, and needs no assumption.
+
+Token-choice routing computes tokens·k expert rows whatever the routing, so FLOPs are the same under
+both; the peak differs where an expert's temporaries are sized by its batch.
+
+A data-dependent shape or value that no topk decided (`x[x > 0]`, `.item()` of a loss) still stops the
+dry run (NotTraced). Without an assumption (routing=None) the dry run says when routing decided a
+shape, and names the fix (`routing_dependent`).
+
+Also here, for every dry run: transformers' default `grouped_mm` experts path calls torch's
+`_grouped_mm`, whose meta kernel (torch/_meta_registrations.py, _meta_grouped_mm_common) checks
+the CUDA kernel's rule "bf16 only", while the CPU kernel takes float32 too (canary
+test_grouped_mm_meta_kernel_refuses_what_the_cpu_kernel_runs). The fake CPU step gets the CPU
+kernel's output shape instead (`_grouped_mm_shape`). Its shapes do not depend on routing (every
+token-expert row goes through one GEMM, offsets split them), so balanced and worst agree there.
+
+Pure torch, no Lightning.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from typing import Literal
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensor,
+    unset_fake_temporarily,
+)
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+from lmledger.errors import UserError
+
+Routing = Literal["balanced", "worst"]
+ROUTINGS: tuple[str, ...] = ("balanced", "worst")
+
+aten = torch.ops.aten
+
+# Tensors with values are computed for real: indices, masks and counts (tokens·k elements, not
+# activations). Past this many elements an operator's inputs or outputs are left without values.
+VALUE_LIMIT = 1 << 22
+
+# What NotTraced says when top-k routing decided a shape and no assumption was given.
+ROUTING_REASON = "expert shapes depend on top-k routing (mixture of experts)"
+
+_DATA_DEPENDENT = (DynamicOutputShapeException, DataDependentOutputException)
+_ROUTERS = frozenset({aten.topk.default, aten.argmax.default, aten.max.dim})
+_FACTORIES = frozenset(
+    {
+        aten.arange.default,
+        aten.arange.start,
+        aten.arange.start_step,
+        aten.zeros.default,
+        aten.ones.default,
+        aten.full.default,
+        aten.empty.memory_format,
+        aten.scalar_tensor.default,
+    }
+)
+
+
+class RoutingDependentShape(RuntimeError):
+    """A shape or value the routing decides, met in a dry run without a routing assumption."""
+
+
+def routing_indices(shape: torch.Size | tuple[int, ...], dim: int, k: int, routing: Routing) -> torch.Tensor:
+    """The indices a topk over `dim` of a `shape` tensor returns under `routing` (int64, CPU).
+
+    balanced: the r-th row (all other dims, row-major) picks (r·k + j) mod n for j < k, so over the
+    rows every choice is picked rows·k/n times (floor or ceil) and a row's k picks are distinct.
+    worst: every row picks 0..k-1."""
+    if routing not in ROUTINGS:
+        raise ValueError(f"routing must be one of {', '.join(ROUTINGS)}, got {routing!r}")
+    dim = dim % len(shape) if shape else 0
+    n = shape[dim] if shape else 1
+    others = [s for i, s in enumerate(shape) if i != dim]
+    rows = math.prod(others)
+    picks = torch.arange(k, dtype=torch.int64)
+    if routing == "balanced":
+        flat = (torch.arange(rows, dtype=torch.int64)[:, None] * k + picks) % max(n, 1)
+    else:
+        flat = picks.expand(rows, k)
+    return flat.reshape(*others, k).movedim(-1, dim).contiguous() if shape else flat.reshape(k)
+
+
+def _grouped_mm_shape(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None) -> list[int]:
+    """Output shape of torch._grouped_mm, from the layouts of torch/_meta_registrations.py's
+    _create_grouped_mm_output_tensor (the CPU kernel returns it contiguous)."""
+    if a.dim() == 2 and b.dim() == 3:  # rows grouped by the offsets, one matrix per group
+        return [a.shape[0], b.shape[-1]]
+    if a.dim() == 2 and b.dim() == 2:  # the contraction grouped by the offsets: one product per group
+        return [offs.shape[0] if offs is not None else 1, a.shape[0], b.shape[1]]
+    if a.dim() == 3 and b.dim() == 2:  # columns grouped by the offsets
+        return [a.shape[1], b.shape[1]]
+    return [a.shape[0], a.shape[1], b.shape[-1]]  # 3D x 3D: a batched matmul
+
+
+class RoutingAssumption(TorchDispatchMode):
+    """Answer the shapes and values that routing decides (module docstring); entered inside the
+    FakeTensorMode, so what it makes is fake. routing=None gives no answer: a routing-decided shape
+    raises RoutingDependentShape instead. `answered` counts the answers given."""
+
+    def __init__(self, routing: Routing | None) -> None:
+        super().__init__()
+        if routing is not None and routing not in ROUTINGS:
+            raise UserError(f"routing must be one of {', '.join(ROUTINGS)} or None, got {routing!r}")
+        self.routing = routing
+        self.answered = 0
+        self.routed = 0  # topk / argmax calls given values
+        self._values: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
+
+    # -- values ---------------------------------------------------------------------------------
+
+    def _value(self, t: torch.Tensor) -> torch.Tensor | None:
+        entry = self._values.get(id(t))
+        if entry is not None and entry[0]() is t:
+            return entry[1]
+        if isinstance(t, FakeTensor):
+            return t.constant  # a small constant made in fake mode (torch.tensor([...]))
+        return None  # a real tensor: not ours to read
+
+    def _remember(self, fake: object, real: object) -> None:
+        if isinstance(fake, torch.Tensor) and isinstance(real, torch.Tensor) and fake.shape == real.shape:
+            key = id(fake)
+            self._values[key] = (weakref.ref(fake, partial(self._forget, key)), real)
+
+    def _forget(self, key: int, _ref: weakref.ref) -> None:
+        self._values.pop(key, None)
+
+    # -- dispatch -------------------------------------------------------------------------------
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is aten._grouped_mm.default:
+            return self._grouped_mm(func, args, kwargs)
+        if func in _ROUTERS:
+            return self._route(func, args, kwargs)
+        if not self.routed:  # no routing yet, nothing to carry: the dry run as without this mode
+            return func(*args, **kwargs)
+        flat, spec = tree_flatten((args, kwargs))
+        tensors = [x for x in flat if isinstance(x, torch.Tensor)]
+        values = [self._value(t) for t in tensors]
+        with_values = bool(tensors) and all(v is not None for v in values)
+        with_values = with_values and sum(t.numel() for t in tensors) <= VALUE_LIMIT
+        if not tensors and func in _FACTORIES:
+            with_values = True
+        if not with_values:
+            out = func(*args, **kwargs)
+            self._forget_mutated(func, args, kwargs)
+            return out
+        real_flat = iter(values)
+        real_args, real_kwargs = tree_unflatten(
+            [next(real_flat) if isinstance(x, torch.Tensor) else x for x in flat], spec
+        )
+        if "device" in real_kwargs:
+            real_kwargs["device"] = torch.device("cpu")
+        try:
+            out = func(*args, **kwargs)
+        except _DATA_DEPENDENT as err:
+            if self.routing is None:
+                raise RoutingDependentShape(
+                    f"{ROUTING_REASON}: predict with routing='balanced' and 'worst' (ledger.moe.predict_moe)"
+                ) from err
+            with unset_fake_temporarily():
+                real = func(*real_args, **real_kwargs)
+            self.answered += 1
+            device = next((t.device for t in tensors if isinstance(t, FakeTensor)), torch.device("cpu"))
+            return tree_map(partial(self._fake_like_remembered, device), real)
+        leaves = [x for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor)]
+        if sum(x.numel() for x in leaves) > VALUE_LIMIT:
+            return out
+        with unset_fake_temporarily():
+            real = func(*real_args, **real_kwargs)
+        for fake, value in zip(tree_flatten(out)[0], tree_flatten(real)[0], strict=False):
+            self._remember(fake, value)
+        return out
+
+    def _fake_like_remembered(self, device: torch.device, real: object) -> object:
+        if not isinstance(real, torch.Tensor):
+            return real  # .item(), .tolist(), `if tensor:`: the value itself
+        # made inside the mode, so fake
+        fake = torch.empty_strided(real.shape, real.stride(), dtype=real.dtype, device=device)
+        self._remember(fake, real)
+        return fake
+
+    def _forget_mutated(self, func, args, kwargs) -> None:
+        """An in-place / out= operator with an input that has no value leaves its target without one."""
+        if not self._values:
+            return
+        for i, argument in enumerate(func._schema.arguments):
+            if argument.alias_info is None or not argument.alias_info.is_write:
+                continue
+            target = kwargs.get(argument.name, args[i] if i < len(args) else None)
+            if isinstance(target, torch.Tensor):
+                self._values.pop(id(target), None)
+
+    def _route(self, func, args, kwargs):
+        """topk / argmax / max(dim) on scores without values: the indices the assumption picks."""
+        out = func(*args, **kwargs)
+        scores = args[0]
+        if self._value(scores) is not None:  # indices of values we know: computed, not assumed
+            with unset_fake_temporarily():
+                real = func(*(self._value(a) if isinstance(a, torch.Tensor) else a for a in args), **kwargs)
+            for fake, value in zip(tree_flatten(out)[0], tree_flatten(real)[0], strict=False):
+                self._remember(fake, value)
+            return out
+        if not isinstance(scores, FakeTensor) or scores.dim() == 0:
+            return out
+        if func is aten.topk.default:
+            k = args[1]
+            dim = args[2] if len(args) > 2 else kwargs.get("dim", -1)
+            indices, keepdim = out[1], True
+        else:
+            k = 1
+            dim = args[1] if len(args) > 1 else kwargs.get("dim")
+            if dim is None:  # argmax over everything: not a routing decision
+                return out
+            keepdim = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
+            indices = out if func is aten.argmax.default else out[1]
+        if indices.numel() > VALUE_LIMIT:
+            return out
+        with unset_fake_temporarily():  # real values
+            value = routing_indices(tuple(scores.shape), dim, k, self.routing or "balanced").to(indices.dtype)
+            value = value if keepdim else value.squeeze(dim)
+        self._remember(indices, value)
+        self.routed += 1
+        return out
+
+    def _grouped_mm(self, func, args, kwargs):
+        a, b = args[0], args[1]
+        on_fake_cpu = isinstance(a, FakeTensor) and a.device.type == "cpu"
+        if not on_fake_cpu or a.dtype == torch.bfloat16:
+            return func(*args, **kwargs)
+        offs = kwargs.get("offs", args[2] if len(args) > 2 else None)
+        out_dtype = kwargs.get("out_dtype") or (args[4] if len(args) > 4 else None) or a.dtype
+        return torch.empty(_grouped_mm_shape(a, b, offs), dtype=out_dtype, device=a.device)
+
+
+# --------------------------------------------------------------------------------------------
+# Both bounds
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MoEBounds:
+    """The dry run under both routing assumptions; `routed` is False when no shape depended on the
+    routing (the two then agree: a grouped GEMM path, or no MoE at all)."""
+
+    balanced: object  # dryrun.StepLedger
+    worst: object  # dryrun.StepLedger
+    routed: bool
+
+
+def routing_dependent(result: object) -> bool:
+    """Whether a dry run's NotTraced says that routing decided a shape (then predict_moe answers)."""
+    return ROUTING_REASON in str(getattr(result, "reason", ""))
+
+
+def predict_moe(model: nn.Module, batch: object, **dry_run_kwargs: object) -> MoEBounds | object:
+    """The dry run of `model` under balanced and worst routing: MoEBounds, or the NotTraced of the
+    first that does not trace. Keywords are dry_run's (step, optimizer, precision, device, share)."""
+    from lmledger.ledger import dryrun  # dryrun imports this module
+
+    results = {}
+    for assumption in ROUTINGS:
+        result = dryrun.dry_run(model, batch, routing=assumption, **dry_run_kwargs)
+        if isinstance(result, dryrun.NotTraced):
+            return result
+        results[assumption] = result
+    routed = results["balanced"] != results["worst"]
+    return MoEBounds(balanced=results["balanced"], worst=results["worst"], routed=routed)
+
+
+# --------------------------------------------------------------------------------------------
+# FLOPs of the grouped GEMM
+# --------------------------------------------------------------------------------------------
+
+
+def _grouped_mm_flop(a_shape, b_shape, offs_shape=None, *args, out_shape=None, **kwargs) -> int:
+    """2 · rows · contraction · columns over all groups: each row (2D × 3D) or each contraction slice
+    (2D × 2D, the weight gradient) meets one group's matrix. Exact when the offsets cover every row,
+    as in transformers' grouped_mm experts (rows past the last offset are skipped by the kernel)."""
+    if len(a_shape) == 2 and len(b_shape) == 3:
+        return 2 * a_shape[0] * a_shape[1] * b_shape[2]
+    if len(a_shape) == 2 and len(b_shape) == 2:
+        return 2 * a_shape[0] * a_shape[1] * b_shape[1]
+    if len(a_shape) == 3 and len(b_shape) == 2:
+        return 2 * a_shape[1] * a_shape[2] * b_shape[1]
+    return 2 * a_shape[0] * a_shape[1] * a_shape[2] * b_shape[2]
+
+
+# FlopCounterMode has no formula for _grouped_mm (it counts 0); ledger.flops.flop_counter's mapping
+# takes this one (torch/utils/flop_counter.py, custom_mapping).
+GROUPED_MM_FLOP_FORMULAS: dict[object, Callable[..., int]] = {aten._grouped_mm: _grouped_mm_flop}
