@@ -1,0 +1,246 @@
+"""TimeLedger: where a step's time goes, the roofline bound beside a profiled measurement (issue 21).
+
+    Trainer(callbacks=[TimeLedger()])
+
+Before step 1 (or from the `prediction` it is given) it takes the dry run's ops (ledger/ops.py) and
+prices them on this device (ledger/roofline.py). It then profiles a few sampled steps with
+torch.profiler (`profile_steps` steps after `warmup_steps`, then one every `every_n_steps`; never
+every step) and groups their op events into the same categories (ledger/profile.py), plus the data
+wait measured between on_train_batch_end and the next on_train_batch_start (as the throughput
+callback measures it) and host overhead / idle. It logs, per profiled step,
+    time/bound/<category>       seconds per step the roofline allows
+    time/measured/<category>    seconds per step measured (time/measured/data_wait, time/measured/host)
+and at fit end a stacked bar chart (time/breakdown), the step-time table as text (time/table), and
+prints the table and its one-line diagnosis. A profiled step runs slower (the profiler's own cost):
+`is_profiling_step(n)` says which training batches (0-based, counted over the fit) are profiled, so a
+throughput window can leave them out.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities import rank_zero_info
+from matplotlib.figure import Figure
+
+from lmledger.callbacks.run import log_scalars, log_text, synchronize, tensorboard_writers
+from lmledger.errors import ConfigError
+from lmledger.ledger import profile as ledger_profile
+from lmledger.ledger.dryrun import NotTraced, StepLedger
+from lmledger.ledger.hardware import compute_dtype_for_precision
+from lmledger.ledger.roofline import LABELS, Roofline, device_roofline, diagnosis, time_rows
+
+
+class TimeLedger(pl.Callback):
+    """The time ledger: roofline bound per category beside a profiled step (module doc).
+
+    Args:
+        prediction: the dry run's StepLedger of this run's step (the Ledger pipeline passes its own);
+            None: the callback dry-runs the training step on the first batch itself
+        warmup_steps: training batches before the first profiled one
+        profile_steps: consecutive profiled batches after warm-up
+        every_n_steps: then one profiled batch every this many (0: none after the first ones)
+        print_table: print the step-time table and diagnosis at fit end
+    """
+
+    def __init__(
+        self,
+        prediction: StepLedger | None = None,
+        warmup_steps: int = 3,
+        profile_steps: int = 2,
+        every_n_steps: int = 500,
+        print_table: bool = True,
+    ) -> None:
+        if warmup_steps < 0 or profile_steps < 0 or every_n_steps < 0:
+            raise ConfigError(
+                f"TimeLedger takes warmup_steps, profile_steps, every_n_steps >= 0, got "
+                f"{warmup_steps}, {profile_steps}, {every_n_steps}"
+            )
+        self.prediction = prediction
+        self.warmup_steps, self.profile_steps, self.every_n_steps = warmup_steps, profile_steps, every_n_steps
+        self.print_table = print_table
+        self.bound: Roofline | None = None
+        self.model_flops: float | None = None
+        self.samples: list[ledger_profile.Breakdown] = []
+        self.why_no_bound: str | None = None
+        self._batches = 0
+        self._last_end: float | None = None
+        self._profiler = None
+        self._record = None
+        self._started = 0.0
+        self._data_wait = 0.0
+        self._device = torch.device("cpu")
+
+    def is_profiling_step(self, n: int) -> bool:
+        """Whether training batch n (0-based over the fit) is profiled."""
+        first = self.warmup_steps
+        if first <= n < first + self.profile_steps:
+            return True
+        last = first + self.profile_steps - 1
+        return self.every_n_steps > 0 and n > last and (n - last) % self.every_n_steps == 0
+
+    @property
+    def measured(self) -> ledger_profile.Breakdown | None:
+        """The mean of the profiled steps."""
+        return ledger_profile.mean_breakdown(self.samples)
+
+    # -- the bound -------------------------------------------------------------------------------
+
+    def _predict(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch, batch_idx: int) -> None:
+        prediction = self.prediction
+        if prediction is None:
+            from lmledger.callbacks.ledger import dry_run_training_step
+
+            result = dry_run_training_step(trainer, pl_module, batch, batch_idx)
+            if isinstance(result, NotTraced):
+                self.why_no_bound = result.reason
+                return
+            prediction = self.prediction = result
+        if prediction.ops is None:
+            self.why_no_bound = "the prediction holds no op records"
+            return
+        dtype = compute_dtype_for_precision(str(trainer.precision))
+        try:
+            self.bound = device_roofline(prediction.ops, dtype, pl_module.device)
+        except ValueError as err:
+            self.why_no_bound = str(err)
+            return
+        # Model FLOPs: 3 x the forward's (issue 21 section 4), which is 6N + attention for ToyLM and Llama.
+        self.model_flops = 3 * prediction.flops_forward
+
+    # -- profiling -------------------------------------------------------------------------------
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._device = pl_module.device
+        self._batches = 0
+        self._last_end = time.perf_counter()
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        now = time.perf_counter()
+        if self.bound is None and self.why_no_bound is None:
+            self._predict(trainer, pl_module, batch, batch_idx)
+        if not self.is_profiling_step(self._batches) or not trainer.is_global_zero:
+            return
+        self._data_wait = now - self._last_end if self._last_end is not None else 0.0
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if self._device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            self._profiler = torch.profiler.profile(activities=activities)
+            self._profiler.start()
+        self._record = torch.autograd.profiler.record_function(ledger_profile.STEP_MARK)
+        self._record.__enter__()
+        # The step's wall time: the data wait before it plus what follows; the profiler's start is not in it.
+        self._started = time.perf_counter()
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        if self._profiler is not None:
+            with torch.autograd.profiler.record_function(ledger_profile.OPTIMIZER_MARK):
+                pass
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self._profiler is not None:
+            synchronize(self._device)
+            wall = time.perf_counter() - self._started + self._data_wait
+            self._record.__exit__(None, None, None)
+            self._profiler.stop()
+            events = self._profiler.events()
+            sample = ledger_profile.breakdown(events, wall, self._data_wait, device=self._device.type)
+            self.samples.append(sample)
+            self._profiler = self._record = None
+            self._log_sample(trainer, sample)
+        self._batches += 1
+        self._last_end = time.perf_counter()
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        self._last_end = time.perf_counter()  # validation is not data wait
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        if self._profiler is not None:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                self._profiler.stop()
+            self._profiler = self._record = None
+
+    def _log_sample(self, trainer: pl.Trainer, sample: ledger_profile.Breakdown) -> None:
+        metrics = {f"time/measured/{name}": seconds for name, seconds in sample.seconds.items()}
+        if self.bound is not None:
+            metrics.update({f"time/bound/{name}": c.seconds for name, c in self.bound.by_category.items()})
+            metrics["time/bound/total"] = self.bound.seconds
+        metrics["time/measured/total"] = sample.wall_s
+        log_scalars(trainer, metrics, step=trainer.global_step)
+
+    # -- the report ------------------------------------------------------------------------------
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not trainer.is_global_zero:
+            return
+        text = self.report()
+        if text is None:
+            return
+        log_text(trainer, "time/table", text.replace("\n", "  \n"), step=trainer.global_step)
+        measured = self.measured
+        if measured is not None and self.bound is not None:
+            for writer in tensorboard_writers(trainer):
+                writer.add_figure("time/breakdown", self.chart(), global_step=trainer.global_step)
+        if self.print_table:
+            rank_zero_info(text)
+
+    def report(self) -> str | None:
+        """The step-time table and the diagnosis, as plain text (None before any prediction)."""
+        if self.bound is None:
+            return f"time ledger: no roofline bound ({self.why_no_bound})" if self.why_no_bound else None
+        return format_table(self.bound, self.measured, self.model_flops)
+
+    def chart(self) -> Figure:
+        """Two stacked bars, bound and measured seconds per step, one colour per category."""
+        measured = self.measured
+        figure = Figure(figsize=(7, 3.2), layout="constrained")
+        axes = figure.add_subplot()
+        left = [0.0, 0.0]
+        for name, label in LABELS.items():
+            bound = self.bound.by_category[name].seconds if name in self.bound.by_category else 0.0
+            values = [bound * 1e3, measured.seconds.get(name, 0.0) * 1e3]
+            if not any(values):
+                continue
+            axes.barh(["roofline bound", "measured"], values, left=left, label=label)
+            left = [a + b for a, b in zip(left, values, strict=True)]
+        axes.invert_yaxis()
+        axes.set_xlabel("ms per step")
+        axes.set_title("time ledger: where the step goes")
+        figure.legend(loc="outside lower center", ncols=4, fontsize=8)
+        return figure
+
+
+def format_table(bound: Roofline, measured: ledger_profile.Breakdown | None, model_flops: float | None) -> str:
+    """The step-time table as fixed-width text (shared with `lmledger account --measure`)."""
+    rows = time_rows(bound, measured, model_flops or 0.0)
+
+    def ms(x: float | None) -> str:
+        return "—" if x is None else f"{x * 1e3:.3f}"
+
+    def pct(x: float | None) -> str:
+        return "—" if x is None else f"{x:.1%}"
+
+    head = f"{'step time (ms per step)':<34} {'bound':>10} {'measured':>10} {'share':>7} {'bound/measured':>15}"
+    lines = [
+        f"time ledger on {bound.device}: peak {bound.peak_flops_per_s / 1e12:.4g} TFLOP/s {bound.peak_dtype} "
+        f"({bound.peak_source or 'peak'}), memory {bound.bandwidth_bytes_per_s / 1e9:.4g} GB/s "
+        f"({bound.bandwidth_source or 'bandwidth'})",
+        head,
+        "-" * len(head),
+    ]
+    for key, row in rows.items():
+        cells = f"{ms(row.bound_s):>10} {ms(row.measured_s):>10} {pct(row.share):>7} {pct(row.efficiency):>15}"
+        lines.append(f"{row.label:<34} {cells}")
+        if key == "measured":
+            lines.append("-" * len(head))
+    if measured is not None and model_flops:
+        lines.append(diagnosis(bound, measured, model_flops))
+    elif model_flops:
+        lines.append(f"roofline MFU {bound.mfu(model_flops):.2f} (an upper bound); no step profiled yet")
+    return "\n".join(lines)

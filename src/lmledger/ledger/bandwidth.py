@@ -1,0 +1,157 @@
+"""Memory bandwidth per device, for the roofline (ledger/roofline.py): bytes per second an op can move.
+
+A listed GPU: the datasheet figure in hardware.GPUS (HBM/GDDR bandwidth). A CPU: measured once per
+machine and cached on disk beside the CPU peak (hardware.cache_dir()/cpu-bandwidth.json, with when and
+how), because no spec the OS reports gives it. An unlisted GPU: measured once per process.
+
+The measurement is the best rate of `dst.copy_(src)` (each byte read once and written once) over
+buffers from 256 KiB to 64 MiB, several rounds. On a CPU the best rate comes from a buffer that fits in
+cache, not from DRAM: a step's tensors are often cache-resident on a small model, and a bound must not
+be beaten, so the roofline takes the best rate ("cache"); the large-buffer rate ("dram") is kept
+beside it in the detail line and the cache file. No Lightning import.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import json
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from lmledger.atomic import DiskWriteError, atomic_write
+from lmledger.ledger.hardware import cache_dir, cpu_info, resolve
+
+CPU_BANDWIDTH_FILE = "cpu-bandwidth.json"
+_SIZES = tuple(1 << p for p in range(18, 27))  # bytes per buffer: 256 KiB .. 64 MiB
+_TARGET_S = 0.002  # each timing repeats the copy until it lasts this long
+CPU_TRIES = 3
+
+
+@dataclass(frozen=True)
+class Bandwidth:
+    bytes_per_s: float
+    source: str  # "datasheet:<key>" or "measured"
+    detail: str = ""
+    dram_bytes_per_s: float | None = None  # a measured device's large-buffer rate
+
+
+def memory_bandwidth(device: str | torch.device | None = None) -> Bandwidth:
+    """The memory bandwidth the roofline divides bytes by on `device` (default: CUDA if present, else CPU)."""
+    device = torch.device(device) if device is not None else _default_device()
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            spec = resolve(torch.cuda.get_device_name(index))
+        if spec is not None:
+            return Bandwidth(spec.bandwidth_bytes_per_s, f"datasheet:{spec.key}", f"datasheet {spec.name}")
+        return _measured_device_bandwidth(f"cuda:{index}")
+    return measured_cpu_bandwidth()
+
+
+def gpu_bandwidth(key: str) -> Bandwidth:
+    """The datasheet bandwidth of a GPU named by key or torch device name (for planning on paper)."""
+    spec = resolve(key)
+    if spec is None:
+        from lmledger.errors import UserError
+
+        raise UserError(f"unknown GPU {key!r}: see `lmledger gpus` for the keys")
+    return Bandwidth(spec.bandwidth_bytes_per_s, f"datasheet:{spec.key}", f"datasheet {spec.name}")
+
+
+def _default_device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def copy_rates(device: torch.device, rounds: int) -> dict[int, float]:
+    """Best bytes/s (read + written) of a buffer copy per buffer size on `device`, over `rounds` rounds."""
+    best: dict[int, float] = {}
+    for _ in range(rounds):
+        for size in _SIZES:
+            src = torch.empty(size // 4, dtype=torch.float32, device=device).fill_(1.0)
+            dst = torch.empty_like(src)
+            dst.copy_(src)  # first touch: page faults are not bandwidth
+            repeats, seconds = 1, 0.0
+            while True:
+                _sync(device)
+                start = time.perf_counter()
+                for _ in range(repeats):
+                    dst.copy_(src)
+                _sync(device)
+                seconds = time.perf_counter() - start
+                if seconds >= _TARGET_S or repeats >= 1 << 14:
+                    break
+                repeats *= 4
+            best[size] = max(best.get(size, 0.0), 2 * size * repeats / seconds)
+    return best
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _cache_key() -> str:
+    info = cpu_info()
+    return f"{info.model} | {info.logical_cpus} cpus | torch {torch.__version__} | {torch.get_num_threads()} threads"
+
+
+def measured_cpu_bandwidth(*, tries: int = CPU_TRIES, refresh: bool = False) -> Bandwidth:
+    """This CPU's best copy bandwidth, measured once per machine (CPU model, CPU count, torch version,
+    threads) and cached in cache_dir()/cpu-bandwidth.json with when and how; `refresh` measures again."""
+    path = cache_dir() / CPU_BANDWIDTH_FILE
+    entries = _load(path)
+    key = _cache_key()
+    entry = entries.get(key)
+    valid = isinstance(entry, dict) and all(
+        isinstance(entry.get(k), (int, float)) and entry[k] > 0 for k in ("bytes_per_s", "dram_bytes_per_s")
+    )
+    if refresh or not valid:
+        rates = copy_rates(torch.device("cpu"), tries)
+        entry = {
+            "bytes_per_s": max(rates.values()),
+            "dram_bytes_per_s": rates[_SIZES[-1]],
+            "measured_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "tries": tries,
+            "method": (
+                f"best rate of float32 copy_ (bytes read + written) over buffers {_SIZES[0] >> 10} KiB to "
+                f"{_SIZES[-1] >> 20} MiB; dram = the largest buffer's rate"
+            ),
+        }
+        entries[key] = entry
+        _save(path, entries)
+    detail = (
+        f"measured {str(entry.get('measured_at', '?'))[:10]}: best copy rate (cache-resident), "
+        f"{entry['dram_bytes_per_s'] / 1e9:.3g} GB/s from DRAM (cache: {path})"
+    )
+    return Bandwidth(float(entry["bytes_per_s"]), "measured", detail, float(entry["dram_bytes_per_s"]))
+
+
+@functools.cache
+def _measured_device_bandwidth(device: str) -> Bandwidth:
+    rates = copy_rates(torch.device(device), 2)
+    best = max(rates.values())
+    return Bandwidth(best, "measured", f"best copy rate on {device}, this process", rates[_SIZES[-1]])
+
+
+def _load(path: Path) -> dict:
+    try:
+        entries = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as err:
+        warnings.warn(f"ignoring unreadable CPU bandwidth cache {path} ({err}); measuring again", stacklevel=3)
+        return {}
+    return entries if isinstance(entries, dict) else {}
+
+
+def _save(path: Path, entries: dict) -> None:
+    try:
+        atomic_write(path, json.dumps(entries, indent=1, sort_keys=True) + "\n")
+    except DiskWriteError as err:
+        warnings.warn(f"could not cache the measured CPU bandwidth ({err})", stacklevel=3)

@@ -1,0 +1,221 @@
+"""Every op of one training step, once: its FLOPs, the bytes it reads and writes, and its category.
+
+`OpRecorder` is a TorchDispatchMode the dry run (ledger/dryrun.py) enters around its first step
+(forward, backward, optimizer step). It sits below the step's FlopCounterMode on the mode stack, so it
+sees exactly the ops FlopCounterMode executes (after FlopCounterMode's own decompositions) and prices
+them with FlopCounterMode's own formula registry: the per-op FLOPs of forward and backward sum to
+StepLedger.flops. Bytes are sizes x element sizes of the op's tensor inputs (read) and outputs
+(written), each storage counted once per op and never above its size (three views of one qkv buffer
+read it once); views, metadata queries and allocations move nothing.
+
+Categories, shared with the measured side (ledger/profile.py), which classifies profiler event names
+("aten::mm") with the same function:
+    matmul          mm, bmm, addmm, baddbmm, linear, convolution (and their backward), _scaled_mm
+    attention       scaled_dot_product_attention and its fused kernels, forward and backward
+    other           the rest of forward and backward: elementwise, norms, softmax, the loss, copies
+    optimizer       everything inside optimizer.step (phase "optimizer step")
+    communication   collectives (c10d ops), for a sharded step
+No Lightning import.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+MATMUL, ATTENTION, OTHER, OPTIMIZER, COMMUNICATION = "matmul", "attention", "other", "optimizer", "communication"
+CATEGORIES = (MATMUL, ATTENTION, OTHER, OPTIMIZER, COMMUNICATION)
+
+_MATMUL_OPS = frozenset(
+    {
+        "mm", "bmm", "addmm", "baddbmm", "addbmm", "addmv", "mv", "dot", "matmul", "linear", "_addmm_activation",
+        "convolution", "_convolution", "convolution_backward", "conv1d", "conv2d", "conv3d", "mkldnn_convolution",
+        "cudnn_convolution", "_scaled_mm", "_int_mm", "mkldnn_linear", "_mkldnn_linear",
+    }
+)  # fmt: skip
+_ATTENTION_MARKS = ("scaled_dot_product", "flash_attention", "efficient_attention", "cudnn_attention")
+_COMMUNICATION_NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional", "_dtensor")
+_COMMUNICATION_MARKS = ("nccl", "gloo", "record_param_comms", "allreduce", "all_reduce", "allgather", "all_gather",
+                        "reduce_scatter", "broadcast", "all_to_all")  # fmt: skip
+# Ops that move no data: shape and metadata queries, fresh (uninitialized) allocations.
+_FREE_OPS = frozenset(
+    {"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "size", "stride", "numel", "dim",
+     "is_contiguous", "storage_offset", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset",
+     "_local_scalar_dense", "set_", "resize_", "lift_fresh", "detach", "alias", "record_stream"}
+)  # fmt: skip
+# Ops that overwrite their first argument without reading it.
+_WRITE_ONLY_FIRST = frozenset({"copy_", "fill_", "zero_", "normal_", "uniform_", "bernoulli_", "random_"})
+
+
+def split_name(name: str) -> tuple[str, str]:
+    """(namespace, base op name) of "aten.mm.default", "aten.mm", "aten::mm" or "mm"."""
+    parts = name.replace("::", ".").split(".")
+    if len(parts) == 1:
+        return "aten", parts[0]
+    return parts[0], parts[1]
+
+
+def category_of(name: str) -> str:
+    """The category of an op or profiler event name outside an optimizer step (see the module doc)."""
+    namespace, op = split_name(name)
+    lowered = name.lower()
+    if namespace in _COMMUNICATION_NAMESPACES or any(mark in lowered for mark in _COMMUNICATION_MARKS):
+        return COMMUNICATION
+    if any(mark in op for mark in _ATTENTION_MARKS):
+        return ATTENTION
+    if op in _MATMUL_OPS:
+        return MATMUL
+    return OTHER
+
+
+@dataclass(frozen=True)
+class OpRecord:
+    """One op of the step: aten name ("aten.mm.default"), phase, category, FLOPs, bytes read and
+    written, the compute dtype ("float32", ...; the widest floating input's) and, for matmuls, the
+    input shapes (for shape advice)."""
+
+    name: str
+    phase: str
+    category: str
+    flops: int
+    bytes_read: int
+    bytes_written: int
+    dtype: str
+    shapes: tuple[tuple[int, ...], ...] = ()
+
+    @property
+    def bytes(self) -> int:
+        return self.bytes_read + self.bytes_written
+
+
+@dataclass(frozen=True)
+class CategoryTotals:
+    ops: int = 0
+    flops: int = 0
+    bytes: int = 0
+
+
+@dataclass(frozen=True)
+class OpSummary:
+    """The step's ops (in the order they ran) and their totals per category."""
+
+    ops: tuple[OpRecord, ...] = ()
+    by_category: dict[str, CategoryTotals] = field(default_factory=dict)
+
+    @property
+    def flops(self) -> int:
+        return sum(op.flops for op in self.ops)
+
+    def flops_in(self, *phases: str) -> int:
+        return sum(op.flops for op in self.ops if op.phase in phases)
+
+    @staticmethod
+    def of(ops: list[OpRecord]) -> OpSummary:
+        totals: dict[str, list[int]] = {c: [0, 0, 0] for c in CATEGORIES}
+        for op in ops:
+            row = totals[op.category]
+            row[0] += 1
+            row[1] += op.flops
+            row[2] += op.bytes
+        return OpSummary(tuple(ops), {c: CategoryTotals(*row) for c, row in totals.items()})
+
+
+def _touched_bytes(tensors: Iterator[torch.Tensor]) -> int:
+    """Bytes of these tensors, each storage counted up to its size once (views of one buffer share it)."""
+    per_storage: dict[int, list[int]] = {}
+    for t in tensors:
+        try:
+            storage = t.untyped_storage()
+            key, cap = storage._cdata, storage.nbytes()
+        except (RuntimeError, NotImplementedError):  # sparse or other storage-less tensors
+            key, cap = id(t), t.numel() * t.element_size()
+        row = per_storage.setdefault(key, [0, cap])
+        row[0] += t.numel() * t.element_size()
+    return sum(min(used, cap) for used, cap in per_storage.values())
+
+
+def _tensors(tree: object) -> list[torch.Tensor]:
+    return [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
+
+
+class OpRecorder(TorchDispatchMode):
+    """Records every op dispatched while it is entered (see the module doc). `phase` names the part of
+    the step; `watch(optimizer)` switches it to "optimizer step" for the optimizer's step and back.
+
+    flop_registry  FlopCounterMode.flop_registry: {overload packet: formula(*args, out_val=out, **kwargs)}
+    """
+
+    def __init__(self, flop_registry: dict[object, Callable[..., int]]) -> None:
+        super().__init__()
+        self.flop_registry = flop_registry
+        self.phase = "forward"
+        self.records: list[OpRecord] = []
+        self._handles: list = []
+
+    def watch(self, optimizer: torch.optim.Optimizer | None) -> OpRecorder:
+        if optimizer is not None:
+            previous: list[str] = []
+
+            def before(*_args) -> None:
+                previous.append(self.phase)
+                self.phase = "optimizer step"
+
+            def after(*_args) -> None:
+                self.phase = previous.pop() if previous else self.phase
+
+            self._handles += [optimizer.register_step_pre_hook(before), optimizer.register_step_post_hook(after)]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        return super().__exit__(*exc)
+
+    def summary(self) -> OpSummary:
+        return OpSummary.of(self.records)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func.namespace in ("prim", "profiler"):  # device queries, record_function markers: not work
+            return out
+        try:
+            self.records.append(self._record(func, args, kwargs, out))
+        except Exception:  # noqa: BLE001 - a formula that cannot price an op must not break the step
+            pass
+        return out
+
+    def _record(self, func, args, kwargs, out) -> OpRecord:
+        packet = func._overloadpacket
+        name = str(func)  # "aten.mm.default"
+        namespace, op = split_name(name)
+        formula = self.flop_registry.get(packet)
+        flops = int(formula(*args, **kwargs, out_val=out)) if formula is not None else 0
+        inputs = _tensors((args, kwargs))
+        dtypes = [t.dtype for t in inputs if t.is_floating_point()]
+        dtype = str(max(dtypes, key=lambda d: torch.finfo(d).bits)).removeprefix("torch.") if dtypes else ""
+        if op in _FREE_OPS or func.is_view or op.startswith("_foreach_zero") or op.startswith("empty"):
+            read = written = 0
+        else:
+            outputs = _tensors(out)
+            if op in _WRITE_ONLY_FIRST and inputs:
+                inputs = inputs[1:]
+            read, written = _touched_bytes(iter(inputs)), _touched_bytes(iter(outputs))
+            if op.startswith("_foreach_") and op.endswith("_") and not outputs:
+                # in-place foreach ops return nothing: they write back their first list
+                first = args[0] if args and isinstance(args[0], (list, tuple)) else []
+                written = _touched_bytes(iter(t for t in first if isinstance(t, torch.Tensor)))
+            elif op.startswith("_fused_") and not outputs:
+                # _fused_adamw_ and kin update params, exp_avg, exp_avg_sq (and max_exp_avg_sq) in place
+                lists = [a for a in args[:5] if isinstance(a, (list, tuple))]
+                written = _touched_bytes(iter(t for a in lists if a is not args[1] for t in a))
+        category = OPTIMIZER if self.phase == "optimizer step" else category_of(name)
+        if category_of(name) == COMMUNICATION:
+            category = COMMUNICATION
+        shapes = tuple(tuple(t.shape) for t in inputs) if category == MATMUL else ()
+        return OpRecord(name, self.phase, category, flops, read, written, dtype, shapes)

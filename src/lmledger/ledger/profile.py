@@ -1,0 +1,133 @@
+"""The measured twin of the roofline: a profiled step's time per category (seconds).
+
+`breakdown(events, ...)` groups the op events `torch.profiler` recorded during one training step into
+the roofline's categories (ledger/ops.py), plus what no op accounts for:
+
+    matmul, attention, other   op time outside the optimizer step, by the outermost categorised op
+                               around it (aten::linear and the aten::addmm it calls are one matmul; the
+                               empty tensors SDPA allocates are attention)
+    optimizer                  op time from the step's optimizer marker (set when the forward and
+                               backward closure has returned, so clipping is in it) to the end of
+                               torch's Optimizer.step record
+    communication              collectives (c10d, nccl, gloo records)
+    data_wait                  the time in the dataloader's next, measured by the caller's clock
+    host                       overhead and idle: the step's wall time minus all of the above
+                               (Python, Lightning's loop, autograd's bookkeeping, launch gaps)
+
+On a CPU an op's time is its self CPU time (children are counted under their own name, in the same
+category as their parent); on a GPU, the duration of the kernels it launched. The categories sum to
+`wall_s` by construction; `ops_overlap` says by how much the ops alone exceed the step (overlapping
+threads or streams), which would make host negative. No Lightning import; `events` are
+`torch.profiler.profile().events()` (FunctionEvent: name, time_range, cpu_parent, self_cpu_time_total,
+kernels), or anything shaped alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from lmledger.ledger.ops import CATEGORIES, OPTIMIZER, OTHER, category_of
+
+STEP_MARK = "lmledger#step"  # the record_function around the whole step (callbacks/timing.py)
+OPTIMIZER_MARK = "lmledger#optimizer"  # a zero-length record at on_before_optimizer_step
+OPTIMIZER_RECORD = "Optimizer.step#"  # torch.optim's own record_function around step()
+DATA_WAIT, HOST = "data_wait", "host"
+MEASURED = (*CATEGORIES, DATA_WAIT, HOST)
+
+
+@dataclass(frozen=True)
+class Breakdown:
+    """Seconds of one profiled step per category (MEASURED), and the step's wall time."""
+
+    seconds: dict[str, float]
+    wall_s: float
+    ops_overlap: float = 0.0  # seconds the ops exceeded the wall by (0 on a single-threaded CPU step)
+    events: int = 0
+    top_ops: dict[str, list[tuple[str, float]]] = field(default_factory=dict)  # per category, slowest names
+
+    def share(self, category: str) -> float:
+        return self.seconds.get(category, 0.0) / self.wall_s if self.wall_s > 0 else 0.0
+
+
+def _category_chain(event, optimizer_window: tuple[float, float] | None) -> str | None:
+    """The category an event's time goes to, or None for a record that is not an op (host)."""
+    if event.name in (STEP_MARK, OPTIMIZER_MARK):
+        return None  # our own markers: their cost is overhead
+    start = event.time_range.start
+    if optimizer_window is not None and optimizer_window[0] <= start <= optimizer_window[1]:
+        return OPTIMIZER
+    found, is_op = None, False
+    node = event
+    while node is not None:  # up to the step: the outermost matmul / attention / collective wins
+        name = node.name
+        if name.startswith((STEP_MARK, OPTIMIZER_RECORD)):
+            break
+        if name.startswith(_OP_PREFIXES):
+            is_op = True
+            category = category_of(name)
+            if category != OTHER:
+                found = category
+        node = node.cpu_parent
+    return found or (OTHER if is_op else None)
+
+
+_OP_PREFIXES = ("aten::", "c10d::", "_c10d_functional::", "nccl:", "gloo:", "record_param_comms")
+
+
+def breakdown(events: Iterable, wall_s: float, data_wait_s: float = 0.0, *, device: str = "cpu") -> Breakdown:
+    """The step's time per category from its profiler events (see the module doc); `wall_s` includes
+    `data_wait_s`. device "cpu": self CPU time per op; "cuda": kernel time per launching op."""
+    events = list(events)
+    marks = [e for e in events if e.name == STEP_MARK]
+    window = (marks[0].time_range.start, marks[0].time_range.end) if marks else None
+    opt_marks = [e.time_range.start for e in events if e.name == OPTIMIZER_MARK]
+    optimizer_window = None
+    if opt_marks:
+        begin = opt_marks[-1]
+        ends = [e.time_range.end for e in events if e.name.startswith(OPTIMIZER_RECORD) and e.time_range.end >= begin]
+        optimizer_window = (begin, max(ends) if ends else (window[1] if window else float("inf")))
+    totals = {c: 0.0 for c in MEASURED}
+    per_name: dict[str, dict[str, float]] = {c: {} for c in CATEGORIES}
+    counted = 0
+    for event in events:
+        if window is not None and not (window[0] <= event.time_range.start <= window[1]):
+            continue
+        category = _category_chain(event, optimizer_window)
+        if category is None:
+            continue
+        if device == "cuda":
+            seconds = sum(k.duration for k in getattr(event, "kernels", ())) / 1e6
+        else:
+            seconds = event.self_cpu_time_total / 1e6
+        if seconds <= 0:
+            continue
+        counted += 1
+        totals[category] += seconds
+        per_name[category][event.name] = per_name[category].get(event.name, 0.0) + seconds
+    ops = sum(totals[c] for c in CATEGORIES)
+    totals[DATA_WAIT] = max(0.0, data_wait_s)
+    rest = wall_s - totals[DATA_WAIT] - ops
+    totals[HOST] = max(0.0, rest)
+    top = {c: sorted(names.items(), key=lambda kv: -kv[1])[:5] for c, names in per_name.items() if names}
+    return Breakdown(totals, wall_s, ops_overlap=max(0.0, -rest), events=counted, top_ops=top)
+
+
+def mean_breakdown(samples: list[Breakdown]) -> Breakdown | None:
+    """The per-category mean of several profiled steps (None for none)."""
+    if not samples:
+        return None
+    n = len(samples)
+    seconds = {c: sum(s.seconds.get(c, 0.0) for s in samples) / n for c in MEASURED}
+    top: dict[str, dict[str, float]] = {}
+    for s in samples:
+        for c, rows in s.top_ops.items():
+            for name, t in rows:
+                top.setdefault(c, {})[name] = top.setdefault(c, {}).get(name, 0.0) + t / n
+    return Breakdown(
+        seconds,
+        sum(s.wall_s for s in samples) / n,
+        ops_overlap=sum(s.ops_overlap for s in samples) / n,
+        events=sum(s.events for s in samples) // n,
+        top_ops={c: sorted(v.items(), key=lambda kv: -kv[1])[:5] for c, v in top.items()},
+    )

@@ -1,0 +1,277 @@
+"""The roofline bound of a training step: the fastest each op could run on a device, summed per category.
+
+For every op the dry run recorded (ledger/ops.py):
+
+    bound = max(FLOPs / peak(op dtype), bytes read and written / memory bandwidth)
+
+(Williams, Waterman & Patterson, "Roofline", CACM 2009: an op is limited by its arithmetic or by the
+bytes it moves, whichever is slower). Peaks are dense figures (ledger/hardware.py: datasheet for a
+listed GPU, the CPU's spec peak); bandwidth from ledger/bandwidth.py. Collectives move their bytes over
+the interconnect when its bandwidth is given, else are priced at memory bandwidth (a lower bound).
+Summed per category, the bound is the step time no implementation of the same ops can beat on that
+device; a measurement below it is a bug in the bound (tests/test_time_ledger.py holds each category).
+
+    ideal          model FLOPs / dense peak: the step if every FLOP ran at peak and nothing else cost time
+    roofline MFU   model FLOPs / bound / peak: the highest MFU this model at this shape can reach there
+
+Pure arithmetic over the op records: no torch, no Lightning import (`step_ops` builds a dry run lazily).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from lmledger.ledger.ops import CATEGORIES, COMMUNICATION, OpRecord, OpSummary
+
+# torch dtype names (OpRecord.dtype) -> the dtype names peaks are keyed by (hardware.DTYPES)
+_PEAK_DTYPE = {
+    "float64": "fp64",
+    "float32": "fp32",
+    "bfloat16": "bf16",
+    "float16": "fp16",
+    "float8_e4m3fn": "fp8",
+    "float8_e5m2": "fp8",
+    "float8_e4m3fnuz": "fp8",
+    "float8_e5m2fnuz": "fp8",
+}
+
+
+def peak_dtype(dtype: str, default: str) -> str:
+    """The peak's dtype name for an op's torch dtype name ("" for integer-only ops: the default)."""
+    return _PEAK_DTYPE.get(dtype, default)
+
+
+@dataclass(frozen=True)
+class CategoryBound:
+    seconds: float = 0.0  # sum of the per-op bounds
+    compute_seconds: float = 0.0  # of those, what the FLOPs alone take at peak
+    memory_seconds: float = 0.0  # what the bytes alone take at bandwidth
+    flops: int = 0
+    bytes: int = 0
+    ops: int = 0
+    memory_bound_ops: int = 0  # ops whose bytes, not FLOPs, set their bound
+
+
+@dataclass(frozen=True)
+class Roofline:
+    """The step's bound per category (CATEGORIES) on one device."""
+
+    by_category: dict[str, CategoryBound]
+    peak_flops_per_s: float  # the dense peak of the run's compute dtype (ideal and MFU use it)
+    peak_dtype: str
+    bandwidth_bytes_per_s: float
+    device: str  # what the figures are for ("cpu", "h100-sxm", ...)
+    peak_source: str = ""
+    bandwidth_source: str = ""
+
+    @property
+    def seconds(self) -> float:
+        return sum(c.seconds for c in self.by_category.values())
+
+    def ideal_seconds(self, model_flops: float) -> float:
+        return model_flops / self.peak_flops_per_s
+
+    def mfu(self, model_flops: float) -> float:
+        """The roofline MFU: model FLOPs over the bound, against the dense peak."""
+        return model_flops / self.seconds / self.peak_flops_per_s if self.seconds > 0 else 0.0
+
+
+def op_bound(
+    op: OpRecord, peak_for: Callable[[str], float], bandwidth: float, interconnect: float | None = None
+) -> tuple[float, float]:
+    """(compute seconds, memory seconds) of one op; its bound is the larger."""
+    compute = op.flops / peak_for(op.dtype) if op.flops else 0.0
+    per_s = interconnect if (op.category == COMMUNICATION and interconnect) else bandwidth
+    return compute, op.bytes / per_s
+
+
+def roofline(
+    ops: OpSummary,
+    peaks: Mapping[str, float | None],
+    compute_dtype: str,
+    bandwidth_bytes_per_s: float,
+    *,
+    device: str = "",
+    interconnect_bytes_per_s: float | None = None,
+    peak_source: str = "",
+    bandwidth_source: str = "",
+) -> Roofline:
+    """The bound of the step's `ops` on a device with dense `peaks` {"fp32": FLOP/s, ...} and memory
+    bandwidth; `compute_dtype` (the precision's matmul dtype) is the peak for ideal and MFU and for ops
+    whose dtype has no peak (integer ops, or a dtype the device lacks)."""
+    if not peaks.get(compute_dtype):
+        raise ValueError(f"no {compute_dtype} peak given")
+    if not bandwidth_bytes_per_s > 0:
+        raise ValueError("memory bandwidth must be positive")
+    fallback = float(peaks[compute_dtype])
+
+    def peak_for(dtype: str) -> float:
+        return float(peaks.get(peak_dtype(dtype, compute_dtype)) or fallback)
+
+    rows: dict[str, list[float]] = {c: [0.0, 0.0, 0.0, 0, 0, 0, 0] for c in CATEGORIES}
+    for op in ops.ops:
+        compute, memory = op_bound(op, peak_for, bandwidth_bytes_per_s, interconnect_bytes_per_s)
+        row = rows[op.category]
+        row[0] += max(compute, memory)
+        row[1] += compute
+        row[2] += memory
+        row[3] += op.flops
+        row[4] += op.bytes
+        row[5] += 1
+        row[6] += memory > compute
+    return Roofline(
+        {c: CategoryBound(r[0], r[1], r[2], int(r[3]), int(r[4]), int(r[5]), int(r[6])) for c, r in rows.items()},
+        fallback,
+        compute_dtype,
+        bandwidth_bytes_per_s,
+        device,
+        peak_source,
+        bandwidth_source,
+    )
+
+
+def device_roofline(ops: OpSummary, compute_dtype: str, device: object) -> Roofline:
+    """The bound on a live device (torch.device, "cpu", "cuda"): its peaks (hardware.peak_flops) and
+    bandwidth (bandwidth.memory_bandwidth)."""
+    import warnings
+
+    from lmledger.ledger.bandwidth import memory_bandwidth
+    from lmledger.ledger.hardware import DTYPES, peak_flops
+
+    peaks: dict[str, float | None] = {}
+    sources = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a dtype the device lacks has no peak: its ops use the compute dtype's
+        for dtype in DTYPES:
+            peak = peak_flops(dtype, device) if dtype in ("fp64", "fp32", "bf16", "fp16", compute_dtype) else None
+            peaks[dtype] = peak.flops_per_s if peak is not None else None
+            if peak is not None:
+                sources[dtype] = peak.detail or peak.source
+    if not peaks.get(compute_dtype):
+        raise ValueError(f"no {compute_dtype} peak on {device}")
+    bandwidth = memory_bandwidth(device)
+    name = str(getattr(device, "type", device))
+    return roofline(
+        ops, peaks, compute_dtype, bandwidth.bytes_per_s, device=name,
+        peak_source=sources.get(compute_dtype, ""), bandwidth_source=bandwidth.detail or bandwidth.source,
+    )  # fmt: skip
+
+
+def gpu_roofline(ops: OpSummary, compute_dtype: str, gpu: str) -> Roofline:
+    """The bound on a GPU from its datasheet alone (hardware.GPUS): for planning on a machine without it.
+    The ops come from a dry run on this machine; the GPU's kernels may differ in the temporaries they make."""
+    from lmledger.ledger.hardware import datasheet_peak, require_gpu
+
+    spec = require_gpu(gpu)
+    peaks: dict[str, float | None] = {}
+    for dtype in spec.peak_flops:
+        peak = datasheet_peak(spec, dtype)
+        peaks[dtype] = peak.flops_per_s if peak else None
+    if not peaks.get(compute_dtype):
+        from lmledger.errors import UserError
+
+        raise UserError(f"{spec.name} has no dense {compute_dtype} peak in the table: pick another dtype or GPU")
+    return roofline(
+        ops, peaks, compute_dtype, spec.bandwidth_bytes_per_s, device=spec.key,
+        peak_source=f"datasheet {spec.name}", bandwidth_source=f"datasheet {spec.name}",
+    )  # fmt: skip
+
+
+def toy_step_ops(config: object, batch_size: int, seq_len: int, precision: str = "32-true") -> OpSummary:
+    """The ops of one training step of lmledger's ToyLM (fused AdamW, as LitLM runs it on a CPU), from a
+    dry run on meta weights: nothing is allocated."""
+    import torch
+
+    from lmledger.errors import UserError
+    from lmledger.ledger.dryrun import NotTraced, dry_run
+    from lmledger.model import ToyLM
+
+    with torch.device("meta"):
+        model = ToyLM(config)
+    batch = tuple(torch.empty(batch_size, seq_len, dtype=torch.long, device="meta") for _ in range(2))
+    result = dry_run(
+        model, batch, step=lambda m, b: m(*b), optimizer=lambda p: torch.optim.AdamW(p, fused=True),
+        precision=precision, device="cpu",
+    )  # fmt: skip
+    if isinstance(result, NotTraced):
+        raise UserError(f"no roofline: {result.reason}")
+    return result.ops
+
+
+# ---------------------------------------------------------------------------------------------------
+# The step-time table: bound beside measured
+
+LABELS = {
+    "matmul": "matmul",
+    "attention": "attention",
+    "other": "other compute",
+    "optimizer": "optimizer step",
+    "communication": "communication",
+    "data_wait": "data wait",
+    "host": "host overhead / idle",
+}
+
+
+@dataclass(frozen=True)
+class TimeRow:
+    label: str
+    bound_s: float | None
+    measured_s: float | None
+    share: float | None  # of the measured step
+    efficiency: float | None  # bound / measured
+
+    def to_json(self) -> dict:
+        return {
+            "bound_s": self.bound_s, "measured_s": self.measured_s, "share": self.share, "efficiency": self.efficiency
+        }  # fmt: skip
+
+
+def time_rows(bound: Roofline, measured: object | None, model_flops: float) -> dict[str, TimeRow]:
+    """The table's rows: "ideal", "bound", "measured", then one per category (LABELS), keyed by name.
+    `measured` is a profile.Breakdown (or None: bound only)."""
+    wall = measured.wall_s if measured is not None else None
+
+    def row(label: str, b: float | None, m: float | None) -> TimeRow:
+        share = m / wall if (m is not None and wall) else None
+        eff = b / m if (b is not None and m) else None
+        return TimeRow(label, b, m, share, eff)
+
+    rows = {
+        "ideal": row("ideal (model FLOPs at dense peak)", bound.ideal_seconds(model_flops), None),
+        "bound": row("roofline bound", bound.seconds, None),
+        "measured": row("measured", None, wall),
+    }
+    for name, label in LABELS.items():
+        b = bound.by_category[name].seconds if name in bound.by_category else None  # no op waits for data
+        m = measured.seconds.get(name) if measured is not None else None
+        if name in bound.by_category and not bound.by_category[name].ops and not m:
+            continue  # no such ops (communication on one device)
+        rows[name] = row(label, b, m)
+    return rows
+
+
+def diagnosis(bound: Roofline, measured: object, model_flops: float) -> str:
+    """One line: measured MFU of the roofline's possible one, where most of the gap is, and the data wait."""
+    wall = measured.wall_s
+    mfu = model_flops / wall / bound.peak_flops_per_s if wall > 0 else 0.0
+    gaps = {}
+    for name in LABELS:
+        b = bound.by_category[name].seconds if name in bound.by_category else 0.0
+        gaps[name] = measured.seconds.get(name, 0.0) - b
+    worst = max((n for n in gaps if n != "data_wait"), key=gaps.__getitem__)
+    share = measured.seconds.get(worst, 0.0) / wall if wall > 0 else 0.0
+    if worst == "host":
+        where = f"{share:.0%} of the step is host overhead / idle (Python, the training loop, launches), no op at all"
+    else:
+        cat = bound.by_category[worst]
+        what = {"other": "elementwise and other ops", "matmul": "matmuls", "attention": "attention",
+                "optimizer": "the optimizer step", "communication": "communication"}[worst]  # fmt: skip
+        m = measured.seconds.get(worst, 0.0)
+        if cat.memory_seconds >= cat.compute_seconds:
+            rate = f"{cat.memory_seconds / m:.0%} of memory bandwidth" if m else "no measured time"
+        else:
+            rate = f"{cat.compute_seconds / m:.0%} of peak FLOP/s" if m else "no measured time"
+        where = f"{share:.0%} of the step is in {what} running at {rate}"
+    possible = bound.mfu(model_flops)
+    return f"MFU {mfu:.2f} of a possible {possible:.2f}: {where}; data wait {measured.share('data_wait'):.0%}"

@@ -1,0 +1,219 @@
+"""The time ledger (issue 21): the dry run's ops and their roofline bound beside a profiled step."""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.loggers import TensorBoardLogger
+from torch.utils.data import DataLoader, IterableDataset, TensorDataset
+
+from conftest import read_scalars
+from lmledger.callbacks.timing import TimeLedger
+from lmledger.ledger import profile as ledger_profile
+from lmledger.ledger.dryrun import StepLedger, dry_run
+from lmledger.ledger.ops import ATTENTION, MATMUL, OPTIMIZER, OTHER
+from lmledger.ledger.roofline import gpu_roofline, toy_step_ops
+from lmledger.ledger.shapes import shape_advice
+from lmledger.lit import LitLM
+from lmledger.model import ModelConfig, ToyLM
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `examples` lives at the repository root
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny models run faster on one thread
+
+BATCH, SEQ = 8, 64
+COMPUTE = (MATMUL, ATTENTION, OTHER, OPTIMIZER)
+
+
+def toy_module(d_model: int = 64) -> LitLM:
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=256, context_length=SEQ, d_model=d_model, n_layers=2, n_heads=2, d_ff=3 * d_model)
+    return LitLM(config=cfg, warmup_steps=1)
+
+
+def token_loader(n_batches: int) -> DataLoader:
+    g = torch.Generator().manual_seed(0)
+    inputs, targets = (torch.randint(0, 256, (n_batches * BATCH, SEQ), generator=g) for _ in range(2))
+    return DataLoader(TensorDataset(inputs, targets), batch_size=BATCH)
+
+
+class SlowBatches(IterableDataset):
+    """Token batches that each take `sleep` seconds to produce: a data loader that cannot keep up."""
+
+    def __init__(self, n_batches: int, sleep: float) -> None:
+        self.n_batches, self.sleep = n_batches, sleep
+
+    def __iter__(self):
+        g = torch.Generator().manual_seed(0)
+        for _ in range(self.n_batches):
+            time.sleep(self.sleep)
+            yield tuple(torch.randint(0, 256, (BATCH, SEQ), generator=g) for _ in range(2))
+
+
+def fit(module: pl.LightningModule, loader, ledger: TimeLedger, steps: int, tmp_path: Path | None = None):
+    trainer = pl.Trainer(
+        max_steps=steps, accelerator="cpu", logger=TensorBoardLogger(tmp_path, name="run") if tmp_path else False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+        log_every_n_steps=1, callbacks=[ledger],
+    )  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(module, loader)
+    return trainer
+
+
+def tiny_llama():
+    pytest.importorskip("transformers")
+    from examples.hf_lm import LlamaLM
+
+    torch.manual_seed(0)
+    return LlamaLM(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,
+                   context_length=SEQ)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def toy_fit(tmp_path_factory):
+    ledger = TimeLedger(warmup_steps=2, profile_steps=2, every_n_steps=3, print_table=False)
+    path = tmp_path_factory.mktemp("time")
+    fit(toy_module(), token_loader(9), ledger, steps=9, tmp_path=path)
+    return ledger, path
+
+
+# -- the dry run's ops ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("model", ["toy", "llama"])
+def test_per_op_flops_sum_to_the_dry_runs_flops(model):
+    if model == "toy":
+        module = ToyLM(ModelConfig(vocab_size=256, context_length=SEQ, d_model=64, n_layers=2, n_heads=2, d_ff=128))
+        batch, step = tuple(torch.randint(0, 256, (BATCH, SEQ)) for _ in range(2)), (lambda m, b: m(*b))
+        optimizer = lambda p: torch.optim.AdamW(p, fused=True)  # noqa: E731
+    else:
+        module = tiny_llama()
+        batch, step, optimizer = (torch.randint(0, 256, (BATCH, SEQ)),) * 2, (lambda m, b: m.loss(b)), None
+        optimizer = module.configure_optimizers()
+    ledger = dry_run(module, batch, step=step, optimizer=optimizer)
+    assert isinstance(ledger, StepLedger), ledger
+    ops = ledger.ops
+    assert ops.flops_in("forward", "backward") == ledger.flops > 0
+    assert ops.flops_in("forward") == ledger.flops_forward
+    # Every matmul FLOP is in a matmul or attention op; elementwise ops count none (FlopCounterMode's rule).
+    assert ops.by_category[MATMUL].flops + ops.by_category[ATTENTION].flops == ledger.flops
+    assert ops.by_category[OPTIMIZER].ops > 0 and ops.by_category[OPTIMIZER].bytes > 0
+    views = [op for op in ops.ops if op.name.startswith(("aten.view.", "aten.t.", "aten.transpose."))]
+    assert views and all(op.bytes == 0 for op in views)  # views move nothing
+    # An mm of (m, k) x (k, n) in fp32 reads both inputs and writes its output, 4 bytes each.
+    mm = next(op for op in ops.ops if op.name == "aten.mm.default")
+    (m, k), (_, n) = mm.shapes
+    assert mm.bytes_read == 4 * (m * k + k * n) and mm.bytes_written == 4 * m * n
+
+
+# -- measured against the bound ------------------------------------------------------------------------
+
+
+def assert_measured_over_bound(ledger: TimeLedger) -> None:
+    assert ledger.bound is not None, ledger.why_no_bound
+    assert ledger.samples
+    for sample in ledger.samples:
+        for category in COMPUTE:
+            bound = ledger.bound.by_category[category].seconds
+            assert bound > 0, category
+            assert sample.seconds[category] >= bound, (category, sample.seconds[category], bound)
+
+
+def test_toy_lm_every_category_takes_at_least_its_bound(toy_fit):
+    ledger, _ = toy_fit
+    assert_measured_over_bound(ledger)
+    # The bound is more than a formality: matmul FLOPs at peak are a real part of it.
+    assert ledger.bound.by_category[MATMUL].compute_seconds > ledger.bound.by_category[MATMUL].memory_seconds
+
+
+def test_hf_llama_every_category_takes_at_least_its_bound():
+    ledger = TimeLedger(warmup_steps=1, profile_steps=1, every_n_steps=0, print_table=False)
+    fit(tiny_llama(), token_loader(3), ledger, steps=3)
+    assert_measured_over_bound(ledger)
+
+
+def test_categories_sum_to_the_profiled_steps_wall_time(toy_fit):
+    ledger, _ = toy_fit
+    for sample in ledger.samples:
+        assert sum(sample.seconds.values()) == pytest.approx(sample.wall_s, rel=0.05)
+        assert sample.ops_overlap <= 0.05 * sample.wall_s  # no op time counted twice
+        assert all(seconds >= 0 for seconds in sample.seconds.values())
+        assert sample.seconds[ledger_profile.HOST] < 0.9 * sample.wall_s  # most of the step is found in ops
+
+
+def test_only_the_sampled_steps_are_profiled_and_logged(toy_fit):
+    ledger, path = toy_fit
+    profiled = [n for n in range(9) if ledger.is_profiling_step(n)]
+    assert profiled == [2, 3, 6]  # two after warm-up, then one every 3
+    assert len(ledger.samples) == len(profiled)
+    scalars = read_scalars(next((path / "run").glob("version_*")))
+    for tag in ("time/bound/matmul", "time/measured/matmul", "time/measured/data_wait", "time/measured/host"):
+        assert len(scalars[tag]) == len(profiled), tag
+    table = ledger.report()
+    assert "roofline bound" in table and "MFU" in table.splitlines()[-1]
+
+
+@pytest.mark.parametrize("sleep", [0.05, 0.0])
+def test_data_wait_is_the_time_spent_in_the_loader(sleep):
+    ledger = TimeLedger(warmup_steps=1, profile_steps=3, every_n_steps=0, print_table=False)
+    fit(toy_module(d_model=256), DataLoader(SlowBatches(5, sleep), batch_size=None), ledger, steps=5)
+    assert len(ledger.samples) == 3
+    # The median of three profiled steps: on a shared machine one step may lose its time slice.
+    wait = statistics.median(s.seconds[ledger_profile.DATA_WAIT] for s in ledger.samples)
+    share = statistics.median(s.share(ledger_profile.DATA_WAIT) for s in ledger.samples)
+    if sleep:
+        assert wait == pytest.approx(sleep, rel=0.2)
+    else:
+        assert share < 0.05
+
+
+# -- shape advice --------------------------------------------------------------------------------------
+
+
+def bf16_step_ops(vocab: int, d_ff: int):
+    cfg = ModelConfig(vocab_size=vocab, context_length=SEQ, d_model=128, n_layers=1, n_heads=2, d_ff=d_ff)
+    return toy_step_ops(cfg, 2, SEQ, precision="bf16-true")
+
+
+def test_shape_advice_flags_the_dimensions_tensor_cores_dislike():
+    advice = shape_advice(bf16_step_ops(50257, 1000), "h100-sxm", names={50257: "vocab_size", 1000: "d_ff"})
+    flagged = {a.dim: a for a in advice}
+    assert set(flagged) == {50257, 1000}
+    assert flagged[50257].padded == 50304 and flagged[1000].padded == 1024  # multiples of 64 (128 bytes of bf16)
+    assert flagged[50257].extra_flops == pytest.approx(flagged[50257].flops * 47 / 50257, rel=0.01)
+    assert "pad to 50304" in flagged[50257].line()
+    assert shape_advice(bf16_step_ops(50304, 1024), "h100-sxm") == []
+    # A GPU outside the A100 class wants 16 bytes: 1000 bf16 elements is a multiple of 8.
+    assert {a.dim for a in shape_advice(bf16_step_ops(50257, 1000), "l4")} == {50257}
+
+
+def test_a_gpu_roofline_from_the_datasheet_is_an_upper_bound_on_mfu():
+    cfg = ModelConfig(vocab_size=50304, context_length=SEQ, d_model=128, n_layers=1, n_heads=2, d_ff=1024)
+    ops = toy_step_ops(cfg, 2, SEQ, precision="bf16-true")
+    bound = gpu_roofline(ops, "bf16", "h100-sxm")
+    model_flops = ops.flops_in("forward") * 3
+    assert 0 < bound.mfu(model_flops) < 1
+    assert bound.seconds >= bound.ideal_seconds(model_flops)
+
+
+# -- CUDA ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.cuda
+def test_cuda_kernel_times_take_at_least_their_bound():
+    ledger = TimeLedger(warmup_steps=2, profile_steps=2, every_n_steps=0, print_table=False)
+    trainer = pl.Trainer(max_steps=4, accelerator="cuda", devices=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[ledger])  # fmt: skip
+    trainer.fit(toy_module(d_model=256), token_loader(4))
+    assert_measured_over_bound(ledger)
+    for sample in ledger.samples:
+        assert sum(sample.seconds.values()) == pytest.approx(sample.wall_s, rel=0.05)
