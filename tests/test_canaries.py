@@ -400,3 +400,30 @@ def test_a_storage_keeps_one_python_object_that_dies_with_it():
     assert not freed  # the view still holds the storage
     del view
     assert freed and ref() is None
+
+
+# ------------------------------------------------------------------ grouped GEMM (transformers' MoE experts)
+
+
+def test_grouped_mm_meta_kernel_refuses_what_the_cpu_kernel_runs():
+    """ledger.moe answers torch._grouped_mm on fake CPU tensors itself: transformers 5.x runs MoE
+    experts through it by default ("grouped_mm", integrations/moe.py), the CPU kernel takes float32,
+    but the meta kernel (torch/_meta_registrations.py, _meta_grouped_mm_common) checks the CUDA
+    kernel's bf16-only rule, so a fake float32 CPU step stops there. moe._grouped_mm_shape gives the
+    CPU kernel's shapes, which this holds for the forward and both gradients' layouts."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from lmledger.ledger.moe import _grouped_mm_shape
+
+    transformers = pytest.importorskip("transformers")
+    config = transformers.MixtralConfig(hidden_size=16, intermediate_size=8, num_hidden_layers=1,
+                                        num_attention_heads=2, num_key_value_heads=1, vocab_size=16)  # fmt: skip
+    assert transformers.MixtralForCausalLM(config).config._experts_implementation == "grouped_mm"
+    rows, offs = torch.randn(8, 16), torch.tensor([2, 4, 6, 8], dtype=torch.int32)
+    layouts = [(rows, torch.randn(4, 16, 8)), (rows.t(), torch.randn(8, 8)), (torch.randn(8, 8), torch.randn(4, 8, 16))]
+    for a, b in layouts:
+        real = torch._grouped_mm(a, b, offs=offs)  # the CPU kernel runs float32
+        assert real.dtype == torch.float32 and real.is_contiguous()
+        assert list(real.shape) == _grouped_mm_shape(a, b, offs)
+    with FakeTensorMode() as mode, pytest.raises(RuntimeError, match="Expected inputs of BF16 type"):
+        torch._grouped_mm(mode.from_tensor(rows), mode.from_tensor(layouts[0][1]), offs=mode.from_tensor(offs))

@@ -190,7 +190,7 @@ def test_plain_top_k_moe_is_bounded_by_balanced_and_worst_routing(dispatch):
     bounds = moe.predict_moe(_plain(0, dispatch), batch, optimizer=_adamw)
     assert isinstance(bounds, moe.MoEBounds), bounds
     balanced, worst = bounds.balanced, bounds.worst
-    assert bounds.routed and worst.peak > balanced.peak  # the bounds differ: the check below can fail
+    assert bounds.routing_matters and worst.peak > balanced.peak  # the bounds differ: the check below can fail
     assert balanced.flops == worst.flops  # token-choice: tokens x k expert rows whatever the routing
     _assert_random_routing_within(bounds, lambda seed: _plain(seed, dispatch), batch)
     for routing, predicted in (("balanced", balanced), ("worst", worst)):
@@ -212,7 +212,7 @@ def test_mixtral_eager_experts_are_bounded_by_balanced_and_worst_routing():
     batch = _batch()
     bounds = moe.predict_moe(_mixtral(0, "eager"), batch, step=_mixtral_step, optimizer=_adamw)
     assert isinstance(bounds, moe.MoEBounds), bounds
-    assert bounds.routed and bounds.worst.peak > bounds.balanced.peak
+    assert bounds.routing_matters and bounds.worst.peak > bounds.balanced.peak
     _assert_random_routing_within(bounds, lambda seed: _mixtral(seed, "eager"), batch, step=_mixtral_step)
     for routing, predicted in (("balanced", bounds.balanced), ("worst", bounds.worst)):
         with ForcedRouting(routing):
@@ -229,7 +229,7 @@ def test_mixtral_grouped_mm_dry_runs_exactly_whatever_the_routing():
     assert model.config._experts_implementation == "grouped_mm"
     bounds = moe.predict_moe(model, batch, step=_mixtral_step, optimizer=_adamw)
     assert isinstance(bounds, moe.MoEBounds), bounds
-    assert not bounds.routed
+    assert not bounds.routing_matters
     _same_step(bounds.balanced, measure_step(_mixtral(1, None), batch, step=_mixtral_step, optimizer=_adamw))
 
 

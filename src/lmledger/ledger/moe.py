@@ -266,12 +266,17 @@ class RoutingAssumption(TorchDispatchMode):
 
 @dataclass(frozen=True)
 class MoEBounds:
-    """The dry run under both routing assumptions; `routed` is False when no shape depended on the
-    routing (the two then agree: a grouped GEMM path, or no MoE at all)."""
+    """The dry run under both routing assumptions (two dryrun.StepLedger). `routing_matters` is False
+    when the two agree on every figure routing could change (a grouped GEMM path, an MoE whose
+    temporaries never set a peak, or no MoE at all): then either is the prediction."""
 
     balanced: object  # dryrun.StepLedger
     worst: object  # dryrun.StepLedger
-    routed: bool
+    routing_matters: bool
+
+
+# The StepLedger figures a routing can change (params, grads and optimizer state it cannot).
+_ROUTED_FIGURES = ("peak", "phase_peaks", "activations", "flops_forward", "flops_backward")
 
 
 def routing_dependent(result: object) -> bool:
@@ -290,8 +295,9 @@ def predict_moe(model: nn.Module, batch: object, **dry_run_kwargs: object) -> Mo
         if isinstance(result, dryrun.NotTraced):
             return result
         results[assumption] = result
-    routed = results["balanced"] != results["worst"]
-    return MoEBounds(balanced=results["balanced"], worst=results["worst"], routed=routed)
+    balanced, worst = results["balanced"], results["worst"]
+    matters = any(getattr(balanced, name) != getattr(worst, name) for name in _ROUTED_FIGURES)
+    return MoEBounds(balanced=balanced, worst=worst, routing_matters=matters)
 
 
 # --------------------------------------------------------------------------------------------
