@@ -24,8 +24,8 @@ live bytes are read from `_local_tensor`), and storages FSDP resizes outside any
 processes on this CPU for it.
 
 The fake process group never outlives the call and never clashes with a real one: when the caller
-already has a default group (Lightning's DDP in the same process), c10d's world is swapped for a fresh
-one while the fake group exists and put back after. Pure torch: no Lightning import.
+already has a default group (Lightning's DDP in the same process), the fake ranks get a non-default
+group of their own, destroyed alone (fake_process_group). Pure torch: no Lightning import.
 """
 
 from __future__ import annotations
@@ -326,32 +326,47 @@ def _predict_ddp(module, batch, step, optimizer, precision, world_size, settings
 
 @contextmanager
 def fake_process_group(world_size: int) -> Iterator[object]:
-    """torch's fake process group of `world_size` ranks (this process is rank 0) and a 1-D CPU DeviceMesh
-    over it, made outside any FakeTensorMode; torn down on exit. A default group the caller already has
-    is set aside meanwhile and restored (c10d's `_world`, canary in tests/test_sharded.py)."""
+    """torch's fake process group of `world_size` ranks (this process is its rank 0) and a 1-D CPU DeviceMesh
+    over it, made outside any FakeTensorMode; torn down on exit.
+
+    Without a default group it is the default one (init_process_group("fake"), as torchtitan's estimator
+    does), destroyed after. When the caller already has a default group (Lightning's DDP in this process),
+    the fake group is a separate, non-default one, registered as c10d registers a new group and destroyed
+    alone, so the caller's groups are untouched (c10d private API: test_a_real_default_group_is_set_aside
+    holds it)."""
     import torch.distributed as dist
 
     if not dist.is_available():
         raise _Unavailable("this torch is built without torch.distributed: no fake process group")
     try:
+        from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
         from torch.testing._internal.distributed.fake_pg import FakeStore
     except ImportError:
         raise _Unavailable(f"torch {torch.__version__} has no fake process group") from None
-    c10d = dist.distributed_c10d
-    saved = c10d._world if dist.is_initialized() else None
-    if saved is not None:
-        c10d._world = c10d._World()
-    try:
+    if not dist.is_initialized():
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
         try:
-            from torch.distributed.device_mesh import init_device_mesh
-
             yield init_device_mesh("cpu", (world_size,))
         finally:
             dist.destroy_process_group()
+        return
+    c10d = dist.distributed_c10d
+    _FAKE_GROUPS[0] += 1
+    # This process is the fake group's rank 0; the other ranks' global numbers exist nowhere (never looked up).
+    ranks = [dist.get_rank()] + [_NO_SUCH_RANK + i for i in range(1, world_size)]
+    group, _ = c10d._new_process_group_helper(
+        world_size, 0, ranks, "fake", FakeStore(), group_name=f"lmledger_fake_{os.getpid()}_{_FAKE_GROUPS[0]}",
+        timeout=c10d.default_pg_timeout,
+    )  # fmt: skip
+    c10d._world.pg_group_ranks[group] = {global_rank: i for i, global_rank in enumerate(ranks)}
+    try:
+        yield DeviceMesh.from_group(group, "cpu")
     finally:
-        if saved is not None:
-            c10d._world = saved
+        dist.destroy_process_group(group)
+
+
+_FAKE_GROUPS = [0]
+_NO_SUCH_RANK = 1 << 30
 
 
 class _Unavailable(Exception):
