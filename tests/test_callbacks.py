@@ -112,7 +112,7 @@ def test_a_fit_writes_every_ledger_tag(with_ledger):
     assert "perf/tokens_per_sec_total" not in scalars  # one device has no total
 
     texts = read_texts(trainer.logger.log_dir)
-    assert "measured peak (live tensor bytes) during " in texts["memory/table"]  # the CPU peak, tracked
+    assert "measured peak (live tensor bytes) during " in texts["ledger/table"]  # the CPU peak, tracked
     assert ("spec: " in texts["perf/peak"] or "measured" in texts["perf/peak"]) and "fp32" in texts["perf/peak"]
     assert "ToyLM.lm_head" in texts["flops/breakdown"]
     assert "| perf/mfu_causal |" in texts["flops/breakdown"] and "| nanoGPT estimate_mfu |" in texts["flops/breakdown"]
@@ -212,7 +212,7 @@ def test_preflight_refuses_a_batch_that_cannot_fit_and_names_one_that_does(stdli
     assert 1 <= fits < 8
     events = list((tmp_path / "refused").rglob("events.out.tfevents.*"))
     assert all("train/loss" not in read_scalars(e.parent) for e in events)  # stopped before step 1
-    assert "memory ledger" in capsys.readouterr().err  # the table that backs the one line
+    assert "ledger (predicted)" in capsys.readouterr().err  # the table that backs the one line
 
     trainer = fit(stdlib_data, tmp_path / "fits", settings, batch_size=fits, max_steps=1)
     assert trainer.global_step == 1
@@ -234,7 +234,7 @@ def test_an_out_of_memory_error_becomes_one_line_with_the_ledger(stdlib_data, tm
     line = raised.value.ledger_line
     assert "\n" not in line and line.startswith("CUDA out of memory at step 2")
     assert "within the 100 GB available" in line and "--data.batch_size" in line
-    assert "memory ledger at the OOM" in capsys.readouterr().err
+    assert "ledger at the OOM" in capsys.readouterr().err
     # The guard explains and lets Lightning finish its teardown: the signal handlers it set are gone.
     assert signal.getsignal(signal.SIGTERM) is sigterm
 
@@ -252,7 +252,7 @@ def test_an_out_of_memory_error_becomes_one_line_with_the_ledger(stdlib_data, tm
 
 def test_settings():
     assert ledger_callbacks(LedgerSettings(enabled=False)) == []
-    assert len(ledger_callbacks(LedgerSettings())) == 5
+    assert [type(c).__name__ for c in ledger_callbacks(LedgerSettings())] == ["Ledger"]
     with pytest.raises(ConfigError):
         LedgerSettings(device_memory_gb=0)
     with pytest.raises(ConfigError):
@@ -283,14 +283,14 @@ def test_cli_fit_keeps_the_ledger_and_refuses_what_cannot_fit(workdir, capsys):
 
 def test_a_pessimistic_measured_peak_is_raised_to_what_training_achieved(stdlib_data, tmp_path, monkeypatch):
     """A CPU peak measured while the machine was busy can be beaten by training; MFU must not pass 1."""
-    from lmledger.callbacks import throughput
+    from lmledger.callbacks import ledger as ledger_module
     from lmledger.ledger.hardware import Peak
 
-    real = throughput.resolve_peak
+    real = ledger_module.resolve_peak
     monkeypatch.setattr(
-        throughput,
+        ledger_module,
         "resolve_peak",
-        lambda run: (Peak(1e3, "measured", "fp32"), real(run)[1]),  # 1 kFLOP/s
+        lambda *args, **kwargs: (Peak(1e3, "measured", "fp32"), real(*args, **kwargs)[1]),  # 1 kFLOP/s
     )
     trainer = fit(stdlib_data, tmp_path, LedgerSettings(warmup_steps=1), max_steps=6)
     scalars = read_scalars(trainer.logger.log_dir)

@@ -7,6 +7,7 @@ each calls the library directly.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 import random
@@ -427,3 +428,31 @@ def test_grouped_mm_meta_kernel_refuses_what_the_cpu_kernel_runs():
         assert list(real.shape) == _grouped_mm_shape(a, b, offs)
     with FakeTensorMode() as mode, pytest.raises(RuntimeError, match="Expected inputs of BF16 type"):
         torch._grouped_mm(mode.from_tensor(rows), mode.from_tensor(layouts[0][1]), offs=mode.from_tensor(offs))
+
+
+def test_flop_counter_decomposes_what_it_cannot_count():
+    """ledger.flops.StepFlopCounter: FlopCounterMode runs an op without a FLOP formula through its
+    decomposition (func.decompose()), so inside it a real step computes other bits than outside."""
+    import torch.utils.flop_counter as flop_counter_module
+
+    from lmledger.ledger.flops import StepFlopCounter
+
+    source = inspect.getsource(flop_counter_module._FlopCounterMode.__torch_dispatch__)
+    assert "func.decompose(" in source
+    # And a step it changes, bit for bit (the toy LM's gradients), next to ours, which leaves it alone.
+    from lmledger.model import ModelConfig, ToyLM
+
+    torch.manual_seed(0)
+    model = ToyLM(ModelConfig(vocab_size=256, context_length=64, d_model=64, n_layers=2, n_heads=2, d_ff=128))
+    x, y = torch.randint(0, 256, (8, 64)), torch.randint(0, 256, (8, 64))
+
+    def grads(context) -> list[torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        with context:
+            model(x, y).backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    plain = grads(contextlib.nullcontext())
+    assert all(torch.equal(a, b) for a, b in zip(grads(StepFlopCounter()), plain, strict=True))
+    counted = grads(torch.utils.flop_counter.FlopCounterMode(display=False))
+    assert not all(torch.equal(a, b) for a, b in zip(counted, plain, strict=True))

@@ -14,8 +14,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from conftest import read_scalars
-from lmledger.callbacks import FlopLedger, Ledger, LedgerSummary, MemoryLedger, PreflightGuard, ThroughputLedger
-from lmledger.callbacks.ledger import AnyModelLedger, ToyCrossCheck
+from lmledger.callbacks import Ledger
 from lmledger.errors import UserError
 from lmledger.ledger.units import format_bytes
 
@@ -65,20 +64,19 @@ def tiny_llama(checkpointing: int = 0):
 def test_hf_llama_ledger_predicts_what_the_fit_measures(precision, checkpointing, tmp_path, capsys):
     ledger = Ledger(warmup_steps=1)
     trainer = fit(tiny_llama(checkpointing), token_loader(), [ledger], tmp_path, precision=precision)
-    (child,) = ledger.callbacks
-    assert isinstance(child, AnyModelLedger)
+    child = ledger
     predicted, measured = child.predicted, child.measured
     assert predicted is not None, child.why_not_predicted
     for name in ("params", "grads", "optimizer"):
-        assert predicted.__getattribute__(name) == measured.values[name], name
-    assert predicted.activations == pytest.approx(measured.values["activations"], rel=0.01)
-    assert predicted.autocast_weight_copies == pytest.approx(measured.values["autocast_weight_copies"], rel=0.01)
-    assert predicted.peak == pytest.approx(measured.values["peak"], rel=0.03)
-    assert predicted.flops == measured.flops
+        assert predicted.get(name) == measured.get(name), name
+    assert predicted.activations == pytest.approx(measured.activations, rel=0.01)
+    assert predicted.autocast_weight_copies == pytest.approx(measured.autocast_weight_copies, rel=0.01)
+    assert predicted.peak == pytest.approx(measured.peak, rel=0.03)
+    assert predicted.flops_hardware == measured.flops_hardware
     assert child.tokens == BATCH * SEQ  # the first integer rank-2 tensor: the input ids
 
     # The table: every ratio shown is 1 within the tolerances, and the fit's tokens/s is there.
-    rows = {name: (pred, meas, ratio) for name, pred, meas, ratio in child.rows()}
+    rows = {name: (pred, meas, ratio) for name, pred, meas, ratio in child.report.rows()}
     for name in ("params", "grads", "optimizer", "FLOPs/step (hardware)"):
         assert rows[name][2] == "1.000", name
     assert 0.99 <= float(rows["activations"][2]) <= 1.01 and 0.97 <= float(rows["peak"][2]) <= 1.03
@@ -88,9 +86,9 @@ def test_hf_llama_ledger_predicts_what_the_fit_measures(precision, checkpointing
 
     scalars = read_scalars(trainer.logger.log_dir)
     assert scalars["memory/predicted/peak"][0][1] == predicted.peak
-    assert scalars["memory/measured/peak"][0][1] == measured.values["peak"]
-    assert scalars["flops/hardware_per_step"][0][1] == pytest.approx(predicted.flops)
-    assert scalars["flops/measured_per_step"][0][1] == pytest.approx(measured.flops)
+    assert scalars["memory/measured/peak"][0][1] == measured.peak
+    assert scalars["flops/hardware_per_step"][0][1] == pytest.approx(predicted.flops_hardware)
+    assert scalars["flops/measured_per_step"][0][1] == pytest.approx(measured.flops_hardware)
     assert "perf/tokens_per_sec" in scalars and "perf/samples_per_sec" not in scalars
 
 
@@ -132,10 +130,10 @@ def test_a_model_without_tokens_reports_samples_per_second(tmp_path):
     loader = DataLoader(TensorDataset(torch.randn(64, 16, generator=g), torch.randn(64, 8, generator=g)), batch_size=16)
     ledger = Ledger(warmup_steps=1)
     trainer = fit(Regressor(), loader, [ledger], tmp_path)
-    child = ledger.callbacks[0]
+    child = ledger
     assert child.tokens is None and child.samples == 16
-    assert child.predicted.optimizer == child.measured.values["optimizer"] == child.predicted.params  # momentum
-    assert child.predicted.peak == pytest.approx(child.measured.values["peak"], rel=0.03)
+    assert child.predicted.optimizer == child.measured.optimizer == child.predicted.params  # momentum
+    assert child.predicted.peak == pytest.approx(child.measured.peak, rel=0.03)
     scalars = read_scalars(trainer.logger.log_dir)
     assert "perf/samples_per_sec" in scalars and "perf/tokens_per_sec" not in scalars
 
@@ -172,11 +170,11 @@ def test_batch_encoding_batches_and_stated_tokens(stated):
         encoding["labels"] = encoding["input_ids"].roll(-1, dims=1)
     ledger = Ledger(warmup_steps=1)
     fit(DictBatchLM(stated), DataLoader(encodings, batch_size=None), [ledger])
-    child = ledger.callbacks[0]
+    child = ledger
     # The float attention mask is skipped: tokens are the input ids' B x T unless the module says otherwise.
     assert child.tokens == (stated if stated is not None else BATCH * SEQ)
     assert child.predicted is not None, child.why_not_predicted
-    assert child.predicted.activations == child.measured.values["activations"]
+    assert child.predicted.activations == child.measured.activations
 
 
 class UsesItsTrainer(Regressor):
@@ -190,9 +188,9 @@ def test_a_training_step_that_reads_its_trainer_is_predicted():
     loader = DataLoader(TensorDataset(torch.randn(48, 16, generator=g), torch.randn(48, 8, generator=g)), batch_size=16)
     ledger = Ledger(warmup_steps=1)
     fit(UsesItsTrainer(), loader, [ledger])
-    child = ledger.callbacks[0]
+    child = ledger
     assert child.predicted is not None, child.why_not_predicted
-    assert child.predicted.peak == pytest.approx(child.measured.values["peak"], rel=0.03)
+    assert child.predicted.peak == pytest.approx(child.measured.peak, rel=0.03)
 
 
 class ReadsALoss(Regressor):
@@ -208,9 +206,9 @@ def test_an_untraceable_module_is_measured_with_a_reason(capsys):
     loader = DataLoader(TensorDataset(torch.randn(48, 16, generator=g), torch.randn(48, 8, generator=g)), batch_size=16)
     ledger = Ledger(warmup_steps=1)
     fit(ReadsALoss(), loader, [ledger])
-    child = ledger.callbacks[0]
+    child = ledger
     assert child.predicted is None and ".item()" in child.why_not_predicted
-    assert child.measured.values["peak"] > child.measured.values["params"] > 0
+    assert child.measured.peak > child.measured.params > 0
     assert "not predicted" in capsys.readouterr().out
 
 
@@ -220,7 +218,7 @@ def test_a_predicted_peak_over_the_limit_stops_before_step_one():
                          enable_progress_bar=False, callbacks=[Ledger(device_memory_gb=1e-6)])  # fmt: skip
     g = torch.Generator().manual_seed(0)
     loader = DataLoader(TensorDataset(torch.randn(32, 16, generator=g), torch.randn(32, 8, generator=g)), batch_size=16)
-    with pytest.raises(UserError, match="exceeds 1 kB per device"):
+    with pytest.raises(UserError, match="exceeds the 1 kB available"):
         trainer.fit(module, loader)
     assert trainer.global_step == 0
 
@@ -236,7 +234,7 @@ def test_a_cpu_run_is_held_to_the_machines_ram(monkeypatch):
                          enable_progress_bar=False, callbacks=[Ledger()])  # fmt: skip
     g = torch.Generator().manual_seed(0)
     loader = DataLoader(TensorDataset(torch.randn(32, 16, generator=g), torch.randn(32, 8, generator=g)), batch_size=16)
-    with pytest.raises(UserError, match=rf"exceeds {format_bytes(1000 + held)} per device \(MemAvailable"):
+    with pytest.raises(UserError, match=rf"exceeds the {format_bytes(1000 + held)} available \(MemAvailable"):
         trainer.fit(module, loader)
     assert trainer.global_step == 0
 
@@ -253,15 +251,13 @@ def test_litlm_gets_the_toy_ledger(workdir):
     trainer = pl.Trainer(max_steps=2, accelerator="cpu", logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, limit_val_batches=0, callbacks=[ledger])  # fmt: skip
     trainer.fit(module, datamodule=data)
-    assert [type(c) for c in ledger.callbacks] == [PreflightGuard, LedgerSummary, FlopLedger, ThroughputLedger,
-                                                   ToyCrossCheck, MemoryLedger]  # fmt: skip
-    memory = ledger.callbacks[-1]
-    assert memory.measured.values["params"] == memory.predicted.params  # the toy closed forms ran, and measured
-    # The dry run of LitLM's own training step (fused AdamW) beside the closed forms.
-    rows = {name: ratio for name, _, _, ratio in ledger.callbacks[4].rows()}
-    for name in ("params", "grads", "optimizer", "activations", "FLOPs/step (hardware)"):
-        assert rows[name] == "1.000", name
-    assert 0.98 <= float(rows["peak"]) <= 1.02
+    # Two predictors, the dry run of LitLM's own training step (fused AdamW) and the closed forms.
+    dry, closed = ledger.report.predicted["dry run"], ledger.report.predicted["closed form"]
+    assert ledger.measured.params == dry.params == closed.params
+    for name in ("params", "grads", "optimizer", "activations", "flops_hardware", "flops_model"):
+        assert dry.get(name) == closed.get(name), name
+    assert dry.peak == pytest.approx(closed.peak, rel=0.02)
+    assert ledger.measured.peak == pytest.approx(dry.peak, rel=0.02)
 
 
 @pytest.mark.parametrize("steps", [1, 2])
@@ -273,7 +269,7 @@ def test_short_fits_leave_nothing_attached(steps):
     loader = DataLoader(TensorDataset(torch.randn(48, 16, generator=g), torch.randn(48, 8, generator=g)), batch_size=16)
     ledger = Ledger()
     fit(Regressor(), loader, [ledger], steps=steps)
-    child = ledger.callbacks[0]
-    assert gc.isenabled() and child._tracker is None and not child._counters
-    assert child.measured.values["params"] == child.predicted.params
-    assert ("peak" in child.measured.values) == (steps == 2)
+    child = ledger
+    assert gc.isenabled() and child.measurement._tracker is None and child.measurement._counter is None
+    assert child.measured.params == child.predicted.params
+    assert (child.measured.peak is not None) == (steps == 2)

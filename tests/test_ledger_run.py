@@ -10,8 +10,8 @@ import torch
 from jsonargparse import Namespace
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy
 
-from lmledger.callbacks.memory import predict_memory
 from lmledger.callbacks.run import _strategy_name as live_strategy
+from lmledger.callbacks.toy import closed_form
 from lmledger.ledger.memory import peak_bytes
 from lmledger.ledger.predict import predict
 from lmledger.ledger.run import Run
@@ -57,8 +57,9 @@ CFG = ModelConfig(vocab_size=256, context_length=32, d_model=64, n_layers=2, n_h
 def test_predict_is_the_closed_forms_the_fit_tables_show(precision, optimizer):
     run = Run(CFG, batch_size=4, seq_len=32, precision=precision, optimizer=optimizer)
     p = predict(run)
-    table = predict_memory(run)
+    table = closed_form(run, dry=None)
     assert (table.params, table.grads, table.optimizer, table.peak) == (p.params, p.grads, p.optimizer, p.peak)
+    assert closed_form(run, dry=None, accumulate=2).flops_hardware == 2 * p.flops_hardware
     expected = peak_bytes(CFG, 4, 32, precision, optimizer, fused=True).total  # LitLM's fused kernels
     assert p.peak == expected
     assert predict(run, batch_size=8).peak == predict(dataclasses.replace(run, batch_size=8)).peak > p.peak

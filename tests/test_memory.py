@@ -576,7 +576,7 @@ def test_predicted_peak_within_15_percent_on_cuda(precision, checkpointing, tied
     assert measured == pytest.approx(predicted.total, rel=0.15), predicted.phase
 
 
-# --- inside a fit (callbacks.memory.MemoryLedger) ------------------------------------------------
+# --- inside a fit (callbacks.ledger.Ledger's measurement) ----------------------------------------
 
 
 def small_fit(data_path, callbacks, module_class=None, max_steps=4, precision="32-true", checkpointing=0):
@@ -601,13 +601,13 @@ def small_fit(data_path, callbacks, module_class=None, max_steps=4, precision="3
 # bf16-mixed with checkpointing: Lightning's autocast keeps no weight cache, so the copies of
 # checkpointed blocks are not alive at the end of forward (predicted 7.5% high when they were)
 @pytest.mark.parametrize("precision, checkpointing", [("32-true", 0), ("bf16-mixed", 1)])
-def test_a_fit_tracks_the_second_step_only(stdlib_data, precision, checkpointing):
+def test_a_fit_counts_the_first_step_and_tracks_the_second(stdlib_data, precision, checkpointing):
     import lightning as L
 
-    from lmledger.callbacks import MemoryLedger
+    from lmledger.callbacks import Ledger
 
     class Probe(L.Callback):
-        """Runs after MemoryLedger: how many dispatch modes are active in each step."""
+        """Runs after the Ledger: how many dispatch modes are active at each step's start and optimizer step."""
 
         def __init__(self):
             self.modes: list[tuple[int, int]] = []
@@ -618,24 +618,24 @@ def test_a_fit_tracks_the_second_step_only(stdlib_data, precision, checkpointing
         def on_before_optimizer_step(self, trainer, pl_module, optimizer):
             self.modes.append((self.start, torch._C._len_torch_dispatch_stack()))
 
-    ledger, probe = MemoryLedger(), Probe()
-    model = small_fit(stdlib_data, [ledger, probe], precision=precision, checkpointing=checkpointing)
-    # on inside step 1's optimizer_step call only (which holds forward, backward and the step)
-    assert probe.modes == [(0, 0), (0, 1), (0, 0), (0, 0)]
-    assert "optimizer_step" not in vars(model)
-    assert ledger.measured.values["peak"] == pytest.approx(ledger.predicted.peak, rel=0.02)
-    assert ledger.measured.peak_phase == MEASURED_PHASE[ledger.predicted.peak_phase]
+    ledger, probe = Ledger(), Probe()
+    small_fit(stdlib_data, [ledger, probe], precision=precision, checkpointing=checkpointing)
+    # Step 1: the FLOP counter, closed before the optimizer step; step 2: the tracker, through it; then none.
+    assert probe.modes == [(1, 0), (1, 1), (0, 0), (0, 0)]
+    dry = ledger.report.predicted["dry run"]
+    assert ledger.measured.peak == pytest.approx(dry.peak, rel=0.02)
+    assert ledger.measured.peak_phase == dry.peak_phase
 
 
 @pytest.mark.parametrize("failing_step", [0, 1])  # the saved-tensor hooks' step, the tracker's
 def test_a_failing_step_leaves_no_hooks_or_tracker_behind(stdlib_data, failing_step):
-    # A user's callback that raises in on_exception stops Lightning from calling MemoryLedger's (and from
-    # tearing down): what the ledger opened must unwind with the step itself.
+    # What the ledger opened in a failing step is closed by its on_exception, before a user's callback that
+    # raises there stops Lightning from calling the rest (and from tearing down).
     import signal
 
     import lightning as L
 
-    from lmledger.callbacks import MemoryLedger
+    from lmledger.callbacks import Ledger
     from lmledger.lit import LitLM
 
     class FailsAtStep1(LitLM):
@@ -651,7 +651,7 @@ def test_a_failing_step_leaves_no_hooks_or_tracker_behind(stdlib_data, failing_s
     sigterm = signal.getsignal(signal.SIGTERM)
     try:
         with pytest.raises(UserError):
-            small_fit(stdlib_data, [RaisesOnException(), MemoryLedger()], FailsAtStep1)
+            small_fit(stdlib_data, [Ledger(), RaisesOnException()], FailsAtStep1)
     finally:  # the skipped teardown left Lightning's SIGTERM handler installed; later tests need the default
         signal.signal(signal.SIGTERM, sigterm)
     assert torch._C._len_torch_dispatch_stack() == 0

@@ -1,60 +1,67 @@
 """Ledger: the whole ledger as one callback, for any LightningModule, with no arguments.
 
-    Trainer(callbacks=[lmledger.callbacks.Ledger()])
+    Trainer(callbacks=[lmledger.Ledger()])
 
-For lmledger's own LitLM (a ToyLM fed by a TokenDataModule) it is the ledger_callbacks() set, with
-the toy LM's closed forms beside the measurement, plus ToyCrossCheck: the dry run beside the closed
-forms. For any other module it is AnyModelLedger:
+One pipeline for lmledger's own LitLM and any other module alike:
 
-- before step 1, on the real first batch, a dry run (lmledger.ledger.dryrun) of the module's own
-  training_step on fake tensors of that batch's shapes, with the optimizer it configured and the
-  trainer's precision: params, grads, optimizer state, saved activations, peak, hardware FLOPs;
-- beside it, measured on the real steps: state bytes after step 1, saved activations and FLOPs
-  (FlopCounterMode) over step 1, the peak over step 2 (CUDA's allocator; elsewhere the live tensor
-  bytes ledger.memtrack counts), and throughput after the warm-up steps;
-- the table of both, printed at the first measurement and at the end, and TensorBoard scalars:
-  memory/{predicted,measured}/*, flops/hardware_per_step, flops/measured_per_step,
-  perf/tokens_per_sec (or perf/samples_per_sec), perf/tflops, perf/hfu.
+- predicted once per fit, before step 1: a dry run (lmledger.ledger.dryrun) of the module's own
+  training_step on fake tensors of the first batch's shapes, with the optimizer it configured, the
+  trainer's precision and its gradient accumulation: params, grads, optimizer state, saved activations,
+  peak, hardware FLOPs, and model FLOPs as 3 x the forward's (no recompute; docs/mfu.md). For a LitLM the
+  toy LM's closed forms stand beside it as a second predictor (callbacks.toy), and the dry run happens at
+  fit start, on a batch of the data module's shape;
+- checked: a predicted peak over what the device holds (callbacks.preflight) stops the run before step 1;
+- measured on the real steps (callbacks.measure.StepMeasurement): state, saved activations and FLOPs
+  over optimizer step 1, the peak over step 2; throughput after the warm-up (ledger.throughput);
+- reported as one ledger.report.Report: a rich table at fit start, at the first measurement and at the
+  end, the same as JSON (`report.to_json()`) and TensorBoard scalars (`memory/{predicted,closed_form,
+  measured}/*`, `flops/{hardware,model,closed_form,measured}_per_step`, `perf/*`), the text `ledger/table`
+  and the chart `memory/predicted_vs_measured`.
 
-Tokens per batch: the module's `tokens_per_batch` if it has one (an int, or a method taking the
-batch); else the number of elements of the first integer tensor of rank 2 in the batch (token ids,
-batch x sequence); a batch with none has samples (the first tensor's first dimension), and the run
-reports samples/s and no tokens/s. There is no MFU for an arbitrary model: model FLOPs (6N +
-attention) need the architecture; HFU (hardware FLOPs over the dense peak) is reported instead.
+Tokens per batch: the module's `tokens_per_batch` if it has one (an int, or a method taking the batch);
+else the number of elements of the first integer tensor of rank 2 in the batch (token ids, batch x
+sequence); a batch with none has samples (the first tensor's first dimension), and the run reports
+samples/s and no tokens/s.
 
-A module the dry run cannot trace, a manual-optimization module or a sharded strategy gets one line
-saying why it is not predicted, and is measured only.
+A module the dry run cannot trace, or a sharded strategy it does not model yet, gets one line saying why it
+is not predicted, and is measured only. The callbacks never change what is trained: the dry run works on a
+fake copy, measurement only observes, and every RNG stream a step may draw from is left as it was found.
 """
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import time
 import warnings
-from dataclasses import dataclass, field
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from rich.console import Console
-from rich.table import Table
 
-from lmledger.callbacks.preflight import available_memory, processes_on_this_machine
-from lmledger.callbacks.run import log_scalars, log_text, markdown_table, synchronize, untouched_rng
-from lmledger.errors import ConfigError, UserError
-from lmledger.ledger.dryrun import NotTraced, StepLedger, batch_tensors, dry_run, loss_of
-from lmledger.ledger.flops import flop_counter
-from lmledger.ledger.hardware import compute_dtype_for_precision, peak_flops
-from lmledger.ledger.memory import measure_saved_activations, measure_state_bytes
-from lmledger.ledger.memtrack import MemoryTracker
-from lmledger.ledger.units import MEMORY_COMPONENTS, format_bytes, format_count
-from lmledger.lightning_private import should_update_logs
+from lmledger.callbacks import preflight, toy
+from lmledger.callbacks.measure import StepMeasurement
+from lmledger.callbacks.run import (
+    LedgerRun,
+    is_logging_step,
+    log_scalars,
+    log_text,
+    logging_step,
+    synchronize,
+    tensorboard_writers,
+    untouched_rng,
+)
+from lmledger.callbacks.settings import LedgerSettings
+from lmledger.callbacks.throughput import compile_speedup, resolve_peak
+from lmledger.errors import UserError
+from lmledger.ledger import precisions
+from lmledger.ledger.dryrun import NotTraced, StepLedger, batch_tensors, dry_run, largest_batch, loss_of
+from lmledger.ledger.hardware import Peak
+from lmledger.ledger.predict import resized
+from lmledger.ledger.report import Figures, Report, figures_of_step, markdown_table
+from lmledger.ledger.throughput import Window
+from lmledger.ledger.units import MB, format_bytes
 from lmledger.model import ToyLM
-
-MEMORY = (*MEMORY_COMPONENTS, "autocast_weight_copies", "peak")
-
 
 # --------------------------------------------------------------------------------------------
 # The batch
@@ -86,11 +93,6 @@ def samples_per_batch(batch: object) -> int:
     return tensors[0].shape[0] if tensors and tensors[0].ndim else 1
 
 
-# --------------------------------------------------------------------------------------------
-# The umbrella
-# --------------------------------------------------------------------------------------------
-
-
 def is_toy_run(trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:
     """lmledger's own run: a ToyLM at `.model` and a data module that states batch_size and context_length."""
     datamodule = getattr(trainer, "datamodule", None)
@@ -101,431 +103,431 @@ def is_toy_run(trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:
     )
 
 
+def _toy_batch(run: LedgerRun, size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch shaped like the TokenDataModule's (inputs, targets), on the meta device: the dry run reads shapes."""
+    shape = (run.batch_size if size is None else size, run.seq_len)
+    return torch.empty(shape, dtype=torch.long, device="meta"), torch.empty(shape, dtype=torch.long, device="meta")
+
+
+def _optimizers(trainer: pl.Trainer) -> list[torch.optim.Optimizer]:
+    """The run's torch optimizers (Lightning wraps them under some strategies)."""
+    return [getattr(o, "optimizer", o) for o in trainer.optimizers]
+
+
+# --------------------------------------------------------------------------------------------
+# The callback
+# --------------------------------------------------------------------------------------------
+
+
 class Ledger(pl.Callback):
-    """The ledger in one callback (module docstring). Every hook goes to the callbacks it chose.
+    """The ledger in one callback (module docstring).
 
     Args:
-        device_memory_gb: memory one device may use, in GB; a run whose predicted peak exceeds it
-            stops before step 1. None: CUDA's free memory (no check on a CPU).
+        device_memory_gb: memory one device may use, in GB; a run whose predicted peak exceeds it stops
+            before step 1. None: CUDA's free memory, or on a CPU this machine's share of available RAM.
         warmup_steps: training batches left out of the throughput figures.
         measure: measure beside the prediction (false: predictions only).
     """
 
-    def __init__(self, device_memory_gb: float | None = None, warmup_steps: int = 3, measure: bool = True) -> None:
-        from lmledger.callbacks import LedgerSettings  # the package imports this module
-
-        self.settings = LedgerSettings(device_memory_gb=device_memory_gb, warmup_steps=warmup_steps, measure=measure)
-        self.callbacks: list[pl.Callback] = []
-
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if not self.callbacks:
-            from lmledger.callbacks import ledger_callbacks
-
-            if is_toy_run(trainer, pl_module):
-                self.callbacks = ledger_callbacks(self.settings)
-                # Before MemoryLedger: its saved-tensor hooks open in the same hook and must see
-                # only the training step.
-                self.callbacks.insert(len(self.callbacks) - 1, ToyCrossCheck())
-            else:
-                self.callbacks = [
-                    AnyModelLedger(self.settings.device_memory_gb, self.settings.warmup_steps, self.settings.measure)
-                ]
-        for callback in self.callbacks:
-            callback.setup(trainer, pl_module, stage)
-
-
-def _forward_hook(name: str):
-    def hook(self: Ledger, *args, **kwargs) -> None:
-        for callback in self.callbacks:
-            getattr(callback, name)(*args, **kwargs)
-
-    hook.__name__ = name
-    return hook
-
-
-for _name in [n for n in vars(pl.Callback) if n.startswith("on_") or n == "teardown"]:
-    setattr(Ledger, _name, _forward_hook(_name))
-
-
-class ToyCrossCheck(pl.Callback):
-    """For LitLM: the dry run of its training step beside the toy LM's closed forms, once, before step 1.
-
-    Prints one table and logs memory/dryrun/* and flops/dryrun_per_step; MemoryLedger and FlopLedger
-    show the closed forms beside the measurement. The closed-form peak leaves out the buffers (rotary
-    tables) and the batch, which the dry run counts as the tracker does: the table adds them to it."""
-
-    def __init__(self) -> None:
-        self.closed: dict[str, int | None] = {}
-        self.dry: StepLedger | NotTraced | None = None
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        if self.dry is not None:
-            return
-        from lmledger.callbacks.memory import predict_memory
-        from lmledger.callbacks.run import LedgerRun
-        from lmledger.ledger.flops import analytic_flops
-
-        self.dry = dry_run_training_step(trainer, pl_module, batch, batch_idx)
-        if isinstance(self.dry, NotTraced):
-            rank_zero_info(f"ledger: no dry run beside the closed forms: {self.dry.reason}")
-            return
-        run = LedgerRun.from_trainer(trainer, pl_module)
-        closed = predict_memory(run)
-        self.closed = {name: getattr(closed, name) for name in MEMORY}
-        if self.closed["peak"] is not None:
-            self.closed["peak"] += self.dry.buffers + self.dry.batch
-        self.closed["flops"] = analytic_flops(run.config, run.batch_size, run.seq_len).hardware
-        scalars = {f"memory/dryrun/{name}": getattr(self.dry, name) for name in MEMORY}
-        scalars["flops/dryrun_per_step"] = self.dry.flops
-        log_scalars(trainer, scalars, step=trainer.global_step)
-        if trainer.is_global_zero:
-            Console().print(self.table())
-
-    def rows(self) -> list[tuple[str, str, str, str]]:
-        rows = []
-        for name in (*MEMORY, "flops"):
-            closed = self.closed.get(name)
-            dry = self.dry.flops if name == "flops" else getattr(self.dry, name)
-            if name == "autocast_weight_copies" and not closed and not dry:
-                continue
-            show = format_count if name == "flops" else format_bytes
-            label = "FLOPs/step (hardware)" if name == "flops" else name
-            rows.append((label, show(closed) if closed is not None else "n/a", show(dry), _ratio(dry, closed)))
-        return rows
-
-    def table(self) -> Table:
-        table = Table(title="toy LM: closed form beside dry run", title_justify="left")
-        for column in ("", "closed form", "dry run", "dry run/closed form"):
-            table.add_column(column, justify="right" if column else "left")
-        for row in self.rows():
-            table.add_row(*row)
-        table.caption = (
-            f"peak: the closed form's plus the buffers ({format_bytes(self.dry.buffers)}) and the batch "
-            f"({format_bytes(self.dry.batch)}) the dry run counts; dry-run peak during {self.dry.peak_phase}"
+    def __init__(
+        self, device_memory_gb: float | None = None, warmup_steps: int = 3, measure: bool = True,
+        settings: LedgerSettings | None = None,
+    ) -> None:  # fmt: skip
+        self.settings = settings or LedgerSettings(
+            device_memory_gb=device_memory_gb, warmup_steps=warmup_steps, measure=measure
         )
-        return table
-
-
-# --------------------------------------------------------------------------------------------
-# Any model
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass
-class _Measured:
-    values: dict[str, int] = field(default_factory=dict)
-    flops: int | None = None
-    rate: float | None = None  # tokens/s or samples/s over the last window
-    tflops: float | None = None
-    hfu: float | None = None
-
-
-class AnyModelLedger(pl.Callback):
-    """Predicted (dry run) beside measured for any LightningModule; Ledger() picks it (module docstring)."""
-
-    def __init__(self, device_memory_gb: float | None = None, warmup_steps: int = 3, measure: bool = True) -> None:
-        if device_memory_gb is not None and not device_memory_gb > 0:
-            raise ConfigError(f"ledger.device_memory_gb must be positive, got {device_memory_gb}")
-        if warmup_steps < 0:
-            raise ConfigError(f"ledger.warmup_steps must be >= 0, got {warmup_steps}")
-        self.device_memory_gb, self.warmup_steps, self.measure = device_memory_gb, warmup_steps, measure
-        self.predicted: StepLedger | None = None
+        self.report: Report | None = None
+        self.run: LedgerRun | None = None  # the toy LM's run description (None for any other module)
+        self.measurement: StepMeasurement | None = None
         self.why_not_predicted: str | None = None
-        self.measured = _Measured()
         self.tokens: int | None = None
         self.samples = 0
-        self._batches = 0
-        self._counters: list = []
-        self._saved = None
-        self._hooks: contextlib.ExitStack | None = None
-        self._tracker: MemoryTracker | None = None
-        self._window_start: float | None = None
-        self._window_batches = 0
-        self._paused = 0.0
-        self._pause_start: float | None = None
-        self._peak_flops: float | None = None
-        self._reported = False
-        self._gc_was_enabled = False
+        self.peak: Peak | None = None
 
-    # -- before step 1: the dry run ---------------------------------------------------------------
+    # -- fit start --------------------------------------------------------------------------------
 
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._batches = 0
-        self._reported = False
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        if self._batches == 0:
-            self._predict(trainer, pl_module, batch, batch_idx)
-            if self.measure:
-                self._hooks = contextlib.ExitStack()
-                self._saved = self._hooks.enter_context(measure_saved_activations(pl_module))
-                self._start_counter()
-        elif self._batches == 1 and self.measure:
-            self._arm_peak(trainer, pl_module, batch)
-        # Throughput leaves out the warm-up and the two measured steps (their counters slow them).
-        if self._batches == max(self.warmup_steps, 2 if self.measure else 0):
-            synchronize(pl_module.device)
-            self._window_start, self._window_batches, self._paused = time.perf_counter(), 0, 0.0
-
-    def _predict(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch, batch_idx: int) -> None:
-        self.tokens = tokens_per_batch(pl_module, batch)
-        self.samples = samples_per_batch(batch)
-        result = dry_run_training_step(trainer, pl_module, batch, batch_idx)
-        why = result.reason if isinstance(result, NotTraced) else None
-        self.predicted = None if why else result
-        self.why_not_predicted = why
-        if why is not None:
-            rank_zero_info(f"ledger: {type(pl_module).__name__} is measured only, not predicted: {why}")
-        else:
-            self._log_prediction(trainer)
-            self._preflight(trainer, pl_module)
-            if trainer.is_global_zero:
-                Console().print(self.table("ledger (predicted)"))
-
-    def _log_prediction(self, trainer: pl.Trainer) -> None:
-        p = self.predicted
-        scalars = {f"memory/predicted/{name}": getattr(p, name) for name in MEMORY}
-        scalars["flops/hardware_per_step"] = p.flops
-        log_scalars(trainer, scalars, step=trainer.global_step)
-
-    def _preflight(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # The capacity PreflightGuard uses for LitLM: CUDA's free memory, this machine's share of RAM, or the setting.
-        processes = processes_on_this_machine(trainer)
-        capacity = available_memory(pl_module.device, self.device_memory_gb, pl_module, processes)
-        if capacity is not None and self.predicted.peak > capacity.bytes:
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        ledgers = [c for c in trainer.callbacks if isinstance(c, Ledger)]
+        if len(ledgers) > 1 and ledgers[0] is self:
             raise UserError(
-                f"the predicted peak {format_bytes(self.predicted.peak)} ({self.predicted.peak_phase}) exceeds "
-                f"{format_bytes(capacity.bytes)} per device ({capacity.source}): lower the batch size, "
-                "checkpoint activations or set ledger.device_memory_gb"
+                f"the Trainer has {len(ledgers)} Ledger callbacks, and each would count the other's work: keep one "
+                "(lmledger fit adds its own; leave lmledger.Ledger out of --trainer.callbacks)"
             )
 
-    # -- steps 1 and 2: measurement -----------------------------------------------------------------
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.report, self.measurement, self.why_not_predicted = None, None, None
+        self._accumulate = 1 if not pl_module.automatic_optimization else trainer.accumulate_grad_batches
+        self._batches = 0
+        self._window: Window | None = None
+        self._last_batch_end: float | None = None
+        self._paused_since: float | None = None
+        self._gap_paused = 0.0
+        self._reported = False
+        self._val_shapes: set[tuple[int, ...]] = set()
+        self._toy_flops: dict[tuple[int, int], dict[str, int]] = {}
+        self.run = LedgerRun.from_trainer(trainer, pl_module) if is_toy_run(trainer, pl_module) else None
+        fp8 = self.run.fp8 if self.run is not None else None
+        with untouched_rng(pl_module.device):
+            self.peak, line = resolve_peak(str(trainer.precision), pl_module.device, fp8)
+        log_text(trainer, "perf/peak", line)
+        if self.run is not None:  # the toy LM's batch shape is known before the first batch
+            self._predict(trainer, pl_module, _toy_batch(self.run), 0)
 
-    def _start_counter(self) -> None:
-        counter = flop_counter()
-        counter.__enter__()
-        self._counters.append(counter)
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.run is not None and self.run.compiled:
+            compile_speedup(trainer, pl_module, self.run)
+        if self.settings.measure:
+            compiled = self.run is not None and self.run.compiled
+            self.measurement = StepMeasurement(
+                pl_module.device, accumulate=self._accumulate, manual=not pl_module.automatic_optimization,
+                count_flops=not compiled, activations=not compiled,
+            )  # fmt: skip
 
-    def _stop_counter(self) -> None:
-        while self._counters:
-            counter = self._counters.pop()
-            counter.__exit__(None, None, None)
-            self.measured.flops = (self.measured.flops or 0) + counter.get_total_flops()
+    # -- the prediction (once per fit) ------------------------------------------------------------
 
-    def _arm_peak(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch) -> None:
-        # The cycle collector is off for this step, as in the dry run (dryrun._no_cyclic_gc): what a
-        # step leaves in reference cycles is then freed at the same point every time.
-        self._gc_was_enabled = gc.isenabled()
-        gc.disable()
-        if pl_module.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(pl_module.device)
+    def _predict(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: object, batch_idx: int) -> None:
+        self.tokens = self.run.tokens_per_batch if self.run is not None else tokens_per_batch(pl_module, batch)
+        self.samples = self.run.batch_size if self.run is not None else samples_per_batch(batch)
+        dry = dry_run_training_step(trainer, pl_module, batch, batch_idx, self._accumulate)
+        predicted: dict[str, Figures] = {}
+        notes = [f"per device; {self.tokens} tokens per batch" if self.tokens is not None
+                 else f"per device; {self.samples} samples per batch"]  # fmt: skip
+        if self._accumulate > 1:
+            notes.append(f"one optimizer step = {self._accumulate} micro-batches (activations: one micro-batch's)")
+        if isinstance(dry, NotTraced):
+            self.why_not_predicted = dry.reason
+            rank_zero_info(f"ledger: {type(pl_module).__name__} is not dry-run, so measured only: {dry.reason}")
+            notes.append(f"not predicted, measured only: {dry.reason}")
+            self._dry = None
+        else:
+            self._dry = dry
+            predicted["dry run"] = figures_of_step(dry, flops_model=3 * dry.flops_forward)
+            notes.append(f"dry run on fake tensors, peak during {dry.peak_phase}")
+        if self.run is not None:
+            predicted["closed form"] = toy.closed_form(self.run, self._dry, self._accumulate)
+            notes.append("closed form: the lecture's formulas (its peak plus the buffers and the batch)")
+        if precisions.precision(str(trainer.precision)).autocast is not None:
+            notes.append("autocast_weight_copies: autocast's low-precision weight casts, in neither params nor "
+                         "activations; in the peak")  # fmt: skip
+        self.report = Report(predicted, notes=notes)
+        if not predicted:
             return
-        optimizers = [getattr(o, "optimizer", o) for o in trainer.optimizers]
-        self._tracker = MemoryTracker().track(pl_module, optimizers, batch_tensors(batch))
-        self._tracker.phase("forward")
-        self._tracker.start()
+        log_scalars(trainer, self.report.scalars("predicted"), step=trainer.global_step)
+        if self.run is not None:
+            self._summary_card(trainer)
+        self._check_fits(trainer, pl_module, batch)
+        if trainer.is_global_zero:
+            Console().print(self.report.table("ledger (predicted)"))
 
-    def _phase(self, name: str) -> None:
-        if self._tracker is not None:
-            self._tracker.phase(name)
+    def _summary_card(self, trainer: pl.Trainer) -> None:
+        rows = toy.summary_rows(self.run, self.report.primary)
+        log_text(trainer, "ledger/summary", markdown_table(["", "value", ""], rows), step=trainer.global_step)
+        breakdown = toy.flop_breakdown(self.run.config, (self.run.batch_size, self.run.seq_len))
+        log_text(trainer, "flops/breakdown", breakdown, step=trainer.global_step)
+
+    def _check_fits(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: object) -> None:
+        """Stop before step 1 if the predicted peak exceeds what the device holds (callbacks.preflight)."""
+        processes = preflight.processes_on_this_machine(trainer)
+        capacity = preflight.available_memory(pl_module.device, self.settings.device_memory_gb, pl_module, processes)
+        primary = next((f for f in self.report.predicted.values() if f.peak is not None), None)
+        if capacity is None:
+            return
+        if primary is None:
+            if self.settings.device_memory_gb is not None or pl_module.device.type == "cuda":
+                rank_zero_warn(f"no memory check before step 1: no predicted peak ({self.why_not_predicted})")
+            return
+        if primary.peak <= capacity.bytes:
+            return
+        if trainer.is_global_zero:
+            Console(stderr=True).print(self.report.table("ledger (predicted)"))
+        raise UserError(
+            preflight.does_not_fit(primary, capacity, self._batch_hint(trainer, pl_module, batch, capacity))
+        )
+
+    def _batch_hint(self, trainer, pl_module, batch, capacity: preflight.Capacity) -> str:
+        """The largest batch whose dry-run peak fits, found by dry runs at other batch sizes."""
+        now = self.run.batch_size if self.run is not None else self.samples
+        flag = "--data.batch_size" if self.run is not None else "a batch of"
+
+        def batch_for(size: int) -> object:
+            return _toy_batch(self.run, size) if self.run is not None else resized(batch, size)
+
+        with untouched_rng(pl_module.device), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            found = largest_batch(
+                pl_module, batch_for, capacity.bytes, step=_training_step(trainer, 0),
+                optimizer=_optimizers(trainer)[0] if trainer.optimizers else None, share=(trainer,),
+                precision=str(trainer.precision), device=pl_module.device, limit=max(1, now),
+                accumulate=self._accumulate,
+            ) if self._dry is not None else None  # fmt: skip
+        if found is None or isinstance(found, NotTraced):
+            return "lower the batch size, checkpoint activations or set ledger.device_memory_gb"
+        if found.size == 0:
+            return (
+                f"not even {flag} 1 fits: shorten the sequence, checkpoint activations, train in bf16-true, or shard"
+                if self.run is not None
+                else "not even one sample fits: checkpoint activations, train in bf16-true, or shard (FSDP)"
+            )
+        return f"{flag} {found.size} fits (now {now})" + ("" if self.run is not None else " samples")
+
+    # -- every batch --------------------------------------------------------------------------------
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self.report is None:
+            self._predict(trainer, pl_module, batch, batch_idx)
+        if self.measurement is not None:
+            self.measurement.batch_start(pl_module, _optimizers(trainer), batch, trainer.global_step)
+        now = time.perf_counter()
+        if self._window is not None and self._last_batch_end is not None:
+            self._window.data_wait += now - self._last_batch_end - self._gap_paused
+        self._gap_paused = 0.0
+        # Throughput leaves out the warm-up batches (by default 3: they hold the two measured steps too).
+        if self._window is None and self._batches == self.settings.warmup_steps:
+            synchronize(pl_module.device)
+            self._window = Window(start=time.perf_counter())
 
     def on_before_zero_grad(self, trainer, pl_module, optimizer) -> None:
-        self._phase("backward")  # zero_grad only frees; the dry run charges it to backward too
+        if self.measurement is not None:
+            self.measurement.before_zero_grad()
 
     def on_before_backward(self, trainer, pl_module, loss) -> None:
-        self._close_hooks()  # forward is over: what backward needs is saved
-        self._phase("backward")
+        if self.measurement is not None:
+            self.measurement.before_backward()
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        self._phase("optimizer step")
+        if self.measurement is not None:
+            self.measurement.before_optimizer_step()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self._batches += 1
-        if self._batches == 1 and self.measure:
-            self._close_hooks()
-            self._stop_counter()
-            if self._saved is not None:
-                self.measured.values["activations"] = self._saved.activations
-                self.measured.values["autocast_weight_copies"] = self._saved.autocast_weight_copies
-                self._saved = None
-            self.measured.values.update(measure_state_bytes(pl_module, _torch_optimizer(trainer)))
-        elif self._batches == 2 and self.measure:
-            if self._tracker is not None:
-                self._tracker.stop()
-                self.measured.values["peak"] = self._tracker.peak_bytes
-                self._tracker = None
-            elif pl_module.device.type == "cuda":
-                torch.cuda.synchronize(pl_module.device)
-                self.measured.values["peak"] = torch.cuda.max_memory_allocated(pl_module.device)
-            self._restore_gc()
+        if self.measurement is not None and self.measurement.batch_end(
+            pl_module, _optimizers(trainer), trainer.global_step
+        ):
             self._report_measured(trainer)
-        if self._window_start is not None:
-            self._window_batches += 1
-            if should_update_logs(trainer):
+        if self._window is not None:
+            self._window.add(tokens=self._tokens(batch), samples=self.samples, flops=self._flops_per_batch(batch))
+            if is_logging_step(trainer):
                 self._log_throughput(trainer, pl_module)
+        self._last_batch_end = time.perf_counter()
+
+    def _tokens(self, batch: object) -> int | None:
+        if self.run is not None:
+            inputs = batch_tensors(batch)[0]
+            return int(inputs.numel())
+        return self.tokens
+
+    def _flops_per_batch(self, batch: object) -> dict[str, int | None]:
+        if self.run is not None:  # the closed forms per batch shape (a last, shorter batch counts less)
+            shape = tuple(batch_tensors(batch)[0].shape)
+            if shape not in self._toy_flops:
+                run = LedgerRun(**{**vars(self.run), "batch_size": shape[0], "seq_len": shape[1]})
+                self._toy_flops[shape] = toy.flops_by_convention(run)
+            return self._toy_flops[shape]
+        figures = self.report.primary if self.report is not None else None
+        hardware = figures.flops_hardware if figures is not None else None
+        if hardware is None and self.measurement is not None:
+            hardware = self.measurement.values.get("flops_hardware")
+        model = figures.flops_model if figures is not None else None
+        k = self._accumulate
+        return {"model": model // k if model else None, "hardware": hardware // k if hardware else None}
 
     def _log_throughput(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         synchronize(pl_module.device)  # only at logging steps: no host sync on the others
         now = time.perf_counter()
-        seconds = now - self._window_start - self._paused
-        if seconds <= 0 or self._window_batches == 0:
+        window = self._window
+        self._raise_measured_peak(trainer, window, now)
+        rates = window.rates(now, self.peak.flops_per_s if self.peak else None, counts_tokens=self.tokens is not None)
+        self._window = Window(start=now)  # the report's own cost falls in the next window
+        if not rates:
             return
-        per_step = self.measured.flops or (self.predicted.flops if self.predicted else None)
-        scalars = {}
-        if self.tokens is not None:
-            self.measured.rate = scalars["perf/tokens_per_sec"] = self.tokens * self._window_batches / seconds
-        else:
-            self.measured.rate = scalars["perf/samples_per_sec"] = self.samples * self._window_batches / seconds
-        if per_step:
-            flops_per_s = per_step * self._window_batches / seconds
-            self.measured.tflops = scalars["perf/tflops"] = flops_per_s / 1e12
-            peak = self._peak(trainer, pl_module)
-            if peak:
-                self.measured.hfu = scalars["perf/hfu"] = flops_per_s / peak
-        log_scalars(trainer, scalars)
-        self._window_start, self._window_batches, self._paused = now, 0, 0.0
+        if trainer.world_size > 1 and "perf/tokens_per_sec" in rates:
+            rates["perf/tokens_per_sec_total"] = rates["perf/tokens_per_sec"] * trainer.world_size
+        log_scalars(trainer, rates)
+        self._show_rates(rates)
+        if trainer.progress_bar_callback is not None:  # LightningModule.log costs ~1 ms: only for a bar
+            # Host tensors: Lightning reads prog_bar values back after every batch.
+            for name, tag in (("tok/s", "perf/tokens_per_sec"), ("mfu", "perf/mfu")):
+                if tag in rates:
+                    pl_module.log(name, torch.tensor(rates[tag]), prog_bar=True, logger=False, batch_size=1)
 
-    def _peak(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> float | None:
-        if self._peak_flops is None:
-            with warnings.catch_warnings(), untouched_rng(pl_module.device):
-                warnings.simplefilter("ignore")
-                try:
-                    dtype = compute_dtype_for_precision(str(trainer.precision))
-                    peak = peak_flops(dtype, pl_module.device)
-                except UserError:
-                    peak = None
-            self._peak_flops = peak.flops_per_s if peak else 0.0
-        return self._peak_flops or None
+    def _show_rates(self, rates: dict[str, float]) -> None:
+        shown = {}
+        for tag, name in (("perf/tokens_per_sec", "tokens/s"), ("perf/samples_per_sec", "samples/s"),
+                          ("perf/mfu", "MFU"), ("perf/hfu", "HFU")):  # fmt: skip
+            if tag in rates:
+                shown[name] = rates[tag]
+        self.report.rates = shown
 
-    def on_validation_start(self, trainer, pl_module) -> None:
-        self._pause_start = time.perf_counter()
+    def _raise_measured_peak(self, trainer: pl.Trainer, window: Window, now: float) -> None:
+        """A measured peak (CPU, unlisted GPU) is an estimate of the best this device does. If training
+        beats it, the fit-start measurement was pessimistic (a machine busy with other work makes every
+        matmul slower): the achieved rate is the better estimate, so it becomes the peak, and the
+        perf/peak card says so. Datasheet and spec peaks are never changed."""
+        seconds = now - window.start - window.paused
+        achieved = window.flops.get("hardware", 0) / seconds if seconds > 0 else 0.0
+        if self.peak is None or self.peak.source != "measured" or achieved <= self.peak.flops_per_s:
+            return
+        before = self.peak.flops_per_s
+        self.peak = Peak(achieved, "measured", self.peak.dtype)
+        log_text(
+            trainer,
+            "perf/peak",
+            f"{achieved / 1e12:.4g} TFLOP/s {self.peak.dtype}: raised at step {trainer.global_step} from the "
+            f"fit-start measurement ({before / 1e12:.4g} TFLOP/s), which training beat",
+        )
 
-    def on_validation_end(self, trainer, pl_module) -> None:
-        if self._pause_start is not None:
-            self._paused += time.perf_counter() - self._pause_start
-            self._pause_start = None
+    # -- validation -------------------------------------------------------------------------------
 
-    def _close_hooks(self) -> None:
-        if self._hooks is not None:
-            self._hooks.close()
-            self._hooks = None
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0) -> None:
+        if self.run is None:  # the toy LM only; and `validate` runs no fit
+            return
+        shape = tuple(batch_tensors(batch)[0].shape)
+        if shape not in self._val_shapes:
+            self._val_shapes.add(shape)
+            log_scalars(trainer, toy.validation_flops(self.run, shape))
 
-    def _restore_gc(self) -> None:
-        if self._gc_was_enabled:
-            gc.enable()
-        self._gc_was_enabled = False
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._window is not None and not trainer.sanity_checking:
+            synchronize(pl_module.device)
+            self._paused_since = time.perf_counter()
 
-    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
-        self._restore_gc()
-        self._close_hooks()
-        self._stop_counter()
-        if self._tracker is not None:
-            self._tracker.stop()
-            self._tracker = None
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._paused_since is not None:
+            paused = time.perf_counter() - self._paused_since
+            self._window.paused += paused
+            self._gap_paused += paused
+            self._paused_since = None
 
-    # -- the table ------------------------------------------------------------------------------
+    # -- the measured table -----------------------------------------------------------------------
 
     def _report_measured(self, trainer: pl.Trainer) -> None:
         self._reported = True
-        scalars = {f"memory/measured/{k}": v for k, v in self.measured.values.items()}
-        if self.measured.flops is not None:
-            scalars["flops/measured_per_step"] = self.measured.flops
-        log_scalars(trainer, scalars)
-        rows = [[name, predicted, measured, ratio] for name, predicted, measured, ratio in self.rows()]
-        log_text(trainer, "ledger/table", markdown_table(["", "predicted", "measured", "measured/predicted"], rows))
+        self.report.measured = self.measurement.figures()
+        if self.report.measured.peak_phase:
+            self.report.notes.append(f"measured peak (live tensor bytes) during {self.report.measured.peak_phase}")
+        elif self.report.measured.peak is not None:
+            self.report.notes.append("measured peak: CUDA's max_memory_allocated")
+        log_scalars(trainer, self.report.scalars("measured"))
+        log_text(trainer, "ledger/table", self.report.markdown())
+        for writer in tensorboard_writers(trainer):
+            writer.add_figure("memory/predicted_vs_measured", bar_chart(self.report), global_step=logging_step(trainer))
         if trainer.is_global_zero:
-            Console().print(self.table("ledger (predicted beside measured)"))
+            Console().print(self.report.table("ledger (predicted beside measured)"))
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._restore_gc()
-        self._close_hooks()
-        self._stop_counter()
-        if self._tracker is not None:  # a fit that stopped inside the measured step
-            self._tracker.stop()
-            self._tracker = None
-        if trainer.is_global_zero and (self.predicted is not None or self.measured.values):
-            Console().print(self.table("ledger (summary)"))
+        if self.measurement is not None:
+            self.measurement.close()
+            if not self._reported and self.report is not None:
+                for line in ("params", "grads", "optimizer", "activations", "peak", "flops_hardware"):
+                    if line not in self.measurement.values:
+                        self.measurement.why_missing.setdefault(line, "not measured (run too short)")
+                self._report_measured(trainer)
+        if trainer.is_global_zero and self.report is not None:
+            Console().print(self.report.table("ledger (summary)"))
 
-    def rows(self) -> list[tuple[str, str, str, str]]:
-        """(line, predicted, measured, measured/predicted) as shown in the table."""
-        p, m = self.predicted, self.measured
-        rows = []
-        for name in MEMORY:
-            pred = getattr(p, name) if p is not None else None
-            if name == "autocast_weight_copies" and not pred and not m.values.get(name):
-                continue
-            meas = m.values.get(name)
-            rows.append((name, format_bytes(pred), format_bytes(meas) if meas is not None else "", _ratio(meas, pred)))
-        pred_flops = p.flops if p is not None else None
-        rows.append(
-            (
-                "FLOPs/step (hardware)",
-                format_count(pred_flops) if pred_flops is not None else "n/a",
-                format_count(m.flops) if m.flops is not None else "",
-                _ratio(m.flops, pred_flops),
-            )
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        if self.measurement is not None:
+            self.measurement.close()
+        if isinstance(exception, torch.cuda.OutOfMemoryError) and self.report is not None:
+            self._explain_oom(trainer, pl_module, exception)
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self.measurement is not None:
+            self.measurement.close()
+
+    def _explain_oom(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        """Attach one line to a CUDA OOM (`ledger_line`, printed by lmledger fit in place of the traceback).
+        Raising here instead would skip Lightning's teardown and the other callbacks' on_exception."""
+        Console(stderr=True).print(self.report.table("ledger at the OOM"))
+        line = f"CUDA out of memory at step {trainer.global_step + 1}"
+        primary = next((f for f in self.report.predicted.values() if f.peak is not None), None)
+        capacity = preflight.available_memory(
+            pl_module.device, self.settings.device_memory_gb, pl_module, preflight.processes_on_this_machine(trainer)
         )
-        if m.rate:  # measured after the warm-up steps
-            rows.append(("tokens/s" if self.tokens is not None else "samples/s", "", f"{m.rate:.4g}", ""))
-        if m.hfu is not None:
-            rows.append(("HFU", "", f"{m.hfu:.2%}", ""))
-        return rows
+        if primary is not None and capacity is not None:
+            line += (
+                f"; the ledger predicted a peak of {format_bytes(primary.peak)} within the "
+                f"{format_bytes(capacity.bytes)} available ({capacity.source}), so the rest is memory it does not "
+                "model (other processes, allocator fragmentation, library workspaces): lower --data.batch_size"
+                + (f" below {self.run.batch_size}" if self.run is not None else "")
+            )
+        elif primary is not None:
+            line += f"; predicted peak {format_bytes(primary.peak)} per device"
+        exception.ledger_line = line
+        if hasattr(exception, "add_note"):  # Python >= 3.11: a traceback in library use shows the line too
+            exception.add_note(line)
 
-    def table(self, title: str) -> Table:
-        table = Table(title=title, title_justify="left")
-        for column in ("", "predicted", "measured", "measured/predicted"):
-            table.add_column(column, justify="right" if column else "left")
-        for row in self.rows():
-            table.add_row(*row)
-        per_batch = f"{self.tokens} tokens" if self.tokens is not None else f"{self.samples} samples"
-        notes = [f"per device; {per_batch} per batch"]
-        if self.predicted is not None:
-            notes.append(f"predicted by a dry run on fake tensors; peak during {self.predicted.peak_phase}")
-        else:
-            notes.append(f"not predicted: {self.why_not_predicted}")
-        table.caption = "; ".join(notes)
-        return table
+    # -- reading the results ----------------------------------------------------------------------
+
+    @property
+    def predicted(self) -> Figures | None:
+        """The first predictor's figures (the dry run where it traced)."""
+        return self.report.primary if self.report is not None else None
+
+    @property
+    def measured(self) -> Figures | None:
+        return self.report.measured if self.report is not None else None
+
+
+def bar_chart(report: Report):
+    """memory/predicted_vs_measured: each memory line's first prediction and measurement side by side (a
+    bar chart: one-off values, where a custom-scalars chart would plot isolated dots against steps)."""
+    from matplotlib.figure import Figure
+
+    names = [n for n in report.lines() if not n.startswith("flops")]
+    predicted = [(report.primary.get(n) or 0) / MB for n in names]
+    measured = [((report.measured.get(n) if report.measured else None) or 0) / MB for n in names]
+    figure = Figure(figsize=(7, 0.6 * len(names) + 1.2), layout="constrained")
+    axes = figure.add_subplot()
+    ys = range(len(names))
+    height = 0.38
+    axes.barh([y - height / 2 for y in ys], predicted, height, label=next(iter(report.predicted)), color="#4c72b0")
+    axes.barh([y + height / 2 for y in ys], measured, height, label="measured", color="#dd8452")
+    axes.set_yticks(list(ys), names)
+    axes.invert_yaxis()
+    axes.set_xlabel("MB per device (1 MB = 1e6 bytes)")
+    figure.legend(loc="outside lower center", ncols=2)
+    return figure
+
+
+# --------------------------------------------------------------------------------------------
+# The dry run of a live module
+# --------------------------------------------------------------------------------------------
+
+
+def _training_step(trainer: pl.Trainer, batch_idx: int):
+    """`step(module, batch) -> loss` for the dry run: a LightningModule copy's own training_step. The copy
+    keeps the trainer (copies lose it: canary test_a_lightning_module_copies_without_its_trainer) and
+    logs nothing (its metrics must not reach the real trainer)."""
+
+    def step(module, fake_batch):
+        module.trainer = trainer
+        module.log = module.log_dict = _no_log
+        return loss_of(module.training_step(fake_batch, batch_idx))
+
+    return step
 
 
 def dry_run_training_step(
-    trainer: pl.Trainer, pl_module: pl.LightningModule, batch: object, batch_idx: int
+    trainer: pl.Trainer, pl_module: pl.LightningModule, batch: object, batch_idx: int, accumulate: int = 1
 ) -> StepLedger | NotTraced:
-    """The dry run of `pl_module.training_step` on `batch` with the trainer's optimizer and precision,
-    or why there is none. The copy keeps the trainer and logs nothing; the RNG streams are untouched."""
+    """The dry run of `pl_module.training_step` on `batch` with the trainer's optimizer, precision and
+    accumulation, or why there is none. The copy keeps the trainer and logs nothing; the RNG streams
+    are untouched."""
     why = _not_modelled(trainer, pl_module)
     if why is not None:
         return NotTraced(why)
-
-    def step(module, fake_batch):
-        module.trainer = trainer  # copies lose it (canary test_a_lightning_module_copies_without_its_trainer)
-        module.log = module.log_dict = _no_log  # the copy's metrics must not reach the real trainer
-        return loss_of(module.training_step(fake_batch, batch_idx))
-
+    optimizers = _optimizers(trainer)
     with untouched_rng(pl_module.device), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
             return dry_run(
-                pl_module,
-                batch,
-                step=step,
-                optimizer=_torch_optimizer(trainer),
-                precision=str(trainer.precision),
-                device=pl_module.device,
-                share=(trainer,),
-            )
+                pl_module, batch, step=_training_step(trainer, batch_idx),
+                optimizer=optimizers[0] if optimizers else None, precision=str(trainer.precision),
+                device=pl_module.device, share=(trainer,), accumulate=accumulate,
+            )  # fmt: skip
         except UserError as err:
             return NotTraced(str(err))
-
-
-def _ratio(measured: float | None, predicted: float | None) -> str:
-    return f"{measured / predicted:.3f}" if measured is not None and predicted else ""
-
-
-def _torch_optimizer(trainer: pl.Trainer) -> torch.optim.Optimizer | None:
-    """The run's torch optimizer (Lightning wraps it under some strategies), or None."""
-    if not trainer.optimizers:
-        return None
-    return getattr(trainer.optimizers[0], "optimizer", trainer.optimizers[0])
 
 
 def _no_log(*args, **kwargs) -> None:
@@ -541,6 +543,4 @@ def _not_modelled(trainer: pl.Trainer, pl_module: pl.LightningModule) -> str | N
     replicated = isinstance(trainer.strategy, (SingleDeviceStrategy, DDPStrategy))
     if not replicated or isinstance(trainer.strategy, DeepSpeedStrategy):  # DeepSpeed subclasses DDPStrategy
         return f"{type(trainer.strategy).__name__} shards the model; the dry run models one replicated device"
-    if trainer.accumulate_grad_batches != 1:
-        return "gradient accumulation (the dry run models one batch per optimizer step)"
     return None

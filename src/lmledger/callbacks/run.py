@@ -11,9 +11,11 @@ logging step, and drop them if none comes.
 from __future__ import annotations
 
 import contextlib
+import random
 from collections.abc import Iterator, Mapping
 
 import lightning.pytorch as pl
+import numpy as np
 import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.plugins.precision import TransformerEnginePrecision
@@ -155,16 +157,13 @@ def synchronize(device: torch.device) -> None:
 
 @contextlib.contextmanager
 def untouched_rng(device: torch.device) -> Iterator[None]:
-    """Run a measurement without moving the global RNG streams the training run draws from."""
+    """Run a measurement without moving any global RNG stream a training step may draw from: torch's (CPU
+    and the run's CUDA device), Python's `random` and numpy's legacy global generator."""
     devices = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):
-        yield
-
-
-# ------------------------------------------------------------------------------------ formatting
-
-
-def markdown_table(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
-    return "\n".join(lines)
+    python_state, numpy_state = random.getstate(), np.random.get_state()
+    try:
+        with torch.random.fork_rng(devices=devices):
+            yield
+    finally:
+        random.setstate(python_state)
+        np.random.set_state(numpy_state)

@@ -33,6 +33,7 @@ from unittest import mock
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 from lmledger.errors import UserError
@@ -301,6 +302,46 @@ def flop_counter(causal_attention: bool = False) -> FlopCounterMode:
     tiles above it."""
     formulas = CAUSAL_CPU_SDPA_FLOP_FORMULAS if causal_attention else CPU_SDPA_FLOP_FORMULAS
     return FlopCounterMode(display=False, custom_mapping=formulas)
+
+
+class _CountWithoutDecomposing(TorchDispatchMode):
+    """Counts registered ops as FlopCounterMode does, and runs every other op as it is."""
+
+    def __init__(self, counter: FlopCounterMode) -> None:
+        super().__init__()
+        self.counter = counter
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        packet = func._overloadpacket
+        if packet in self.counter.flop_registry:
+            self.counter.flop_counts["Global"][packet] += self.counter.flop_registry[packet](
+                *args, **(kwargs or {}), out_val=out
+            )
+        return out
+
+
+class StepFlopCounter(FlopCounterMode):
+    """FlopCounterMode for a real training step: the same registry (CPU SDPA included), total only.
+
+    FlopCounterMode runs an op that has no FLOP formula through its decomposition (`func.decompose()`),
+    so a fused kernel is replaced by its parts and the step computes other bits (canary
+    test_flop_counter_decomposes_what_it_cannot_count); its ModuleTracker hooks every module into the
+    autograd graph. A measurement must not change training: this counter runs each op as it is, and
+    keeps no per-module breakdown."""
+
+    def __init__(self) -> None:
+        super().__init__(display=False, custom_mapping=CPU_SDPA_FLOP_FORMULAS)
+
+    def __enter__(self) -> StepFlopCounter:
+        self.flop_counts.clear()
+        self.mode = _CountWithoutDecomposing(self)
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *args: object) -> None:
+        mode, self.mode = self.mode, None
+        mode.__exit__(*args)
 
 
 @contextmanager

@@ -1,7 +1,7 @@
 """One prediction of a training step, before anything runs: `predict(run, batch=...)`.
 
 For lmledger's ToyLM (run.config set) it is the lecture's closed forms (ledger.memory, ledger.flops): what
-the fit tables (callbacks.memory.predict_memory), the preflight guard, account, plan max-batch and the
+the fit tables (callbacks.toy.closed_form), the preflight guard, account, plan max-batch and the
 sweeps' dry run all show. For any other module (run.module, no config) it is a dry run of the module's
 training step on fake tensors of `batch`'s shapes (ledger.dryrun).
 

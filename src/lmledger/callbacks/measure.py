@@ -1,0 +1,198 @@
+"""The dry run's measured twin inside a fit: the same figures, read off the real steps.
+
+One step here is one optimizer step: `accumulate` micro-batches under automatic optimization (Lightning's
+accumulate_grad_batches), one batch under manual optimization (the module steps its optimizers itself).
+Everything opens at a batch's start (`batch_start`) and closes at a batch's end or on an exception:
+
+    step 1   FLOPs (flops.StepFlopCounter, over every micro-batch), the saved activations of the first
+             micro-batch's forward (saved-tensor hooks, closed at backward so nothing is held longer
+             than the step holds it), then params, grads and optimizer state once the optimizer stepped
+    step 2   the peak, the steady state (optimizer state exists): CUDA's max_memory_allocated (stats
+             reset at its start, read after its optimizer step), elsewhere the live tensor bytes
+             ledger.memtrack counts, with the phase it fell in; Python's cycle collector is off for the
+             step, as in the dry run, so what a step leaves in reference cycles is freed at the same point
+
+The phases are the dry run's (dryrun.phases): forward, backward (zero_grad included: it only frees),
+optimizer step; under accumulation, first micro-batch, later micro-batches, optimizer step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+
+import torch
+
+from lmledger.ledger.dryrun import batch_tensors, phases
+from lmledger.ledger.flops import StepFlopCounter
+from lmledger.ledger.memory import measure_saved_activations, measure_state_bytes
+from lmledger.ledger.memtrack import MemoryTracker
+from lmledger.ledger.report import Figures
+
+
+class StepMeasurement:
+    """Measures steps 1 and 2 of a fit (module docstring); `figures()` is what it has read so far.
+
+    accumulate     micro-batches per optimizer step (1 under manual optimization)
+    manual         the module steps its optimizers in training_step (each batch is one step)
+    count_flops    count FLOPs on the real step (False under torch.compile: the caller counts a meta copy)
+    activations    measure saved activations (False under torch.compile: the compiled graph saves a
+                   fused set the eager prediction does not describe)
+    """
+
+    def __init__(
+        self, device: torch.device, *, accumulate: int = 1, manual: bool = False, count_flops: bool = True,
+        activations: bool = True,
+    ) -> None:  # fmt: skip
+        self.device = device
+        self.accumulate = 1 if manual else accumulate
+        self.manual = manual
+        self.count_flops = count_flops
+        self.measure_activations = activations
+        self.values: dict[str, int] = {}
+        self.why_missing: dict[str, str] = {} if activations else {"activations": "n/a (compiled)"}
+        self.peak_phase: str | None = None
+        self.steps_done = 0
+        self._micro = 0  # micro-batches run of the current step
+        self._stepped_at: int | None = None  # global_step when the current step began
+        self._counter = None
+        self._hooks: contextlib.ExitStack | None = None
+        self._saved = None
+        self._tracker: MemoryTracker | None = None
+        self._cuda_peak = False
+        self._gc_was_enabled = False
+        self._phases = phases(self.accumulate)
+
+    @property
+    def done(self) -> bool:
+        return self.steps_done >= 2
+
+    def figures(self) -> Figures:
+        v = self.values
+        return Figures(
+            params=v.get("params"), grads=v.get("grads"), optimizer=v.get("optimizer"),
+            activations=v.get("activations"), autocast_weight_copies=v.get("autocast_weight_copies"),
+            peak=v.get("peak"), peak_phase=self.peak_phase, flops_hardware=v.get("flops_hardware"),
+            why_missing=dict(self.why_missing),
+        )  # fmt: skip
+
+    # -- the hooks ------------------------------------------------------------------------------
+
+    def batch_start(self, module: torch.nn.Module, optimizers: list, batch: object, global_step: int) -> None:
+        if self.done:
+            return
+        if self._micro == 0:
+            self._stepped_at = global_step
+            if self.steps_done == 0:
+                self._open_step_one(module)
+            else:
+                self._open_step_two(module, optimizers, batch)
+        self._phase(self._phases[0] if self.accumulate == 1 or self._micro == 0 else self._phases[1])
+
+    def before_backward(self) -> None:
+        self._close_hooks()  # forward is over: what backward needs is saved
+        if self.accumulate == 1:
+            self._phase(self._phases[1])
+
+    def before_zero_grad(self) -> None:
+        if self.accumulate == 1:
+            self._phase(self._phases[1])  # zero_grad only frees; the dry run charges it to backward
+
+    def before_optimizer_step(self) -> None:
+        self._stop_counter()  # the optimizer step does no matmul
+        self._phase(self._phases[2])
+
+    def batch_end(self, module: torch.nn.Module, optimizers: list, global_step: int) -> bool:
+        """After a batch; True when this batch ended step 2 (every figure has been read)."""
+        if self.done:
+            return False
+        self._close_hooks()  # a step that skipped backward
+        self._micro += 1
+        stepped = self.manual or global_step != self._stepped_at
+        if not stepped:
+            return False  # still accumulating
+        self._micro = 0
+        self.steps_done += 1
+        if self.steps_done == 1:
+            self._close_step_one(module, optimizers)
+            return False
+        self._close_step_two()
+        return True
+
+    def close(self) -> None:
+        """Unwind whatever is open (an exception, or a fit that ended inside a measured step)."""
+        self._close_hooks()
+        if self._counter is not None:
+            self._counter.__exit__(None, None, None)
+            self._counter = None
+        if self._tracker is not None:
+            self._tracker.stop()
+            self._tracker = None
+        self._restore_gc()
+
+    # -- step 1 ---------------------------------------------------------------------------------
+
+    def _open_step_one(self, module: torch.nn.Module) -> None:
+        if self.count_flops:
+            self._counter = StepFlopCounter()
+            self._counter.__enter__()
+        if self.measure_activations:
+            self._hooks = contextlib.ExitStack()
+            self._saved = self._hooks.enter_context(measure_saved_activations(module))
+
+    def _stop_counter(self) -> None:
+        if self._counter is not None:
+            self._counter.__exit__(None, None, None)
+            self.values["flops_hardware"] = self._counter.get_total_flops()
+            self._counter = None
+
+    def _close_step_one(self, module: torch.nn.Module, optimizers: list) -> None:
+        self._stop_counter()
+        if self._saved is not None:
+            self.values["activations"] = self._saved.activations
+            self.values["autocast_weight_copies"] = self._saved.autocast_weight_copies
+            self._saved = None
+        state = measure_state_bytes(module, optimizers[0] if len(optimizers) == 1 else None)
+        if len(optimizers) > 1:  # each optimizer's state, every storage once
+            state["optimizer"] = sum(measure_state_bytes(module, o)["optimizer"] for o in optimizers)
+        self.values.update(state)
+
+    # -- step 2 ---------------------------------------------------------------------------------
+
+    def _open_step_two(self, module: torch.nn.Module, optimizers: list, batch: object) -> None:
+        self._gc_was_enabled = gc.isenabled()
+        gc.disable()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._cuda_peak = True
+            return
+        self._tracker = MemoryTracker().track(module, optimizers, batch_tensors(batch))
+        self._tracker.phase(self._phases[0])
+        self._tracker.start()
+
+    def _close_step_two(self) -> None:
+        if self._tracker is not None:
+            self._tracker.stop()
+            self.values["peak"] = self._tracker.peak_bytes
+            self.peak_phase = self._tracker.peak_phase
+            self._tracker = None
+        elif self._cuda_peak:
+            torch.cuda.synchronize(self.device)
+            self.values["peak"] = torch.cuda.max_memory_allocated(self.device)
+        self._restore_gc()
+
+    # -- helpers --------------------------------------------------------------------------------
+
+    def _phase(self, name: str) -> None:
+        if self._tracker is not None and self._tracker.running:
+            self._tracker.phase(name)
+
+    def _close_hooks(self) -> None:
+        if self._hooks is not None:
+            self._hooks.close()
+            self._hooks = None
+
+    def _restore_gc(self) -> None:
+        if self._gc_was_enabled:
+            gc.enable()
+        self._gc_was_enabled = False

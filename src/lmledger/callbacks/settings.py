@@ -1,0 +1,38 @@
+"""The ledger's settings, validated in this one place (`--ledger.NAME value` on the command line)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from lmledger.errors import ConfigError
+
+
+@dataclass
+class LedgerSettings:
+    """Settings of the Ledger callback (`--ledger.NAME value` on the command line).
+
+    Args:
+        enabled: keep the ledger during the run (false: no ledger at all).
+        device_memory_gb: memory one device may use, in GB (1e9 bytes); the run stops before step 1
+            if the predicted peak exceeds it. None: CUDA's free memory, or the RAM available on a CPU.
+        warmup_steps: training batches at the start of each fit that perf/* leaves out (they hold the
+            memory measurement, optimizer-state allocation and kernel autotuning).
+        measure: measure memory and FLOPs on the first two optimizer steps beside the prediction.
+    """
+
+    enabled: bool = True
+    device_memory_gb: float | None = None
+    warmup_steps: int = 3
+    measure: bool = True
+
+    def __post_init__(self) -> None:
+        gb = self.device_memory_gb
+        if gb is not None:
+            if isinstance(gb, bool) or not isinstance(gb, (int, float)):
+                raise ConfigError(f"ledger.device_memory_gb must be a number of GB, got {gb!r}")
+            # 1e300 GB would overflow the byte count: nothing real holds more than an exabyte.
+            if not (gb > 0 and math.isfinite(gb) and gb * 1e9 < 1e18):
+                raise ConfigError(f"ledger.device_memory_gb must be positive and below 1e9 GB, got {gb:g}")
+        if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+            raise ConfigError(f"ledger.warmup_steps must be an integer >= 0, got {self.warmup_steps!r}")

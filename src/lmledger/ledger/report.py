@@ -1,0 +1,197 @@
+"""The ledger's one result type: a training step's figures from each source, side by side.
+
+`Figures` is one source's reading of one optimizer step on one device: the dry run's, the toy LM's closed
+forms', or the real step's. `Report` holds the predictors' Figures beside the measured ones and renders
+them three ways: a rich table, a JSON object and TensorBoard scalars (one tag per line and source).
+Every ratio divides the measurement by the first predictor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+
+from rich.table import Table
+
+from lmledger.ledger.units import format_bytes, format_count
+
+# The lines of every ledger table, in order: bytes per device, then FLOPs per optimizer step.
+BYTE_LINES = ("params", "grads", "optimizer", "activations", "autocast_weight_copies", "peak")
+FLOP_LINES = ("flops_hardware", "flops_model")
+LINES = (*BYTE_LINES, *FLOP_LINES)
+LABELS = {"flops_hardware": "FLOPs/step (hardware)", "flops_model": "FLOPs/step (model)"}
+
+# TensorBoard: memory/<source>/<line> for bytes; FLOPs keep the tags the kit has always written.
+_SOURCE_TAGS = {"measured": "measured", "dry run": "predicted", "closed form": "closed_form"}
+
+
+@dataclass(frozen=True)
+class Figures:
+    """One source's figures for one optimizer step on one device (None: not known; `why_missing` says why).
+
+    activations are what one micro-batch saves for backward; FLOPs cover every micro-batch of the step;
+    flops_model is the MFU numerator (no recompute), flops_hardware what the kernels do."""
+
+    params: int | None = None
+    grads: int | None = None
+    optimizer: int | None = None
+    activations: int | None = None
+    autocast_weight_copies: int | None = None
+    peak: int | None = None
+    peak_phase: str | None = None
+    flops_hardware: int | None = None
+    flops_model: int | None = None
+    why_missing: Mapping[str, str] = field(default_factory=dict)
+
+    def get(self, line: str) -> int | None:
+        return getattr(self, line)
+
+    def with_values(self, **values: object) -> Figures:
+        return replace(self, **values)
+
+    def as_dict(self) -> dict[str, int | None]:
+        return {line: self.get(line) for line in LINES}
+
+    def largest_component(self) -> tuple[str, int]:
+        """The biggest term the peak is made of."""
+        terms = {n: self.get(n) for n in ("params", "grads", "optimizer", "activations", "autocast_weight_copies")}
+        name = max((n for n, v in terms.items() if v is not None), key=lambda n: terms[n])
+        return name, terms[name]
+
+
+def figures_of_step(step: object, flops_model: int | None = None) -> Figures:
+    """Figures from a dryrun.StepLedger (dry or measured)."""
+    return Figures(
+        params=step.params, grads=step.grads, optimizer=step.optimizer, activations=step.activations,
+        autocast_weight_copies=step.autocast_weight_copies, peak=step.peak, peak_phase=step.peak_phase,
+        flops_hardware=step.flops, flops_model=flops_model,
+    )  # fmt: skip
+
+
+@dataclass
+class Report:
+    """Predictors' Figures beside the measured ones, and the latest rates (tokens/s, MFU, ...).
+
+    predicted   {source: Figures}, the first being the one ratios divide by ("dry run" where it traced)
+    measured    the real step's Figures (None before the first measurement)
+    rates       {"tokens/s" or "samples/s", "TFLOP/s", "MFU", "HFU": value} of the latest window
+    notes       caption lines: per device, per-batch size, where the peak fell, why a source is missing
+    """
+
+    predicted: dict[str, Figures]
+    measured: Figures | None = None
+    rates: dict[str, float] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def primary(self) -> Figures | None:
+        return next(iter(self.predicted.values()), None)
+
+    def lines(self) -> list[str]:
+        """The lines with a figure from some source (autocast copies only where a source has them)."""
+        sources = [*self.predicted.values(), *([self.measured] if self.measured else [])]
+        shown = []
+        for line in LINES:
+            values = [s.get(line) for s in sources]
+            if line == "autocast_weight_copies" and not any(values):
+                continue
+            if line == "flops_model" and all(v is None for v in values):
+                continue
+            shown.append(line)
+        return shown
+
+    def rows(self) -> list[tuple[str, ...]]:
+        """(line, one text per predictor, measured, measured/first predictor), as the table shows them."""
+        rows = []
+        primary = self.primary
+        for line in self.lines():
+            show = format_count if line in FLOP_LINES else format_bytes
+            cells = [_cell(f, line, show) for f in self.predicted.values()]
+            if self.measured is None:
+                measured = ""
+            elif self.measured.get(line) is None:
+                measured = self.measured.why_missing.get(line, "")
+            else:
+                measured = show(self.measured.get(line))
+            rows.append((LABELS.get(line, line), *cells, measured, _ratio(self.measured, primary, line)))
+        for name, value in self.rates.items():
+            text = f"{value:.2%}" if name in ("MFU", "HFU") else f"{value:.4g}"
+            rows.append((name, *([""] * len(self.predicted)), text, ""))
+        return rows
+
+    def header(self) -> list[str]:
+        first = next(iter(self.predicted), "predicted")
+        return ["", *self.predicted, "measured", f"measured/{first}"]
+
+    def table(self, title: str) -> Table:
+        table = Table(title=title, title_justify="left")
+        for column in self.header():
+            table.add_column(column, justify="right" if column else "left")
+        for row in self.rows():
+            table.add_row(*row)
+        table.caption = "; ".join(self.notes)
+        return table
+
+    def markdown(self) -> str:
+        return markdown_table(self.header(), [list(r) for r in self.rows()]) + "\n\n" + "; ".join(self.notes)
+
+    def to_json(self) -> dict[str, object]:
+        """{line: {"predicted": {source: value}, "measured": value}} plus "rates" and "notes"."""
+        out: dict[str, object] = {}
+        for line in LINES:
+            out[line] = {
+                "predicted": {source: f.get(line) for source, f in self.predicted.items()},
+                "measured": self.measured.get(line) if self.measured else None,
+            }
+        out["rates"] = dict(self.rates)
+        out["notes"] = list(self.notes)
+        return out
+
+    def scalars(self, which: str = "all") -> dict[str, float]:
+        """TensorBoard tags: memory/{predicted,closed_form,measured}/<line> (bytes) and
+        flops/{hardware,model,closed_form,measured}_per_step. `which`: "predicted", "measured" or "all"."""
+        sources: dict[str, Figures] = {}
+        if which in ("predicted", "all"):
+            sources.update(self.predicted)
+        if which in ("measured", "all") and self.measured is not None:
+            sources["measured"] = self.measured
+        tags: dict[str, float] = {}
+        for source, f in sources.items():
+            slug = _SOURCE_TAGS.get(source, source.replace(" ", "_"))
+            for line in BYTE_LINES:
+                if f.get(line) is not None:
+                    tags[f"memory/{slug}/{line}"] = f.get(line)
+            if source == "measured":
+                if f.flops_hardware is not None:
+                    tags["flops/measured_per_step"] = f.flops_hardware
+            elif slug == "predicted":
+                for line, tag in (
+                    ("flops_hardware", "flops/hardware_per_step"),
+                    ("flops_model", "flops/model_per_step"),
+                ):
+                    if f.get(line) is not None:
+                        tags[tag] = f.get(line)
+            elif f.flops_hardware is not None:
+                tags[f"flops/{slug}_per_step"] = f.flops_hardware
+        return tags
+
+
+def _cell(figures: Figures, line: str, show) -> str:
+    value = figures.get(line)
+    return show(value) if value is not None else "n/a"
+
+
+def _ratio(measured: Figures | None, predicted: Figures | None, line: str) -> str:
+    if measured is None or predicted is None:
+        return ""
+    m, p = measured.get(line), predicted.get(line)
+    return f"{m / p:.3f}" if m is not None and p else ""
+
+
+def markdown_table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+__all__ = ["BYTE_LINES", "FLOP_LINES", "LINES", "Figures", "Report", "figures_of_step", "markdown_table"]
