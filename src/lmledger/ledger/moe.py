@@ -10,10 +10,18 @@ whose inputs have values is answered by the real result's shape. Two assumptions
 
     balanced  row r of the scores picks experts (r·k + j) mod E, j < k: each expert gets tokens·k/E
               (floor or ceil), every expert is hit. The fewest tokens the busiest expert can get.
-    worst     every row picks experts 0..k-1: k experts get every token, the others none. No expert
-              can get more (topk picks distinct experts per token), so each expert's temporaries are
-              as large as they can be. A capacity-bounded layer sizes its buffers by its capacity,
-              not by routing, and needs no assumption.
+    worst     every expert is hit, and all other picks go to the same k experts: experts E-k+1..E-1
+              get every token, expert E-k all but E-k of them, experts 0..E-k-1 one token each. No
+              expert can get more than every token (topk picks distinct experts per token), and
+              every expert's fixed costs are paid (its autocast weight copy, per-expert buffers: with
+              only k experts hit, bf16-mixed would predict less than balanced). The heavy experts are
+              the last ones: a loop over experts runs them last in forward and first in backward,
+              when the most saved activations are alive. A capacity-bounded layer sizes its buffers
+              by its capacity, not by routing, and needs no assumption.
+
+Balanced is the routing a load-balancing loss aims at, not a lower bound: where the peak falls inside
+the expert loop it is set by one expert's batch, and a random routing can give that expert fewer than
+tokens·k/E (tests/test_moe.py measures Mixtral 0.9 % below balanced on two of six seeds).
 
 Token-choice routing computes tokens·k expert rows whatever the routing, so FLOPs are the same under
 both; the peak differs where an expert's temporaries are sized by its batch.
@@ -91,7 +99,8 @@ def routing_indices(shape: torch.Size | tuple[int, ...], dim: int, k: int, routi
 
     balanced: the r-th row (all other dims, row-major) picks (r·k + j) mod n for j < k, so over the
     rows every choice is picked rows·k/n times (floor or ceil) and a row's k picks are distinct.
-    worst: every row picks 0..k-1."""
+    worst: every row picks the last k (n-k..n-1), except rows r < n-k, which pick r in place of n-k:
+    every choice is picked, k-1 choices by every row, one by all rows but n-k."""
     if routing not in ROUTINGS:
         raise ValueError(f"routing must be one of {', '.join(ROUTINGS)}, got {routing!r}")
     dim = dim % len(shape) if shape else 0
@@ -102,7 +111,9 @@ def routing_indices(shape: torch.Size | tuple[int, ...], dim: int, k: int, routi
     if routing == "balanced":
         flat = (torch.arange(rows, dtype=torch.int64)[:, None] * k + picks) % max(n, 1)
     else:
-        flat = picks.expand(rows, k)
+        flat = (picks + max(n - k, 0)).expand(rows, k).clone()
+        light = min(rows, max(n - k, 0))
+        flat[:light, 0] = torch.arange(light, dtype=torch.int64)
     return flat.reshape(*others, k).movedim(-1, dim).contiguous() if shape else flat.reshape(k)
 
 
