@@ -14,8 +14,9 @@ import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
-from conftest import read_scalars
+from conftest import read_scalars, run_json
 from lmledger.callbacks.timing import TimeLedger
+from lmledger.cli import main as lmledger
 from lmledger.ledger import profile as ledger_profile
 from lmledger.ledger.dryrun import StepLedger, dry_run
 from lmledger.ledger.ops import ATTENTION, MATMUL, OPTIMIZER, OTHER
@@ -203,6 +204,32 @@ def test_a_gpu_roofline_from_the_datasheet_is_an_upper_bound_on_mfu():
     model_flops = ops.flops_in("forward") * 3
     assert 0 < bound.mfu(model_flops) < 1
     assert bound.seconds >= bound.ideal_seconds(model_flops)
+
+
+# -- the commands --------------------------------------------------------------------------------------
+
+SMALL = ["--model.config.d_model", "32", "--model.config.n_layers", "1", "--model.config.n_heads", "2",
+         "--model.config.d_ff", "64", "--model.config.context_length", "32", "--data.batch_size", "4"]  # fmt: skip
+
+
+def test_account_measure_shows_the_step_time_table(workdir, capsys):
+    result = run_json(capsys, "account", "--config", "configs/tiny.yaml", *SMALL, "--measure", "--json")
+    rows = result["time"]["rows"]
+    for category in ("matmul", "attention", "other", "optimizer"):
+        assert rows[category]["measured_s"] >= rows[category]["bound_s"] > 0, category
+    parts = sum(row["measured_s"] for name, row in rows.items() if name not in ("ideal", "bound", "measured"))
+    assert parts == pytest.approx(rows["measured"]["measured_s"], rel=0.05)
+    assert 0 < result["time"]["roofline_mfu"] < 1 and result["time"]["diagnosis"].startswith("MFU ")
+
+
+def test_plan_takes_the_roofline_mfu_of_a_config(workdir, capsys):
+    args = ["plan", "train-time", "--params", "1M", "--tokens", "1B", "--gpu", "h100-sxm", "--json"]
+    result = run_json(capsys, *args, "--mfu", "roofline:configs/tiny.yaml")
+    assert 0 < result["mfu"] < 1 and "upper bound" in result["mfu_source"]
+    # The same time as that MFU given by hand: the roofline only chooses the MFU.
+    assert run_json(capsys, *args, "--mfu", str(result["mfu"]))["seconds"] == pytest.approx(result["seconds"])
+    assert lmledger([*args, "--mfu", "roofline"]) == 2
+    assert "roofline:configs/tiny.yaml" in capsys.readouterr().err
 
 
 # -- CUDA ----------------------------------------------------------------------------------------------

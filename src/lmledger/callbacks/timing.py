@@ -31,7 +31,7 @@ from lmledger.errors import ConfigError
 from lmledger.ledger import profile as ledger_profile
 from lmledger.ledger.dryrun import NotTraced, StepLedger
 from lmledger.ledger.hardware import compute_dtype_for_precision
-from lmledger.ledger.roofline import LABELS, Roofline, device_roofline, diagnosis, time_rows
+from lmledger.ledger.roofline import LABELS, Roofline, device_roofline, format_table
 
 
 class TimeLedger(pl.Callback):
@@ -125,12 +125,9 @@ class TimeLedger(pl.Callback):
         if not self.is_profiling_step(self._batches) or not trainer.is_global_zero:
             return
         self._data_wait = now - self._last_end if self._last_end is not None else 0.0
-        activities = [torch.profiler.ProfilerActivity.CPU]
-        if self._device.type == "cuda":
-            activities.append(torch.profiler.ProfilerActivity.CUDA)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            self._profiler = torch.profiler.profile(activities=activities)
+            self._profiler = ledger_profile.profiler(self._device)
             self._profiler.start()
         self._record = torch.autograd.profiler.record_function(ledger_profile.STEP_MARK)
         self._record.__enter__()
@@ -214,33 +211,3 @@ class TimeLedger(pl.Callback):
         axes.set_title("time ledger: where the step goes")
         figure.legend(loc="outside lower center", ncols=4, fontsize=8)
         return figure
-
-
-def format_table(bound: Roofline, measured: ledger_profile.Breakdown | None, model_flops: float | None) -> str:
-    """The step-time table as fixed-width text (shared with `lmledger account --measure`)."""
-    rows = time_rows(bound, measured, model_flops or 0.0)
-
-    def ms(x: float | None) -> str:
-        return "—" if x is None else f"{x * 1e3:.3f}"
-
-    def pct(x: float | None) -> str:
-        return "—" if x is None else f"{x:.1%}"
-
-    head = f"{'step time (ms per step)':<34} {'bound':>10} {'measured':>10} {'share':>7} {'bound/measured':>15}"
-    lines = [
-        f"time ledger on {bound.device}: peak {bound.peak_flops_per_s / 1e12:.4g} TFLOP/s {bound.peak_dtype} "
-        f"({bound.peak_source or 'peak'}), memory {bound.bandwidth_bytes_per_s / 1e9:.4g} GB/s "
-        f"({bound.bandwidth_source or 'bandwidth'})",
-        head,
-        "-" * len(head),
-    ]
-    for key, row in rows.items():
-        cells = f"{ms(row.bound_s):>10} {ms(row.measured_s):>10} {pct(row.share):>7} {pct(row.efficiency):>15}"
-        lines.append(f"{row.label:<34} {cells}")
-        if key == "measured":
-            lines.append("-" * len(head))
-    if measured is not None and model_flops:
-        lines.append(diagnosis(bound, measured, model_flops))
-    elif model_flops:
-        lines.append(f"roofline MFU {bound.mfu(model_flops):.2f} (an upper bound); no step profiled yet")
-    return "\n".join(lines)

@@ -64,6 +64,29 @@ def measure(spec: RunSpec, device: torch.device) -> dict:
         "peak_phase": m.peak_phase,
         "autocast_weight_copies": m.autocast_weight_copies,
         "step_seconds": step_seconds(m.step, device),
+        "time": step_time(spec, device, m.step),
+    }
+
+
+def step_time(spec: RunSpec, device: torch.device, step) -> dict:
+    """The step-time table (issue 21, docs/time.md): the roofline bound of the config's step on `device`
+    (its dry run's ops) beside the mean of three profiled real steps."""
+    from lmledger.ledger import profile, roofline
+
+    def optimizer(params):  # as ledger.predict.measure builds it
+        if spec.optimizer == "sgd":
+            return torch.optim.SGD(params, lr=1e-4, momentum=spec.momentum, fused=spec.fused_optimizer)
+        return torch.optim.AdamW(params, lr=1e-4, fused=spec.fused_optimizer)
+
+    ops = roofline.toy_step_ops(spec.config, spec.batch_size, spec.seq_len, spec.precision, optimizer)
+    bound = roofline.device_roofline(ops, compute_dtype_for_precision(spec.precision), device)
+    measured = profile.mean_breakdown([profile.profile_step(step, device) for _ in range(3)])
+    model_flops = 3 * ops.flops_in("forward")  # = 6N + attention for ToyLM
+    return {
+        "rows": {name: row.to_json() for name, row in roofline.time_rows(bound, measured, model_flops).items()},
+        "roofline_mfu": bound.mfu(model_flops),
+        "diagnosis": roofline.diagnosis(bound, measured, model_flops),
+        "table": roofline.format_table(bound, measured, model_flops),
     }
 
 
@@ -158,6 +181,7 @@ def account(spec: RunSpec, do_measure: bool) -> dict:
             "measured_peak_phase": measured["peak_phase"] if measured else None,
         },
         "mfu_conventions": mfu_conventions(spec, measured["step_seconds"] if measured else None, device),
+        "time": measured["time"] if measured else None,
     }
     return result
 
@@ -207,6 +231,8 @@ def print_table(result: dict) -> None:
         measured_in = f"; measured peak (live tensor bytes) in: {measured_in}" if measured_in else ""
         print(f"predicted peak falls in: {run['peak_phase']}{measured_in}; {where}")
     print_conventions(result["mfu_conventions"], run)
+    if result.get("time"):
+        print(result["time"]["table"])
 
 
 def print_conventions(conv: dict, run: dict) -> None:

@@ -13,7 +13,7 @@ from rich.table import Table
 
 from lmledger.commands.argparser import run_command
 from lmledger.errors import UserError
-from lmledger.ledger.hardware import DTYPES, require_gpu
+from lmledger.ledger.hardware import DTYPES, dtype_name, require_gpu
 from lmledger.ledger.planner import MAX_COUNT, MAX_GPUS, max_params, train_time
 from lmledger.ledger.units import GB
 
@@ -45,6 +45,34 @@ def _fraction(text: str) -> float:
     if not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"not a finite number: {text!r} (e.g. 0.5)")
     return value
+
+
+def _mfu(text: str) -> float | str:
+    """A number (the MFU), or roofline:CONFIG: the roofline's upper bound for that fit config's step."""
+    if text.startswith("roofline:") and text.removeprefix("roofline:"):
+        return text
+    if text == "roofline" or text == "roofline:":
+        raise argparse.ArgumentTypeError("roofline needs the fit config it prices: --mfu roofline:configs/tiny.yaml")
+    return _fraction(text)
+
+
+def roofline_mfu(config: str, gpu: str, dtype: str) -> tuple[float, str]:
+    """The roofline MFU of a ToyLM fit config's training step on `gpu` (docs/time.md): its dry run (here,
+    on this machine's CPU) priced at the GPU's datasheet peaks and bandwidth; and a line saying so."""
+    from lmledger.ledger.roofline import gpu_roofline, toy_step_ops
+    from lmledger.runspec import load_run_spec
+
+    spec = load_run_spec(["--config", config])
+    if spec.config is None:
+        raise UserError(f"--mfu roofline:{config}: the roofline MFU is computed for lmledger's ToyLM configs")
+    ops = toy_step_ops(spec.config, spec.batch_size, spec.seq_len, spec.precision)
+    bound = gpu_roofline(ops, dtype_name(dtype), gpu)
+    mfu = bound.mfu(3 * ops.flops_in("forward"))
+    line = (
+        f"{mfu:.3g}, an upper bound: the roofline of {config}'s step (batch {spec.batch_size} x {spec.seq_len}, "
+        f"{spec.precision}) at {bound.device}'s datasheet {dtype} peak and bandwidth"
+    )
+    return mfu, line
 
 
 def _positive_gb(text: str) -> float:
@@ -79,7 +107,7 @@ def train_time_command(
     tokens: Annotated[float, _count],
     gpu: str,
     num_gpus: Annotated[int, _gpu_count] = 1,
-    mfu: Annotated[float, _fraction],
+    mfu: Annotated[float | str, _mfu],
     dtype: str = "bf16",
     json: bool = False,
 ) -> None:
@@ -90,12 +118,19 @@ def train_time_command(
         tokens: training tokens, e.g. 15e12 or 15T
         gpu: a key from `lmledger gpus` or a torch device name
         num_gpus: GPUs (default 1)
-        mfu: model FLOPs utilization in (0, 1], e.g. 0.5
+        mfu: model FLOPs utilization in (0, 1], e.g. 0.5; or roofline:CONFIG, the highest MFU that fit config's
+            step can reach on --gpu (an upper bound, docs/time.md)
         dtype: whose dense peak applies: {PEAK_DTYPES} (default bf16)
     """
+    mfu_line = None
+    if isinstance(mfu, str):
+        mfu, mfu_line = roofline_mfu(mfu.removeprefix("roofline:"), gpu, dtype)
     result = train_time(params, tokens, gpu, num_gpus, mfu, dtype)
     if json:
-        print(dumps(result.to_json()))
+        out = result.to_json()
+        if mfu_line:
+            out["mfu_source"] = "roofline upper bound: " + mfu_line
+        print(dumps(out))
         return
     _print_rows(
         "training time (6·N·D / (peak · GPUs · MFU))",
@@ -105,7 +140,7 @@ def train_time_command(
             ("total FLOPs", f"{result.total_flops:.4g}"),
             ("GPU", f"{result.num_gpus} × {result.gpu}"),
             (f"peak {result.dtype} per GPU", f"{result.peak_flops / 1e12:g} TFLOP/s (dense)"),
-            ("MFU", f"{result.mfu:g}"),
+            ("MFU", mfu_line or f"{result.mfu:g}"),
             ("hours", f"{result.hours:,.1f}"),
             ("days", f"{result.days:,.1f}"),
         ],

@@ -45,7 +45,8 @@ _COMMUNICATION_MARKS = ("nccl", "gloo", "record_param_comms", "allreduce", "all_
 _FREE_OPS = frozenset(
     {"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "size", "stride", "numel", "dim",
      "is_contiguous", "storage_offset", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset",
-     "_local_scalar_dense", "set_", "resize_", "lift_fresh", "detach", "alias", "record_stream"}
+     "_local_scalar_dense", "set_", "resize_", "lift_fresh", "detach", "alias", "record_stream", "_unsafe_view",
+     "_reshape_alias", "view_as_real", "view_as_complex"}
 )  # fmt: skip
 # Ops that overwrite their first argument without reading it.
 _WRITE_ONLY_FIRST = frozenset({"copy_", "fill_", "zero_", "normal_", "uniform_", "bernoulli_", "random_"})
@@ -197,8 +198,9 @@ class OpRecorder(TorchDispatchMode):
         formula = self.flop_registry.get(packet)
         flops = int(formula(*args, **kwargs, out_val=out)) if formula is not None else 0
         inputs = _tensors((args, kwargs))
-        dtypes = [t.dtype for t in inputs if t.is_floating_point()]
-        dtype = str(max(dtypes, key=lambda d: torch.finfo(d).bits)).removeprefix("torch.") if dtypes else ""
+        # The compute dtype: the largest floating input's (SDPA's backward takes bf16 q, k, v beside an fp32 logsumexp).
+        floats = [t for t in inputs if t.is_floating_point()]
+        dtype = str(max(floats, key=lambda t: t.numel()).dtype).removeprefix("torch.") if floats else ""
         if op in _FREE_OPS or func.is_view or op.startswith("_foreach_zero") or op.startswith("empty"):
             read = written = 0
         else:

@@ -19,13 +19,18 @@ category as their parent); on a GPU, the duration of the kernels it launched. Th
 `wall_s` by construction; `ops_overlap` says by how much the ops alone exceed the step (overlapping
 threads or streams), which would make host negative. No Lightning import; `events` are
 `torch.profiler.profile().events()` (FunctionEvent: name, time_range, cpu_parent, self_cpu_time_total,
-kernels), or anything shaped alike.
+kernels), or anything shaped alike. `profile_step(step, device)` profiles one call of a plain training
+step (no Lightning: `lmledger account --measure`); callbacks/timing.py does the same inside a fit.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import time
+import warnings
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+
+import torch
 
 from lmledger.ledger.ops import CATEGORIES, OPTIMIZER, OTHER, category_of
 
@@ -82,11 +87,14 @@ def breakdown(events: Iterable, wall_s: float, data_wait_s: float = 0.0, *, devi
     marks = [e for e in events if e.name == STEP_MARK]
     window = (marks[0].time_range.start, marks[0].time_range.end) if marks else None
     opt_marks = [e.time_range.start for e in events if e.name == OPTIMIZER_MARK]
+    records = [e for e in events if e.name.startswith(OPTIMIZER_RECORD)]
     optimizer_window = None
-    if opt_marks:
+    if opt_marks:  # Lightning: optimizer.step(closure) runs forward and backward inside torch's record
         begin = opt_marks[-1]
-        ends = [e.time_range.end for e in events if e.name.startswith(OPTIMIZER_RECORD) and e.time_range.end >= begin]
+        ends = [e.time_range.end for e in records if e.time_range.end >= begin]
         optimizer_window = (begin, max(ends) if ends else (window[1] if window else float("inf")))
+    elif records:  # a plain loop: the record is the optimizer step alone
+        optimizer_window = (records[-1].time_range.start, records[-1].time_range.end)
     totals = {c: 0.0 for c in MEASURED}
     per_name: dict[str, dict[str, float]] = {c: {} for c in CATEGORIES}
     counted = 0
@@ -131,3 +139,41 @@ def mean_breakdown(samples: list[Breakdown]) -> Breakdown | None:
         events=sum(s.events for s in samples) // n,
         top_ops={c: sorted(v.items(), key=lambda kv: -kv[1])[:5] for c, v in top.items()},
     )
+
+
+def profiler(device: torch.device):
+    """A torch.profiler.profile for one step on `device` (CPU ops; CUDA kernels too on a GPU), not started."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    return torch.profiler.profile(activities=activities)
+
+
+def profile_step(step: Callable[..., None], device: torch.device) -> Breakdown:
+    """The breakdown of one call `step(phase)`, where `step` calls `phase("optimizer step")` before its
+    optimizer step (ledger.predict.measure's step does); no data wait (the batch is already there)."""
+
+    def phase(name: str) -> None:
+        if name == "optimizer step":
+            with torch.autograd.profiler.record_function(OPTIMIZER_MARK):
+                pass
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        prof = profiler(device)
+        prof.start()
+    try:
+        _synchronize(device)
+        with torch.autograd.profiler.record_function(STEP_MARK):
+            started = time.perf_counter()
+            step(phase)
+            _synchronize(device)
+            wall = time.perf_counter() - started
+    finally:
+        prof.stop()
+    return breakdown(prof.events(), wall, 0.0, device=device.type)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -178,9 +178,11 @@ def gpu_roofline(ops: OpSummary, compute_dtype: str, gpu: str) -> Roofline:
     )  # fmt: skip
 
 
-def toy_step_ops(config: object, batch_size: int, seq_len: int, precision: str = "32-true") -> OpSummary:
-    """The ops of one training step of lmledger's ToyLM (fused AdamW, as LitLM runs it on a CPU), from a
-    dry run on meta weights: nothing is allocated."""
+def toy_step_ops(
+    config: object, batch_size: int, seq_len: int, precision: str = "32-true", optimizer: Callable | None = None
+) -> OpSummary:
+    """The ops of one training step of lmledger's ToyLM, from a dry run on meta weights (nothing is
+    allocated); `optimizer` is a factory params -> optimizer (default fused AdamW, as LitLM on a CPU)."""
     import torch
 
     from lmledger.errors import UserError
@@ -191,7 +193,7 @@ def toy_step_ops(config: object, batch_size: int, seq_len: int, precision: str =
         model = ToyLM(config)
     batch = tuple(torch.empty(batch_size, seq_len, dtype=torch.long, device="meta") for _ in range(2))
     result = dry_run(
-        model, batch, step=lambda m, b: m(*b), optimizer=lambda p: torch.optim.AdamW(p, fused=True),
+        model, batch, step=lambda m, b: m(*b), optimizer=optimizer or (lambda p: torch.optim.AdamW(p, fused=True)),
         precision=precision, device="cpu",
     )  # fmt: skip
     if isinstance(result, NotTraced):
@@ -275,3 +277,41 @@ def diagnosis(bound: Roofline, measured: object, model_flops: float) -> str:
         where = f"{share:.0%} of the step is in {what} running at {rate}"
     possible = bound.mfu(model_flops)
     return f"MFU {mfu:.2f} of a possible {possible:.2f}: {where}; data wait {measured.share('data_wait'):.0%}"
+
+
+def format_table(bound: Roofline, measured: object | None, model_flops: float | None) -> str:
+    """The step-time table as fixed-width text (shared with `lmledger account --measure`)."""
+    rows = time_rows(bound, measured, model_flops or 0.0)
+
+    def ms(x: float | None) -> str:
+        return "—" if x is None else f"{x * 1e3:.3f}"
+
+    def pct(x: float | None) -> str:
+        return "—" if x is None else f"{x:.1%}"
+
+    head = f"{'step time (ms per step)':<34} {'bound':>10} {'measured':>10} {'share':>7} {'bound/measured':>15}"
+    lines = [
+        f"time ledger on {bound.device}: peak {bound.peak_flops_per_s / 1e12:.4g} TFLOP/s {bound.peak_dtype} "
+        f"({bound.peak_source or 'peak'}), memory {bound.bandwidth_bytes_per_s / 1e9:.4g} GB/s "
+        f"({bound.bandwidth_source or 'bandwidth'})",
+        head,
+        "-" * len(head),
+    ]
+    for key, row in rows.items():
+        cells = f"{ms(row.bound_s):>10} {ms(row.measured_s):>10} {pct(row.share):>7} {pct(row.efficiency):>15}"
+        lines.append(f"{row.label:<34} {cells}")
+        if key == "measured":
+            lines.append("-" * len(head))
+    beaten = [LABELS[k] for k, row in rows.items() if k in LABELS and row.efficiency is not None and row.efficiency > 1]
+    if beaten:
+        # A bound a measurement beats is wrong: on a CPU, most likely a bandwidth measured on a busy machine.
+        lines.append(
+            f"measured faster than the bound in {', '.join(beaten)}: the bound's peak or bandwidth is too low "
+            f"({bound.bandwidth_source or 'bandwidth'}); measure again on a quiet machine "
+            "(lmledger.ledger.bandwidth.measured_cpu_bandwidth(refresh=True))"
+        )
+    if measured is not None and model_flops:
+        lines.append(diagnosis(bound, measured, model_flops))
+    elif model_flops:
+        lines.append(f"roofline MFU {bound.mfu(model_flops):.2f} (an upper bound); no step profiled yet")
+    return "\n".join(lines)
