@@ -27,9 +27,11 @@ VOCAB = 32
 class TopKMoE(nn.Module):
     """Embedding -> one token-choice top-k MoE layer (residual) -> LM head, loss included."""
 
-    def __init__(self, d: int = 32, f: int = 256, experts: int = 4, k: int = 2, dispatch: str = "nonzero") -> None:
+    def __init__(
+        self, d: int = 32, f: int = 256, experts: int = 4, k: int = 2, dispatch: str = "nonzero", capacity: int = 0
+    ) -> None:
         super().__init__()
-        self.k, self.dispatch = k, dispatch
+        self.k, self.dispatch, self.capacity = k, dispatch, capacity
         self.embed = nn.Embedding(VOCAB, d)
         self.router = nn.Linear(d, experts, bias=False)
         self.w_in = nn.ModuleList(nn.Linear(d, f, bias=False) for _ in range(experts))
@@ -46,6 +48,8 @@ class TopKMoE(nn.Module):
         if self.dispatch == "nonzero":
             for e in range(len(self.w_in)):
                 token, slot = torch.nonzero(experts == e, as_tuple=True)
+                if self.capacity:  # tokens past an expert's capacity are dropped (the residual carries them)
+                    token, slot = token[: self.capacity], slot[: self.capacity]
                 h = self.expert(e, x.index_select(0, token)) * weights[token, slot, None]
                 out = out.index_add(0, token, h.to(out.dtype))  # bf16 under autocast
         else:  # sort the token-expert pairs by expert, split by the counts
@@ -62,16 +66,16 @@ class TopKMoE(nn.Module):
 class ForcedRouting(TorchDispatchMode):
     """A real step whose every topk picks what moe.routing_indices assumes (values gathered to match)."""
 
-    def __init__(self, routing: str) -> None:
+    def __init__(self, routing: str, capacity: int | None = None) -> None:
         super().__init__()
-        self.routing = routing
+        self.routing, self.capacity = routing, capacity
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if func is torch.ops.aten.topk.default:
             scores, k = args[0], args[1]
             dim = args[2] if len(args) > 2 else -1
-            indices = moe.routing_indices(tuple(scores.shape), dim, k, self.routing)
+            indices = moe.routing_indices(tuple(scores.shape), dim, k, self.routing, self.capacity)
             return scores.gather(dim, indices), indices
         return out
 
@@ -94,9 +98,9 @@ def _adamw(params):
     return torch.optim.AdamW(params, lr=1e-3)
 
 
-def _plain(seed: int, dispatch: str) -> TopKMoE:
+def _plain(seed: int, dispatch: str, capacity: int = 0) -> TopKMoE:
     torch.manual_seed(seed)
-    return TopKMoE(dispatch=dispatch)
+    return TopKMoE(dispatch=dispatch, capacity=capacity)
 
 
 def _batch() -> tuple[torch.Tensor, torch.Tensor]:
@@ -184,6 +188,8 @@ def test_routing_indices_are_balanced_or_all_on_the_first_k():
     worst = moe.routing_indices((10, 4), -1, 2, "worst")  # every expert hit, the rest on experts 2 and 3
     assert worst.tolist() == [[0, 3], [1, 3]] + [[2, 3]] * 8
     assert moe.routing_indices((3, 8), -1, 1, "worst").flatten().tolist() == [0, 1, 2]  # fewer rows than experts
+    capped = torch.bincount(moe.routing_indices((10, 4), -1, 2, "worst", capacity=6).flatten(), minlength=4)
+    assert capped.tolist() == [2, 6, 6, 6]  # filled to the capacity from the last expert down
 
 
 @pytest.mark.parametrize(
@@ -204,6 +210,30 @@ def test_plain_top_k_moe_is_bounded_by_balanced_and_worst_routing(dispatch, prec
         with ForcedRouting(routing):
             forced = measure_step(_plain(0, dispatch), batch, optimizer=_adamw, precision=precision)
         _same_step(predicted, forced)
+
+
+def test_an_expert_capacity_caps_the_worst_case():
+    """A layer that drops the tokens past an expert's capacity: told the capacity, the worst routing
+    fills the heavy experts to it; not told, it sends every token to them and the layer drops most,
+    which predicts less than balanced. Balanced routing (512 picks per expert) stays under 640."""
+    batch, capacity = _batch(), 640
+    uncapped = moe.predict_moe(_plain(0, "nonzero"), batch, optimizer=_adamw)
+    capped = moe.predict_moe(_plain(0, "nonzero", capacity), batch, optimizer=_adamw, capacity=capacity)
+    untold = moe.predict_moe(_plain(0, "nonzero", capacity), batch, optimizer=_adamw)
+    assert isinstance(capped, moe.MoEBounds) and isinstance(uncapped, moe.MoEBounds), capped
+    _same_step(capped.balanced, uncapped.balanced)
+    backward = [bounds.phase_peaks["backward"] for bounds in (capped.balanced, capped.worst, uncapped.worst)]
+    assert backward[0] < backward[1] < backward[2]  # the experts' gradients
+    assert capped.worst.flops == capped.balanced.flops  # filled to capacity, nothing dropped
+    assert untold.worst.peak < untold.balanced.peak and untold.worst.flops < untold.balanced.flops
+    for routing, predicted in (("balanced", capped.balanced), ("worst", capped.worst)):
+        with ForcedRouting(routing, capacity if routing == "worst" else None):
+            forced = measure_step(_plain(0, "nonzero", capacity), batch, optimizer=_adamw)
+        _same_step(predicted, forced)
+    for seed in range(2):
+        assert measure_step(_plain(seed, "nonzero", capacity), batch, optimizer=_adamw).peak <= capped.worst.peak
+    with pytest.raises(UserError, match="capacity must be a positive number"):
+        moe.predict_moe(_plain(0, "nonzero"), batch, capacity=0)
 
 
 def test_without_an_assumption_the_dry_run_names_the_routing_and_the_fix():

@@ -16,8 +16,9 @@ whose inputs have values is answered by the real result's shape. Two assumptions
               every expert's fixed costs are paid (its autocast weight copy, per-expert buffers: with
               only k experts hit, bf16-mixed would predict less than balanced). The heavy experts are
               the last ones: a loop over experts runs them last in forward and first in backward,
-              when the most saved activations are alive. A capacity-bounded layer sizes its buffers
-              by its capacity, not by routing, and needs no assumption.
+              when the most saved activations are alive. A layer that drops the tokens past an
+              expert's capacity drops most of these; given the capacity (Assumption("worst",
+              capacity), predict_moe(capacity=...)) the heavy experts are filled to it instead.
 
 Balanced is the routing a load-balancing loss aims at, not a lower bound: where the peak falls inside
 the expert loop it is set by one expert's batch, and a random routing can give that expert fewer than
@@ -94,27 +95,60 @@ class RoutingDependentShape(RuntimeError):
     """A shape or value the routing decides, met in a dry run without a routing assumption."""
 
 
-def routing_indices(shape: torch.Size | tuple[int, ...], dim: int, k: int, routing: Routing) -> torch.Tensor:
+@dataclass(frozen=True)
+class Assumption:
+    """A routing assumption: "balanced" or "worst", and for worst the experts' capacity (tokens an
+    expert keeps per call; None: every token). dry_run's `routing` takes one, or the name alone."""
+
+    routing: Routing
+    capacity: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.routing not in ROUTINGS:
+            raise UserError(f"routing must be one of {', '.join(ROUTINGS)}, got {self.routing!r}")
+        if self.capacity is not None and not (isinstance(self.capacity, int) and self.capacity >= 1):
+            raise UserError(f"an expert capacity must be a positive number of tokens, got {self.capacity!r}")
+
+
+def routing_indices(
+    shape: torch.Size | tuple[int, ...], dim: int, k: int, routing: Routing, capacity: int | None = None
+) -> torch.Tensor:
     """The indices a topk over `dim` of a `shape` tensor returns under `routing` (int64, CPU).
 
     balanced: the r-th row (all other dims, row-major) picks (r·k + j) mod n for j < k, so over the
     rows every choice is picked rows·k/n times (floor or ceil) and a row's k picks are distinct.
-    worst: every row picks the last k (n-k..n-1), except rows r < n-k, which pick r in place of n-k:
-    every choice is picked, k-1 choices by every row, one by all rows but n-k."""
-    if routing not in ROUTINGS:
-        raise ValueError(f"routing must be one of {', '.join(ROUTINGS)}, got {routing!r}")
+    worst: every choice is picked once, then the last choices are filled up to `capacity` picks each
+    (default: every row), from n-1 down (_worst_loads)."""
+    Assumption(routing, capacity)  # checks both
     dim = dim % len(shape) if shape else 0
     n = shape[dim] if shape else 1
     others = [s for i, s in enumerate(shape) if i != dim]
     rows = math.prod(others)
-    picks = torch.arange(k, dtype=torch.int64)
     if routing == "balanced":
-        flat = (torch.arange(rows, dtype=torch.int64)[:, None] * k + picks) % max(n, 1)
+        flat = (torch.arange(rows, dtype=torch.int64)[:, None] * k + torch.arange(k)) % max(n, 1)
     else:
-        flat = (picks + max(n - k, 0)).expand(rows, k).clone()
-        light = min(rows, max(n - k, 0))
-        flat[:light, 0] = torch.arange(light, dtype=torch.int64)
+        # Each choice's picks are consecutive in this sequence and no more than `rows` long, so laid
+        # out column by column they fall in distinct rows: a row's k picks stay distinct.
+        loads = torch.tensor(_worst_loads(rows, n, k, capacity))
+        flat = torch.repeat_interleave(torch.arange(n, dtype=torch.int64), loads).reshape(k, rows).t()
     return flat.reshape(*others, k).movedim(-1, dim).contiguous() if shape else flat.reshape(k)
+
+
+def _worst_loads(rows: int, n: int, k: int, capacity: int | None) -> list[int]:
+    """Picks per choice under the worst routing: one each (every expert's fixed costs), then the last
+    choices filled to the capacity (a loop over experts meets them last in forward and first in
+    backward, when the most saved activations are alive); picks past every capacity (dropped by the
+    layer) go to the last choices, up to one per row."""
+    cap = rows if capacity is None else min(capacity, rows)
+    remaining = rows * k
+    loads = [0] * n
+    for e in range(n):
+        loads[e], remaining = (1, remaining - 1) if remaining else (0, remaining)
+    for limit in (cap, rows):
+        for e in reversed(range(n)):
+            extra = min(limit - loads[e], remaining) if limit > loads[e] else 0
+            loads[e], remaining = loads[e] + extra, remaining - extra
+    return loads
 
 
 def _grouped_mm_shape(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None) -> list[int]:
@@ -134,11 +168,11 @@ class RoutingAssumption(TorchDispatchMode):
     FakeTensorMode, so what it makes is fake. routing=None gives no answer: a routing-decided shape
     raises RoutingDependentShape instead. `answered` counts the answers given."""
 
-    def __init__(self, routing: Routing | None) -> None:
+    def __init__(self, routing: Routing | Assumption | None) -> None:
         super().__init__()
-        if routing is not None and routing not in ROUTINGS:
-            raise UserError(f"routing must be one of {', '.join(ROUTINGS)} or None, got {routing!r}")
-        self.routing = routing
+        self.routing = Assumption(routing) if isinstance(routing, str) else routing
+        if self.routing is not None and not isinstance(self.routing, Assumption):
+            raise UserError(f"routing must be one of {', '.join(ROUTINGS)}, an Assumption or None, got {routing!r}")
         self.answered = 0
         self.routed = 0  # topk / argmax calls given values
         self._values: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
@@ -254,7 +288,9 @@ class RoutingAssumption(TorchDispatchMode):
         if indices.numel() > VALUE_LIMIT:
             return out
         with unset_fake_temporarily():  # real values
-            value = routing_indices(tuple(scores.shape), dim, k, self.routing or "balanced").to(indices.dtype)
+            assumption = self.routing or Assumption("balanced")
+            value = routing_indices(tuple(scores.shape), dim, k, assumption.routing, assumption.capacity)
+            value = value.to(indices.dtype)
             value = value if keepdim else value.squeeze(dim)
         self._remember(indices, value)
         self.routed += 1
@@ -295,17 +331,22 @@ def routing_dependent(result: object) -> bool:
     return ROUTING_REASON in str(getattr(result, "reason", ""))
 
 
-def predict_moe(model: nn.Module, batch: object, **dry_run_kwargs: object) -> MoEBounds | object:
+def predict_moe(
+    model: nn.Module, batch: object, *, capacity: int | None = None, **dry_run_kwargs: object
+) -> MoEBounds | object:
     """The dry run of `model` under balanced and worst routing: MoEBounds, or the NotTraced of the
-    first that does not trace. Keywords are dry_run's (step, optimizer, precision, device, share)."""
+    first that does not trace. `capacity`: the tokens an expert keeps per call, for a layer that
+    drops the rest (without it the worst routing sends every token to the heavy experts, which such a
+    layer drops: less than balanced). Other keywords are dry_run's (step, optimizer, precision, ...)."""
     from lmledger.ledger import dryrun  # dryrun imports this module
 
     results = {}
-    for assumption in ROUTINGS:
+    for name in ROUTINGS:
+        assumption = Assumption(name, capacity if name == "worst" else None)
         result = dryrun.dry_run(model, batch, routing=assumption, **dry_run_kwargs)
         if isinstance(result, dryrun.NotTraced):
             return result
-        results[assumption] = result
+        results[name] = result
     balanced, worst = results["balanced"], results["worst"]
     matters = any(getattr(balanced, name) != getattr(worst, name) for name in _ROUTED_FIGURES)
     return MoEBounds(balanced=balanced, worst=worst, routing_matters=matters)
