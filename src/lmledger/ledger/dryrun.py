@@ -283,40 +283,45 @@ def _ledger_of_step(
         # Step 1 makes grads and optimizer state; FLOPs and saved tensors are counted there. Step 2,
         # the steady state, is tracked alone: FlopCounterMode's module hooks hold checkpoint
         # recomputes alive longer in backward, which would raise the peak they are beside.
-        forward_flops, backward_flops = flop_counter(), flop_counter()
+        # One counter per micro-batch and direction: FlopCounterMode clears its counts on every entry.
+        forward_flops, backward_flops = (
+            [flop_counter() for _ in range(accumulate)],
+            [flop_counter() for _ in range(accumulate)],
+        )
         # Below the FLOP counters on the mode stack: it sees the ops they price, with their formulas.
-        recorder = OpRecorder(forward_flops.flop_registry).watch(optimizer)
+        recorder = OpRecorder(forward_flops[0].flop_registry).watch(optimizer)
         with recorder:
             with measure_saved_activations(model) as saved:  # what one micro-batch saves
-                loss = _forward(model, batch, step, autocast, device, forward_flops, accumulate)
+                loss, kept = _forward(model, batch, step, autocast, device, forward_flops[0], accumulate)
             recorder.phase = "backward"
-            _backward(model, loss, optimizer, first=True, counter=backward_flops)
+            _backward(model, loss, optimizer, first=True, counter=backward_flops[0])
             del loss
-            for _ in range(accumulate - 1):
+            for micro in range(1, accumulate):
                 recorder.phase = "forward"
-                loss = _forward(model, batch, step, autocast, device, forward_flops, accumulate)
+                loss, kept = _forward(model, batch, step, autocast, device, forward_flops[micro], accumulate)
                 recorder.phase = "backward"
-                _backward(model, loss, optimizer, first=False, counter=backward_flops)
+                _backward(model, loss, optimizer, first=False, counter=backward_flops[micro])
                 del loss
             _optimizer_step(optimizer)
         tracker = MemoryTracker().track(model, optimizer, batch_tensors(batch))
         with tracker, _no_cyclic_gc():
             for micro in range(accumulate):
                 tracker.phase(names[0] if accumulate == 1 or micro == 0 else names[1])
-                loss = _forward(model, batch, step, autocast, device, accumulate=accumulate)
+                loss, kept = _forward(model, batch, step, autocast, device, accumulate=accumulate)
                 if accumulate == 1:
                     tracker.phase(names[1])
                 _backward(model, loss, optimizer, first=micro == 0)
                 del loss
             tracker.phase(names[2])
             _optimizer_step(optimizer)
+        del kept
     finally:
         model.train(was_training)
     state = measure_state_bytes(model, optimizer)
     buffers = _storage_bytes(model.buffers())
     phase_peaks = {name: tracker.phase_peaks.get(name, 0) for name in names}
     by_op: dict[str, int] = {}
-    for counter in (forward_flops, backward_flops):
+    for counter in (*forward_flops, *backward_flops):
         for op, n in counter.get_flop_counts().get("Global", {}).items():
             by_op[str(op)] = by_op.get(str(op), 0) + n
     return StepLedger(
@@ -330,8 +335,8 @@ def _ledger_of_step(
         peak=tracker.peak_bytes,
         peak_phase=max(phase_peaks, key=phase_peaks.__getitem__),
         phase_peaks=phase_peaks,
-        flops_forward=forward_flops.get_total_flops(),
-        flops_backward=backward_flops.get_total_flops(),
+        flops_forward=sum(c.get_total_flops() for c in forward_flops),
+        flops_backward=sum(c.get_total_flops() for c in backward_flops),
         flops_by_op=by_op,
         ops=recorder.summary(),
     )
@@ -400,7 +405,8 @@ def _forward(
     device: torch.device,
     counter: AbstractContextManager | None = None,
     accumulate: int = 1,
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's loss as Lightning hands it to backward, and the copy Lightning keeps of it."""
     # cache_enabled=False, as Lightning runs autocast (canary test_lightning_autocast_keeps_no_weight_cache):
     # a weight cast lives while backward needs it, not until autocast exits
     context = (
@@ -414,8 +420,10 @@ def _forward(
             f"the training step returned {got}, not a scalar loss that needs grad: "
             "pass step=lambda model, batch: <loss> to the dry run"
         )
-    # Lightning scales each micro-batch's loss by 1/accumulate_grad_batches (ClosureResult's normalize).
-    return loss / accumulate if accumulate > 1 else loss
+    # Lightning's ClosureResult divides each micro-batch's loss by accumulate_grad_batches (by 1 too: a new
+    # scalar) and keeps a detached copy of it for the callbacks, alive past the step (BoringModel's 8 bytes).
+    loss = loss / accumulate
+    return loss, loss.detach().clone()
 
 
 def default_step(model: nn.Module, batch: object) -> torch.Tensor:
