@@ -194,6 +194,22 @@ def main() -> int:
             versions = sorted((out / "runs" / name).glob("version_*"), key=lambda p: int(p.name.split("_")[1]))
             stage.update(read_run(versions[-1]))
 
+    # (b2) the step-time table (issue 21, docs/time.md): the roofline bound of the first model's step beside
+    # three profiled steps, kernel time per category, from `lmledger account --measure` (bf16-mixed, eager).
+    left = deadline - args.reserve_tests - time.monotonic()
+    if left < 30:
+        results["time"] = {"skipped": "out of time"}
+    else:
+        config = str(REPO / "configs" / f"{models[0]}.yaml")
+        cmd = [*cli, "account", "--config", config, "--data.path", str(data), "--measure", "--json"]
+        cmd += TOY if dry else []
+        code, output, stdout = run(cmd, min(left, 150), log)
+        found = json_in(stdout) if code == 0 else None
+        time_table = (found or {}).get("time")
+        results["time"] = (
+            {"model": models[0], **time_table} if time_table else {"error": last_error_line(output) or f"exit {code}"}
+        )
+
     # (c) the tests that need CUDA: allocator peaks and saved activations against the ledger, the matmul
     # benchmark in every dtype, and no host sync in a steady-state training step. Last, in the time kept for them.
     left = deadline - time.monotonic()
@@ -240,6 +256,12 @@ def summary_table(results: dict) -> str:
             f"| {_fmt(gb(s.get('peak_predicted')), '.2f')} "
             f"| {_fmt(gb(s.get('peak_measured')), '.2f')} | {note} |"
         )
+    timing = results.get("time", {})
+    if "table" in timing:
+        lines += ["", f"Step-time table ({timing['model']}, bf16-mixed eager, `lmledger account --measure`):", "",
+                  "```", timing["table"], "```"]  # fmt: skip
+    elif timing:
+        lines += ["", f"Step-time table: {timing.get('skipped') or timing.get('error')}"]
     tests = results.get("cuda_tests", {})
     lines += ["", f"CUDA-only tests (pytest -m cuda): {tests.get('skipped') or tests.get('summary')}"]
     return "\n".join(lines)
