@@ -25,7 +25,8 @@ the expert loop it is set by one expert's batch, and a random routing can give t
 tokens·k/E (tests/test_moe.py measures Mixtral 0.9 % below balanced on two of six seeds).
 
 Token-choice routing computes tokens·k expert rows whatever the routing, so FLOPs are the same under
-both; the peak differs where an expert's temporaries are sized by its batch.
+both (unless a capacity drops tokens); the peak differs where an expert's temporaries are sized by
+its batch.
 
 A data-dependent shape or value that no topk decided (`x[x > 0]`, `.item()` of a loss) still stops the
 dry run (NotTraced). Without an assumption (routing=None) the dry run says when routing decided a
@@ -48,7 +49,7 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from torch import nn
@@ -62,6 +63,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from lmledger.errors import UserError
+
+if TYPE_CHECKING:  # dryrun imports this module
+    from lmledger.ledger.dryrun import NotTraced, StepLedger
 
 Routing = Literal["balanced", "worst"]
 ROUTINGS: tuple[str, ...] = ("balanced", "worst")
@@ -317,8 +321,8 @@ class MoEBounds:
     when the two agree on every figure routing could change (a grouped GEMM path, an MoE whose
     temporaries never set a peak, or no MoE at all): then either is the prediction."""
 
-    balanced: object  # dryrun.StepLedger
-    worst: object  # dryrun.StepLedger
+    balanced: StepLedger
+    worst: StepLedger
     routing_matters: bool
 
 
@@ -333,7 +337,7 @@ def routing_dependent(result: object) -> bool:
 
 def predict_moe(
     model: nn.Module, batch: object, *, capacity: int | None = None, **dry_run_kwargs: object
-) -> MoEBounds | object:
+) -> MoEBounds | NotTraced:
     """The dry run of `model` under balanced and worst routing: MoEBounds, or the NotTraced of the
     first that does not trace. `capacity`: the tokens an expert keeps per call, for a layer that
     drops the rest (without it the worst routing sends every token to the heavy experts, which such a
