@@ -160,7 +160,9 @@ def test_only_the_sampled_steps_are_profiled_and_logged(toy_fit):
     for tag in ("time/bound/matmul", "time/measured/matmul", "time/measured/data_wait", "time/measured/host"):
         assert len(scalars[tag]) == len(profiled), tag
     table = ledger.report()
-    assert "roofline bound" in table and "MFU" in table.splitlines()[-1]
+    assert "roofline bound" in table and table.splitlines()[-1].startswith("MFU ")
+    ledger.gpu = "h100-sxm"  # shape advice for a GPU, from a CPU run: it says whom it is for
+    assert "this run is on cpu: the advice is for h100-sxm" in ledger.report().splitlines()[-1]
 
 
 @pytest.mark.parametrize("sleep", [0.05, 0.0])
@@ -226,6 +228,7 @@ def test_plan_takes_the_roofline_mfu_of_a_config(workdir, capsys):
     args = ["plan", "train-time", "--params", "1M", "--tokens", "1B", "--gpu", "h100-sxm", "--json"]
     result = run_json(capsys, *args, "--mfu", "roofline:configs/tiny.yaml")
     assert 0 < result["mfu"] < 1 and "upper bound" in result["mfu_source"]
+    assert result["shape_advice"].startswith("shape advice for h100-sxm")
     # The same time as that MFU given by hand: the roofline only chooses the MFU.
     assert run_json(capsys, *args, "--mfu", str(result["mfu"]))["seconds"] == pytest.approx(result["seconds"])
     assert lmledger([*args, "--mfu", "roofline"]) == 2

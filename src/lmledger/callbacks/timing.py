@@ -32,6 +32,7 @@ from lmledger.ledger import profile as ledger_profile
 from lmledger.ledger.dryrun import NotTraced, StepLedger
 from lmledger.ledger.hardware import compute_dtype_for_precision
 from lmledger.ledger.roofline import LABELS, Roofline, device_roofline, format_table
+from lmledger.ledger.shapes import advice_text
 
 
 class TimeLedger(pl.Callback):
@@ -44,6 +45,8 @@ class TimeLedger(pl.Callback):
         profile_steps: consecutive profiled batches after warm-up
         every_n_steps: then one profiled batch every this many (0: none after the first ones)
         print_table: print the step-time table and diagnosis at fit end
+        gpu: the GPU (a `lmledger gpus` key) whose tensor cores the shape advice is for; default this
+            run's GPU, none on a CPU
     """
 
     def __init__(
@@ -53,6 +56,7 @@ class TimeLedger(pl.Callback):
         profile_steps: int = 2,
         every_n_steps: int = 500,
         print_table: bool = True,
+        gpu: str | None = None,
     ) -> None:
         if warmup_steps < 0 or profile_steps < 0 or every_n_steps < 0:
             raise ConfigError(
@@ -62,6 +66,7 @@ class TimeLedger(pl.Callback):
         self.prediction = prediction
         self.warmup_steps, self.profile_steps, self.every_n_steps = warmup_steps, profile_steps, every_n_steps
         self.print_table = print_table
+        self.gpu = gpu
         self.bound: Roofline | None = None
         self.model_flops: float | None = None
         self.samples: list[ledger_profile.Breakdown] = []
@@ -191,7 +196,11 @@ class TimeLedger(pl.Callback):
         """The step-time table and the diagnosis, as plain text (None before any prediction)."""
         if self.bound is None:
             return f"time ledger: no roofline bound ({self.why_no_bound})" if self.why_no_bound else None
-        return format_table(self.bound, self.measured, self.model_flops)
+        text = format_table(self.bound, self.measured, self.model_flops)
+        gpu = self.gpu or _this_gpu(self._device)
+        if gpu is not None and self.prediction is not None and self.prediction.ops is not None:
+            text += "\n" + advice_text(self.prediction.ops, gpu, self.bound.peak_dtype, self._device.type)
+        return text
 
     def chart(self) -> Figure:
         """Two stacked bars, bound and measured seconds per step, one colour per category."""
@@ -211,3 +220,15 @@ class TimeLedger(pl.Callback):
         axes.set_title("time ledger: where the step goes")
         figure.legend(loc="outside lower center", ncols=4, fontsize=8)
         return figure
+
+
+def _this_gpu(device: torch.device) -> str | None:
+    """The GPUS key of a CUDA device, None for a CPU or an unlisted GPU."""
+    if device.type != "cuda":
+        return None
+    from lmledger.ledger.hardware import resolve
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        spec = resolve(torch.cuda.get_device_name(device))
+    return spec.key if spec is not None else None

@@ -56,10 +56,12 @@ def _mfu(text: str) -> float | str:
     return _fraction(text)
 
 
-def roofline_mfu(config: str, gpu: str, dtype: str) -> tuple[float, str]:
+def roofline_mfu(config: str, gpu: str, dtype: str) -> tuple[float, str, str]:
     """The roofline MFU of a ToyLM fit config's training step on `gpu` (docs/time.md): its dry run (here,
-    on this machine's CPU) priced at the GPU's datasheet peaks and bandwidth; and a line saying so."""
+    on this machine's CPU) priced at the GPU's datasheet peaks and bandwidth; a line saying so; and the
+    step's shape advice for that GPU."""
     from lmledger.ledger.roofline import gpu_roofline, toy_step_ops
+    from lmledger.ledger.shapes import advice_text
     from lmledger.runspec import load_run_spec
 
     spec = load_run_spec(["--config", config])
@@ -72,7 +74,8 @@ def roofline_mfu(config: str, gpu: str, dtype: str) -> tuple[float, str]:
         f"{mfu:.3g}, an upper bound: the roofline of {config}'s step (batch {spec.batch_size} x {spec.seq_len}, "
         f"{spec.precision}) at {bound.device}'s datasheet {dtype} peak and bandwidth"
     )
-    return mfu, line
+    names = {spec.config.vocab_size: "vocab_size", spec.config.d_ff: "d_ff", spec.config.d_model: "d_model"}
+    return mfu, line, advice_text(ops, gpu, dtype_name(dtype), "cuda", names=names)
 
 
 def _positive_gb(text: str) -> float:
@@ -122,14 +125,15 @@ def train_time_command(
             step can reach on --gpu (an upper bound, docs/time.md)
         dtype: whose dense peak applies: {PEAK_DTYPES} (default bf16)
     """
-    mfu_line = None
+    mfu_line = advice = None
     if isinstance(mfu, str):
-        mfu, mfu_line = roofline_mfu(mfu.removeprefix("roofline:"), gpu, dtype)
+        mfu, mfu_line, advice = roofline_mfu(mfu.removeprefix("roofline:"), gpu, dtype)
     result = train_time(params, tokens, gpu, num_gpus, mfu, dtype)
     if json:
         out = result.to_json()
         if mfu_line:
             out["mfu_source"] = "roofline upper bound: " + mfu_line
+            out["shape_advice"] = advice
         print(dumps(out))
         return
     _print_rows(
@@ -145,6 +149,8 @@ def train_time_command(
             ("days", f"{result.days:,.1f}"),
         ],
     )
+    if advice:
+        print(advice)
 
 
 def max_params_command(
@@ -262,6 +268,8 @@ def max_batch_command(
         "optimizer": spec.optimizer,
         "activation_checkpointing": spec.config.activation_checkpointing,
     }
+    if spec.world_size > 1 or spec.strategy not in ("ddp", "auto", "single_device"):
+        _per_rank_batch(result, spec, capacity)
     if json:
         print(dumps(result))
         return
@@ -271,10 +279,36 @@ def max_batch_command(
             ("memory", shown),
             ("model", f"{count_parameters(spec.config):,} params, seq {spec.seq_len}"),
             ("precision / optimizer", f"{spec.precision} / {spec.optimizer}"),
-            ("max batch per device", f"{best:,}"),
-            (f"predicted peak at {'that batch' if best else 'batch 1'}", f"{result['peak_bytes'] / GB:.2f} GB"),
+            ("max batch per device", f"{result['max_batch']:,}"),
+            (
+                f"predicted peak at {'that batch' if result['max_batch'] else 'batch 1'}",
+                f"{result['peak_bytes'] / GB:.2f} GB",
+            ),
         ],
     )
+    if result.get("per_rank"):
+        from lmledger.commands.account import print_per_rank
+
+        print_per_rank(result["per_rank"])
+
+
+def _per_rank_batch(result: dict, spec, capacity: int) -> None:
+    """result["per_rank"]: the largest micro-batch per rank at the config's world size and strategy, from
+    one rank's dry run (ledger.sharded), checkpointing off and on; the config's own case (checkpointing
+    every block or none) then answers max_batch."""
+    from lmledger.commands.account import _AC_LABELS, per_rank
+
+    result["per_rank"] = per_rank(spec, capacity)
+    if spec.config.activation_checkpointing not in (0, 1):
+        return
+    case = result["per_rank"]["cases"][_AC_LABELS[spec.config.activation_checkpointing]]
+    if case.get("not_predicted") is None and case["peak_checked"] and case.get("max_batch") is not None:
+        result["max_batch"] = case["max_batch"]
+        result["tokens_per_step"] = case["max_batch"] * spec.seq_len
+        if case["max_batch"]:
+            result["peak_bytes"] = case["max_batch_peak"]
+        else:
+            result["peak_bytes"] = capacity + case["over_by_at_batch_1"]
 
 
 def _max_batch_any_model(capacity: int, shown: str, gpu_key: str | None, fit_args: list[str], json: bool) -> None:

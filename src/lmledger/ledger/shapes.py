@@ -104,3 +104,19 @@ def shape_advice(
             )
         )  # fmt: skip
     return sorted(advice, key=lambda a: -a.flops)
+
+
+def advice_text(
+    ops: OpSummary, gpu: str, compute_dtype: str, device_type: str, names: Mapping[int, str] | None = None
+) -> str:
+    """Shape advice as lines of text, the extra time priced at `gpu`'s datasheet `compute_dtype` peak; a
+    run on another device type than CUDA is told that the advice is for that GPU."""
+    from lmledger.ledger.hardware import datasheet_peak, require_gpu
+
+    spec = require_gpu(gpu)
+    peak = datasheet_peak(spec, compute_dtype)
+    advice = shape_advice(ops, spec.key, names=names, peak_flops_per_s=peak.flops_per_s if peak else None)
+    where = "" if device_type == "cuda" else f" (this run is on {device_type}: the advice is for {spec.key})"
+    if not advice:
+        return f"shape advice for {spec.key}: every matmul dimension is a multiple its tensor cores like{where}"
+    return f"shape advice for {spec.key}'s tensor cores{where}:\n" + "\n".join(f"  {a.line()}" for a in advice)
