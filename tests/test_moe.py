@@ -257,6 +257,26 @@ def test_mixtral_eager_experts_are_bounded_by_balanced_and_worst_routing():
         _same_step(predicted, forced)
 
 
+def test_activation_checkpointing_recomputes_the_assumed_routing():
+    """Under checkpointing the MoE layer's forward runs again in backward, topk included: the recompute
+    gets the same assumed indices, so its shapes match the forward's (torch.utils.checkpoint checks)."""
+    batch = _batch()
+
+    def checkpointed(seed: int) -> nn.Module:
+        model = _mixtral(seed, "eager")
+        model.activation_checkpointing_enable({"use_reentrant": False})
+        return model
+
+    bounds = moe.predict_moe(checkpointed(0), batch, step=_mixtral_step, optimizer=_adamw)
+    assert isinstance(bounds, moe.MoEBounds), bounds
+    for routing, predicted in (("balanced", bounds.balanced), ("worst", bounds.worst)):
+        with ForcedRouting(routing):
+            forced = measure_step(checkpointed(0), batch, step=_mixtral_step, optimizer=_adamw)
+        _same_step(predicted, forced)
+    unchecked = dry_run(_mixtral(0, "eager"), batch, step=_mixtral_step, routing="balanced")
+    assert bounds.balanced.activations < unchecked.activations  # checkpointing saved less
+
+
 def test_mixtral_grouped_mm_dry_runs_exactly_whatever_the_routing():
     """transformers' default experts path on a CPU: one grouped GEMM over every token-expert row, so no
     shape depends on the routing; the dry run gets the CPU kernel's shapes (canary
