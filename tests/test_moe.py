@@ -243,6 +243,12 @@ def test_without_an_assumption_the_dry_run_names_the_routing_and_the_fix():
     assert "at tests/test_moe.py:" in result.reason  # the model's line, not the ledger's
     with pytest.raises(UserError, match="routing must be one of balanced, worst"):
         dry_run(_plain(0, "nonzero"), _batch(), routing="random")
+    # moe.predict: the bounds where routing decides shapes, the plain ledger where nothing routes
+    bounds = moe.predict(_plain(0, "nonzero"), _batch(), optimizer=_adamw)
+    assert isinstance(bounds, moe.MoEBounds)
+    _same_step(bounds.worst, dry_run(_plain(0, "nonzero"), _batch(), optimizer=_adamw, routing="worst"))
+    dense = moe.predict(nn.Linear(8, 8), torch.randn(4, 8), step=lambda m, b: m(b).square().mean())
+    assert isinstance(dense, StepLedger) and dense.params == 8 * 8 * 4 + 8 * 4
 
 
 def test_mixtral_eager_experts_are_bounded_by_balanced_and_worst_routing():
@@ -326,6 +332,7 @@ def test_a_data_dependent_shape_that_is_not_routing_stays_not_traced(routing):
     result = dry_run(_DataDependent(), torch.randn(4, 8), routing=routing)
     assert isinstance(result, NotTraced) and not moe.routing_dependent(result)
     assert "output shape depends on tensor values" in result.reason and "at tests/test_moe.py:" in result.reason
+    assert moe.predict(_DataDependent(), torch.randn(4, 8)) == result  # the same line, no bounds
 
     def item_in_step(model, batch):
         loss = model(batch).square().mean()

@@ -356,6 +356,20 @@ def predict_moe(
     return MoEBounds(balanced=balanced, worst=worst, routing_matters=matters)
 
 
+def predict(
+    model: nn.Module, batch: object, *, capacity: int | None = None, **dry_run_kwargs: object
+) -> StepLedger | MoEBounds | NotTraced:
+    """The dry run of any model, MoE or not: its StepLedger, or MoEBounds where top-k routing decides
+    a shape (the dry run stops at the first such shape, then predict_moe runs both assumptions), or
+    NotTraced. What a caller that does not know whether the model routes (Ledger(), account) calls."""
+    from lmledger.ledger import dryrun
+
+    result = dryrun.dry_run(model, batch, **dry_run_kwargs)
+    if routing_dependent(result):
+        return predict_moe(model, batch, capacity=capacity, **dry_run_kwargs)
+    return result
+
+
 # --------------------------------------------------------------------------------------------
 # FLOPs of the grouped GEMM
 # --------------------------------------------------------------------------------------------
