@@ -456,3 +456,47 @@ def test_flop_counter_decomposes_what_it_cannot_count():
     assert all(torch.equal(a, b) for a, b in zip(grads(StepFlopCounter()), plain, strict=True))
     counted = grads(torch.utils.flop_counter.FlopCounterMode(display=False))
     assert not all(torch.equal(a, b) for a, b in zip(counted, plain, strict=True))
+
+
+def test_optimizer_step_record_encloses_its_closure():
+    """ledger/profile.py: torch.optim wraps every step() in a record_function named "Optimizer.step#<class>.step",
+    and a closure passed to step() runs inside it, so under Lightning (next canary) forward and backward
+    are inside that record too; the time ledger's optimizer window starts at its own marker instead."""
+    weight = torch.nn.Parameter(torch.ones(4, 4))
+    optimizer = torch.optim.AdamW([weight])
+
+    def closure():
+        loss = (weight @ weight).sum()
+        loss.backward()
+        return loss
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        optimizer.step(closure)
+    records = [e for e in prof.events() if e.name == "Optimizer.step#AdamW.step"]
+    assert len(records) == 1
+    matmuls = [e for e in prof.events() if e.name == "aten::mm"]  # the closure's forward and backward
+    assert len(matmuls) >= 2
+    for mm in matmuls:
+        assert records[0].time_range.start <= mm.time_range.start <= mm.time_range.end <= records[0].time_range.end
+
+
+def test_lightning_runs_the_closure_inside_optimizer_step_then_its_hook():
+    """callbacks/timing.py: Lightning's precision plugin hands optimizer.step a closure that runs the training
+    step (forward, backward) and then on_before_optimizer_step (Precision._after_closure), all inside
+    step(); so the hook marks where the optimizer's own work begins."""
+    from unittest import mock
+
+    from lightning.pytorch.plugins.precision import Precision
+
+    order = []
+
+    class Optimizer:
+        def step(self, closure=None):
+            order.append("step")
+            closure()
+            order.append("update")
+
+    after = lambda self, model, optimizer: order.append("on_before_optimizer_step")  # noqa: E731
+    with mock.patch.object(Precision, "_after_closure", after):
+        Precision().optimizer_step(Optimizer(), model=None, closure=lambda: order.append("closure"))
+    assert order == ["step", "closure", "on_before_optimizer_step", "update"]
