@@ -39,7 +39,10 @@ test_grouped_mm_meta_kernel_refuses_what_the_cpu_kernel_runs). The fake CPU step
 kernel's output shape instead (`_grouped_mm_shape`). Its shapes do not depend on routing (every
 token-expert row goes through one GEMM, offsets split them), so balanced and worst agree there.
 
-Pure torch, no Lightning.
+Use: `predict(model, batch, ...)` for any model (a StepLedger, MoEBounds where routing decides a
+shape, or NotTraced); `predict_moe` for both bounds; `dry_run(..., routing="balanced" | "worst" |
+Assumption("worst", capacity))` for one; `routing_dependent(not_traced)` to tell the routing line
+apart. Pure torch, no Lightning.
 """
 
 from __future__ import annotations
