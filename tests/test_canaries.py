@@ -458,6 +458,84 @@ def test_flop_counter_decomposes_what_it_cannot_count():
     assert not all(torch.equal(a, b) for a, b in zip(counted, plain, strict=True))
 
 
+# ------------------------------------------------------------------- issue 23 §4 (commands/train.py, atomic.py)
+
+
+class RefusesToBuild(torch.nn.Module):
+    """For test_jsonargparse_chains_a_failed_build: a class whose __init__ raises."""
+
+    def __init__(self, width: int = 3) -> None:
+        super().__init__()
+        raise ArithmeticError(f"odd width {width}")
+
+
+def test_jsonargparse_chains_a_failed_build():
+    """commands.train._build_failure: jsonargparse reports a subclass whose __init__ raised as a ValueError
+    listing every Union subtype it tried, raised `from` the class's own exception, and the traceback of that
+    exception passes through an instantiator frame holding `class_type` (the class being built)."""
+    import traceback
+
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_argument("--module", type=torch.nn.Module | None)
+    config = parser.parse_object({"module": {"class_path": f"{__name__}.RefusesToBuild"}})
+    with pytest.raises(ValueError, match="Does not validate against any of the Union subtypes") as caught:
+        parser.instantiate_classes(config)
+    original = caught.value
+    while original.__cause__ is not None:
+        original = original.__cause__
+    assert isinstance(original, ArithmeticError) and str(original) == "odd width 3"
+    built = [frame.f_locals.get("class_type") for frame, _ in traceback.walk_tb(original.__traceback__)]
+    assert RefusesToBuild in built
+
+
+def test_torch_save_turns_a_ctrl_c_in_a_write_into_a_runtime_error():
+    """atomic.stage: a KeyboardInterrupt raised inside the file's write (where SIGINT lands while torch.save
+    runs) comes out of torch.save, from the second record on, as "[enforce fail at inline_container.cc]",
+    with the KeyboardInterrupt only as its __context__."""
+    import io
+
+    class InterruptedFile(io.BytesIO):
+        writes = 0
+
+        def write(self, data) -> int:
+            InterruptedFile.writes += 1
+            if InterruptedFile.writes == 2:
+                raise KeyboardInterrupt
+            return super().write(data)
+
+    with pytest.raises(RuntimeError, match=r"enforce fail at inline_container\.cc") as caught:
+        torch.save({"w": torch.ones(100)}, InterruptedFile())
+    assert isinstance(caught.value.__context__, KeyboardInterrupt)
+
+
+def test_tensorboard_writer_thread_reraises_its_error(tmp_path):
+    """commands.train._quiet_event_writer: TensorBoard's event writer fails in a thread of its own (a class
+    from the tensorboard package), which reaches threading.excepthook, and the same OSError is raised again
+    in the writing thread at its next write, so hiding the thread's traceback hides no error."""
+    import errno
+    import threading
+
+    from torch.utils.tensorboard import SummaryWriter
+
+    from conftest import file_size_limit
+
+    seen = []
+    hook, threading.excepthook = threading.excepthook, seen.append
+    writer = SummaryWriter(str(tmp_path))
+    try:
+        with file_size_limit(2_000), pytest.raises(OSError) as caught:
+            for step in range(1_000):
+                writer.add_scalar("x", 1.0, step)
+                writer.flush()
+    finally:
+        threading.excepthook = hook
+    assert caught.value.errno == errno.EFBIG
+    assert len(seen) == 1 and seen[0].exc_value is caught.value
+    assert "tensorboard" in type(seen[0].thread).__module__
+
+
 def test_optimizer_step_record_encloses_its_closure():
     """ledger/profile.py: torch.optim wraps every step() in a record_function named "Optimizer.step#<class>.step",
     and a closure passed to step() runs inside it, so under Lightning (next canary) forward and backward

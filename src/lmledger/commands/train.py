@@ -21,12 +21,17 @@ and has steps left to train, before Lightning touches it. docs/reliability.md li
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import importlib
+import io
 import logging
 import math
 import os
 import secrets
 import sys
+import threading
+import traceback
 import warnings
 from pathlib import Path
 
@@ -44,6 +49,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
+from lmledger.atomic import write_error
 from lmledger.callbacks import Ledger, LedgerSettings, ledger_callbacks
 from lmledger.callbacks.nonfinite import NonFiniteGuard
 from lmledger.callbacks.progress import plain_progress_if_not_a_terminal
@@ -61,6 +67,7 @@ from lmledger.checkpointing import (
 from lmledger.data import TokenDataModule, load_meta
 from lmledger.errors import ConfigError, UserError
 from lmledger.ledger.dryrun import batch_tensors
+from lmledger.ledger.predict import configured_optimizer
 from lmledger.lightning_private import cli_value, is_local_path, pin_logger_version
 from lmledger.lit import LitLM, check_hyperparameters
 from lmledger.precision import check_trainer_config, trainer_precision_kwargs
@@ -161,6 +168,110 @@ def _checked_hyperparameters(checkpoint: dict, path, litlm: bool = True) -> dict
     return hparams
 
 
+def _is_import_path(value) -> bool:
+    return isinstance(value, str) and "." in value and all(part.isidentifier() for part in value.split("."))
+
+
+def _import_paths(value, key: str = ""):
+    """(key, path) for each value in a checkpoint's hyperparameters that jsonargparse would import when
+    LightningCLI merges them into the config: a `_class_path`/`class_path` entry at any depth, or any
+    string of the form package.module.name (a callable- or class-typed argument imports it)."""
+    if isinstance(value, dict):
+        for name, item in value.items():
+            if name in ("_class_path", "class_path"):
+                if item is not None:
+                    yield (f"{key}.{name}" if key else name), item
+            elif name != "_instantiator":  # Lightning's own key, popped before the merge
+                yield from _import_paths(item, f"{key}.{name}" if key else str(name))
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            yield from _import_paths(item, f"{key}.{i}")
+    elif _is_import_path(value):
+        yield key, value
+
+
+def _already_names(path: str, obj) -> bool:
+    """Whether `path` names `obj` (a default given as the function or class itself) among the modules already
+    imported; nothing new is imported to find out, so a path into a module not yet loaded names nothing."""
+    module, _, attr = path.rpartition(".")
+    while module:
+        if module in sys.modules:
+            target = sys.modules[module]
+            for part in attr.split("."):
+                target = getattr(target, part, None)
+            return target is obj
+        module, _, head = module.rpartition(".")
+        attr = f"{head}.{attr}"
+    return False
+
+
+def _lookup(namespace, key: str):
+    """The value at dotted `key` in a (possibly nested) mapping, list or Namespace; None if absent."""
+    value = namespace.as_dict() if isinstance(namespace, Namespace) else namespace
+    for part in key.split("."):
+        if isinstance(value, dict):
+            value = value.get(part)
+        elif isinstance(value, (list, tuple)) and part.isdigit() and int(part) < len(value):
+            value = value[int(part)]
+        else:
+            return None
+    return value
+
+
+def _refuse_checkpoint_code(hparams: dict, model_config, path, any_model: bool) -> None:
+    """A --ckpt_path file names no code the command line does not: LightningCLI builds the model from the
+    checkpoint's `_class_path` and merges its other hyperparameters into the config, and jsonargparse
+    imports every class path and dotted callable among them, so a checkpoint could pick the class (or
+    function) that runs. Each such value must equal what the command line and config files name at the same
+    place; checked on the weights-only load, before anything is imported."""
+    current = model_config.as_dict() if isinstance(model_config, Namespace) else dict(model_config or {})
+    named = current.get("class_path") if any_model else f"{LitLM.__module__}.{LitLM.__qualname__}"
+    saved_class = hparams.get("_class_path")
+    if saved_class is not None and saved_class != named:
+        flag = f"--model {saved_class}" if any_model else f"--model {saved_class} (a class-path run)"
+        raise UserError(
+            f"checkpoint {path} was saved from class {saved_class!r}, but this command builds {named}: refused "
+            f"before importing it (a checkpoint does not choose the code that runs); pass {flag} if you trust "
+            f"that class, or a checkpoint of {named}"
+        )
+    init = (current.get("init_args") or {}) | (current.get("dict_kwargs") or {}) if any_model else current
+    prefix = "--model.init_args." if any_model else "--model."
+    for key, value in _import_paths({k: v for k, v in hparams.items() if k != "_class_path"}):
+        now = _lookup(init, key.removesuffix("._class_path"))
+        if isinstance(now, dict):
+            now = now.get("class_path")
+        if value != now and not (now is not None and _already_names(value, now)):
+            raise UserError(
+                f"checkpoint {path} sets model {key} to {value!r}, an import path this command does not name "
+                f"(it has {now!r}): refused before importing it (a checkpoint does not choose the code that runs); "
+                f"pass {prefix}{key.removesuffix('.class_path')} {value} if you trust it"
+            )
+
+
+def _build_failure(err: BaseException) -> UserError | None:
+    """One line for an exception a class's own __init__ raised while jsonargparse built it, or None.
+
+    jsonargparse reports a failed subclass build (`--model X`, `--data.init_args.*`, a callback) as a
+    ValueError listing every Union subtype it tried, raised `from` the original exception (canary
+    test_jsonargparse_chains_a_failed_build). The deepest cause is the class's own error; the innermost
+    traceback frame holding `class_type` (jsonargparse's and Lightning's instantiators) names the class.
+    The kit's UserError comes through as it is, anything else as `building pkg.Class failed (Type: ...)`."""
+    original = err
+    while original.__cause__ is not None:
+        original = original.__cause__
+    built = None
+    for frame, _ in traceback.walk_tb(original.__traceback__):
+        candidate = frame.f_locals.get("class_type")
+        if isinstance(candidate, type):
+            built = candidate
+    if built is None:
+        return None
+    if isinstance(original, UserError):
+        return original
+    reason = " ".join(str(original).split()) or "no message"
+    return UserError(f"building {built.__module__}.{built.__qualname__} failed ({type(original).__name__}: {reason})")
+
+
 def _config_files(args) -> list[str]:
     args = list(args or [])
     return [args[i + 1] for i, a in enumerate(args[:-1]) if a == "--config"] + [
@@ -203,6 +314,28 @@ def named_classes(args) -> list[tuple[str, str]]:
 _BASES = {"model": pl.LightningModule, "data": pl.LightningDataModule}
 
 
+def _import_quitting_aloud(where: str, value: str, module_name: str):
+    """importlib.import_module, with a module that exits while being imported (argparse's parse_args() at
+    module level, run on lmledger's command line) named as the cause: its usage and `lmledger: error:` lines
+    would otherwise read as lmledger's own. What the import prints is held back and shown if it succeeds."""
+    printed = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(printed):
+            module = importlib.import_module(module_name)
+    except SystemExit as stop:
+        said = [line.strip() for line in printed.getvalue().splitlines() if line.strip()]
+        quoted = f", printing {said[-1][:160]!r}" if said else ""
+        raise UserError(
+            f"{where} {value}: importing {module_name} exited (SystemExit {stop.code}){quoted}; the module runs "
+            'code at import (e.g. argparse on sys.argv): move it under `if __name__ == "__main__":`'
+        ) from None
+    except BaseException:
+        sys.stderr.write(printed.getvalue())
+        raise
+    sys.stderr.write(printed.getvalue())
+    return module
+
+
 def _check_class_paths(named: list[tuple[str, str]]) -> None:
     """Each dotted class path imports and names a LightningModule (--model) or LightningDataModule (--data);
     jsonargparse's own report of either runs to several lines about every type it tried."""
@@ -220,12 +353,14 @@ def _check_class_paths(named: list[tuple[str, str]]) -> None:
             )
         module_name, _, attr = value.rpartition(".")
         try:
-            obj = getattr(importlib.import_module(module_name), attr)
+            obj = getattr(_import_quitting_aloud(where, value, module_name), attr)
         except (ImportError, AttributeError) as err:
             raise UserError(
                 f"{where} {value}: cannot import it ({type(err).__name__}: {err}); name a {base.__name__} class "
                 "as package.module.Class, importable from the working directory"
             ) from None
+        except UserError:
+            raise
         except Exception as err:  # the module itself fails on import
             raise UserError(f"{where} {value}: importing {module_name} failed ({type(err).__name__}: {err})") from None
         if not (isinstance(obj, type) and issubclass(obj, base)):
@@ -274,6 +409,65 @@ def _check_trainer_values(trainer) -> None:
         )
 
 
+def _refuse_several_optimizers(model: pl.LightningModule, trainer: Trainer) -> None:
+    """Lightning refuses several optimizers under automatic optimization with a RuntimeError traceback once the
+    strategy sets up, after the run directory is claimed; configure_optimizers is asked here first, with the
+    trainer attached for a method that reads it (one that needs more than the trainer's settings, e.g.
+    estimated_stepping_batches, is left to Lightning)."""
+    if not model.automatic_optimization:
+        return
+    model.trainer = trainer
+    try:
+        configured_optimizer(model)
+    except UserError:
+        raise UserError(
+            f"{type(model).__name__}.configure_optimizers returns more than one optimizer, which Lightning steps "
+            "only under manual optimization: set self.automatic_optimization = False and step them in "
+            "training_step, or return one optimizer"
+        ) from None
+    except Exception:
+        return  # Lightning reports its own way when it calls the method
+    finally:
+        model.trainer = None
+
+
+def _refuse_empty_train_loader(datamodule) -> None:
+    """Make the data module's train_dataloader refuse a loader of no batches when Lightning asks for it:
+    Lightning says "No training batches", trains nothing and exits 0. The loader only exists once the
+    module is prepared and set up, inside Trainer.fit, so the check rides on the call (the run directory
+    claimed by then is undone for a refusal, RunClaim)."""
+    own = getattr(type(datamodule), "train_dataloader", None)
+    if own is None or own is pl.LightningDataModule.train_dataloader:
+        return  # Lightning's own message for a data module without one
+
+    def train_dataloader(*args, **kwargs):
+        loader = own(datamodule, *args, **kwargs)
+        try:
+            empty = len(loader) == 0
+        except TypeError:  # an iterable without a length: Lightning's rules for it apply
+            empty = False
+        if empty:
+            raise UserError(
+                f"{type(datamodule).__name__}.train_dataloader() yields no batch (an empty dataset, or fewer "
+                "samples than one batch with drop_last): nothing would train"
+            )
+        return loader
+
+    datamodule.train_dataloader = train_dataloader
+
+
+def _check_trains_something(trainer) -> None:
+    """max_steps 0 (or max_epochs 0 with no step limit): Lightning stops at once, "`max_steps=0` reached",
+    and exits 0 with a run directory of nothing."""
+    max_steps, max_epochs = trainer.get("max_steps"), trainer.get("max_epochs")
+    if max_steps == 0 or (max_epochs == 0 and max_steps in (None, -1)):
+        flag = "max_steps" if max_steps == 0 else "max_epochs"
+        raise ConfigError(
+            f"--trainer.{flag} 0 trains nothing; pass a count >= 1 (or -1 for no limit), or use "
+            "`lmledger validate` / `lmledger account` to evaluate or measure without training"
+        )
+
+
 def _ckpt_path_form(ckpt: str, subcommand: str, default_root_dir) -> None:
     """--ckpt_path values we refuse before anything is built: remote URLs, and Lightning's names that
     need state this process does not have ("best": a fit earlier in the same process; "registry": a
@@ -288,6 +482,13 @@ def _ckpt_path_form(ckpt: str, subcommand: str, default_root_dir) -> None:
         raise UserError(
             f"--ckpt_path {ckpt}: there is no {ckpt!r} checkpoint to resolve in a fresh `lmledger {subcommand}`; "
             "pass `last` or a checkpoint file (runs/NAME/version_N/checkpoints/*.ckpt)"
+        )
+    if ckpt not in SPECIAL_CKPT_PATHS + ("auto",) and Path(ckpt).is_dir():
+        inside = sorted(p.name for p in Path(ckpt).glob("*.ckpt"))
+        hint = f" (it holds {', '.join(inside[:3])}{', ...' if len(inside) > 3 else ''})" if inside else ""
+        raise UserError(
+            f"--ckpt_path {ckpt} is a directory{hint}; pass a checkpoint file in it, or `last` for the newest "
+            "checkpoint of this run's name"
         )
 
 
@@ -382,7 +583,8 @@ class LedgerCLI(LightningCLI):
             if found is not None:
                 config.ckpt_path = ckpt = str(found[0])
         if ckpt and ckpt not in SPECIAL_CKPT_PATHS:
-            _checked_hyperparameters(open_checkpoint(ckpt, mmap=True), ckpt, litlm=not self.any_model)
+            hparams = _checked_hyperparameters(open_checkpoint(ckpt, mmap=True), ckpt, litlm=not self.any_model)
+            _refuse_checkpoint_code(hparams, config.model, ckpt, self.any_model)
         # `--seed_everything true` promises a random seed; Lightning would use 0 (canary
         # test_seed_everything_none_without_environment_is_zero). Drawn here, it is saved in config.yaml.
         if config.get("seed_everything") is True:
@@ -406,6 +608,8 @@ class LedgerCLI(LightningCLI):
         _check_accelerator(config.trainer.get("accelerator"))
         check_trainer_config(config.trainer, fp8=config.model.get("fp8"))  # fp8/bf16 need library + hardware
         _check_trainer_values(config.trainer)
+        if self.subcommand == "fit":
+            _check_trains_something(config.trainer)
         self._resume = None
         if self.subcommand == "validate":
             # Evaluating writes no config and, unless the command line names a directory to log in (as
@@ -488,6 +692,17 @@ class LedgerCLI(LightningCLI):
                 "by sha256); resume onto the same data, or pass --allow_other_data true to continue on this data"
             )
 
+    def instantiate_classes(self) -> None:
+        try:
+            super().instantiate_classes()
+        except UserError:
+            raise
+        except Exception as err:
+            failure = _build_failure(err)
+            if failure is None:
+                raise
+            raise failure from None
+
     def instantiate_trainer(self, **kwargs) -> Trainer:
         # Our plugins for transformer-engine (tied weights) and 16-mixed on CPU (lmledger.precision).
         config = cli_value(self, self.config_init, "trainer", default={})
@@ -515,6 +730,7 @@ class LedgerCLI(LightningCLI):
             trainer.callbacks.append(PreemptionCheckpoint())
         else:  # validate saves nothing; a ModelCheckpoint there only warns that its directory differs
             trainer.callbacks = [c for c in trainer.callbacks if not isinstance(c, ModelCheckpoint)]
+        trainer.callbacks.append(NameTheEventFile())
         return trainer
 
     def _check_checkpoint(self) -> None:
@@ -533,13 +749,26 @@ class LedgerCLI(LightningCLI):
 
     def before_fit(self) -> None:
         self._check_checkpoint()
-        self._claim_run_dir()
+        if self.any_model:
+            _refuse_several_optimizers(self.model, self.trainer)
+        if self.datamodule is not None:
+            _refuse_empty_train_loader(self.datamodule)
+        self._claim_run_dir_or_say_why()
         if self._resume and rank_zero_only.rank == 0:
             print(f"lmledger fit: {self._resume}", flush=True)
 
     def before_validate(self) -> None:
         self._check_checkpoint()
-        self._claim_run_dir()
+        self._claim_run_dir_or_say_why()
+
+    def _claim_run_dir_or_say_why(self) -> None:
+        try:
+            self._claim_run_dir()
+        except OSError as err:  # a read-only or full runs directory: mkdir of the version fails
+            where = Path(err.filename) if err.filename else Path(self.trainer.default_root_dir)
+            raise write_error(
+                err, where, after="nothing was written; pass a writable --trainer.logger.init_args.save_dir"
+            ) from None
 
 
 def _setting(section, name: str):
@@ -549,6 +778,38 @@ def _setting(section, name: str):
     if "init_args" in section and isinstance(section.get("init_args"), Namespace):
         return section.init_args.get(name)
     return section.get(name)
+
+
+# What a failed write is, as atomic.write_error words it: a full disk, a read-only one, over quota, too large.
+DISK_ERRNOS = {errno.ENOSPC, errno.EROFS, errno.EDQUOT, errno.EFBIG, errno.EIO}
+
+
+def _disk_error(err: BaseException | None) -> OSError | None:
+    """The OSError of a refused write (DISK_ERRNOS) that `err` is or was raised from, if any."""
+    while err is not None:
+        if isinstance(err, OSError) and err.errno in DISK_ERRNOS:
+            return err
+        err = err.__cause__
+    return None
+
+
+class NameTheEventFile(pl.Callback):
+    """A TensorBoard event file that cannot be written fails in the logger's writer thread with a bare
+    `OSError: [Errno 28]`, no file named, re-raised in the training loop at the next write. Name the newest
+    event file of the run on it, so that main reports it as one line like a failed checkpoint write."""
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        # Lightning's log_metrics raises it as the cause of a ValueError ("you tried to log 6.17 which is
+        # currently not supported"); its logger.finalize then re-raises the OSError itself.
+        exception = _disk_error(exception)
+        if exception is None or exception.filename:
+            return
+        for logger in trainer.loggers:
+            if isinstance(logger, TensorBoardLogger) and logger.log_dir and Path(logger.log_dir).is_dir():
+                events = sorted(Path(logger.log_dir).glob("events.out.tfevents.*"), key=lambda p: p.stat().st_mtime)
+                if events:
+                    exception.filename = str(events[-1])
+                    return
 
 
 class StepChecks(pl.Callback):
@@ -690,10 +951,24 @@ def parse_fit_config(argv: list[str]):
     return _run_cli(_ParseOnlyCLI, argv, run=False).config
 
 
+def _quiet_event_writer(excepthook):
+    """threading.excepthook without the traceback of TensorBoard's event writer thread failing on a full disk:
+    the training loop re-raises the same OSError at its next write (canary
+    test_tensorboard_writer_thread_reraises_its_error), and main reports it in one line."""
+
+    def hook(args) -> None:
+        if issubclass(args.exc_type, OSError) and "tensorboard" in type(args.thread).__module__.lower():
+            return
+        excepthook(args)
+
+    return hook
+
+
 def main(argv: list[str]) -> int:
     subcommand = argv[0] if argv else None
     if subcommand not in SUBCOMMANDS:
         raise UserError(f"unknown subcommand {subcommand!r}; choose from {', '.join(SUBCOMMANDS)}")
+    excepthook, threading.excepthook = threading.excepthook, _quiet_event_writer(threading.excepthook)
     try:
         _run_cli(LedgerCLI, argv, run=True)
     except NothingToResume as done:
@@ -719,4 +994,14 @@ def main(argv: list[str]) -> int:
         if isinstance(exit_.__context__, KeyboardInterrupt):
             raise KeyboardInterrupt from None
         raise
+    except UserError:
+        raise
+    except Exception as err:  # a disk that refused a run's file (NameTheEventFile names an event file)
+        refused = _disk_error(err)
+        if refused is None or not refused.filename:
+            raise
+        kept = "the checkpoints saved before it are intact"
+        raise write_error(refused, Path(refused.filename), after=kept) from None
+    finally:
+        threading.excepthook = excepthook
     return 0
