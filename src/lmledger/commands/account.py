@@ -183,7 +183,68 @@ def account(spec: RunSpec, do_measure: bool) -> dict:
         "mfu_conventions": mfu_conventions(spec, measured["step_seconds"] if measured else None, device),
         "time": measured["time"] if measured else None,
     }
+    if spec.world_size > 1 or spec.strategy not in ("ddp", "auto", "single_device"):
+        _add_per_rank(result, spec)
     return result
+
+
+_AC_LABELS = ("checkpointing off", "checkpointing on")
+
+
+def _add_per_rank(result: dict, spec: RunSpec) -> None:
+    """result["per_rank"]: one rank's dry run at the config's world size and strategy. It replaces the closed
+    forms where it traces the strategy (DDP's buckets, FSDP2's gathered blocks are in it); the config's
+    checkpointing picks the case (every block, or none)."""
+    result["per_rank"] = per_rank(spec)
+    if spec.config.activation_checkpointing in (0, 1):
+        case = result["per_rank"]["cases"][_AC_LABELS[spec.config.activation_checkpointing]]
+        if case.get("not_predicted") is None and case["peak_checked"]:
+            for row in ("params", "grads", "optimizer", "activations", "peak"):
+                result["memory"][row]["predicted"] = case[row]
+            result["run"]["peak_phase"] = case["peak_phase"]
+
+
+def per_rank(spec: RunSpec, capacity_bytes: int | None = None) -> dict:
+    """ledger.sharded.run_at_scale with account's case names (checkpointing off and on)."""
+    from lmledger.ledger.sharded import run_at_scale
+
+    return run_at_scale(spec, capacity_bytes, labels=_AC_LABELS)
+
+
+def print_per_rank(scale: dict) -> None:
+    """The per-rank table of a run at scale: each checkpointing case's state, buffers and peak."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"per rank: {scale['strategy']} over {scale['world_size']} ranks, batch {scale['batch_size']}")
+    table.add_column("")
+    for label in scale["cases"]:
+        table.add_column(label, justify="right")
+    cases = list(scale["cases"].values())
+    rows = [("params", "params"), ("grads", "grads"), ("optimizer", "optimizer"), ("activations", "activations"),
+            ("comm buffers (DDP buckets, FSDP2 gathers)", "comm_buffers"), ("peak", "peak")]  # fmt: skip
+    if scale.get("capacity_bytes"):
+        rows.append(("largest micro-batch per rank", "max_batch"))
+    for label, key in rows:
+        cells = []
+        for case in cases:
+            value = case.get(key)
+            if case.get("not_predicted"):
+                cells.append("—")
+            elif key == "max_batch":
+                cells.append("—" if value is None else f"{value:,}")
+            else:
+                cells.append(format_bytes(value) + ("" if key != "peak" or case["peak_checked"] else " (unchecked)"))
+        table.add_row(label, *cells)
+    Console().print(table)
+    for label, case in scale["cases"].items():
+        if case.get("not_predicted"):
+            print(f"{label}: not predicted: {case['not_predicted']}")
+        elif case.get("max_batch") == 0:
+            print(f"{label}: does not fit: one sample per rank is over by {format_bytes(case['over_by_at_batch_1'])}")
+        elif not case["peak_checked"]:
+            print(f"{label}: the peak is the single-device step's with the sharded state swapped in, not yet held "
+                  "to a measurement (checked on a GPU when one is lent)")  # fmt: skip
 
 
 def _error_pct(predicted: float | None, measured: float | None) -> str:
@@ -231,6 +292,8 @@ def print_table(result: dict) -> None:
         measured_in = f"; measured peak (live tensor bytes) in: {measured_in}" if measured_in else ""
         print(f"predicted peak falls in: {run['peak_phase']}{measured_in}; {where}")
     print_conventions(result["mfu_conventions"], run)
+    if result.get("per_rank"):
+        print_per_rank(result["per_rank"])
     if result.get("time"):
         print(result["time"]["table"])
 

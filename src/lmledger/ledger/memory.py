@@ -73,6 +73,7 @@ _STRATEGY_SHARDS: dict[str, frozenset[str]] = {
     "zero2": frozenset({"grads", "optimizer"}),
     "zero3": frozenset({"params", "grads", "optimizer"}),
     "fsdp": frozenset({"params", "grads", "optimizer"}),
+    "fsdp2": frozenset({"params", "grads", "optimizer"}),  # exact per-parameter shards: ledger.sharded
     "deepspeed_stage_1": frozenset({"optimizer"}),
     "deepspeed_stage_2": frozenset({"grads", "optimizer"}),
     "deepspeed_stage_3": frozenset({"params", "grads", "optimizer"}),

@@ -29,7 +29,7 @@ class Run:
     momentum         SGD's momentum (0 keeps no state); LitLM's SGD uses 0.9
     fused_optimizer  torch's fused kernels (no foreach temporaries in the optimizer step); LitLM's
                      choice, except under fp16's GradScaler
-    strategy         a ledger.memory strategy name (`sharding`): ddp, fsdp, zero2, deepspeed_stage_N
+    strategy         a ledger.memory strategy name (`sharding`): ddp, fsdp (FSDP1), fsdp2, zero2, deepspeed_stage_N
     compiled / fp8   LitLM's compile and fp8 switches
     accelerator, data_path, vocab_from_data   what a config said (account and sweep print them)
     """
@@ -87,11 +87,11 @@ def sharding(name: str, *, fsdp_sharding: str | None = None, deepspeed_stage: in
             digits = name.removeprefix("deepspeed_stage_")[:1]
             deepspeed_stage = int(digits) if digits.isdigit() else DEEPSPEED_DEFAULT_STAGE
         return f"deepspeed_stage_{deepspeed_stage}" if deepspeed_stage else "ddp"
+    if name in ("modelparallel", "model_parallel", "fsdp2"):
+        return "fsdp2"  # torch's fully_shard (FSDP2): per-parameter DTensor shards, dry-run by ledger.sharded
     if name.startswith("fsdp"):
         # SHARD_GRAD_OP keeps whole params (ZeRO-2); NO_SHARD is DDP; FULL_SHARD and the hybrids shard
         # all three within a shard group.
         kind = str(fsdp_sharding or "FULL_SHARD").rsplit(".", 1)[-1].upper()
         return {"SHARD_GRAD_OP": "zero2", "NO_SHARD": "ddp"}.get(kind, "fsdp")
-    if name == "modelparallel":
-        return "fsdp"
     return "ddp"

@@ -48,7 +48,7 @@ from lmledger.errors import UserError
 from lmledger.ledger import dryrun
 from lmledger.ledger import memory as ledger_memory
 from lmledger.ledger.ddp import Bucket, DDPSettings, bucket_bytes, rebuilt_buckets
-from lmledger.ledger.dryrun import NotTraced, OptimizerSpec, StepFn, StepLedger
+from lmledger.ledger.dryrun import LargestBatch, NotTraced, OptimizerSpec, StepFn, StepLedger
 from lmledger.ledger.memtrack import MemoryTracker
 
 TRACED = ("ddp", "fsdp2")
@@ -105,6 +105,7 @@ def predict_sharded(
     ddp: DDPSettings = DEFAULT_DDP,
     fsdp: FSDPSettings = DEFAULT_FSDP,
     device: torch.device | str | None = None,
+    activation_checkpointing: bool | None = None,
 ) -> ShardedLedger | NotTraced:
     """One rank's steady-state training step of `module` at `world_size` (module docstring).
 
@@ -112,7 +113,15 @@ def predict_sharded(
     "single_device"), "fsdp2" (torch's fully_shard / Lightning's ModelParallelStrategy), or a
     state-only one (STATE_ONLY). Returns NotTraced with one line for what it cannot model (tensor or
     pipeline parallelism, a world size the mesh cannot take, a torch without the fake process group)
-    and for a model the dry run cannot trace; bad input is a UserError."""
+    and for a model the dry run cannot trace; bad input is a UserError. `activation_checkpointing`:
+    None runs the model as it is; True checkpoints every block (each child of an nn.ModuleList) on the
+    copy with torch's non-reentrant checkpoint_wrapper, as Lightning's FSDP strategies'
+    activation_checkpointing_policy and torchtitan do."""
+    if activation_checkpointing:
+        return _with_checkpointed_blocks(
+            predict_sharded, module, batch, step=step, optimizer=optimizer, precision=precision,
+            strategy=strategy, world_size=world_size, ddp=ddp, fsdp=fsdp, device=device,
+        )  # fmt: skip
     name = _strategy(strategy)
     if isinstance(name, NotTraced):
         return name
@@ -123,6 +132,112 @@ def predict_sharded(
     if name in STATE_ONLY:
         return _predict_state_only(module, batch, step, optimizer, precision, name, world_size, device)
     return _predict_ddp(module, batch, step, optimizer, precision, world_size, ddp, device)
+
+
+def _with_checkpointed_blocks(predict: Callable, module: nn.Module, batch: object, **kwargs) -> object:
+    """predict(copy, batch, **kwargs) on a copy of module whose blocks are checkpointed: the copy
+    shares the real tensors (never copied: deepcopy's memo maps each to itself), only the wrappers are new."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl,
+        apply_activation_checkpointing,
+    )
+
+    memo = {id(t): t for t in (*module.parameters(), *module.buffers())}
+    for sub in module.modules():
+        memo.update({id(v): v for v in vars(sub).values() if isinstance(v, torch.Tensor)})
+    copied = copy.deepcopy(module, memo)
+    blocks = {id(b) for sub in copied.modules() if isinstance(sub, nn.ModuleList) for b in sub}
+    if not blocks:
+        return NotTraced(f"{type(module).__name__} has no nn.ModuleList of blocks to checkpoint")
+    apply_activation_checkpointing(
+        copied, checkpoint_wrapper_fn=_non_reentrant(CheckpointImpl), check_fn=lambda m: id(m) in blocks
+    )
+    return predict(copied, batch, **kwargs)
+
+
+def _non_reentrant(impl) -> Callable:
+    from functools import partial
+
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    return partial(checkpoint_wrapper, checkpoint_impl=impl.NO_REENTRANT)
+
+
+def largest_batch_sharded(
+    module: nn.Module,
+    batch_for: Callable[[int], object],
+    capacity_bytes: int,
+    *,
+    limit: int = 1 << 16,
+    **kwargs: object,
+) -> LargestBatch | NotTraced:
+    """The largest per-rank micro-batch b <= limit whose predict_sharded peak (kwargs passed on) is at most
+    capacity_bytes: sizes double until one does not fit, then bisect (as dryrun.largest_batch)."""
+    if capacity_bytes <= 0 or limit < 1:
+        raise UserError(f"capacity_bytes and limit must be positive, got {capacity_bytes} and {limit}")
+    ledgers: dict[int, StepLedger] = {}
+
+    def fits(size: int) -> bool | NotTraced:
+        result = predict_sharded(module, batch_for(size), **kwargs)
+        if isinstance(result, NotTraced):
+            return result
+        ledgers[size] = result
+        return result.peak <= capacity_bytes
+
+    # The peak grows about linearly with the batch: sizes 1 and 2 give the line, its crossing of the
+    # capacity the first guess; from there the distance doubles until one size fits and the next does not,
+    # then bisects. A handful of dry runs, where doubling from 1 takes two per power of two.
+    first = fits(1)
+    if isinstance(first, NotTraced) or not first:
+        return first if isinstance(first, NotTraced) else LargestBatch(0, None, ledgers[1])
+    if limit == 1:
+        return LargestBatch(1, ledgers[1], None)
+    second = fits(2)
+    if isinstance(second, NotTraced):
+        return second
+    slope = max(ledgers[2].peak - ledgers[1].peak, 1)
+    guess = max(1, min(limit, 1 + (capacity_bytes - ledgers[1].peak) // slope)) if second else 1
+    low, high = _bracket(fits, guess, limit, ledgers, capacity_bytes)
+    if isinstance(low, NotTraced):
+        return low
+    if high is None:
+        return LargestBatch(limit, ledgers[limit], None)
+    while high - low > 1:
+        middle = (low + high) // 2
+        verdict = fits(middle)
+        if isinstance(verdict, NotTraced):
+            return verdict
+        low, high = (middle, high) if verdict else (low, middle)
+    return LargestBatch(low, ledgers.get(low), ledgers[high])
+
+
+def _bracket(fits, guess: int, limit: int, ledgers: dict, capacity: int):
+    """(low, high): a size that fits and one that does not (None: even `limit` fits), from `guess` outward."""
+    known = lambda size: ledgers[size].peak <= capacity if size in ledgers else fits(size)  # noqa: E731
+    verdict = known(guess)
+    if isinstance(verdict, NotTraced):
+        return verdict, None
+    step = 1
+    if verdict:
+        low = guess
+        while low < limit:
+            high = min(low + step, limit)
+            verdict = known(high)
+            if isinstance(verdict, NotTraced):
+                return verdict, None
+            if not verdict:
+                return low, high
+            low, step = high, 2 * step
+        return limit, None
+    high = guess
+    while True:
+        low = max(high - step, 1)
+        verdict = known(low)
+        if isinstance(verdict, NotTraced):
+            return verdict, None
+        if verdict:
+            return low, high
+        high, step = low, 2 * step
 
 
 def _strategy(strategy: str) -> str | NotTraced:
@@ -683,3 +798,101 @@ def _rank_main(rank: int, world_size: int, tmp: str, target: Callable, args: tup
         torch.save(result, os.path.join(tmp, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------------------------
+# Planning at scale: a run's per-rank peak and largest micro-batch, checkpointing off and on
+# --------------------------------------------------------------------------------------------
+
+
+def run_strategy(strategy: str) -> str:
+    """predict_sharded's name for a ledger.run strategy name (ledger.run.sharding)."""
+    return "ddp" if strategy in ("ddp", "auto", "single_device") else strategy
+
+
+def toy_inputs(run) -> tuple[nn.Module, Callable[[int], object], OptimizerSpec]:
+    """A ledger.run.Run of lmledger's ToyLM as the dry run takes it: the model on the meta device (nothing
+    allocated, activation checkpointing off: at_scale adds it), a meta batch of b windows, LitLM's
+    optimizer as a factory."""
+    from lmledger.model import ToyLM
+
+    with torch.device("meta"):
+        model = ToyLM(dataclasses.replace(run.config, activation_checkpointing=0))
+
+    def batch_for(size: int) -> object:
+        ids = torch.empty((size, run.seq_len), dtype=torch.long, device="meta")
+        return ids, ids.clone()
+
+    fused = bool(run.fused_optimizer)
+    if run.optimizer in ("adamw", "adam"):
+        kind = torch.optim.AdamW if run.optimizer == "adamw" else torch.optim.Adam
+
+        def optimizer(params):
+            return kind(params, lr=1e-4, fused=fused)
+    elif run.optimizer == "sgd":
+
+        def optimizer(params):
+            return torch.optim.SGD(params, lr=1e-4, momentum=run.momentum, fused=fused)
+    else:
+        optimizer = None
+    return model, batch_for, optimizer
+
+
+def at_scale(
+    module: nn.Module,
+    batch_for: Callable[[int], object],
+    batch_size: int,
+    *,
+    strategy: str,
+    world_size: int,
+    capacity_bytes: int | None = None,
+    step: StepFn | None = None,
+    optimizer: OptimizerSpec = None,
+    precision: str | int = "32-true",
+    ddp: DDPSettings = DEFAULT_DDP,
+    fsdp: FSDPSettings = DEFAULT_FSDP,
+    labels: tuple[str, str] = ("as configured", "every block checkpointed"),
+) -> dict:
+    """One rank's ledger at `batch_size` per rank and, given a capacity, its largest micro-batch, with the
+    model as it is (labels[0]) and with every block checkpointed (labels[1]): a JSON-ready dict. A case
+    the dry run cannot model carries `not_predicted` (one line) instead of numbers."""
+    name = run_strategy(strategy)
+    cases = {}
+    for label, ac in zip(labels, (None, True), strict=True):
+        kwargs = dict(step=step, optimizer=optimizer, precision=precision, strategy=name, world_size=world_size,
+                      ddp=ddp, fsdp=fsdp, activation_checkpointing=ac)  # fmt: skip
+        try:
+            ledger = predict_sharded(module, batch_for(batch_size), **kwargs)
+        except UserError as err:  # e.g. a precision the dry run does not cover: the run is measured only
+            ledger = NotTraced(str(err))
+        if isinstance(ledger, NotTraced):
+            cases[label] = {"not_predicted": ledger.reason}
+            continue
+        case = {
+            "params": ledger.params, "grads": ledger.grads, "optimizer": ledger.optimizer,
+            "activations": ledger.activations, "peak": ledger.peak, "peak_phase": ledger.peak_phase,
+            "comm_buffers": ledger.comm_buffers, "buckets": len(ledger.buckets),
+            "peak_checked": ledger.peak_checked, "not_predicted": None,
+        }  # fmt: skip
+        if capacity_bytes is not None:
+            found = largest_batch_sharded(module, batch_for, capacity_bytes, limit=1 << 12, **kwargs)
+            if isinstance(found, NotTraced):
+                case["max_batch"], case["max_batch_peak"] = None, None
+            else:
+                case["max_batch"] = found.size
+                case["max_batch_peak"] = found.fits.peak if found.fits else None
+                # Not even one sample fits: by how much the smallest step is over.
+                case["over_by_at_batch_1"] = found.over.peak - capacity_bytes if found.size == 0 else None
+        cases[label] = case
+    return {"strategy": name, "world_size": world_size, "batch_size": batch_size, "capacity_bytes": capacity_bytes,
+            "cases": cases}  # fmt: skip
+
+
+def run_at_scale(run, capacity_bytes: int | None = None, labels: tuple[str, str] = ("off", "on")) -> dict:
+    """at_scale for a ledger.run.Run of lmledger's ToyLM (toy_inputs): its world size, strategy, precision and
+    optimizer, the config's batch per rank; checkpointing off and on (labels)."""
+    model, batch_for, optimizer = toy_inputs(run)
+    return at_scale(
+        model, batch_for, run.batch_size, strategy=run.strategy, world_size=run.world_size, optimizer=optimizer,
+        precision=run.precision, capacity_bytes=capacity_bytes, labels=labels,
+    )  # fmt: skip
