@@ -263,6 +263,30 @@ def test_mixtral_eager_experts_are_bounded_by_balanced_and_worst_routing():
         _same_step(predicted, forced)
 
 
+@pytest.mark.parametrize("family", ["Qwen2Moe", "Olmoe"])
+def test_other_hugging_face_moe_families_match_their_forced_routings(family):
+    """Qwen2-MoE (a shared expert beside the routed ones, sigmoid-gated) and OLMoE, eager experts."""
+    transformers = pytest.importorskip("transformers")
+    config = getattr(transformers, f"{family}Config")(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=128,
+        shared_expert_intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+        num_experts=4, num_experts_per_tok=2, max_position_embeddings=256, experts_implementation="eager",
+        eos_token_id=None, pad_token_id=None, bos_token_id=None,
+    )  # fmt: skip
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return getattr(transformers, f"{family}ForCausalLM")(config)
+
+    batch = _batch()
+    bounds = moe.predict(build(), batch, step=_mixtral_step, optimizer=_adamw)
+    assert isinstance(bounds, moe.MoEBounds), bounds
+    for routing, predicted in (("balanced", bounds.balanced), ("worst", bounds.worst)):
+        with ForcedRouting(routing):
+            forced = measure_step(build(), batch, step=_mixtral_step, optimizer=_adamw)
+        _same_step(predicted, forced)
+
+
 def test_activation_checkpointing_recomputes_the_assumed_routing():
     """Under checkpointing the MoE layer's forward runs again in backward, topk included: the recompute
     gets the same assumed indices, so its shapes match the forward's (torch.utils.checkpoint checks)."""
