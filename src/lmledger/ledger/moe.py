@@ -75,9 +75,11 @@ ROUTINGS: tuple[str, ...] = ("balanced", "worst")
 
 aten = torch.ops.aten
 
-# Tensors with values are computed for real: indices, masks and counts (tokens·k elements, not
-# activations). Past this many elements an operator's inputs or outputs are left without values.
-VALUE_LIMIT = 1 << 22
+# Tensors with values are computed for real: indices, masks and counts (tokens·k elements, or
+# tokens·k·(E+1) for Mixtral's one-hot mask: 9.4M for 512k tokens of top-2 over 8 experts), never
+# activations. Past this many elements an operator's inputs or outputs are left without values, and a
+# shape decided by them stays not traced (the generic line).
+VALUE_LIMIT = 1 << 24
 
 # What NotTraced says when top-k routing decided a shape and no assumption was given.
 ROUTING_REASON = "expert shapes depend on top-k routing (mixture of experts)"
