@@ -165,6 +165,27 @@ def test_only_the_sampled_steps_are_profiled_and_logged(toy_fit):
     assert "this run is on cpu: the advice is for h100-sxm" in ledger.report().splitlines()[-1]
 
 
+class ReadsItsLoss(LitLM):
+    """A training step that reads a value (`.item()`): the dry run cannot trace it."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        if loss.item() > 1e9:
+            raise AssertionError("unreachable")
+        return loss
+
+
+def test_an_untraceable_step_is_profiled_and_says_why_it_has_no_bound():
+    torch.manual_seed(0)
+    module = ReadsItsLoss(config=ModelConfig(vocab_size=256, context_length=SEQ, d_model=32, n_layers=1, n_heads=2,
+                                             d_ff=64))  # fmt: skip
+    ledger = TimeLedger(warmup_steps=1, profile_steps=1, every_n_steps=0, print_table=False)
+    fit(module, token_loader(2), ledger, steps=2)
+    assert ledger.bound is None and "value read from a tensor" in ledger.why_no_bound
+    assert len(ledger.samples) == 1 and ledger.samples[0].seconds[MATMUL] > 0  # measured all the same
+    assert ledger.report().startswith("time ledger: no roofline bound (") and "matmul" in ledger.report()
+
+
 @pytest.mark.parametrize("sleep", [0.05, 0.0])
 def test_data_wait_is_the_time_spent_in_the_loader(sleep):
     ledger = TimeLedger(warmup_steps=1, profile_steps=3, every_n_steps=0, print_table=False)

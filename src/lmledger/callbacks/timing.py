@@ -195,7 +195,15 @@ class TimeLedger(pl.Callback):
     def report(self) -> str | None:
         """The step-time table and the diagnosis, as plain text (None before any prediction)."""
         if self.bound is None:
-            return f"time ledger: no roofline bound ({self.why_no_bound})" if self.why_no_bound else None
+            if not self.why_no_bound:
+                return None
+            text = f"time ledger: no roofline bound ({self.why_no_bound})"
+            measured = self.measured
+            if measured is not None:  # the profiled step needs no prediction
+                seconds = {k: v for k, v in measured.seconds.items() if v}
+                rows = [f"{LABELS[k]} {v * 1e3:.3f} ms ({measured.share(k):.1%})" for k, v in seconds.items()]
+                text += f"; measured {measured.wall_s * 1e3:.3f} ms per step: " + ", ".join(rows)
+            return text
         text = format_table(self.bound, self.measured, self.model_flops)
         gpu = self.gpu or _this_gpu(self._device)
         if gpu is not None and self.prediction is not None and self.prediction.ops is not None:
