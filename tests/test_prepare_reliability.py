@@ -143,7 +143,7 @@ def test_a_full_or_read_only_disk_is_one_line_and_the_old_data_is_intact(
     _failing(monkeypatch, error, after)
     err = one_error_line(capsys, ["prepare", "--source", str(source), "--out", str(fresh)])
     assert err.endswith(f"{reason} while writing {fresh / writing}; nothing was written")
-    assert list(fresh.iterdir()) == []
+    assert not fresh.exists()  # not even the directory: the refused prepare removes the one it made
 
 
 # ---------------------------------------------------------------------------------- stale temp files

@@ -235,67 +235,180 @@ def claim_version_dir(run_root: str | os.PathLike) -> int:
             n += 1
 
 
+# ------------------------------------------------------------------------------------- SLURM
+
+
+def slurm_job_key(env=None) -> str | None:
+    """The SLURM job this process runs in, as `scontrol requeue` names it: "ARRAYJOB_TASK" for an array
+    task, else the job id; None outside SLURM."""
+    env = os.environ if env is None else env
+    array, task = env.get("SLURM_ARRAY_JOB_ID"), env.get("SLURM_ARRAY_TASK_ID")
+    if array and task:
+        return f"{array}_{task}"
+    return env.get("SLURM_JOB_ID") or None
+
+
+def slurm_line(env=None) -> str | None:
+    """ "SLURM job 12 (array task 3 of job 9), restart 1" for a run's first line and its TensorBoard text."""
+    env = os.environ if env is None else env
+    job = env.get("SLURM_JOB_ID")
+    if not job:
+        return None
+    array = env.get("SLURM_ARRAY_JOB_ID")
+    task = f" (array task {env.get('SLURM_ARRAY_TASK_ID')} of job {array})" if array else ""
+    return f"SLURM job {job}{task}, restart {env.get('SLURM_RESTART_COUNT') or 0}"
+
+
+def _slurm_job_state(job: str) -> str | None:
+    """The job's state as scontrol reports it (RUNNING, COMPLETING, CANCELLED, ...), None if unknown."""
+    import subprocess
+
+    try:
+        out = subprocess.run(
+            ["scontrol", "show", "job", "-o", job], capture_output=True, text=True, timeout=30, check=False
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    match = re.search(r"\bJobState=(\S+)", out)
+    return match.group(1) if match else None
+
+
+def requeue_slurm_job(signum: int | None) -> str | None:
+    """Requeue the job this process runs in, after its checkpoint is saved; returns a few words on the outcome.
+
+    SIGUSR1 is SLURM's warning (`--signal=B:USR1@N` before the time limit, `scancel --signal=USR1`): the job
+    would end, so it is requeued here. On SIGTERM the job is requeued only while SLURM still counts it
+    RUNNING (`scancel --signal=TERM`): after `scontrol requeue` or a preemption SLURM requeues it itself, and
+    after a plain `scancel` (CANCELLED) the user asked it to end.
+    """
+    import subprocess
+
+    job = slurm_job_key()
+    if job is None:
+        return None
+    if signum != getattr(signal, "SIGUSR1", None):
+        state = _slurm_job_state(job)
+        if state != "RUNNING":
+            return f"not requeued by lmledger (job {job} is {state or 'unknown to scontrol'})"
+    try:
+        done = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60, check=False)
+    except (OSError, subprocess.SubprocessError) as err:
+        return f"requeue of job {job} failed ({err})"
+    if done.returncode != 0:
+        return f"requeue of job {job} failed ({' '.join(done.stderr.split()) or done.returncode})"
+    return f"job {job} requeued"
+
+
 # ------------------------------------------------------------------------------------- preemption
 
 
 class Preempted(SIGTERMException):
-    """Training stopped on SIGTERM after a complete step; `checkpoint` holds it (None: nothing was saved)."""
+    """Training stopped on SIGTERM/SIGUSR1 after a complete step; `checkpoint` holds it (None: nothing was
+    saved); `requeued` says what became of the SLURM job (None outside SLURM)."""
 
-    def __init__(self, step: int, checkpoint: str | None) -> None:
+    def __init__(self, step: int, checkpoint: str | None, requeued: str | None = None) -> None:
         super().__init__(143)
-        self.step, self.checkpoint = step, checkpoint
+        self.step, self.checkpoint, self.requeued = step, checkpoint, requeued
+
+
+# The signals that mean "save and stop": SLURM and Kubernetes send SIGTERM before killing a job, SLURM sends
+# SIGUSR1 as its warning before a time limit (`#SBATCH --signal=B:USR1@90`) or on `scancel --signal=USR1`.
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGUSR1") if hasattr(signal, name))
 
 
 class PreemptionCheckpoint(pl.Callback):
-    """On SIGTERM (SLURM's and Kubernetes' notice of preemption) finish the current optimizer step, save
-    last.ckpt atomically, and stop the fit with `Preempted`.
+    """On SIGTERM or SIGUSR1 finish the current optimizer step, save last.ckpt atomically, requeue the SLURM
+    job the run is in (requeue_slurm_job), and stop the fit with `Preempted`.
 
-    Lightning's own handler stops after the current batch without saving, mid-accumulation alike, and
-    exits 0 (canary test_lightning_stops_on_sigterm_without_saving). Here the handler only takes note;
-    the save follows the optimizer step (where ModelCheckpoint saves) and the stop comes at the next
-    batch's start, after that step's logging and validation. One process only: under DDP the ranks would
-    first have to agree on the step, so Lightning's handling (and SLURM's SIGUSR1 requeue) stays.
+    Lightning's own SIGTERM handler stops after the current batch without saving, mid-accumulation alike,
+    and exits 0 (canary test_lightning_stops_on_sigterm_without_saving); its SLURM requeue (SIGUSR1) works
+    only when SLURMEnvironment is detected (srun or --ntasks), saves an hpc_ckpt_N.ckpt that `--ckpt_path
+    last` does not see, and saves mid-accumulation. This is the one path instead: the handler only takes
+    note; the decision to stop is made at the step boundary, reduced over the ranks (any rank signalled:
+    all stop at the same step), the save follows the optimizer step (where ModelCheckpoint saves), and the
+    stop comes at the next batch's start, after that step's logging and validation.
     """
 
     def __init__(self) -> None:
         self.requested = False
+        self.signum: int | None = None
         self.saved: str | None = None
+        self.requeued: str | None = None
         self._saved_step = -1
-        self._previous_handler = None
+        self._previous: dict[int, Any] = {}  # installed over these, restored at the end of the fit
+        self._original: dict[int, Any] = {}  # kept: what a stale handler defers to
+        self._active = False
 
-    def _on_sigterm(self, signum, frame) -> None:
+    def _on_signal(self, signum, frame) -> None:
+        if not self._active:  # left installed by Lightning's teardown after this fit: act as before it
+            previous = self._original.get(signum, signal.SIG_DFL)
+            signal.signal(signum, previous)
+            if callable(previous):
+                previous(signum, frame)
+            else:
+                os.kill(os.getpid(), signum)
+            return
         self.requested = True
+        self.signum = self.signum or signum
+
+    def _install(self, signum: int) -> None:
+        if signum in self._previous:
+            return
+        try:
+            self._previous[signum] = signal.signal(signum, self._on_signal)
+            self._original.setdefault(signum, self._previous[signum])
+        except ValueError:  # not the main thread: leave the handlers as they are
+            pass
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        # SIGUSR1 from now on: its default action ends the process, and SLURM may send it during set-up.
+        # (Lightning registers its own SIGUSR1 handler only for SLURMEnvironment(auto_requeue=True), which
+        # lmledger fit turns off, and only where none is installed.)
+        if stage == "fit" and hasattr(signal, "SIGUSR1"):
+            self._active = True
+            self._install(signal.SIGUSR1)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if trainer.world_size > 1 or not hasattr(signal, "SIGTERM"):
+        if not hasattr(signal, "SIGTERM"):
             return
+        self._active = True
         # A SIGTERM during set-up or the sanity check reached Lightning's handler: take it over.
-        self.requested = take_received_sigterm(trainer)
-        try:
-            self._previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
-        except ValueError:  # not the main thread: leave Lightning's handler in place
-            self._previous_handler = None
+        if take_received_sigterm(trainer):
+            self.requested, self.signum = True, self.signum or signal.SIGTERM
+        for signum in STOP_SIGNALS:
+            self._install(signum)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        if self.requested and self._saved_step == trainer.global_step:
-            raise Preempted(trainer.global_step, self.saved)
+        if self._saved_step == trainer.global_step:
+            raise Preempted(trainer.global_step, self.saved, self.requeued)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if not self.requested or accumulating(trainer):
+        if accumulating(trainer):
             return  # mid-accumulation: the step is not complete yet
-        self.saved = self._save_last(trainer)
+        stop = self.requested
+        if trainer.world_size > 1:  # every rank takes part at every step boundary, signalled or not
+            stop = trainer.strategy.reduce_boolean_decision(stop, all=False)
+        if not stop:
+            return
+        self.saved = self._save_last(trainer)  # every rank calls it: Lightning's save is collective
         self._saved_step = trainer.global_step
+        if trainer.is_global_zero:
+            self.requeued = requeue_slurm_job(self.signum)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._restore_handler()
+        self._restore_handlers()
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
-        self._restore_handler()
+        self._restore_handlers()
 
-    def _restore_handler(self) -> None:
-        if self._previous_handler is not None:
-            signal.signal(signal.SIGTERM, self._previous_handler)
-            self._previous_handler = None
+    def _restore_handlers(self) -> None:
+        self._active = False
+        for signum, previous in self._previous.items():
+            try:
+                signal.signal(signum, previous)
+            except (ValueError, TypeError):
+                pass
+        self._previous = {}
 
     @staticmethod
     def _save_last(trainer: pl.Trainer) -> str:
@@ -312,3 +425,142 @@ class PreemptionCheckpoint(pl.Callback):
         path = str(directory / f"{ModelCheckpoint.CHECKPOINT_NAME_LAST}{ModelCheckpoint.FILE_EXTENSION}")
         trainer.save_checkpoint(path)
         return path
+
+
+# ------------------------------------------------------------------------------------- one writer, no litter
+
+# Beside the lock in a version directory: the SLURM job (slurm_job_key) that trains there, so that the
+# job's requeued runs find it with --ckpt_path auto, and another job does not.
+SLURM_JOB_FILE = "slurm_job"
+# Files this small are restored byte for byte when a refused run rewrote them (hparams.yaml, a config).
+_RESTORE_AT_MOST = 1 << 20
+
+
+def slurm_job_version(run_root: str | os.PathLike, job: str) -> int | None:
+    """The version directory of `run_root` that SLURM job `job` trains in, if any (the newest, should two)."""
+    root = Path(run_root)
+    for version in sorted(versions(root), reverse=True):
+        try:
+            if (root / f"version_{version}" / SLURM_JOB_FILE).read_text().strip() == job:
+                return version
+        except OSError:
+            continue
+    return None
+
+
+class RunClaim(pl.Callback):
+    """The run directory a fit trains in: held under a lock (lmledger.runlock) while the process lives, and,
+    if the run is refused before its first step is through every check, left as it was found.
+
+    `claim()` snapshots the directory and takes its lock; until the run is committed (a second batch
+    starts, a checkpoint is saved, or training ends), `undo()` removes whatever this process created
+    there (a version directory it made, in full; in an existing one, only the new files) and restores the
+    small files it rewrote. Nothing that was there before is removed.
+    """
+
+    def __init__(self) -> None:
+        self.version_dir: Path | None = None
+        self.lock = None
+        self.committed = False
+        self._made = False  # whether this process made version_dir
+        self._created: list[Path] = []  # the directories above it this process made, outermost first
+        self._before: dict[str, tuple[int, int, bytes | None]] = {}
+        self._batches = 0
+
+    def claim(self, version_dir: str | os.PathLike, made: bool, parents_made: list[Path] = ()) -> None:
+        """Lock `version_dir` (made by this process if `made`, under the `parents_made` it made too)."""
+        from lmledger.runlock import RUN_LOCK, DirLock
+
+        self.version_dir = Path(version_dir)
+        self._made, self._created = made, list(parents_made)
+        self.version_dir.mkdir(parents=True, exist_ok=True)
+        self._before = {}
+        for path in self.version_dir.rglob("*"):
+            if path.is_file() and not path.is_symlink():
+                stat = path.stat()
+                small = stat.st_size <= _RESTORE_AT_MOST and path.suffix != ".ckpt"
+                self._before[str(path.relative_to(self.version_dir))] = (
+                    stat.st_size,
+                    stat.st_mtime_ns,
+                    path.read_bytes() if small else None,
+                )
+            elif path.is_dir():
+                self._before[str(path.relative_to(self.version_dir))] = (-1, 0, None)
+
+        def busy(who: str) -> UserError:
+            return UserError(
+                f"{self.version_dir} is being trained in by {who} (it holds {self.version_dir / RUN_LOCK}): "
+                "one writer per run; wait for it to end or stop it, or start a fresh run without --ckpt_path"
+            )
+
+        try:
+            self.lock = DirLock(self.version_dir / RUN_LOCK).acquire(busy)
+        except UserError:
+            self.undo()
+            raise
+        _CLAIMS.append(self)
+
+    def mark_slurm_job(self, job: str) -> None:
+        if self.version_dir is not None:
+            atomic_write(self.version_dir / SLURM_JOB_FILE, job + "\n")
+
+    # Any of these means the run has trained: what it wrote is the run's, not litter.
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self._batches += 1
+        if self._batches > 1:
+            self.committed = True
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
+        self.committed = True
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self.committed = True
+
+    def undo(self) -> None:
+        """Put the run directory back as claim() found it (nothing, if claim made it); then release it."""
+        import shutil
+
+        try:
+            if self.committed or self.version_dir is None:
+                return
+            if self._made:
+                shutil.rmtree(self.version_dir, ignore_errors=True)
+            elif self.version_dir.is_dir():
+                for path in sorted(self.version_dir.rglob("*"), key=lambda p: len(p.parts), reverse=True):
+                    key = str(path.relative_to(self.version_dir))
+                    before = self._before.get(key)
+                    try:
+                        if before is None:
+                            path.unlink() if not path.is_dir() or path.is_symlink() else path.rmdir()
+                        elif before[2] is not None and path.is_file() and path.read_bytes() != before[2]:
+                            atomic_write(path, before[2])
+                    except OSError:
+                        pass
+            for directory in reversed(self._created):
+                try:
+                    directory.rmdir()  # only if empty: another run may have started there meanwhile
+                except OSError:
+                    pass
+        finally:
+            self.release()
+
+    def release(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
+        if self in _CLAIMS:
+            _CLAIMS.remove(self)
+
+
+_CLAIMS: list[RunClaim] = []
+
+
+def undo_uncommitted_claims() -> None:
+    """A refused run (UserError before its first step passed every check): undo this process's claims."""
+    for claim in list(_CLAIMS):
+        claim.undo()
+
+
+def release_claims() -> None:
+    for claim in list(_CLAIMS):
+        claim.release()

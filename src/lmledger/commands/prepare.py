@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -16,6 +17,7 @@ from lmledger.corpus import (
     prepare,
     summary,
 )
+from lmledger.errors import UserError
 
 
 def prepare_corpus(
@@ -40,9 +42,43 @@ def prepare_corpus(
             file)
     """
     started = time.perf_counter()
-    meta = prepare(list(source), out, tokenizer, vocab_size, val_fraction, overwrite)
+    with _locked(Path(out)):
+        meta = prepare(list(source), out, tokenizer, vocab_size, val_fraction, overwrite)
     print(summary(meta, Path(out), time.perf_counter() - started))
     return 0
+
+
+# In --out while a prepare writes there (lmledger.runlock): a second prepare into the same directory at the
+# same time is refused; one that comes after finds the data and refuses without --overwrite.
+PREPARE_LOCK = ".prepare.lock"
+
+
+@contextlib.contextmanager
+def _locked(out: Path):
+    from lmledger.runlock import DirLock
+
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} is a file; pass a directory")
+    made = [p for p in (*reversed(out.parents), out) if not p.exists()]
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise UserError(f"cannot create --out {out} ({err.strerror})") from None
+    lock = DirLock(out / PREPARE_LOCK)
+    try:
+        lock.acquire(
+            lambda who: UserError(
+                f"{out} is being written by another lmledger prepare ({who}); wait for it, or choose another --out"
+            )
+        )
+        yield
+    finally:
+        lock.release(remove=lock.created)
+        for directory in reversed(made):  # a refused prepare leaves no directory it made (only if empty)
+            try:
+                directory.rmdir()
+            except OSError:
+                break
 
 
 def main(argv: list[str]) -> int:

@@ -43,8 +43,9 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import Trainer
 from lightning.pytorch.accelerators import MPSAccelerator
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from lightning.pytorch.plugins.environments import ClusterEnvironment, SLURMEnvironment
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
@@ -56,12 +57,18 @@ from lmledger.callbacks.progress import plain_progress_if_not_a_terminal
 from lmledger.checkpointing import (
     AtomicCheckpointIO,
     PreemptionCheckpoint,
+    RunClaim,
     StepSeeder,
     check_checkpoint_fits,
     claim_version_dir,
     make_last_checkpoint_atomic,
     newest_checkpoint,
     open_checkpoint,
+    release_claims,
+    slurm_job_key,
+    slurm_job_version,
+    slurm_line,
+    undo_uncommitted_claims,
     versions,
 )
 from lmledger.data import TokenDataModule, load_meta
@@ -74,7 +81,7 @@ from lmledger.precision import check_trainer_config, trainer_precision_kwargs
 
 SUBCOMMANDS = ("fit", "validate")
 # --ckpt_path values Lightning resolves itself rather than reading as a file.
-SPECIAL_CKPT_PATHS = ("last", "best", "hpc", "registry")
+SPECIAL_CKPT_PATHS = ("last", "best", "hpc", "registry", "auto")  # auto: ours (fit resumes if it can)
 
 
 class _DropAdverts(logging.Filter):
@@ -205,6 +212,12 @@ def _already_names(path: str, obj) -> bool:
     return False
 
 
+def _shown(value) -> str:
+    """A config value for a message: a function or class by its import path, anything else as repr()."""
+    name, module = getattr(value, "__name__", None), getattr(value, "__module__", None)
+    return f"{module}.{name}" if callable(value) and name and module else repr(value)
+
+
 def _lookup(namespace, key: str):
     """The value at dotted `key` in a (possibly nested) mapping, list or Namespace; None if absent."""
     value = namespace.as_dict() if isinstance(namespace, Namespace) else namespace
@@ -243,8 +256,8 @@ def _refuse_checkpoint_code(hparams: dict, model_config, path, any_model: bool) 
         if value != now and not (now is not None and _already_names(value, now)):
             raise UserError(
                 f"checkpoint {path} sets model {key} to {value!r}, an import path this command does not name "
-                f"(it has {now!r}): refused before importing it (a checkpoint does not choose the code that runs); "
-                f"pass {prefix}{key.removesuffix('.class_path')} {value} if you trust it"
+                f"(it has {_shown(now)}): refused before importing it (a checkpoint does not choose the code that "
+                f"runs); pass {prefix}{key.removesuffix('.class_path')} {value} if you trust it"
             )
 
 
@@ -478,6 +491,9 @@ def _ckpt_path_form(ckpt: str, subcommand: str, default_root_dir) -> None:
         )
     if ckpt == "hpc" and any(Path(default_root_dir or ".").glob("hpc_ckpt_*.ckpt")):
         return
+    if ckpt == "auto" and subcommand != "fit":
+        raise UserError(f"--ckpt_path auto is for `lmledger fit` (resume if there is a checkpoint, else start); "
+                        f"`lmledger {subcommand}` needs `last` or a checkpoint file")  # fmt: skip
     if ckpt in ("best", "hpc", "registry"):
         raise UserError(
             f"--ckpt_path {ckpt}: there is no {ckpt!r} checkpoint to resolve in a fresh `lmledger {subcommand}`; "
@@ -514,6 +530,34 @@ def _resolve_last(config, subcommand: str) -> tuple[Path, int] | None:
             + ("start a fresh run without --ckpt_path" if subcommand == "fit" else "train one with `lmledger fit`")
         )
     return last
+
+
+def _resolve_auto(config) -> tuple[Path | None, int | None, str]:
+    """--ckpt_path auto: (checkpoint, version, what happens in words). Under SLURM "this run" is the version
+    directory this job (or array task) trains in (its slurm_job file): a requeued job resumes it, another job
+    never does; elsewhere (a pod restarted, a script run again) it is the newest version with a checkpoint.
+    No checkpoint: (None, the job's version or None for a new one, the reason)."""
+    found = _run_dir_of(config)
+    if found is None:
+        raise UserError(
+            "--ckpt_path auto finds checkpoints in the TensorBoardLogger/CSVLogger layout (save_dir/name/version_N); "
+            "with another logger pass --ckpt_path FILE"
+        )
+    root, init = found
+    job = slurm_job_key()
+    if job is None:
+        last = find_last_checkpoint(init.save_dir, init.get("name") or "lightning_logs")
+        if last is None:
+            return None, None, f"no checkpoint under {root} yet: starting fresh"
+        return last[0], last[1], ""
+    version = slurm_job_version(root, job)
+    if version is None:
+        return None, None, f"SLURM job {job} has no run under {root} yet: starting fresh"
+    ckpt = newest_checkpoint(root / f"version_{version}" / "checkpoints")
+    if ckpt is None:
+        why = f"SLURM job {job} stopped in {root}/version_{version} before its first checkpoint: starting over"
+        return None, version, why
+    return ckpt, version, ""
 
 
 def _free_name(directory: Path, stem: str) -> str:
@@ -610,7 +654,7 @@ class LedgerCLI(LightningCLI):
         _check_trainer_values(config.trainer)
         if self.subcommand == "fit":
             _check_trains_something(config.trainer)
-        self._resume = None
+        self._resume, self._fresh = None, False
         if self.subcommand == "validate":
             # Evaluating writes no config and, unless the command line names a directory to log in (as
             # `lmledger sweep` does for each point), no run directory: the metrics are printed. (A logger
@@ -622,9 +666,19 @@ class LedgerCLI(LightningCLI):
         ckpt = config.get("ckpt_path")
         if not ckpt:
             return
-        run_dir = None
+        run_dir, auto = None, ckpt == "auto"
+        if auto:
+            path, version, fresh = _resolve_auto(config)
+            if path is None:  # nothing to resume: a fresh start (in the SLURM job's own version, if it has one)
+                config.ckpt_path = None
+                if version is not None:
+                    _run_dir_of(config)[1].version = version
+                self._resume = f"--ckpt_path auto: {fresh}"
+                self._fresh = True  # before_fit names the version directory claimed
+                return
+            ckpt = "last"  # checked as --ckpt_path last checks the checkpoint it finds
         if ckpt == "last":
-            found = _resolve_last(config, self.subcommand)
+            found = (path, version) if config.ckpt_path == "auto" else _resolve_last(config, self.subcommand)
             if found is None:
                 return  # not our TensorBoard layout; let Lightning resolve "last" itself
             path, version = found
@@ -648,7 +702,7 @@ class LedgerCLI(LightningCLI):
             # Log into the run's own version; its config is saved beside the first one, never over it.
             _run_dir_of(config)[1].version = version
             self.save_config_kwargs["config_filename"] = _free_name(run_dir, "config-resumed")
-            self._resume = f"resuming {run_dir} at step {step} from {path.name}"
+            self._resume = f"{'--ckpt_path auto: ' if auto else ''}resuming {run_dir} at step {step} from {path.name}"
         else:
             self._resume = f"resuming from {path} at step {step}, in a new run directory"
 
@@ -713,12 +767,14 @@ class LedgerCLI(LightningCLI):
         settings = cli_value(self, self.config_init, "ledger")
         if self.any_model:
             callbacks.append(StepChecks(read_batches=settings.enabled))
-            if settings.enabled:  # Ledger picks the toy LM's callbacks itself for a LitLM
-                callbacks.append(Ledger(settings.device_memory_gb, settings.warmup_steps, settings.measure))
-        else:
+        # One Ledger, the same for LitLM and any module; a config that lists its own runs that one alone.
+        if not any(isinstance(c, Ledger) for c in callbacks):
             callbacks += ledger_callbacks(settings)
         # Last, so the line it prints carries the values the ledger callbacks logged for this step.
         callbacks += plain_progress_if_not_a_terminal(config.get("enable_progress_bar"))
+        self._claim = RunClaim()  # the run directory's lock; a refused run's files undone (before_fit)
+        callbacks.append(self._claim)
+        precision = _slurm_plugins(precision, config.get("plugins"))
         try:
             trainer = super().instantiate_trainer(**{**precision, "callbacks": callbacks, **kwargs})
         except ValueError as err:  # Lightning's checks of accelerator, strategy and devices, e.g. FSDP on CPU
@@ -739,13 +795,31 @@ class LedgerCLI(LightningCLI):
             check_checkpoint_fits(ckpt, self.model)
 
     def _claim_run_dir(self) -> None:
-        # The run directory is claimed now, after every check, so a refused run leaves none behind. Rank 0
+        # The run directory is claimed now, after the checks made before training, and locked (one writer
+        # per run: RunClaim); what a run refused in its first step wrote there is undone (main). Rank 0
         # only: DDP's launcher re-runs the CLI for the other ranks, which log nothing.
         if rank_zero_only.rank != 0:
             return
         for logger in self.trainer.loggers:
             if isinstance(logger, (TensorBoardLogger, CSVLogger)):
-                pin_logger_version(logger, claim_version_dir)
+                root = Path(logger.root_dir)
+                parents = [p for p in (*reversed(root.parents[: len(root.parts) - 1]), root) if not p.exists()]
+                claimed: list[int] = []
+
+                def claim(run_root, claimed=claimed) -> int:
+                    claimed.append(claim_version_dir(run_root))
+                    return claimed[-1]
+
+                pin_logger_version(logger, claim)
+                self._claim.claim(Path(logger.log_dir), bool(claimed) or not Path(logger.log_dir).exists(), parents)
+                if slurm_job_key() and self.subcommand == "fit":
+                    self._claim.mark_slurm_job(slurm_job_key())
+                break  # one lock per process: the first logger's directory is the run's
+        run = self._claim.version_dir
+        for callback in self.trainer.callbacks:
+            # The config name was chosen before the lock was held; a run that ended meanwhile may have taken it.
+            if isinstance(callback, SaveConfigCallback) and run and (run / callback.config_filename).exists():
+                callback.config_filename = _free_name(run, "config-resumed")
 
     def before_fit(self) -> None:
         self._check_checkpoint()
@@ -754,8 +828,16 @@ class LedgerCLI(LightningCLI):
         if self.datamodule is not None:
             _refuse_empty_train_loader(self.datamodule)
         self._claim_run_dir_or_say_why()
-        if self._resume and rank_zero_only.rank == 0:
-            print(f"lmledger fit: {self._resume}", flush=True)
+        if rank_zero_only.rank == 0:
+            if self._fresh and self._claim.version_dir is not None:
+                self._resume += f" in {self._claim.version_dir}"
+            if self._resume:
+                print(f"lmledger fit: {self._resume}", flush=True)
+            if slurm_line() is not None:  # the job in TensorBoard too, one text entry per (re)start
+                for logger in self.trainer.loggers:
+                    if isinstance(logger, TensorBoardLogger):
+                        restart = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
+                        logger.experiment.add_text("slurm", slurm_line(), global_step=restart)
 
     def before_validate(self) -> None:
         self._check_checkpoint()
@@ -769,6 +851,53 @@ class LedgerCLI(LightningCLI):
             raise write_error(
                 err, where, after="nothing was written; pass a writable --trainer.logger.init_args.save_dir"
             ) from None
+
+
+def _slurm_plugins(kwargs: dict, plugins) -> dict:
+    """Trainer kwargs with SLURMEnvironment(auto_requeue=False) among the plugins when Lightning detects SLURM
+    (srun, or --ntasks) and the config names no cluster environment: PreemptionCheckpoint saves, requeues
+    and stops on SIGUSR1 for every rank count; Lightning's requeue would save a second, hpc_ckpt checkpoint."""
+    if not SLURMEnvironment.detect():
+        return kwargs
+    plugins = kwargs.get("plugins", plugins)
+    plugins = [] if plugins is None else list(plugins) if isinstance(plugins, (list, tuple)) else [plugins]
+    if any(isinstance(p, ClusterEnvironment) for p in plugins):
+        return kwargs
+    return {**kwargs, "plugins": [*plugins, SLURMEnvironment(auto_requeue=False)]}
+
+
+def _slurm_tasks_per_node(env=os.environ) -> None:
+    """`srun --ntasks N` on one node: Lightning's SLURMEnvironment refuses it with a traceback ("Use
+    --ntasks-per-node"; canary test_slurm_environment_refuses_ntasks_without_per_node), though on one node the two
+    mean the same. There it is given SLURM_NTASKS_PER_NODE=N; over several nodes the count per node is the user's
+    to say, in one line."""
+    ntasks = env.get("SLURM_NTASKS", "1")
+    if not ntasks.isdigit() or int(ntasks) <= 1 or "SLURM_NTASKS_PER_NODE" in env:
+        return
+    nodes = env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or "1"
+    if nodes == "1":
+        env["SLURM_NTASKS_PER_NODE"] = ntasks
+        return
+    raise UserError(
+        f"srun --ntasks {ntasks} over {nodes} nodes: add --ntasks-per-node (Lightning's SLURMEnvironment needs the "
+        "same number of tasks on every node, one per device)"
+    )
+
+
+def _run_claimed(argv: list[str]) -> None:
+    """The fit or validate; a run refused (UserError) before its first step passed every check leaves its
+    run directory as it found it (RunClaim.undo), and every run directory lock is released at the end."""
+    try:
+        _run_cli(LedgerCLI, argv, run=True)
+    except UserError:
+        undo_uncommitted_claims()
+        raise
+    except torch.cuda.OutOfMemoryError as oom:
+        if hasattr(oom, "ledger_line"):  # the preflight's refusal, reported as a UserError by main
+            undo_uncommitted_claims()
+        raise
+    finally:
+        release_claims()
 
 
 def _setting(section, name: str):
@@ -867,6 +996,9 @@ def _run_cli(cli_class: type[LedgerCLI], argv: list[str], run: bool) -> LedgerCL
     # Lightning warns on every mid-epoch resume that a loader without state_dict() "can cause unreliable
     # results". TokenDataModule's resumes exactly (its sampler starts at the restored batch count; tested).
     warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch ended")
+    # Lightning warns on every run outside SLURM where `srun` is installed (a login node, our CI); a job that
+    # is not started by srun is still handled (PreemptionCheckpoint, --ckpt_path auto; docs/cluster.md).
+    warnings.filterwarnings("ignore", message="The `srun` command is available on your system but is not used")
     named = named_classes(argv[1:] if argv and argv[0] in SUBCOMMANDS else argv)
     if named:
         # Class paths import from the working directory, as under `python -m` (the console script's
@@ -968,24 +1100,33 @@ def main(argv: list[str]) -> int:
     subcommand = argv[0] if argv else None
     if subcommand not in SUBCOMMANDS:
         raise UserError(f"unknown subcommand {subcommand!r}; choose from {', '.join(SUBCOMMANDS)}")
+    if subcommand == "fit" and rank_zero_only.rank == 0:
+        if not sys.stdout.isatty():  # a batch job's --output file gets each line as it is printed
+            sys.stdout.reconfigure(line_buffering=True)
+        if slurm_line() is not None:
+            print(f"lmledger fit: {slurm_line()}", flush=True)
     excepthook, threading.excepthook = threading.excepthook, _quiet_event_writer(threading.excepthook)
     try:
-        _run_cli(LedgerCLI, argv, run=True)
+        _slurm_tasks_per_node()
+        _run_claimed(argv)
     except NothingToResume as done:
         print(f"lmledger {subcommand}: {done}")
         return 0
     except SIGTERMException as stop:  # PreemptionCheckpoint's Preempted, or Lightning's own (DDP, set-up)
         saved = getattr(stop, "checkpoint", None)
-        if saved:
-            print(f"lmledger {subcommand}: preempted at step {stop.step}: saved {saved}; resume with --ckpt_path last",
-                  file=sys.stderr)  # fmt: skip
+        if saved and rank_zero_only.rank != 0:
+            pass  # every rank stopped at the same step (PreemptionCheckpoint); rank 0 says so
+        elif saved:
+            requeued = f"; {stop.requeued}" if getattr(stop, "requeued", None) else ""
+            print(f"lmledger {subcommand}: preempted at step {stop.step}: saved {saved}; resume with --ckpt_path last"
+                  f"{requeued}", file=sys.stderr)  # fmt: skip
         elif subcommand == "fit":
             print(f"lmledger {subcommand}: preempted (SIGTERM) before a step could be saved; --ckpt_path last "
                   "resumes from the run's newest checkpoint, if it has one", file=sys.stderr)  # fmt: skip
         else:
             print(f"lmledger {subcommand}: stopped by SIGTERM", file=sys.stderr)
         return 143  # 128 + SIGTERM, what a shell reports for a process SIGTERM ended
-    except torch.cuda.OutOfMemoryError as oom:  # PreflightGuard explains it in one line
+    except torch.cuda.OutOfMemoryError as oom:  # the Ledger explains it in one line
         if not hasattr(oom, "ledger_line"):
             raise
         raise UserError(oom.ledger_line) from oom
