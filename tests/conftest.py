@@ -117,3 +117,27 @@ def read_scalars(run_dir: Path | str) -> dict[str, list[tuple[int, float]]]:
 
 
 os.environ.setdefault("PYTHONWARNINGS", "ignore")
+
+
+SLURM_TOOLS = ("munged", "slurmctld", "slurmd", "sbatch", "squeue", "scontrol", "scancel", "srun")
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster() -> Iterator[None]:
+    """A one-node SLURM on localhost (scripts/slurm-local.sh), up once per session and down at its end unless
+    it was already up. Skips in one line where the packages or root are missing; CI has both (.ci/run)."""
+    import shutil
+    import subprocess
+
+    missing = [tool for tool in SLURM_TOOLS if shutil.which(tool) is None]
+    if missing:
+        pytest.skip(f"SLURM is not installed ({', '.join(missing)} missing): apt-get install -y slurm-wlm munge")
+    if os.geteuid() != 0:
+        pytest.skip("the local SLURM (scripts/slurm-local.sh) runs its daemons as root; this is not root")
+    script = Path(__file__).resolve().parents[1] / "scripts" / "slurm-local.sh"
+    was_up = subprocess.run([script, "status"], capture_output=True).returncode == 0
+    started = subprocess.run([script, "up"], capture_output=True, text=True, timeout=180)
+    assert started.returncode == 0, started.stderr
+    yield
+    if not was_up:
+        subprocess.run([script, "down"], capture_output=True, timeout=120)

@@ -20,7 +20,8 @@ FLAGS = {
     ("dtypes",): {"--help", "--json"},
     ("bench", "matmul"): {"--help", "--dtypes", "--sizes", "--repeats", "--device", "--plot", "--json"},
     ("prepare",): {"--help", "--source", "--tokenizer", "--vocab-size", "--out", "--overwrite", "--val-fraction"},
-    ("sweep",): {"--help", "--dry-run", "--jobs", "--out"},
+    ("sweep",): {"--help", "--dry-run", "--jobs", "--out", "--launcher", "--partition", "--time", "--cpus-per-task",
+                 "--mem", "--gres"},  # fmt: skip
     # account and plan max-batch also name the fit arguments they pass through (--config, --a.b overrides)
     ("account",): {"--help", "--config", "--model", "--data", "--a", "--measure", "--json"},
     ("plan", "train-time"): {"--help", "--params", "--tokens", "--gpu", "--num-gpus", "--mfu", "--dtype", "--json"},
@@ -52,7 +53,10 @@ def test_placeholders_and_quoted_constants_reach_the_help(capsys):
     assert "Tokenize a corpus into DIR/train.bin" in text  # the docstring's summary is the description
     assert "--resolve NAME" in help_text(capsys, "gpus") and "--plot PNG" in help_text(capsys, "bench", "matmul")
     sweep = help_text(capsys, "sweep")
-    assert re.search(r"usage: lmledger sweep \[-h\] \[--dry-run\] \[--jobs JOBS\] \[--out OUT\] experiment", sweep)
+    sweep = " ".join(sweep.split())
+    usage = (r"usage: lmledger sweep \[-h\] \[--dry-run\] \[--jobs JOBS\] \[--out OUT\] \[--launcher {local,slurm}\] "
+             r"\[--partition P\] \[--time T\] \[--cpus-per-task C\] \[--mem M\] \[--gres G\] experiment")  # fmt: skip
+    assert re.search(usage, sweep)
 
 
 def test_the_real_prepare_signature_parses_as_the_old_parser_did():

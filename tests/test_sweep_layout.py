@@ -7,7 +7,7 @@ from pathlib import Path
 
 import lmledger.sweep
 
-ORDER = ("spec", "collect", "check", "plots", "report", "runner")
+ORDER = ("spec", "collect", "check", "plots", "report", "runner", "slurm")
 
 
 def sweep_imports(path: Path) -> set[str]:

@@ -1,5 +1,6 @@
-"""`lmledger sweep EXPERIMENT.yaml [--dry-run] [--jobs N] [--out DIR]`: run an experiment grid (see
-lmledger.sweep.spec for the file format), or with --dry-run list its points with their predicted cost."""
+"""`lmledger sweep EXPERIMENT.yaml [--dry-run] [--jobs N] [--out DIR] [--launcher local|slurm ...]`: run an
+experiment grid (see lmledger.sweep.spec for the file format) as local processes or as one SLURM job array
+(lmledger.sweep.slurm), or with --dry-run list its points with their predicted cost."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import signal
 import sys
 import threading
 from pathlib import Path
+from typing import Literal
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -162,6 +164,10 @@ def run(experiment: Experiment, out_dir: Path, jobs: int) -> int:
                     progress.console.print(f"[yellow]skipped[/yellow] {result.point.id}: {result.error}")
 
         results = run_sweep(experiment, out_dir, jobs, on_start=on_start, on_done=on_done, plan=plan)
+    return _summary(experiment, out_dir, results)
+
+
+def _summary(experiment: Experiment, out_dir: Path, results: list[PointResult]) -> int:
     done = [r for r in results if r.status == "done"]
     reused = sum(r.reused for r in done)
     failed = [r for r in results if r.status == "failed"]
@@ -190,26 +196,80 @@ def _raise_terminated(signum, frame) -> None:
     raise Terminated
 
 
-def sweep(experiment: str, dry_run: bool = False, jobs: int = 1, out: str | None = None) -> int:
+def run_slurm(experiment: Experiment, out_dir: Path, jobs: int | None, request) -> int:
+    from lmledger.sweep.slurm import require_slurm, run_slurm_sweep
+
+    require_slurm()  # before the checks: the one line that says what is missing
+    plan = plan_sweep(experiment, out_dir)
+
+    def on_submit(job: str, count: int, mem_mib: int | None) -> None:
+        mem = f", --mem={mem_mib}M each" if mem_mib is not None else ""
+        print(f"sweep {experiment.name}: submitted {count} point(s) as SLURM job array {job}{mem}; waiting for them "
+              f"(Ctrl-C stops only the waiting: the same command later collects the results)", flush=True)  # fmt: skip
+
+    def on_done(result: PointResult) -> None:
+        if result.status in ("failed", "interrupted", "skipped"):
+            print(f"{result.status} {result.point.id}: {result.error}", file=sys.stderr, flush=True)
+
+    results = run_slurm_sweep(experiment, out_dir, request, jobs or 0, on_done=on_done, on_submit=on_submit, plan=plan)
+    return _summary(experiment, out_dir, results)
+
+
+def sweep(
+    experiment: str,
+    dry_run: bool = False,
+    jobs: int | None = None,
+    out: str | None = None,
+    launcher: Literal["local", "slurm"] = "local",
+    partition: str | None = None,
+    time: str | None = None,
+    cpus_per_task: int | None = None,
+    mem: str | None = None,
+    gres: str | None = None,
+) -> int:
     """Run an experiment grid: each point through the real CLI in its own process and run directory;
     re-running skips finished points and redoes failed ones.
 
     Args:
         experiment: an experiment YAML file, e.g. experiments/batch_memory.yaml
         dry_run: list the points with their predicted memory and FLOPs; run nothing
-        jobs: points run at once (default 1)
+        jobs: points run at once (default 1; with slurm: the job array's throttle, default none)
         out: results directory (default runs/sweeps/<experiment name>)
+        launcher: local: processes on this machine (default); slurm: one sbatch job array, a task per point
+        partition (P): slurm: the partition to queue in
+        time (T): slurm: each task's time limit (SLURM's forms, e.g. 30 or 1:00:00); SIGUSR1 comes 120 s before
+        cpus_per_task (C): slurm: CPUs per task
+        mem (M): slurm: memory per task (e.g. 8G); a point predicted not to fit is refused; default: from the
+            largest point's predicted peak (+25 percent and 2 GiB for the process)
+        gres (G): slurm: generic resources, e.g. gpu:h100:1 (each point's predicted peak is held against that
+            GPU's memory)
     """
-    if jobs < 1:
+    if jobs is not None and jobs < 1:
         raise UserError(f"--jobs must be >= 1, got {jobs}")
+    from lmledger.sweep.slurm import SlurmRequest
+
+    request = SlurmRequest(partition, time, cpus_per_task, mem, gres)
+    given = [f"--{f.replace('_', '-')}" for f in ("partition", "time", "cpus_per_task", "mem", "gres")
+             if getattr(request, f) is not None]  # fmt: skip
+    if launcher == "local" and given:
+        raise UserError(f"{', '.join(given)} configure SLURM jobs: add --launcher slurm, or drop them")
+    if cpus_per_task is not None and cpus_per_task < 1:
+        raise UserError(f"--cpus-per-task must be >= 1, got {cpus_per_task}")
     path = experiment
     loaded = load_experiment(path)
     out_dir = Path(out) if out else Path("runs") / "sweeps" / loaded.name
     if dry_run:
         return dry_run_listing(loaded, out_dir)
+    if launcher == "slurm":
+        try:
+            return run_slurm(loaded, out_dir, jobs, request)
+        except KeyboardInterrupt:
+            print(f"lmledger sweep: stopped waiting; the queued points stay queued, and the same command collects "
+                  f"them (squeue -n lmledger-{loaded.name})", file=sys.stderr)  # fmt: skip
+            return 130
     previous = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
-        return run(loaded, out_dir, jobs)
+        return run(loaded, out_dir, jobs or 1)
     except Terminated:
         print(
             f"lmledger sweep: stopped by SIGTERM; the running points were stopped too, and the next "

@@ -1,10 +1,18 @@
-"""`python -m lmledger.sweep point PARENT_PID LMLEDGER_ARGS...`: one sweep point's process (runner.point_command)."""
+"""`python -m lmledger.sweep point PARENT_PID LMLEDGER_ARGS...`: one sweep point's process (runner.point_command);
+`python -m lmledger.sweep slurm-task TASKS.json INDEX`: one point as a task of a SLURM job array (slurm.task_main)."""
 
 import sys
 
-from lmledger.sweep.runner import point_main
-
 if __name__ == "__main__":
-    if sys.argv[1:2] != ["point"]:
-        sys.exit("usage: python -m lmledger.sweep point PARENT_PID LMLEDGER_ARGS... (run by `lmledger sweep`)")
-    sys.exit(point_main(sys.argv[2:]))
+    if sys.argv[1:2] == ["point"]:
+        from lmledger.sweep.runner import point_main
+
+        sys.exit(point_main(sys.argv[2:]))
+    if sys.argv[1:2] == ["slurm-task"] and len(sys.argv) == 4:
+        from lmledger.sweep.slurm import task_main
+
+        sys.exit(task_main(sys.argv[2:]))
+    sys.exit(
+        "usage: python -m lmledger.sweep point PARENT_PID LMLEDGER_ARGS... | slurm-task TASKS.json INDEX "
+        "(run by `lmledger sweep`)"
+    )

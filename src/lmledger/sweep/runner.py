@@ -218,7 +218,15 @@ def run_point(point: Point, out_dir: Path, jobs: int = 1, running: Running | Non
                     running.discard(proc)
     finally:
         os.close(lock)
-    seconds = time.perf_counter() - start
+    outcome = point_outcome(point, out_dir, code, time.perf_counter() - start, args)
+    _write_json(status_path(out_dir, point), outcome.to_json())
+    return outcome
+
+
+def point_outcome(point: Point, out_dir: Path, code: int, seconds: float | None, args: list[str]) -> PointResult:
+    """A finished point's result from its exit code and its logs (points/<id>/stdout.log, stderr.log) and,
+    for fit and validate, its newest run directory's TensorBoard events: the same for either launcher."""
+    logs = status_path(out_dir, point).parent
     out_text = (logs / "stdout.log").read_text(errors="replace")
     status, error, metrics, output = "done", "", {}, None
     run_dir = newest_run_dir(out_dir, point) if point.subcommand in TRAINING_COMMANDS else None
@@ -243,11 +251,9 @@ def run_point(point: Point, out_dir: Path, jobs: int = 1, running: Running | Non
             status, error = "failed", "printed no JSON object on stdout (see its stdout.log)"
         else:
             metrics = account_metrics(output) if point.subcommand == "account" else flatten(output)
-    outcome = PointResult(
+    return PointResult(
         point, status, metrics, error, seconds, str(run_dir) if run_dir else None, argv=args, output=output
     )
-    _write_json(status_path(out_dir, point), outcome.to_json())
-    return outcome
 
 
 def _die_with_parent(parent: int) -> None:

@@ -1,0 +1,211 @@
+"""Under a real SLURM (scripts/slurm-local.sh, one node on localhost; the tests skip in one line without it):
+a batch job stopped twice (SLURM's warning signal, `scontrol requeue`) requeues and continues its own run bit
+for bit; `srun --ntasks 2` trains DDP over gloo with the ledger per rank, and a SIGTERM to one rank stops both
+at the same step; a sweep as a job array gives the local launcher's table; a point that cannot fit --mem is
+refused before sbatch."""
+
+from __future__ import annotations
+
+import csv
+import os
+import re
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import yaml
+from test_preemption import curves
+from test_resume import TAGS
+
+from conftest import MICRO_OVERRIDES, read_scalars
+from lmledger.checkpointing import SLURM_JOB_FILE, open_checkpoint
+from lmledger.cli import main as lmledger
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+TESTS = Path(__file__).resolve().parent
+STEPS = 12
+
+
+def job_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def fit_args(name: str, *extra: str) -> list[str]:
+    return ["fit", "--config", "configs/tiny.yaml", *MICRO_OVERRIDES, "--trainer.max_steps", str(STEPS),
+            "--trainer.callbacks.init_args.every_n_train_steps", "2", "--trainer.logger.init_args.name", name,
+            *extra]  # fmt: skip
+
+
+def squeue_state(job: str) -> str:
+    out = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True, text=True).stdout.strip()
+    return out.splitlines()[0] if out else ""
+
+
+def wait_for(condition, what: str, timeout: float = 120.0, log: Path | None = None):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}" + (f"; log:\n{log.read_text()[-3000:]}" if log else ""))
+
+
+def release(job: str) -> None:
+    """A requeued job waits ~2 minutes (its BeginTime); let it start now."""
+    wait_for(lambda: squeue_state(job) == "PENDING", f"job {job} pending again")
+    subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=True, capture_output=True)
+
+
+def checkpoint_step(path: Path) -> int:
+    try:
+        return int(open_checkpoint(path)["global_step"])
+    except Exception:
+        return -1
+
+
+def test_a_batch_job_requeued_twice_continues_its_run_bit_for_bit(workdir, slurm_cluster):
+    throttle = '{"class_path": "test_resume.Throttle", "init_args": {"after_step": 0, "seconds": 0.25}}'
+    # Progress lines on (the log is not a terminal: one plain line per step), later on the line than MICRO's off.
+    args = fit_args("cut", "--trainer.enable_progress_bar", "true", "--trainer.callbacks+=" + throttle,
+                    "--ckpt_path", "auto")  # fmt: skip
+    log = workdir / "job.log"
+    script = workdir / "job.sh"
+    script.write_text(
+        "#!/bin/bash\n"
+        f"#SBATCH --output={log}\n#SBATCH --open-mode=append\n#SBATCH --cpus-per-task=1\n#SBATCH --chdir={workdir}\n"
+        f"exec {shlex.quote(sys.executable)} -m lmledger.cli {shlex.join(args)}\n"
+    )
+    job = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, env=job_env(),
+                         check=True).stdout.strip()  # fmt: skip
+    try:
+        assert lmledger(fit_args("whole")) == 0  # the uninterrupted reference, in this process meanwhile
+        run = workdir / "runs" / "cut" / "version_0"
+        ckpt = run / "checkpoints" / "last.ckpt"
+        # The log is read while the job runs: progress lines arrive as they are printed, not at exit.
+        wait_for(lambda: re.search(r"^step \d+", log.read_text(), re.M) if log.exists() else None, "a progress line",
+                 log=log)  # fmt: skip
+        assert squeue_state(job) == "RUNNING"
+        # 1: SLURM's warning signal, as --signal=B:USR1@N sends it before a time limit.
+        wait_for(lambda: checkpoint_step(ckpt) >= 2, "the first checkpoint", log=log)
+        subprocess.run(["scancel", "--signal=USR1", "--batch", job], check=True)
+        release(job)
+        wait_for(lambda: "restart 1" in log.read_text(), "the requeued job's first line", log=log)
+        # 2: the scheduler requeues it (SIGTERM, then SIGKILL after KillWait).
+        wait_for(lambda: checkpoint_step(ckpt) >= 6, "a later checkpoint", log=log)
+        subprocess.run(["scontrol", "requeue", job], check=True)
+        release(job)
+        wait_for(lambda: squeue_state(job) == "", "the job to finish", timeout=180, log=log)
+    finally:
+        subprocess.run(["scancel", job], capture_output=True)
+    text = log.read_text()
+    starts = re.findall(rf"^lmledger fit: SLURM job {job}, restart (\d)$", text, re.M)
+    assert starts == ["0", "1", "2"], text[-3000:]
+    saved = re.findall(r"^lmledger fit: preempted at step (\d+): saved \S+; resume with --ckpt_path last; (.*)$",
+                       text, re.M)  # fmt: skip
+    assert len(saved) == 2 and f"job {job} requeued" in saved[0][1], text[-3000:]
+    assert text.count("--ckpt_path auto: resuming runs/cut/version_0 at step") == 2, text[-3000:]
+    assert (run / SLURM_JOB_FILE).read_text().strip() == job
+    assert sorted(p.name for p in (workdir / "runs" / "cut").iterdir()) == ["version_0"]
+    pieces, whole = curves(run), {t: dict(v) for t, v in read_scalars(workdir / "runs/whole/version_0").items()}
+    assert len(pieces) == 3
+    for tag in TAGS:
+        steps = sorted(s for piece in pieces for s in piece[tag])
+        assert steps == list(range(STEPS)), (tag, steps)  # every step logged once: none lost, none twice
+        for piece in pieces:
+            assert piece[tag] == {s: whole[tag][s] for s in piece[tag]}, tag  # exact float equality
+
+
+class TermRank1(pl.Callback):
+    """Test-only: SIGTERM to global rank 1 alone as step `at_step` starts; rank 0 hears of it only through the
+    ranks' agreement at the step boundary."""
+
+    def __init__(self, at_step: int) -> None:
+        self.at_step = at_step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_rank == 1 and trainer.global_step == self.at_step:
+            os.kill(os.getpid(), 15)
+
+
+def test_srun_two_ranks_train_ddp_and_stop_together(workdir, slurm_cluster):
+    ddp = ["--trainer.strategy", "ddp", "--trainer.devices", "2", "--trainer.accelerator", "cpu",
+           "--trainer.max_steps", "6", "--ledger.warmup_steps", "1"]  # fmt: skip
+    srun = ["srun", "--ntasks", "2", "--cpus-per-task", "1", "--chdir", str(workdir), sys.executable, "-m",
+            "lmledger.cli"]  # fmt: skip
+    term = '{"class_path": "test_slurm.TermRank1", "init_args": {"at_step": 2}}'
+    stopped = subprocess.run([*srun, *fit_args("ddp", *ddp, "--trainer.callbacks+=" + term)], capture_output=True,
+                             text=True, env=job_env(), timeout=300)  # fmt: skip
+    said = stopped.stdout + stopped.stderr
+    assert stopped.returncode == 143, said[-3000:]
+    lines = re.findall(r"^lmledger fit: preempted at step (\d+)", said, re.M)
+    assert lines == ["3"], said[-3000:]  # rank 0 alone prints it; both stopped after step 3, the one saved
+    run = workdir / "runs" / "ddp" / "version_0"
+    assert open_checkpoint(run / "checkpoints" / "last.ckpt")["global_step"] == 3
+    assert not list(workdir.rglob("hpc_ckpt_*.ckpt"))  # Lightning's own SLURM requeue stayed off
+    assert "MEMBER: 2/2" in said  # Lightning's SLURMEnvironment made the group of two from srun's variables
+    scalars = read_scalars(run)
+    assert [step for step, _ in scalars["train/loss"]] == [0, 1, 2]
+    for part in ("params", "grads", "optimizer"):  # DDP replicates the state: per rank, measured = predicted
+        assert scalars[f"memory/measured/{part}"][-1][1] == scalars[f"memory/predicted/{part}"][-1][1]
+    per_device, total = scalars["perf/tokens_per_sec"][-1][1], scalars["perf/tokens_per_sec_total"][-1][1]
+    assert abs(total - 2 * per_device) <= 1e-6 * total
+
+
+def experiment(workdir: Path, name: str) -> Path:
+    path = workdir / f"{name}.yaml"
+    fixed = {"trainer.max_steps": 2, "trainer.limit_val_batches": 0, "trainer.log_every_n_steps": 1,
+             "model.config.d_model": 32, "model.config.n_layers": 1, "model.config.n_heads": 2,
+             "model.config.d_ff": 64, "model.config.context_length": 32}  # fmt: skip
+    path.write_text(yaml.safe_dump({
+        "name": name, "command": "fit", "configs": ["configs/tiny.yaml"], "fixed": fixed,
+        "grid": {"data.batch_size": [2, 4]}, "metrics": ["train/loss", "memory/predicted/peak", "flops/model_per_step"],
+    }))  # fmt: skip
+    return path
+
+
+def table(path: Path) -> list[dict[str, str]]:
+    with open(path) as f:
+        return [{k: v for k, v in row.items() if k != "seconds"} for row in csv.DictReader(f)]
+
+
+def test_a_sweep_through_slurm_gives_the_local_table(workdir, slurm_cluster, monkeypatch):
+    for key in [k for k in os.environ if k.startswith("SLURM_")]:
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    spec = experiment(workdir, "pair")
+    assert lmledger(["sweep", str(spec), "--out", "local", "--jobs", "2"]) == 0
+    assert lmledger(["sweep", str(spec), "--out", "slurm", "--launcher", "slurm", "--cpus-per-task", "1"]) == 0
+    local, slurm = table(workdir / "local" / "results.csv"), table(workdir / "slurm" / "results.csv")
+    assert len(local) == 2 and all(row["status"] == "done" for row in local)
+    assert slurm == local  # the same numbers, to the last digit written
+    (script,) = (workdir / "slurm" / "slurm").glob("array-*.sh")
+    assert "#SBATCH --array=0-1\n" in script.read_text() and re.search(r"#SBATCH --mem=\d+M", script.read_text())
+    # A second run finds both done and queues nothing.
+    assert lmledger(["sweep", str(spec), "--out", "slurm", "--launcher", "slurm"]) == 0
+    assert len(list((workdir / "slurm" / "slurm").glob("array-*.sh"))) == 1
+
+
+def test_a_point_over_mem_is_refused_before_sbatch(workdir, capsys, slurm_cluster):
+    spec = experiment(workdir, "big")
+    capsys.readouterr()
+    assert lmledger(["sweep", str(spec), "--launcher", "slurm", "--mem", "100M", "--out", "o"]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("lmledger")]
+    assert len(err) == 1 and "does not fit --mem 100M" in err[0] and "nothing was queued" in err[0], err
+    assert not (workdir / "o" / "slurm").exists()
+
+
+def test_without_slurm_the_launcher_names_what_is_missing(workdir, capsys, monkeypatch):
+    monkeypatch.setenv("PATH", str(workdir))  # no sbatch, no squeue
+    spec = experiment(workdir, "none")
+    assert lmledger(["sweep", str(spec), "--launcher", "slurm"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "--launcher slurm needs SLURM's sbatch and squeue on PATH" in line, line
