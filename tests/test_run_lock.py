@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+from test_any_model_cli import NoLoss
 
 from conftest import MICRO_OVERRIDES
 from lmledger.cli import main as lmledger
@@ -122,12 +123,43 @@ def test_prepare_refused_while_another_holds_the_directory(tmp_path, capsys):
     assert sorted(p.name for p in out.iterdir()) == [".prepare.lock"]  # the holder's; nothing written beside it
 
 
+class DictWithoutLoss(NoLoss):
+    def training_step(self, batch, batch_idx):
+        return {"total": self.layer(batch[0]).mean()}
+
+
+class DetachedLoss(NoLoss):
+    def training_step(self, batch, batch_idx):
+        return self.layer(batch[0]).mean().detach()
+
+
+class BadTokens(NoLoss):
+    tokens_per_batch = -1
+
+    def training_step(self, batch, batch_idx):
+        return self.layer(batch[0]).mean()
+
+
 # Refusals made in the first training step (StepChecks, the ledger's preflight): each leaves no trace.
 REFUSALS = {
     "no loss": ["--model", "test_any_model_cli.NoLoss"],
+    "dict without loss": ["--model", "test_run_lock.DictWithoutLoss"],
     "non-scalar loss": ["--model", "test_any_model_cli.TokenLoss"],
+    "detached loss": ["--model", "test_run_lock.DetachedLoss"],
+    "bad tokens_per_batch": ["--model", "test_run_lock.BadTokens"],
     "batch without a tensor": ["--model", "test_any_model_cli.NoLoss", "--data", "test_any_model_cli.Strings"],
     "device memory": ["--ledger.device_memory_gb", "1e-9"],
+}
+
+
+REFUSED = {  # a fragment of each one-line refusal
+    "no loss": "training_step returned None",
+    "dict without loss": "the 'loss' key needs to be present",
+    "non-scalar loss": "returned a tensor of shape",
+    "detached loss": "returned a loss that needs no grad",
+    "bad tokens_per_batch": "tokens_per_batch gave -1",
+    "batch without a tensor": "holding no tensor",
+    "device memory": "exceeds the 1 B available",
 }
 
 
@@ -147,7 +179,7 @@ def test_a_refused_run_leaves_the_runs_directory_as_it_was(workdir, capsys, case
     before = tree(workdir / "runs")
     capsys.readouterr()
     assert lmledger(args) == 2
-    one_error_line(capsys)
+    assert REFUSED[case] in one_error_line(capsys)
     assert tree(workdir / "runs") == before
 
 
