@@ -178,3 +178,91 @@ def test_any_module_gets_mfu_beside_hfu(tmp_path):
     for (_, mfu), (_, hfu) in zip(scalars["perf/mfu"], scalars["perf/hfu"], strict=True):
         assert 0 < mfu <= hfu <= 1  # model FLOPs leave out the recompute hardware FLOPs count
     assert scalars["flops/model_per_step"][0][1] < scalars["flops/hardware_per_step"][0][1]
+
+
+# --- several optimizers and manual optimization ------------------------------------------------------------
+
+
+class GAN(pl.LightningModule):
+    """Two networks, two optimizers, stepped by hand (Lightning's GAN pattern: toggle, manual_backward, step)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.generator = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 16))
+        self.discriminator = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 1))
+
+    def training_step(self, batch, batch_idx):
+        (real,) = batch
+        g_opt, d_opt = self.optimizers()
+        noise = torch.zeros(real.shape[0], 8, device=real.device) + 0.5
+        with self.toggled_optimizer(g_opt):
+            fake = self.generator(noise)
+            g_loss = F.softplus(-self.discriminator(fake)).mean()
+            g_opt.zero_grad()
+            self.manual_backward(g_loss)
+            g_opt.step()
+        with self.toggled_optimizer(d_opt):
+            d_loss = F.softplus(-self.discriminator(real)).mean() + F.softplus(self.discriminator(fake.detach())).mean()
+            d_opt.zero_grad()
+            self.manual_backward(d_loss)
+            d_opt.step()
+
+    def configure_optimizers(self):
+        return (
+            torch.optim.Adam(self.generator.parameters(), lr=1e-3),
+            torch.optim.SGD(self.discriminator.parameters(), lr=1e-2, momentum=0.9),
+        )
+
+
+class ClipsItself(pl.LightningModule):
+    """Manual optimization with Lightning's clipping and a scheduler the step advances."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.net = nn.Sequential(nn.Linear(16, 128), nn.GELU(), nn.Linear(128, 8))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        opt = self.optimizers()
+        loss = F.mse_loss(self.net(x), y)
+        opt.zero_grad()
+        self.manual_backward(loss)
+        self.clip_gradients(opt, gradient_clip_val=0.5, gradient_clip_algorithm="norm")
+        opt.step()
+        self.lr_schedulers().step()
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=1e-2)
+        return [opt], [torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)]
+
+
+def _regression_loader(*shapes: int) -> DataLoader:
+    g = torch.Generator().manual_seed(0)
+    return DataLoader(TensorDataset(*(torch.randn(96, n, generator=g) for n in shapes)), batch_size=16)
+
+
+@pytest.mark.parametrize("module, shapes", [(GAN, (16,)), (ClipsItself, (16, 8))])
+def test_manual_optimization_is_predicted(module, shapes):
+    ledger = Ledger(warmup_steps=1)
+    torch.manual_seed(0)
+    trained = module()
+    fit(trained, _regression_loader(*shapes), [ledger], steps=6)
+    predicted, measured = ledger.predicted, ledger.measured
+    assert predicted is not None, ledger.why_not_predicted
+    for name in ("params", "grads", "optimizer"):
+        assert measured.get(name) == predicted.get(name) > 0, name
+    assert measured.activations == predicted.activations
+    assert measured.flops_hardware == predicted.flops_hardware
+    assert measured.peak == pytest.approx(predicted.peak, rel=0.03)
+
+
+def test_the_dry_run_of_a_manual_step_leaves_the_real_module_alone():
+    """toggle_optimizer, the schedulers and requires_grad of the real module are untouched by the fake step."""
+    torch.manual_seed(0)
+    module = ClipsItself()
+    ledger = Ledger(warmup_steps=1, measure=False)
+    trainer = fit(module, _regression_loader(16, 8), [ledger], steps=2)
+    assert trainer.lr_scheduler_configs[0].scheduler.get_last_lr() == [1e-2 * 0.5**2]  # two real steps only
+    assert all(p.requires_grad for p in module.parameters())

@@ -259,7 +259,7 @@ class Ledger(pl.Callback):
                 optimizer=_optimizers(trainer)[0] if trainer.optimizers else None, share=(trainer,),
                 precision=str(trainer.precision), device=pl_module.device, limit=max(1, now),
                 accumulate=self._accumulate,
-            ) if self._dry is not None else None  # fmt: skip
+            ) if self._dry is not None and pl_module.automatic_optimization else None  # fmt: skip
         if found is None or isinstance(found, NotTraced):
             return "lower the batch size, checkpoint activations or set ledger.device_memory_gb"
         if found.size == 0:
@@ -518,13 +518,15 @@ def dry_run_training_step(
     if why is not None:
         return NotTraced(why)
     optimizers = _optimizers(trainer)
+    manual = not pl_module.automatic_optimization
     with untouched_rng(pl_module.device), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
             return dry_run(
                 pl_module, batch, step=_training_step(trainer, batch_idx),
-                optimizer=optimizers[0] if optimizers else None, precision=str(trainer.precision),
-                device=pl_module.device, share=(trainer,), accumulate=accumulate,
+                optimizer=optimizers if manual else (optimizers[0] if optimizers else None),
+                precision=str(trainer.precision), device=pl_module.device, share=(trainer,),
+                accumulate=accumulate, manual=manual,
             )  # fmt: skip
         except UserError as err:
             return NotTraced(str(err))
@@ -536,10 +538,6 @@ def _no_log(*args, **kwargs) -> None:
 
 def _not_modelled(trainer: pl.Trainer, pl_module: pl.LightningModule) -> str | None:
     """Why the dry run does not apply to this run, or None."""
-    if not pl_module.automatic_optimization:
-        return "manual optimization (the dry run models Lightning's automatic optimization step)"
-    if len(trainer.optimizers) > 1:
-        return "more than one optimizer"
     replicated = isinstance(trainer.strategy, (SingleDeviceStrategy, DDPStrategy))
     if not replicated or isinstance(trainer.strategy, DeepSpeedStrategy):  # DeepSpeed subclasses DDPStrategy
         return f"{type(trainer.strategy).__name__} shards the model; the dry run models one replicated device"

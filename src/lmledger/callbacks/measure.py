@@ -99,7 +99,6 @@ class StepMeasurement:
             self._phase(self._phases[1])  # zero_grad only frees; the dry run charges it to backward
 
     def before_optimizer_step(self) -> None:
-        self._stop_counter()  # the optimizer step does no matmul
         self._phase(self._phases[2])
 
     def batch_end(self, module: torch.nn.Module, optimizers: list, global_step: int) -> bool:

@@ -35,7 +35,7 @@ import gc
 import sys
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from unittest import mock
 
@@ -51,6 +51,7 @@ from torch._subclasses.fake_tensor import (
 )
 from torch.optim.optimizer import _get_foreach_kernels_supported_devices
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode
 
 from lmledger.errors import UserError
 from lmledger.ledger import moe, precisions
@@ -124,6 +125,7 @@ def dry_run(
     share: tuple[object, ...] = (),
     accumulate: int = 1,
     routing: str | None = None,
+    manual: bool = False,
 ) -> StepLedger | NotTraced:
     """One steady-state training step of `model` on a fake `batch`, with no compute and no memory.
 
@@ -144,6 +146,9 @@ def dry_run(
                as Lightning divides it; zero_grad after the first one's forward
     routing    None, "balanced" or "worst": the mixture-of-experts routing assumed where top-k
                routing decides a shape (ledger.moe; moe.predict_moe runs both)
+    manual     Lightning's manual optimization: `step` is the module's whole training_step, which runs
+               its own backward and optimizer steps (`optimizer` may then be a list); the calls it makes
+               on the module reach the fake optimizers (`_ManualOptimization`)
 
     Raises UserError for bad input (an unknown precision, a step that returns no scalar loss, a
     device this machine lacks); returns NotTraced when the model cannot run on fake tensors.
@@ -156,8 +161,13 @@ def dry_run(
     try:
         fake_model, memo = _fake_copy(model, mode, target, dtype, share)
         fake_batch = map_tensors(lambda t: _fake_tensor(t, mode, target), _cast_batch(batch, dtype))
+        configured = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+        if len(configured) > 1 and not manual:
+            raise UserError(
+                f"{len(configured)} optimizers: Lightning steps several optimizers only under manual optimization"
+            )
         with mode:  # an optimizer that makes state in its constructor (Adagrad) makes it fake
-            fake_optimizer = _fake_optimizer(optimizer, fake_model, memo, target)
+            fake_optimizers = [_fake_optimizer(o, fake_model, memo, target) for o in configured]
     except UserError:
         raise
     except Exception as err:  # deepcopy or fake conversion: a model we cannot copy
@@ -168,7 +178,9 @@ def dry_run(
         moe_routing = moe.RoutingAssumption(routing)  # grouped GEMMs on CPU fakes; routing-decided shapes
         with mode, torch.compiler.set_stance("force_eager"), _RealOutputStorages(), moe_routing:
             with _eager_library_decisions():
-                return _ledger_of_step(fake_model, fake_batch, step, fake_optimizer, autocast, target, accumulate)
+                if manual:
+                    return _ledger_of_manual_step(fake_model, fake_batch, step, fake_optimizers, autocast, target)
+                return _ledger_of_step(fake_model, fake_batch, step, fake_optimizers[0], autocast, target, accumulate)
     except UserError:
         raise
     except Exception as err:
@@ -340,6 +352,153 @@ def _ledger_of_step(
         flops_by_op=by_op,
         ops=recorder.summary(),
     )
+
+
+def _ledger_of_manual_step(
+    model: nn.Module,
+    batch: object,
+    step: StepFn,
+    optimizers: list[torch.optim.Optimizer | None],
+    autocast: torch.dtype | None,
+    device: torch.device,
+) -> StepLedger:
+    """Two manual-optimization steps: `step` runs the module's training_step, which calls manual_backward
+    and steps its optimizers itself. FLOPs (split at each manual_backward) and saved activations (up to the
+    first backward) are read on the first, the peak on the second, as in the automatic step."""
+    optimizers = [o for o in optimizers if o is not None]
+    manual = _ManualOptimization(model, optimizers)
+    was_training = model.training
+    model.train()
+    context = (
+        torch.autocast(device.type, dtype=autocast, cache_enabled=False) if autocast is not None else nullcontext()
+    )
+    counter = flop_counter()
+    try:
+        with manual:
+            hooks = ExitStack()  # closed at the first manual_backward, or when the step ends without one
+            saved = hooks.enter_context(measure_saved_activations(model))
+            manual.at_first_backward, manual.counter = hooks.close, counter
+            with hooks, counter, context:
+                step(model, batch)
+            manual.at_first_backward, manual.counter = None, None
+            tracker = MemoryTracker().track(model, optimizers, batch_tensors(batch))
+            manual.tracker = tracker
+            with tracker, _no_cyclic_gc(), context:
+                tracker.phase("forward")
+                step(model, batch)
+    finally:
+        model.train(was_training)
+    state = measure_state_bytes(model)
+    state["optimizer"] = sum(measure_state_bytes(model, o)["optimizer"] for o in optimizers)
+    phase_peaks = {name: tracker.phase_peaks.get(name, 0) for name in PHASES}
+    total = counter.get_total_flops()
+    return StepLedger(
+        params=state["params"], grads=state["grads"], optimizer=state["optimizer"],
+        buffers=_storage_bytes(model.buffers()), batch=_storage_bytes(batch_tensors(batch)),
+        activations=saved.activations, autocast_weight_copies=saved.autocast_weight_copies,
+        peak=tracker.peak_bytes, peak_phase=max(phase_peaks, key=phase_peaks.__getitem__), phase_peaks=phase_peaks,
+        flops_forward=total - manual.backward_flops, flops_backward=manual.backward_flops,
+        flops_by_op={str(op): n for op, n in counter.get_flop_counts().get("Global", {}).items()},
+    )  # fmt: skip
+
+
+class _ManualOptimization:
+    """While entered, the LightningModule calls a manual training step makes reach the fake copy's own
+    optimizers: `optimizers()`, `manual_backward`, `toggle_optimizer`/`untoggle_optimizer`/`toggled_optimizer`,
+    `lr_schedulers()` (schedulers whose step does nothing: the real ones would move the real learning rates),
+    and each optimizer's `step`. Lightning's own versions go through the trainer to the real optimizers, and
+    toggle_optimizer would flip requires_grad on the real parameters. Duck-typed: no Lightning import."""
+
+    def __init__(self, module: nn.Module, optimizers: list[torch.optim.Optimizer]) -> None:
+        self.module, self.fakes = module, optimizers
+        self.tracker: MemoryTracker | None = None
+        self.at_first_backward: Callable[[], None] | None = None
+        self.counter: FlopCounterMode | None = None  # step 1's; backward's share is read around each call
+        self.backward_flops = 0
+        self._requires_grad: dict[nn.Parameter, bool] = {}
+
+    def __enter__(self) -> _ManualOptimization:
+        module = self.module
+        module.optimizers = lambda use_pl_optimizer=True: self.fakes[0] if len(self.fakes) == 1 else list(self.fakes)
+        module.lr_schedulers = self.lr_schedulers
+        module.manual_backward = self.manual_backward
+        module.toggle_optimizer, module.untoggle_optimizer = self.toggle, self.untoggle
+        module.toggled_optimizer = self.toggled
+        for optimizer in self.fakes:
+            optimizer.step = self._stepper(optimizer)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for name in ("optimizers", "lr_schedulers", "manual_backward", "toggle_optimizer", "untoggle_optimizer",
+                     "toggled_optimizer"):  # fmt: skip
+            vars(self.module).pop(name, None)
+        for optimizer in self.fakes:
+            vars(optimizer).pop("step", None)
+
+    def lr_schedulers(self) -> object:
+        """The module's schedulers (read when the step asks: its trainer is set by then), frozen."""
+        real = getattr(type(self.module), "lr_schedulers", None)
+        found = real(self.module) if real is not None else None
+        if found is None:
+            return None
+        return [_FrozenScheduler(s) for s in found] if isinstance(found, list) else _FrozenScheduler(found)
+
+    def manual_backward(self, loss: torch.Tensor, *args, **kwargs) -> None:
+        if self.at_first_backward is not None:
+            self.at_first_backward()  # forward is over: what backward needs is saved
+            self.at_first_backward = None
+        if self.tracker is not None:
+            self.tracker.phase("backward")
+        before = self.counter.get_total_flops() if self.counter is not None else 0
+        loss.backward(*args, **kwargs)
+        if self.counter is not None:
+            self.backward_flops += self.counter.get_total_flops() - before
+
+    def _stepper(self, optimizer: torch.optim.Optimizer):
+        real_step = type(optimizer).step
+
+        def step(closure=None):
+            if self.tracker is not None:
+                self.tracker.phase("optimizer step")
+            with _PlaceholderScalars():
+                return real_step(optimizer, closure) if closure is not None else real_step(optimizer)
+
+        return step
+
+    def toggle(self, optimizer: torch.optim.Optimizer) -> None:
+        optimizer = getattr(optimizer, "optimizer", optimizer)
+        self._requires_grad = {p: p.requires_grad for o in self.fakes for g in o.param_groups for p in g["params"]}
+        for p in self._requires_grad:
+            p.requires_grad_(False)
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                p.requires_grad_(self._requires_grad[p])
+
+    def untoggle(self, optimizer: torch.optim.Optimizer) -> None:
+        for p, flag in self._requires_grad.items():
+            p.requires_grad_(flag)
+        self._requires_grad = {}
+
+    @contextmanager
+    def toggled(self, optimizer: torch.optim.Optimizer) -> Iterator[None]:
+        self.toggle(optimizer)
+        try:
+            yield
+        finally:
+            self.untoggle(optimizer)
+
+
+class _FrozenScheduler:
+    """A learning-rate scheduler whose step does nothing; it reports the real one's rates."""
+
+    def __init__(self, scheduler: object) -> None:
+        self._scheduler = getattr(scheduler, "scheduler", scheduler)
+
+    def step(self, *args, **kwargs) -> None:
+        return None
+
+    def get_last_lr(self) -> list[float]:
+        return self._scheduler.get_last_lr()
 
 
 @contextmanager
