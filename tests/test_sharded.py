@@ -197,3 +197,25 @@ def _source(fn) -> str:
     import inspect
 
     return inspect.getsource(fn)
+
+
+def test_canary_fsdp2_reads_two_chunks():
+    # ledger.sharded._RankChunks makes a chunk only when read: FSDP2 must read no chunk but its rank's and the 0th.
+    import re
+
+    from torch.distributed.fsdp._fully_shard import _fsdp_param
+
+    reads = set(re.findall(r"\bchunks\[([^\]]+)\]", _source(_fsdp_param)))
+    assert reads <= {"shard_rank", "0", "mesh_info.shard_mesh_rank"}, reads
+    assert "for chunk in chunks" not in _source(_fsdp_param)
+
+
+def test_rank_chunks_are_torchs_chunks():
+    t = torch.arange(10 * 3).view(10, 3)
+    for n in (1, 3, 4, 7, 16):
+        lazy = sharded._RankChunks(t, n, 0)
+        real = list(torch.chunk(t, n, 0))
+        assert len(lazy) == n
+        for i in range(n):
+            expected = real[i] if i < len(real) else real[0].new_empty(0)
+            assert torch.equal(lazy[i], expected) and lazy[i].shape == expected.shape

@@ -522,7 +522,7 @@ def _predict_fsdp2(module, batch, step, optimizer, precision, world_size, settin
     if device is not None and torch.device(device).type != "cpu":
         return NotTraced(f"the sharded dry run runs FSDP2 on a CPU mesh, not {device}: predict it for cpu")
     try:
-        with fake_process_group(world_size) as mesh:
+        with fake_process_group(world_size) as mesh, _rank_chunks_only():
             fake = _FakeRun(module, batch, step, optimizer, precision, device, mesh=mesh, shard=settings)
             if isinstance(fake.error, NotTraced):
                 return fake.error
@@ -535,6 +535,44 @@ def _predict_fsdp2(module, batch, step, optimizer, precision, world_size, settin
         return NotTraced(f"{err}: the run is measured only")
     comm = max((2 * u for u in units), default=0)
     return _sharded(result, "fsdp2", world_size, comm_buffers=comm, state=fake.state)
+
+
+class _RankChunks:
+    """torch.chunk(tensor, n, dim) padded with empties to n, as FSDP2's _chunk_with_empty returns it, with each
+    chunk made when it is read: FSDP2 reads its own rank's and the 0th (the padded size), so the fake run
+    makes 2 views per parameter, not W (the dry run's cost then stays flat in the world size)."""
+
+    def __init__(self, tensor: torch.Tensor, num_chunks: int, dim: int) -> None:
+        self.tensor, self.num_chunks, self.dim = tensor, num_chunks, dim
+        length = tensor.size(dim)
+        self.size = math.ceil(length / num_chunks) if length else 0
+        self.count = math.ceil(length / self.size) if self.size else 0
+
+    def __len__(self) -> int:
+        return self.num_chunks
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        if index < 0:
+            index += self.num_chunks
+        if not 0 <= index < self.num_chunks:
+            raise IndexError(index)
+        if index < self.count:
+            start = index * self.size
+            return self.tensor.narrow(self.dim, start, min(self.size, self.tensor.size(self.dim) - start))
+        return self[0].new_empty(0) if self.count else self.tensor.new_empty(0)
+
+    def __iter__(self):
+        return (self[i] for i in range(self.num_chunks))
+
+
+@contextmanager
+def _rank_chunks_only() -> Iterator[None]:
+    """FSDP2's _chunk_with_empty made lazy for the fake run (_RankChunks); the real twin runs torch's own. The
+    W = 2 and 4 tests against real ranks hold the two equal; test_canary_fsdp2_reads_two_chunks holds the use."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param
+
+    with mock.patch.object(_fsdp_param, "_chunk_with_empty", _RankChunks):
+        yield
 
 
 def _fsdp_units(model: nn.Module) -> list[int]:
