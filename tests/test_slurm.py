@@ -209,3 +209,93 @@ def test_without_slurm_the_launcher_names_what_is_missing(workdir, capsys, monke
     assert lmledger(["sweep", str(spec), "--launcher", "slurm"]) == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert "--launcher slurm needs SLURM's sbatch and squeue on PATH" in line, line
+
+
+def test_a_rerun_does_not_resubmit_a_queued_point_and_a_vanished_task_is_failed(workdir, slurm_cluster):
+    """A point whose task is still in the queue is not submitted again; one whose task left the queue without
+    writing a status (killed by SLURM) is reported failed, naming its log."""
+    from lmledger.sweep import load_experiment
+    from lmledger.sweep.runner import status_path
+    from lmledger.sweep.slurm import ended_result, in_queue
+
+    points = load_experiment(experiment(workdir, "held")).points
+    held = subprocess.run(["sbatch", "--parsable", "--hold", "--array=0", "--wrap", "true"], capture_output=True,
+                          text=True, check=True).stdout.strip()  # fmt: skip
+    try:
+        status = status_path(workdir / "out", points[0])
+        status.parent.mkdir(parents=True)
+        status.write_text(f'{{"point": "{points[0].id}", "status": "queued", "slurm_task": "{held}_0"}}')
+        assert in_queue(workdir / "out", list(points)) == {points[0].id: f"{held}_0"}
+    finally:
+        subprocess.run(["scancel", held], check=True)
+    wait_for(lambda: not in_queue(workdir / "out", list(points)), "the held task to leave the queue")
+    result = ended_result(workdir / "out", points[0])
+    assert result.status == "failed" and f"SLURM task {held}_0 ended without a result" in result.error
+
+
+# Canaries: what Lightning 2.6.6 does that lmledger's SLURM handling relies on (tests/test_canaries.py's kind;
+# kept here beside the SLURM tests, they need no cluster).
+
+
+def test_slurm_environment_is_detected_only_with_ntasks(monkeypatch):
+    """A plain `sbatch` job (no --ntasks, no srun) is not SLURM to Lightning, so its own SIGUSR1 requeue is never
+    installed there: why PreemptionCheckpoint handles SIGUSR1 itself (docs/cluster.md)."""
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+
+    for key in [k for k in os.environ if k.startswith("SLURM_")]:
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    monkeypatch.setenv("SLURM_JOB_NAME", "job.sh")
+    assert not SLURMEnvironment.detect()
+    monkeypatch.setenv("SLURM_NTASKS", "1")
+    assert SLURMEnvironment.detect()
+
+
+def test_slurm_environment_refuses_ntasks_without_per_node(monkeypatch):
+    """Lightning raises on `--ntasks N` without `--ntasks-per-node`; train._slurm_tasks_per_node sets it on one node."""
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+
+    from lmledger.commands.train import _slurm_tasks_per_node
+
+    monkeypatch.setenv("SLURM_NTASKS", "2")
+    monkeypatch.delenv("SLURM_NTASKS_PER_NODE", raising=False)
+    with pytest.raises(RuntimeError, match="ntasks-per-node"):
+        SLURMEnvironment(auto_requeue=False)
+    env = {"SLURM_NTASKS": "2", "SLURM_JOB_NUM_NODES": "1"}
+    _slurm_tasks_per_node(env)
+    assert env["SLURM_NTASKS_PER_NODE"] == "2"
+    from lmledger.errors import UserError
+
+    with pytest.raises(UserError, match="add --ntasks-per-node"):
+        _slurm_tasks_per_node({"SLURM_NTASKS": "4", "SLURM_JOB_NUM_NODES": "2"})
+
+
+def test_lightning_installs_no_sigusr1_handler_without_auto_requeue(monkeypatch):
+    """With SLURMEnvironment(auto_requeue=False) Lightning's signal connector leaves SIGUSR1 alone (so the kit's
+    handler is the only one), and its teardown puts back the handlers it found (so a handler installed before
+    it, as PreemptionCheckpoint's SIGUSR1 in setup, outlives the fit: the handler then defers to the original)."""
+    import signal
+
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+    from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
+
+    class FakeTrainer:
+        class _accelerator_connector:  # noqa: N801 (Lightning's attribute name)
+            cluster_environment = None
+
+    monkeypatch.setenv("SLURM_NTASKS", "1")
+    trainer = FakeTrainer()
+    trainer._accelerator_connector.cluster_environment = SLURMEnvironment(auto_requeue=False)
+    before_usr1, before_term = signal.getsignal(signal.SIGUSR1), signal.getsignal(signal.SIGTERM)
+    ours = lambda signum, frame: None  # noqa: E731
+    signal.signal(signal.SIGUSR1, ours)
+    try:
+        connector = _SignalConnector(trainer)
+        connector.register_signal_handlers()
+        assert signal.getsignal(signal.SIGUSR1) is ours  # not replaced, not wrapped
+        signal.signal(signal.SIGUSR1, signal.SIG_DFL)  # as PreemptionCheckpoint's restore does at the end
+        connector.teardown()
+        assert signal.getsignal(signal.SIGUSR1) is ours  # Lightning put back what it found
+    finally:
+        signal.signal(signal.SIGUSR1, before_usr1)
+        signal.signal(signal.SIGTERM, before_term)
