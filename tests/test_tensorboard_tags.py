@@ -31,9 +31,9 @@ def documented_patterns() -> list[re.Pattern]:
     patterns = []
     for line in PAGE.read_text().splitlines():
         prefix = None
-        for token in re.findall(r"`([^`]+)`", line):
+        for i, token in enumerate(re.findall(r"`([^`]+)`", line)):
             token = token.split(" ")[0]
-            if "/" in token:
+            if "/" in token or (i == 0 and line.startswith("| `")):  # a table row's first cell is a tag
                 prefix = token.rsplit("/", 1)[0]
             elif prefix is not None and re.fullmatch(r"[a-z_0-9]+", token):
                 token = f"{prefix}/{token}"
