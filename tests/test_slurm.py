@@ -203,6 +203,17 @@ def test_a_point_over_mem_is_refused_before_sbatch(workdir, capsys, slurm_cluste
     assert not (workdir / "o" / "slurm").exists()
 
 
+def test_a_point_over_the_gres_gpus_memory_is_refused_before_sbatch(workdir, capsys, slurm_cluster):
+    spec = workdir / "wide.yaml"
+    spec.write_text(yaml.safe_dump({"name": "wide", "command": "fit", "configs": ["configs/tiny.yaml"],
+                                    "grid": {"data.batch_size": [8, 4096]}}))  # fmt: skip
+    capsys.readouterr()
+    assert lmledger(["sweep", str(spec), "--launcher", "slurm", "--gres", "gpu:t4:1", "--out", "o"]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("lmledger")]
+    assert len(err) == 1 and "batch_size=4096" in err[0] and "does not fit the 16.00 GB of a" in err[0], err
+    assert not (workdir / "o" / "slurm").exists()
+
+
 def test_without_slurm_the_launcher_names_what_is_missing(workdir, capsys, monkeypatch):
     monkeypatch.setenv("PATH", str(workdir))  # no sbatch, no squeue
     spec = experiment(workdir, "none")

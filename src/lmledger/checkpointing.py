@@ -452,8 +452,8 @@ class RunClaim(pl.Callback):
     """The run directory a fit trains in: held under a lock (lmledger.runlock) while the process lives, and,
     if the run is refused before its first step is through every check, left as it was found.
 
-    `claim()` snapshots the directory and takes its lock; until the run is committed (a second batch
-    starts, a checkpoint is saved, or training ends), `undo()` removes whatever this process created
+    `claim()` snapshots the directory and takes its lock; until the run is committed (its second optimizer
+    step starts, a checkpoint is saved, or training ends), `undo()` removes whatever this process created
     there (a version directory it made, in full; in an existing one, only the new files) and restores the
     small files it rewrote. Nothing that was there before is removed.
     """
@@ -465,7 +465,7 @@ class RunClaim(pl.Callback):
         self._made = False  # whether this process made version_dir
         self._created: list[Path] = []  # the directories above it this process made, outermost first
         self._before: dict[str, tuple[int, int, bytes | None]] = {}
-        self._batches = 0
+        self._start_step: int | None = None
 
     def claim(self, version_dir: str | os.PathLike, made: bool, parents_made: list[Path] = ()) -> None:
         """Lock `version_dir` (made by this process if `made`, under the `parents_made` it made too)."""
@@ -505,9 +505,12 @@ class RunClaim(pl.Callback):
             atomic_write(self.version_dir / SLURM_JOB_FILE, job + "\n")
 
     # Any of these means the run has trained: what it wrote is the run's, not litter.
+    def on_train_start(self, trainer, pl_module) -> None:
+        self._start_step = trainer.global_step
+
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        self._batches += 1
-        if self._batches > 1:
+        # A later optimizer step begins: the first one, and every check made at its end, went through.
+        if self._start_step is not None and trainer.global_step > self._start_step:
             self.committed = True
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:

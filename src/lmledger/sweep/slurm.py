@@ -121,6 +121,24 @@ def gres_gpu(gres: str | None) -> tuple[str | None, int] | None:
     return None
 
 
+def gres_gpu_spec(kind: str):
+    """The kit's GPU entry for a gres type. Clusters name types their own way (`h100`, `a100`): a key of
+    `lmledger gpus` is taken as it is, a prefix of several keys means the one with the least memory (h100: the
+    80 GB SXM/PCIe, not the 94 GB NVL), so a point is never sent to a GPU it may not fit."""
+    from lmledger.ledger.hardware import GPUS
+
+    name = kind.lower().replace("_", "-")
+    if name in GPUS:
+        return GPUS[name]
+    matches = [spec for key, spec in GPUS.items() if key.startswith(name + "-")]
+    if not matches:
+        raise UserError(
+            f"--gres gpu:{kind}: no GPU of that type in the kit's table to hold the points' peaks against; name it "
+            f"by a key of `lmledger gpus` ({', '.join(GPUS)}), or ask for gpu:N without a type (not checked)"
+        )
+    return min(matches, key=lambda spec: spec.memory_bytes)
+
+
 def need_bytes(peak: float) -> int:
     """A CPU task's --mem for a point whose predicted peak is `peak` bytes: the margin over it plus the process."""
     return int(math.ceil(peak * PEAK_MARGIN)) + PROCESS_BYTES
@@ -154,9 +172,7 @@ def memory_request(experiment: Experiment, points: list[Point], request: SlurmRe
         kind, _ = gpu
         if kind is None:
             return None if request.mem is None else max(1, parse_mem(request.mem) // MIB)
-        from lmledger.ledger.hardware import require_gpu
-
-        spec = require_gpu(kind)
+        spec = gres_gpu_spec(kind)
         for point in points:
             if peaks.get(point.id, 0) > spec.memory_bytes:
                 raise UserError(
