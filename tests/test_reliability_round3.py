@@ -227,6 +227,11 @@ class TwoOptimizers(Tiny):
         return [torch.optim.SGD(self.embed.parameters(), lr=0.1), torch.optim.SGD(self.other.parameters(), lr=0.1)]
 
 
+class NoBatches(pl.LightningDataModule):
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(0, 8, dtype=torch.long)))
+
+
 def test_two_optimizers_under_automatic_optimization_are_one_line(workdir, capsys):
     args = ["fit", "--model", f"{__name__}.TwoOptimizers", *SMALL_DATA, *QUIET, "--trainer.max_steps", "2"]
     assert lmledger(args) == 2
@@ -234,6 +239,15 @@ def test_two_optimizers_under_automatic_optimization_are_one_line(workdir, capsy
     assert "TwoOptimizers.configure_optimizers returns more than one optimizer" in line, line
     assert "self.automatic_optimization = False" in line
     assert not (workdir / "runs").exists()
+
+
+def test_a_data_module_without_batches_is_refused(workdir, capsys):
+    before = files_under(workdir)
+    args = ["fit", "--model", f"{__name__}.Tiny", "--data", f"{__name__}.NoBatches", *QUIET, "--trainer.max_steps", "2"]
+    assert lmledger(args) == 2
+    assert "NoBatches.train_dataloader() yields no batch" in one_error_line(capsys)
+    # Refused when Lightning asks for the loader, inside fit: the run directory claimed by then is undone.
+    assert files_under(workdir) == before and not (workdir / "runs").exists()
 
 
 @pytest.mark.parametrize("flag", ["--trainer.max_steps", "--trainer.max_epochs"])
