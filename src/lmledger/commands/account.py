@@ -383,6 +383,85 @@ def account_any_model(argv: list[str], do_measure: bool) -> dict:
     }
 
 
+def trainer_scale(argv: list[str]) -> tuple[int, str]:
+    """(world size, ledger strategy name) that a fit's arguments ask for: trainer.devices x num_nodes and
+    trainer.strategy from the --config files, then --trainer.* overrides, read before anything is built (so
+    a model at scale is built on the meta device)."""
+    from types import SimpleNamespace
+
+    from lmledger.commands.train import _config_files, _read_config
+    from lmledger.runspec import _strategy_name, _world_size
+
+    trainer: dict = {}
+    for name in _config_files(argv):
+        trainer.update((_read_config(name) or {}).get("trainer") or {})
+    for i, arg in enumerate(argv):
+        for key in ("devices", "num_nodes", "strategy"):
+            flag = f"--trainer.{key}"
+            if arg == flag and i + 1 < len(argv):
+                trainer[key] = argv[i + 1]
+            elif arg.startswith(flag + "="):
+                trainer[key] = arg.split("=", 1)[1]
+    devices = trainer.get("devices", 1)
+    devices = int(devices) if isinstance(devices, str) and devices.strip().isdigit() else devices
+    nodes = trainer.get("num_nodes", 1)
+    nodes = int(nodes) if isinstance(nodes, str) and nodes.strip().isdigit() else nodes
+    strategy = trainer.get("strategy") or "auto"
+    if isinstance(strategy, dict):
+        strategy = SimpleNamespace(class_path=strategy.get("class_path", ""), init_args=strategy.get("init_args"))
+    return _world_size(devices, nodes if isinstance(nodes, int) else 1), _strategy_name(strategy)
+
+
+def at_scale(world_size: int, strategy: str) -> bool:
+    return world_size > 1 or strategy not in ("ddp", "auto", "single_device")
+
+
+def any_model_at_scale(argv: list[str], capacity_bytes: int | None = None) -> dict:
+    """One rank's dry run of any LightningModule at the arguments' world size and strategy (ledger.sharded),
+    as configured and with every block checkpointed; the module is built on the meta device (an 8B model
+    costs no memory), the batch shaped like its data's first batch."""
+    from lmledger.callbacks.ledger import samples_per_batch, tokens_per_batch
+    from lmledger.commands.train import build_model_and_data, first_batch
+    from lmledger.ledger import predict as any_model
+    from lmledger.ledger import sharded
+
+    world_size, strategy = trainer_scale(argv)
+    with torch.device("meta"):
+        module, data, config = build_model_and_data(argv)
+    batch = first_batch(data)
+    precision = str(config.trainer.get("precision") or "32-true")
+    samples = samples_per_batch(batch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        scale = sharded.at_scale(
+            module, lambda size: any_model.resized(batch, size), samples, strategy=strategy, world_size=world_size,
+            capacity_bytes=capacity_bytes, step=any_model.module_step,
+            optimizer=any_model.configured_optimizer(module), precision=precision,
+        )  # fmt: skip
+    return {
+        "params": any_model.parameter_count(module),
+        "run": {
+            "model": config.model.class_path,
+            "batch_size": samples,
+            "tokens_per_step": tokens_per_batch(module, batch),
+            "precision": precision,
+            "strategy": strategy,
+            "world_size": world_size,
+            "device": "cpu",
+        },
+        "per_rank": scale,
+    }
+
+
+def print_any_model_at_scale(result: dict) -> None:
+    run = result["run"]
+    print(
+        f"{run['model']}: {result['params']:,} params, {run['batch_size']} samples per rank, {run['precision']}; "
+        "dry-run on the meta device with the CPU's kernels (a GPU's attention kernels may hold more or less)"
+    )
+    print_per_rank(result["per_rank"])
+
+
 def print_any_model_table(result: dict) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -425,6 +504,13 @@ def account_command(*fit_args: str, measure: bool = False, json: bool = False) -
     from lmledger.commands.train import named_classes
 
     rest = list(fit_args)
+    if named_classes(rest) and not measure and at_scale(*trainer_scale(rest)):
+        result = any_model_at_scale(rest)
+        if json:
+            print(dumps(result))
+        else:
+            print_any_model_at_scale(result)
+        return 0
     if named_classes(rest):
         result = account_any_model(rest, measure)
         if json:

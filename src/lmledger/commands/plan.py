@@ -237,6 +237,17 @@ def max_batch_command(
         device_memory_gb = _ledger_memory_flag(fit_args)
     capacity, shown, gpu_key = _capacity(gpu, device_memory_gb)  # refused before any config is read
     if named_classes(fit_args):
+        from lmledger.commands.account import any_model_at_scale, at_scale, print_any_model_at_scale, trainer_scale
+
+        if at_scale(*trainer_scale(fit_args)):  # one rank's dry run at the world size (ledger.sharded)
+            result = any_model_at_scale(fit_args, capacity)
+            result.update(capacity_bytes=capacity, gpu=gpu_key)
+            if json:
+                print(dumps(result))
+            else:
+                print(f"memory per rank: {shown}")
+                print_any_model_at_scale(result)
+            return
         _max_batch_any_model(capacity, shown, gpu_key, fit_args, json)
         return
     import dataclasses
