@@ -71,7 +71,7 @@ def measure(spec: RunSpec, device: torch.device) -> dict:
 def step_time(spec: RunSpec, device: torch.device, step) -> dict:
     """The step-time table (issue 21, docs/time.md): the roofline bound of the config's step on `device`
     (its dry run's ops) beside the mean of three profiled real steps."""
-    from lmledger.ledger import profile, roofline
+    from lmledger.ledger import roofline
 
     def optimizer(params):  # as ledger.predict.measure builds it
         if spec.optimizer == "sgd":
@@ -79,9 +79,16 @@ def step_time(spec: RunSpec, device: torch.device, step) -> dict:
         return torch.optim.AdamW(params, lr=1e-4, fused=spec.fused_optimizer)
 
     ops = roofline.toy_step_ops(spec.config, spec.batch_size, spec.seq_len, spec.precision, optimizer)
-    bound = roofline.device_roofline(ops, compute_dtype_for_precision(spec.precision), device)
+    return time_table(ops, spec.precision, device, step)
+
+
+def time_table(ops, precision: str, device: torch.device, step) -> dict:
+    """The bound of `ops` (a dry run's OpSummary) on `device` beside three profiled calls of `step(phase)`."""
+    from lmledger.ledger import profile, roofline
+
+    bound = roofline.device_roofline(ops, compute_dtype_for_precision(precision), device)
     measured = profile.mean_breakdown([profile.profile_step(step, device) for _ in range(3)])
-    model_flops = 3 * ops.flops_in("forward")  # = 6N + attention for ToyLM
+    model_flops = 3 * ops.flops_in("forward")  # issue 21 §4: = 6N + attention for ToyLM and Llama
     return {
         "rows": {name: row.to_json() for name, row in roofline.time_rows(bound, measured, model_flops).items()},
         "roofline_mfu": bound.mfu(model_flops),
@@ -183,12 +190,19 @@ def account(spec: RunSpec, do_measure: bool) -> dict:
         "mfu_conventions": mfu_conventions(spec, measured["step_seconds"] if measured else None, device),
         "time": measured["time"] if measured else None,
     }
-    if spec.world_size > 1 or spec.strategy not in ("ddp", "auto", "single_device"):
+    if traced_at_scale(spec):
         _add_per_rank(result, spec)
     return result
 
 
 _AC_LABELS = ("checkpointing off", "checkpointing on")
+
+
+def traced_at_scale(spec: RunSpec) -> bool:
+    """A ToyLM run whose per-rank dry run (ledger.sharded) says more than the closed forms: DDP over several
+    ranks (its buckets) and FSDP2 (its gathered blocks). ZeRO, FSDP1 and DeepSpeed keep the closed forms,
+    whose state bytes are those the dry run would give."""
+    return (spec.strategy in ("ddp", "auto", "single_device") and spec.world_size > 1) or spec.strategy == "fsdp2"
 
 
 def _add_per_rank(result: dict, spec: RunSpec) -> None:
@@ -326,6 +340,40 @@ def _fmt(x: float | None) -> str:
     return "—" if x is None else f"{x:.4g}"
 
 
+def module_step_fn(module, batch: object, precision: str):
+    """`step(phase)`: one training step of a copy of `module` on `batch` as Lightning runs it (precision as its
+    plugin does, the module's own optimizer, zero_grad, backward, step), after two untimed steps."""
+    import copy
+    from contextlib import nullcontext
+
+    from lmledger.ledger import precisions
+    from lmledger.ledger.dryrun import map_tensors
+    from lmledger.ledger.predict import configured_optimizer, module_step
+
+    row = precisions.precision(precision)
+    real = copy.deepcopy(module)
+    if row.convert_dtype is not None:
+        real.to(row.convert_dtype)
+        batch = map_tensors(lambda t: t.to(row.convert_dtype) if t.is_floating_point() else t, batch)
+    optimizer = configured_optimizer(real)
+    device_type = next(real.parameters()).device.type
+
+    def step(phase=lambda name: None) -> None:
+        context = torch.autocast(device_type, row.autocast_dtype, cache_enabled=False) if row.autocast_dtype else None
+        with context or nullcontext():
+            loss = module_step(real, batch)
+        (optimizer or real).zero_grad(set_to_none=True)
+        loss.backward()
+        phase("optimizer step")
+        if optimizer is not None:
+            optimizer.step()
+
+    real.train()
+    step()
+    step()
+    return step
+
+
 def account_any_model(argv: list[str], do_measure: bool) -> dict:
     """account for a config naming any LightningModule: the dry run beside (with --measure) the real step,
     both on its data's first batch. No model FLOPs (6N + attention needs the architecture) and no MFU."""
@@ -350,6 +398,9 @@ def account_any_model(argv: list[str], do_measure: bool) -> dict:
         warnings.simplefilter("ignore")
         predicted = predict_run(run, batch)
         measured = any_model.measure_module(module, batch, precision=precision) if do_measure else None
+        timing = None
+        if do_measure and predicted.dry is not None and predicted.dry.ops is not None:
+            timing = time_table(predicted.dry.ops, precision, device, module_step_fn(module, batch, precision))
     not_predicted = predicted.unmodelled
     p = None if not_predicted else predicted
 
@@ -380,6 +431,7 @@ def account_any_model(argv: list[str], do_measure: bool) -> dict:
             "not_predicted": not_predicted,
         },
         "mfu_conventions": None,
+        "time": timing,
     }
 
 
@@ -492,6 +544,8 @@ def print_any_model_table(result: dict) -> None:
         measured_in = f"; measured peak (live tensor bytes) in: {measured_in}" if measured_in else ""
         print(f"predicted peak falls in: {run['peak_phase']}{measured_in}; on {run['device']}")
     print("no model FLOPs or MFU for a module that is not lmledger's ToyLM: HFU comes from a fit's perf/hfu")
+    if result.get("time"):
+        print(result["time"]["table"])
 
 
 def account_command(*fit_args: str, measure: bool = False, json: bool = False) -> int:

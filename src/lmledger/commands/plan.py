@@ -279,7 +279,9 @@ def max_batch_command(
         "optimizer": spec.optimizer,
         "activation_checkpointing": spec.config.activation_checkpointing,
     }
-    if spec.world_size > 1 or spec.strategy not in ("ddp", "auto", "single_device"):
+    from lmledger.commands.account import traced_at_scale
+
+    if traced_at_scale(spec):
         _per_rank_batch(result, spec, capacity)
     if json:
         print(dumps(result))

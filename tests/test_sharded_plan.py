@@ -1,0 +1,48 @@
+"""`lmledger account` and `lmledger plan max-batch` at scale (issue 19 §6): the per-rank answer at the
+config's --trainer.devices / --trainer.strategy, checkpointing off and on, held to the dry run's own search
+property (the answer fits, one more sample does not) and to what sharding must change."""
+
+from __future__ import annotations
+
+import torch
+
+from conftest import TINY_OVERRIDES, run_json
+from lmledger.ledger.sharded import predict_sharded, toy_inputs
+from lmledger.runspec import load_run_spec
+
+TINY = ["--config", "configs/tiny.yaml", *TINY_OVERRIDES, "--data.batch_size", "4"]
+
+
+def test_account_at_two_ddp_ranks_counts_the_buckets(workdir, capsys):
+    single = run_json(capsys, "account", *TINY, "--json")
+    ddp = run_json(capsys, "account", *TINY, "--trainer.devices", "2", "--trainer.strategy", "ddp", "--json")
+    assert "per_rank" not in single
+    off, on = ddp["per_rank"]["cases"]["checkpointing off"], ddp["per_rank"]["cases"]["checkpointing on"]
+    # Without gradient_as_bucket_view DDP's buckets are one more copy of the grads, alive through the step.
+    assert off["comm_buffers"] == off["grads"] == single["memory"]["grads"]["predicted"]
+    assert off["buckets"] >= 1
+    assert ddp["memory"]["peak"]["predicted"] == off["peak"]
+    assert abs(off["peak"] - (single["memory"]["peak"]["predicted"] + off["grads"])) <= 0.02 * off["peak"]
+    assert on["peak"] < off["peak"] and on["activations"] < off["activations"]
+
+
+def test_plan_max_batch_per_rank_under_fsdp2(workdir, capsys):
+    args = [*TINY, "--device-memory-gb", "0.02", "--json"]
+    single = run_json(capsys, "plan", "max-batch", *args)
+    four = run_json(capsys, "plan", "max-batch", *args, "--trainer.devices", "4", "--trainer.strategy", "fsdp2")
+    cases = four["per_rank"]["cases"]
+    assert four["max_batch"] == cases["checkpointing off"]["max_batch"]
+    assert cases["checkpointing on"]["max_batch"] > cases["checkpointing off"]["max_batch"] > 0
+    # Sharding params, grads and AdamW state over 4 ranks leaves room for more samples per rank.
+    assert four["max_batch"] >= single["max_batch"]
+    # The answer fits and one more sample does not, by the dry run itself.
+    spec = load_run_spec([*TINY, "--trainer.devices", "4", "--trainer.strategy", "fsdp2"])
+    model, batch_for, optimizer = toy_inputs(spec)
+    best = four["max_batch"]
+    peaks = [
+        predict_sharded(model, batch_for(b), optimizer=optimizer, strategy="fsdp2", world_size=4).peak
+        for b in (best, best + 1)
+    ]
+    assert peaks[0] <= 0.02e9 < peaks[1]
+    assert peaks[0] == four["peak_bytes"]
+    assert torch.distributed.is_available() and not torch.distributed.is_initialized()
