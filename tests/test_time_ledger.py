@@ -245,6 +245,17 @@ def test_account_measure_shows_the_step_time_table(workdir, capsys):
     assert 0 < result["time"]["roofline_mfu"] < 1 and result["time"]["diagnosis"].startswith("MFU ")
 
 
+def test_account_measure_shows_the_table_for_any_model(workdir, capsys):
+    pytest.importorskip("transformers")
+    llama = ["--config", "configs/examples/hf-llama.yaml", "--model.init_args.hidden_size", "64",
+             "--model.init_args.num_layers", "1", "--model.init_args.intermediate_size", "128",
+             "--model.init_args.context_length", "32", "--data.init_args.context_length", "32",
+             "--data.init_args.batch_size", "4"]  # fmt: skip
+    rows = run_json(capsys, "account", *llama, "--measure", "--json")["time"]["rows"]
+    for category in ("matmul", "attention", "other", "optimizer"):
+        assert rows[category]["measured_s"] >= rows[category]["bound_s"] > 0, category
+
+
 def test_plan_takes_the_roofline_mfu_of_a_config(workdir, capsys):
     args = ["plan", "train-time", "--params", "1M", "--tokens", "1B", "--gpu", "h100-sxm", "--json"]
     result = run_json(capsys, *args, "--mfu", "roofline:configs/tiny.yaml")

@@ -95,6 +95,10 @@ class TimeLedger(pl.Callback):
     # -- the bound -------------------------------------------------------------------------------
 
     def _predict(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch, batch_idx: int) -> None:
+        if trainer.accumulate_grad_batches != 1:
+            # The bound covers an optimizer step of k micro-batches; a profiled batch is one of them.
+            self.why_no_bound = "gradient accumulation: the profiled batch is one micro-batch of the bound's step"
+            return
         prediction = self.prediction
         if prediction is None:
             from lmledger.callbacks.ledger import dry_run_training_step
