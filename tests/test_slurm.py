@@ -72,6 +72,19 @@ def checkpoint_step(path: Path) -> int:
         return -1
 
 
+def slurm_texts(run: Path) -> dict[int, str]:
+    """The `slurm` TensorBoard text entries of every event file in a run directory: {step: text}."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    texts = {}
+    for path in run.glob("events.out.tfevents.*"):
+        acc = EventAccumulator(str(path), size_guidance={"tensors": 0})
+        acc.Reload()
+        for event in acc.Tensors("slurm/text_summary") if "slurm/text_summary" in acc.Tags()["tensors"] else []:
+            texts[event.step] = event.tensor_proto.string_val[0].decode()
+    return texts
+
+
 def test_a_batch_job_requeued_twice_continues_its_run_bit_for_bit(workdir, slurm_cluster):
     throttle = '{"class_path": "test_resume.Throttle", "init_args": {"after_step": 0, "seconds": 0.25}}'
     # Progress lines on (the log is not a terminal: one plain line per step), later on the line than MICRO's off.
@@ -114,6 +127,7 @@ def test_a_batch_job_requeued_twice_continues_its_run_bit_for_bit(workdir, slurm
     assert len(saved) == 2 and f"job {job} requeued" in saved[0][1], text[-3000:]
     assert text.count("--ckpt_path auto: resuming runs/cut/version_0 at step") == 2, text[-3000:]
     assert (run / SLURM_JOB_FILE).read_text().strip() == job
+    assert slurm_texts(run) == {r: f"SLURM job {job}, restart {r}" for r in (0, 1, 2)}  # one per (re)start
     assert sorted(p.name for p in (workdir / "runs" / "cut").iterdir()) == ["version_0"]
     pieces, whole = curves(run), {t: dict(v) for t, v in read_scalars(workdir / "runs/whole/version_0").items()}
     assert len(pieces) == 3
