@@ -124,7 +124,7 @@ def dry_run(
     device: torch.device | str | None = None,
     share: tuple[object, ...] = (),
     accumulate: int = 1,
-    routing: str | None = None,
+    routing: str | moe.Assumption | None = None,
     manual: bool = False,
 ) -> StepLedger | NotTraced:
     """One steady-state training step of `model` on a fake `batch`, with no compute and no memory.
@@ -144,8 +144,9 @@ def dry_run(
     accumulate micro-batches per optimizer step (Lightning's accumulate_grad_batches): each runs
                forward and backward on a batch of `batch`'s shapes, its loss divided by `accumulate`
                as Lightning divides it; zero_grad after the first one's forward
-    routing    None, "balanced" or "worst": the mixture-of-experts routing assumed where top-k
-               routing decides a shape (ledger.moe; moe.predict_moe runs both)
+    routing    None, "balanced", "worst" or moe.Assumption("worst", capacity): the mixture-of-experts
+               routing assumed where top-k routing decides a shape (ledger.moe; moe.predict_moe
+               runs both; None: such a shape gives a NotTraced line that names them)
     manual     Lightning's manual optimization: `step` is the module's whole training_step, which runs
                its own backward and optimizer steps (`optimizer` may then be a list); the calls it makes
                on the module reach the fake optimizers (`_ManualOptimization`)
