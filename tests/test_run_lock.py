@@ -71,6 +71,28 @@ def test_a_second_writer_is_refused_naming_the_holder_and_nothing_changes(workdi
     assert lmledger(fit_args("held", "--trainer.max_steps", "4", "--ckpt_path", "last")) == 0
 
 
+def test_two_resumes_started_together_one_trains_and_one_is_refused(workdir):
+    """Issue 23 §2's case: the same `--ckpt_path last` twice at once (a requeued job while the old one is still
+    being killed). Before the lock both trained into version_0, or the loser died in SaveConfigCallback."""
+    assert lmledger(fit_args("twice", "--trainer.callbacks.init_args.every_n_train_steps", "2")) == 0
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+    env["OMP_NUM_THREADS"] = "1"
+    # The winner trains ~5 s, so the loser meets its lock however late it starts on a busy machine.
+    throttle = '{"class_path": "test_resume.Throttle", "init_args": {"after_step": 0, "seconds": 0.5}}'
+    args = fit_args("twice", "--trainer.max_steps", "12", "--ckpt_path", "last", "--trainer.callbacks+=" + throttle)
+    command = [sys.executable, "-m", "lmledger.cli", *args]
+    procs = [subprocess.Popen(command, cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for _ in range(2)]  # fmt: skip
+    results = [(p.wait(timeout=300), *p.communicate()) for p in procs]
+    assert sorted(code for code, _, _ in results) == [0, 2], results
+    (refused,) = [err for code, _, err in results if code == 2]
+    lines = [line for line in refused.splitlines() if line.startswith("lmledger")]
+    assert len(lines) == 1 and "one writer per run" in lines[0] and "Traceback" not in refused, refused
+    run = workdir / "runs" / "twice" / "version_0"
+    assert sorted(p.name for p in run.glob("config*.yaml")) == ["config-resumed.yaml", "config.yaml"]
+    assert len(list(run.glob("events.out.tfevents.*"))) == 2  # the first run's and the one resume's
+
+
 HOLD = """
 import sys, time
 from lmledger.runlock import DirLock
