@@ -120,7 +120,7 @@ def test_a_fit_writes_every_ledger_tag(with_ledger):
     assert f"| parameters | {n_params:,} |" in texts["ledger/summary"]
     assert f"| model FLOPs per step | {int(last(scalars, 'flops/model_per_step')):,} |" in texts["ledger/summary"]
     assert f"| predicted peak memory | {int(last(scalars, 'memory/predicted/peak')):,} |" in texts["ledger/summary"]
-    assert read_image_tags(trainer.logger.log_dir) == ["memory/predicted_vs_measured"]
+    assert read_image_tags(trainer.logger.log_dir) == ["memory/predicted_vs_measured", "time/breakdown"]
 
 
 def test_measured_memory_matches_the_prediction_inside_a_fit(with_ledger):
@@ -162,12 +162,16 @@ def test_flops_measured_on_meta_equal_the_analytic_count(with_ledger):
 
 
 def test_mfu_on_cpu_is_a_fraction_from_the_first_logging_step_after_warmup(with_ledger):
-    _, scalars, _ = with_ledger
+    trainer, scalars, _ = with_ledger
     mfu = [value for _, value in scalars["perf/mfu"]]
     assert all(math.isfinite(u) and 0 < u <= 1 for u in mfu), mfu
-    # Every logging step (here every step) after the warm-up batches has a value.
+    # Every logging step (here every step) after the warm-up batches has a value, but for the batches the
+    # time ledger profiles (the profiler slows them; they are left out of throughput).
+    (ledger,) = [c for c in trainer.callbacks if type(c).__name__ == "Ledger"]
     loss_steps = [step for step, _ in scalars["train/loss"]]
-    assert [step for step, _ in scalars["perf/mfu"]] == loss_steps[WARMUP:]
+    profiled = [n for n in range(STEPS) if ledger.timing.is_profiling_step(n)]
+    assert profiled == [2, 3]  # after the warm-up and the two measured steps
+    assert [step for step, _ in scalars["perf/mfu"]] == [s for s in loss_steps[WARMUP:] if s not in profiled]
     model, hardware = last(scalars, "flops/model_per_step"), last(scalars, "flops/hardware_per_step")
     for (_, u), (_, h) in zip(scalars["perf/mfu"], scalars["perf/hfu"], strict=True):
         assert h / u == pytest.approx(hardware / model, rel=1e-6)
@@ -179,7 +183,7 @@ def test_mfu_on_cpu_is_a_fraction_from_the_first_logging_step_after_warmup(with_
         ("perf/mfu_6n", six_n_flops_per_token(cfg)),
         ("perf/mfu_causal", causal_flops_per_token(cfg, SEQ)),
     ):
-        assert [step for step, _ in scalars[tag]] == loss_steps[WARMUP:]
+        assert [step for step, _ in scalars[tag]] == [s for s in loss_steps[WARMUP:] if s not in profiled]
         for (_, u), (_, other) in zip(scalars["perf/mfu"], scalars[tag], strict=True):
             assert other / u == pytest.approx(per_token / palm, rel=1e-6)
     for (_, tflops), (_, tokens) in zip(scalars["perf/tflops"], scalars["perf/tokens_per_sec"], strict=True):

@@ -53,6 +53,7 @@ from lmledger.callbacks.run import (
 )
 from lmledger.callbacks.settings import LedgerSettings
 from lmledger.callbacks.throughput import compile_speedup, resolve_peak
+from lmledger.callbacks.timing import TimeLedger
 from lmledger.errors import UserError
 from lmledger.ledger import precisions
 from lmledger.ledger.dryrun import NotTraced, StepLedger, batch_tensors, dry_run, largest_batch, loss_of
@@ -140,9 +141,11 @@ class Ledger(pl.Callback):
         self.run: LedgerRun | None = None  # the toy LM's run description (None for any other module)
         self.measurement: StepMeasurement | None = None
         self.why_not_predicted: str | None = None
+        self._reset()
         self.tokens: int | None = None
         self.samples = 0
         self.peak: Peak | None = None
+        self.timing: TimeLedger | None = None  # the time ledger (callbacks.timing), fed this pipeline's dry run
 
     # -- fit start --------------------------------------------------------------------------------
 
@@ -154,18 +157,31 @@ class Ledger(pl.Callback):
                 "(lmledger fit adds its own; leave lmledger.Ledger out of --trainer.callbacks)"
             )
 
-    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.report, self.measurement, self.why_not_predicted = None, None, None
-        self._accumulate = 1 if not pl_module.automatic_optimization else trainer.accumulate_grad_batches
+    def _reset(self, accumulate: int = 1) -> None:
+        """The state of one fit (a Ledger may see several fits, and validate without one)."""
+        self.report, self.measurement, self.why_not_predicted, self.run = None, None, None, None
+        self._accumulate = accumulate
         self._batches = 0
+        self._dry: StepLedger | None = None
         self._window: Window | None = None
         self._last_batch_end: float | None = None
         self._paused_since: float | None = None
+        self._profiled_since: float | None = None
         self._gap_paused = 0.0
         self._reported = False
         self._val_shapes: set[tuple[int, ...]] = set()
         self._toy_flops: dict[tuple[int, int], dict[str, int]] = {}
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._reset(1 if not pl_module.automatic_optimization else trainer.accumulate_grad_batches)
         self.run = LedgerRun.from_trainer(trainer, pl_module) if is_toy_run(trainer, pl_module) else None
+        self.timing = None
+        if self.settings.time:
+            # Profiled batches come after the warm-up and the two measured steps, which they would slow.
+            measured = 2 * self._accumulate if self.settings.measure else 0
+            self.timing = TimeLedger(
+                warmup_steps=max(self.settings.warmup_steps, measured), every_n_steps=self.settings.profile_every
+            )
         fp8 = self.run.fp8 if self.run is not None else None
         with untouched_rng(pl_module.device):
             self.peak, line = resolve_peak(str(trainer.precision), pl_module.device, fp8)
@@ -176,6 +192,8 @@ class Ledger(pl.Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.run is not None and self.run.compiled:
             compile_speedup(trainer, pl_module, self.run)
+        if self.timing is not None:
+            self.timing.on_train_start(trainer, pl_module)
         if self.settings.measure:
             compiled = self.run is not None and self.run.compiled
             self.measurement = StepMeasurement(
@@ -194,6 +212,9 @@ class Ledger(pl.Callback):
                  else f"per device; {self.samples} samples per batch"]  # fmt: skip
         if self._accumulate > 1:
             notes.append(f"one optimizer step = {self._accumulate} micro-batches (activations: one micro-batch's)")
+        if self.timing is not None:  # the same dry run prices the step's time: each op is seen once
+            self.timing.prediction = dry if isinstance(dry, StepLedger) else None
+            self.timing.why_no_bound = dry.reason if isinstance(dry, NotTraced) else None
         if isinstance(dry, NotTraced):
             self.why_not_predicted = dry.reason
             rank_zero_info(f"ledger: {type(pl_module).__name__} is not dry-run, so measured only: {dry.reason}")
@@ -277,6 +298,11 @@ class Ledger(pl.Callback):
             self._predict(trainer, pl_module, batch, batch_idx)
         if self.measurement is not None:
             self.measurement.batch_start(pl_module, _optimizers(trainer), batch, trainer.global_step)
+        self._profiled_since = None
+        if self.timing is not None:
+            self.timing.on_train_batch_start(trainer, pl_module, batch, batch_idx)
+            if self.timing.is_profiling_step(self._batches):
+                self._profiled_since = time.perf_counter()  # left out of throughput: the profiler slows it
         now = time.perf_counter()
         if self._window is not None and self._last_batch_end is not None:
             self._window.data_wait += now - self._last_batch_end - self._gap_paused
@@ -297,14 +323,20 @@ class Ledger(pl.Callback):
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         if self.measurement is not None:
             self.measurement.before_optimizer_step()
+        if self.timing is not None:
+            self.timing.on_before_optimizer_step(trainer, pl_module, optimizer)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self.timing is not None:
+            self.timing.on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         self._batches += 1
         if self.measurement is not None and self.measurement.batch_end(
             pl_module, _optimizers(trainer), trainer.global_step
         ):
             self._report_measured(trainer)
-        if self._window is not None:
+        if self._window is not None and self._profiled_since is not None:
+            self._window.paused += time.perf_counter() - self._profiled_since
+        elif self._window is not None:
             self._window.add(tokens=self._tokens(batch), samples=self.samples, flops=self._flops_per_batch(batch))
             if is_logging_step(trainer):
                 self._log_throughput(trainer, pl_module)
@@ -392,6 +424,8 @@ class Ledger(pl.Callback):
             self._paused_since = time.perf_counter()
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.timing is not None:
+            self.timing.on_validation_end(trainer, pl_module)
         if self._paused_since is not None:
             paused = time.perf_counter() - self._paused_since
             self._window.paused += paused
@@ -424,10 +458,14 @@ class Ledger(pl.Callback):
                 self._report_measured(trainer)
         if trainer.is_global_zero and self.report is not None:
             Console().print(self.report.table("ledger (summary)"))
+        if self.timing is not None:
+            self.timing.on_fit_end(trainer, pl_module)
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         if self.measurement is not None:
             self.measurement.close()
+        if self.timing is not None:
+            self.timing.on_exception(trainer, pl_module, exception)
         if isinstance(exception, torch.cuda.OutOfMemoryError) and self.report is not None:
             self._explain_oom(trainer, pl_module, exception)
 

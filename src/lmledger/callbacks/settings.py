@@ -19,12 +19,17 @@ class LedgerSettings:
         warmup_steps: training batches at the start of each fit that perf/* leaves out (they hold the
             memory measurement, optimizer-state allocation and kernel autotuning).
         measure: measure memory and FLOPs on the first two optimizer steps beside the prediction.
+        profile_every: the time ledger profiles two training batches after the warm-up and the measured
+            steps, then one every this many (0: those two only); see docs/time.md.
+        time: keep the time ledger (the roofline bound beside profiled steps; false: none).
     """
 
     enabled: bool = True
     device_memory_gb: float | None = None
     warmup_steps: int = 3
     measure: bool = True
+    profile_every: int = 500
+    time: bool = True
 
     def __post_init__(self) -> None:
         gb = self.device_memory_gb
@@ -34,5 +39,7 @@ class LedgerSettings:
             # 1e300 GB would overflow the byte count: nothing real holds more than an exabyte.
             if not (gb > 0 and math.isfinite(gb) and gb * 1e9 < 1e18):
                 raise ConfigError(f"ledger.device_memory_gb must be positive and below 1e9 GB, got {gb:g}")
-        if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
-            raise ConfigError(f"ledger.warmup_steps must be an integer >= 0, got {self.warmup_steps!r}")
+        for name in ("warmup_steps", "profile_every"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ConfigError(f"ledger.{name} must be an integer >= 0, got {value!r}")
