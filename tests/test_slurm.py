@@ -201,6 +201,11 @@ def test_a_sweep_through_slurm_gives_the_local_table(workdir, slurm_cluster, mon
     local, slurm = table(workdir / "local" / "results.csv"), table(workdir / "slurm" / "results.csv")
     assert len(local) == 2 and all(row["status"] == "done" for row in local)
     assert slurm == local  # the same numbers, to the last digit written
+    logs = sorted((workdir / "slurm" / "points").glob("*/stdout.log"))
+    firsts = sorted(log.read_text().splitlines()[0] for log in logs)  # the SLURM line comes first
+    assert [re.sub(r"\d+", "N", line) for line in firsts] == [
+        "lmledger fit: SLURM job N (array task N of job N), restart N"] * 2, firsts  # fmt: skip
+    assert {line.split("array task ")[1][0] for line in firsts} == {"0", "1"}
     (script,) = (workdir / "slurm" / "slurm").glob("array-*.sh")
     assert "#SBATCH --array=0-1\n" in script.read_text() and re.search(r"#SBATCH --mem=\d+M", script.read_text())
     # A second run finds both done and queues nothing.
