@@ -811,10 +811,11 @@ class LedgerCLI(LightningCLI):
                     return claimed[-1]
 
                 pin_logger_version(logger, claim)
+                if self._claim.version_dir is not None:
+                    continue  # one lock per process: the first logger's directory is the run's
                 self._claim.claim(Path(logger.log_dir), bool(claimed) or not Path(logger.log_dir).exists(), parents)
                 if slurm_job_key() and self.subcommand == "fit":
                     self._claim.mark_slurm_job(slurm_job_key())
-                break  # one lock per process: the first logger's directory is the run's
         run = self._claim.version_dir
         for callback in self.trainer.callbacks:
             # The config name was chosen before the lock was held; a run that ended meanwhile may have taken it.
