@@ -14,14 +14,14 @@ from lmledger.commands.argparser import ArgumentParser, add_function_arguments, 
 from lmledger.corpus import DEFAULT_BPE_VOCAB_SIZE, DEFAULT_OUT, DEFAULT_VAL_FRACTION, STDLIB
 from lmledger.errors import UserError
 
+SLURM_FLAGS = ("--partition", "--time", "--cpus-per-task", "--mem", "--gres")  # sweep --launcher slurm's (issue 20)
 # The flags each command had before its parser came from a signature (typed here, not read from the code).
 FLAGS = {
     ("gpus",): {"--help", "--resolve", "--json"},
     ("dtypes",): {"--help", "--json"},
     ("bench", "matmul"): {"--help", "--dtypes", "--sizes", "--repeats", "--device", "--plot", "--json"},
     ("prepare",): {"--help", "--source", "--tokenizer", "--vocab-size", "--out", "--overwrite", "--val-fraction"},
-    ("sweep",): {"--help", "--dry-run", "--jobs", "--out", "--launcher", "--partition", "--time", "--cpus-per-task",
-                 "--mem", "--gres"},  # fmt: skip
+    ("sweep",): {"--help", "--dry-run", "--jobs", "--out", "--launcher", *SLURM_FLAGS},
     # account and plan max-batch also name the fit arguments they pass through (--config, --a.b overrides)
     ("account",): {"--help", "--config", "--model", "--data", "--a", "--measure", "--json"},
     ("plan", "train-time"): {"--help", "--params", "--tokens", "--gpu", "--num-gpus", "--mfu", "--dtype", "--json"},
