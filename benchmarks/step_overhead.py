@@ -6,13 +6,15 @@ value) for `--steps` steps, alternating in ABBA order in one process so a drift 
 on both alike. tokens/s is counted from each arm's own step-end clock, after `--skip` steps (the fit's
 dry run, preflight and first-step allocations are one-off costs, not per-step overhead); validation
 inside the fit is paused out of its clock. The fit runs through `lmledger.cli.main(["fit", ...])`
-with the ledger on, as a user runs it (checkpoints as configured).
+with the ledger on, as a user runs it (checkpoints as configured, the time ledger's sampled profiled
+steps included; --time-ledger adds an arm without them).
 
 With --explain, one more step of each arm is profiled (ledger/profile.py) and their breakdowns are
 printed side by side: the ops take the same time in both, so the difference lands in "host overhead /
 idle" (Lightning's loop, logging, the LR schedule, the per-step checks), which is where the gap is.
 
     python benchmarks/step_overhead.py [--rounds 4] [--steps 300] [--threads 2] [--config configs/tiny.yaml]
+    python benchmarks/step_overhead.py --time-ledger --steps 600   # and TimeLedger's share of a 600-step fit
     python benchmarks/step_overhead.py --quick        # checks the script runs (1 round of 20 steps)
 
 Goal (issue 21): ratio (fit / bare tokens/s) >= 0.98. Timings are meaningless on a busy machine: run
@@ -113,17 +115,16 @@ def bare_loop(config: dict, data: str, steps: int, explain: bool = False) -> tup
     return ends, breakdown
 
 
-def lmledger_fit(config_path: str, data: str, steps: int, scratch: Path, explain: bool = False):
-    """`lmledger fit --config CONFIG` for `steps` steps with StepClock (and, with explain, TimeLedger)."""
+def lmledger_fit(config_path: str, data: str, steps: int, scratch: Path, time_ledger: bool = True):
+    """`lmledger fit --config CONFIG` for `steps` steps with StepClock; the ledger's time ledger (its
+    profiled steps) on or off (`--ledger.time`)."""
     from lmledger.cli import main as lmledger
 
-    callbacks = ["--trainer.callbacks+=__main__.StepClock"]
-    if explain:
-        callbacks.append("--trainer.callbacks+=lmledger.callbacks.timing.TimeLedger")
     argv = [
         "fit", "--config", config_path, "--data.path", data, "--trainer.max_steps", str(steps),
         "--trainer.enable_progress_bar", "false", "--trainer.logger.init_args.save_dir", str(scratch / "runs"),
-        "--trainer.default_root_dir", str(scratch), *callbacks,
+        "--trainer.default_root_dir", str(scratch), "--trainer.callbacks+=__main__.StepClock",
+        "--ledger.time", "true" if time_ledger else "false",
     ]  # fmt: skip
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -154,6 +155,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default torch's)")
     parser.add_argument("--explain", action="store_true", help="profile one step of each arm, print both")
     parser.add_argument("--quick", action="store_true", help="1 round of 20 steps, with --explain")
+    parser.add_argument(
+        "--time-ledger", action="store_true",
+        help="a third arm: the fit without the time ledger (--ledger.time false), for the profiler's share of a fit",
+    )  # fmt: skip
     args = parser.parse_args()
     if args.quick:
         args.rounds, args.steps, args.skip, args.explain = 1, 20, 5, True
@@ -165,25 +170,30 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         scratch = Path(tmp)
         data = prepared(args.data or config.get("data", {}).get("path", "data/stdlib"), scratch)
-        rates: dict[str, list[float]] = {"bare": [], "fit": []}
+        arms = ("bare", "fit", "fit-no-time") if args.time_ledger else ("bare", "fit")
+        rates: dict[str, list[float]] = {arm: [] for arm in arms}
         for round_ in range(args.rounds):
-            order = ("bare", "fit") if round_ % 2 == 0 else ("fit", "bare")
+            order = arms if round_ % 2 == 0 else tuple(reversed(arms))
             for arm in order:
                 if arm == "bare":
                     ends, _ = bare_loop(config, data, args.steps)
                 else:
-                    ends = lmledger_fit(args.config, data, args.steps, scratch / f"fit{round_}")
+                    # The time ledger reuses the ledger's dry run: what it adds is its profiled steps.
+                    ends = lmledger_fit(args.config, data, args.steps, scratch / f"{arm}{round_}", arm == "fit")
                 rates[arm].append(tokens_per_sec(ends, tokens, args.skip))
-            print(
-                f"round {round_ + 1}/{args.rounds}: bare {rates['bare'][-1]:,.0f} tok/s, lmledger fit "
-                f"{rates['fit'][-1]:,.0f} tok/s, ratio {rates['fit'][-1] / rates['bare'][-1]:.3f}",
-                flush=True,
-            )
+            shown = ", ".join(f"{arm} {rates[arm][-1]:,.0f} tok/s" for arm in arms)
+            print(f"round {round_ + 1}/{args.rounds}: {shown}, ratio {rates['fit'][-1] / rates['bare'][-1]:.3f}")
         ratios = [f / b for f, b in zip(rates["fit"], rates["bare"], strict=True)]
         print(
             f"\nlmledger fit / bare loop tokens/s: median ratio {statistics.median(ratios):.3f} over {args.rounds} "
             f"round(s) of {args.steps} steps (goal >= 0.98); torch threads {torch.get_num_threads()}"
         )
+        if args.time_ledger:
+            profiled = [f / n for f, n in zip(rates["fit"], rates["fit-no-time"], strict=True)]
+            print(
+                f"lmledger fit with / without TimeLedger tokens/s: median ratio {statistics.median(profiled):.4f} "
+                "(goal >= 0.99: profiling costs at most 1% of a fit)"
+            )
         if args.explain:
             explain(config, data, args, scratch)
 
@@ -205,7 +215,7 @@ def explain(config: dict, data: str, args, scratch: Path) -> None:
 
     timing.TimeLedger.__init__ = keep
     try:
-        lmledger_fit(args.config, data, max(args.skip, 5), scratch / "explain", explain=True)
+        lmledger_fit(args.config, data, max(args.skip, 5), scratch / "explain")  # the ledger's TimeLedger
     finally:
         timing.TimeLedger.__init__ = original
     fit = captured[-1].measured if captured else None
