@@ -578,3 +578,13 @@ def test_lightning_runs_the_closure_inside_optimizer_step_then_its_hook():
     with mock.patch.object(Precision, "_after_closure", after):
         Precision().optimizer_step(Optimizer(), model=None, closure=lambda: order.append("closure"))
     assert order == ["step", "closure", "on_before_optimizer_step", "update"]
+
+
+def test_one_profiler_at_a_time_is_visible():
+    """callbacks/timing.py: torch._C._autograd._profiler_enabled() is True while a torch.profiler.profile
+    records and False otherwise, so TimeLedger can leave a sampled step to a profiler already running (a
+    second one started inside it records nothing)."""
+    assert not torch._C._autograd._profiler_enabled()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+        assert torch._C._autograd._profiler_enabled()
+    assert not torch._C._autograd._profiler_enabled()

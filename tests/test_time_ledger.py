@@ -165,6 +165,17 @@ def test_only_the_sampled_steps_are_profiled_and_logged(toy_fit):
     assert "this run is on cpu: the advice is for h100-sxm" in ledger.report().splitlines()[-1]
 
 
+def test_a_second_profiler_is_left_alone():
+    first, second = (TimeLedger(warmup_steps=1, profile_steps=2, every_n_steps=0, print_table=False) for _ in range(2))
+    trainer = pl.Trainer(max_steps=3, accelerator="cpu", logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[first, second])  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(toy_module(d_model=32), token_loader(3))
+    assert len(first.samples) == 2 and first.samples[0].seconds[MATMUL] > 0
+    assert second.samples == [] and second.skipped == 2 and "another profiler" in second.report()
+
+
 class ReadsItsLoss(LitLM):
     """A training step that reads a value (`.item()`): the dry run cannot trace it."""
 

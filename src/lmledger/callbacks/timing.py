@@ -71,6 +71,7 @@ class TimeLedger(pl.Callback):
         self.model_flops: float | None = None
         self.samples: list[ledger_profile.Breakdown] = []
         self.why_no_bound: str | None = None
+        self.skipped = 0  # sampled steps not profiled: another profiler was recording
         self._batches = 0
         self._last_end: float | None = None
         self._profiler = None
@@ -132,6 +133,11 @@ class TimeLedger(pl.Callback):
         if self.bound is None and self.why_no_bound is None:
             self._predict(trainer, pl_module, batch, batch_idx)
         if not self.is_profiling_step(self._batches) or not trainer.is_global_zero:
+            return
+        if torch._C._autograd._profiler_enabled():  # canary test_one_profiler_at_a_time_is_visible
+            # Another profiler (Lightning's PyTorchProfiler, a second TimeLedger) is recording: a second one
+            # started now would record nothing, so this step is left to it.
+            self.skipped += 1
             return
         self._data_wait = now - self._last_end if self._last_end is not None else 0.0
         with warnings.catch_warnings():
@@ -209,6 +215,8 @@ class TimeLedger(pl.Callback):
                 text += f"; measured {measured.wall_s * 1e3:.3f} ms per step: " + ", ".join(rows)
             return text
         text = format_table(self.bound, self.measured, self.model_flops)
+        if self.skipped:
+            text += f"\n{self.skipped} sampled step(s) not profiled: another profiler was recording"
         gpu = self.gpu or _this_gpu(self._device)
         if gpu is not None and self.prediction is not None and self.prediction.ops is not None:
             text += "\n" + advice_text(self.prediction.ops, gpu, self.bound.peak_dtype, self._device.type)
