@@ -22,6 +22,7 @@ from lmledger.ledger.flops import analytic_flops
 from lmledger.model import ModelConfig, ToyLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `examples` lives at the repository root
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # test_moe's module
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny models run faster on one thread
 
@@ -266,3 +267,42 @@ def test_the_dry_run_of_a_manual_step_leaves_the_real_module_alone():
     trainer = fit(module, _regression_loader(16, 8), [ledger], steps=2)
     assert trainer.lr_scheduler_configs[0].scheduler.get_last_lr() == [1e-2 * 0.5**2]  # two real steps only
     assert all(p.requires_grad for p in module.parameters())
+
+
+# --- mixture of experts ------------------------------------------------------------------------------------
+
+
+class MoELM(pl.LightningModule):
+    """tests/test_moe.py's plain top-k MoE layer as a LightningModule."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from test_moe import TopKMoE
+
+        self.net = TopKMoE()
+
+    def training_step(self, batch, batch_idx):
+        return self.net(*batch)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def moe_loader() -> DataLoader:
+    from test_moe import VOCAB
+
+    g = torch.Generator().manual_seed(0)
+    inputs, targets = (torch.randint(0, VOCAB, (16, 128), generator=g) for _ in range(2))
+    return DataLoader(TensorDataset(inputs, targets), batch_size=4)
+
+
+def test_a_mixture_of_experts_gets_both_routings_and_is_checked_against_the_worst():
+    torch.manual_seed(0)
+    ledger = Ledger(warmup_steps=1)
+    fit(MoELM(), moe_loader(), [ledger], steps=2)
+    balanced, worst = ledger.report.predicted["dry run"], ledger.report.predicted["worst routing"]
+    assert balanced.peak < worst.peak
+    assert ledger.measured.peak <= worst.peak
+    assert ledger.measured.params == balanced.params == worst.params
+    with pytest.raises(UserError, match="exceeds"):  # the check holds the worst routing, not the balanced one
+        fit(MoELM(), moe_loader(), [Ledger(device_memory_gb=(balanced.peak + worst.peak) / 2e9)], steps=1)

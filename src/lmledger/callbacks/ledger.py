@@ -55,8 +55,8 @@ from lmledger.callbacks.settings import LedgerSettings
 from lmledger.callbacks.throughput import compile_speedup, resolve_peak
 from lmledger.callbacks.timing import TimeLedger
 from lmledger.errors import UserError
-from lmledger.ledger import precisions
-from lmledger.ledger.dryrun import NotTraced, StepLedger, batch_tensors, dry_run, largest_batch, loss_of
+from lmledger.ledger import moe, precisions
+from lmledger.ledger.dryrun import NotTraced, StepLedger, batch_tensors, largest_batch, loss_of
 from lmledger.ledger.hardware import Peak
 from lmledger.ledger.predict import resized
 from lmledger.ledger.report import Figures, Report, figures_of_step, markdown_table
@@ -207,6 +207,9 @@ class Ledger(pl.Callback):
         self.tokens = self.run.tokens_per_batch if self.run is not None else tokens_per_batch(pl_module, batch)
         self.samples = self.run.batch_size if self.run is not None else samples_per_batch(batch)
         dry = dry_run_training_step(trainer, pl_module, batch, batch_idx, self._accumulate)
+        worst = None
+        if isinstance(dry, moe.MoEBounds):  # top-k routing decides shapes: two stated assumptions
+            dry, worst = dry.balanced, dry.worst
         predicted: dict[str, Figures] = {}
         notes = [f"per device; {self.tokens} tokens per batch" if self.tokens is not None
                  else f"per device; {self.samples} samples per batch"]  # fmt: skip
@@ -224,6 +227,12 @@ class Ledger(pl.Callback):
             self._dry = dry
             predicted["dry run"] = figures_of_step(dry, flops_model=3 * dry.flops_forward)
             notes.append(f"dry run on fake tensors, peak during {dry.peak_phase}")
+        if worst is not None:
+            predicted["worst routing"] = figures_of_step(worst, flops_model=3 * worst.flops_forward)
+            notes.append(
+                "mixture of experts: the dry run assumes balanced routing (tokens·k/E per expert), 'worst routing' "
+                "every expert hit and the rest of the tokens on the same k (the memory check holds it)"
+            )
         if self.run is not None:
             predicted["closed form"] = toy.closed_form(self.run, self._dry, self._accumulate)
             notes.append("closed form: the lecture's formulas (its peak plus the buffers and the batch)")
@@ -250,7 +259,9 @@ class Ledger(pl.Callback):
         """Stop before step 1 if the predicted peak exceeds what the device holds (callbacks.preflight)."""
         processes = preflight.processes_on_this_machine(trainer)
         capacity = preflight.available_memory(pl_module.device, self.settings.device_memory_gb, pl_module, processes)
-        primary = next((f for f in self.report.predicted.values() if f.peak is not None), None)
+        primary = self.report.predicted.get("worst routing") or next(
+            (f for f in self.report.predicted.values() if f.peak is not None), None
+        )
         if capacity is None:
             return
         if primary is None:
@@ -548,10 +559,10 @@ def _training_step(trainer: pl.Trainer, batch_idx: int):
 
 def dry_run_training_step(
     trainer: pl.Trainer, pl_module: pl.LightningModule, batch: object, batch_idx: int, accumulate: int = 1
-) -> StepLedger | NotTraced:
+) -> StepLedger | moe.MoEBounds | NotTraced:
     """The dry run of `pl_module.training_step` on `batch` with the trainer's optimizer, precision and
-    accumulation, or why there is none. The copy keeps the trainer and logs nothing; the RNG streams
-    are untouched."""
+    accumulation (two, under balanced and worst routing, where top-k routing decides a shape: ledger.moe),
+    or why there is none. The copy keeps the trainer and logs nothing; the RNG streams are untouched."""
     why = _not_modelled(trainer, pl_module)
     if why is not None:
         return NotTraced(why)
@@ -560,7 +571,7 @@ def dry_run_training_step(
     with untouched_rng(pl_module.device), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            return dry_run(
+            return moe.predict(
                 pl_module, batch, step=_training_step(trainer, batch_idx),
                 optimizer=optimizers if manual else (optimizers[0] if optimizers else None),
                 precision=str(trainer.precision), device=pl_module.device, share=(trainer,),

@@ -37,6 +37,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 from lmledger.errors import UserError
+from lmledger.ledger.moe import GROUPED_MM_FLOP_FORMULAS
 from lmledger.model import ModelConfig, ToyLM, count_parameters
 
 aten = torch.ops.aten
@@ -301,7 +302,8 @@ def flop_counter(causal_attention: bool = False) -> FlopCounterMode:
     diagonal, so below 512 tokens it computes the full square; FlashAttention's CUDA kernels skip the
     tiles above it."""
     formulas = CAUSAL_CPU_SDPA_FLOP_FORMULAS if causal_attention else CPU_SDPA_FLOP_FORMULAS
-    return FlopCounterMode(display=False, custom_mapping=formulas)
+    # torch._grouped_mm (transformers' MoE experts) has no formula in torch's registry
+    return FlopCounterMode(display=False, custom_mapping={**formulas, **GROUPED_MM_FLOP_FORMULAS})
 
 
 class _CountWithoutDecomposing(TorchDispatchMode):
@@ -331,7 +333,7 @@ class StepFlopCounter(FlopCounterMode):
     keeps no per-module breakdown."""
 
     def __init__(self) -> None:
-        super().__init__(display=False, custom_mapping=CPU_SDPA_FLOP_FORMULAS)
+        super().__init__(display=False, custom_mapping={**CPU_SDPA_FLOP_FORMULAS, **GROUPED_MM_FLOP_FORMULAS})
 
     def __enter__(self) -> StepFlopCounter:
         self.flop_counts.clear()
