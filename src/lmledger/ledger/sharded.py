@@ -396,7 +396,10 @@ class _EmulatedReducer:
             view = self.views.get(index)
             if view is None or param.grad is None:
                 return
-            if not param.grad.is_set_to(view):
+            # Tensor.is_set_to would do, but on a fake tensor it materializes real memory (torch 2.13)
+            grad = param.grad
+            same = grad.untyped_storage()._cdata == view.untyped_storage()._cdata
+            if not (same and grad.storage_offset() == view.storage_offset()):
                 torch.mul(param.grad, 1.0 / self.world_size, out=view)  # the Reducer's mul_out into the bucket
                 if self.settings.gradient_as_bucket_view:
                     param.grad = view
