@@ -116,6 +116,34 @@ def test_per_op_flops_sum_to_the_dry_runs_flops(model):
     assert mm.bytes_read == 4 * (m * k + k * n) and mm.bytes_written == 4 * m * n
 
 
+def test_profiler_events_are_grouped_by_their_outermost_op():
+    """breakdown on stand-in events: a linear and the addmm under it are one matmul, what runs after the
+    optimizer marker is the optimizer's, autograd's wrappers are host time, the markers cost nothing."""
+
+    class Event:
+        def __init__(self, name, start, end, self_us, parent=None):
+            self.name, self.self_cpu_time_total, self.cpu_parent = name, self_us, parent
+            self.time_range = type("Range", (), {"start": start, "end": end})()
+
+    step = Event(ledger_profile.STEP_MARK, 0, 1000, 10)
+    linear = Event("aten::linear", 10, 200, 20, step)
+    addmm = Event("aten::addmm", 20, 190, 150, linear)
+    empty = Event("aten::empty", 200, 210, 5, Event("aten::_scaled_dot_product_flash_attention_for_cpu", 199, 300,
+                                                    80, step))  # fmt: skip
+    wrapper = Event("autograd::engine::evaluate_function: MmBackward0", 300, 500, 30, None)
+    mm = Event("aten::mm", 310, 490, 170, wrapper)
+    record = Event("Optimizer.step#AdamW.step", 5, 900, 12, step)
+    marker = Event(ledger_profile.OPTIMIZER_MARK, 600, 601, 1, record)
+    fused = Event("aten::_fused_adamw_", 610, 700, 90, record)
+    add = Event("aten::add", 510, 520, 10, step)
+    outside = Event("aten::mul", 1100, 1200, 99, None)  # after the step: not counted
+    events = [step, linear, addmm, empty, empty.cpu_parent, wrapper, mm, record, marker, fused, add, outside]
+    result = ledger_profile.breakdown(events, wall_s=1.2e-3, data_wait_s=0.2e-3)
+    seconds = {k: round(v * 1e6) for k, v in result.seconds.items()}
+    assert seconds == {"matmul": 20 + 150 + 170, "attention": 80 + 5, "other": 10, "optimizer": 90,
+                       "communication": 0, "data_wait": 200, "host": 1200 - 200 - 340 - 85 - 10 - 90}  # fmt: skip
+
+
 # -- measured against the bound ------------------------------------------------------------------------
 
 
