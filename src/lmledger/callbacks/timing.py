@@ -47,6 +47,8 @@ class TimeLedger(pl.Callback):
         print_table: print the step-time table and diagnosis at fit end
         gpu: the GPU (a `lmledger gpus` key) whose tensor cores the shape advice is for; default this
             run's GPU, none on a CPU
+        interconnect_gb_per_s: the bandwidth collectives move bytes at (GB/s, 1e9 bytes), e.g. 450 for
+            H100 NVLink 4 one way; default: memory bandwidth (a lower bound on their time)
     """
 
     def __init__(
@@ -57,6 +59,7 @@ class TimeLedger(pl.Callback):
         every_n_steps: int = 500,
         print_table: bool = True,
         gpu: str | None = None,
+        interconnect_gb_per_s: float | None = None,
     ) -> None:
         if warmup_steps < 0 or profile_steps < 0 or every_n_steps < 0:
             raise ConfigError(
@@ -67,6 +70,9 @@ class TimeLedger(pl.Callback):
         self.warmup_steps, self.profile_steps, self.every_n_steps = warmup_steps, profile_steps, every_n_steps
         self.print_table = print_table
         self.gpu = gpu
+        if interconnect_gb_per_s is not None and not interconnect_gb_per_s > 0:
+            raise ConfigError(f"TimeLedger interconnect_gb_per_s must be positive, got {interconnect_gb_per_s}")
+        self.interconnect = interconnect_gb_per_s * 1e9 if interconnect_gb_per_s else None
         self.bound: Roofline | None = None
         self.model_flops: float | None = None
         self.samples: list[ledger_profile.Breakdown] = []
@@ -114,7 +120,7 @@ class TimeLedger(pl.Callback):
             return
         dtype = compute_dtype_for_precision(str(trainer.precision))
         try:
-            self.bound = device_roofline(prediction.ops, dtype, pl_module.device)
+            self.bound = device_roofline(prediction.ops, dtype, pl_module.device, self.interconnect)
         except ValueError as err:
             self.why_no_bound = str(err)
             return

@@ -131,9 +131,11 @@ def roofline(
     )
 
 
-def device_roofline(ops: OpSummary, compute_dtype: str, device: object) -> Roofline:
+def device_roofline(
+    ops: OpSummary, compute_dtype: str, device: object, interconnect_bytes_per_s: float | None = None
+) -> Roofline:
     """The bound on a live device (torch.device, "cpu", "cuda"): its peaks (hardware.peak_flops) and
-    bandwidth (bandwidth.memory_bandwidth)."""
+    bandwidth (bandwidth.memory_bandwidth); collectives at `interconnect_bytes_per_s` where given."""
     import warnings
 
     from lmledger.ledger.bandwidth import memory_bandwidth
@@ -154,7 +156,8 @@ def device_roofline(ops: OpSummary, compute_dtype: str, device: object) -> Roofl
     name = str(getattr(device, "type", device))
     return roofline(
         ops, peaks, compute_dtype, bandwidth.bytes_per_s, device=name,
-        peak_source=sources.get(compute_dtype, ""), bandwidth_source=bandwidth.detail or bandwidth.source,
+        interconnect_bytes_per_s=interconnect_bytes_per_s, peak_source=sources.get(compute_dtype, ""),
+        bandwidth_source=bandwidth.detail or bandwidth.source,
     )  # fmt: skip
 
 
