@@ -250,3 +250,23 @@ def test_ckpt_path_auto_starts_then_resumes_after_a_kill(workdir):
     assert "starting fresh in runs/auto/version_0" in firsts[0], firsts
     assert all("--ckpt_path auto: resuming runs/auto/version_0 at step" in line for line in firsts[1:]), firsts
     assert sorted(p.name for p in (workdir / "runs" / "auto").iterdir()) == ["version_0"]
+
+
+def test_ckpt_path_auto_keys_the_run_to_its_slurm_job(workdir, capsys, monkeypatch):
+    """Under SLURM, auto resumes the version of this job only: another job of the same name starts its own."""
+    for key in [k for k in os.environ if k.startswith("SLURM_")]:
+        monkeypatch.delenv(key)
+    auto = ["--trainer.callbacks.init_args.every_n_train_steps", "2", "--ckpt_path", "auto"]
+    said = []
+    for job, steps in (("111", 2), ("222", 2), ("111", 4)):
+        monkeypatch.setenv("SLURM_JOB_ID", job)
+        capsys.readouterr()
+        assert lmledger(fit_args("keyed", "--trainer.max_steps", str(steps), *auto)) == 0
+        said.append([line for line in capsys.readouterr().out.splitlines() if line.startswith("lmledger fit:")])
+    assert said[0] == ["lmledger fit: SLURM job 111, restart 0",
+                       "lmledger fit: --ckpt_path auto: SLURM job 111 has no run under runs/keyed yet: starting fresh "
+                       "in runs/keyed/version_0"], said  # fmt: skip
+    assert said[1][1].endswith("SLURM job 222 has no run under runs/keyed yet: starting fresh in runs/keyed/version_1")
+    assert said[2][1] == "lmledger fit: --ckpt_path auto: resuming runs/keyed/version_0 at step 2 from last.ckpt"
+    runs = workdir / "runs" / "keyed"
+    assert [(runs / f"version_{n}" / "slurm_job").read_text().strip() for n in (0, 1)] == ["111", "222"]
