@@ -144,6 +144,24 @@ def test_profiler_events_are_grouped_by_their_outermost_op():
                        "communication": 0, "data_wait": 200, "host": 1200 - 200 - 340 - 85 - 10 - 90}  # fmt: skip
 
 
+def test_fsdp2_collectives_are_communication_at_the_interconnects_bandwidth():
+    from lmledger.ledger.roofline import roofline
+    from lmledger.ledger.sharded import predict_sharded
+
+    with torch.device("meta"):
+        model = ToyLM(ModelConfig(vocab_size=256, context_length=SEQ, d_model=64, n_layers=2, n_heads=2, d_ff=128))
+    batch = tuple(torch.empty(BATCH, SEQ, dtype=torch.long, device="meta") for _ in range(2))
+    ledger = predict_sharded(model, batch, step=lambda m, b: m(*b), optimizer=lambda p: torch.optim.AdamW(p),
+                             strategy="fsdp2", world_size=2)  # fmt: skip
+    comm = [op for op in ledger.ops.ops if op.category == "communication"]
+    assert {op.name.split(".")[1] for op in comm} == {"_allgather_base_", "_reduce_scatter_base_"}
+    assert not any("copy_in" in op.name for op in comm)  # FSDP's local copy into the buffer is not a collective
+    peaks = {"fp32": 1e12}
+    fast, slow = (roofline(ledger.ops, peaks, "fp32", 1e11, interconnect_bytes_per_s=bw) for bw in (1e11, 1e10))
+    assert slow.by_category["communication"].seconds == pytest.approx(10 * fast.by_category["communication"].seconds)
+    assert slow.by_category["matmul"].seconds == fast.by_category["matmul"].seconds > 0
+
+
 # -- measured against the bound ------------------------------------------------------------------------
 
 

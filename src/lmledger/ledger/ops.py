@@ -38,8 +38,8 @@ _MATMUL_OPS = frozenset(
 )  # fmt: skip
 _ATTENTION_MARKS = ("scaled_dot_product", "flash_attention", "efficient_attention", "cudnn_attention")
 _COMMUNICATION_NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional", "_dtensor")
-_COMMUNICATION_MARKS = ("nccl", "gloo", "record_param_comms", "allreduce", "all_reduce", "allgather", "all_gather",
-                        "reduce_scatter", "broadcast", "all_to_all")  # fmt: skip
+# Profiler names of collectives outside those namespaces (fsdp::all_gather_copy_in is a local copy, not one).
+_COMMUNICATION_PREFIXES = ("nccl", "gloo", "record_param_comms")
 # Ops that move no data: shape and metadata queries, fresh (uninitialized) allocations.
 _FREE_OPS = frozenset(
     {"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "size", "stride", "numel", "dim",
@@ -62,8 +62,7 @@ def split_name(name: str) -> tuple[str, str]:
 def category_of(name: str) -> str:
     """The category of an op or profiler event name outside an optimizer step (see the module doc)."""
     namespace, op = split_name(name)
-    lowered = name.lower()
-    if namespace in _COMMUNICATION_NAMESPACES or any(mark in lowered for mark in _COMMUNICATION_MARKS):
+    if namespace in _COMMUNICATION_NAMESPACES or name.lower().startswith(_COMMUNICATION_PREFIXES):
         return COMMUNICATION
     if any(mark in op for mark in _ATTENTION_MARKS):
         return ATTENTION
