@@ -78,6 +78,7 @@ class TimeLedger(pl.Callback):
         self.samples: list[ledger_profile.Breakdown] = []
         self.why_no_bound: str | None = None
         self.skipped = 0  # sampled steps not profiled: another profiler was recording
+        self._own_prediction = False
         self._batches = 0
         self._last_end: float | None = None
         self._profiler = None
@@ -115,6 +116,7 @@ class TimeLedger(pl.Callback):
                 self.why_no_bound = result.reason
                 return
             prediction = self.prediction = result
+            self._own_prediction = True
         if prediction.ops is None:
             self.why_no_bound = "the prediction holds no op records"
             return
@@ -133,6 +135,10 @@ class TimeLedger(pl.Callback):
         self._device = pl_module.device
         self._batches = 0
         self._last_end = time.perf_counter()
+        self.samples, self.skipped = [], 0  # one fit's; a prediction passed in stays, one made here is redone
+        if self._own_prediction:
+            self.prediction, self._own_prediction = None, False
+            self.bound = self.model_flops = self.why_no_bound = None
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         now = time.perf_counter()
@@ -178,9 +184,10 @@ class TimeLedger(pl.Callback):
         self._last_end = time.perf_counter()  # validation is not data wait
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
-        if self._profiler is not None:
+        if self._profiler is not None:  # a step that raised inside its profile: close both, keep nothing
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
+                self._record.__exit__(None, None, None)
                 self._profiler.stop()
             self._profiler = self._record = None
 
