@@ -620,8 +620,8 @@ def test_a_fit_counts_the_first_step_and_tracks_the_second(stdlib_data, precisio
 
     ledger, probe = Ledger(), Probe()
     small_fit(stdlib_data, [ledger, probe], precision=precision, checkpointing=checkpointing)
-    # Step 1: the FLOP counter, closed before the optimizer step; step 2: the tracker, through it; then none.
-    assert probe.modes == [(1, 0), (1, 1), (0, 0), (0, 0)]
+    # Step 1: the FLOP counter, step 2: the tracker, each through its optimizer step; then none.
+    assert probe.modes == [(1, 1), (1, 1), (0, 0), (0, 0)]
     dry = ledger.report.predicted["dry run"]
     assert ledger.measured.peak == pytest.approx(dry.peak, rel=0.02)
     assert ledger.measured.peak_phase == dry.peak_phase

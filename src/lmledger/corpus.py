@@ -48,7 +48,7 @@ BYTE_SEPARATOR = b"\x00"
 BPE_SEPARATOR = "<|endoftext|>"
 DEFAULT_BPE_VOCAB_SIZE = 10_000
 # The largest vocabularies in use are about 256k ids (Gemma: 262,144), and the HF BPE trainer reserves
-# memory per requested id before it reads a byte (5e9 ids asked it for 283 GB: issue 16 §3). 2**20 is
+# memory per requested id before it reads a byte (5e9 ids asked it for 283 GB on 2026-11-30). 2**20 is
 # four times Gemma's; on a 3-file corpus it adds 3 MB of peak RSS over vocab 300 (2026-11-30, 2-core CPU, shared).
 MAX_BPE_VOCAB_SIZE = 2**20
 DEFAULT_OUT = "data/stdlib"

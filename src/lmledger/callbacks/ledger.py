@@ -49,6 +49,7 @@ from lmledger.callbacks.run import (
     logging_step,
     synchronize,
     tensorboard_writers,
+    torch_optimizers,
     untouched_rng,
 )
 from lmledger.callbacks.settings import LedgerSettings
@@ -56,9 +57,9 @@ from lmledger.callbacks.throughput import compile_speedup, resolve_peak
 from lmledger.callbacks.timing import TimeLedger
 from lmledger.errors import UserError
 from lmledger.ledger import moe, precisions
-from lmledger.ledger.dryrun import NotTraced, StepLedger, batch_tensors, largest_batch, loss_of
+from lmledger.ledger.dryrun import NotTraced, StepLedger, batch_tensors, largest_batch
 from lmledger.ledger.hardware import Peak
-from lmledger.ledger.predict import resized
+from lmledger.ledger.predict import lightning_step, resized
 from lmledger.ledger.report import Figures, Report, figures_of_step, markdown_table
 from lmledger.ledger.throughput import Window
 from lmledger.ledger.units import MB, format_bytes
@@ -108,11 +109,6 @@ def _toy_batch(run: LedgerRun, size: int | None = None) -> tuple[torch.Tensor, t
     """A batch shaped like the TokenDataModule's (inputs, targets), on the meta device: the dry run reads shapes."""
     shape = (run.batch_size if size is None else size, run.seq_len)
     return torch.empty(shape, dtype=torch.long, device="meta"), torch.empty(shape, dtype=torch.long, device="meta")
-
-
-def _optimizers(trainer: pl.Trainer) -> list[torch.optim.Optimizer]:
-    """The run's torch optimizers (Lightning wraps them under some strategies)."""
-    return [getattr(o, "optimizer", o) for o in trainer.optimizers]
 
 
 # --------------------------------------------------------------------------------------------
@@ -287,8 +283,8 @@ class Ledger(pl.Callback):
         with untouched_rng(pl_module.device), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             found = largest_batch(
-                pl_module, batch_for, capacity.bytes, step=_training_step(trainer, 0),
-                optimizer=_optimizers(trainer)[0] if trainer.optimizers else None, share=(trainer,),
+                pl_module, batch_for, capacity.bytes, step=lightning_step(0, trainer),
+                optimizer=torch_optimizers(trainer)[0] if trainer.optimizers else None, share=(trainer,),
                 precision=str(trainer.precision), device=pl_module.device, limit=max(1, now),
                 accumulate=self._accumulate,
             ) if self._dry is not None and pl_module.automatic_optimization else None  # fmt: skip
@@ -308,7 +304,7 @@ class Ledger(pl.Callback):
         if self.report is None:
             self._predict(trainer, pl_module, batch, batch_idx)
         if self.measurement is not None:
-            self.measurement.batch_start(pl_module, _optimizers(trainer), batch, trainer.global_step)
+            self.measurement.batch_start(pl_module, torch_optimizers(trainer), batch, trainer.global_step)
         self._profiled_since = None
         if self.timing is not None:
             self.timing.on_train_batch_start(trainer, pl_module, batch, batch_idx)
@@ -342,7 +338,7 @@ class Ledger(pl.Callback):
             self.timing.on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         self._batches += 1
         if self.measurement is not None and self.measurement.batch_end(
-            pl_module, _optimizers(trainer), trainer.global_step
+            pl_module, torch_optimizers(trainer), trainer.global_step
         ):
             self._report_measured(trainer)
         if self._window is not None and self._profiled_since is not None:
@@ -544,19 +540,6 @@ def bar_chart(report: Report):
 # --------------------------------------------------------------------------------------------
 
 
-def _training_step(trainer: pl.Trainer, batch_idx: int):
-    """`step(module, batch) -> loss` for the dry run: a LightningModule copy's own training_step. The copy
-    keeps the trainer (copies lose it: canary test_a_lightning_module_copies_without_its_trainer) and
-    logs nothing (its metrics must not reach the real trainer)."""
-
-    def step(module, fake_batch):
-        module.trainer = trainer
-        module.log = module.log_dict = _no_log
-        return loss_of(module.training_step(fake_batch, batch_idx))
-
-    return step
-
-
 def dry_run_training_step(
     trainer: pl.Trainer, pl_module: pl.LightningModule, batch: object, batch_idx: int, accumulate: int = 1
 ) -> StepLedger | moe.MoEBounds | NotTraced:
@@ -566,23 +549,19 @@ def dry_run_training_step(
     why = _not_modelled(trainer, pl_module)
     if why is not None:
         return NotTraced(why)
-    optimizers = _optimizers(trainer)
+    optimizers = torch_optimizers(trainer)
     manual = not pl_module.automatic_optimization
     with untouched_rng(pl_module.device), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
             return moe.predict(
-                pl_module, batch, step=_training_step(trainer, batch_idx),
+                pl_module, batch, step=lightning_step(batch_idx, trainer),
                 optimizer=optimizers if manual else (optimizers[0] if optimizers else None),
                 precision=str(trainer.precision), device=pl_module.device, share=(trainer,),
                 accumulate=accumulate, manual=manual,
             )  # fmt: skip
         except UserError as err:
             return NotTraced(str(err))
-
-
-def _no_log(*args, **kwargs) -> None:
-    return None
 
 
 def _not_modelled(trainer: pl.Trainer, pl_module: pl.LightningModule) -> str | None:

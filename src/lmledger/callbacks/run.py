@@ -80,8 +80,13 @@ class LedgerRun(Run):
         )
 
 
+def torch_optimizers(trainer: pl.Trainer) -> list[torch.optim.Optimizer]:
+    """The run's torch optimizers (Lightning wraps them under some strategies; the torch one is inside)."""
+    return [getattr(o, "optimizer", o) for o in trainer.optimizers]
+
+
 def _optimizer_is_fused(trainer: pl.Trainer) -> bool:
-    optimizers = [getattr(o, "optimizer", o) for o in trainer.optimizers]
+    optimizers = torch_optimizers(trainer)
     return bool(optimizers) and all(group.get("fused") for o in optimizers for group in o.param_groups)
 
 
@@ -89,9 +94,7 @@ def _optimizer_kind(trainer: pl.Trainer) -> tuple[str, float]:
     """The optimizer's ledger.memory name and SGD momentum (which decides whether SGD keeps state)."""
     if not trainer.optimizers:
         return "none", 0.0
-    optimizer = trainer.optimizers[0]
-    # Lightning wraps optimizers under some strategies; the torch optimizer is inside.
-    optimizer = getattr(optimizer, "optimizer", optimizer)
+    optimizer = torch_optimizers(trainer)[0]
     if isinstance(optimizer, (torch.optim.AdamW, torch.optim.Adam)):
         return "adamw", 0.0
     if isinstance(optimizer, torch.optim.SGD):

@@ -56,7 +56,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from lmledger.errors import UserError
 from lmledger.ledger import moe, precisions
 from lmledger.ledger.flops import flop_counter
-from lmledger.ledger.memory import measure_saved_activations, measure_state_bytes
+from lmledger.ledger.memory import measure_saved_activations, measure_state_bytes, unique_storage_bytes
 from lmledger.ledger.memtrack import MemoryTracker
 from lmledger.ledger.ops import OpRecorder, OpSummary
 
@@ -331,7 +331,7 @@ def _ledger_of_step(
     finally:
         model.train(was_training)
     state = measure_state_bytes(model, optimizer)
-    buffers = _storage_bytes(model.buffers())
+    buffers = unique_storage_bytes(model.buffers())
     phase_peaks = {name: tracker.phase_peaks.get(name, 0) for name in names}
     by_op: dict[str, int] = {}
     for counter in (*forward_flops, *backward_flops):
@@ -342,7 +342,7 @@ def _ledger_of_step(
         grads=state["grads"],
         optimizer=state["optimizer"],
         buffers=buffers,
-        batch=_storage_bytes(batch_tensors(batch)),
+        batch=unique_storage_bytes(batch_tensors(batch)),
         activations=saved.activations,
         autocast_weight_copies=saved.autocast_weight_copies,
         peak=tracker.peak_bytes,
@@ -395,7 +395,7 @@ def _ledger_of_manual_step(
     total = counter.get_total_flops()
     return StepLedger(
         params=state["params"], grads=state["grads"], optimizer=state["optimizer"],
-        buffers=_storage_bytes(model.buffers()), batch=_storage_bytes(batch_tensors(batch)),
+        buffers=unique_storage_bytes(model.buffers()), batch=unique_storage_bytes(batch_tensors(batch)),
         activations=saved.activations, autocast_weight_copies=saved.autocast_weight_copies,
         peak=tracker.peak_bytes, peak_phase=max(phase_peaks, key=phase_peaks.__getitem__), phase_peaks=phase_peaks,
         flops_forward=total - manual.backward_flops, flops_backward=manual.backward_flops,
@@ -832,14 +832,6 @@ def _pin_kernel_choice(optimizer: torch.optim.Optimizer, device: torch.device) -
         unset = "foreach" in group and group["foreach"] is None
         if unset and not group.get("fused") and not group.get("differentiable"):
             group["foreach"] = foreach_default
-
-
-def _storage_bytes(tensors: object) -> int:
-    seen: dict[int, int] = {}
-    for t in tensors:
-        if isinstance(t, torch.Tensor):
-            seen.setdefault(t.untyped_storage()._cdata, t.untyped_storage().nbytes())
-    return sum(seen.values())
 
 
 def _why(err: BaseException) -> str:

@@ -218,11 +218,13 @@ def _storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
 
-def _unique_storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Sum of storage sizes, each storage once (views and tied tensors are free)."""
+def unique_storage_bytes(tensors: Iterable[object]) -> int:
+    """Sum of the tensors' storage sizes, each storage once (views and tied tensors are free; anything that
+    is not a tensor counts nothing)."""
     seen: dict[int, int] = {}
     for t in tensors:
-        seen.setdefault(_storage_key(t), t.untyped_storage().nbytes())
+        if isinstance(t, torch.Tensor):
+            seen.setdefault(_storage_key(t), t.untyped_storage().nbytes())
     return sum(seen.values())
 
 
@@ -236,9 +238,9 @@ def measure_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | Non
         for per_param in optimizer.state.values():
             states += [v for v in per_param.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
     return {
-        "params": _unique_storage_bytes(params),
-        "grads": _unique_storage_bytes(grads),
-        "optimizer": _unique_storage_bytes(states),
+        "params": unique_storage_bytes(params),
+        "grads": unique_storage_bytes(grads),
+        "optimizer": unique_storage_bytes(states),
     }
 
 
@@ -660,7 +662,9 @@ def measure_peak_cuda(step_fn: Callable[[], object], device: torch.device | int 
     """Peak bytes allocated on a CUDA device while step_fn runs (everything already allocated
     before it, such as parameters and optimizer state, included)."""
     if not torch.cuda.is_available():
-        raise UserError("peak memory is measured on CUDA only; on CPU the ledger reports the predicted peak")
+        raise UserError(
+            "measure_peak_cuda needs a CUDA device; elsewhere ledger.memtrack.MemoryTracker measures the peak"
+        )
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     step_fn()

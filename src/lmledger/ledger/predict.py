@@ -202,11 +202,22 @@ def _no_log(*args, **kwargs) -> None:
     return None
 
 
-def module_step(module: nn.Module, batch: object) -> torch.Tensor:
-    """One call of the module's training_step (batch_idx 0), its loss as Lightning takes it (a tensor, or a
-    dict's 'loss'). `self.log` is silenced on the module it runs on (a copy: there is no trainer to log to)."""
-    module.log = module.log_dict = _no_log
-    return loss_of(module.training_step(batch, 0))
+def lightning_step(batch_idx: int = 0, trainer: object = None) -> Callable[[nn.Module, object], object]:
+    """`step(module, batch)` for the dry run of a LightningModule: one call of its training_step, the loss
+    as Lightning takes it (a tensor, or a dict's 'loss'). The module it runs on is a copy: `self.log` is
+    silenced (its metrics must not reach a real trainer) and, if given, `trainer` is set on it (copies lose
+    theirs: canary test_a_lightning_module_copies_without_its_trainer)."""
+
+    def step(module: nn.Module, batch: object) -> object:
+        if trainer is not None:
+            module.trainer = trainer
+        module.log = module.log_dict = _no_log
+        return loss_of(module.training_step(batch, batch_idx))
+
+    return step
+
+
+module_step = lightning_step()  # with no trainer, batch_idx 0: account, plan and predict_module
 
 
 def configured_optimizer(module: nn.Module) -> torch.optim.Optimizer | None:

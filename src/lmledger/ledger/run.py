@@ -61,7 +61,6 @@ class Run:
     def tokens_per_batch(self) -> int:
         return self.batch_size * self.seq_len
 
-    tokens_per_step = tokens_per_batch  # per device, one optimizer step without accumulation
 
 
 def fused_by_default(precision: str) -> bool:
