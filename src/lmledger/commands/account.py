@@ -126,15 +126,15 @@ def mfu_conventions(spec: RunSpec, seconds: float | None, device: torch.device) 
             detail = getattr(peak, "detail", "")
             where = detail if detail.startswith(source) else ": ".join(filter(None, (source, detail)))
             peak_line = f"{peak.flops_per_s / 1e12:.4g} TFLOP/s dense {peak.dtype} ({where})"
-            achieved = per_token["hfu"] * spec.tokens_per_step / seconds
+            achieved = per_token["hfu"] * spec.tokens_per_batch / seconds
             if peak.source == "measured" and achieved > peak.flops_per_s:
                 peak = Peak(achieved, "measured", peak.dtype)
                 peak_line += f", raised to the step's own {achieved / 1e12:.4g} TFLOP/s, which beat it"
 
     def mfu(n: int) -> float | None:
-        return None if peak is None else n * spec.tokens_per_step / seconds / peak.flops_per_s
+        return None if peak is None else n * spec.tokens_per_batch / seconds / peak.flops_per_s
 
-    nanogpt_printed = None if seconds is None else per_token["nanogpt"] * spec.tokens_per_step / seconds / NANOGPT_PEAK
+    nanogpt_printed = None if seconds is None else per_token["nanogpt"] * spec.tokens_per_batch / seconds / NANOGPT_PEAK
 
     return {
         "perf_mfu": "palm",
@@ -176,7 +176,7 @@ def account(spec: RunSpec, do_measure: bool) -> dict:
         "run": {
             "batch_size": spec.batch_size,
             "seq_len": spec.seq_len,
-            "tokens_per_step": spec.tokens_per_step,
+            "tokens_per_step": spec.tokens_per_batch,
             "precision": spec.precision,
             "optimizer": spec.optimizer,
             "strategy": spec.strategy,

@@ -326,7 +326,7 @@ def _per_rank_batch(result: dict, spec, capacity: int) -> None:
 
 def _max_batch_any_model(capacity: int, shown: str, gpu_key: str | None, fit_args: list[str], json: bool) -> None:
     """max-batch for any LightningModule: dry runs of its training_step on batches shaped like its data's
-    first batch, doubling then bisecting the number of samples (ledger.predict.max_batch)."""
+    first batch, doubling then bisecting the number of samples (ledger.predict.max_batch_module)."""
     import warnings
 
     import torch
