@@ -50,7 +50,7 @@ def _model(kind: str, ac: int):
     )  # fmt: skip
     model = LlamaForCausalLM(config)
     if ac:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        _checkpoint_layers(model)
     return model, _llama_step
 
 
@@ -219,3 +219,12 @@ def test_rank_chunks_are_torchs_chunks():
         for i in range(n):
             expected = real[i] if i < len(real) else real[0].new_empty(0)
             assert torch.equal(lazy[i], expected) and lazy[i].shape == expected.shape
+
+
+def _checkpoint_layers(model) -> None:
+    """Non-reentrant checkpointing of every decoder layer (transformers' newer name, else the older one)."""
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable({"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
