@@ -56,7 +56,8 @@ from lmledger.callbacks.settings import LedgerSettings
 from lmledger.callbacks.throughput import compile_speedup, resolve_peak
 from lmledger.callbacks.timing import TimeLedger
 from lmledger.errors import UserError
-from lmledger.ledger import moe, precisions
+from lmledger.ledger import moe, precisions, sharded
+from lmledger.ledger.ddp import DDPSettings
 from lmledger.ledger.dryrun import NotTraced, StepLedger, batch_tensors, largest_batch
 from lmledger.ledger.hardware import Peak
 from lmledger.ledger.predict import lightning_step, resized
@@ -554,6 +555,19 @@ def dry_run_training_step(
     with untouched_rng(pl_module.device), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
+            if _replicated_ranks(trainer) > 1:  # DDP: one rank's step with its gradient buckets (ledger.sharded)
+                if manual or accumulate > 1:
+                    return NotTraced(
+                        "DDP with manual optimization or gradient accumulation: when no_sync lets the buckets "
+                        "fill is not modelled yet"
+                    )
+                return sharded.predict_sharded(
+                    pl_module, batch, step=lightning_step(batch_idx, trainer),
+                    optimizer=optimizers[0] if optimizers else None, precision=str(trainer.precision),
+                    strategy="ddp", world_size=trainer.world_size,
+                    ddp=DDPSettings.from_kwargs(getattr(trainer.strategy, "_ddp_kwargs", {}) or {}),
+                    device=pl_module.device,
+                )  # fmt: skip
             return moe.predict(
                 pl_module, batch, step=lightning_step(batch_idx, trainer),
                 optimizer=optimizers if manual else (optimizers[0] if optimizers else None),
@@ -562,6 +576,14 @@ def dry_run_training_step(
             )  # fmt: skip
         except UserError as err:
             return NotTraced(str(err))
+
+
+def _replicated_ranks(trainer: pl.Trainer) -> int:
+    """The world size of a DDP run (every rank holds the whole model), else 1."""
+    strategy = trainer.strategy
+    if isinstance(strategy, DDPStrategy) and not isinstance(strategy, DeepSpeedStrategy):
+        return trainer.world_size
+    return 1
 
 
 def _not_modelled(trainer: pl.Trainer, pl_module: pl.LightningModule) -> str | None:
