@@ -256,6 +256,11 @@ def time_rows(bound: Roofline, measured: object | None, model_flops: float) -> d
     return rows
 
 
+def _percent(x: float) -> str:
+    """A rate as a percentage with two significant digits below 10% (0.05%, 3.4%, 38%)."""
+    return f"{x:.0%}" if x >= 0.1 else f"{100 * x:.2g}%"
+
+
 def diagnosis(bound: Roofline, measured: object, model_flops: float) -> str:
     """One line: measured MFU of the roofline's possible one, where most of the gap is, and the data wait."""
     wall = measured.wall_s
@@ -274,9 +279,9 @@ def diagnosis(bound: Roofline, measured: object, model_flops: float) -> str:
                 "optimizer": "the optimizer step", "communication": "communication"}[worst]  # fmt: skip
         m = measured.seconds.get(worst, 0.0)
         if cat.memory_seconds >= cat.compute_seconds:
-            rate = f"{cat.memory_seconds / m:.0%} of memory bandwidth" if m else "no measured time"
+            rate = f"{_percent(cat.memory_seconds / m)} of memory bandwidth" if m else "no measured time"
         else:
-            rate = f"{cat.compute_seconds / m:.0%} of peak FLOP/s" if m else "no measured time"
+            rate = f"{_percent(cat.compute_seconds / m)} of peak FLOP/s" if m else "no measured time"
         where = f"{share:.0%} of the step is in {what} running at {rate}"
     possible = bound.mfu(model_flops)
     return f"MFU {mfu:.2f} of a possible {possible:.2f}: {where}; data wait {measured.share('data_wait'):.0%}"
