@@ -1,12 +1,13 @@
 """Under a real SLURM (scripts/slurm-local.sh, one node on localhost; the tests skip in one line without it):
 a batch job stopped twice (SLURM's warning signal, `scontrol requeue`) requeues and continues its own run bit
 for bit; `srun --ntasks 2` trains DDP over gloo with the ledger per rank, and a SIGTERM to one rank stops both
-at the same step; a sweep as a job array gives the local launcher's table; a point that cannot fit --mem is
-refused before sbatch."""
+at the same step; a sweep as a job array, one of its tasks preempted and requeued, gives the local launcher's
+table; a point that cannot fit --mem or the GPU of --gres is refused before sbatch."""
 
 from __future__ import annotations
 
 import csv
+import json
 import os
 import re
 import shlex
@@ -175,15 +176,15 @@ def test_srun_two_ranks_train_ddp_and_stop_together(workdir, slurm_cluster):
     assert abs(total - 2 * per_device) <= 1e-6 * total
 
 
-def experiment(workdir: Path, name: str) -> Path:
+def experiment(workdir: Path, name: str, more: dict | None = None) -> Path:
     path = workdir / f"{name}.yaml"
     fixed = {"trainer.max_steps": 2, "trainer.limit_val_batches": 0, "trainer.log_every_n_steps": 1,
              "model.config.d_model": 32, "model.config.n_layers": 1, "model.config.n_heads": 2,
-             "model.config.d_ff": 64, "model.config.context_length": 32}  # fmt: skip
-    path.write_text(yaml.safe_dump({
-        "name": name, "command": "fit", "configs": ["configs/tiny.yaml"], "fixed": fixed,
-        "grid": {"data.batch_size": [2, 4]}, "metrics": ["train/loss", "memory/predicted/peak", "flops/model_per_step"],
-    }))  # fmt: skip
+             "model.config.d_ff": 64, "model.config.context_length": 32, **(more or {})}  # fmt: skip
+    doc = {"name": name, "command": "fit", "configs": ["configs/tiny.yaml"], "fixed": fixed,
+           "grid": {"data.batch_size": [2, 4]},
+           "metrics": ["train/loss", "memory/predicted/peak", "flops/model_per_step"]}  # fmt: skip
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))  # the overrides' order is their flags' order
     return path
 
 
@@ -192,13 +193,36 @@ def table(path: Path) -> list[dict[str, str]]:
         return [{k: v for k, v in row.items() if k != "seconds"} for row in csv.DictReader(f)]
 
 
-def test_a_sweep_through_slurm_gives_the_local_table(workdir, slurm_cluster, monkeypatch):
+def test_a_sweep_through_slurm_gives_the_local_table_with_a_point_preempted(workdir, slurm_cluster, monkeypatch):
+    """A 2-point sweep as a job array, one task stopped by SLURM's warning signal mid-run, requeued and resumed:
+    the same results table as the local launcher's, digit for digit."""
     for key in [k for k in os.environ if k.startswith("SLURM_")]:
         monkeypatch.delenv(key)
+    env = job_env()
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    spec = experiment(workdir, "pair")
+    monkeypatch.setenv("PYTHONPATH", env["PYTHONPATH"])  # the local points import test_resume.Throttle too
+    throttle = {"class_path": "test_resume.Throttle", "init_args": {"after_step": 0, "seconds": 0.3}}
+    spec = experiment(workdir, "pair", {"trainer.max_steps": 8, "trainer.callbacks.init_args.every_n_train_steps": 2,
+                                        "trainer.callbacks+": throttle})  # fmt: skip
     assert lmledger(["sweep", str(spec), "--out", "local", "--jobs", "2"]) == 0
-    assert lmledger(["sweep", str(spec), "--out", "slurm", "--launcher", "slurm", "--cpus-per-task", "1"]) == 0
+    command = [sys.executable, "-m", "lmledger.cli", "sweep", str(spec), "--out", "slurm", "--launcher", "slurm",
+               "--cpus-per-task", "1"]  # fmt: skip
+    sweep = subprocess.Popen(command, cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        points = sorted(p.name for p in (workdir / "local" / "runs").iterdir())
+        ckpt = workdir / "slurm" / "runs" / points[0] / "version_0" / "checkpoints" / "last.ckpt"
+        wait_for(lambda: checkpoint_step(ckpt) >= 2, "the point's first checkpoint")
+        status = workdir / "slurm" / "points" / points[0] / "status.json"
+        task = json.loads(status.read_text())["slurm_task"]
+        subprocess.run(["scancel", "--batch", "--signal=USR1", task], check=True)
+        release(task)
+        assert sweep.wait(timeout=240) == 0, sweep.stdout.read()
+    finally:
+        if sweep.poll() is None:
+            sweep.kill()
+        subprocess.run(["scancel", "--name=lmledger-pair"], capture_output=True)
+    assert json.loads(status.read_text())["restart"] == 1 and json.loads(status.read_text())["status"] == "done"
+    assert sorted(p.name for p in ckpt.parents[2].iterdir()) == ["version_0"]  # resumed in its own run
     local, slurm = table(workdir / "local" / "results.csv"), table(workdir / "slurm" / "results.csv")
     assert len(local) == 2 and all(row["status"] == "done" for row in local)
     assert slurm == local  # the same numbers, to the last digit written
