@@ -46,3 +46,18 @@ def test_plan_max_batch_per_rank_under_fsdp2(workdir, capsys):
     assert peaks[0] <= 0.02e9 < peaks[1]
     assert peaks[0] == four["peak_bytes"]
     assert torch.distributed.is_available() and not torch.distributed.is_initialized()
+
+
+def test_strategy_settings_reach_the_dry_run_and_tensor_parallel_is_one_line(workdir, capsys):
+    ddp = '{"class_path": "lightning.pytorch.strategies.DDPStrategy", "init_args": {"bucket_cap_mb": 0.05}}'
+    small = run_json(capsys, "account", *TINY, "--trainer.devices", "2", "--trainer.strategy", ddp, "--json")
+    default = run_json(capsys, "account", *TINY, "--trainer.devices", "2", "--trainer.strategy", "ddp", "--json")
+    cases = small["per_rank"]["cases"]["checkpointing off"], default["per_rank"]["cases"]["checkpointing off"]
+    assert cases[0]["buckets"] > cases[1]["buckets"] and cases[0]["comm_buffers"] == cases[1]["comm_buffers"]
+    tp = '{"class_path": "lightning.pytorch.strategies.ModelParallelStrategy", "init_args": '
+    tp += '{"tensor_parallel_size": 2}}'
+    result = run_json(capsys, "account", *TINY, "--trainer.devices", "2", "--trainer.strategy", tp, "--json")
+    for case in result["per_rank"]["cases"].values():
+        assert "tensor parallelism" in case["not_predicted"] and "measured only" in case["not_predicted"]
+        assert "\n" not in case["not_predicted"]
+    assert result["memory"]["peak"]["predicted"] is not None  # the closed forms still answer

@@ -155,7 +155,7 @@ def mfu_conventions(spec: RunSpec, seconds: float | None, device: torch.device) 
     }
 
 
-def account(spec: RunSpec, do_measure: bool) -> dict:
+def account(spec: RunSpec, do_measure: bool, argv: list[str] = ()) -> dict:
     if do_measure:
         device = _measure_device(spec)
     else:
@@ -191,7 +191,7 @@ def account(spec: RunSpec, do_measure: bool) -> dict:
         "time": measured["time"] if measured else None,
     }
     if traced_at_scale(spec):
-        _add_per_rank(result, spec)
+        _add_per_rank(result, spec, argv)
     return result
 
 
@@ -205,11 +205,11 @@ def traced_at_scale(spec: RunSpec) -> bool:
     return (spec.strategy in ("ddp", "auto", "single_device") and spec.world_size > 1) or spec.strategy == "fsdp2"
 
 
-def _add_per_rank(result: dict, spec: RunSpec) -> None:
+def _add_per_rank(result: dict, spec: RunSpec, argv: list[str]) -> None:
     """result["per_rank"]: one rank's dry run at the config's world size and strategy. It replaces the closed
     forms where it traces the strategy (DDP's buckets, FSDP2's gathered blocks are in it); the config's
     checkpointing picks the case (every block, or none)."""
-    result["per_rank"] = per_rank(spec)
+    result["per_rank"] = per_rank(spec, argv=argv)
     if spec.config.activation_checkpointing in (0, 1):
         case = result["per_rank"]["cases"][_AC_LABELS[spec.config.activation_checkpointing]]
         if case.get("not_predicted") is None and case["peak_checked"]:
@@ -218,11 +218,12 @@ def _add_per_rank(result: dict, spec: RunSpec) -> None:
             result["run"]["peak_phase"] = case["peak_phase"]
 
 
-def per_rank(spec: RunSpec, capacity_bytes: int | None = None) -> dict:
-    """ledger.sharded.run_at_scale with account's case names (checkpointing off and on)."""
+def per_rank(spec: RunSpec, capacity_bytes: int | None = None, argv: list[str] = ()) -> dict:
+    """ledger.sharded.run_at_scale with account's case names (checkpointing off and on) and the strategy's
+    settings among the fit arguments `argv` (scale_settings)."""
     from lmledger.ledger.sharded import run_at_scale
 
-    return run_at_scale(spec, capacity_bytes, labels=_AC_LABELS)
+    return run_at_scale(spec, capacity_bytes, labels=_AC_LABELS, **scale_settings(list(argv), spec.strategy))
 
 
 def print_per_rank(scale: dict) -> None:
@@ -439,6 +440,24 @@ def trainer_scale(argv: list[str]) -> tuple[int, str]:
     """(world size, ledger strategy name) that a fit's arguments ask for: trainer.devices x num_nodes and
     trainer.strategy from the --config files, then --trainer.* overrides, read before anything is built (so
     a model at scale is built on the meta device)."""
+    world_size, strategy, _ = _trainer_scale(argv)
+    return world_size, strategy
+
+
+def scale_settings(argv: list[str], strategy: str) -> dict:
+    """The keyword arguments at_scale takes from the strategy's init_args: DDP's bucket settings (DDPStrategy
+    passes them through to torch's DDP); a ModelParallelStrategy with tensor_parallel_size > 1 is tensor
+    parallel, which the dry run does not model (it says so in one line, and the run is measured only)."""
+    from lmledger.ledger.ddp import DDPSettings
+
+    init = _trainer_scale(argv)[2]
+    tensor_parallel = init.get("tensor_parallel_size", 1)
+    if strategy == "fsdp2" and isinstance(tensor_parallel, int) and tensor_parallel > 1:
+        return {"strategy": f"tensor_parallel (ModelParallelStrategy tensor_parallel_size={tensor_parallel})"}
+    return {"ddp": DDPSettings.from_kwargs(init)} if strategy == "ddp" else {}
+
+
+def _trainer_scale(argv: list[str]) -> tuple[int, str, dict]:
     from types import SimpleNamespace
 
     from lmledger.commands.train import _config_files, _read_config
@@ -459,9 +478,18 @@ def trainer_scale(argv: list[str]) -> tuple[int, str]:
     nodes = trainer.get("num_nodes", 1)
     nodes = int(nodes) if isinstance(nodes, str) and nodes.strip().isdigit() else nodes
     strategy = trainer.get("strategy") or "auto"
+    if isinstance(strategy, str) and strategy.lstrip().startswith("{"):  # a class_path/init_args given inline
+        import yaml
+
+        try:
+            strategy = yaml.safe_load(strategy)
+        except yaml.YAMLError:
+            pass  # LightningCLI's parser reports it in its own words
+    init: dict = {}
     if isinstance(strategy, dict):
-        strategy = SimpleNamespace(class_path=strategy.get("class_path", ""), init_args=strategy.get("init_args"))
-    return _world_size(devices, nodes if isinstance(nodes, int) else 1), _strategy_name(strategy)
+        init = dict(strategy.get("init_args") or {})
+        strategy = SimpleNamespace(class_path=strategy.get("class_path", ""), init_args=init)
+    return _world_size(devices, nodes if isinstance(nodes, int) else 1), _strategy_name(strategy), init
 
 
 def at_scale(world_size: int, strategy: str) -> bool:
@@ -489,6 +517,7 @@ def any_model_at_scale(argv: list[str], capacity_bytes: int | None = None) -> di
             module, lambda size: any_model.resized(batch, size), samples, strategy=strategy, world_size=world_size,
             capacity_bytes=capacity_bytes, step=any_model.module_step,
             optimizer=any_model.configured_optimizer(module), precision=precision,
+            **scale_settings(argv, strategy),
         )  # fmt: skip
     return {
         "params": any_model.parameter_count(module),
@@ -574,7 +603,7 @@ def account_command(*fit_args: str, measure: bool = False, json: bool = False) -
         return 0
     if not any(a == "--config" or a.startswith("--config=") for a in rest):
         raise UserError("account needs --config FILE (e.g. configs/tiny.yaml) or --model CLASS_PATH")
-    result = account(load_run_spec(rest), measure)
+    result = account(load_run_spec(rest), measure, rest)
     if json:
         print(dumps(result))
     else:

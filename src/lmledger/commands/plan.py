@@ -282,7 +282,7 @@ def max_batch_command(
     from lmledger.commands.account import traced_at_scale
 
     if traced_at_scale(spec):
-        _per_rank_batch(result, spec, capacity)
+        _per_rank_batch(result, spec, capacity, fit_args)
     if json:
         print(dumps(result))
         return
@@ -305,13 +305,13 @@ def max_batch_command(
         print_per_rank(result["per_rank"])
 
 
-def _per_rank_batch(result: dict, spec, capacity: int) -> None:
+def _per_rank_batch(result: dict, spec, capacity: int, fit_args: list[str]) -> None:
     """result["per_rank"]: the largest micro-batch per rank at the config's world size and strategy, from
     one rank's dry run (ledger.sharded), checkpointing off and on; the config's own case (checkpointing
     every block or none) then answers max_batch."""
     from lmledger.commands.account import _AC_LABELS, per_rank
 
-    result["per_rank"] = per_rank(spec, capacity)
+    result["per_rank"] = per_rank(spec, capacity, fit_args)
     if spec.config.activation_checkpointing not in (0, 1):
         return
     case = result["per_rank"]["cases"][_AC_LABELS[spec.config.activation_checkpointing]]

@@ -929,11 +929,15 @@ def at_scale(
             "cases": cases}  # fmt: skip
 
 
-def run_at_scale(run, capacity_bytes: int | None = None, labels: tuple[str, str] = ("off", "on")) -> dict:
+def run_at_scale(
+    run, capacity_bytes: int | None = None, labels: tuple[str, str] = ("off", "on"), **settings: object
+) -> dict:
     """at_scale for a ledger.run.Run of lmledger's ToyLM (toy_inputs): its world size, strategy, precision and
-    optimizer, the config's batch per rank; checkpointing off and on (labels)."""
+    optimizer, the config's batch per rank; checkpointing off and on (labels). `settings`: at_scale's ddp,
+    fsdp, or a strategy name that replaces the run's."""
     model, batch_for, optimizer = toy_inputs(run)
+    settings.setdefault("strategy", run.strategy)
     return at_scale(
-        model, batch_for, run.batch_size, strategy=run.strategy, world_size=run.world_size, optimizer=optimizer,
-        precision=run.precision, capacity_bytes=capacity_bytes, labels=labels,
+        model, batch_for, run.batch_size, world_size=run.world_size, optimizer=optimizer,
+        precision=run.precision, capacity_bytes=capacity_bytes, labels=labels, **settings,
     )  # fmt: skip
