@@ -162,6 +162,22 @@ def test_fsdp2_collectives_are_communication_at_the_interconnects_bandwidth():
     assert slow.by_category["matmul"].seconds == fast.by_category["matmul"].seconds > 0
 
 
+def test_a_beaten_bound_names_the_figure_that_is_too_low():
+    from lmledger.ledger.roofline import CategoryBound, Roofline, format_table
+
+    compute_bound, memory_bound = CategoryBound(2e-3, 2e-3, 1e-4, 1, 1, 1, 0), CategoryBound(1e-3, 0, 1e-3, 1, 1, 1, 1)
+    rows = {"matmul": compute_bound, "other": memory_bound, "attention": CategoryBound(),
+            "optimizer": CategoryBound(), "communication": CategoryBound()}  # fmt: skip
+    bound = Roofline(rows, 1e12, "fp32", 1e11, "cpu", "spec", "measured copy")
+    seconds = dict.fromkeys(ledger_profile.MEASURED, 0.0)
+    fast_matmul = ledger_profile.Breakdown({**seconds, "matmul": 1.9e-3, "other": 1.5e-3, "host": 0.1e-3}, 3.5e-3)
+    text = format_table(bound, fast_matmul, 1e9)
+    assert "matmul ran faster than its bound, so the fp32 peak (spec) is too low" in text
+    assert "other compute ran faster" not in text  # 1.5 ms against a 1 ms bound: not beaten
+    fast_other = ledger_profile.Breakdown({**seconds, "matmul": 2.5e-3, "other": 0.9e-3, "host": 0.1e-3}, 3.5e-3)
+    assert "so the memory bandwidth (measured copy) is too low" in format_table(bound, fast_other, 1e9)
+
+
 # -- measured against the bound ------------------------------------------------------------------------
 
 

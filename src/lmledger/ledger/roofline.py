@@ -310,14 +310,17 @@ def format_table(bound: Roofline, measured: object | None, model_flops: float | 
         lines.append(f"{row.label:<34} {cells}")
         if key == "measured":
             lines.append("-" * len(head))
-    beaten = [LABELS[k] for k, row in rows.items() if k in LABELS and row.efficiency is not None and row.efficiency > 1]
-    if beaten:
-        # A bound a measurement beats is wrong: on a CPU, most likely a bandwidth measured on a busy machine.
-        lines.append(
-            f"measured faster than the bound in {', '.join(beaten)}: the bound's peak or bandwidth is too low "
-            f"({bound.bandwidth_source or 'bandwidth'}); measure again on a quiet machine "
-            "(lmledger.ledger.bandwidth.measured_cpu_bandwidth(refresh=True))"
-        )
+    beaten = [k for k, row in rows.items() if k in LABELS and row.efficiency is not None and row.efficiency > 1]
+    for name in beaten:
+        # A bound a measurement beats is wrong: the figure that set it is too low for this machine.
+        cat = bound.by_category[name]
+        if cat.compute_seconds >= cat.memory_seconds:
+            figure = f"the {bound.peak_dtype} peak ({bound.peak_source or 'peak'})"
+            fix = "on a CPU the spec's clock may be the nominal one, below what the cores turbo to"
+        else:
+            figure = f"the memory bandwidth ({bound.bandwidth_source or 'bandwidth'})"
+            fix = "measure it again on a quiet machine: lmledger.ledger.bandwidth.measured_cpu_bandwidth(refresh=True)"
+        lines.append(f"{LABELS[name]} ran faster than its bound, so {figure} is too low: {fix}")
     if measured is not None and model_flops:
         lines.append(diagnosis(bound, measured, model_flops))
     elif model_flops:
