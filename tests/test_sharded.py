@@ -228,3 +228,24 @@ def _checkpoint_layers(model) -> None:
         enable({"use_reentrant": False})
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def _measure_hsdp(shard_size: int):
+    model, _ = _model("toy", 0)
+    settings = FSDPSettings(shard_size=shard_size)
+    return measure_sharded(model, _batch(), optimizer=_adamw, strategy="fsdp2", fsdp=settings)
+
+
+def test_hsdp_matches_real_ranks_and_a_mesh_that_does_not_divide_is_one_line():
+    # Hybrid sharding over 4 ranks: 2 replicas of 2 shards; each rank holds what FSDP2 over 2 ranks holds.
+    ranks = run_ranks(_measure_hsdp, 4, 2)
+    model, _ = _model("toy", 0)
+    hsdp = predict_sharded(model, _batch(), optimizer=_adamw, strategy="fsdp2", world_size=4,
+                           fsdp=FSDPSettings(shard_size=2))  # fmt: skip
+    two = _predict(CASES[0], 2)
+    assert (hsdp.params, hsdp.grads, hsdp.optimizer) == (two.params, two.grads, two.optimizer)
+    for measured in ranks:
+        assert (hsdp.params, hsdp.grads, hsdp.optimizer) == (measured.params, measured.grads, measured.optimizer)
+        assert abs(hsdp.peak / measured.peak - 1) <= 0.03, (hsdp.peak, measured.peak)
+    odd = predict_sharded(model, _batch(), strategy="fsdp2", world_size=6, fsdp=FSDPSettings(shard_size=4))
+    assert isinstance(odd, NotTraced) and "does not divide" in odd.reason and "\n" not in odd.reason

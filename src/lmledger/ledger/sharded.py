@@ -65,11 +65,14 @@ NOT_MODELLED = {
 class FSDPSettings:
     """How fully_shard wraps the model. `shard(module, mesh)` wraps it as a LightningModule's
     configure_model would; default: each child of every nn.ModuleList (the transformer blocks), then the
-    root, all with `reshard_after_forward`. `mp_policy` is passed to fully_shard as it is."""
+    root, all with `reshard_after_forward`. `mp_policy` is passed to fully_shard as it is. `shard_size` makes
+    the mesh 2-D, (W / shard_size replicas, shard_size shards): hybrid sharding (HSDP), as torchtitan's
+    data_parallel_replicate/shard degrees do."""
 
     reshard_after_forward: bool = True
     shard: Callable[[nn.Module, object], None] | None = None
     mp_policy: object = None
+    shard_size: int | None = None  # HSDP: shard within groups of this many ranks, replicate across them
 
 
 DEFAULT_DDP, DEFAULT_FSDP = DDPSettings(), FSDPSettings()
@@ -443,9 +446,9 @@ def _predict_ddp(module, batch, step, optimizer, precision, world_size, settings
 
 
 @contextmanager
-def fake_process_group(world_size: int) -> Iterator[object]:
-    """torch's fake process group of `world_size` ranks (this process is its rank 0) and a 1-D CPU DeviceMesh
-    over it, made outside any FakeTensorMode; torn down on exit.
+def fake_process_group(world_size: int, shard_size: int | None = None) -> Iterator[object]:
+    """torch's fake process group of `world_size` ranks (this process is its rank 0) and a CPU DeviceMesh
+    over it (1-D; with shard_size, 2-D: replicate x shard), made outside any FakeTensorMode; torn down on exit.
 
     Without a default group it is the default one (init_process_group("fake"), as torchtitan's estimator
     does), destroyed after. When the caller already has a default group (Lightning's DDP in this process),
@@ -464,10 +467,12 @@ def fake_process_group(world_size: int) -> Iterator[object]:
     if not dist.is_initialized():
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
         try:
-            yield init_device_mesh("cpu", (world_size,))
+            yield _mesh(init_device_mesh, world_size, shard_size)
         finally:
             dist.destroy_process_group()
         return
+    if shard_size is not None and shard_size != world_size:
+        raise _Unavailable("a 2-D (HSDP) mesh beside this process's own process group is not built yet")
     c10d = dist.distributed_c10d
     _FAKE_GROUPS[0] += 1
     # This process is the fake group's rank 0; the other ranks' global numbers exist nowhere (never looked up).
@@ -481,6 +486,12 @@ def fake_process_group(world_size: int) -> Iterator[object]:
         yield DeviceMesh.from_group(group, "cpu")
     finally:
         dist.destroy_process_group(group)
+
+
+def _mesh(init_device_mesh: Callable, world_size: int, shard_size: int | None) -> object:
+    if shard_size is None or shard_size == world_size:
+        return init_device_mesh("cpu", (world_size,))
+    return init_device_mesh("cpu", (world_size // shard_size, shard_size), mesh_dim_names=("replicate", "shard"))
 
 
 _FAKE_GROUPS = [0]
@@ -524,8 +535,14 @@ def _shard(model: nn.Module, mesh: object, settings: FSDPSettings) -> None:
 def _predict_fsdp2(module, batch, step, optimizer, precision, world_size, settings, device):
     if device is not None and torch.device(device).type != "cpu":
         return NotTraced(f"the sharded dry run runs FSDP2 on a CPU mesh, not {device}: predict it for cpu")
+    size = settings.shard_size
+    if size is not None and (not isinstance(size, int) or size < 1 or world_size % size):
+        return NotTraced(
+            f"world size {world_size} does not divide into shard groups of {size} ranks (HSDP's mesh): "
+            "the run is measured only"
+        )
     try:
-        with fake_process_group(world_size) as mesh, _rank_chunks_only():
+        with fake_process_group(world_size, size) as mesh, _rank_chunks_only():
             fake = _FakeRun(module, batch, step, optimizer, precision, device, mesh=mesh, shard=settings)
             if isinstance(fake.error, NotTraced):
                 return fake.error
@@ -757,7 +774,7 @@ def measure_sharded(
     if name == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
 
-        _shard(model, init_device_mesh("cpu", (world,)), fsdp)
+        _shard(model, _mesh(init_device_mesh, world, fsdp.shard_size), fsdp)
         opt = _factory(optimizer, module)
         opt = opt(list(model.parameters())) if opt is not None else None
         with _sharded_tracking():
