@@ -36,7 +36,7 @@ import math
 import os
 import tempfile
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from dataclasses import dataclass
 from unittest import mock
 
@@ -84,7 +84,8 @@ class ShardedLedger(StepLedger):
 
     buckets        DDP's steady-state buckets (ledger.ddp.Bucket), empty otherwise
     comm_buffers   DDP: the bucket buffers; FSDP2: the largest unit's all-gather output plus its
-                   reduce-scatter input (both W shards long), the buffers alive at once at most
+                   reduce-scatter input (both W padded shards long), sized from the FSDP state (the
+                   peak counts the buffers themselves as they are allocated)
     peak_checked   False where the peak is the single-device step's with the sharded state swapped in
                    (DeepSpeed, FSDP1): not yet held to a measurement
     """
@@ -831,7 +832,7 @@ def _call(model: nn.Module, batch: object) -> torch.Tensor:
     return model(batch)
 
 
-def run_ranks(target: Callable, world_size: int, *args: object, timeout: float = 300) -> list:
+def run_ranks(target: Callable, world_size: int, *args: object) -> list:
     """`target(*args)` on each of `world_size` processes of a gloo process group on this CPU (spawned,
     one thread each); the list of their return values by rank. `target` must be importable (a module-level
     function) and its result picklable."""
@@ -851,8 +852,7 @@ def _rank_main(rank: int, world_size: int, tmp: str, target: Callable, args: tup
     store = dist.FileStore(os.path.join(tmp, "store"), world_size)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
     try:
-        with ExitStack():
-            result = target(*args)
+        result = target(*args)
         torch.save(result, os.path.join(tmp, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
