@@ -178,6 +178,25 @@ def test_a_beaten_bound_names_the_figure_that_is_too_low():
     assert "so the memory bandwidth (measured copy) is too low" in format_table(bound, fast_other, 1e9)
 
 
+@pytest.mark.parametrize("world", [2, 4])
+def test_ddp_buckets_are_all_reduced_in_the_bound(world):
+    from lmledger.ledger.roofline import with_ddp_allreduce
+    from lmledger.ledger.sharded import predict_sharded
+
+    with torch.device("meta"):
+        model = ToyLM(ModelConfig(vocab_size=256, context_length=SEQ, d_model=64, n_layers=2, n_heads=2, d_ff=128))
+    batch = tuple(torch.empty(BATCH, SEQ, dtype=torch.long, device="meta") for _ in range(2))
+    ledger = predict_sharded(model, batch, step=lambda m, b: m(*b), optimizer=lambda p: torch.optim.AdamW(p),
+                             strategy="ddp", world_size=world)  # fmt: skip
+    assert ledger.buckets and ledger.ops.by_category["communication"].ops == 0  # the Reducer is emulated
+    ops = with_ddp_allreduce(ledger.ops, ledger)
+    comm = ops.by_category["communication"]
+    assert comm.ops == len(ledger.buckets)
+    # A ring all-reduce sends 2(W-1)/W of each bucket; the buckets hold one copy of the grads.
+    assert comm.bytes == pytest.approx(2 * (world - 1) / world * ledger.grads, rel=1e-6)
+    assert ops.flops == ledger.ops.flops
+
+
 # -- measured against the bound ------------------------------------------------------------------------
 
 

@@ -31,7 +31,7 @@ from lmledger.errors import ConfigError
 from lmledger.ledger import profile as ledger_profile
 from lmledger.ledger.dryrun import NotTraced, StepLedger
 from lmledger.ledger.hardware import compute_dtype_for_precision
-from lmledger.ledger.roofline import LABELS, Roofline, device_roofline, format_table
+from lmledger.ledger.roofline import LABELS, Roofline, device_roofline, format_table, with_ddp_allreduce
 from lmledger.ledger.shapes import advice_text
 
 
@@ -122,7 +122,8 @@ class TimeLedger(pl.Callback):
             return
         dtype = compute_dtype_for_precision(str(trainer.precision))
         try:
-            self.bound = device_roofline(prediction.ops, dtype, pl_module.device, self.interconnect)
+            ops = with_ddp_allreduce(prediction.ops, prediction)  # a DDP rank's buckets, if the prediction has them
+            self.bound = device_roofline(ops, dtype, pl_module.device, self.interconnect)
         except ValueError as err:
             self.why_no_bound = str(err)
             return

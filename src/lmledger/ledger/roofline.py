@@ -181,6 +181,22 @@ def gpu_roofline(ops: OpSummary, compute_dtype: str, gpu: str) -> Roofline:
     )  # fmt: skip
 
 
+def with_ddp_allreduce(ops: OpSummary, prediction: object) -> OpSummary:
+    """`ops` with DDP's bucket all-reduces added as communication, for a per-rank prediction that has
+    buckets (ledger.sharded.ShardedLedger at world size W > 1) and records no collective itself (the
+    dry run emulates DDP's Reducer, so its all-reduces are not among the ops). A ring all-reduce sends
+    2(W-1)/W of the buffer from each rank (nccl-tests PERFORMANCE.md: busBw = algBw x 2(n-1)/n)."""
+    buckets, world = getattr(prediction, "buckets", ()), getattr(prediction, "world_size", 1)
+    if not buckets or world <= 1 or ops.by_category.get(COMMUNICATION, None) and ops.by_category[COMMUNICATION].ops:
+        return ops
+    extra = [
+        OpRecord("c10d.allreduce_ (DDP bucket, predicted)", "backward", COMMUNICATION, 0, 0,
+                 2 * (world - 1) * bucket.nbytes // world, bucket.dtype)
+        for bucket in buckets
+    ]  # fmt: skip
+    return OpSummary.of([*ops.ops, *extra])
+
+
 def toy_step_ops(
     config: object, batch_size: int, seq_len: int, precision: str = "32-true", optimizer: Callable | None = None
 ) -> OpSummary:
