@@ -11,6 +11,7 @@ import json
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -286,6 +287,26 @@ def test_a_rerun_does_not_resubmit_a_queued_point_and_a_vanished_task_is_failed(
     wait_for(lambda: not in_queue(workdir / "out", list(points)), "the held task to leave the queue")
     result = ended_result(workdir / "out", points[0])
     assert result.status == "failed" and f"SLURM task {held}_0 ended without a result" in result.error
+
+
+class Usr1InSetup(pl.Callback):
+    """Test-only: SIGUSR1 to this process while the Trainer sets up, before any training batch."""
+
+    def setup(self, trainer, pl_module, stage) -> None:
+        os.kill(os.getpid(), signal.SIGUSR1)
+
+
+def test_slurms_warning_during_set_up_saves_after_the_first_step(workdir):
+    """SIGUSR1's default action ends the process: from parsing on, lmledger fit notes it instead, and saves and
+    stops at the first step boundary (a subprocess: a regression would kill pytest)."""
+    usr1 = '{"class_path": "test_slurm.Usr1InSetup"}'
+    command = [sys.executable, "-m", "lmledger.cli", *fit_args("early", "--trainer.callbacks+=" + usr1)]
+    done = subprocess.run(command, cwd=workdir, env=job_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 143, (done.stdout + done.stderr)[-3000:]
+    (line,) = [line for line in done.stderr.splitlines() if line.startswith("lmledger fit:")]
+    assert line == "lmledger fit: preempted at step 1: saved runs/early/version_0/checkpoints/last.ckpt; resume with " \
+        "--ckpt_path last", line  # fmt: skip
+    assert open_checkpoint(workdir / "runs/early/version_0/checkpoints/last.ckpt")["global_step"] == 1
 
 
 # Canaries: what Lightning 2.6.6 does that lmledger's SLURM handling relies on (tests/test_canaries.py's kind;

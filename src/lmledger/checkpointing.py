@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import random
@@ -311,6 +312,33 @@ class Preempted(SIGTERMException):
         self.step, self.checkpoint, self.requeued = step, checkpoint, requeued
 
 
+_EARLY_SIGNALS: list[int] = []
+
+
+def _note_early(signum, frame) -> None:
+    _EARLY_SIGNALS.append(signum)
+
+
+@contextlib.contextmanager
+def noted_stop_signals():
+    """While `lmledger fit` parses and builds, before PreemptionCheckpoint takes over: a SIGUSR1 is noted
+    (and acted on at the first step boundary) rather than ending the process, its default action. A
+    handler someone else installed stays."""
+    usr1 = getattr(signal, "SIGUSR1", None)
+    try:
+        previous = signal.getsignal(usr1) if usr1 is not None else None
+        if previous == signal.SIG_DFL:
+            signal.signal(usr1, _note_early)
+    except ValueError:  # not the main thread
+        previous = None
+    try:
+        yield
+    finally:
+        _EARLY_SIGNALS.clear()
+        if previous == signal.SIG_DFL:
+            signal.signal(usr1, signal.SIG_DFL)
+
+
 # The signals that mean "save and stop": SLURM and Kubernetes send SIGTERM before killing a job, SLURM sends
 # SIGUSR1 as its warning before a time limit (`#SBATCH --signal=B:USR1@90`) or on `scancel --signal=USR1`.
 STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGUSR1") if hasattr(signal, name))
@@ -367,6 +395,8 @@ class PreemptionCheckpoint(pl.Callback):
         if stage == "fit" and hasattr(signal, "SIGUSR1"):
             self._active = True
             self._install(signal.SIGUSR1)
+            if _EARLY_SIGNALS:  # SLURM's warning came while the run was being built (noted_stop_signals)
+                self.requested, self.signum = True, self.signum or _EARLY_SIGNALS[0]
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not hasattr(signal, "SIGTERM"):

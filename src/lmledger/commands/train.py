@@ -63,6 +63,7 @@ from lmledger.checkpointing import (
     claim_version_dir,
     make_last_checkpoint_atomic,
     newest_checkpoint,
+    noted_stop_signals,
     open_checkpoint,
     release_claims,
     slurm_job_key,
@@ -889,7 +890,8 @@ def _run_claimed(argv: list[str]) -> None:
     """The fit or validate; a run refused (UserError) before its first step passed every check leaves its
     run directory as it found it (RunClaim.undo), and every run directory lock is released at the end."""
     try:
-        _run_cli(LedgerCLI, argv, run=True)
+        with noted_stop_signals():  # a SIGUSR1 while the run is built: saved and stopped at step 1, not fatal
+            _run_cli(LedgerCLI, argv, run=True)
     except UserError:
         undo_uncommitted_claims()
         raise
