@@ -61,3 +61,11 @@ def test_strategy_settings_reach_the_dry_run_and_tensor_parallel_is_one_line(wor
         assert "tensor parallelism" in case["not_predicted"] and "measured only" in case["not_predicted"]
         assert "\n" not in case["not_predicted"]
     assert result["memory"]["peak"]["predicted"] is not None  # the closed forms still answer
+
+
+def test_nodes_multiply_the_world_size(workdir, capsys):
+    args = ["--trainer.devices", "2", "--trainer.num_nodes", "2", "--trainer.strategy", "fsdp2", "--json"]
+    result = run_json(capsys, "account", *TINY, *args)
+    assert result["run"]["world_size"] == result["per_rank"]["world_size"] == 4
+    whole = run_json(capsys, "account", *TINY, "--json")["memory"]["params"]["predicted"]
+    assert whole / 4 <= result["memory"]["params"]["predicted"] < whole / 4 * 1.05  # FSDP2's padded dim-0 chunks
