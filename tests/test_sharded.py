@@ -249,3 +249,22 @@ def test_hsdp_matches_real_ranks_and_a_mesh_that_does_not_divide_is_one_line():
         assert abs(hsdp.peak / measured.peak - 1) <= 0.03, (hsdp.peak, measured.peak)
     odd = predict_sharded(model, _batch(), strategy="fsdp2", world_size=6, fsdp=FSDPSettings(shard_size=4))
     assert isinstance(odd, NotTraced) and "does not divide" in odd.reason and "\n" not in odd.reason
+
+
+def test_deepspeed_state_per_rank_is_deepspeeds_estimate_for_any_module():
+    # A Hugging Face model, not the toy LM: the largest layer comes from the module tree, as DeepSpeed counts it.
+    stage_2 = pytest.importorskip("deepspeed.runtime.zero.stage_1_and_2", reason="deepspeed is an optional dependency")
+    stage_3 = pytest.importorskip("deepspeed.runtime.zero.stage3")
+    model, step = _model("llama", 0)
+    n, layer = stage_3.model_to_params(model)
+    for stage in (2, 3):
+        ledger = predict_sharded(model, _batch(), step=step, optimizer=_adamw, precision="bf16-mixed",
+                                 strategy=f"deepspeed_stage_{stage}", world_size=8)  # fmt: skip
+        state = ledger.params + ledger.grads + ledger.optimizer
+        if stage == 2:
+            _, gpu = stage_2.estimate_zero2_model_states_mem_needs(n, 8, 1, cpu_offload=False)
+        else:
+            _, gpu, _ = stage_3.estimate_zero3_model_states_mem_needs(
+                n, layer, 8, 1, cpu_offload=False, cpu_offload_params=False
+            )
+        assert 0 <= state - gpu < 18 and not ledger.peak_checked  # each rank's share rounded up, DeepSpeed's down
