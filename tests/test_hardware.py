@@ -281,19 +281,20 @@ def test_cpu_info_counts_physical_cores_this_process_may_use():
         assert 0.2 < info.ghz < 7  # GHz of any CPU made
 
 
-def test_peak_flops_on_the_cpu_is_the_spec_and_never_measures(monkeypatch):
+def test_peak_flops_on_the_cpu_is_measured_once_per_machine(monkeypatch, tmp_path):
     spec = hardware.cpu_spec_peak("fp32")
     if spec is None:
         pytest.skip("this OS reports no CPU clock or flags")
-
-    def no_timing(*args, **kwargs):
-        raise AssertionError("the CPU peak must not be measured when the spec is known")
-
-    monkeypatch.setattr(hardware, "time_matmul", no_timing)
+    monkeypatch.setenv("LMLEDGER_CACHE_DIR", str(tmp_path))
+    calls = []
+    real = hardware._best_matmul_rate
+    monkeypatch.setattr(hardware, "_best_matmul_rate", lambda *a: calls.append(a) or real(*a[:2], 1))
     with float32_matmul_precision("highest"):
         first, second = peak_flops("fp32", "cpu"), peak_flops(torch.float32, "cpu")
-    assert first == second == spec  # the machine's figure: the same whatever the load
-    assert first.source == "spec" and first.detail.startswith("spec: ")
+    assert first == second  # the machine's figure: the same whatever the load
+    assert len(calls) == 1  # measured once, then read from the cache
+    assert first.flops_per_s >= spec.flops_per_s
+    assert first.detail.startswith("spec: ") if first.source == "spec" else "above the" in first.detail
 
 
 def test_measured_cpu_peak_is_cached_per_machine_with_when_and_how(tmp_path, monkeypatch):
@@ -326,15 +327,20 @@ def test_measured_cpu_peak_is_cached_per_machine_with_when_and_how(tmp_path, mon
     assert not list(cache.parent.glob(".*.tmp"))
 
 
-def test_measured_cpu_peak_stays_below_the_spec(tmp_path, monkeypatch):
-    # The two CPU peaks side by side: a careful measurement can approach the spec but not pass it (5%
-    # for clock readings), and on a shared machine it still reaches a sane share of it.
+def test_the_cpu_peak_is_never_below_a_measured_matmul(tmp_path, monkeypatch):
+    # The two CPU peaks side by side: the peak MFU divides by is the larger, so no matmul beats it; a VM
+    # that reports its nominal clock (this one: 2.2 GHz) has a spec below what its cores reach.
     spec = hardware.cpu_spec_peak("fp32")
     if spec is None:
         pytest.skip("this OS reports no CPU clock or flags")
     monkeypatch.setenv("LMLEDGER_CACHE_DIR", str(tmp_path))
     measured = hardware.measured_cpu_peak("fp32", tries=3)
-    assert 0.1 * spec.flops_per_s < measured.flops_per_s <= 1.05 * spec.flops_per_s, (measured, spec)
+    peak = hardware.cpu_peak("fp32")
+    assert peak.flops_per_s == max(spec.flops_per_s, measured.flops_per_s)
+    assert peak.source == ("spec" if spec.flops_per_s >= measured.flops_per_s else "measured")
+    assert measured.flops_per_s > 0.1 * spec.flops_per_s  # a sane share of it, even on a shared machine
+    fresh = hardware._best_matmul_rate("cpu", "fp32", 1)
+    assert fresh <= peak.flops_per_s * 1.05  # a later measurement does not beat it either (5%: noise)
 
 
 def test_no_cpu_peak_for_gpu_only_formats():
