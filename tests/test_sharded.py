@@ -19,8 +19,9 @@ from lmledger.ledger.sharded import FSDPSettings, fsdp2_shard_bytes, measure_sha
 from lmledger.model import ModelConfig, ToyLM
 
 TOY = ModelConfig(vocab_size=256, context_length=32, d_model=64, n_layers=2, n_heads=2, d_ff=128)
-# (model, activation checkpointing, reshard_after_forward)
+# (model, activation checkpointing, reshard_after_forward[, precision])
 CASES = [("toy", 0, True), ("toy", 1, True), ("toy", 0, False), ("llama", 0, True), ("llama", 1, True)]
+BF16 = [("toy", 0, True, "bf16-mixed"), ("llama", 1, True, "bf16-mixed")]
 
 
 def _batch() -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,20 +57,24 @@ def _model(kind: str, ac: int):
 
 def _measure(cases) -> list:
     out = []
-    for kind, ac, reshard in cases:
+    for kind, ac, reshard, *precision in cases:
         model, step = _model(kind, ac)
         settings = FSDPSettings(reshard_after_forward=reshard)
-        out.append(measure_sharded(model, _batch(), step=step, optimizer=_adamw, strategy="fsdp2", fsdp=settings))
+        out.append(
+            measure_sharded(model, _batch(), step=step, optimizer=_adamw, strategy="fsdp2", fsdp=settings,
+                            precision=precision[0] if precision else "32-true")
+        )  # fmt: skip
     return out
 
 
 def _predict(case, world_size: int):
-    kind, ac, reshard = case
+    kind, ac, reshard, *precision = case
     model, step = _model(kind, ac)
     settings = FSDPSettings(reshard_after_forward=reshard)
     return predict_sharded(
-        model, _batch(), step=step, optimizer=_adamw, strategy="fsdp2", world_size=world_size, fsdp=settings
-    )
+        model, _batch(), step=step, optimizer=_adamw, strategy="fsdp2", world_size=world_size, fsdp=settings,
+        precision=precision[0] if precision else "32-true",
+    )  # fmt: skip
 
 
 def _check(cases, world_size: int) -> None:
@@ -88,7 +93,7 @@ def _check(cases, world_size: int) -> None:
 
 
 def test_fsdp2_two_ranks_match_real_gloo_ranks():
-    _check(CASES, 2)
+    _check(CASES + BF16, 2)
 
 
 def test_fsdp2_four_ranks_match_real_gloo_ranks():
