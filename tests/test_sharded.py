@@ -139,7 +139,7 @@ def test_strategies_not_modelled_are_one_line(strategy):
 def test_bad_world_size_and_missing_fake_group_are_one_line(monkeypatch):
     assert isinstance(predict_sharded(ToyLM(TOY), _batch(), strategy="fsdp2", world_size=0), NotTraced)
 
-    def no_fake_group(world_size):
+    def no_fake_group(*args):
         raise sharded._Unavailable("torch X has no fake process group")
 
     monkeypatch.setattr(sharded, "fake_process_group", _raising(no_fake_group))
@@ -152,8 +152,8 @@ def _raising(fn):
     from contextlib import contextmanager
 
     @contextmanager
-    def manager(world_size):
-        fn(world_size)
+    def manager(*args):
+        fn(*args)
         yield
 
     return manager
