@@ -181,7 +181,13 @@ class StepSeeder(pl.Callback):
         value = step_seed(int(seed), trainer.global_rank, batch_index)
         random.seed(value)
         np.random.seed(value % 2**32)
-        torch.manual_seed(value)  # also seeds every CUDA device
+        # torch.manual_seed would also queue lazy seeds for CUDA, MPS, XPU and MTIA, each capturing a stack
+        # trace: 234 us a step on a CPU-only torch against 9 us for the generators a run has (2026-12-01).
+        torch.default_generator.manual_seed(value)
+        if torch.cuda.is_available():
+            torch.cuda.manual_seed_all(value)
+        if torch.backends.mps.is_available():
+            torch.mps.manual_seed(value)
 
 
 # ------------------------------------------------------------------------------------- run directories
