@@ -149,5 +149,7 @@ def test_validate_writes_no_run_directory(workdir, capsys):
     # Given a place to log (as `lmledger sweep` gives each point), it logs the validation there, and only that.
     assert lmledger([*validate, "--ckpt_path", ckpt, "--trainer.logger.init_args.save_dir", "evals"]) == 0
     (run,) = (workdir / "evals/tiny").iterdir()
-    assert run.name == "version_0" and sorted(p.name.split(".")[0] for p in run.iterdir()) == ["events", "hparams"]
+    # lmledger.lock: the run lock (runlock.RUN_LOCK), a file the kernel's flock is taken on, left in place.
+    names = sorted(p.name.split(".")[0] for p in run.iterdir())
+    assert run.name == "version_0" and names == ["events", "hparams", "lmledger"]
     assert "val/loss" in read_scalars(run)
