@@ -151,7 +151,7 @@ def test_account_of_an_hf_config_puts_the_dry_run_beside_the_real_step(workdir, 
 def test_plan_max_batch_of_an_hf_model_fits_under_the_cap_measured(workdir, capsys, examples_importable, flag):
     """Issue 12: under --ledger.device_memory_gb X on a CPU, the measured peak (ledger.memtrack on the real step)
     of the predicted largest batch fits under X, and one more sample's does not."""
-    from lmledger.commands.train import build_model_and_data, first_batch
+    from lmledger.fitting.cli import build_model_and_data, first_batch
     from lmledger.ledger.predict import measure_module as measure
 
     capacity_gb = 0.0035

@@ -150,7 +150,8 @@ def test_bad_modules_and_batches_are_one_line(workdir, capsys, model, data, expe
 
 
 def test_plain_litlm_config_is_untouched_by_subclass_mode(monkeypatch):
-    from lmledger.commands.train import named_classes, parse_fit_config
+    from lmledger.fitting.checks import named_classes
+    from lmledger.fitting.cli import parse_fit_config
 
     assert named_classes(["--config", "configs/tiny.yaml"]) == []
     monkeypatch.chdir(REPO)

@@ -19,6 +19,7 @@ from lmledger.cli import main as lmledger
 from lmledger.commands import train
 from lmledger.data import TokenDataModule
 from lmledger.errors import ConfigError, UserError
+from lmledger.fitting import cli as fit_cli
 from lmledger.ledger.flops import (
     causal_flops_per_token,
     matmul_parameters,
@@ -246,7 +247,7 @@ def test_an_out_of_memory_error_becomes_one_line_with_the_ledger(stdlib_data, tm
     def run_cli_that_runs_out_of_memory(*args, **kwargs):
         raise raised.value
 
-    monkeypatch.setattr(train, "_run_cli", run_cli_that_runs_out_of_memory)
+    monkeypatch.setattr(fit_cli, "_run_cli", run_cli_that_runs_out_of_memory)
     with pytest.raises(UserError, match="^CUDA out of memory at step 2"):
         train.main(["fit"])
 

@@ -269,13 +269,13 @@ def test_loops_restore_their_progress_before_the_train_loader_is_iterated():
 
 
 def test_trainer_accepts_values_that_train_wrongly():
-    """commands/train._check_trainer_values refuses them: a negative clip ascends, 0 accumulation trains nothing."""
+    """fitting.checks.check_trainer_values refuses them: a negative clip ascends, 0 accumulation trains nothing."""
     assert _trainer(gradient_clip_val=-1.0).gradient_clip_val == -1.0
     assert _trainer(accumulate_grad_batches=0).accumulate_grad_batches == 0
 
 
 def test_seed_everything_none_without_environment_is_zero(monkeypatch):
-    """commands/train: `--seed_everything true` draws its own seed, since Lightning would use 0."""
+    """fitting.cli: `--seed_everything true` draws its own seed, since Lightning would use 0."""
     monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)
     with torch.random.fork_rng(devices=[]):
         state = np.random.get_state(), random.getstate()
@@ -288,14 +288,14 @@ def test_seed_everything_none_without_environment_is_zero(monkeypatch):
 
 
 def test_lightning_advertises_a_cloud_logger():
-    """commands/train._DropAdverts filters this line out of every run's output."""
+    """fitting.checks.DropAdverts filters this line out of every run's output."""
     from lightning.pytorch.trainer.connectors.logger_connector import logger_connector
 
     assert "💡 Tip" in inspect.getsource(logger_connector)
 
 
 def test_lightning_pytree_uses_the_deprecated_leafspec():
-    """commands/train filters torch's FutureWarning about LeafSpec, raised from Lightning's own code."""
+    """fitting.cli filters torch's FutureWarning about LeafSpec, raised from Lightning's own code."""
     from lightning.pytorch.utilities import _pytree
 
     with pytest.warns(FutureWarning, match=r"isinstance\(treespec, LeafSpec\)` is deprecated"):
@@ -470,7 +470,7 @@ class RefusesToBuild(torch.nn.Module):
 
 
 def test_jsonargparse_chains_a_failed_build():
-    """commands.train._build_failure: jsonargparse reports a subclass whose __init__ raised as a ValueError
+    """fitting.checks.build_failure: jsonargparse reports a subclass whose __init__ raised as a ValueError
     listing every Union subtype it tried, raised `from` the class's own exception, and the traceback of that
     exception passes through an instantiator frame holding `class_type` (the class being built)."""
     import traceback

@@ -24,9 +24,9 @@ from torch import nn
 import lmledger.precision as precision_module
 from conftest import MICRO_OVERRIDES, TINY_OVERRIDES, read_scalars
 from lmledger.cli import main as lmledger
-from lmledger.commands.train import parse_fit_config
 from lmledger.data import TokenDataModule
 from lmledger.errors import UserError
+from lmledger.fitting.cli import parse_fit_config
 from lmledger.ledger.flops import analytic_flops, measure_flops
 from lmledger.ledger.memory import activation_bytes, measure_saved_activations, measure_state_bytes, state_bytes
 from lmledger.lit import LitLM

@@ -328,22 +328,23 @@ def test_slurm_environment_is_detected_only_with_ntasks(monkeypatch):
 
 
 def test_slurm_environment_refuses_ntasks_without_per_node(monkeypatch):
-    """Lightning raises on `--ntasks N` without `--ntasks-per-node`; train._slurm_tasks_per_node sets it on one node."""
+    """Lightning raises on `--ntasks N` without `--ntasks-per-node`; fitting.cli.slurm_tasks_per_node sets it on
+    one node."""
     from lightning.fabric.plugins.environments import SLURMEnvironment
 
-    from lmledger.commands.train import _slurm_tasks_per_node
+    from lmledger.fitting.cli import slurm_tasks_per_node
 
     monkeypatch.setenv("SLURM_NTASKS", "2")
     monkeypatch.delenv("SLURM_NTASKS_PER_NODE", raising=False)
     with pytest.raises(RuntimeError, match="ntasks-per-node"):
         SLURMEnvironment(auto_requeue=False)
     env = {"SLURM_NTASKS": "2", "SLURM_JOB_NUM_NODES": "1"}
-    _slurm_tasks_per_node(env)
+    slurm_tasks_per_node(env)
     assert env["SLURM_NTASKS_PER_NODE"] == "2"
     from lmledger.errors import UserError
 
     with pytest.raises(UserError, match="add --ntasks-per-node"):
-        _slurm_tasks_per_node({"SLURM_NTASKS": "4", "SLURM_JOB_NUM_NODES": "2"})
+        slurm_tasks_per_node({"SLURM_NTASKS": "4", "SLURM_JOB_NUM_NODES": "2"})
 
 
 def test_lightning_installs_no_sigusr1_handler_without_auto_requeue(monkeypatch):

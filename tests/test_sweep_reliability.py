@@ -118,16 +118,16 @@ def test_a_bad_grid_key_stops_the_sweep_before_any_point_runs(workdir, capsys):
 def test_points_are_checked_with_one_parse_per_value_not_per_point(workdir, capsys, monkeypatch):
     """A 10 x 10 x 2 grid costs 1 + 22 parses of the fit parser, not 200 (a parse is ~0.1 s; the
     rest of a point, milliseconds)."""
-    from lmledger.commands import train
+    from lmledger.fitting import cli as fit_cli
 
     calls = []
-    real = train.parse_fit_config
+    real = fit_cli.parse_fit_config
 
     def counting(args):
         calls.append(args)
         return real(args)
 
-    monkeypatch.setattr(train, "parse_fit_config", counting)
+    monkeypatch.setattr(fit_cli, "parse_fit_config", counting)
     path = write_experiment(
         workdir / "e.yaml",
         command="account",

@@ -373,7 +373,7 @@ class TokenDataModule(pl.LightningDataModule):
         verify_sha256(self.files)
 
     def state_dict(self) -> dict:
-        """What checkpoints record of the data: its sha256s, compared on resume (lmledger.commands.train)."""
+        """What checkpoints record of the data: its sha256s, compared on resume (lmledger.fitting.cli)."""
         recorded = self.files.meta.get("sha256")
         return {"sha256": dict(recorded)} if isinstance(recorded, dict) else {}
 

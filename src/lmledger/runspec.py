@@ -56,7 +56,7 @@ def _drop_seed_line(record: logging.LogRecord) -> bool:
 
 def load_run_spec(argv: list[str]) -> Run:
     """Parse `--config FILE [--config FILE2] [--a.b value ...]` as `lmledger fit` would."""
-    from lmledger.commands.train import parse_fit_config  # imports Lightning
+    from lmledger.fitting.cli import parse_fit_config  # imports Lightning
 
     # Parsing runs LightningCLI's seed_everything, whose "Seed set to N" line means nothing here: no run.
     seed_log = logging.getLogger("lightning.fabric.utilities.seed")

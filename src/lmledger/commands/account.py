@@ -379,7 +379,7 @@ def account_any_model(argv: list[str], do_measure: bool) -> dict:
     """account for a config naming any LightningModule: the dry run beside (with --measure) the real step,
     both on its data's first batch. No model FLOPs (6N + attention needs the architecture) and no MFU."""
     from lmledger.callbacks.ledger import samples_per_batch, tokens_per_batch
-    from lmledger.commands.train import build_model_and_data, first_batch
+    from lmledger.fitting.cli import build_model_and_data, first_batch
     from lmledger.ledger import predict as any_model
     from lmledger.ledger.dryrun import map_tensors
     from lmledger.ledger.run import Run
@@ -460,12 +460,12 @@ def scale_settings(argv: list[str], strategy: str) -> dict:
 def _trainer_scale(argv: list[str]) -> tuple[int, str, dict]:
     from types import SimpleNamespace
 
-    from lmledger.commands.train import _config_files, _read_config
+    from lmledger.fitting.checks import config_files, read_config
     from lmledger.runspec import _strategy_name, _world_size
 
     trainer: dict = {}
-    for name in _config_files(argv):
-        trainer.update((_read_config(name) or {}).get("trainer") or {})
+    for name in config_files(argv):
+        trainer.update((read_config(name) or {}).get("trainer") or {})
     for i, arg in enumerate(argv):
         for key in ("devices", "num_nodes", "strategy"):
             flag = f"--trainer.{key}"
@@ -501,7 +501,7 @@ def any_model_at_scale(argv: list[str], capacity_bytes: int | None = None) -> di
     as configured and with every block checkpointed; the module is built on the meta device (an 8B model
     costs no memory), the batch shaped like its data's first batch."""
     from lmledger.callbacks.ledger import samples_per_batch, tokens_per_batch
-    from lmledger.commands.train import build_model_and_data, first_batch
+    from lmledger.fitting.cli import build_model_and_data, first_batch
     from lmledger.ledger import predict as any_model
     from lmledger.ledger import sharded
 
@@ -584,7 +584,7 @@ def account_command(*fit_args: str, measure: bool = False, json: bool = False) -
         measure: also run real steps here and print each measurement beside its prediction
         json: print one JSON object
     """
-    from lmledger.commands.train import named_classes
+    from lmledger.fitting.checks import named_classes
 
     rest = list(fit_args)
     if named_classes(rest) and not measure and at_scale(*trainer_scale(rest)):

@@ -228,7 +228,7 @@ def max_batch_command(
         gpu: a key from `lmledger gpus` or a torch device name
         device_memory_gb: memory one device may use, in GB (1e9 bytes), instead of --gpu
     """
-    from lmledger.commands.train import named_classes
+    from lmledger.fitting.checks import named_classes
 
     fit_args = list(fit_args)
     if not fit_args:
@@ -331,7 +331,7 @@ def _max_batch_any_model(capacity: int, shown: str, gpu_key: str | None, fit_arg
 
     import torch
 
-    from lmledger.commands.train import build_model_and_data, first_batch
+    from lmledger.fitting.cli import build_model_and_data, first_batch
     from lmledger.ledger import predict as any_model
     from lmledger.ledger.dryrun import NotTraced, batch_tensors
 

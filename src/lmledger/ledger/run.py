@@ -62,7 +62,6 @@ class Run:
         return self.batch_size * self.seq_len
 
 
-
 def fused_by_default(precision: str) -> bool:
     """LitLM's choice (lmledger.lit): fused optimizer kernels, except under fp16's GradScaler."""
     return precisions.precision(precision).fused_optimizer

@@ -4,14 +4,16 @@
 import sys
 
 if __name__ == "__main__":
+    from lmledger.cli import main  # an entry point, above the commands
+
     if sys.argv[1:2] == ["point"]:
         from lmledger.sweep.runner import point_main
 
-        sys.exit(point_main(sys.argv[2:]))
+        sys.exit(point_main(sys.argv[2:], main))
     if sys.argv[1:2] == ["slurm-task"] and len(sys.argv) == 4:
         from lmledger.sweep.slurm import task_main
 
-        sys.exit(task_main(sys.argv[2:]))
+        sys.exit(task_main(sys.argv[2:], main))
     sys.exit(
         "usage: python -m lmledger.sweep point PARENT_PID LMLEDGER_ARGS... | slurm-task TASKS.json INDEX "
         "(run by `lmledger sweep`)"

@@ -24,7 +24,7 @@ def check_points(experiment: Experiment) -> CheckedPoints:
     its own, is parsed whole once to confirm (a value may be valid only beside another, e.g. a class_path).
     Other commands (plan, bench, gpus) are checked when they run: they fail in a second.
     """
-    from lmledger.commands.train import parse_fit_config
+    from lmledger.fitting.cli import parse_fit_config
     from lmledger.runspec import run_spec_from_config
 
     def spec_of(config):

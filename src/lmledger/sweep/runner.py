@@ -276,12 +276,11 @@ def _die_with_parent(parent: int) -> None:
     threading.Thread(target=watch, name="lmledger-sweep-parent-watch", daemon=True).start()
 
 
-def point_main(argv: list[str]) -> int:
-    """The process of one point: `python -m lmledger.sweep point PARENT_PID LMLEDGER_ARGS...`."""
+def point_main(argv: list[str], run_command: Callable[[list[str]], int]) -> int:
+    """The process of one point: `python -m lmledger.sweep point PARENT_PID LMLEDGER_ARGS...`; `run_command` is
+    the lmledger command line's main (the entry point passes it: commands sit above sweeps)."""
     _die_with_parent(int(argv[0]))
-    from lmledger.cli import main
-
-    return main(argv[1:])
+    return run_command(argv[1:])
 
 
 def cuda_available() -> bool:

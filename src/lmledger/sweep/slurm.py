@@ -150,14 +150,14 @@ def _gb(n: float) -> str:
 
 def predicted_peaks(experiment: Experiment, points: list[Point]) -> dict[str, float]:
     """Point id -> its predicted peak bytes per rank, for the points the ledger can predict without building."""
-    from lmledger.commands.account import account
+    from lmledger.ledger.predict import predict
 
     specs = check_points(replace(experiment, points=tuple(points))).specs
     peaks = {}
     for point in points:
         spec = specs.get(point.id)
         if spec is not None:
-            peak = account(spec, False)["memory"]["peak"]["predicted"]
+            peak = predict(spec).peak  # what `lmledger account` shows for it
             if peak is not None:
                 peaks[point.id] = float(peak)
     return peaks
@@ -339,8 +339,9 @@ def ended_result(out_dir: Path, point: Point) -> PointResult:
 # ------------------------------------------------------------------------------------- inside a task
 
 
-def task_main(argv: list[str]) -> int:
-    """`python -m lmledger.sweep slurm-task TASKS.json INDEX`: one point, as the SLURM task runs it."""
+def task_main(argv: list[str], run_command: Callable[[list[str]], int]) -> int:
+    """`python -m lmledger.sweep slurm-task TASKS.json INDEX`: one point, as the SLURM task runs it;
+    `run_command` is the lmledger command line's main (the entry point passes it: commands sit above sweeps)."""
     record = json.loads(Path(argv[0]).read_text())
     task = record["tasks"][argv[1]]
     out_dir = Path(record["out_dir"])
@@ -362,10 +363,8 @@ def task_main(argv: list[str]) -> int:
         sys.stdout = os.fdopen(1, "w", buffering=1, closefd=False)  # line by line, as a local point's log fills
         sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
         start = time.perf_counter()
-        from lmledger.cli import main
-
         try:
-            code = main(args)
+            code = run_command(args)
         except SystemExit as stop:
             code = stop.code if isinstance(stop.code, int) else 1
         sys.stdout.flush(), sys.stderr.flush()

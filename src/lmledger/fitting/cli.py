@@ -1,0 +1,519 @@
+"""`lmledger fit|validate`: LightningCLI over LitLM and TokenDataModule, or over any LightningModule.
+
+`--model CLASS_PATH` / `--data CLASS_PATH` (or a --config whose `model:` / `data:` has a `class_path`) switch
+LightningCLI to subclass mode: any LightningModule and LightningDataModule (data defaults to TokenDataModule),
+with lmledger.callbacks.Ledger as the ledger and the same run directories, checkpoints and resume. Class paths
+import from the working directory too, as under `python -m`.
+
+Runs live under `runs/<name>/version_<n>/` (TensorBoard events, the resolved config.yaml, checkpoints/);
+each new run takes the next version, so nothing from an earlier run is overwritten.
+`--ckpt_path last` resumes the newest run of that name that has a last.ckpt, logging into the same version.
+
+`validate` needs --ckpt_path (a file or `last`) and writes nothing: no config, and no run directory unless the
+command line names one to log in (`--trainer.logger.init_args.save_dir DIR`, as `lmledger sweep` does).
+
+Every run also gets, without configuring anything: checkpoints written atomically (AtomicCheckpointIO),
+a NaN/Inf guard (`--nonfinite.max_skips K`, default 0 = stop at the first non-finite step), per-batch
+reseeding for exact resume (StepSeeder), a save-and-stop on SIGTERM (PreemptionCheckpoint, exit 143),
+and checks that a --ckpt_path is readable, fits the model, was trained with the same settings and data,
+and has steps left to train, before Lightning touches it. docs/reliability.md lists every case.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import sys
+import warnings
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+from jsonargparse import ArgumentError, Namespace
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from lightning.pytorch.plugins.environments import ClusterEnvironment, SLURMEnvironment
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+from lmledger.atomic import write_error
+from lmledger.callbacks import Ledger, LedgerSettings, ledger_callbacks
+from lmledger.callbacks.nonfinite import NonFiniteGuard
+from lmledger.callbacks.progress import plain_progress_if_not_a_terminal
+from lmledger.checkpointing import (
+    AtomicCheckpointIO,
+    PreemptionCheckpoint,
+    RunClaim,
+    StepSeeder,
+    check_checkpoint_fits,
+    claim_version_dir,
+    make_last_checkpoint_atomic,
+    noted_stop_signals,
+    open_checkpoint,
+    release_claims,
+    slurm_job_key,
+    slurm_line,
+    undo_uncommitted_claims,
+)
+from lmledger.data import TokenDataModule, load_meta
+from lmledger.errors import ConfigError, UserError
+from lmledger.fitting.checks import (
+    SPECIAL_CKPT_PATHS,
+    SUBCOMMANDS,
+    DropAdverts,
+    NothingToResume,
+    build_failure,
+    check_accelerator,
+    check_class_paths,
+    check_config_files,
+    check_trainer_values,
+    check_trains_something,
+    checked_hyperparameters,
+    ckpt_path_form,
+    free_name,
+    hyperparameter_differences,
+    named_classes,
+    refuse_checkpoint_code,
+    refuse_empty_train_loader,
+    refuse_several_optimizers,
+    resolve_auto,
+    resolve_last,
+    run_dir_of,
+)
+from lmledger.fitting.steps import NameTheEventFile, StepChecks
+from lmledger.lightning_private import cli_value, is_local_path, pin_logger_version
+from lmledger.lit import LitLM
+from lmledger.precision import check_trainer_config, trainer_precision_kwargs
+
+
+class LedgerCLI(LightningCLI):
+    @property
+    def any_model(self) -> bool:
+        """Subclass mode: the model is any LightningModule (LitLM-specific checks and links are skipped)."""
+        return bool(self.subclass_mode_model)
+
+    def add_arguments_to_parser(self, parser) -> None:
+        if self.any_model:
+            # The data a module trains on, unless the command line names another: lmledger's token windows.
+            parser.set_defaults({"data": {"class_path": "lmledger.data.TokenDataModule"}})
+        else:
+            # The vocabulary comes from the data's meta.json; the window length from the model config.
+            parser.link_arguments("data.vocab_size", "model.config.vocab_size", apply_on="instantiate")
+            parser.link_arguments("model.config.context_length", "data.context_length")
+        parser.add_lightning_class_args(NonFiniteGuard, "nonfinite")
+        parser.add_class_arguments(LedgerSettings, "ledger")
+
+        parser.add_argument(
+            "--allow_other_data",
+            type=bool,
+            default=False,
+            help="Resume a checkpoint onto data whose sha256 differs from the data it was trained on.",
+        )
+
+    def parse_arguments(self, parser, args) -> None:
+        self._argv = [str(a) for a in args or []]
+        check_config_files(args, self.any_model)
+        super().parse_arguments(parser, args)
+        # LightningCLI reads a --ckpt_path file's hyperparameters right after parsing; a missing or damaged
+        # file would fail there with a traceback, so check it first.
+        subcommand = self.config.get("subcommand")
+        config = self.config[subcommand] if subcommand else self.config
+        ckpt = config.get("ckpt_path")
+        if subcommand == "validate" and not ckpt:
+            raise UserError(
+                "validate needs --ckpt_path (a checkpoint file, or `last` for the newest of this run's name); "
+                "without one it would evaluate untrained weights"
+            )
+        if ckpt:
+            ckpt_path_form(str(ckpt), subcommand, config.trainer.get("default_root_dir"))
+        if ckpt == "last" and subcommand == "validate":
+            # Resolved here so that LightningCLI builds the model from the checkpoint's hyperparameters.
+            found = resolve_last(config, subcommand)
+            if found is not None:
+                config.ckpt_path = ckpt = str(found[0])
+        if ckpt and ckpt not in SPECIAL_CKPT_PATHS:
+            hparams = checked_hyperparameters(open_checkpoint(ckpt, mmap=True), ckpt, litlm=not self.any_model)
+            refuse_checkpoint_code(hparams, config.model, ckpt, self.any_model)
+        # `--seed_everything true` promises a random seed; Lightning would use 0 (canary
+        # test_seed_everything_none_without_environment_is_zero). Drawn here, it is saved in config.yaml.
+        if config.get("seed_everything") is True:
+            config.seed_everything = secrets.randbelow(2**32)
+
+    def _parse_ckpt_path(self) -> None:
+        # LightningCLI merges a checkpoint file's hyperparameters into the config; a value that does not
+        # parse would be reported as if the command line held it.
+        try:
+            super()._parse_ckpt_path()
+        except ArgumentError as err:
+            ckpt = self.config[self.config.subcommand].get("ckpt_path")
+            reason = " ".join(line.strip() for line in str(err).strip().splitlines())
+            raise UserError(
+                f"checkpoint {ckpt} holds hyperparameters this model does not accept ({reason}); "
+                "pass another checkpoint"
+            ) from None
+
+    def before_instantiate_classes(self) -> None:
+        config = self.config[self.subcommand]
+        check_accelerator(config.trainer.get("accelerator"))
+        check_trainer_config(config.trainer, fp8=config.model.get("fp8"))  # fp8/bf16 need library + hardware
+        check_trainer_values(config.trainer)
+        if self.subcommand == "fit":
+            check_trains_something(config.trainer)
+        self._resume, self._fresh = None, False
+        if self.subcommand == "validate":
+            # Evaluating writes no config and, unless the command line names a directory to log in (as
+            # `lmledger sweep` does for each point), no run directory: the metrics are printed. (A logger
+            # name alone only says which run `--ckpt_path last` means.)
+            self.save_config_callback = None
+            if not any(arg.startswith("--trainer.logger.init_args.save_dir") for arg in self._argv):
+                config.trainer.logger = False
+            return
+        ckpt = config.get("ckpt_path")
+        if not ckpt:
+            return
+        run_dir, auto = None, ckpt == "auto"
+        if auto:
+            path, version, fresh = resolve_auto(config)
+            if path is None:  # nothing to resume: a fresh start (in the SLURM job's own version, if it has one)
+                config.ckpt_path = None
+                if version is not None:
+                    run_dir_of(config)[1].version = version
+                self._resume = f"--ckpt_path auto: {fresh}"
+                self._fresh = True  # before_fit names the version directory claimed
+                return
+            ckpt = "last"  # checked as --ckpt_path last checks the checkpoint it finds
+        if ckpt == "last":
+            found = (path, version) if config.ckpt_path == "auto" else resolve_last(config, self.subcommand)
+            if found is None:
+                return  # not our TensorBoard layout; let Lightning resolve "last" itself
+            path, version = found
+            run_dir = path.parent.parent
+            checkpoint = open_checkpoint(path, mmap=True)
+            hparams = checked_hyperparameters(checkpoint, path, litlm=not self.any_model)
+            differences = hyperparameter_differences(hparams, config.model)
+            if differences:
+                raise UserError(
+                    f"checkpoint {path} was trained with other settings ({'; '.join(differences)}); resume with "
+                    f"the run's own (its {run_dir / 'config.yaml'}), or start a fresh run without --ckpt_path"
+                )
+        else:
+            path, version = Path(ckpt), None
+            checkpoint = open_checkpoint(path, mmap=True)
+        step = int(checkpoint.get("global_step", 0))
+        self._check_not_finished(config.trainer, checkpoint, run_dir or path, step)
+        self._check_same_data(config, checkpoint, path)
+        config.ckpt_path = str(path)
+        if version is not None:
+            # Log into the run's own version; its config is saved beside the first one, never over it.
+            run_dir_of(config)[1].version = version
+            self.save_config_kwargs["config_filename"] = free_name(run_dir, "config-resumed")
+            self._resume = f"{'--ckpt_path auto: ' if auto else ''}resuming {run_dir} at step {step} from {path.name}"
+        else:
+            self._resume = f"resuming from {path} at step {step}, in a new run directory"
+
+    @staticmethod
+    def _check_not_finished(trainer, checkpoint: dict, run: Path, step: int) -> None:
+        max_steps = trainer.get("max_steps")
+        max_epochs = trainer.get("max_epochs")
+        fit_loop = checkpoint.get("loops", {}).get("fit_loop", {})
+        epochs_done = fit_loop.get("epoch_progress", {}).get("current", {}).get("completed", 0)
+        if fit_loop.get("epoch_loop.batch_progress", {}).get("is_last_batch"):
+            epochs_done += 1  # saved at the epoch's last batch: Lightning counts that epoch done on restore
+        if max_steps is not None and max_steps > 0:
+            if step >= max_steps:
+                raise NothingToResume(
+                    f"{run} finished at step {step}; nothing to resume (a larger --trainer.max_steps trains further)"
+                )
+            if max_epochs is not None and 0 <= max_epochs <= epochs_done:
+                # The data module sizes one epoch to max_steps, so a run extended past its old max_steps would
+                # stop at once on its completed epoch; the epoch count does not bound such a run.
+                trainer.max_epochs = epochs_done + 1
+        elif max_epochs is not None and 0 <= max_epochs <= epochs_done:
+            raise NothingToResume(
+                f"{run} finished at step {step} ({epochs_done} epochs); nothing to resume "
+                "(a larger --trainer.max_epochs trains further)"
+            )
+
+    @staticmethod
+    def _check_same_data(config, checkpoint: dict, path: Path) -> None:
+        trained_on = (checkpoint.get(TokenDataModule.__qualname__) or {}).get("sha256")
+        data_path = _setting(config.data, "path")
+        if not trained_on or config.get("allow_other_data") or not isinstance(data_path, (str, os.PathLike)):
+            return  # another data module: its state (if any) is Lightning's to restore
+        try:
+            now = load_meta(data_path).get("sha256")
+        except UserError:
+            return  # the data module reports a bad directory in its own words
+        if now and now != trained_on:
+            changed = ", ".join(sorted(k for k in set(now) | set(trained_on) if now.get(k) != trained_on.get(k)))
+            raise UserError(
+                f"checkpoint {path} was trained on other data than {data_path} holds now ({changed} differ "
+                "by sha256); resume onto the same data, or pass --allow_other_data true to continue on this data"
+            )
+
+    def instantiate_classes(self) -> None:
+        try:
+            super().instantiate_classes()
+        except UserError:
+            raise
+        except Exception as err:
+            failure = build_failure(err)
+            if failure is None:
+                raise
+            raise failure from None
+
+    def instantiate_trainer(self, **kwargs) -> Trainer:
+        # Our plugins for transformer-engine (tied weights) and 16-mixed on CPU (lmledger.precision).
+        config = cli_value(self, self.config_init, "trainer", default={})
+        precision = trainer_precision_kwargs(config.get("precision"), config.get("accelerator"), config.get("plugins"))
+        # The ledger callbacks ride along with whatever callbacks the config lists (--ledger.enabled false: none).
+        callbacks = config.get("callbacks") or []
+        callbacks = [*(callbacks if isinstance(callbacks, list) else [callbacks])]
+        settings = cli_value(self, self.config_init, "ledger")
+        if self.any_model:
+            callbacks.append(StepChecks(read_batches=settings.enabled))
+        # One Ledger, the same for LitLM and any module; a config that lists its own runs that one alone.
+        if not any(isinstance(c, Ledger) for c in callbacks):
+            callbacks += ledger_callbacks(settings)
+        # Last, so the line it prints carries the values the ledger callbacks logged for this step.
+        callbacks += plain_progress_if_not_a_terminal(config.get("enable_progress_bar"))
+        self._claim = RunClaim()  # the run directory's lock; a refused run's files undone (before_fit)
+        callbacks.append(self._claim)
+        precision = _slurm_plugins(precision, config.get("plugins"))
+        try:
+            trainer = super().instantiate_trainer(**{**precision, "callbacks": callbacks, **kwargs})
+        except ValueError as err:  # Lightning's checks of accelerator, strategy and devices, e.g. FSDP on CPU
+            raise ConfigError(" ".join(str(err).split())) from None
+        if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # Lightning's default; a chosen plugin stays
+            trainer.strategy.checkpoint_io = AtomicCheckpointIO()
+        make_last_checkpoint_atomic(trainer.callbacks)
+        if self.subcommand == "fit":
+            trainer.callbacks.append(PreemptionCheckpoint())
+        else:  # validate saves nothing; a ModelCheckpoint there only warns that its directory differs
+            trainer.callbacks = [c for c in trainer.callbacks if not isinstance(c, ModelCheckpoint)]
+        trainer.callbacks.append(NameTheEventFile())
+        return trainer
+
+    def _check_checkpoint(self) -> None:
+        ckpt = self.config_init[self.subcommand].get("ckpt_path")
+        if ckpt and ckpt not in SPECIAL_CKPT_PATHS and is_local_path(ckpt):
+            check_checkpoint_fits(ckpt, self.model)
+
+    def _claim_run_dir(self) -> None:
+        # The run directory is claimed now, after the checks made before training, and locked (one writer
+        # per run: RunClaim); what a run refused in its first step wrote there is undone (main). Rank 0
+        # only: DDP's launcher re-runs the CLI for the other ranks, which log nothing.
+        if rank_zero_only.rank != 0:
+            return
+        for logger in self.trainer.loggers:
+            if isinstance(logger, (TensorBoardLogger, CSVLogger)):
+                root = Path(logger.root_dir)
+                parents = [p for p in (*reversed(root.parents[: len(root.parts) - 1]), root) if not p.exists()]
+                claimed: list[int] = []
+
+                def claim(run_root, claimed=claimed) -> int:
+                    claimed.append(claim_version_dir(run_root))
+                    return claimed[-1]
+
+                pin_logger_version(logger, claim)
+                if self._claim.version_dir is not None:
+                    continue  # one lock per process: the first logger's directory is the run's
+                self._claim.claim(Path(logger.log_dir), bool(claimed) or not Path(logger.log_dir).exists(), parents)
+                if slurm_job_key() and self.subcommand == "fit":
+                    self._claim.mark_slurm_job(slurm_job_key())
+        run = self._claim.version_dir
+        for callback in self.trainer.callbacks:
+            # The config name was chosen before the lock was held; a run that ended meanwhile may have taken it.
+            if isinstance(callback, SaveConfigCallback) and run and (run / callback.config_filename).exists():
+                callback.config_filename = free_name(run, "config-resumed")
+
+    def before_fit(self) -> None:
+        self._check_checkpoint()
+        if self.any_model:
+            refuse_several_optimizers(self.model, self.trainer)
+        if self.datamodule is not None:
+            refuse_empty_train_loader(self.datamodule)
+        self._claim_run_dir_or_say_why()
+        if rank_zero_only.rank == 0:
+            if self._fresh and self._claim.version_dir is not None:
+                self._resume += f" in {self._claim.version_dir}"
+            if self._resume:
+                print(f"lmledger fit: {self._resume}", flush=True)
+            if slurm_line() is not None:  # the job in TensorBoard too, one text entry per (re)start
+                for logger in self.trainer.loggers:
+                    if isinstance(logger, TensorBoardLogger):
+                        restart = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
+                        logger.experiment.add_text("slurm", slurm_line(), global_step=restart)
+
+    def before_validate(self) -> None:
+        self._check_checkpoint()
+        self._claim_run_dir_or_say_why()
+
+    def _claim_run_dir_or_say_why(self) -> None:
+        try:
+            self._claim_run_dir()
+        except OSError as err:  # a read-only or full runs directory: mkdir of the version fails
+            where = Path(err.filename) if err.filename else Path(self.trainer.default_root_dir)
+            raise write_error(
+                err, where, after="nothing was written; pass a writable --trainer.logger.init_args.save_dir"
+            ) from None
+
+
+def _slurm_plugins(kwargs: dict, plugins) -> dict:
+    """Trainer kwargs with SLURMEnvironment(auto_requeue=False) among the plugins when Lightning detects SLURM
+    (srun, or --ntasks) and the config names no cluster environment: PreemptionCheckpoint saves, requeues
+    and stops on SIGUSR1 for every rank count; Lightning's requeue would save a second, hpc_ckpt checkpoint."""
+    if not SLURMEnvironment.detect():
+        return kwargs
+    plugins = kwargs.get("plugins", plugins)
+    plugins = [] if plugins is None else list(plugins) if isinstance(plugins, (list, tuple)) else [plugins]
+    if any(isinstance(p, ClusterEnvironment) for p in plugins):
+        return kwargs
+    return {**kwargs, "plugins": [*plugins, SLURMEnvironment(auto_requeue=False)]}
+
+
+def slurm_tasks_per_node(env=os.environ) -> None:
+    """`srun --ntasks N` on one node: Lightning's SLURMEnvironment refuses it with a traceback ("Use
+    --ntasks-per-node"; canary test_slurm_environment_refuses_ntasks_without_per_node), though on one node the two
+    mean the same. There it is given SLURM_NTASKS_PER_NODE=N; over several nodes the count per node is the user's
+    to say, in one line."""
+    ntasks = env.get("SLURM_NTASKS", "1")
+    if not ntasks.isdigit() or int(ntasks) <= 1 or "SLURM_NTASKS_PER_NODE" in env:
+        return
+    nodes = env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or "1"
+    if nodes == "1":
+        env["SLURM_NTASKS_PER_NODE"] = ntasks
+        return
+    raise UserError(
+        f"srun --ntasks {ntasks} over {nodes} nodes: add --ntasks-per-node (Lightning's SLURMEnvironment needs the "
+        "same number of tasks on every node, one per device)"
+    )
+
+
+def run_claimed(argv: list[str]) -> None:
+    """The fit or validate; a run refused (UserError) before its first step passed every check leaves its
+    run directory as it found it (RunClaim.undo), and every run directory lock is released at the end."""
+    try:
+        with noted_stop_signals():  # a SIGUSR1 while the run is built: saved and stopped at step 1, not fatal
+            _run_cli(LedgerCLI, argv, run=True)
+    except UserError:
+        undo_uncommitted_claims()
+        raise
+    except torch.cuda.OutOfMemoryError as oom:
+        if hasattr(oom, "ledger_line"):  # the preflight's refusal, reported as a UserError by main
+            undo_uncommitted_claims()
+        raise
+    finally:
+        release_claims()
+
+
+def _setting(section, name: str):
+    """A class's argument from its config section: `section.name`, or `section.init_args.name` in subclass mode."""
+    if section is None:
+        return None
+    if "init_args" in section and isinstance(section.get("init_args"), Namespace):
+        return section.init_args.get(name)
+    return section.get(name)
+
+
+# What a failed write is, as atomic.write_error words it: a full disk, a read-only one, over quota, too large.
+def _run_cli(cli_class: type[LedgerCLI], argv: list[str], run: bool) -> LedgerCLI:
+    for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
+        logging.getLogger(name).addFilter(DropAdverts())
+    # LightningCLI warns when it gets `args` while sys.argv also holds arguments, as it does when we run
+    # as the console script. sys.argv must stay as it is: DDP's launcher re-runs it for ranks 1..N-1.
+    warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
+    # From Lightning's own code, nothing to act on (canary test_lightning_pytree_uses_the_deprecated_leafspec).
+    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
+    # Lightning warns on every mid-epoch resume that a loader without state_dict() "can cause unreliable
+    # results". TokenDataModule's resumes exactly (its sampler starts at the restored batch count; tested).
+    warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch ended")
+    # Lightning warns on every run outside SLURM where `srun` is installed (a login node, our CI); a job that
+    # is not started by srun is still handled (PreemptionCheckpoint, --ckpt_path auto; docs/cluster.md).
+    warnings.filterwarnings("ignore", message="The `srun` command is available on your system but is not used")
+    named = named_classes(argv[1:] if argv and argv[0] in SUBCOMMANDS else argv)
+    if named:
+        # Class paths import from the working directory, as under `python -m` (the console script's
+        # sys.path lacks it); DDP's launcher re-runs the same command there.
+        if os.getcwd() not in sys.path and "" not in sys.path:
+            sys.path.insert(0, os.getcwd())
+        check_class_paths(named)
+    try:
+        return cli_class(
+            pl.LightningModule if named else LitLM,
+            pl.LightningDataModule if named else TokenDataModule,
+            args=argv,
+            run=run,
+            subclass_mode_model=bool(named),
+            subclass_mode_data=bool(named),
+            save_config_kwargs={"overwrite": False},
+            parser_kwargs={"exit_on_error": False},
+            trainer_defaults={
+                "callbacks": [StepSeeder()],
+                "logger": {
+                    "class_path": "lightning.pytorch.loggers.TensorBoardLogger",
+                    "init_args": {"save_dir": "runs", "name": "default"},
+                },
+            },
+        )
+    except (ArgumentError, MisconfigurationException) as err:
+        # MisconfigurationException is Lightning's "bad settings" error, e.g. `--trainer.accelerator gpu`
+        # on a machine without one.
+        raise UserError(" ".join(line.strip() for line in str(err).strip().splitlines())) from None
+
+
+class _ParseOnlyCLI(LedgerCLI):
+    """Parses a fit config and stops: builds no model, data or trainer."""
+
+    def before_instantiate_classes(self) -> None:
+        pass
+
+    def instantiate_classes(self) -> None:
+        pass
+
+
+class _BuildCLI(LedgerCLI):
+    """Parses a fit config and builds its model and data module; no trainer, nothing run or written."""
+
+    def before_instantiate_classes(self) -> None:
+        check_accelerator(self.config.trainer.get("accelerator"))
+
+    def instantiate_trainer(self, **kwargs) -> None:
+        return None
+
+
+def build_model_and_data(argv: list[str]):
+    """(model, data module, parsed config) of `lmledger fit ARGV` (argv without the `fit`), built as fit
+    builds them, for account and plan max-batch."""
+    # LightningCLI seeds while parsing (the model's initial weights follow the config's seed); its
+    # "Seed set to N" line means nothing here: no run.
+    seed_log = logging.getLogger("lightning.fabric.utilities.seed")
+    seed_log.addFilter(_drop_seed_line)
+    try:
+        cli = _run_cli(_BuildCLI, argv, run=False)
+    finally:
+        seed_log.removeFilter(_drop_seed_line)
+    return cli.model, cli.datamodule, cli.config
+
+
+def _drop_seed_line(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith("Seed set to")
+
+
+def first_batch(datamodule) -> object:
+    """The first training batch of a data module (set up for fit, no trainer attached), read once."""
+    try:
+        datamodule.setup("fit")
+        loader = datamodule.train_dataloader()
+        return next(iter(loader))
+    except StopIteration:
+        raise UserError(f"{type(datamodule).__name__}.train_dataloader() yields no batch") from None
+
+
+def parse_fit_config(argv: list[str]):
+    """The parsed (not instantiated) config of `lmledger fit ARGV`, as a jsonargparse Namespace."""
+    return _run_cli(_ParseOnlyCLI, argv, run=False).config
