@@ -21,6 +21,7 @@ and has steps left to train, before Lightning touches it. docs/reliability.md li
 
 from __future__ import annotations
 
+import signal
 import sys
 import threading
 from pathlib import Path
@@ -37,6 +38,8 @@ from lmledger.errors import UserError
 from lmledger.fitting.checks import SUBCOMMANDS, NothingToResume
 from lmledger.fitting.cli import run_claimed, slurm_tasks_per_node
 from lmledger.fitting.steps import disk_error
+
+_HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 
 def _quiet_event_writer(excepthook):
@@ -62,6 +65,9 @@ def main(argv: list[str]) -> int:
         if slurm_line() is not None:
             print(f"lmledger fit: {slurm_line()}", flush=True)
     excepthook, threading.excepthook = threading.excepthook, _quiet_event_writer(threading.excepthook)
+    # A run that fails where Lightning skips its teardown (a full disk under the logger's finalize) leaves its
+    # signal handlers installed; the command puts back the ones it found, for whoever calls it next.
+    handlers = {sig: signal.getsignal(sig) for sig in _HANDLED_SIGNALS}
     try:
         slurm_tasks_per_node()
         run_claimed(argv)
@@ -101,4 +107,7 @@ def main(argv: list[str]) -> int:
         raise write_error(refused, Path(refused.filename), after=kept) from None
     finally:
         threading.excepthook = excepthook
+        if threading.current_thread() is threading.main_thread():
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler)
     return 0
