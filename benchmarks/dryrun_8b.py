@@ -5,7 +5,7 @@ hidden 4,096, 32 layers, 32 heads / 8 KV heads, MLP 14,336; Meta's published con
 device: no weights, no download. ledger.sharded.predict_sharded dry-runs one rank's training step (bf16-mixed,
 AdamW) at world size W over torch's fake process group. Printed per run: wall seconds, the process's peak
 resident memory (ru_maxrss: Python, torch, transformers and the dry run), the rank's peak against an H100's
-80 GB, and for DDP by how much it does not fit. Goals (issue 19 §6): under 60 s and under 2 GB resident on a
+80 GB, and for DDP by how much it does not fit. Goals: under 60 s and under 2 GB resident on a
 2-core CPU; the cost flat in W (W = 8, 64, 512 within 1.5x of each other).
 
     python benchmarks/dryrun_8b.py                # 8B, seq 8192, micro-batch 1, W = 8, 64, 512

@@ -4,7 +4,7 @@ The model is built on the meta device (no memory), the batch is meta tensors of 
 lmledger.ledger.dryrun.dry_run runs two training steps on fake tensors with the config's precision and
 optimizer (AdamW, fused as LitLM picks it). Printed: wall seconds of the dry run, the process's peak
 resident memory (resource.getrusage ru_maxrss, the whole process: Python, torch and the dry run), each
-over its goal (issue 12: under 60 s and under 1 GB for configs/cs336-2.7b.yaml on a 2-core CPU), and the
+over its goal (under 60 s and under 1 GB for configs/cs336-2.7b.yaml on a 2-core CPU), and the
 dry run's peak beside the closed form's (ledger.memory.peak_bytes) as a sanity check.
 
     python benchmarks/dryrun_scale.py [--config configs/cs336-2.7b.yaml] [--device cpu]

@@ -194,7 +194,7 @@ def main() -> int:
             versions = sorted((out / "runs" / name).glob("version_*"), key=lambda p: int(p.name.split("_")[1]))
             stage.update(read_run(versions[-1]))
 
-    # (b2) the step-time table (issue 21, docs/time.md): the roofline bound of the first model's step beside
+    # (b2) the step-time table (docs/time.md): the roofline bound of the first model's step beside
     # three profiled steps, kernel time per category, from `lmledger account --measure` (bf16-mixed, eager).
     left = deadline - args.reserve_tests - time.monotonic()
     if left < 30:

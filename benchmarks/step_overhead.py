@@ -1,4 +1,4 @@
-"""Our own overhead (issue 21 §6): `lmledger fit` against a nanoGPT-style bare PyTorch loop, same step.
+"""Our own overhead: `lmledger fit` against a nanoGPT-style bare PyTorch loop, same step.
 
 Both arms train the same ToyLM of a config (default configs/tiny.yaml: model, batch, data, fused
 AdamW with LitLM's two weight-decay groups, warm-up + cosine LR, gradient clipping at the config's
@@ -17,7 +17,7 @@ idle" (Lightning's loop, logging, the LR schedule, the per-step checks), which i
     python benchmarks/step_overhead.py --time-ledger --steps 600   # and TimeLedger's share of a 600-step fit
     python benchmarks/step_overhead.py --quick        # checks the script runs (1 round of 20 steps)
 
-Goal (issue 21): ratio (fit / bare tokens/s) >= 0.98. Timings are meaningless on a busy machine: run
+Goal: ratio (fit / bare tokens/s) >= 0.98. Timings are meaningless on a busy machine: run
 it when nothing else runs.
 """
 

@@ -1,4 +1,4 @@
-"""TimeLedger: where a step's time goes, the roofline bound beside a profiled measurement (issue 21).
+"""TimeLedger: where a step's time goes, the roofline bound beside a profiled measurement.
 
     Trainer(callbacks=[TimeLedger()])
 
@@ -127,7 +127,7 @@ class TimeLedger(pl.Callback):
         except ValueError as err:
             self.why_no_bound = str(err)
             return
-        # Model FLOPs: 3 x the forward's (issue 21 section 4), which is 6N + attention for ToyLM and Llama.
+        # Model FLOPs: 3 x the forward's , which is 6N + attention for ToyLM and Llama.
         self.model_flops = 3 * prediction.flops_forward
 
     # -- profiling -------------------------------------------------------------------------------

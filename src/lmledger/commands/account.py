@@ -69,7 +69,7 @@ def measure(spec: RunSpec, device: torch.device) -> dict:
 
 
 def step_time(spec: RunSpec, device: torch.device, step) -> dict:
-    """The step-time table (issue 21, docs/time.md): the roofline bound of the config's step on `device`
+    """The step-time table (docs/time.md): the roofline bound of the config's step on `device`
     (its dry run's ops) beside the mean of three profiled real steps."""
     from lmledger.ledger import roofline
 
@@ -88,7 +88,7 @@ def time_table(ops, precision: str, device: torch.device, step) -> dict:
 
     bound = roofline.device_roofline(ops, compute_dtype_for_precision(precision), device)
     measured = profile.mean_breakdown([profile.profile_step(step, device) for _ in range(3)])
-    model_flops = 3 * ops.flops_in("forward")  # issue 21 §4: = 6N + attention for ToyLM and Llama
+    model_flops = 3 * ops.flops_in("forward")  # = 6N + attention for ToyLM and Llama
     return {
         "rows": {name: row.to_json() for name, row in roofline.time_rows(bound, measured, model_flops).items()},
         "roofline_mfu": bound.mfu(model_flops),
