@@ -1,22 +1,9 @@
-"""`lmledger fit|validate`: LightningCLI over LitLM and TokenDataModule, or over any LightningModule.
+"""LedgerCLI: LightningCLI over LitLM and TokenDataModule, or any LightningModule, with the kit's defaults.
 
-`--model CLASS_PATH` / `--data CLASS_PATH` (or a --config whose `model:` / `data:` has a `class_path`) switch
-LightningCLI to subclass mode: any LightningModule and LightningDataModule (data defaults to TokenDataModule),
-with lmledger.callbacks.Ledger as the ledger and the same run directories, checkpoints and resume. Class paths
-import from the working directory too, as under `python -m`.
-
-Runs live under `runs/<name>/version_<n>/` (TensorBoard events, the resolved config.yaml, checkpoints/);
-each new run takes the next version, so nothing from an earlier run is overwritten.
-`--ckpt_path last` resumes the newest run of that name that has a last.ckpt, logging into the same version.
-
-`validate` needs --ckpt_path (a file or `last`) and writes nothing: no config, and no run directory unless the
-command line names one to log in (`--trainer.logger.init_args.save_dir DIR`, as `lmledger sweep` does).
-
-Every run also gets, without configuring anything: checkpoints written atomically (AtomicCheckpointIO),
-a NaN/Inf guard (`--nonfinite.max_skips K`, default 0 = stop at the first non-finite step), per-batch
-reseeding for exact resume (StepSeeder), a save-and-stop on SIGTERM (PreemptionCheckpoint, exit 143),
-and checks that a --ckpt_path is readable, fits the model, was trained with the same settings and data,
-and has steps left to train, before Lightning touches it. docs/reliability.md lists every case.
+What `lmledger fit|validate` runs (commands/train.py says what the user sees): the Ledger callback, atomic
+checkpoints, the NaN/Inf guard, per-batch reseeding, the save-and-stop on SIGTERM/SIGUSR1, the run lock, and
+every check of fitting.checks before anything is claimed. `parse_fit_config`, `build_model_and_data` and
+`first_batch` read a fit config for account, plan, runspec and sweeps without training.
 """
 
 from __future__ import annotations
