@@ -12,6 +12,9 @@ import sys
 
 from lmledger.errors import UserError
 
+# Each command: (module under lmledger.commands, help). Most modules' main takes the arguments after the
+# command; VERB_COMMANDS' main serves several commands and takes the command itself first.
+VERB_COMMANDS = ("fit", "validate")
 COMMANDS = {
     "fit": ("train", "train a model (LightningCLI)"),
     "validate": ("train", "evaluate a model on the validation split (LightningCLI)"),
@@ -51,8 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     module = importlib.import_module(f"lmledger.commands.{COMMANDS[name][0]}")
     try:
-        # Commands that wrap several verbs (fit/validate) receive the verb as argv[0].
-        code = int(module.main(argv if module.__name__.endswith(".train") else rest) or 0)
+        code = int(module.main(argv if name in VERB_COMMANDS else rest) or 0)
         sys.stdout.flush()  # a reader that went away (`| head`) shows here, inside this handler
         return code
     except BrokenPipeError:
