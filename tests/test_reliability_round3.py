@@ -365,3 +365,12 @@ def test_a_checkpoint_of_the_named_class_still_resumes(workdir, capsys):
     validate += ["--ledger.enabled", "false"]  # the ledger's own validate path is another test's
     assert lmledger([*validate, "--ckpt_path", str(ckpt)]) == 0
     assert "val/loss" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("value", ["abc", "1e300"])
+def test_a_ledger_setting_that_is_no_number_is_one_line_naming_the_flag(workdir, capsys, value):
+    args = ["fit", "--config", "configs/tiny.yaml", *MICRO_OVERRIDES, "--ledger.device_memory_gb", value]
+    assert lmledger(args) == 2
+    (line,) = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert "ledger.device_memory_gb" in line and "Subtypes" not in line and "NoneType" not in line, line
+    assert not (workdir / "runs").exists()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import secrets
 import sys
 import warnings
@@ -450,7 +451,25 @@ def _run_cli(cli_class: type[LedgerCLI], argv: list[str], run: bool) -> LedgerCL
     except (ArgumentError, MisconfigurationException) as err:
         # MisconfigurationException is Lightning's "bad settings" error, e.g. `--trainer.accelerator gpu`
         # on a machine without one.
-        raise UserError(" ".join(line.strip() for line in str(err).strip().splitlines())) from None
+        raise UserError(_parse_error_line(err)) from None
+
+
+# jsonargparse's report of a value no type of an Optional/Union accepted, e.g. `--ledger.device_memory_gb abc`.
+_UNION_ERROR = re.compile(
+    r'Parser key "(?P<key>[^"]+)": Does not validate against any of the Union subtypes Subtypes: '
+    r"\[(?P<types>[^\]]*)\].*Given value: (?P<value>.*)$"
+)
+
+
+def _parse_error_line(err: BaseException) -> str:
+    """A parse error in one line; a value no type of a Union accepts is said as `--key value: expected ...`."""
+    line = " ".join(part.strip() for part in str(err).strip().splitlines())
+    found = _UNION_ERROR.search(line)
+    if found is None:
+        return line
+    names = [t.removeprefix("<class '").removesuffix("'>") for t in found["types"].split(", ")]
+    wanted = " or ".join("null" if name == "NoneType" else f"a {name}" for name in names)
+    return f"--{found['key']} {found['value']}: expected {wanted}"
 
 
 class _ParseOnlyCLI(LedgerCLI):
