@@ -299,6 +299,19 @@ def _import_quitting_aloud(where: str, value: str, module_name: str):
     return module
 
 
+def _package_home(where: str, module_name: str) -> Path | None:
+    """For a class path named in a config file: the nearest directory at or above the file that holds its
+    top-level package (configs/examples/*.yaml name `examples.*`, which lives at the repository root)."""
+    if not where.startswith("config "):
+        return None
+    top = module_name.split(".")[0]
+    config = Path(where.removeprefix("config ").split(": ")[0]).resolve()
+    for directory in config.parents:
+        if (directory / top / "__init__.py").exists() or (directory / f"{top}.py").exists():
+            return directory
+    return None
+
+
 def check_class_paths(named: list[tuple[str, str]]) -> None:
     """Each dotted class path imports and names a LightningModule (--model) or LightningDataModule (--data);
     jsonargparse's own report of either runs to several lines about every type it tried."""
@@ -318,10 +331,13 @@ def check_class_paths(named: list[tuple[str, str]]) -> None:
         try:
             obj = getattr(_import_quitting_aloud(where, value, module_name), attr)
         except (ImportError, AttributeError) as err:
-            raise UserError(
-                f"{where} {value}: cannot import it ({type(err).__name__}: {err}); name a {base.__name__} class "
-                "as package.module.Class, importable from the working directory"
-            ) from None
+            home = _package_home(where, module_name) if isinstance(err, ModuleNotFoundError) else None
+            fix = (
+                f"{module_name.split('.')[0]} is in {home}: run from there, or add it to PYTHONPATH"
+                if home is not None
+                else f"name a {base.__name__} class as package.module.Class, importable from the working directory"
+            )
+            raise UserError(f"{where} {value}: cannot import it ({type(err).__name__}: {err}); {fix}") from None
         except UserError:
             raise
         except Exception as err:  # the module itself fails on import
