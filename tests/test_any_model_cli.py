@@ -205,15 +205,17 @@ def test_a_data_module_alone_or_a_bare_class_name_is_one_line(workdir, capsys, a
     assert len(err.splitlines()) == 1 and expected in err, err
 
 
-def test_an_example_config_run_from_elsewhere_names_where_its_package_is(tmp_path, monkeypatch, capsys):
+def test_an_example_config_run_from_elsewhere_names_where_its_package_is(tmp_path):
     """configs/examples/*.yaml name `examples.*`, which imports from the repository root only: from any other
-    directory the one line says where the package is."""
+    directory the one line says where the package is (a fresh process: this one has imported it already)."""
+    import os
+    import subprocess
+
     repo = Path(__file__).resolve().parents[1]
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "path", [p for p in sys.path if Path(p or ".").resolve() != repo])
-    for name in [m for m in sys.modules if m == "examples" or m.startswith("examples.")]:
-        monkeypatch.delitem(sys.modules, name)  # imported by earlier tests from the repository root
-    assert lmledger(["fit", "--config", str(repo / "configs/examples/hf-llama.yaml")]) == 2
-    (line,) = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    command = [sys.executable, "-m", "lmledger.cli", "fit", "--config", str(repo / "configs/examples/hf-llama.yaml")]
+    proc = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-1000:]
+    (line,) = [line for line in proc.stderr.splitlines() if "error" in line]
     assert f"examples is in {repo}: run from there, or add it to PYTHONPATH" in line, line
     assert not (tmp_path / "runs").exists()
