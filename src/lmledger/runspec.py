@@ -8,7 +8,6 @@ messages are exactly those of a real run.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import fields
 from pathlib import Path
 
@@ -50,22 +49,11 @@ def _strategy_name(strategy) -> str:
     )
 
 
-def _drop_seed_line(record: logging.LogRecord) -> bool:
-    return not record.getMessage().startswith("Seed set to")
-
-
 def load_run_spec(argv: list[str]) -> Run:
     """Parse `--config FILE [--config FILE2] [--a.b value ...]` as `lmledger fit` would."""
     from lmledger.fitting.cli import parse_fit_config  # imports Lightning
 
-    # Parsing runs LightningCLI's seed_everything, whose "Seed set to N" line means nothing here: no run.
-    seed_log = logging.getLogger("lightning.fabric.utilities.seed")
-    seed_log.addFilter(_drop_seed_line)
-    try:
-        config = parse_fit_config(argv)
-    finally:
-        seed_log.removeFilter(_drop_seed_line)
-    return run_spec_from_config(config)
+    return run_spec_from_config(parse_fit_config(argv))
 
 
 def run_spec_from_config(config) -> Run:

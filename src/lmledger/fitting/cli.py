@@ -8,6 +8,7 @@ every check of fitting.checks before anything is claimed. `parse_fit_config`, `b
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -495,19 +496,25 @@ class _BuildCLI(LedgerCLI):
 def build_model_and_data(argv: list[str]):
     """(model, data module, parsed config) of `lmledger fit ARGV` (argv without the `fit`), built as fit
     builds them, for account and plan max-batch."""
-    # LightningCLI seeds while parsing (the model's initial weights follow the config's seed); its
-    # "Seed set to N" line means nothing here: no run.
-    seed_log = logging.getLogger("lightning.fabric.utilities.seed")
-    seed_log.addFilter(_drop_seed_line)
-    try:
+    with _without_seed_line():
         cli = _run_cli(_BuildCLI, argv, run=False)
-    finally:
-        seed_log.removeFilter(_drop_seed_line)
     return cli.model, cli.datamodule, cli.config
 
 
-def _drop_seed_line(record: logging.LogRecord) -> bool:
-    return not record.getMessage().startswith("Seed set to")
+@contextlib.contextmanager
+def _without_seed_line():
+    """LightningCLI seeds while parsing (a model's initial weights follow the config's seed); its "Seed set
+    to N" line means nothing where nothing is trained (a parse, a build for account or plan)."""
+
+    def drop(record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Seed set to")
+
+    seed_log = logging.getLogger("lightning.fabric.utilities.seed")
+    seed_log.addFilter(drop)
+    try:
+        yield
+    finally:
+        seed_log.removeFilter(drop)
 
 
 def first_batch(datamodule) -> object:
@@ -522,4 +529,5 @@ def first_batch(datamodule) -> object:
 
 def parse_fit_config(argv: list[str]):
     """The parsed (not instantiated) config of `lmledger fit ARGV`, as a jsonargparse Namespace."""
-    return _run_cli(_ParseOnlyCLI, argv, run=False).config
+    with _without_seed_line():
+        return _run_cli(_ParseOnlyCLI, argv, run=False).config
