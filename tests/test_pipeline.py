@@ -306,3 +306,19 @@ def test_a_mixture_of_experts_gets_both_routings_and_is_checked_against_the_wors
     assert ledger.measured.params == balanced.params == worst.params
     with pytest.raises(UserError, match="exceeds"):  # the check holds the worst routing, not the balanced one
         fit(MoELM(), moe_loader(), [Ledger(device_memory_gb=(balanced.peak + worst.peak) / 2e9)], steps=1)
+
+
+def test_the_report_renders_the_same_figures_as_json_and_scalars():
+    import json
+
+    ledger = Ledger(warmup_steps=1)
+    fit(tiny_llama(), token_loader(), [ledger], steps=2)
+    report = ledger.report
+    data = json.loads(json.dumps(report.to_json()))
+    scalars = report.scalars()
+    for line in ("params", "grads", "optimizer", "activations", "peak"):
+        assert data[line]["predicted"]["dry run"] == report.predicted["dry run"].get(line)
+        assert data[line]["measured"] == ledger.measured.get(line) == scalars[f"memory/measured/{line}"]
+        assert scalars[f"memory/predicted/{line}"] == data[line]["predicted"]["dry run"]
+    assert data["flops_hardware"]["measured"] == scalars["flops/measured_per_step"]
+    assert scalars["flops/model_per_step"] == data["flops_model"]["predicted"]["dry run"]

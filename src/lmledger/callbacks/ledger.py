@@ -30,6 +30,7 @@ fake copy, measurement only observes, and every RNG stream a step may draw from 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import warnings
 
@@ -134,15 +135,7 @@ class Ledger(pl.Callback):
         self.settings = settings or LedgerSettings(
             device_memory_gb=device_memory_gb, warmup_steps=warmup_steps, measure=measure
         )
-        self.report: Report | None = None
-        self.run: LedgerRun | None = None  # the toy LM's run description (None for any other module)
-        self.measurement: StepMeasurement | None = None
-        self.why_not_predicted: str | None = None
         self._reset()
-        self.tokens: int | None = None
-        self.samples = 0
-        self.peak: Peak | None = None
-        self.timing: TimeLedger | None = None  # the time ledger (callbacks.timing), fed this pipeline's dry run
 
     # -- fit start --------------------------------------------------------------------------------
 
@@ -156,7 +149,14 @@ class Ledger(pl.Callback):
 
     def _reset(self, accumulate: int = 1) -> None:
         """The state of one fit (a Ledger may see several fits, and validate without one)."""
-        self.report, self.measurement, self.why_not_predicted, self.run = None, None, None, None
+        self.report: Report | None = None
+        self.run: LedgerRun | None = None  # the toy LM's run description (None for any other module)
+        self.measurement: StepMeasurement | None = None
+        self.timing: TimeLedger | None = None  # the time ledger (callbacks.timing), fed this pipeline's dry run
+        self.why_not_predicted: str | None = None
+        self.tokens: int | None = None
+        self.samples = 0
+        self.peak: Peak | None = None
         self._accumulate = accumulate
         self._batches = 0
         self._dry: StepLedger | None = None
@@ -165,14 +165,13 @@ class Ledger(pl.Callback):
         self._paused_since: float | None = None
         self._profiled_since: float | None = None
         self._gap_paused = 0.0
-        self._reported = False
+        self._flops_per_batch_of_any_module: dict[str, int | None] | None = None
         self._val_shapes: set[tuple[int, ...]] = set()
         self._toy_flops: dict[tuple[int, int], dict[str, int]] = {}
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._reset(1 if not pl_module.automatic_optimization else trainer.accumulate_grad_batches)
         self.run = LedgerRun.from_trainer(trainer, pl_module) if is_toy_run(trainer, pl_module) else None
-        self.timing = None
         if self.settings.time:
             # Profiled batches come after the warm-up and the two measured steps, which they would slow.
             measured = 2 * self._accumulate if self.settings.measure else 0
@@ -304,7 +303,7 @@ class Ledger(pl.Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if self.report is None:
             self._predict(trainer, pl_module, batch, batch_idx)
-        if self.measurement is not None:
+        if self.measurement is not None and not self.measurement.done:
             self.measurement.batch_start(pl_module, torch_optimizers(trainer), batch, trainer.global_step)
         self._profiled_since = None
         if self.timing is not None:
@@ -338,9 +337,8 @@ class Ledger(pl.Callback):
         if self.timing is not None:
             self.timing.on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         self._batches += 1
-        if self.measurement is not None and self.measurement.batch_end(
-            pl_module, torch_optimizers(trainer), trainer.global_step
-        ):
+        measuring = self.measurement is not None and not self.measurement.done
+        if measuring and self.measurement.batch_end(pl_module, torch_optimizers(trainer), trainer.global_step):
             self._report_measured(trainer)
         if self._window is not None and self._profiled_since is not None:
             self._window.paused += time.perf_counter() - self._profiled_since
@@ -360,16 +358,21 @@ class Ledger(pl.Callback):
         if self.run is not None:  # the closed forms per batch shape (a last, shorter batch counts less)
             shape = tuple(batch_tensors(batch)[0].shape)
             if shape not in self._toy_flops:
-                run = LedgerRun(**{**vars(self.run), "batch_size": shape[0], "seq_len": shape[1]})
+                run = dataclasses.replace(self.run, batch_size=shape[0], seq_len=shape[1])
                 self._toy_flops[shape] = toy.flops_by_convention(run)
             return self._toy_flops[shape]
-        figures = self.report.primary if self.report is not None else None
-        hardware = figures.flops_hardware if figures is not None else None
-        if hardware is None and self.measurement is not None:
-            hardware = self.measurement.values.get("flops_hardware")
-        model = figures.flops_model if figures is not None else None
-        k = self._accumulate
-        return {"model": model // k if model else None, "hardware": hardware // k if hardware else None}
+        if self._flops_per_batch_of_any_module is None:  # once: the prediction's, else step 1's count
+            figures = self.report.primary if self.report is not None else None
+            hardware = figures.flops_hardware if figures is not None else None
+            if hardware is None and self.measurement is not None:
+                hardware = self.measurement.values.get("flops_hardware")
+            model = figures.flops_model if figures is not None else None
+            k = self._accumulate
+            per_batch = {"model": model // k if model else None, "hardware": hardware // k if hardware else None}
+            if hardware is None:
+                return per_batch  # neither predicted nor counted yet: ask again next batch
+            self._flops_per_batch_of_any_module = per_batch
+        return self._flops_per_batch_of_any_module
 
     def _log_throughput(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         synchronize(pl_module.device)  # only at logging steps: no host sync on the others
@@ -443,7 +446,6 @@ class Ledger(pl.Callback):
     # -- the measured table -----------------------------------------------------------------------
 
     def _report_measured(self, trainer: pl.Trainer) -> None:
-        self._reported = True
         self.report.measured = self.measurement.figures()
         if self.report.measured.peak_phase:
             self.report.notes.append(f"measured peak (live tensor bytes) during {self.report.measured.peak_phase}")
@@ -459,7 +461,7 @@ class Ledger(pl.Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.measurement is not None:
             self.measurement.close()
-            if not self._reported and self.report is not None:
+            if self.report is not None and self.report.measured is None:
                 for line in ("params", "grads", "optimizer", "activations", "peak", "flops_hardware"):
                     if line not in self.measurement.values:
                         self.measurement.why_missing.setdefault(line, "not measured (run too short)")

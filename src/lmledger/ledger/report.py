@@ -9,7 +9,7 @@ Every ratio divides the measurement by the first predictor.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from rich.table import Table
 
@@ -45,12 +45,6 @@ class Figures:
 
     def get(self, line: str) -> int | None:
         return getattr(self, line)
-
-    def with_values(self, **values: object) -> Figures:
-        return replace(self, **values)
-
-    def as_dict(self) -> dict[str, int | None]:
-        return {line: self.get(line) for line in LINES}
 
     def largest_component(self) -> tuple[str, int]:
         """The biggest term the peak is made of."""
