@@ -5,7 +5,7 @@ lmledger.ledger.dryrun.dry_run runs two training steps on fake tensors with the 
 optimizer (AdamW, fused as LitLM picks it). Printed: wall seconds of the dry run, the process's peak
 resident memory (resource.getrusage ru_maxrss, the whole process: Python, torch and the dry run), each
 over its goal (under 60 s and under 1 GB for configs/cs336-2.7b.yaml on a 2-core CPU), and the
-dry run's peak beside the closed form's (ledger.memory.peak_bytes) as a sanity check.
+dry run's peak beside the closed form's (ledger.peak.peak_bytes) as a sanity check.
 
     python benchmarks/dryrun_scale.py [--config configs/cs336-2.7b.yaml] [--device cpu]
     python benchmarks/dryrun_scale.py --quick     # configs/tiny.yaml: checks the script runs
@@ -26,7 +26,7 @@ import warnings
 import torch
 
 from lmledger.ledger.dryrun import NotTraced, dry_run
-from lmledger.ledger.memory import peak_bytes
+from lmledger.ledger.peak import peak_bytes
 from lmledger.model import ToyLM, count_parameters
 from lmledger.runspec import load_run_spec
 

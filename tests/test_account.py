@@ -9,7 +9,7 @@ import pytest
 
 from conftest import run_json
 from lmledger.cli import main as lmledger
-from lmledger.ledger.memory import peak_bytes
+from lmledger.ledger.peak import peak_bytes
 from lmledger.runspec import load_run_spec
 
 SMALL = ["--model.config.d_model", "96", "--model.config.n_layers", "2", "--model.config.n_heads", "4",

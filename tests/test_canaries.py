@@ -337,7 +337,7 @@ def test_fused_optimizers_skip_the_step_when_found_inf_is_set(make):
 
 
 def test_foreach_supported_devices_helper_exists():
-    """ledger/memory.py and ledger/dryrun.py ask torch which devices run foreach kernels (private helpers)."""
+    """ledger/peak.py and ledger/dryrun.py ask torch which devices run foreach kernels (private helpers)."""
     from torch.optim.optimizer import _get_foreach_kernels_supported_devices as from_optimizer
     from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices as from_utils
 
@@ -354,7 +354,7 @@ def test_lightning_fsdp_refuses_clipping_by_norm():
 
 
 def test_lightning_zeroes_grads_after_the_forward():
-    """ledger.memory.peak_bytes: the previous step's grads are still alive at the end of forward."""
+    """ledger.peak.peak_bytes: the previous step's grads are still alive at the end of forward."""
     from lightning.pytorch.loops.optimization.automatic import Closure, ClosureResult
 
     order = []
@@ -368,7 +368,7 @@ def test_lightning_zeroes_grads_after_the_forward():
 
 
 def test_lightning_autocast_keeps_no_weight_cache():
-    """ledger.memory.peak_bytes and the dry run: a weight copy lives only while backward needs it."""
+    """ledger.peak.peak_bytes and the dry run: a weight copy lives only while backward needs it."""
     from lightning.pytorch.plugins.precision import MixedPrecision
 
     assert MixedPrecision("bf16-mixed", "cpu").autocast_context_manager()._cache_enabled is False

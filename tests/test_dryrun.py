@@ -9,9 +9,11 @@ import torch
 from torch import nn
 
 from lmledger.errors import UserError
+from lmledger.ledger.activations import activation_bytes
 from lmledger.ledger.dryrun import NotTraced, StepLedger, dry_run, measure_step
 from lmledger.ledger.flops import analytic_flops
-from lmledger.ledger.memory import activation_bytes, peak_bytes, state_bytes
+from lmledger.ledger.memory import state_bytes
+from lmledger.ledger.peak import peak_bytes
 from lmledger.model import ModelConfig, ToyLM, count_parameters
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny models run faster on one thread
@@ -80,7 +82,7 @@ def test_toy_dry_run_agrees_with_the_closed_forms(precision, checkpointing):
     # Parameters, grads, AdamW's two states: exact.
     n = count_parameters(cfg)
     assert {k: getattr(dry, k) for k in ("params", "grads", "optimizer")} == state_bytes(n, precision, "adamw")
-    # Saved activations and autocast weight copies: exact (ledger/memory.py counts them as ToyLM implements them).
+    # Saved activations and autocast weight copies: exact (ledger/activations.py counts them as ToyLM implements them).
     acts = activation_bytes(cfg, BATCH, SEQ, precision, "cpu")
     assert dry.activations == acts.total
     assert dry.autocast_weight_copies == acts.autocast_weight_copies

@@ -12,7 +12,7 @@ from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStr
 
 from lmledger.callbacks.run import _strategy_name as live_strategy
 from lmledger.callbacks.toy import closed_form
-from lmledger.ledger.memory import peak_bytes
+from lmledger.ledger.peak import peak_bytes
 from lmledger.ledger.predict import predict
 from lmledger.ledger.run import Run
 from lmledger.model import ModelConfig

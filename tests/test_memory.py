@@ -8,18 +8,10 @@ from torch import nn
 from torch.optim import adam as torch_adam
 
 from lmledger.errors import UserError
-from lmledger.ledger.memory import (
-    activation_bytes,
-    bytes_per_param,
-    largest_layer_params,
-    measure_peak_cuda,
-    measure_saved_activations,
-    measure_state_bytes,
-    optimizer_kernel,
-    peak_bytes,
-    state_bytes,
-)
+from lmledger.ledger.activations import activation_bytes, measure_saved_activations
+from lmledger.ledger.memory import bytes_per_param, largest_layer_params, measure_state_bytes, state_bytes
 from lmledger.ledger.memtrack import track_peak
+from lmledger.ledger.peak import measure_peak_cuda, optimizer_kernel, peak_bytes
 from lmledger.model import ModelConfig, ToyLM, count_parameters
 
 LOW_PRECISION = {"bf16": torch.bfloat16, "16": torch.float16}

@@ -27,8 +27,9 @@ from lmledger.cli import main as lmledger
 from lmledger.data import TokenDataModule
 from lmledger.errors import UserError
 from lmledger.fitting.cli import parse_fit_config
+from lmledger.ledger.activations import activation_bytes, measure_saved_activations
 from lmledger.ledger.flops import analytic_flops, measure_flops
-from lmledger.ledger.memory import activation_bytes, measure_saved_activations, measure_state_bytes, state_bytes
+from lmledger.ledger.memory import measure_state_bytes, state_bytes
 from lmledger.lit import LitLM
 from lmledger.model import ModelConfig, ToyLM, count_parameters
 from lmledger.precision import (

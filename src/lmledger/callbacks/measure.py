@@ -23,9 +23,10 @@ import gc
 
 import torch
 
+from lmledger.ledger.activations import measure_saved_activations
 from lmledger.ledger.dryrun import batch_tensors, phases
 from lmledger.ledger.flops import StepFlopCounter
-from lmledger.ledger.memory import measure_saved_activations, measure_state_bytes
+from lmledger.ledger.memory import measure_state_bytes
 from lmledger.ledger.memtrack import MemoryTracker
 from lmledger.ledger.report import Figures
 

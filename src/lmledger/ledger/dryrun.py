@@ -55,8 +55,9 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from lmledger.errors import UserError
 from lmledger.ledger import moe, precisions
+from lmledger.ledger.activations import measure_saved_activations
 from lmledger.ledger.flops import flop_counter
-from lmledger.ledger.memory import measure_saved_activations, measure_state_bytes, unique_storage_bytes
+from lmledger.ledger.memory import measure_state_bytes, unique_storage_bytes
 from lmledger.ledger.memtrack import MemoryTracker
 from lmledger.ledger.ops import OpRecorder, OpSummary
 

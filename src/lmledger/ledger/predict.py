@@ -1,8 +1,8 @@
 """One prediction of a training step, before anything runs: `predict(run, batch=...)`.
 
-For lmledger's ToyLM (run.config set) it is the lecture's closed forms (ledger.memory, ledger.flops): what
-the fit tables (callbacks.toy.closed_form), the preflight guard, account, plan max-batch and the
-sweeps' dry run all show. For any other module (run.module, no config) it is a dry run of the module's
+For lmledger's ToyLM (run.config set) it is the lecture's closed forms (ledger.memory, activations, peak,
+flops): what the fit tables (callbacks.toy.closed_form), the preflight guard, account, plan max-batch and
+the sweeps' dry run all show. For any other module (run.module, no config) it is a dry run of the module's
 training step on fake tensors of `batch`'s shapes (ledger.dryrun).
 
 A LightningModule is used by duck typing only (no Lightning import): its `training_step(batch, batch_idx)`
@@ -22,8 +22,10 @@ import torch
 from torch import nn
 
 from lmledger.errors import UserError
+from lmledger.ledger import activations as ledger_activations
 from lmledger.ledger import flops as ledger_flops
 from lmledger.ledger import memory as ledger_memory
+from lmledger.ledger import peak as ledger_peak
 from lmledger.ledger import precisions
 from lmledger.ledger.dryrun import (
     LargestBatch,
@@ -46,7 +48,7 @@ class Prediction:
     """Bytes per device and FLOPs of one training step of a run, predicted.
 
     activations / peak are None where there is no model for the run (`unmodelled` says why: a precision
-    or device ledger.memory does not cover, a module the dry run cannot trace). flops_model (6N + attention,
+    or device ledger.activations does not cover, a module the dry run cannot trace). flops_model (6N + attention,
     what MFU divides) exists for ToyLM only. `dry` is the dry run's whole ledger for any other module."""
 
     params: int | None
@@ -86,8 +88,8 @@ def predict(run: Run, batch: object = None, *, batch_size: int | None = None) ->
     forward_precision = ledger_memory.model_precision(run.precision, run.strategy)
     flops = {"flops_model": report.model, "flops_hardware": report.hardware}
     try:
-        saved = ledger_memory.activation_bytes(cfg, b, t, forward_precision, run.device.type)
-        peak = ledger_memory.peak_bytes(
+        saved = ledger_activations.activation_bytes(cfg, b, t, forward_precision, run.device.type)
+        peak = ledger_peak.peak_bytes(
             cfg, b, t, run.precision, run.optimizer, run.strategy, run.world_size,
             momentum=run.momentum, device=run.device.type, fused=run.fused_optimizer,
         )  # fmt: skip
@@ -151,7 +153,7 @@ def measure(run: Run) -> Measurement:
     y = torch.randint(0, run.config.vocab_size, (run.batch_size, run.seq_len), device=run.device)
     counted = ledger_flops.measure_flops(model, x, y, training=True, autocast_dtype=autocast_dtype)
 
-    with ledger_memory.measure_saved_activations(model) as saved:
+    with ledger_activations.measure_saved_activations(model) as saved:
         with autocast():
             loss = model(x, y)
     loss.backward()
@@ -171,7 +173,7 @@ def measure(run: Run) -> Measurement:
         optimizer.step()
 
     if run.device.type == "cuda":
-        peak, peak_phase = ledger_memory.measure_peak_cuda(step, run.device), None
+        peak, peak_phase = ledger_peak.measure_peak_cuda(step, run.device), None
     else:
         with track_peak(model, optimizer, x, y) as tracker:
             step(tracker.phase)

@@ -1,0 +1,272 @@
+"""Bytes autograd saves for backward: ToyLM's closed form, and the measured twin for any model.
+
+activation_bytes counts what lmledger.model saves, as it implements the toy LM (exact against
+measure_saved_activations on CPU); the helpers it is built from (widths, one block's saved set)
+are shared with ledger.peak, which walks the same tensors through a step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from lmledger.errors import UserError
+from lmledger.ledger import precisions
+from lmledger.ledger.memory import storage_key
+from lmledger.model import ModelConfig
+
+COMPONENTS = ("embedding", "attention", "mlp", "norms", "logits_loss", "checkpoint_inputs")
+INDEX_BYTES = 8  # token ids and targets are int64, as the data module hands them over
+FP32 = 4
+
+
+@dataclass(frozen=True)
+class ActivationReport:
+    """Bytes autograd holds for backward once forward has finished.
+
+    `by_component` are activations proper; `autocast_weight_copies` (the low-precision weight
+    casts that linear layers save under autocast) are parameters in another dtype, so they are
+    kept apart from activations and are not in `total`.
+    """
+
+    by_component: dict[str, int]
+    autocast_weight_copies: int = 0
+
+    @property
+    def total(self) -> int:
+        return sum(self.by_component.values())
+
+
+@dataclass(frozen=True)
+class Widths:
+    """Bytes per element of a precision's activations."""
+
+    compute: int  # matmul operands, attention, MLP intermediates
+    residual: int  # the residual stream between blocks
+    autocast: bool
+
+
+def activation_widths(precision: str | int) -> Widths:
+    """The precision's activation widths; refused where none are modelled."""
+    row = precisions.precision(precision)
+    if row.activation_bytes is None:
+        modelled = [r.name for r in precisions.ROWS.values() if r.activation_bytes is not None]
+        raise UserError(f"activation bytes are modelled for {', '.join(modelled)}, not {row.name}")
+    compute, residual = row.activation_bytes
+    return Widths(compute=compute, residual=residual, autocast=row.autocast is not None)
+
+
+def check_device(device: str) -> str:
+    """The device's type, cpu or cuda: the two the saved sets are modelled for."""
+    kind = torch.device(device).type
+    if kind not in ("cpu", "cuda"):
+        raise UserError(f"activation bytes are modelled for cpu and cuda, not {device!r}")
+    return kind
+
+
+def norm_saved(tokens: int, d: int, widths: Widths, device: str) -> int:
+    """One nn.RMSNorm's saved tensors (its output is charged to the linear that consumes it).
+
+    F.rms_norm dispatches to aten._fused_rms_norm (aten/src/ATen/native/layer_norm.cpp). On CPU
+    that falls back to the composite: it saves the fp32 (upcast) input, the fp32 rsqrt per token
+    and the fp32 normalized input that multiplies the weight. On CUDA the fused kernel's autograd
+    formula (tools/autograd/derivatives.yaml) saves the input as it is and the fp32 rsqrt.
+    """
+    if device == "cuda":
+        return tokens * d * widths.residual + tokens * FP32
+    return 2 * tokens * d * FP32 + tokens * FP32
+
+
+def _attention_stats_bytes(batch: int, seq: int, heads: int, widths: Widths, device: str) -> int:
+    """What SDPA saves besides q, k, v and its output: the fp32 log-sum-exp of every query row,
+    and on CUDA the dropout RNG seed and offset (two 0-dim int64 tensors even at dropout 0)."""
+    if device == "cpu":
+        return batch * heads * seq * FP32
+    rng_state = 2 * 8
+    if widths.compute == FP32:
+        # fp32 runs the memory-efficient kernel (flash and cuDNN take only 16-bit inputs),
+        # whose log-sum-exp rows are padded to a multiple of 32.
+        return batch * heads * math.ceil(seq / 32) * 32 * FP32 + rng_state
+    return batch * heads * seq * FP32 + rng_state
+
+
+def block_saved(cfg: ModelConfig, batch: int, seq: int, widths: Widths, device: str) -> dict[str, int]:
+    """Saved bytes of one block that is not checkpointed."""
+    tokens, d, c = batch * seq, cfg.d_model, widths.compute
+    # Rotary tables: `.to(x.dtype)` is a no-op (the saved tensor is the buffer) unless autocast
+    # runs q, k in a lower precision than the fp32 tables; then cos and sin are cast afresh for
+    # q and for k: four (seq, head_dim) tensors.
+    rope_casts = 4 * seq * cfg.head_dim * c if widths.autocast else 0
+    attention = (
+        tokens * d * c  # qkv input (the norm's output, or its autocast cast)
+        + 3 * tokens * d * c  # qkv output: v is a view, so SDPA keeps the whole (q|k|v) storage
+        + 2 * tokens * d * c  # q and k after RoPE
+        + tokens * d * c  # SDPA output, which the out projection also saves (same storage)
+        + _attention_stats_bytes(batch, seq, cfg.n_heads, widths, device)
+        + rope_casts
+    )
+    # Autocast casts the norm's output separately for w1 and for w3 (its cache only keeps casts
+    # of leaf tensors, i.e. weights); without autocast both save the same tensor.
+    mlp_inputs = 2 if widths.autocast else 1
+    mlp = mlp_inputs * tokens * d * c + 4 * tokens * cfg.d_ff * c  # w1 x, w3 x, silu(w1 x), their product
+    norms = 2 * norm_saved(tokens, d, widths, device)
+    return {"attention": attention, "mlp": mlp, "norms": norms}
+
+
+def matmul_weights_per_block(cfg: ModelConfig) -> int:
+    """Parameters of one block's matmuls: qkv, out projection, SwiGLU's three."""
+    return 4 * cfg.d_model**2 + 3 * cfg.d_model * cfg.d_ff
+
+
+def check_shape(cfg: ModelConfig, batch: int, seq: int) -> None:
+    """batch and seq of at least 1, seq within the model's context."""
+    if batch < 1 or seq < 1:
+        raise UserError(f"batch and seq must be >= 1, got batch={batch}, seq={seq}")
+    if seq > cfg.context_length:
+        raise UserError(f"seq {seq} > context_length {cfg.context_length}: lower seq or raise model.context_length")
+
+
+def activation_bytes(
+    cfg: ModelConfig, batch: int, seq: int, precision: str | int = "32-true", device: str = "cpu"
+) -> ActivationReport:
+    """Bytes autograd saves in one training forward of ToyLM(cfg) on (batch, seq) token ids.
+
+    Counted as implemented in lmledger.model (each storage once, parameters and buffers left
+    out), checked exactly against measure_saved_activations on CPU:
+      embedding        the int64 token ids
+      norms            every RMSNorm's saved tensors (norm_saved)
+      attention        qkv input, the (q|k|v) storage, roped q and k, SDPA output and log-sum-exp,
+                       rotary-table casts under autocast
+      mlp              w1/w3 input(s) and the four (tokens, d_ff) tensors of SwiGLU
+      logits_loss      lm_head input, the fp32 log_softmax output (the loss upcasts the logits;
+                       the logits themselves are not saved), int64 targets, nll's 4-byte weight sum
+      checkpoint_inputs  a checkpointed block keeps only its input (residual dtype); what its
+                       recompute rebuilds in backward is a transient, counted in peak_bytes
+    Autocast weight copies (precision *-mixed) are those of the lm_head and the blocks that are
+    not checkpointed: checkpointed blocks do not save theirs.
+    """
+    check_shape(cfg, batch, seq)
+    widths = activation_widths(precision)
+    kind = check_device(device)
+    tokens, d = batch * seq, cfg.d_model
+    components = dict.fromkeys(COMPONENTS, 0)
+    components["embedding"] = tokens * INDEX_BYTES
+    block = block_saved(cfg, batch, seq, widths, kind)
+    copied_weights = cfg.vocab_size * d  # lm_head, tied or not
+    for layer in range(cfg.n_layers):
+        if cfg.is_checkpointed(layer):
+            components["checkpoint_inputs"] += tokens * d * widths.residual
+        else:
+            for name, nbytes in block.items():
+                components[name] += nbytes
+            copied_weights += matmul_weights_per_block(cfg)
+    components["norms"] += norm_saved(tokens, d, widths, kind)  # final norm
+    components["logits_loss"] = (
+        tokens * d * widths.compute  # lm_head input
+        + tokens * cfg.vocab_size * FP32  # log_softmax output
+        + tokens * INDEX_BYTES  # targets
+        + FP32  # nll_loss total_weight
+    )
+    weight_copies = copied_weights * widths.compute if widths.autocast else 0
+    return ActivationReport(by_component=components, autocast_weight_copies=weight_copies)
+
+
+# --------------------------------------------------------------------------------------------
+# The measured twin
+# --------------------------------------------------------------------------------------------
+
+# Autograd nodes between an autocast weight copy and its parameter: the cast itself and the
+# views linear takes of it.
+_COPY_OR_VIEW_NODES = frozenset(
+    {"ToCopyBackward0", "TBackward0", "TransposeBackward0", "PermuteBackward0", "ViewBackward0", "AliasBackward0"}
+)
+
+
+def _copied_parameter(t: torch.Tensor) -> torch.Tensor | None:
+    """The leaf tensor t is a cast/view of, if the chain of autograd nodes leading to it
+    contains only casts and views (an autocast weight copy); else None."""
+    node = t.grad_fn
+    for _ in range(8):
+        if node is None:
+            return None
+        if type(node).__name__ == "AccumulateGrad":
+            return node.variable
+        if type(node).__name__ not in _COPY_OR_VIEW_NODES:
+            return None
+        parents = [fn for fn, _ in node.next_functions if fn is not None]
+        if len(parents) != 1:
+            return None
+        node = parents[0]
+    return None
+
+
+@dataclass
+class SavedActivations:
+    """What measure_saved_activations saw; bytes are unique storages.
+
+    by_module charges each storage to the innermost module running when it was first saved
+    ("" = the model's own forward: the loss, and the inputs torch.utils.checkpoint keeps).
+    """
+
+    activations: int = 0
+    autocast_weight_copies: int = 0
+    by_module: dict[str, int] = field(default_factory=dict)
+
+
+@contextmanager
+def measure_saved_activations(model: nn.Module) -> Iterator[SavedActivations]:
+    """Record every tensor autograd saves while the block runs (run forward inside, backward
+    after). Storages of the model's parameters and buffers are left out; casts of parameters
+    (autocast weight copies) are totalled apart. A reference to each saved tensor is held until
+    exit, so a freed storage's address cannot be reused and miscounted.
+
+    Tensors saved by torch.utils.checkpoint's recompute during backward are not seen (checkpoint
+    packs them with its own hooks): the figure is the steady state held between forward and
+    backward, which is what activation_bytes predicts.
+    """
+    result = SavedActivations()
+    own = {storage_key(t) for t in (*model.parameters(), *model.buffers())}
+    params = {id(p) for p in model.parameters()}
+    seen: dict[int, torch.Tensor] = {}
+    running = [""]
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        key = storage_key(t)
+        nbytes = t.untyped_storage().nbytes()
+        if key in own or key in seen or nbytes == 0:
+            return t
+        seen[key] = t
+        source = _copied_parameter(t)
+        if source is not None and id(source) in params:
+            result.autocast_weight_copies += nbytes
+        else:
+            result.activations += nbytes
+            result.by_module[running[-1]] = result.by_module.get(running[-1], 0) + nbytes
+        return t
+
+    def enter(name: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: object) -> None:
+            running.append(name)
+
+        return hook
+
+    def leave(module: nn.Module, args: object, output: object) -> None:
+        running.pop()
+
+    handles = []
+    for name, module in model.named_modules():
+        if name:
+            handles.append(module.register_forward_pre_hook(enter(name)))
+            handles.append(module.register_forward_hook(leave, always_call=True))
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            yield result
+    finally:
+        for handle in handles:
+            handle.remove()
+        seen.clear()
