@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from lmledger.ledger.sharded import FSDPSettings, predict_sharded
 
-H100_BYTES = 80e9  # H100 SXM, 80 GB (NVIDIA datasheet; ledger.hardware's h100-sxm)
+H100_BYTES = 80e9  # H100 SXM, 80 GB (NVIDIA datasheet; ledger.gpus' h100-sxm)
 SECONDS_GOAL, RESIDENT_GOAL, FLAT_GOAL = 60.0, 2e9, 1.5
 LLAMA3_8B = dict(
     vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,

@@ -289,7 +289,7 @@ def test_cli_fit_keeps_the_ledger_and_refuses_what_cannot_fit(workdir, capsys):
 def test_a_pessimistic_measured_peak_is_raised_to_what_training_achieved(stdlib_data, tmp_path, monkeypatch):
     """A CPU peak measured while the machine was busy can be beaten by training; MFU must not pass 1."""
     from lmledger.callbacks import ledger as ledger_module
-    from lmledger.ledger.hardware import Peak
+    from lmledger.ledger.gpus import Peak
 
     real = ledger_module.resolve_peak
     monkeypatch.setattr(

@@ -247,7 +247,7 @@ def test_throughput_monitor_syncs_every_batch(monkeypatch):
 
 
 def test_lightning_resolves_no_peak_for_nvidia_h200(monkeypatch):
-    """ledger/hardware.py keeps its own table: Lightning maps "NVIDIA H200" to no peak."""
+    """ledger/gpus.py keeps its own table: Lightning maps "NVIDIA H200" to no peak."""
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -11,17 +11,11 @@ import torch
 from conftest import run_json
 from lmledger import cli
 from lmledger.errors import UserError
-from lmledger.ledger import hardware
-from lmledger.ledger.hardware import (
-    DTYPES,
-    GPUS,
-    compute_dtype_for_precision,
-    datasheet_peak,
-    dtype_name,
-    float32_matmul_precision,
-    peak_flops,
-    resolve,
-)
+from lmledger.ledger import cpu, gpus, matmul
+from lmledger.ledger import peak_flops as lookup
+from lmledger.ledger.gpus import DTYPES, GPUS, Peak, datasheet_peak, dtype_name, resolve
+from lmledger.ledger.matmul import float32_matmul_precision
+from lmledger.ledger.peak_flops import NoPeak, compute_dtype_for_precision, peak_flops
 
 # What torch.cuda.get_device_name() reports on each part (nvidia-smi / rocm-smi names), and the entry it
 # must map to. B300: "NVIDIA B300 SXM6 AC" as reported in torchao's roofline table (pytorch/ao #3640).
@@ -154,7 +148,7 @@ def test_ambiguous_names_say_which_entries_match():
     with pytest.warns(UserWarning, match="ambiguous: matches h100-sxm, h100-pcie;"):
         assert resolve("H100 80GB") is None
     with pytest.raises(UserError, match="ambiguous: matches v100, v100-32gb;"):
-        hardware.require_gpu("Tesla V100-SXM2")
+        gpus.require_gpu("Tesla V100-SXM2")
 
 
 def test_no_sparse_figures():
@@ -195,9 +189,9 @@ def test_peak_flops_on_a_cuda_device_follows_torch_matmul_precision(monkeypatch)
     # Pretend to be an H200 without touching CUDA: only the reported name matters for a listed GPU.
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
     with float32_matmul_precision("highest"):
-        assert peak_flops("fp32", "cuda:0") == hardware.Peak(67e12, "datasheet:h200", "fp32")
+        assert peak_flops("fp32", "cuda:0") == Peak(67e12, "datasheet:h200", "fp32")
     with float32_matmul_precision("high"):
-        assert peak_flops("fp32", "cuda:0") == hardware.Peak(494.7e12, "datasheet:h200", "tf32")
+        assert peak_flops("fp32", "cuda:0") == Peak(494.7e12, "datasheet:h200", "tf32")
         assert peak_flops(torch.bfloat16, "cuda:0").flops_per_s == 989.4e12
     assert peak_flops(compute_dtype_for_precision("transformer-engine"), "cuda:0").flops_per_s == 1978.9e12
 
@@ -238,8 +232,8 @@ def test_dtype_names():
     ]
 
 
-def _cpu(flags: str, machine: str = "x86_64", cores: int = 2, ghz: float | None = 2.6) -> hardware.CpuInfo:
-    return hardware.CpuInfo("test CPU", machine, cores, 2 * cores, ghz, "cpuinfo MHz", frozenset(flags.split()))
+def _cpu(flags: str, machine: str = "x86_64", cores: int = 2, ghz: float | None = 2.6) -> cpu.CpuInfo:
+    return cpu.CpuInfo("test CPU", machine, cores, 2 * cores, ghz, "cpuinfo MHz", frozenset(flags.split()))
 
 
 @pytest.mark.parametrize(
@@ -260,21 +254,21 @@ def _cpu(flags: str, machine: str = "x86_64", cores: int = 2, ghz: float | None 
     ],
 )
 def test_cpu_spec_peak_is_cores_times_clock_times_flop_per_cycle(flags, machine, dtype, flop_per_cycle):
-    peak = hardware.cpu_spec_peak(dtype, _cpu(flags, machine, cores=4, ghz=3.0))
+    peak = cpu.cpu_spec_peak(dtype, _cpu(flags, machine, cores=4, ghz=3.0))
     assert peak.source == "spec" and peak.dtype == dtype
     assert peak.flops_per_s == pytest.approx(4 * 3.0e9 * flop_per_cycle)
     assert peak.detail.startswith(f"spec: 4 cores x 3 GHz (cpuinfo MHz) x {flop_per_cycle} FLOP/cycle")
 
 
 def test_no_cpu_spec_peak_without_a_clock_or_a_known_vector_unit():
-    assert hardware.cpu_spec_peak("fp32", _cpu("avx2 fma", ghz=None)) is None
-    assert hardware.cpu_spec_peak("fp32", _cpu("", machine="riscv64")) is None
-    assert hardware.cpu_spec_peak("fp32", _cpu("fp", machine="aarch64")) is None
-    assert hardware.cpu_spec_peak("fp8", _cpu("avx2 fma avx512f amx_bf16")) is None
+    assert cpu.cpu_spec_peak("fp32", _cpu("avx2 fma", ghz=None)) is None
+    assert cpu.cpu_spec_peak("fp32", _cpu("", machine="riscv64")) is None
+    assert cpu.cpu_spec_peak("fp32", _cpu("fp", machine="aarch64")) is None
+    assert cpu.cpu_spec_peak("fp8", _cpu("avx2 fma avx512f amx_bf16")) is None
 
 
 def test_cpu_info_counts_physical_cores_this_process_may_use():
-    info = hardware.cpu_info()
+    info = cpu.cpu_info()
     assert 1 <= info.cores <= info.logical_cpus <= (os.cpu_count() or 1)
     assert info.logical_cpus == len(os.sched_getaffinity(0))
     if info.ghz is not None:
@@ -282,13 +276,13 @@ def test_cpu_info_counts_physical_cores_this_process_may_use():
 
 
 def test_peak_flops_on_the_cpu_is_measured_once_per_machine(monkeypatch, tmp_path):
-    spec = hardware.cpu_spec_peak("fp32")
+    spec = cpu.cpu_spec_peak("fp32")
     if spec is None:
         pytest.skip("this OS reports no CPU clock or flags")
     monkeypatch.setenv("LMLEDGER_CACHE_DIR", str(tmp_path))
     calls = []
-    real = hardware._best_matmul_rate
-    monkeypatch.setattr(hardware, "_best_matmul_rate", lambda *a: calls.append(a) or real(*a[:2], 1))
+    real = matmul.best_matmul_rate
+    monkeypatch.setattr(matmul, "best_matmul_rate", lambda *a: calls.append(a) or real(*a[:2], 1))
     with float32_matmul_precision("highest"):
         first, second = peak_flops("fp32", "cpu"), peak_flops(torch.float32, "cpu")
     assert first == second  # the machine's figure: the same whatever the load
@@ -305,49 +299,55 @@ def test_measured_cpu_peak_is_cached_per_machine_with_when_and_how(tmp_path, mon
         calls.append((device, dtype, rounds))
         return 1.5e11 + len(calls)
 
-    monkeypatch.setattr(hardware, "_best_matmul_rate", fake_rate)
-    first = hardware.measured_cpu_peak("fp32")
-    assert calls == [("cpu", "fp32", hardware.CPU_MEASURE_TRIES)]
+    monkeypatch.setattr(matmul, "best_matmul_rate", fake_rate)
+    first = cpu.measured_cpu_peak("fp32")
+    assert calls == [("cpu", "fp32", cpu.CPU_MEASURE_TRIES)]
     assert (first.flops_per_s, first.source, first.dtype) == (1.5e11 + 1, "measured", "fp32")
     assert re.match(r"measured \d{4}-\d\d-\d\d, best of 5 \(cache: ", first.detail)
-    cache = tmp_path / "cache" / hardware.CPU_PEAKS_FILE
+    cache = tmp_path / "cache" / cpu.CPU_PEAKS_FILE
     [(key, entry)] = json.loads(cache.read_text()).items()
     assert key.endswith("| fp32") and f"torch {torch.__version__}" in key
     assert entry["flops_per_s"] == 1.5e11 + 1 and entry["tries"] == 5 and entry["measured_at"]
 
-    assert hardware.measured_cpu_peak("fp32") == first  # read back, not measured again
+    assert cpu.measured_cpu_peak("fp32") == first  # read back, not measured again
     assert len(calls) == 1
-    assert hardware.measured_cpu_peak("fp32", refresh=True).flops_per_s == 1.5e11 + 2
-    hardware.measured_cpu_peak("bf16")  # another dtype is another entry
+    assert cpu.measured_cpu_peak("fp32", refresh=True).flops_per_s == 1.5e11 + 2
+    cpu.measured_cpu_peak("bf16")  # another dtype is another entry
     assert len(json.loads(cache.read_text())) == 2
 
     cache.write_text("{not json")
     with pytest.warns(UserWarning, match="ignoring unreadable CPU peak cache"):
-        assert hardware.measured_cpu_peak("fp32").flops_per_s == 1.5e11 + 4
+        assert cpu.measured_cpu_peak("fp32").flops_per_s == 1.5e11 + 4
     assert not list(cache.parent.glob(".*.tmp"))
 
 
 def test_the_cpu_peak_is_never_below_a_measured_matmul(tmp_path, monkeypatch):
     # The two CPU peaks side by side: the peak MFU divides by is the larger, so no matmul beats it; a VM
     # that reports its nominal clock (this one: 2.2 GHz) has a spec below what its cores reach.
-    spec = hardware.cpu_spec_peak("fp32")
+    spec = cpu.cpu_spec_peak("fp32")
     if spec is None:
         pytest.skip("this OS reports no CPU clock or flags")
     monkeypatch.setenv("LMLEDGER_CACHE_DIR", str(tmp_path))
-    measured = hardware.measured_cpu_peak("fp32", tries=3)
-    peak = hardware.cpu_peak("fp32")
+    measured = cpu.measured_cpu_peak("fp32", tries=3)
+    peak = cpu.cpu_peak("fp32")
     assert peak.flops_per_s == max(spec.flops_per_s, measured.flops_per_s)
     assert peak.source == ("spec" if spec.flops_per_s >= measured.flops_per_s else "measured")
     assert measured.flops_per_s > 0.1 * spec.flops_per_s  # a sane share of it, even on a shared machine
-    fresh = hardware._best_matmul_rate("cpu", "fp32", 1)
+    fresh = matmul.best_matmul_rate("cpu", "fp32", 1)
     assert fresh <= peak.flops_per_s * 1.05  # a later measurement does not beat it either (5%: noise)
 
 
-def test_no_cpu_peak_for_gpu_only_formats():
-    with pytest.warns(UserWarning, match="no peak for fp8"):
-        assert peak_flops("fp8", "cpu") is None
+def test_no_cpu_peak_for_gpu_only_formats(recwarn):
+    # A missing peak is a value with its reason, not a warning to catch and scrape.
+    for dtype in ("fp8", "tf32", "int8"):
+        missing = peak_flops(dtype, "cpu")
+        assert isinstance(missing, NoPeak), dtype
+        assert missing.reason.startswith(f"no peak for {dtype} on cpu: ")
+    assert "GPU tensor-core format" in peak_flops("fp8", "cpu").reason
+    assert "not benchmarked" in peak_flops("int8", "cpu").reason
+    assert not recwarn.list
     with pytest.raises(ValueError, match="tf32"):
-        hardware.time_matmul("tf32", 64, torch.device("cpu"), repeats=1, warmup=0)
+        matmul.time_matmul("tf32", 64, torch.device("cpu"), repeats=1, warmup=0)
 
 
 def test_gpus_resolve_json_shape(capsys):
@@ -430,11 +430,21 @@ def test_peak_flops_on_this_gpu():
         warnings.simplefilter("ignore")
         spec = resolve(torch.cuda.get_device_name())
     peak = peak_flops("bf16", "cuda")
-    assert peak is not None and peak.flops_per_s > 0
+    assert isinstance(peak, Peak) and peak.flops_per_s > 0
     if spec is not None:
         assert peak.source == f"datasheet:{spec.key}"
     # The measured path (for unlisted GPUs) works here too, and stays below the dense datasheet peak.
-    measured = hardware._measured_peak(f"cuda:{torch.cuda.current_device()}", "bf16")
+    measured = lookup._measured_peak(f"cuda:{torch.cuda.current_device()}", "bf16")
     assert measured.source == "measured" and measured.flops_per_s > 0
     if spec is not None:
         assert measured.flops_per_s < 1.05 * spec.peak_flops["bf16"]
+
+
+def test_the_lines_a_missing_peak_gives_say_why(recwarn):
+    """The throughput callback's peak line and account's MFU line carry NoPeak's reason, word for word."""
+    from lmledger.callbacks.throughput import resolve_peak
+
+    reason = "no peak for fp8 on cpu: fp8 is a GPU tensor-core format (no CPU kernel worth timing)"
+    assert resolve_peak("transformer-engine", torch.device("cpu")) == (None, f"no peak, so no MFU/HFU: {reason}")
+    assert resolve_peak("bf16-mixed", torch.device("cpu"), fp8="torchao")[1].endswith(reason)
+    assert not recwarn.list

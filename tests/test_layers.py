@@ -2,7 +2,7 @@
 
 Layers, bottom up (a module may import any module of a lower layer, and of its own):
     0  model, errors, units-like leaves: plain Python and PyTorch
-    1  ledger/: accounting; torch only, no Lightning
+    1  ledger/: accounting; torch only, no Lightning (what a device can do: gpus, peak_flops, cpu, matmul)
     2  the data and the Lightning side: corpus, data, lit, precision, checkpointing, lightning_private, runlock
     3  callbacks/: Lightning adapters over ledger/
     4  fitting/: the fit CLI and its checks, runspec

@@ -16,7 +16,7 @@ from torch import nn
 
 from lmledger.errors import ConfigError
 from lmledger.ledger import precisions
-from lmledger.ledger.hardware import dtype_name
+from lmledger.ledger.gpus import dtype_name
 from lmledger.lit import LitLM
 from lmledger.model import ModelConfig
 from lmledger.precision import trainer_precision_kwargs

@@ -2,18 +2,19 @@
 
 The peak is the datasheet figure on a listed GPU and a measured one elsewhere (the CPU, an unlisted
 GPU); every result says which. Timing itself (warm-up, rotated inputs, CUDA events, median) lives in
-lmledger.ledger.hardware.time_matmul, which the measured peaks use too.
+lmledger.ledger.matmul.time_matmul, which the measured peaks use too.
 """
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from lmledger.ledger.hardware import Peak, matmul_flops, peak_flops, resolve, time_matmul, unsupported_reason
+from lmledger.ledger.gpus import Peak, find_gpu
+from lmledger.ledger.matmul import matmul_flops, time_matmul, unsupported_reason
+from lmledger.ledger.peak_flops import NoPeak, peak_flops
 
 DEFAULT_DTYPES = {"cpu": ("fp32", "bf16"), "cuda": ("fp32", "tf32", "bf16", "fp16", "fp8")}
 # CPU sizes stay small: bf16 matmuls without AVX512-BF16/AMX run at ~1 GFLOP/s.
@@ -80,9 +81,7 @@ def _device_name(device: torch.device) -> str:
     if device.type != "cuda":
         return device.type
     name = torch.cuda.get_device_name(device)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        spec = resolve(name)
+    spec = find_gpu(name)
     return name if spec is None else f"{name} ({spec.key})"
 
 
@@ -92,6 +91,7 @@ def _bench_dtype(dtype: str, sizes: list[int], device: torch.device, repeats: in
         return [MatmulResult(dtype, size, None, None, f"unsupported: {reason}") for size in sizes]
     # "fp32" here means true fp32 (time_matmul runs it at precision "highest"), so its peak is fp32's.
     peak = peak_flops(dtype, device, float32_matmul_precision="highest")
+    peak = None if isinstance(peak, NoPeak) else peak  # none left: unsupported dtypes returned above
     results = []
     for size in sizes:
         try:

@@ -60,7 +60,7 @@ from lmledger.errors import UserError
 from lmledger.ledger import moe, precisions, sharded
 from lmledger.ledger.ddp import DDPSettings
 from lmledger.ledger.dryrun import NotTraced, StepLedger, batch_tensors, largest_batch
-from lmledger.ledger.hardware import Peak
+from lmledger.ledger.gpus import Peak
 from lmledger.ledger.predict import lightning_step, resized
 from lmledger.ledger.report import Figures, Report, figures_of_step, markdown_table
 from lmledger.ledger.throughput import Window

@@ -19,7 +19,7 @@ window gives no value before it fills (canary test_throughput_monitor_syncs_ever
 from `get_available_flops`, which maps "NVIDIA H200" to nothing (canary
 test_lightning_resolves_no_peak_for_nvidia_h200) and lists sparse peaks for H200 and H100 NVL. Here
 the device is synchronized only when a window starts or ends, every window is reported, and the peak
-comes from lmledger.ledger.hardware (dense datasheet figures, or a measured matmul peak labelled so).
+comes from lmledger.ledger.peak_flops (dense datasheet figures, or a measured matmul peak labelled so).
 
 On CUDA the host runs ahead of the device, so between two synchronizations the host's time between
 steps may overlap queued kernels: data_wait_frac is an upper bound on the device's idle share.
@@ -30,7 +30,6 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
-import warnings
 from collections.abc import Callable
 
 import lightning.pytorch as pl
@@ -40,19 +39,18 @@ from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.utilities import rank_zero_info
 
 from lmledger.callbacks.run import LedgerRun, log_scalars, log_text, synchronize, untouched_rng
-from lmledger.ledger.hardware import Peak, compute_dtype_for_precision, peak_flops
+from lmledger.ledger.gpus import Peak
+from lmledger.ledger.peak_flops import NoPeak, compute_dtype_for_precision, peak_flops
 
 
 def resolve_peak(precision: str, device: torch.device, fp8: str | None = None) -> tuple[Peak | None, str]:
     """The dense peak FLOP/s MFU is measured against on this device, and a line saying where it came from."""
     # torchao float8 (LitLM fp8="torchao") runs the eligible linears in fp8 under a bf16 precision.
     dtype = "fp8" if fp8 == "torchao" else compute_dtype_for_precision(precision)
-    with warnings.catch_warnings(record=True) as caught, untouched_rng(device):
-        warnings.simplefilter("always")
+    with untouched_rng(device):
         peak = peak_flops(dtype, device)
-    if peak is None:
-        reason = "; ".join(str(w.message) for w in caught) or f"no {dtype} peak for {device}"
-        return None, f"no peak, so no MFU/HFU: {reason}"
+    if isinstance(peak, NoPeak):
+        return None, f"no peak, so no MFU/HFU: {peak.reason}"
     source = (
         "datasheet " + peak.source.removeprefix("datasheet:")
         if peak.source.startswith("datasheet:")

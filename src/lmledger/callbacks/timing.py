@@ -30,7 +30,7 @@ from lmledger.callbacks.run import log_scalars, log_text, synchronize, tensorboa
 from lmledger.errors import ConfigError
 from lmledger.ledger import profile as ledger_profile
 from lmledger.ledger.dryrun import NotTraced, StepLedger
-from lmledger.ledger.hardware import compute_dtype_for_precision
+from lmledger.ledger.peak_flops import compute_dtype_for_precision
 from lmledger.ledger.roofline import LABELS, Roofline, device_roofline, format_table, with_ddp_allreduce
 from lmledger.ledger.shapes import advice_text
 
@@ -260,9 +260,7 @@ def _this_gpu(device: torch.device) -> str | None:
     """The GPUS key of a CUDA device, None for a CPU or an unlisted GPU."""
     if device.type != "cuda":
         return None
-    from lmledger.ledger.hardware import resolve
+    from lmledger.ledger.gpus import find_gpu
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        spec = resolve(torch.cuda.get_device_name(device))
+    spec = find_gpu(torch.cuda.get_device_name(device))
     return spec.key if spec is not None else None

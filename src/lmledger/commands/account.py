@@ -13,7 +13,8 @@ import torch
 from lmledger.commands.argparser import run_command
 from lmledger.errors import UserError
 from lmledger.ledger import flops as ledger_flops
-from lmledger.ledger.hardware import Peak, compute_dtype_for_precision, peak_flops
+from lmledger.ledger.gpus import Peak
+from lmledger.ledger.peak_flops import NoPeak, compute_dtype_for_precision, peak_flops
 from lmledger.ledger.predict import measure as measure_run
 from lmledger.ledger.predict import predict as predict_run
 from lmledger.ledger.units import MEMORY_ROWS, format_bytes
@@ -116,11 +117,9 @@ def mfu_conventions(spec: RunSpec, seconds: float | None, device: torch.device) 
     peak = peak_line = None
     if seconds is not None:
         dtype = compute_dtype_for_precision(spec.precision)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            peak = peak_flops(dtype, device)
-        if peak is None:
-            peak_line = "; ".join(str(w.message) for w in caught) or f"no {dtype} peak for {device}"
+        peak = peak_flops(dtype, device)
+        if isinstance(peak, NoPeak):
+            peak, peak_line = None, peak.reason
         else:
             source = peak.source.removeprefix("datasheet:")
             detail = getattr(peak, "detail", "")

@@ -12,7 +12,7 @@ from rich.table import Table
 from lmledger.bench import DEFAULT_DTYPES, DEFAULT_SIZES, MatmulBench, bench_matmul, plot_mfu
 from lmledger.commands.argparser import run_command
 from lmledger.errors import UserError
-from lmledger.ledger.hardware import dtype_name
+from lmledger.ledger.gpus import dtype_name
 
 
 def _device(name: str | None) -> torch.device:

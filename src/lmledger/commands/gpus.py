@@ -8,7 +8,7 @@ from rich.console import Console
 from rich.table import Table
 
 from lmledger.commands.argparser import run_command
-from lmledger.ledger.hardware import DTYPES, GPUS, GpuSpec, require_gpu
+from lmledger.ledger.gpus import DTYPES, GPUS, GpuSpec, require_gpu
 from lmledger.ledger.units import GB, format_bytes
 
 

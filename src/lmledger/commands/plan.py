@@ -13,7 +13,7 @@ from rich.table import Table
 
 from lmledger.commands.argparser import run_command
 from lmledger.errors import UserError
-from lmledger.ledger.hardware import DTYPES, dtype_name, require_gpu
+from lmledger.ledger.gpus import DTYPES, dtype_name, require_gpu
 from lmledger.ledger.planner import MAX_COUNT, MAX_GPUS, max_params, train_time
 from lmledger.ledger.units import GB
 

@@ -1,7 +1,7 @@
 """Memory bandwidth per device, for the roofline (ledger/roofline.py): bytes per second an op can move.
 
-A listed GPU: the datasheet figure in hardware.GPUS (HBM/GDDR bandwidth). A CPU: measured once per
-machine and cached on disk beside the CPU peak (hardware.cache_dir()/cpu-bandwidth.json, with when and
+A listed GPU: the datasheet figure in gpus.GPUS (HBM/GDDR bandwidth). A CPU: measured once per
+machine and cached on disk beside the CPU peak (cpu.cache_dir()/cpu-bandwidth.json, with when and
 how), because no spec the OS reports gives it. An unlisted GPU: measured once per process.
 
 The measurement is the best rate of `dst.copy_(src)` (each byte read once and written once) over
@@ -25,7 +25,8 @@ from pathlib import Path
 import torch
 
 from lmledger.atomic import DiskWriteError, atomic_write
-from lmledger.ledger.hardware import cache_dir, cpu_info, resolve
+from lmledger.ledger.cpu import cache_dir, cpu_info
+from lmledger.ledger.gpus import find_gpu, resolve
 
 CPU_BANDWIDTH_FILE = "cpu-bandwidth.json"
 _SIZES = tuple(1 << p for p in range(18, 27))  # bytes per buffer: 256 KiB .. 64 MiB
@@ -46,9 +47,7 @@ def memory_bandwidth(device: str | torch.device | None = None) -> Bandwidth:
     device = torch.device(device) if device is not None else _default_device()
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            spec = resolve(torch.cuda.get_device_name(index))
+        spec = find_gpu(torch.cuda.get_device_name(index))
         if spec is not None:
             return Bandwidth(spec.bandwidth_bytes_per_s, f"datasheet:{spec.key}", f"datasheet {spec.name}")
         return _measured_device_bandwidth(f"cuda:{index}")

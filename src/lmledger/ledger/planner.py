@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from lmledger.errors import UserError
-from lmledger.ledger.hardware import GpuSpec, datasheet_peak, dtype_name, require_gpu
+from lmledger.ledger.gpus import GpuSpec, datasheet_peak, dtype_name, require_gpu
 
 SECONDS_PER_DAY = 86_400
 

@@ -3,7 +3,7 @@ how Lightning's plugin runs the model. Every other module reads these facts here
 
     param/grad/state_bytes  bytes per element of a parameter, its gradient and one optimizer state tensor
                             (torch creates AdamW's m, v and SGD's momentum like the parameter)
-    compute_dtype           the ledger.hardware dtype whose dense peak MFU is measured against
+    compute_dtype           the ledger.gpus dtype whose dense peak MFU is measured against
     autocast                torch.autocast's dtype (MixedPrecision), None when autocast does not run
     convert_to              the dtype the plugin converts the module to (DoublePrecision, HalfPrecision,
                             TransformerEnginePrecision's weights), None when the module stays fp32

@@ -5,7 +5,7 @@ For every op the dry run recorded (ledger/ops.py):
     bound = max(FLOPs / peak(op dtype), bytes read and written / memory bandwidth)
 
 (Williams, Waterman & Patterson, "Roofline", CACM 2009: an op is limited by its arithmetic or by the
-bytes it moves, whichever is slower). Peaks are dense figures (ledger/hardware.py: datasheet for a
+bytes it moves, whichever is slower). Peaks are dense figures (ledger/peak_flops.py: datasheet for a
 listed GPU, the CPU's spec peak); bandwidth from ledger/bandwidth.py. Collectives move their bytes over
 the interconnect when its bandwidth is given, else are priced at memory bandwidth (a lower bound).
 Summed per category, the bound is the step time no implementation of the same ops can beat on that
@@ -134,22 +134,19 @@ def roofline(
 def device_roofline(
     ops: OpSummary, compute_dtype: str, device: object, interconnect_bytes_per_s: float | None = None
 ) -> Roofline:
-    """The bound on a live device (torch.device, "cpu", "cuda"): its peaks (hardware.peak_flops) and
+    """The bound on a live device (torch.device, "cpu", "cuda"): its peaks (peak_flops.peak_flops) and
     bandwidth (bandwidth.memory_bandwidth); collectives at `interconnect_bytes_per_s` where given."""
-    import warnings
-
     from lmledger.ledger.bandwidth import memory_bandwidth
-    from lmledger.ledger.hardware import DTYPES, peak_flops
+    from lmledger.ledger.gpus import DTYPES, Peak
+    from lmledger.ledger.peak_flops import peak_flops
 
     peaks: dict[str, float | None] = {}
     sources = {}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # a dtype the device lacks has no peak: its ops use the compute dtype's
-        for dtype in DTYPES:
-            peak = peak_flops(dtype, device) if dtype in ("fp64", "fp32", "bf16", "fp16", compute_dtype) else None
-            peaks[dtype] = peak.flops_per_s if peak is not None else None
-            if peak is not None:
-                sources[dtype] = peak.detail or peak.source
+    for dtype in DTYPES:  # a dtype the device lacks has no peak (NoPeak): its ops use the compute dtype's
+        peak = peak_flops(dtype, device) if dtype in ("fp64", "fp32", "bf16", "fp16", compute_dtype) else None
+        peaks[dtype] = peak.flops_per_s if isinstance(peak, Peak) else None
+        if isinstance(peak, Peak):
+            sources[dtype] = peak.detail or peak.source
     if not peaks.get(compute_dtype):
         raise ValueError(f"no {compute_dtype} peak on {device}")
     bandwidth = memory_bandwidth(device)
@@ -162,9 +159,9 @@ def device_roofline(
 
 
 def gpu_roofline(ops: OpSummary, compute_dtype: str, gpu: str) -> Roofline:
-    """The bound on a GPU from its datasheet alone (hardware.GPUS): for planning on a machine without it.
+    """The bound on a GPU from its datasheet alone (gpus.GPUS): for planning on a machine without it.
     The ops come from a dry run on this machine; the GPU's kernels may differ in the temporaries they make."""
-    from lmledger.ledger.hardware import datasheet_peak, require_gpu
+    from lmledger.ledger.gpus import datasheet_peak, require_gpu
 
     spec = require_gpu(gpu)
     peaks: dict[str, float | None] = {}

@@ -28,7 +28,7 @@ _WIDE_TILE_GPUS = ("a100", "a800", "h100", "h800", "h200", "h20", "gh200", "b100
 
 def preferred_multiple(dtype: str, gpu: str) -> int:
     """The multiple (in elements) a matmul dimension in `dtype` ("bfloat16", ...) should be on `gpu` (a
-    hardware.GPUS key): 16 bytes of elements, 128 on A100-class parts; fp8 16 (Transformer Engine)."""
+    gpus.GPUS key): 16 bytes of elements, 128 on A100-class parts; fp8 16 (Transformer Engine)."""
     if dtype in _FP8:
         return 16
     align = 128 if gpu.lower().startswith(_WIDE_TILE_GPUS) else 16
@@ -111,7 +111,7 @@ def advice_text(
 ) -> str:
     """Shape advice as lines of text, the extra time priced at `gpu`'s datasheet `compute_dtype` peak; a
     run on another device type than CUDA is told that the advice is for that GPU."""
-    from lmledger.ledger.hardware import datasheet_peak, require_gpu
+    from lmledger.ledger.gpus import datasheet_peak, require_gpu
 
     spec = require_gpu(gpu)
     peak = datasheet_peak(spec, compute_dtype)

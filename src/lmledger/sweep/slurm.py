@@ -125,7 +125,7 @@ def gres_gpu_spec(kind: str):
     """The kit's GPU entry for a gres type. Clusters name types their own way (`h100`, `a100`): a key of
     `lmledger gpus` is taken as it is, a prefix of several keys means the one with the least memory (h100: the
     80 GB SXM/PCIe, not the 94 GB NVL), so a point is never sent to a GPU it may not fit."""
-    from lmledger.ledger.hardware import GPUS
+    from lmledger.ledger.gpus import GPUS
 
     name = kind.lower().replace("_", "-")
     if name in GPUS:

@@ -1,0 +1,82 @@
+"""The peak lookup: the dense peak FLOP/s MFU on a device divides by, or the reason there is none.
+
+A CUDA device listed in the GPU table (ledger/gpus.py): the datasheet figure. The CPU: its spec or its
+best measured matmul (ledger/cpu.py). An unlisted GPU, or a listed one whose datasheet has no figure
+for the dtype: the best rate of square matmuls (ledger/matmul.py), measured once per process. A dtype
+the device cannot run (fp8 on a CPU) has no peak: `peak_flops` returns a NoPeak saying why.
+
+Importing this module must not import torch: torch is imported inside the functions that need a device.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from lmledger.ledger import precisions
+from lmledger.ledger.cpu import cpu_peak
+from lmledger.ledger.gpus import Peak, datasheet_peak, dtype_name, find_gpu
+from lmledger.ledger.matmul import best_matmul_rate, unsupported_reason
+
+if TYPE_CHECKING:
+    import torch
+
+_MEASURE_ROUNDS = 2  # ramps of matmuls for an unlisted GPU's peak, once per process
+
+
+@dataclass(frozen=True)
+class NoPeak:
+    """No peak for this dtype on this device, and why (one line users see)."""
+
+    reason: str
+
+
+def compute_dtype_for_precision(precision: str | int) -> str:
+    """The dtype a Lightning precision's matmuls run in, whose peak MFU is measured against (ledger.precisions).
+    "fp32" becomes tf32 in `peak_flops` on Ampere+ unless the float32 matmul precision is "highest"."""
+    return precisions.precision(precision).compute_dtype
+
+
+def peak_flops(
+    dtype: str | torch.dtype,
+    device: str | torch.device | None = None,
+    *,
+    float32_matmul_precision: str | None = None,
+) -> Peak | NoPeak:
+    """The peak FLOP/s that MFU on `device` in `dtype` is measured against (the module docstring says
+    which source applies), or a NoPeak where the dtype cannot run on the device at all.
+    `float32_matmul_precision` defaults to torch's current setting (it decides fp32 vs tf32)."""
+    import torch
+
+    dtype = dtype_name(dtype)
+    device = torch.device(device) if device is not None else _default_device()
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    precision = float32_matmul_precision or torch.get_float32_matmul_precision()
+    if device.type == "cuda":
+        spec = find_gpu(torch.cuda.get_device_name(device))  # an unknown GPU is fine here: we measure instead
+        if spec is not None:
+            peak = datasheet_peak(spec, dtype, float32_matmul_precision=precision)
+            if peak is not None:
+                return peak
+        if dtype == "fp32" and precision != "highest" and torch.cuda.get_device_capability(device) >= (8, 0):
+            dtype = "tf32"
+    reason = unsupported_reason(dtype, device)
+    if reason is not None:
+        return NoPeak(f"no peak for {dtype} on {device}: {reason}")
+    if device.type == "cpu":
+        return cpu_peak(dtype)
+    return _measured_peak(str(device), dtype)
+
+
+@functools.cache
+def _measured_peak(device: str, dtype: str) -> Peak:
+    rate = best_matmul_rate(device, dtype, _MEASURE_ROUNDS)
+    return Peak(rate, "measured", dtype, f"fastest square {dtype} matmul, best of {_MEASURE_ROUNDS}")
+
+
+def _default_device() -> torch.device:
+    import torch
+
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
