@@ -157,7 +157,7 @@ def test_lightning_saves_through_the_system_temp_dir_without_fsync(tmp_path, mon
 
 
 def test_lightning_stops_on_sigterm_without_saving():
-    """checkpointing.PreemptionCheckpoint: the loop raises SIGTERMException (exit 0) and saves nothing."""
+    """preemption.PreemptionCheckpoint: the loop raises SIGTERMException (exit 0) and saves nothing."""
     from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 
     source = inspect.getsource(_TrainingEpochLoop.on_advance_end)

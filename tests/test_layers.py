@@ -3,7 +3,8 @@
 Layers, bottom up (a module may import any module of a lower layer, and of its own):
     0  model, errors, units-like leaves: plain Python and PyTorch
     1  ledger/: accounting; torch only, no Lightning (what a device can do: gpus, peak_flops, cpu, matmul)
-    2  the data and the Lightning side: corpus, data, lit, precision, checkpointing, lightning_private, runlock
+    2  the data and the Lightning side: corpus, data, lit, precision, checkpointing, seeding, preemption, rundir,
+       lightning_private, runlock
     3  callbacks/: Lightning adapters over ledger/
     4  fitting/: the fit CLI and its checks, runspec
     5  sweep/
@@ -25,7 +26,7 @@ LAYERS = {
     "model": 0, "errors": 0, "atomic": 0,
     "ledger": 1,
     "corpus": 2, "lit": 2, "data": 2, "precision": 2, "checkpointing": 2, "lightning_private": 2, "runlock": 2,
-    "bench": 2,
+    "bench": 2, "seeding": 2, "preemption": 2, "rundir": 2,
     "callbacks": 3,
     "fitting": 4, "runspec": 4,
     "sweep": 5,

@@ -28,13 +28,13 @@ from conftest import MICRO_OVERRIDES, file_size_limit, read_scalars
 from lmledger.callbacks.nonfinite import NonFiniteGuard
 from lmledger.checkpointing import (
     AtomicCheckpointIO,
-    StepSeeder,
     atomic_write,
     make_last_checkpoint_atomic,
     open_checkpoint,
 )
 from lmledger.cli import main as lmledger
 from lmledger.errors import UserError
+from lmledger.seeding import StepSeeder
 
 # Lightning's seed_everything logs this info line before any class is built; it is not part of an error.
 SEED_LINE = re.compile(r"^Seed set to \d+$")

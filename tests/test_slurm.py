@@ -24,8 +24,9 @@ from test_preemption import curves
 from test_resume import TAGS
 
 from conftest import MICRO_OVERRIDES, read_scalars
-from lmledger.checkpointing import SLURM_JOB_FILE, open_checkpoint
+from lmledger.checkpointing import open_checkpoint
 from lmledger.cli import main as lmledger
+from lmledger.rundir import SLURM_JOB_FILE
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -31,13 +31,12 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from lmledger.atomic import write_error
-from lmledger.checkpointing import (
-    slurm_line,
-)
 from lmledger.errors import UserError
-from lmledger.fitting.checks import SUBCOMMANDS, NothingToResume
+from lmledger.fitting.checks import SUBCOMMANDS
 from lmledger.fitting.cli import run_claimed, slurm_tasks_per_node
+from lmledger.fitting.resume import NothingToResume
 from lmledger.fitting.steps import disk_error
+from lmledger.preemption import slurm_line
 
 _HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 

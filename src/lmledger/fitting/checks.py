@@ -1,4 +1,7 @@
-"""Everything `lmledger fit|validate` refuses before a run starts (fitting package docstring)."""
+"""What `lmledger fit|validate` refuses before a run starts: config files, class paths, trainer values.
+
+--ckpt_path and what a checkpoint may resume are fitting.resume's.
+"""
 
 from __future__ import annotations
 
@@ -14,24 +17,13 @@ from pathlib import Path
 import lightning.pytorch as pl
 import torch
 import yaml
-from jsonargparse import Namespace
 from lightning.pytorch import Trainer
 from lightning.pytorch.accelerators import MPSAccelerator
 
-from lmledger.checkpointing import (
-    newest_checkpoint,
-    slurm_job_key,
-    slurm_job_version,
-    versions,
-)
 from lmledger.errors import ConfigError, UserError
 from lmledger.ledger.predict import configured_optimizer
-from lmledger.lightning_private import is_local_path
-from lmledger.lit import LitLM, check_hyperparameters
 
 SUBCOMMANDS = ("fit", "validate")
-# --ckpt_path values Lightning resolves itself rather than reading as a file.
-SPECIAL_CKPT_PATHS = ("last", "best", "hpc", "registry", "auto")  # auto: ours (fit resumes if it can)
 
 
 class DropAdverts(logging.Filter):
@@ -39,176 +31,6 @@ class DropAdverts(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not str(record.msg).startswith("💡 Tip")
-
-
-class NothingToResume(Exception):
-    """--ckpt_path names a run that already trained every step asked for: say so and exit 0, writing nothing."""
-
-
-# Model settings that may differ on resume: they change how the same function is computed, not which.
-# (Top-level `activation_checkpointing` is the examples' and other modules' name for the same switch.)
-RESUME_MAY_CHANGE = ("compile", "config.activation_checkpointing", "config.vocab_size", "activation_checkpointing")
-
-
-def find_last_checkpoint(save_dir: str, name: str) -> tuple[Path, int] | None:
-    """The newest checkpoint (newest_checkpoint) of the newest `save_dir/name/version_N` that has one, and N."""
-    root = Path(save_dir, name)
-    for version in sorted(versions(root), reverse=True):
-        ckpt = newest_checkpoint(root / f"version_{version}" / "checkpoints")
-        if ckpt is not None:
-            return ckpt, version
-    return None
-
-
-def _flatten(value, prefix: str = "") -> dict:
-    if isinstance(value, Namespace):
-        value = value.as_dict()
-    if isinstance(value, dict):
-        out = {}
-        for key, item in value.items():
-            out.update(_flatten(item, f"{prefix}{key}."))
-        return out
-    if isinstance(value, (list, tuple)):
-        value = [float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v for v in value]
-    elif isinstance(value, (int, float)) and not isinstance(value, bool):
-        value = float(value)
-    return {prefix[:-1]: value}
-
-
-def hyperparameter_differences(saved: dict, current) -> list[str]:
-    """'model.KEY: A in the checkpoint, B now' for each model setting that differs (RESUME_MAY_CHANGE aside).
-    Only settings both sides know are compared: a checkpoint from before a setting existed ran its default.
-    `current` in subclass mode is {class_path, init_args}: the class and its arguments are compared (a module
-    that saves no hyperparameters has none to compare)."""
-    differences = []
-    if isinstance(current, Namespace):
-        current = current.as_dict()
-    if isinstance(current, dict) and "class_path" in current:
-        then = saved.get("_class_path")
-        if then is not None and then != current["class_path"]:
-            differences.append(f"model.class_path: {then} in the checkpoint, {current['class_path']} now")
-        current = {**(current.get("init_args") or {}), **(current.get("dict_kwargs") or {})}
-    theirs, ours = _flatten({k: v for k, v in saved.items() if not k.startswith("_")}), _flatten(current)
-    for key in sorted(set(theirs) & set(ours)):
-        if key in RESUME_MAY_CHANGE or key.startswith("_"):
-            continue
-        then, now = theirs[key], ours[key]
-        if then != now:
-            differences.append(f"model.{key}: {_show(then)} in the checkpoint, {_show(now)} now")
-    return differences
-
-
-def _show(value) -> str:
-    if isinstance(value, float) and value.is_integer() and abs(value) < 1e15:
-        return str(int(value))
-    return str(value)
-
-
-def checked_hyperparameters(checkpoint: dict, path, litlm: bool = True) -> dict:
-    """The checkpoint's model hyperparameters, refused in one line naming the checkpoint when they are not
-    a mapping or hold a value LitLM would refuse (LightningCLI merges them into the config, where the
-    error would otherwise blame the command line)."""
-    hparams = checkpoint.get("hyper_parameters", {})
-    if not isinstance(hparams, dict):
-        raise UserError(
-            f"checkpoint {path} stores its hyperparameters as a {type(hparams).__name__}, not a mapping of names "
-            "to values: it was not written by `lmledger fit`; pass a checkpoint of this kit"
-        )
-    if litlm and "_class_path" not in hparams:  # our LitLM's; another class checks its own
-        try:
-            check_hyperparameters(**{k: v for k, v in hparams.items() if not k.startswith("_")})
-        except (ConfigError, TypeError) as err:
-            raise UserError(
-                f"checkpoint {path} holds a bad hyperparameter ({err}); it was edited or written by other code: "
-                "pass another checkpoint"
-            ) from None
-    return hparams
-
-
-def _is_import_path(value) -> bool:
-    return isinstance(value, str) and "." in value and all(part.isidentifier() for part in value.split("."))
-
-
-def _import_paths(value, key: str = ""):
-    """(key, path) for each value in a checkpoint's hyperparameters that jsonargparse would import when
-    LightningCLI merges them into the config: a `_class_path`/`class_path` entry at any depth, or any
-    string of the form package.module.name (a callable- or class-typed argument imports it)."""
-    if isinstance(value, dict):
-        for name, item in value.items():
-            if name in ("_class_path", "class_path"):
-                if item is not None:
-                    yield (f"{key}.{name}" if key else name), item
-            elif name != "_instantiator":  # Lightning's own key, popped before the merge
-                yield from _import_paths(item, f"{key}.{name}" if key else str(name))
-    elif isinstance(value, (list, tuple)):
-        for i, item in enumerate(value):
-            yield from _import_paths(item, f"{key}.{i}")
-    elif _is_import_path(value):
-        yield key, value
-
-
-def _already_names(path: str, obj) -> bool:
-    """Whether `path` names `obj` (a default given as the function or class itself) among the modules already
-    imported; nothing new is imported to find out, so a path into a module not yet loaded names nothing."""
-    module, _, attr = path.rpartition(".")
-    while module:
-        if module in sys.modules:
-            target = sys.modules[module]
-            for part in attr.split("."):
-                target = getattr(target, part, None)
-            return target is obj
-        module, _, head = module.rpartition(".")
-        attr = f"{head}.{attr}"
-    return False
-
-
-def _shown(value) -> str:
-    """A config value for a message: a function or class by its import path, anything else as repr()."""
-    name, module = getattr(value, "__name__", None), getattr(value, "__module__", None)
-    return f"{module}.{name}" if callable(value) and name and module else repr(value)
-
-
-def _lookup(namespace, key: str):
-    """The value at dotted `key` in a (possibly nested) mapping, list or Namespace; None if absent."""
-    value = namespace.as_dict() if isinstance(namespace, Namespace) else namespace
-    for part in key.split("."):
-        if isinstance(value, dict):
-            value = value.get(part)
-        elif isinstance(value, (list, tuple)) and part.isdigit() and int(part) < len(value):
-            value = value[int(part)]
-        else:
-            return None
-    return value
-
-
-def refuse_checkpoint_code(hparams: dict, model_config, path, any_model: bool) -> None:
-    """A --ckpt_path file names no code the command line does not: LightningCLI builds the model from the
-    checkpoint's `_class_path` and merges its other hyperparameters into the config, and jsonargparse
-    imports every class path and dotted callable among them, so a checkpoint could pick the class (or
-    function) that runs. Each such value must equal what the command line and config files name at the same
-    place; checked on the weights-only load, before anything is imported."""
-    current = model_config.as_dict() if isinstance(model_config, Namespace) else dict(model_config or {})
-    named = current.get("class_path") if any_model else f"{LitLM.__module__}.{LitLM.__qualname__}"
-    saved_class = hparams.get("_class_path")
-    if saved_class is not None and saved_class != named:
-        flag = f"--model {saved_class}" if any_model else f"--model {saved_class} (a class-path run)"
-        raise UserError(
-            f"checkpoint {path} was saved from class {saved_class!r}, but this command builds {named}: refused "
-            f"before importing it (a checkpoint does not choose the code that runs); pass {flag} if you trust "
-            f"that class, or a checkpoint of {named}"
-        )
-    init = (current.get("init_args") or {}) | (current.get("dict_kwargs") or {}) if any_model else current
-    prefix = "--model.init_args." if any_model else "--model."
-    for key, value in _import_paths({k: v for k, v in hparams.items() if k != "_class_path"}):
-        now = _lookup(init, key.removesuffix("._class_path"))
-        if isinstance(now, dict):
-            now = now.get("class_path")
-        if value != now and not (now is not None and _already_names(value, now)):
-            raise UserError(
-                f"checkpoint {path} sets model {key} to {value!r}, an import path this command does not name "
-                f"(it has {_shown(now)}): refused before importing it (a checkpoint does not choose the code that "
-                f"runs); pass {prefix}{key.removesuffix('.class_path')} {value} if you trust it"
-            )
 
 
 def build_failure(err: BaseException) -> UserError | None:
@@ -445,93 +267,6 @@ def check_trains_something(trainer) -> None:
             f"--trainer.{flag} 0 trains nothing; pass a count >= 1 (or -1 for no limit), or use "
             "`lmledger validate` / `lmledger account` to evaluate or measure without training"
         )
-
-
-def ckpt_path_form(ckpt: str, subcommand: str, default_root_dir) -> None:
-    """--ckpt_path values we refuse before anything is built: remote URLs, and Lightning's names that
-    need state this process does not have ("best": a fit earlier in the same process; "registry": a
-    model registry; "hpc": Lightning's SLURM requeue checkpoint, hpc_ckpt_N.ckpt, when there is none)."""
-    if not is_local_path(ckpt):
-        raise UserError(
-            f"--ckpt_path {ckpt}: remote checkpoints are not supported here; copy it to a local file and pass that"
-        )
-    if ckpt == "hpc" and any(Path(default_root_dir or ".").glob("hpc_ckpt_*.ckpt")):
-        return
-    if ckpt == "auto" and subcommand != "fit":
-        raise UserError(f"--ckpt_path auto is for `lmledger fit` (resume if there is a checkpoint, else start); "
-                        f"`lmledger {subcommand}` needs `last` or a checkpoint file")  # fmt: skip
-    if ckpt in ("best", "hpc", "registry"):
-        raise UserError(
-            f"--ckpt_path {ckpt}: there is no {ckpt!r} checkpoint to resolve in a fresh `lmledger {subcommand}`; "
-            "pass `last` or a checkpoint file (runs/NAME/version_N/checkpoints/*.ckpt)"
-        )
-    if ckpt not in SPECIAL_CKPT_PATHS + ("auto",) and Path(ckpt).is_dir():
-        inside = sorted(p.name for p in Path(ckpt).glob("*.ckpt"))
-        hint = f" (it holds {', '.join(inside[:3])}{', ...' if len(inside) > 3 else ''})" if inside else ""
-        raise UserError(
-            f"--ckpt_path {ckpt} is a directory{hint}; pass a checkpoint file in it, or `last` for the newest "
-            "checkpoint of this run's name"
-        )
-
-
-def run_dir_of(config) -> tuple[Path, object] | None:
-    """(save_dir/name, the logger's init_args) for our TensorBoard/CSV layout; None for another logger."""
-    logger = config.trainer.get("logger")
-    init = logger.init_args if logger is not None and hasattr(logger, "init_args") else None
-    if init is None or "save_dir" not in init:
-        return None
-    return Path(init.save_dir, init.get("name") or "lightning_logs"), init
-
-
-def resolve_last(config, subcommand: str) -> tuple[Path, int] | None:
-    """--ckpt_path last: the newest checkpoint of the newest version of this run (None: not our layout)."""
-    found = run_dir_of(config)
-    if found is None:
-        return None
-    root, init = found
-    last = find_last_checkpoint(init.save_dir, init.get("name") or "lightning_logs")
-    if last is None:
-        raise UserError(
-            f"--ckpt_path last: no {root}/version_*/checkpoints/last.ckpt to resume; "
-            + ("start a fresh run without --ckpt_path" if subcommand == "fit" else "train one with `lmledger fit`")
-        )
-    return last
-
-
-def resolve_auto(config) -> tuple[Path | None, int | None, str]:
-    """--ckpt_path auto: (checkpoint, version, what happens in words). Under SLURM "this run" is the version
-    directory this job (or array task) trains in (its slurm_job file): a requeued job resumes it, another job
-    never does; elsewhere (a pod restarted, a script run again) it is the newest version with a checkpoint.
-    No checkpoint: (None, the job's version or None for a new one, the reason)."""
-    found = run_dir_of(config)
-    if found is None:
-        raise UserError(
-            "--ckpt_path auto finds checkpoints in the TensorBoardLogger/CSVLogger layout (save_dir/name/version_N); "
-            "with another logger pass --ckpt_path FILE"
-        )
-    root, init = found
-    job = slurm_job_key()
-    if job is None:
-        last = find_last_checkpoint(init.save_dir, init.get("name") or "lightning_logs")
-        if last is None:
-            return None, None, f"no checkpoint under {root} yet: starting fresh"
-        return last[0], last[1], ""
-    version = slurm_job_version(root, job)
-    if version is None:
-        return None, None, f"SLURM job {job} has no run under {root} yet: starting fresh"
-    ckpt = newest_checkpoint(root / f"version_{version}" / "checkpoints")
-    if ckpt is None:
-        why = f"SLURM job {job} stopped in {root}/version_{version} before its first checkpoint: starting over"
-        return None, version, why
-    return ckpt, version, ""
-
-
-def free_name(directory: Path, stem: str) -> str:
-    """stem.yaml, else stem-2.yaml, stem-3.yaml, ...: the first that does not exist in `directory`."""
-    n = 1
-    while (directory / (name := f"{stem}.yaml" if n == 1 else f"{stem}-{n}.yaml")).exists():
-        n += 1
-    return name
 
 
 def check_accelerator(accelerator) -> None:

@@ -2,8 +2,8 @@
 
 What `lmledger fit|validate` runs (commands/train.py says what the user sees): the Ledger callback, atomic
 checkpoints, the NaN/Inf guard, per-batch reseeding, the save-and-stop on SIGTERM/SIGUSR1, the run lock, and
-every check of fitting.checks before anything is claimed. `parse_fit_config`, `build_model_and_data` and
-`first_batch` read a fit config for account, plan, runspec and sweeps without training.
+every check of fitting.checks and fitting.resume before anything is claimed. `parse_fit_config`,
+`build_model_and_data` and `first_batch` read a fit config for account, plan, runspec and sweeps without training.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
-from jsonargparse import ArgumentError, Namespace
+from jsonargparse import ArgumentError
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -35,48 +35,41 @@ from lmledger.callbacks.nonfinite import NonFiniteGuard
 from lmledger.callbacks.progress import plain_progress_if_not_a_terminal
 from lmledger.checkpointing import (
     AtomicCheckpointIO,
-    PreemptionCheckpoint,
-    RunClaim,
-    StepSeeder,
     check_checkpoint_fits,
-    claim_version_dir,
     make_last_checkpoint_atomic,
-    noted_stop_signals,
     open_checkpoint,
-    release_claims,
-    slurm_job_key,
-    slurm_line,
-    undo_uncommitted_claims,
 )
-from lmledger.data import TokenDataModule, load_meta
+from lmledger.data import TokenDataModule
 from lmledger.errors import ConfigError, UserError
 from lmledger.fitting.checks import (
-    SPECIAL_CKPT_PATHS,
     SUBCOMMANDS,
     DropAdverts,
-    NothingToResume,
     build_failure,
     check_accelerator,
     check_class_paths,
     check_config_files,
     check_trainer_values,
     check_trains_something,
+    named_classes,
+    refuse_empty_train_loader,
+    refuse_several_optimizers,
+)
+from lmledger.fitting.resume import (
+    SPECIAL_CKPT_PATHS,
     checked_hyperparameters,
     ckpt_path_form,
     free_name,
-    hyperparameter_differences,
-    named_classes,
     refuse_checkpoint_code,
-    refuse_empty_train_loader,
-    refuse_several_optimizers,
-    resolve_auto,
     resolve_last,
-    run_dir_of,
+    resume_run,
 )
 from lmledger.fitting.steps import NameTheEventFile, StepChecks
 from lmledger.lightning_private import cli_value, is_local_path, pin_logger_version
 from lmledger.lit import LitLM
 from lmledger.precision import check_trainer_config, trainer_precision_kwargs
+from lmledger.preemption import PreemptionCheckpoint, noted_stop_signals, slurm_job_key, slurm_line
+from lmledger.rundir import RunClaim, claim_version_dir, release_claims, undo_uncommitted_claims
+from lmledger.seeding import StepSeeder
 
 
 class LedgerCLI(LightningCLI):
@@ -161,88 +154,11 @@ class LedgerCLI(LightningCLI):
             if not any(arg.startswith("--trainer.logger.init_args.save_dir") for arg in self._argv):
                 config.trainer.logger = False
             return
-        ckpt = config.get("ckpt_path")
-        if not ckpt:
-            return
-        run_dir, auto = None, ckpt == "auto"
-        if auto:
-            path, version, fresh = resolve_auto(config)
-            if path is None:  # nothing to resume: a fresh start (in the SLURM job's own version, if it has one)
-                config.ckpt_path = None
-                if version is not None:
-                    run_dir_of(config)[1].version = version
-                self._resume = f"--ckpt_path auto: {fresh}"
-                self._fresh = True  # before_fit names the version directory claimed
-                return
-            ckpt = "last"  # checked as --ckpt_path last checks the checkpoint it finds
-        if ckpt == "last":
-            found = (path, version) if config.ckpt_path == "auto" else resolve_last(config, self.subcommand)
-            if found is None:
-                return  # not our TensorBoard layout; let Lightning resolve "last" itself
-            path, version = found
-            run_dir = path.parent.parent
-            checkpoint = open_checkpoint(path, mmap=True)
-            hparams = checked_hyperparameters(checkpoint, path, litlm=not self.any_model)
-            differences = hyperparameter_differences(hparams, config.model)
-            if differences:
-                raise UserError(
-                    f"checkpoint {path} was trained with other settings ({'; '.join(differences)}); resume with "
-                    f"the run's own (its {run_dir / 'config.yaml'}), or start a fresh run without --ckpt_path"
-                )
-        else:
-            path, version = Path(ckpt), None
-            checkpoint = open_checkpoint(path, mmap=True)
-        step = int(checkpoint.get("global_step", 0))
-        self._check_not_finished(config.trainer, checkpoint, run_dir or path, step)
-        self._check_same_data(config, checkpoint, path)
-        config.ckpt_path = str(path)
-        if version is not None:
-            # Log into the run's own version; its config is saved beside the first one, never over it.
-            run_dir_of(config)[1].version = version
-            self.save_config_kwargs["config_filename"] = free_name(run_dir, "config-resumed")
-            self._resume = f"{'--ckpt_path auto: ' if auto else ''}resuming {run_dir} at step {step} from {path.name}"
-        else:
-            self._resume = f"resuming from {path} at step {step}, in a new run directory"
-
-    @staticmethod
-    def _check_not_finished(trainer, checkpoint: dict, run: Path, step: int) -> None:
-        max_steps = trainer.get("max_steps")
-        max_epochs = trainer.get("max_epochs")
-        fit_loop = checkpoint.get("loops", {}).get("fit_loop", {})
-        epochs_done = fit_loop.get("epoch_progress", {}).get("current", {}).get("completed", 0)
-        if fit_loop.get("epoch_loop.batch_progress", {}).get("is_last_batch"):
-            epochs_done += 1  # saved at the epoch's last batch: Lightning counts that epoch done on restore
-        if max_steps is not None and max_steps > 0:
-            if step >= max_steps:
-                raise NothingToResume(
-                    f"{run} finished at step {step}; nothing to resume (a larger --trainer.max_steps trains further)"
-                )
-            if max_epochs is not None and 0 <= max_epochs <= epochs_done:
-                # The data module sizes one epoch to max_steps, so a run extended past its old max_steps would
-                # stop at once on its completed epoch; the epoch count does not bound such a run.
-                trainer.max_epochs = epochs_done + 1
-        elif max_epochs is not None and 0 <= max_epochs <= epochs_done:
-            raise NothingToResume(
-                f"{run} finished at step {step} ({epochs_done} epochs); nothing to resume "
-                "(a larger --trainer.max_epochs trains further)"
-            )
-
-    @staticmethod
-    def _check_same_data(config, checkpoint: dict, path: Path) -> None:
-        trained_on = (checkpoint.get(TokenDataModule.__qualname__) or {}).get("sha256")
-        data_path = _setting(config.data, "path")
-        if not trained_on or config.get("allow_other_data") or not isinstance(data_path, (str, os.PathLike)):
-            return  # another data module: its state (if any) is Lightning's to restore
-        try:
-            now = load_meta(data_path).get("sha256")
-        except UserError:
-            return  # the data module reports a bad directory in its own words
-        if now and now != trained_on:
-            changed = ", ".join(sorted(k for k in set(now) | set(trained_on) if now.get(k) != trained_on.get(k)))
-            raise UserError(
-                f"checkpoint {path} was trained on other data than {data_path} holds now ({changed} differ "
-                "by sha256); resume onto the same data, or pass --allow_other_data true to continue on this data"
-            )
+        resume = resume_run(config, self.subcommand, self.any_model)
+        if resume is not None:
+            self._resume, self._fresh = resume.line, resume.fresh  # before_fit names a fresh version directory
+            if resume.config_filename is not None:
+                self.save_config_kwargs["config_filename"] = resume.config_filename
 
     def instantiate_classes(self) -> None:
         try:
@@ -400,16 +316,6 @@ def run_claimed(argv: list[str]) -> None:
         release_claims()
 
 
-def _setting(section, name: str):
-    """A class's argument from its config section: `section.name`, or `section.init_args.name` in subclass mode."""
-    if section is None:
-        return None
-    if "init_args" in section and isinstance(section.get("init_args"), Namespace):
-        return section.init_args.get(name)
-    return section.get(name)
-
-
-# What a failed write is, as atomic.write_error words it: a full disk, a read-only one, over quota, too large.
 def _run_cli(cli_class: type[LedgerCLI], argv: list[str], run: bool) -> LedgerCLI:
     for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
         logging.getLogger(name).addFilter(DropAdverts())
