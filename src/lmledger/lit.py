@@ -53,16 +53,10 @@ def _real(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def check_hyperparameters(
-    lr: float = 3e-3,
-    min_lr_ratio: float = 0.1,
-    warmup_steps: int = 50,
-    weight_decay: float = 0.1,
-    betas=(0.9, 0.95),
-    **_,
-) -> None:
+def check_hyperparameters(lr: float, min_lr_ratio: float, warmup_steps: int, weight_decay: float, betas, **_) -> None:
     """ConfigError naming the first LitLM setting that would train wrongly: a negative or NaN lr steps uphill
-    or poisons every weight, min_lr_ratio > 1 makes the "decay" climb, betas outside [0, 1) diverge."""
+    or poisons every weight, min_lr_ratio > 1 makes the "decay" climb, betas outside [0, 1) diverge.
+    No defaults of its own: it checks the values LitLM was given (LitLM.__init__ holds the defaults)."""
     if not (_real(lr) and lr > 0):
         raise ConfigError(f"model.lr must be a finite number > 0, got {lr}")
     if not (_real(min_lr_ratio) and 0 <= min_lr_ratio <= 1):

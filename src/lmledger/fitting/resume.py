@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 import sys
 from dataclasses import dataclass
@@ -301,13 +302,21 @@ def checked_hyperparameters(checkpoint: dict, path, litlm: bool = True) -> dict:
         )
     if litlm and "_class_path" not in hparams:  # our LitLM's; another class checks its own
         try:
-            check_hyperparameters(**{k: v for k, v in hparams.items() if not k.startswith("_")})
+            # A setting the checkpoint lacks (saved before it existed) was trained with LitLM's default.
+            given = {k: v for k, v in hparams.items() if not k.startswith("_")}
+            check_hyperparameters(**(_litlm_defaults() | given))
         except (ConfigError, TypeError) as err:
             raise UserError(
                 f"checkpoint {path} holds a bad hyperparameter ({err}); it was edited or written by other code: "
                 "pass another checkpoint"
             ) from None
     return hparams
+
+
+def _litlm_defaults() -> dict:
+    """LitLM.__init__'s defaults, by name: the one place they are written."""
+    parameters = inspect.signature(LitLM.__init__).parameters.values()
+    return {p.name: p.default for p in parameters if p.default is not inspect.Parameter.empty}
 
 
 def _is_import_path(value) -> bool:
