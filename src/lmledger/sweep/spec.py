@@ -151,22 +151,15 @@ def _point_id(command: tuple[str, ...], own_command: bool, configs: tuple[str, .
     return f"{slug}-{hashlib.sha1(identity.encode()).hexdigest()[:6]}"
 
 
+# (own command?, command, configs, swept overrides, requires_gpu) of one point, before it is built
+_Spec = tuple[bool, tuple[str, ...] | None, tuple[str, ...], dict, bool]
+
+
 def load_experiment(path: str | Path) -> Experiment:
     """Read and check an experiment file; every problem is one UserError line naming the key."""
     # Checked by hand, not by jsonargparse dataclasses: its type errors are 8-line union dumps without the fix.
     source = Path(path)
-    if not source.is_file():
-        raise UserError(f"experiment file {source} does not exist")
-    try:
-        raw = yaml.safe_load(source.read_text())
-    except yaml.YAMLError as err:
-        raise _fail(source, f"not valid YAML ({' '.join(str(err).split())})") from None
-    if not isinstance(raw, dict):
-        raise _fail(source, "an experiment file is a mapping with keys such as command, configs, grid, metrics")
-    unknown = [k for k in raw if k not in TOP_LEVEL_KEYS]
-    if unknown:
-        raise _fail(source, f"unknown top-level key {unknown[0]!r}; allowed: {', '.join(TOP_LEVEL_KEYS)}")
-
+    raw = _read_mapping(source)
     name = raw.get("name", source.stem)
     if not isinstance(name, str) or not _DIR_NAME.fullmatch(name):
         raise _fail(
@@ -186,67 +179,114 @@ def load_experiment(path: str | Path) -> Experiment:
     if requires not in (None, "gpu"):
         raise _fail(source, f"requires must be `gpu` (or left out), got {requires!r}")
 
-    # (own command?, command, configs, swept overrides, requires_gpu) for every point
-    specs: list[tuple[bool, tuple[str, ...] | None, tuple[str, ...], dict, bool]] = []
-    grid = raw.get("grid")
-    grid_keys: tuple[str, ...] = ()
-    if grid is not None:
-        if not isinstance(grid, dict) or not grid:
-            raise _fail(source, "grid is empty: give it at least one key with a list of values")
-        _check_override_keys(source, "grid", grid)
-        for key, values in grid.items():
-            if not isinstance(values, list) or not values:
-                raise _fail(source, f"grid key {key!r} needs a non-empty list of values, got {values!r}")
-            seen_values: dict[str, object] = {}
-            for value in values:
-                text = " ".join(_config_files(value)) if key == "config" else format_value(value)
-                if text in seen_values:
-                    raise _fail(
-                        source,
-                        f"grid key {key!r} lists the same value twice ({seen_values[text]!r} and {value!r} are "
-                        f"both `{text}` on the command line): remove one",
-                    )
-                seen_values[text] = value
-        n_points = math.prod(len(values) for values in grid.values()) + len(raw.get("points") or [])
-        if n_points > MAX_POINTS:
-            raise _fail(
-                source,
-                f"the grid has {n_points:,} points, more than a sweep may have ({MAX_POINTS:,}): "
-                "split it into several experiment files or list the points you need under `points`",
-            )
-        grid_keys = tuple(grid)
-        for combo in itertools.product(*grid.values()):
-            swept = dict(zip(grid_keys, combo, strict=True))
-            point_configs = configs + (
-                _parse_configs(source, "grid config", swept["config"]) if "config" in swept else ()
-            )
-            specs.append((False, command, point_configs, swept, requires == "gpu"))
-    points = raw.get("points")
+    grid, points = raw.get("grid"), raw.get("points")
+    specs = _grid_specs(source, grid, len(points or []), command, configs, requires) if grid is not None else []
     if points is not None:
-        if not isinstance(points, list) or not points:
-            raise _fail(source, "points must be a non-empty list of mappings of overrides")
-        if len(points) > MAX_POINTS:
-            raise _fail(source, f"{len(points):,} points, more than a sweep may have ({MAX_POINTS:,}): split the file")
-        for i, entry in enumerate(points):
-            where = f"points[{i}]"
-            if not isinstance(entry, dict) or not entry:
-                raise _fail(source, f"{where} must be a non-empty mapping of overrides, got {entry!r}")
-            _check_override_keys(source, where, entry, allowed_extra=POINT_ONLY_KEYS)
-            # A point with its own command is a different kind of run: it takes no configs or fixed
-            # overrides from the top level (those belong to the top-level command).
-            own = "command" in entry
-            point_command = _parse_command(source, f"{where}.command", entry["command"]) if own else command
-            inherited = () if own else configs
-            extra = _parse_configs(source, f"{where}.config", entry["config"]) if "config" in entry else ()
-            point_configs = inherited + extra
-            point_requires = entry.get("requires", requires)
-            if point_requires not in (None, "gpu"):
-                raise _fail(source, f"{where}.requires must be `gpu`, got {point_requires!r}")
-            swept = {k: v for k, v in entry.items() if k not in POINT_ONLY_KEYS}
-            specs.append((own, point_command, point_configs, swept, point_requires == "gpu"))
+        specs += _listed_specs(source, points, command, configs, requires)
     if grid is None and points is None:
         raise _fail(source, "no points: add a `grid` of overrides or a `points` list")
+    built = _build_points(source, specs, fixed)
 
+    grid_keys = tuple(grid) if grid is not None else ()
+    swept_keys = list(dict.fromkeys(k for p in built for k in p.swept))
+    metrics = raw.get("metrics")
+    if metrics is not None:
+        if not isinstance(metrics, list) or not metrics or not all(isinstance(m, str) and m for m in metrics):
+            raise _fail(
+                source, f"metrics must be a non-empty list of names (TensorBoard tags or JSON paths), got {metrics!r}"
+            )
+        metrics = tuple(metrics)
+    x = raw.get("x", grid_keys[0] if grid_keys else (swept_keys[0] if swept_keys else None))
+    if x is not None and not isinstance(x, str):
+        raise _fail(source, f"x must be an override key or a metric name, got {x!r}")
+    description = raw.get("description", "")
+    if not isinstance(description, str):
+        raise _fail(source, "description must be a string")
+    return Experiment(name, source, description.strip(), tuple(built), metrics, x, tuple(swept_keys), grid_keys)
+
+
+def _read_mapping(source: Path) -> dict:
+    """The experiment file's YAML: a mapping of known top-level keys."""
+    if not source.is_file():
+        raise UserError(f"experiment file {source} does not exist")
+    try:
+        raw = yaml.safe_load(source.read_text())
+    except yaml.YAMLError as err:
+        raise _fail(source, f"not valid YAML ({' '.join(str(err).split())})") from None
+    if not isinstance(raw, dict):
+        raise _fail(source, "an experiment file is a mapping with keys such as command, configs, grid, metrics")
+    unknown = [k for k in raw if k not in TOP_LEVEL_KEYS]
+    if unknown:
+        raise _fail(source, f"unknown top-level key {unknown[0]!r}; allowed: {', '.join(TOP_LEVEL_KEYS)}")
+    return raw
+
+
+def _grid_specs(
+    source: Path, grid, n_listed: int, command: tuple[str, ...] | None, configs: tuple[str, ...], requires
+) -> list[_Spec]:
+    """One spec per combination of the grid's values (n_listed: the `points` entries, counted in the limit)."""
+    if not isinstance(grid, dict) or not grid:
+        raise _fail(source, "grid is empty: give it at least one key with a list of values")
+    _check_override_keys(source, "grid", grid)
+    for key, values in grid.items():
+        if not isinstance(values, list) or not values:
+            raise _fail(source, f"grid key {key!r} needs a non-empty list of values, got {values!r}")
+        seen_values: dict[str, object] = {}
+        for value in values:
+            text = " ".join(_config_files(value)) if key == "config" else format_value(value)
+            if text in seen_values:
+                raise _fail(
+                    source,
+                    f"grid key {key!r} lists the same value twice ({seen_values[text]!r} and {value!r} are "
+                    f"both `{text}` on the command line): remove one",
+                )
+            seen_values[text] = value
+    n_points = math.prod(len(values) for values in grid.values()) + n_listed
+    if n_points > MAX_POINTS:
+        raise _fail(
+            source,
+            f"the grid has {n_points:,} points, more than a sweep may have ({MAX_POINTS:,}): "
+            "split it into several experiment files or list the points you need under `points`",
+        )
+    specs = []
+    for combo in itertools.product(*grid.values()):
+        swept = dict(zip(grid, combo, strict=True))
+        point_configs = configs + (_parse_configs(source, "grid config", swept["config"]) if "config" in swept else ())
+        specs.append((False, command, point_configs, swept, requires == "gpu"))
+    return specs
+
+
+def _listed_specs(
+    source: Path, points, command: tuple[str, ...] | None, configs: tuple[str, ...], requires
+) -> list[_Spec]:
+    """One spec per `points` entry."""
+    if not isinstance(points, list) or not points:
+        raise _fail(source, "points must be a non-empty list of mappings of overrides")
+    if len(points) > MAX_POINTS:
+        raise _fail(source, f"{len(points):,} points, more than a sweep may have ({MAX_POINTS:,}): split the file")
+    specs = []
+    for i, entry in enumerate(points):
+        where = f"points[{i}]"
+        if not isinstance(entry, dict) or not entry:
+            raise _fail(source, f"{where} must be a non-empty mapping of overrides, got {entry!r}")
+        _check_override_keys(source, where, entry, allowed_extra=POINT_ONLY_KEYS)
+        # A point with its own command is a different kind of run: it takes no configs or fixed
+        # overrides from the top level (those belong to the top-level command).
+        own = "command" in entry
+        point_command = _parse_command(source, f"{where}.command", entry["command"]) if own else command
+        inherited = () if own else configs
+        extra = _parse_configs(source, f"{where}.config", entry["config"]) if "config" in entry else ()
+        point_configs = inherited + extra
+        point_requires = entry.get("requires", requires)
+        if point_requires not in (None, "gpu"):
+            raise _fail(source, f"{where}.requires must be `gpu`, got {point_requires!r}")
+        swept = {k: v for k, v in entry.items() if k not in POINT_ONLY_KEYS}
+        specs.append((own, point_command, point_configs, swept, point_requires == "gpu"))
+    return specs
+
+
+def _build_points(source: Path, specs: list[_Spec], fixed: dict) -> list[Point]:
+    """The Points of the specs, each with a command and its config files; no two the same run."""
     built: list[Point] = []
     for own, point_command, point_configs, swept, needs_gpu in specs:
         if point_command is None:
@@ -267,22 +307,7 @@ def load_experiment(path: str | Path) -> Experiment:
                 source, f"duplicate point ({point.label}): two entries make the same run ({' '.join(line)}); remove one"
             )
         seen[line] = point
-
-    swept_keys = list(dict.fromkeys(k for p in built for k in p.swept))
-    metrics = raw.get("metrics")
-    if metrics is not None:
-        if not isinstance(metrics, list) or not metrics or not all(isinstance(m, str) and m for m in metrics):
-            raise _fail(
-                source, f"metrics must be a non-empty list of names (TensorBoard tags or JSON paths), got {metrics!r}"
-            )
-        metrics = tuple(metrics)
-    x = raw.get("x", grid_keys[0] if grid_keys else (swept_keys[0] if swept_keys else None))
-    if x is not None and not isinstance(x, str):
-        raise _fail(source, f"x must be an override key or a metric name, got {x!r}")
-    description = raw.get("description", "")
-    if not isinstance(description, str):
-        raise _fail(source, "description must be a string")
-    return Experiment(name, source, description.strip(), tuple(built), metrics, x, tuple(swept_keys), grid_keys)
+    return built
 
 
 # ---------------------------------------------------------------------------------------------
