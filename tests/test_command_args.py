@@ -10,7 +10,7 @@ from typing import Annotated, Literal
 import pytest
 
 from lmledger.cli import main as lmledger
-from lmledger.commands.argparser import ArgumentParser, add_function_arguments, run_command
+from lmledger.commands.argparser import ArgumentParser, add_function_arguments, canonical_flags, run_command
 from lmledger.corpus import DEFAULT_BPE_VOCAB_SIZE, DEFAULT_OUT, DEFAULT_VAL_FRACTION, STDLIB
 from lmledger.errors import UserError
 
@@ -26,7 +26,8 @@ FLAGS = {
     ("account",): {"--help", "--config", "--model", "--data", "--a", "--measure", "--json"},
     ("plan", "train-time"): {"--help", "--params", "--tokens", "--gpu", "--num-gpus", "--mfu", "--dtype", "--json"},
     ("plan", "max-params"): {"--help", "--gpu", "--num-gpus", "--precision", "--optimizer", "--json"},
-    ("plan", "max-batch"): {"--help", "--gpu", "--device-memory-gb", "--json", "--config", "--a"},
+    # --ledger.device_memory_gb (read as "--ledger"), the fit's spelling, and its alias --device-memory-gb
+    ("plan", "max-batch"): {"--help", "--gpu", "--ledger", "--device-memory-gb", "--json", "--config", "--a"},
 }
 
 
@@ -148,3 +149,51 @@ def test_required_flags_parsed_values_and_passed_through_arguments():
             run_command("lmledger ex", verbs, argv)
         assert str(err.value).startswith(message) and "\n" not in str(err.value)
     assert len(calls) == 2
+
+
+def test_an_alias_of_a_fit_flag_is_rewritten_to_the_fit_spelling():
+    assert canonical_flags(["--config", "c.yaml", "--device-memory-gb", "2", "--device-memory-gb=0.5", "x"]) == [
+        "--config", "c.yaml", "--ledger.device_memory_gb", "2", "--ledger.device_memory_gb=0.5", "x",
+    ]  # fmt: skip
+    assert canonical_flags(["--device-memory-gbx", "--ledger.device_memory_gb=1"]) == [
+        "--device-memory-gbx", "--ledger.device_memory_gb=1",
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("command", [["fit"], ["validate"], ["account"], ["plan", "max-batch"]], ids=" ".join)
+def test_every_command_with_the_memory_cap_gets_the_fit_spelling(monkeypatch, command):
+    """fit and validate hand their arguments to LightningCLI, which knows only --ledger.device_memory_gb."""
+    import importlib
+
+    from lmledger import cli
+
+    seen = []
+    module = importlib.import_module(f"lmledger.commands.{cli.COMMANDS[command[0]][0]}")
+    monkeypatch.setattr(module, "main", lambda argv: seen.append(argv) or 0)
+    assert lmledger([*command, "--config", "c.yaml", "--device-memory-gb", "3"]) == 0
+    expected = [*command[1:], "--config", "c.yaml", "--ledger.device_memory_gb", "3"]
+    assert seen == [[command[0], *expected] if command[0] in cli.VERB_COMMANDS else expected]
+
+
+def test_max_batch_takes_either_spelling_and_shows_the_fit_spelling(capsys):
+    import json
+
+    answers = []
+    for flag in (["--ledger.device_memory_gb", "0.05"], ["--device-memory-gb", "0.05"], ["--device-memory-gb=0.05"]):
+        capsys.readouterr()
+        assert lmledger(["plan", "max-batch", "--config", "configs/tiny.yaml", *flag, "--json"]) == 0
+        answers.append(json.loads(capsys.readouterr().out))
+    assert answers[0] == answers[1] == answers[2]
+    assert answers[0]["capacity_bytes"] == 50_000_000 and answers[0]["max_batch"] > 0
+    text = " ".join(help_text(capsys, "plan", "max-batch").split())
+    assert "--ledger.device_memory_gb GB, --device-memory-gb GB" in text
+    assert lmledger(["plan", "max-batch", "--config", "configs/tiny.yaml", "--gpu", "h100-sxm",
+                     "--ledger.device_memory_gb", "80"]) == 2  # fmt: skip
+    assert "--ledger.device_memory_gb GB (alias --device-memory-gb), one of them" in capsys.readouterr().err
+
+
+def test_fit_reads_the_alias_as_its_own_flag(capsys):
+    """The alias reaches LightningCLI in its spelling: a bad value is reported under the fit's flag name."""
+    assert lmledger(["fit", "--config", "configs/tiny.yaml", "--device-memory-gb", "abc"]) == 2
+    err = capsys.readouterr().err
+    assert "--ledger.device_memory_gb abc: expected a float or null" in err and "device-memory-gb" not in err

@@ -124,7 +124,7 @@ def test_dry_run_predicts_and_runs_nothing(workdir, capsys):
         "lmledger sweep: error: 1 of 3 points have bad arguments (marked fail above); fix them before running the sweep"
     )
     assert not (workdir / "sweeps").exists() and not (workdir / "runs").exists()
-    from lmledger.commands.account import account
+    from lmledger.accounting import account
     from lmledger.runspec import load_run_spec
 
     for batch in (2, 8):

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import lmledger.sweep
 
-ORDER = ("spec", "collect", "check", "plots", "report", "runner", "slurm")
+ORDER = ("spec", "collect", "check", "plots", "report", "runner", "slurm", "listing")
 
 
 def sweep_imports(path: Path) -> set[str]:

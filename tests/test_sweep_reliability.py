@@ -348,7 +348,7 @@ def test_a_full_disk_during_a_sweep_is_one_line_and_the_old_results_are_intact(w
 
 
 def test_a_long_dry_run_listing_is_plain_aligned_columns():
-    from lmledger.commands.sweep import plain_table
+    from lmledger.sweep.listing import plain_table
 
     text = plain_table(
         ("point", "would", "peak MB"), [("a-1", "run", "1.50"), ("long-point-2", "fail: x", "12,345.00")], 2

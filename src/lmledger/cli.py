@@ -10,11 +10,15 @@ import importlib
 import os
 import sys
 
+from lmledger.commands.argparser import canonical_flags
 from lmledger.errors import UserError
 
 # Each command: (module under lmledger.commands, help). Most modules' main takes the arguments after the
 # command; VERB_COMMANDS' main serves several commands and takes the command itself first.
 VERB_COMMANDS = ("fit", "validate")
+# Commands that read a fit's arguments: an alias of a fit flag (`--device-memory-gb`) becomes the fit's
+# spelling (`--ledger.device_memory_gb`) before LightningCLI or argparse reads it.
+FIT_ARGUMENT_COMMANDS = ("fit", "validate", "account", "plan")
 COMMANDS = {
     "fit": ("train", "train a model (LightningCLI)"),
     "validate": ("train", "evaluate a model on the validation split (LightningCLI)"),
@@ -53,8 +57,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"lmledger: error: unknown command {name!r}; choose from {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
     module = importlib.import_module(f"lmledger.commands.{COMMANDS[name][0]}")
+    if name in FIT_ARGUMENT_COMMANDS:
+        rest = canonical_flags(rest)
     try:
-        code = int(module.main(argv if name in VERB_COMMANDS else rest) or 0)
+        code = int(module.main([name, *rest] if name in VERB_COMMANDS else rest) or 0)
         sys.stdout.flush()  # a reader that went away (`| head`) shows here, inside this handler
         return code
     except BrokenPipeError:

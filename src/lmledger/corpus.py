@@ -33,7 +33,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn
 from lmledger import __version__
 from lmledger.atomic import fsync_dir, printable, remove_stale_temps, stage, write_error
 from lmledger.errors import UserError
-from lmledger.ledger.units import MB
+from lmledger.ledger.units import format_mb as _mb
 
 FORMAT_VERSION = 1
 META_FILE = "meta.json"
@@ -376,10 +376,6 @@ def prepare(
         }
         write_prepared(out, splits, meta, tokenizer_json)
     return meta
-
-
-def _mb(n_bytes: int) -> str:
-    return f"{n_bytes / MB:.1f} MB"
 
 
 def summary(meta: dict, out: Path, seconds: float) -> str:

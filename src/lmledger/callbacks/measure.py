@@ -29,6 +29,7 @@ from lmledger.ledger.flops import StepFlopCounter
 from lmledger.ledger.memory import measure_state_bytes
 from lmledger.ledger.memtrack import MemoryTracker
 from lmledger.ledger.report import Figures
+from lmledger.ledger.sharded import local_state_bytes
 
 
 class StepMeasurement:
@@ -61,6 +62,7 @@ class StepMeasurement:
         self._saved = None
         self._tracker: MemoryTracker | None = None
         self._cuda_peak = False
+        self._resizes: contextlib.ExitStack | None = None  # FSDP2: UntypedStorage.resize_ followed (step 2)
         self._gc_was_enabled = False
         self._phases = phases(self.accumulate)
 
@@ -128,6 +130,7 @@ class StepMeasurement:
         if self._tracker is not None:
             self._tracker.stop()
             self._tracker = None
+        self._stop_following_resizes()
         self._restore_gc()
 
     # -- step 1 ---------------------------------------------------------------------------------
@@ -152,9 +155,10 @@ class StepMeasurement:
             self.values["activations"] = self._saved.activations
             self.values["autocast_weight_copies"] = self._saved.autocast_weight_copies
             self._saved = None
-        state = measure_state_bytes(module, optimizers[0] if len(optimizers) == 1 else None)
+        measure = local_state_bytes if is_sharded(module) else measure_state_bytes  # FSDP2: this rank's shards
+        state = measure(module, optimizers[0] if len(optimizers) == 1 else None)
         if len(optimizers) > 1:  # each optimizer's state, every storage once
-            state["optimizer"] = sum(measure_state_bytes(module, o)["optimizer"] for o in optimizers)
+            state["optimizer"] = sum(measure(module, o)["optimizer"] for o in optimizers)
         self.values.update(state)
 
     # -- step 2 ---------------------------------------------------------------------------------
@@ -166,7 +170,10 @@ class StepMeasurement:
             torch.cuda.reset_peak_memory_stats(self.device)
             self._cuda_peak = True
             return
-        self._tracker = MemoryTracker().track(module, optimizers, batch_tensors(batch))
+        # Each optimizer on its own: the FSDP2 tracker reads an optimizer's DTensor state by its local shards.
+        self._tracker = (self._local_shard_tracker() if is_sharded(module) else MemoryTracker()).track(
+            module, *optimizers, batch_tensors(batch)
+        )
         self._tracker.phase(self._phases[0])
         self._tracker.start()
 
@@ -176,12 +183,29 @@ class StepMeasurement:
             self.values["peak"] = self._tracker.peak_bytes
             self.peak_phase = self._tracker.peak_phase
             self._tracker = None
+            self._stop_following_resizes()
         elif self._cuda_peak:
             torch.cuda.synchronize(self.device)
             self.values["peak"] = torch.cuda.max_memory_allocated(self.device)
         self._restore_gc()
 
     # -- helpers --------------------------------------------------------------------------------
+
+    def _local_shard_tracker(self) -> MemoryTracker:
+        """ledger.sharded's tracker (its measured twin's): DTensors counted by their local shard, and the
+        storages FSDP2 resizes outside any operator (its unsharded parameters) followed while it runs."""
+        from unittest import mock
+
+        from lmledger.ledger.sharded import _resize_seen, _ShardedTracker
+
+        self._resizes = contextlib.ExitStack()
+        self._resizes.enter_context(mock.patch.object(torch.UntypedStorage, "resize_", _resize_seen))
+        return _ShardedTracker()
+
+    def _stop_following_resizes(self) -> None:
+        if self._resizes is not None:
+            self._resizes.close()
+            self._resizes = None
 
     def _phase(self, name: str) -> None:
         if self._tracker is not None and self._tracker.running:
@@ -196,3 +220,12 @@ class StepMeasurement:
         if self._gc_was_enabled:
             gc.enable()
         self._gc_was_enabled = False
+
+
+def is_sharded(module: torch.nn.Module) -> bool:
+    """Whether `module` holds DTensor parameters (FSDP2), whose untyped_storage() is the global size."""
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in module.parameters())

@@ -16,6 +16,20 @@ from collections.abc import Callable, Mapping, Sequence
 
 from lmledger.errors import UserError
 
+# A flag `lmledger fit` also takes keeps LightningCLI's spelling everywhere (what --help shows); the argparse
+# spelling (`--device-memory-gb`) stays an alias, rewritten by canonical_flags before any parser reads it.
+FIT_SPELLINGS = {"device_memory_gb": "--ledger.device_memory_gb"}
+ALIASES = {"--" + name.replace("_", "-"): flag for name, flag in FIT_SPELLINGS.items()}
+
+
+def canonical_flags(argv: Sequence[str]) -> list[str]:
+    """argv with each alias (`--device-memory-gb X`, `--device-memory-gb=X`) in its canonical spelling."""
+    out = []
+    for arg in argv:
+        flag, eq, value = arg.partition("=")
+        out.append(ALIASES[flag] + eq + value if flag in ALIASES else arg)
+    return out
+
 
 class ArgumentParser(argparse.ArgumentParser):
     def error(self, message: str):
@@ -64,7 +78,8 @@ def _passes_rest(function: Callable) -> bool:
 def add_function_arguments(parser: argparse.ArgumentParser, function: Callable) -> None:
     """One argument per parameter: no default -> positional, or a required flag when keyword-only;
     `flag: bool = False` -> a bare `--flag`; `Literal[...]` -> choices; a list or sequence -> one or more
-    values; `Annotated[T, parse]` -> `parse(text)` makes the value; `snake_case` -> `--snake-case`;
+    values; `Annotated[T, parse]` -> `parse(text)` makes the value; `snake_case` -> `--snake-case` (a name
+    in FIT_SPELLINGS: the fit's spelling first, `--snake-case` its alias);
     `*args` -> no argument (run_command hands it the arguments left over)."""
     _, docs = _docstring(function)
     hints = typing.get_type_hints(function, include_extras=True)
@@ -93,7 +108,8 @@ def add_function_arguments(parser: argparse.ArgumentParser, function: Callable) 
             options["required"] = True
         else:
             options["default"] = param.default
-        parser.add_argument(flag, dest=param.name, **options)
+        flags = [FIT_SPELLINGS[param.name], flag] if param.name in FIT_SPELLINGS else [flag]
+        parser.add_argument(*flags, dest=param.name, **options)
 
 
 def run_command(

@@ -13,8 +13,8 @@ from rich.table import Table
 
 from lmledger.commands.argparser import run_command
 from lmledger.errors import UserError
-from lmledger.ledger.gpus import DTYPES, dtype_name, require_gpu
-from lmledger.ledger.planner import MAX_COUNT, MAX_GPUS, max_params, train_time
+from lmledger.ledger.gpus import DTYPES
+from lmledger.ledger.planner import MAX_COUNT, MAX_GPUS, device_capacity, max_params, train_time
 from lmledger.ledger.units import GB
 
 # torch and Lightning are imported only by max-batch (it reads a fit config): train-time, max-params'
@@ -54,28 +54,6 @@ def _mfu(text: str) -> float | str:
     if text == "roofline" or text == "roofline:":
         raise argparse.ArgumentTypeError("roofline needs the fit config it prices: --mfu roofline:configs/tiny.yaml")
     return _fraction(text)
-
-
-def roofline_mfu(config: str, gpu: str, dtype: str) -> tuple[float, str, str]:
-    """The roofline MFU of a ToyLM fit config's training step on `gpu` (docs/time.md): its dry run (here,
-    on this machine's CPU) priced at the GPU's datasheet peaks and bandwidth; a line saying so; and the
-    step's shape advice for that GPU."""
-    from lmledger.ledger.roofline import gpu_roofline, toy_step_ops
-    from lmledger.ledger.shapes import advice_text
-    from lmledger.runspec import load_run_spec
-
-    spec = load_run_spec(["--config", config])
-    if spec.config is None:
-        raise UserError(f"--mfu roofline:{config}: the roofline MFU is computed for lmledger's ToyLM configs")
-    ops = toy_step_ops(spec.config, spec.batch_size, spec.seq_len, spec.precision)
-    bound = gpu_roofline(ops, dtype_name(dtype), gpu)
-    mfu = bound.mfu(3 * ops.flops_in("forward"))
-    line = (
-        f"{mfu:.3g}, an upper bound: the roofline of {config}'s step (batch {spec.batch_size} x {spec.seq_len}, "
-        f"{spec.precision}) at {bound.device}'s datasheet {dtype} peak and bandwidth"
-    )
-    names = {spec.config.vocab_size: "vocab_size", spec.config.d_ff: "d_ff", spec.config.d_model: "d_model"}
-    return mfu, line, advice_text(ops, gpu, dtype_name(dtype), "cuda", names=names)
 
 
 def _positive_gb(text: str) -> float:
@@ -127,6 +105,8 @@ def train_time_command(
     """
     mfu_line = advice = None
     if isinstance(mfu, str):
+        from lmledger.planning import roofline_mfu  # imports torch: only for --mfu roofline:CONFIG
+
         mfu, mfu_line, advice = roofline_mfu(mfu.removeprefix("roofline:"), gpu, dtype)
     result = train_time(params, tokens, gpu, num_gpus, mfu, dtype)
     if json:
@@ -185,35 +165,6 @@ def max_params_command(
     )
 
 
-def _capacity(gpu: str | None, device_memory_gb: float | None) -> tuple[int, str, str | None]:
-    """(bytes one device may use, how to show it, the GPU key or None) from --gpu or --device-memory-gb."""
-    if (gpu is None) == (device_memory_gb is None):
-        raise UserError(
-            "max-batch needs the memory to fit in: --gpu KEY or --device-memory-gb GB (or --ledger.device_memory_gb), "
-            "one of them"
-        )
-    if gpu is not None:
-        spec = require_gpu(gpu)
-        return spec.memory_bytes, f"{spec.key} ({spec.memory_bytes / GB:g} GB)", spec.key
-    return round(device_memory_gb * GB), f"{device_memory_gb:g} GB per device", None
-
-
-def _ledger_memory_flag(fit_args: list[str]) -> float | None:
-    """`--ledger.device_memory_gb X` among the fit arguments (the cap a fit's preflight would use), or None."""
-    for i, arg in enumerate(fit_args):
-        value = None
-        if arg == "--ledger.device_memory_gb" and i + 1 < len(fit_args):
-            value = fit_args[i + 1]
-        elif arg.startswith("--ledger.device_memory_gb="):
-            value = arg.split("=", 1)[1]
-        if value is not None:
-            try:
-                return _positive_gb(value)
-            except argparse.ArgumentTypeError as err:
-                raise UserError(f"--ledger.device_memory_gb: {err}") from None
-    return None
-
-
 def max_batch_command(
     *fit_args: str,
     gpu: str | None = None,
@@ -226,66 +177,32 @@ def max_batch_command(
 
     Args:
         gpu: a key from `lmledger gpus` or a torch device name
-        device_memory_gb: memory one device may use, in GB (1e9 bytes), instead of --gpu
+        device_memory_gb (GB): memory one device may use, in GB (1e9 bytes), instead of --gpu (the cap a fit's
+            preflight uses)
     """
-    from lmledger.fitting.checks import named_classes
+    from lmledger.planning import max_batch_of
 
     fit_args = list(fit_args)
     if not fit_args:
         raise UserError("max-batch needs --config FILE (a `lmledger fit` config, e.g. configs/cs336-small.yaml)")
-    if gpu is None and device_memory_gb is None:
-        device_memory_gb = _ledger_memory_flag(fit_args)
-    capacity, shown, gpu_key = _capacity(gpu, device_memory_gb)  # refused before any config is read
-    if named_classes(fit_args):
-        from lmledger.commands.account import any_model_at_scale, at_scale, print_any_model_at_scale, trainer_scale
-
-        if at_scale(*trainer_scale(fit_args)):  # one rank's dry run at the world size (ledger.sharded)
-            result = any_model_at_scale(fit_args, capacity)
-            result.update(capacity_bytes=capacity, gpu=gpu_key)
-            if json:
-                print(dumps(result))
-            else:
-                print(f"memory per rank: {shown}")
-                print_any_model_at_scale(result)
-            return
-        _max_batch_any_model(capacity, shown, gpu_key, fit_args, json)
-        return
-    import dataclasses
-
-    import torch
-
-    from lmledger.ledger.planner import max_batch
-    from lmledger.ledger.predict import predict
-    from lmledger.model import count_parameters
-    from lmledger.runspec import load_run_spec
-
-    spec = load_run_spec(fit_args)
-    # The closed forms for a GPU (its kernels' transients); with only a memory size, for the config's device.
-    device = "cuda" if gpu_key or spec.accelerator in ("gpu", "cuda") else "cpu"
-    run = dataclasses.replace(spec, device=torch.device(device))
-
-    def bytes_for_batch(batch: int) -> int:
-        return predict(run, batch_size=batch).peak
-
-    best = max_batch(bytes_for_batch, capacity)
-    result = {
-        "max_batch": best,
-        "seq_len": spec.seq_len,
-        "tokens_per_step": best * spec.seq_len,
-        "peak_bytes": bytes_for_batch(best) if best else bytes_for_batch(1),
-        "capacity_bytes": capacity,
-        "gpu": gpu_key,
-        "precision": spec.precision,
-        "optimizer": spec.optimizer,
-        "activation_checkpointing": spec.config.activation_checkpointing,
-    }
-    from lmledger.commands.account import traced_at_scale
-
-    if traced_at_scale(spec):
-        _per_rank_batch(result, spec, capacity, fit_args)
+    capacity, shown, gpu_key = device_capacity(gpu, device_memory_gb)  # refused before any config is read
+    kind, result, extra = max_batch_of(fit_args, capacity, gpu_key)
     if json:
         print(dumps(result))
-        return
+    elif kind == "at scale":
+        from lmledger.accounting import print_any_model_at_scale
+
+        print(f"memory per rank: {shown}")
+        print_any_model_at_scale(result)
+    elif kind == "module":
+        _print_any_model_batch(result, shown, *extra)
+    else:
+        _print_config_batch(result, shown, extra)
+
+
+def _print_config_batch(result: dict, shown: str, spec) -> None:
+    from lmledger.model import count_parameters
+
     _print_rows(
         "largest batch that fits (params, grads, optimizer, activations, transients)",
         [
@@ -300,81 +217,24 @@ def max_batch_command(
         ],
     )
     if result.get("per_rank"):
-        from lmledger.commands.account import print_per_rank
+        from lmledger.accounting import print_per_rank
 
         print_per_rank(result["per_rank"])
 
 
-def _per_rank_batch(result: dict, spec, capacity: int, fit_args: list[str]) -> None:
-    """result["per_rank"]: the largest micro-batch per rank at the config's world size and strategy, from
-    one rank's dry run (ledger.sharded), checkpointing off and on; the config's own case (checkpointing
-    every block or none) then answers max_batch."""
-    from lmledger.commands.account import _AC_LABELS, per_rank
-
-    result["per_rank"] = per_rank(spec, capacity, fit_args)
-    if spec.config.activation_checkpointing not in (0, 1):
-        return
-    case = result["per_rank"]["cases"][_AC_LABELS[spec.config.activation_checkpointing]]
-    if case.get("not_predicted") is None and case["peak_checked"] and case.get("max_batch") is not None:
-        result["max_batch"] = case["max_batch"]
-        result["tokens_per_step"] = case["max_batch"] * spec.seq_len
-        if case["max_batch"]:
-            result["peak_bytes"] = case["max_batch_peak"]
-        else:
-            result["peak_bytes"] = capacity + case["over_by_at_batch_1"]
-
-
-def _max_batch_any_model(capacity: int, shown: str, gpu_key: str | None, fit_args: list[str], json: bool) -> None:
-    """max-batch for any LightningModule: dry runs of its training_step on batches shaped like its data's
-    first batch, doubling then bisecting the number of samples (ledger.predict.max_batch_module)."""
-    import warnings
-
-    import torch
-
-    from lmledger.fitting.cli import build_model_and_data, first_batch
-    from lmledger.ledger import predict as any_model
-    from lmledger.ledger.dryrun import NotTraced, batch_tensors
-
-    module, data, config = build_model_and_data(fit_args)
-    precision = str(config.trainer.get("precision") or "32-true")
-    wants_gpu = gpu_key is not None or config.trainer.get("accelerator") in ("gpu", "cuda")
-    # Fake CUDA tensors need a CUDA build and device; without one the CPU's kernels stand in (note below).
-    device = torch.device("cuda" if wants_gpu and torch.cuda.is_available() else "cpu")
-    batch = first_batch(data)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        found = any_model.max_batch_module(module, batch, capacity, precision=precision, device=device)
-    if isinstance(found, NotTraced):
-        raise UserError(f"{config.model.class_path} cannot be dry-run, so no batch size is predicted: {found.reason}")
-    per_sample = batch_tensors(batch)[0].shape[1:]
-    seq_len = per_sample[0] if len(per_sample) == 1 else None
-    ledger = found.fits or found.over
-    result = {
-        "max_batch": found.size,
-        "seq_len": seq_len,
-        "tokens_per_step": found.size * seq_len if seq_len is not None else None,
-        "peak_bytes": ledger.peak if ledger else None,
-        "next_peak_bytes": found.over.peak if found.over else None,
-        "capacity_bytes": capacity,
-        "gpu": gpu_key,
-        "precision": precision,
-        "model": config.model.class_path,
-        "device": device.type,
-    }
-    if json:
-        print(dumps(result))
-        return
+def _print_any_model_batch(result: dict, shown: str, params: int, wants_gpu: bool) -> None:
+    size = result["max_batch"]
     _print_rows(
         "largest batch that fits (dry runs of the module's training step)",
         [
             ("memory", shown),
-            ("model", f"{config.model.class_path}, {any_model.parameter_count(module):,} params"),
-            ("precision", precision),
-            ("max batch per device", f"{found.size:,}"),
-            (f"predicted peak at {'that batch' if found.size else 'batch 1'}", f"{result['peak_bytes'] / GB:.4g} GB"),
+            ("model", f"{result['model']}, {params:,} params"),
+            ("precision", result["precision"]),
+            ("max batch per device", f"{size:,}"),
+            (f"predicted peak at {'that batch' if size else 'batch 1'}", f"{result['peak_bytes'] / GB:.4g} GB"),
         ],
     )
-    if wants_gpu and device.type == "cpu":
+    if wants_gpu and result["device"] == "cpu":
         print("dry-run with the CPU's kernels: this machine has no CUDA GPU, and a GPU's attention and optimizer "
               "kernels may hold more or less than these")  # fmt: skip
 

@@ -16,96 +16,17 @@ from rich.table import Table
 
 from lmledger.commands.argparser import run_command
 from lmledger.errors import UserError
-from lmledger.ledger.units import MB
-from lmledger.sweep import (
-    Experiment,
-    Point,
-    PointResult,
-    check_out_dir,
-    check_points,
-    cuda_available,
-    finished_result,
-    load_experiment,
-    plan_sweep,
-    resumable,
-    run_sweep,
-    running_pid,
-)
+from lmledger.sweep import Experiment, Point, PointResult, load_experiment, plan_sweep, run_sweep
+from lmledger.sweep.listing import DRY_RUN_COLUMNS, dry_run_rows, plain_table
 
-
-def _mb(n) -> str:
-    return "—" if n is None else f"{n / MB:,.2f}"
-
-
-DRY_RUN_COLUMNS = (
-    "point",
-    "command",
-    "would",
-    "params",
-    "model FLOPs/step",
-    "state MB",
-    "activations MB",
-    "peak MB",
-)
 # rich lays out a table in about 2 ms a row (10,000 rows: 21 s of a 54 s dry run, profiled 2026-11-30 on
 # a 2-core CPU, shared); longer listings are printed as plain aligned columns instead.
 RICH_TABLE_ROWS = 200
 
 
-def plain_table(columns: tuple[str, ...], rows: list[tuple[str, ...]], left: int) -> str:
-    """Columns padded to their widest cell: the first `left` left-aligned, the rest right-aligned."""
-    widths = [max([len(c), *(len(row[i]) for row in rows)]) for i, c in enumerate(columns)]
-
-    def line(cells) -> str:
-        return "  ".join(
-            cell.ljust(w) if i < left else cell.rjust(w) for i, (cell, w) in enumerate(zip(cells, widths, strict=True))
-        ).rstrip()
-
-    return "\n".join([line(columns), line("-" * w for w in widths), *(line(row) for row in rows)])
-
-
 def dry_run_listing(experiment: Experiment, out_dir: Path) -> int:
     """List the points with what a run would do and its predicted cost; 2 if any point's arguments are bad."""
-    from lmledger.commands.account import account
-
-    check_out_dir(experiment, out_dir)
-    checked = check_points(experiment)  # every point parsed, nothing built: milliseconds a point
-    rows: list[tuple[str, ...]] = []
-    have_gpu = cuda_available() if any(p.requires_gpu for p in experiment.points) else False
-    for point in experiment.points:
-        if point.id in checked.errors:
-            rows.append((point.id, point.subcommand, f"fail: {checked.errors[point.id]}", "", "", "", "", ""))
-            continue
-        if point.requires_gpu and not have_gpu:
-            would = "skip (needs a GPU)"
-        elif finished_result(out_dir, point) is not None:
-            would = "skip (done)"
-        elif (pid := running_pid(out_dir, point)) is not None:
-            would = f"still running (pid {pid})"
-        elif resumable(out_dir, point):
-            would = "resume"
-        else:
-            would = "run"
-        spec = checked.specs.get(point.id)
-        if spec is None:
-            rows.append((point.id, " ".join(point.command), would, "", "", "", "", ""))
-            continue
-        cost = account(spec, False)
-        memory = {row: cost["memory"][row]["predicted"] for row in cost["memory"]}
-        parts = [memory["params"], memory["grads"], memory["optimizer"]]
-        state = None if None in parts else sum(parts)
-        rows.append(
-            (
-                point.id,
-                point.subcommand,
-                would,
-                f"{cost['params']:,}",
-                f"{cost['flops']['model']:.4g}",
-                _mb(state),
-                _mb(memory["activations"]),
-                _mb(memory["peak"]),
-            )
-        )
+    rows, checked = dry_run_rows(experiment, out_dir)
     title = f"sweep {experiment.name}: {len(experiment.points)} points (dry run: nothing is run)"
     if len(rows) <= RICH_TABLE_ROWS:
         table = Table(title=title)

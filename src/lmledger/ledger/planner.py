@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass
 
 from lmledger.errors import UserError
 from lmledger.ledger.gpus import GpuSpec, datasheet_peak, dtype_name, require_gpu
+from lmledger.ledger.units import GB
 
 SECONDS_PER_DAY = 86_400
 
@@ -170,3 +171,17 @@ def max_batch(bytes_for_batch: Callable[[int], int], capacity_bytes: int, *, lim
         else:
             too_big = mid
     return fits
+
+
+def device_capacity(gpu: str | None, device_memory_gb: float | None) -> tuple[int, str, str | None]:
+    """(bytes one device may use, how to show it, the GPU key or None): a GPU's memory or a size in GB,
+    exactly one of them (plan max-batch's --gpu and --ledger.device_memory_gb)."""
+    if (gpu is None) == (device_memory_gb is None):
+        raise UserError(
+            "max-batch needs the memory to fit in: --gpu KEY or --ledger.device_memory_gb GB (alias "
+            "--device-memory-gb), one of them"
+        )
+    if gpu is not None:
+        spec = require_gpu(gpu)
+        return spec.memory_bytes, f"{spec.key} ({spec.memory_bytes / GB:g} GB)", spec.key
+    return round(device_memory_gb * GB), f"{device_memory_gb:g} GB per device", None

@@ -33,3 +33,8 @@ def format_count(n: float) -> str:
         if abs(n) >= scale:
             return f"{n / scale:.3g}{unit}"
     return f"{n:.3g}"
+
+
+def format_mb(nbytes: float | None, spec: str = ".1f", unit: str = " MB") -> str:
+    """12_345_678 -> '12.3 MB'; `spec` and `unit` as a column wants them (',.2f', ''); None -> '—'."""
+    return "—" if nbytes is None else f"{nbytes / MB:{spec}}{unit}"

@@ -1,0 +1,453 @@
+"""One training step of a fit config, accounted: predicted, measured, MFU by convention, time, per rank.
+
+What `lmledger account` prints and `plan max-batch` and `sweep --dry-run` reuse: `account(spec)` for a
+ToyLM config (ledger.predict's closed forms beside real steps here), `account_any_model(argv)` for any
+LightningModule (its dry run), and one rank's dry run at the config's world size (ledger.sharded).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import torch
+
+from lmledger.ledger import flops as ledger_flops
+from lmledger.ledger.gpus import Peak
+from lmledger.ledger.peak_flops import NoPeak, compute_dtype_for_precision, peak_flops
+from lmledger.ledger.predict import measure as measure_run
+from lmledger.ledger.predict import predict as predict_run
+from lmledger.ledger.units import MEMORY_ROWS, format_bytes
+from lmledger.model import count_parameters
+from lmledger.runspec import RunSpec
+
+
+def predict(spec: RunSpec, device: str) -> dict:
+    """ledger.predict.predict of the config's run on `device` ("cpu" or "cuda"), as account shows it."""
+    p = predict_run(dataclasses.replace(spec, device=torch.device(device)))
+    return {
+        "flops": {"model": p.flops_model, "hardware": p.flops_hardware},
+        "memory": {**p.state, "activations": p.activations, "peak": p.peak},
+        "autocast_weight_copies": p.autocast_weight_copies,
+        "peak_phase": p.peak_phase if p.peak is not None else p.unmodelled,
+    }
+
+
+def _measure_device(spec: RunSpec) -> torch.device:
+    wants_gpu = spec.accelerator in ("gpu", "cuda", "auto")
+    return torch.device("cuda") if wants_gpu and torch.cuda.is_available() else torch.device("cpu")
+
+
+def measure(spec: RunSpec, device: torch.device) -> dict:
+    """ledger.predict.measure of the config's run on `device` (real training steps: FLOPs counted once,
+    saved activations on the first step, state after it, the peak over a second, steady step), and the
+    median time of a further step."""
+    m = measure_run(dataclasses.replace(spec, device=device))
+    return {
+        "flops": {"measured": m.flops},
+        "memory": {
+            "params": m.params,
+            "grads": m.grads,
+            "optimizer": m.optimizer,
+            "activations": m.activations,
+            "peak": m.peak,
+        },  # fmt: skip
+        "peak_phase": m.peak_phase,
+        "autocast_weight_copies": m.autocast_weight_copies,
+        "step_seconds": step_seconds(m.step, device),
+        "time": step_time(spec, device, m.step),
+    }
+
+
+def step_time(spec: RunSpec, device: torch.device, step) -> dict:
+    """The step-time table (docs/time.md): the roofline bound of the config's step on `device`
+    (its dry run's ops) beside the mean of three profiled real steps."""
+    from lmledger.ledger import roofline
+
+    def optimizer(params):  # as ledger.predict.measure builds it
+        if spec.optimizer == "sgd":
+            return torch.optim.SGD(params, lr=1e-4, momentum=spec.momentum, fused=spec.fused_optimizer)
+        return torch.optim.AdamW(params, lr=1e-4, fused=spec.fused_optimizer)
+
+    ops = roofline.toy_step_ops(spec.config, spec.batch_size, spec.seq_len, spec.precision, optimizer)
+    return time_table(ops, spec.precision, device, step)
+
+
+def time_table(ops, precision: str, device: torch.device, step) -> dict:
+    """The bound of `ops` (a dry run's OpSummary) on `device` beside three profiled calls of `step(phase)`."""
+    from lmledger.ledger import profile, roofline
+
+    bound = roofline.device_roofline(ops, compute_dtype_for_precision(precision), device)
+    measured = profile.mean_breakdown([profile.profile_step(step, device) for _ in range(3)])
+    model_flops = 3 * ops.flops_in("forward")  # = 6N + attention for ToyLM and Llama
+    return {
+        "rows": {name: row.to_json() for name, row in roofline.time_rows(bound, measured, model_flops).items()},
+        "roofline_mfu": bound.mfu(model_flops),
+        "diagnosis": roofline.diagnosis(bound, measured, model_flops),
+        "table": roofline.format_table(bound, measured, model_flops),
+    }
+
+
+# nanoGPT's estimate_mfu (model.py) divides by this on any device: "A100 GPU bfloat16 peak flops is 312 TFLOPS".
+NANOGPT_PEAK = 312e12
+
+
+def step_seconds(step, device: torch.device) -> float:
+    """Median seconds of a training step, after one untimed step (the throughput callback's timer)."""
+    from lmledger.callbacks.throughput import forward_backward_seconds
+
+    return forward_backward_seconds(step, device, eager=False, repeats=3)
+
+
+def mfu_conventions(spec: RunSpec, seconds: float | None, device: torch.device) -> dict:
+    """FLOPs per token of a training step under each MFU convention, and its ratio to perf/mfu's; with
+    a measured step time, MFU against the device's dense peak (a measured peak is raised to the step's
+    own hardware rate where the step beats it, as the throughput callback does)."""
+    per_token = ledger_flops.flops_per_token_by_convention(spec.config, spec.seq_len)
+    peak = peak_line = None
+    if seconds is not None:
+        dtype = compute_dtype_for_precision(spec.precision)
+        peak = peak_flops(dtype, device)
+        if isinstance(peak, NoPeak):
+            peak, peak_line = None, peak.reason
+        else:
+            source = peak.source.removeprefix("datasheet:")
+            detail = getattr(peak, "detail", "")
+            where = detail if detail.startswith(source) else ": ".join(filter(None, (source, detail)))
+            peak_line = f"{peak.flops_per_s / 1e12:.4g} TFLOP/s dense {peak.dtype} ({where})"
+            achieved = per_token["hfu"] * spec.tokens_per_batch / seconds
+            if peak.source == "measured" and achieved > peak.flops_per_s:
+                peak = Peak(achieved, "measured", peak.dtype)
+                peak_line += f", raised to the step's own {achieved / 1e12:.4g} TFLOP/s, which beat it"
+
+    def mfu(n: int) -> float | None:
+        return None if peak is None else n * spec.tokens_per_batch / seconds / peak.flops_per_s
+
+    nanogpt_printed = None if seconds is None else per_token["nanogpt"] * spec.tokens_per_batch / seconds / NANOGPT_PEAK
+
+    return {
+        "perf_mfu": "palm",
+        "seq_len": spec.seq_len,
+        "step_seconds": seconds,
+        "peak_flops_per_s": peak and peak.flops_per_s,
+        "peak": peak_line,
+        "nanogpt_printed_mfu": nanogpt_printed,
+        "conventions": {
+            key: {
+                "label": ledger_flops.MFU_CONVENTIONS[key],
+                "flops_per_token": n,
+                "vs_perf_mfu": n / per_token["palm"] - 1,
+                "mfu": mfu(n),
+            }
+            for key, n in per_token.items()
+        },
+    }
+
+
+def account(spec: RunSpec, do_measure: bool, argv: list[str] = ()) -> dict:
+    if do_measure:
+        device = _measure_device(spec)
+    else:
+        device = torch.device("cuda" if spec.accelerator in ("gpu", "cuda") else "cpu")
+    predicted = predict(spec, device.type)
+    measured = measure(spec, device) if do_measure else None
+    result = {
+        "params": count_parameters(spec.config),
+        "flops": {**predicted["flops"], "measured": measured["flops"]["measured"] if measured else None},
+        "memory": {
+            row: {"predicted": predicted["memory"][row], "measured": measured["memory"][row] if measured else None}
+            for row in MEMORY_ROWS
+        },
+        "autocast_weight_copies": {
+            "predicted": predicted["autocast_weight_copies"],
+            "measured": measured["autocast_weight_copies"] if measured else None,
+        },
+        "run": {
+            "batch_size": spec.batch_size,
+            "seq_len": spec.seq_len,
+            "tokens_per_step": spec.tokens_per_batch,
+            "precision": spec.precision,
+            "optimizer": spec.optimizer,
+            "strategy": spec.strategy,
+            "world_size": spec.world_size,
+            "vocab_size": spec.config.vocab_size,
+            "vocab_from_data": spec.vocab_from_data,
+            "device": device.type,
+            "peak_phase": predicted["peak_phase"],
+            "measured_peak_phase": measured["peak_phase"] if measured else None,
+        },
+        "mfu_conventions": mfu_conventions(spec, measured["step_seconds"] if measured else None, device),
+        "time": measured["time"] if measured else None,
+    }
+    if traced_at_scale(spec):
+        _add_per_rank(result, spec, argv)
+    return result
+
+
+AC_LABELS = ("checkpointing off", "checkpointing on")
+
+
+def traced_at_scale(spec: RunSpec) -> bool:
+    """A ToyLM run whose per-rank dry run (ledger.sharded) says more than the closed forms: DDP over several
+    ranks (its buckets) and FSDP2 (its gathered blocks). ZeRO, FSDP1 and DeepSpeed keep the closed forms,
+    whose state bytes are those the dry run would give."""
+    return (spec.strategy in ("ddp", "auto", "single_device") and spec.world_size > 1) or spec.strategy == "fsdp2"
+
+
+def _add_per_rank(result: dict, spec: RunSpec, argv: list[str]) -> None:
+    """result["per_rank"]: one rank's dry run at the config's world size and strategy. It replaces the closed
+    forms where it traces the strategy (DDP's buckets, FSDP2's gathered blocks are in it); the config's
+    checkpointing picks the case (every block, or none)."""
+    result["per_rank"] = per_rank(spec, argv=argv)
+    if spec.config.activation_checkpointing in (0, 1):
+        case = result["per_rank"]["cases"][AC_LABELS[spec.config.activation_checkpointing]]
+        if case.get("not_predicted") is None and case["peak_checked"]:
+            for row in ("params", "grads", "optimizer", "activations", "peak"):
+                result["memory"][row]["predicted"] = case[row]
+            result["run"]["peak_phase"] = case["peak_phase"]
+
+
+def per_rank(spec: RunSpec, capacity_bytes: int | None = None, argv: list[str] = ()) -> dict:
+    """ledger.sharded.run_at_scale with account's case names (checkpointing off and on) and the strategy's
+    settings among the fit arguments `argv` (scale_settings)."""
+    from lmledger.ledger.sharded import run_at_scale
+
+    return run_at_scale(spec, capacity_bytes, labels=AC_LABELS, **scale_settings(list(argv), spec.strategy))
+
+
+def module_step_fn(module, batch: object, precision: str):
+    """`step(phase)`: one training step of a copy of `module` on `batch` as Lightning runs it (precision as its
+    plugin does, the module's own optimizer, zero_grad, backward, step), after two untimed steps."""
+    import copy
+    from contextlib import nullcontext
+
+    from lmledger.ledger import precisions
+    from lmledger.ledger.dryrun import map_tensors
+    from lmledger.ledger.predict import configured_optimizer, module_step
+
+    row = precisions.precision(precision)
+    real = copy.deepcopy(module)
+    if row.convert_dtype is not None:
+        real.to(row.convert_dtype)
+        batch = map_tensors(lambda t: t.to(row.convert_dtype) if t.is_floating_point() else t, batch)
+    optimizer = configured_optimizer(real)
+    device_type = next(real.parameters()).device.type
+
+    def step(phase=lambda name: None) -> None:
+        context = torch.autocast(device_type, row.autocast_dtype, cache_enabled=False) if row.autocast_dtype else None
+        with context or nullcontext():
+            loss = module_step(real, batch)
+        (optimizer or real).zero_grad(set_to_none=True)
+        loss.backward()
+        phase("optimizer step")
+        if optimizer is not None:
+            optimizer.step()
+
+    real.train()
+    step()
+    step()
+    return step
+
+
+def account_any_model(argv: list[str], do_measure: bool) -> dict:
+    """account for a config naming any LightningModule: the dry run beside (with --measure) the real step,
+    both on its data's first batch. No model FLOPs (6N + attention needs the architecture) and no MFU."""
+    from lmledger.callbacks.ledger import samples_per_batch, tokens_per_batch
+    from lmledger.fitting.cli import build_model_and_data, first_batch
+    from lmledger.ledger import predict as any_model
+    from lmledger.ledger.dryrun import map_tensors
+    from lmledger.ledger.run import Run
+
+    module, data, config = build_model_and_data(argv)
+    precision = str(config.trainer.get("precision") or "32-true")
+    wants_gpu = config.trainer.get("accelerator") in ("gpu", "cuda", "auto")
+    device = torch.device("cuda") if wants_gpu and torch.cuda.is_available() else torch.device("cpu")
+    batch = first_batch(data)
+    if device.type == "cuda":
+        module.to(device)
+        batch = map_tensors(lambda t: t.to(device), batch)
+    tokens = tokens_per_batch(module, batch)
+    samples = samples_per_batch(batch)
+    run = Run(None, samples, (tokens or samples) // max(samples, 1), precision, device=device, module=module)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        predicted = predict_run(run, batch)
+        measured = any_model.measure_module(module, batch, precision=precision) if do_measure else None
+        timing = None
+        if do_measure and predicted.dry is not None and predicted.dry.ops is not None:
+            timing = time_table(predicted.dry.ops, precision, device, module_step_fn(module, batch, precision))
+    not_predicted = predicted.unmodelled
+    p = None if not_predicted else predicted
+
+    def pair(name: str) -> dict:
+        return {
+            "predicted": getattr(p, name) if p else None,
+            "measured": getattr(measured, name) if measured else None,
+        }
+
+    return {
+        "params": any_model.parameter_count(module),
+        "flops": {
+            "model": None,
+            "hardware": p.flops_hardware if p else None,
+            "measured": measured.flops if measured else None,
+        },
+        "memory": {row: pair(row) for row in MEMORY_ROWS},
+        "autocast_weight_copies": pair("autocast_weight_copies"),
+        "run": {
+            "model": config.model.class_path,
+            "data": config.data.class_path,
+            "batch_size": samples,
+            "tokens_per_step": tokens,
+            "precision": precision,
+            "device": device.type,
+            "peak_phase": p.peak_phase if p else None,
+            "measured_peak_phase": measured.peak_phase if measured else None,
+            "not_predicted": not_predicted,
+        },
+        "mfu_conventions": None,
+        "time": timing,
+    }
+
+
+def trainer_scale(argv: list[str]) -> tuple[int, str]:
+    """(world size, ledger strategy name) that a fit's arguments ask for: trainer.devices x num_nodes and
+    trainer.strategy from the --config files, then --trainer.* overrides, read before anything is built (so
+    a model at scale is built on the meta device)."""
+    world_size, strategy, _ = _trainer_scale(argv)
+    return world_size, strategy
+
+
+def scale_settings(argv: list[str], strategy: str) -> dict:
+    """The keyword arguments at_scale takes from the strategy's init_args: DDP's bucket settings (DDPStrategy
+    passes them through to torch's DDP); a ModelParallelStrategy with tensor_parallel_size > 1 is tensor
+    parallel, which the dry run does not model (it says so in one line, and the run is measured only)."""
+    from lmledger.ledger.ddp import DDPSettings
+
+    init = _trainer_scale(argv)[2]
+    tensor_parallel = init.get("tensor_parallel_size", 1)
+    if strategy == "fsdp2" and isinstance(tensor_parallel, int) and tensor_parallel > 1:
+        return {"strategy": f"tensor_parallel (ModelParallelStrategy tensor_parallel_size={tensor_parallel})"}
+    return {"ddp": DDPSettings.from_kwargs(init)} if strategy == "ddp" else {}
+
+
+def _trainer_scale(argv: list[str]) -> tuple[int, str, dict]:
+    from types import SimpleNamespace
+
+    from lmledger.fitting.checks import config_files, read_config
+    from lmledger.runspec import _strategy_name, _world_size
+
+    trainer: dict = {}
+    for name in config_files(argv):
+        trainer.update((read_config(name) or {}).get("trainer") or {})
+    for i, arg in enumerate(argv):
+        for key in ("devices", "num_nodes", "strategy"):
+            flag = f"--trainer.{key}"
+            if arg == flag and i + 1 < len(argv):
+                trainer[key] = argv[i + 1]
+            elif arg.startswith(flag + "="):
+                trainer[key] = arg.split("=", 1)[1]
+    devices = trainer.get("devices", 1)
+    devices = int(devices) if isinstance(devices, str) and devices.strip().isdigit() else devices
+    nodes = trainer.get("num_nodes", 1)
+    nodes = int(nodes) if isinstance(nodes, str) and nodes.strip().isdigit() else nodes
+    strategy = trainer.get("strategy") or "auto"
+    if isinstance(strategy, str) and strategy.lstrip().startswith("{"):  # a class_path/init_args given inline
+        import yaml
+
+        try:
+            strategy = yaml.safe_load(strategy)
+        except yaml.YAMLError:
+            pass  # LightningCLI's parser reports it in its own words
+    init: dict = {}
+    if isinstance(strategy, dict):
+        init = dict(strategy.get("init_args") or {})
+        strategy = SimpleNamespace(class_path=strategy.get("class_path", ""), init_args=init)
+    return _world_size(devices, nodes if isinstance(nodes, int) else 1), _strategy_name(strategy), init
+
+
+def at_scale(world_size: int, strategy: str) -> bool:
+    return world_size > 1 or strategy not in ("ddp", "auto", "single_device")
+
+
+def any_model_at_scale(argv: list[str], capacity_bytes: int | None = None) -> dict:
+    """One rank's dry run of any LightningModule at the arguments' world size and strategy (ledger.sharded),
+    as configured and with every block checkpointed; the module is built on the meta device (an 8B model
+    costs no memory), the batch shaped like its data's first batch."""
+    from lmledger.callbacks.ledger import samples_per_batch, tokens_per_batch
+    from lmledger.fitting.cli import build_model_and_data, first_batch
+    from lmledger.ledger import predict as any_model
+    from lmledger.ledger import sharded
+
+    world_size, strategy = trainer_scale(argv)
+    with torch.device("meta"):
+        module, data, config = build_model_and_data(argv)
+    batch = first_batch(data)
+    precision = str(config.trainer.get("precision") or "32-true")
+    samples = samples_per_batch(batch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        scale = sharded.at_scale(
+            module, lambda size: any_model.resized(batch, size), samples, strategy=strategy, world_size=world_size,
+            capacity_bytes=capacity_bytes, step=any_model.module_step,
+            optimizer=any_model.configured_optimizer(module), precision=precision,
+            **scale_settings(argv, strategy),
+        )  # fmt: skip
+    return {
+        "params": any_model.parameter_count(module),
+        "run": {
+            "model": config.model.class_path,
+            "batch_size": samples,
+            "tokens_per_step": tokens_per_batch(module, batch),
+            "precision": precision,
+            "strategy": strategy,
+            "world_size": world_size,
+            "device": "cpu",
+        },
+        "per_rank": scale,
+    }
+
+
+def print_per_rank(scale: dict) -> None:
+    """The per-rank table of a run at scale: each checkpointing case's state, buffers and peak."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"per rank: {scale['strategy']} over {scale['world_size']} ranks, batch {scale['batch_size']}")
+    table.add_column("")
+    for label in scale["cases"]:
+        table.add_column(label, justify="right")
+    cases = list(scale["cases"].values())
+    rows = [("params", "params"), ("grads", "grads"), ("optimizer", "optimizer"), ("activations", "activations"),
+            ("comm buffers (DDP buckets, FSDP2 gathers)", "comm_buffers"), ("peak", "peak")]  # fmt: skip
+    if scale.get("capacity_bytes"):
+        rows.append(("largest micro-batch per rank", "max_batch"))
+    for label, key in rows:
+        cells = []
+        for case in cases:
+            value = case.get(key)
+            if case.get("not_predicted"):
+                cells.append("—")
+            elif key == "max_batch":
+                cells.append("—" if value is None else f"{value:,}")
+            else:
+                cells.append(format_bytes(value) + ("" if key != "peak" or case["peak_checked"] else " (unchecked)"))
+        table.add_row(label, *cells)
+    Console().print(table)
+    for label, case in scale["cases"].items():
+        if case.get("not_predicted"):
+            print(f"{label}: not predicted: {case['not_predicted']}")
+        elif case.get("max_batch") == 0:
+            print(f"{label}: does not fit: one sample per rank is over by {format_bytes(case['over_by_at_batch_1'])}")
+        elif not case["peak_checked"]:
+            print(f"{label}: the peak is the single-device step's with the sharded state swapped in, not yet held "
+                  "to a measurement (checked on a GPU when one is lent)")  # fmt: skip
+
+
+def print_any_model_at_scale(result: dict) -> None:
+    run = result["run"]
+    print(
+        f"{run['model']}: {result['params']:,} params, {run['batch_size']} samples per rank, {run['precision']}; "
+        "dry-run on the meta device with the CPU's kernels (a GPU's attention kernels may hold more or less)"
+    )
+    print_per_rank(result["per_rank"])

@@ -1,0 +1,142 @@
+"""What a fit config can reach before it runs: its largest batch under a memory cap, its roofline MFU.
+
+`lmledger plan max-batch` and `train-time --mfu roofline:CONFIG` print these. A ToyLM config is sized by
+ledger.predict's closed forms (ledger.planner.max_batch searches the batch), a run at scale by one rank's
+dry run (lmledger.accounting.per_rank), any LightningModule by dry runs of its training_step
+(ledger.predict.max_batch_module).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import torch
+
+from lmledger.accounting import AC_LABELS, any_model_at_scale, at_scale, per_rank, traced_at_scale, trainer_scale
+from lmledger.errors import UserError
+from lmledger.ledger.gpus import dtype_name
+
+
+def roofline_mfu(config: str, gpu: str, dtype: str) -> tuple[float, str, str]:
+    """The roofline MFU of a ToyLM fit config's training step on `gpu` (docs/time.md): its dry run (here,
+    on this machine's CPU) priced at the GPU's datasheet peaks and bandwidth; a line saying so; and the
+    step's shape advice for that GPU."""
+    from lmledger.ledger.roofline import gpu_roofline, toy_step_ops
+    from lmledger.ledger.shapes import advice_text
+    from lmledger.runspec import load_run_spec
+
+    spec = load_run_spec(["--config", config])
+    if spec.config is None:
+        raise UserError(f"--mfu roofline:{config}: the roofline MFU is computed for lmledger's ToyLM configs")
+    ops = toy_step_ops(spec.config, spec.batch_size, spec.seq_len, spec.precision)
+    bound = gpu_roofline(ops, dtype_name(dtype), gpu)
+    mfu = bound.mfu(3 * ops.flops_in("forward"))
+    line = (
+        f"{mfu:.3g}, an upper bound: the roofline of {config}'s step (batch {spec.batch_size} x {spec.seq_len}, "
+        f"{spec.precision}) at {bound.device}'s datasheet {dtype} peak and bandwidth"
+    )
+    names = {spec.config.vocab_size: "vocab_size", spec.config.d_ff: "d_ff", spec.config.d_model: "d_model"}
+    return mfu, line, advice_text(ops, gpu, dtype_name(dtype), "cuda", names=names)
+
+
+def max_batch_of(fit_args: list[str], capacity: int, gpu_key: str | None) -> tuple[str, dict, object]:
+    """plan max-batch's answer: its kind ("at scale", "module" or "config"), its JSON, and what printing
+    it needs besides (nothing; the parameter count and whether a GPU was asked for; the RunSpec)."""
+    from lmledger.fitting.checks import named_classes
+
+    if named_classes(fit_args):
+        if at_scale(*trainer_scale(fit_args)):  # one rank's dry run at the world size (ledger.sharded)
+            result = any_model_at_scale(fit_args, capacity)
+            result.update(capacity_bytes=capacity, gpu=gpu_key)
+            return "at scale", result, None
+        result, params, wants_gpu = max_batch_any_model(fit_args, capacity, gpu_key)
+        return "module", result, (params, wants_gpu)
+    result, spec = max_batch_of_config(fit_args, capacity, gpu_key)
+    return "config", result, spec
+
+
+def max_batch_of_config(fit_args: list[str], capacity: int, gpu_key: str | None) -> tuple[dict, object]:
+    """The largest batch of a ToyLM fit config whose predicted peak fits in `capacity` bytes per device,
+    as plan's JSON reports it, and the config's RunSpec."""
+    from lmledger.ledger.planner import max_batch
+    from lmledger.ledger.predict import predict
+    from lmledger.runspec import load_run_spec
+
+    spec = load_run_spec(fit_args)
+    # The closed forms for a GPU (its kernels' transients); with only a memory size, for the config's device.
+    device = "cuda" if gpu_key or spec.accelerator in ("gpu", "cuda") else "cpu"
+    run = dataclasses.replace(spec, device=torch.device(device))
+
+    def bytes_for_batch(batch: int) -> int:
+        return predict(run, batch_size=batch).peak
+
+    best = max_batch(bytes_for_batch, capacity)
+    result = {
+        "max_batch": best,
+        "seq_len": spec.seq_len,
+        "tokens_per_step": best * spec.seq_len,
+        "peak_bytes": bytes_for_batch(best) if best else bytes_for_batch(1),
+        "capacity_bytes": capacity,
+        "gpu": gpu_key,
+        "precision": spec.precision,
+        "optimizer": spec.optimizer,
+        "activation_checkpointing": spec.config.activation_checkpointing,
+    }
+    if traced_at_scale(spec):
+        _per_rank_batch(result, spec, capacity, fit_args)
+    return result, spec
+
+
+def _per_rank_batch(result: dict, spec, capacity: int, fit_args: list[str]) -> None:
+    """result["per_rank"]: the largest micro-batch per rank at the config's world size and strategy, from
+    one rank's dry run (ledger.sharded), checkpointing off and on; the config's own case (checkpointing
+    every block or none) then answers max_batch."""
+    result["per_rank"] = per_rank(spec, capacity, fit_args)
+    if spec.config.activation_checkpointing not in (0, 1):
+        return
+    case = result["per_rank"]["cases"][AC_LABELS[spec.config.activation_checkpointing]]
+    if case.get("not_predicted") is None and case["peak_checked"] and case.get("max_batch") is not None:
+        result["max_batch"] = case["max_batch"]
+        result["tokens_per_step"] = case["max_batch"] * spec.seq_len
+        if case["max_batch"]:
+            result["peak_bytes"] = case["max_batch_peak"]
+        else:
+            result["peak_bytes"] = capacity + case["over_by_at_batch_1"]
+
+
+def max_batch_any_model(fit_args: list[str], capacity: int, gpu_key: str | None) -> tuple[dict, int, bool]:
+    """max-batch for any LightningModule: dry runs of its training_step on batches shaped like its data's
+    first batch, doubling then bisecting the number of samples (ledger.predict.max_batch_module). Returns
+    plan's JSON, the module's parameter count, and whether the config asked for a GPU."""
+    from lmledger.fitting.cli import build_model_and_data, first_batch
+    from lmledger.ledger import predict as any_model
+    from lmledger.ledger.dryrun import NotTraced, batch_tensors
+
+    module, data, config = build_model_and_data(fit_args)
+    precision = str(config.trainer.get("precision") or "32-true")
+    wants_gpu = gpu_key is not None or config.trainer.get("accelerator") in ("gpu", "cuda")
+    # Fake CUDA tensors need a CUDA build and device; without one the CPU's kernels stand in (plan says so).
+    device = torch.device("cuda" if wants_gpu and torch.cuda.is_available() else "cpu")
+    batch = first_batch(data)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        found = any_model.max_batch_module(module, batch, capacity, precision=precision, device=device)
+    if isinstance(found, NotTraced):
+        raise UserError(f"{config.model.class_path} cannot be dry-run, so no batch size is predicted: {found.reason}")
+    per_sample = batch_tensors(batch)[0].shape[1:]
+    seq_len = per_sample[0] if len(per_sample) == 1 else None
+    ledger = found.fits or found.over
+    result = {
+        "max_batch": found.size,
+        "seq_len": seq_len,
+        "tokens_per_step": found.size * seq_len if seq_len is not None else None,
+        "peak_bytes": ledger.peak if ledger else None,
+        "next_peak_bytes": found.over.peak if found.over else None,
+        "capacity_bytes": capacity,
+        "gpu": gpu_key,
+        "precision": precision,
+        "model": config.model.class_path,
+        "device": device.type,
+    }
+    return result, any_model.parameter_count(module), wants_gpu

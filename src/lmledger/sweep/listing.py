@@ -1,0 +1,70 @@
+"""`lmledger sweep --dry-run`'s listing: what each point would do, and its predicted cost; nothing runs.
+
+Each point's arguments are parsed (check.py); a point that would run is accounted on paper
+(lmledger.accounting, milliseconds a point); the listing is rows of text the command prints.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from lmledger.ledger.units import format_mb
+from lmledger.sweep.check import CheckedPoints, check_points
+from lmledger.sweep.runner import check_out_dir, cuda_available, finished_result, resumable, running_pid
+from lmledger.sweep.spec import Experiment, Point
+
+DRY_RUN_COLUMNS = ("point", "command", "would", "params", "model FLOPs/step", "state MB", "activations MB", "peak MB")
+
+
+def plain_table(columns: tuple[str, ...], rows: list[tuple[str, ...]], left: int) -> str:
+    """Columns padded to their widest cell: the first `left` left-aligned, the rest right-aligned."""
+    widths = [max([len(c), *(len(row[i]) for row in rows)]) for i, c in enumerate(columns)]
+
+    def line(cells) -> str:
+        return "  ".join(
+            cell.ljust(w) if i < left else cell.rjust(w) for i, (cell, w) in enumerate(zip(cells, widths, strict=True))
+        ).rstrip()
+
+    return "\n".join([line(columns), line("-" * w for w in widths), *(line(row) for row in rows)])
+
+
+def _would(out_dir: Path, point: Point, have_gpu: bool) -> str:
+    """What running the sweep now would do with `point`."""
+    if point.requires_gpu and not have_gpu:
+        return "skip (needs a GPU)"
+    if finished_result(out_dir, point) is not None:
+        return "skip (done)"
+    if (pid := running_pid(out_dir, point)) is not None:
+        return f"still running (pid {pid})"
+    return "resume" if resumable(out_dir, point) else "run"
+
+
+def _cost_cells(spec) -> tuple[str, ...]:
+    """params, model FLOPs per step, and state, activations and peak MB of a point's run, predicted."""
+    from lmledger.accounting import account
+
+    cost = account(spec, False)
+    memory = {row: cost["memory"][row]["predicted"] for row in cost["memory"]}
+    parts = [memory["params"], memory["grads"], memory["optimizer"]]
+    state = None if None in parts else sum(parts)
+    cells = (state, memory["activations"], memory["peak"])
+    return (f"{cost['params']:,}", f"{cost['flops']['model']:.4g}", *(format_mb(n, ",.2f", "") for n in cells))
+
+
+def dry_run_rows(experiment: Experiment, out_dir: Path) -> tuple[list[tuple[str, ...]], CheckedPoints]:
+    """One row of DRY_RUN_COLUMNS per point, and the checked points (their errors mark rows `fail`)."""
+    check_out_dir(experiment, out_dir)
+    checked = check_points(experiment)  # every point parsed, nothing built: milliseconds a point
+    rows: list[tuple[str, ...]] = []
+    have_gpu = cuda_available() if any(p.requires_gpu for p in experiment.points) else False
+    for point in experiment.points:
+        if point.id in checked.errors:
+            rows.append((point.id, point.subcommand, f"fail: {checked.errors[point.id]}", "", "", "", "", ""))
+            continue
+        would = _would(out_dir, point, have_gpu)
+        spec = checked.specs.get(point.id)
+        if spec is None:
+            rows.append((point.id, " ".join(point.command), would, "", "", "", "", ""))
+            continue
+        rows.append((point.id, point.subcommand, would, *_cost_cells(spec)))
+    return rows, checked
