@@ -123,6 +123,25 @@ class LitLM(L.LightningModule):
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         return self._forward(idx, targets)
 
+    def configure_model(self) -> None:
+        """FSDP2 under Lightning's ModelParallelStrategy: fully_shard each transformer block, then the toy LM
+        (ledger.sharded.shard_blocks), over the mesh's data-parallel ranks; nothing under any other strategy."""
+        from torch.distributed.fsdp import FSDPModule
+
+        strategy = self._trainer.strategy if self._trainer is not None else None
+        if not isinstance(strategy, L.pytorch.strategies.ModelParallelStrategy) or isinstance(self.model, FSDPModule):
+            return  # not FSDP2, or sharded already (a second fit on the same module)
+        from lmledger.ledger.sharded import FSDPSettings, shard_blocks
+
+        mesh = self.device_mesh
+        if mesh["tensor_parallel"].size() > 1:
+            raise ConfigError(
+                f"LitLM has no tensor-parallel plan, and ModelParallelStrategy's mesh is {tuple(mesh.shape)} "
+                f"(data x tensor parallel): set trainer.strategy.data_parallel_size {mesh.size()} and "
+                "tensor_parallel_size 1 (FSDP2 over every rank)"
+            )
+        shard_blocks(self, mesh["data_parallel"], FSDPSettings())
+
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
         loss = self(x, y)
@@ -150,13 +169,16 @@ class LitLM(L.LightningModule):
     def gradient_norm(self) -> torch.Tensor | None:
         """The 2-norm of all gradients, measured once per step and shared by the train/grad_norm log,
         NonFiniteGuard and clipping. Under FSDP each rank holds a shard of the gradients, so the squared
-        shard norms are summed over the shard group. None when there are no gradients."""
+        shard norms are summed over the shard group (FSDP2: over the DTensor grads' mesh). None when there are
+        no gradients."""
         if self._grad_norm is None:
             grads = [p.grad for p in self.parameters() if p.grad is not None]
             shard_group = self._gradient_shard_group()
             if not grads and shard_group is None:
                 return None
-            self._grad_norm = total_norm(grads, self.device, shard_group)
+            norm = total_norm(grads, self.device, shard_group)
+            # FSDP2's DTensor grads give a DTensor of partial norms: full_tensor() reduces it over the mesh.
+            self._grad_norm = norm.full_tensor() if callable(getattr(norm, "full_tensor", None)) else norm
         return self._grad_norm
 
     def _gradient_shard_group(self):
