@@ -294,16 +294,8 @@ def _progress() -> Progress:
     )
 
 
-def prepare(
-    sources: Sequence[str] = (STDLIB,),
-    out: str | os.PathLike = DEFAULT_OUT,
-    tokenizer: str = "bytes",
-    vocab_size: int | None = None,
-    val_fraction: float = DEFAULT_VAL_FRACTION,
-    overwrite: bool = False,
-) -> dict:
-    """Tokenize `sources` into `out`; returns the meta.json it wrote."""
-    out = Path(out)
+def _checked_settings(tokenizer: str, vocab_size: int | None, val_fraction: float) -> int | None:
+    """prepare's settings, refused before anything is read; returns the vocabulary size bpe will train."""
     if tokenizer not in ("bytes", "bpe"):
         raise UserError(f"unknown --tokenizer {tokenizer!r}; choose bytes or bpe")
     if tokenizer == "bytes" and vocab_size not in (None, BYTE_VOCAB_SIZE):
@@ -320,21 +312,41 @@ def prepare(
         _import_tokenizers()  # fail before reading anything
     if not 0.0 < val_fraction < 1.0:
         raise UserError(f"--val-fraction {val_fraction} must be between 0 and 1 (exclusive)")
+    return vocab_size
+
+
+def _read_documents(files: Sequence[tuple[str, Path]], progress: Progress) -> tuple[list[Document], int]:
+    """The non-empty UTF-8 files as Documents, and how many were skipped as not UTF-8 text."""
+    reading = progress.add_task("reading files", total=len(files))
+    docs, skipped = [], 0
+    for key, path in files:
+        text = read_text_file(path)
+        if text is None:
+            skipped += 1
+        elif text:
+            docs.append(Document(key, text))
+        progress.advance(reading)
+    return docs, skipped
+
+
+def prepare(
+    sources: Sequence[str] = (STDLIB,),
+    out: str | os.PathLike = DEFAULT_OUT,
+    tokenizer: str = "bytes",
+    vocab_size: int | None = None,
+    val_fraction: float = DEFAULT_VAL_FRACTION,
+    overwrite: bool = False,
+) -> dict:
+    """Tokenize `sources` into `out`; returns the meta.json it wrote."""
+    out = Path(out)
+    vocab_size = _checked_settings(tokenizer, vocab_size, val_fraction)
     check_out_dir(out, overwrite)
     files, description = list_source_files(sources)
     if not files:
         raise UserError(f"no files found in --source {' '.join(sources)}")
 
     with _progress() as progress:
-        reading = progress.add_task("reading files", total=len(files))
-        docs, skipped = [], 0
-        for key, path in files:
-            text = read_text_file(path)
-            if text is None:
-                skipped += 1
-            elif text:
-                docs.append(Document(key, text))
-            progress.advance(reading)
+        docs, skipped = _read_documents(files, progress)
         if not docs:
             raise UserError(f"no non-empty UTF-8 text files in --source {' '.join(sources)} ({skipped} skipped)")
         train_docs, val_docs = split_documents(docs, val_fraction)
