@@ -23,6 +23,9 @@ else the number of elements of the first integer tensor of rank 2 in the batch (
 sequence); a batch with none has samples (the first tensor's first dimension), and the run reports
 samples/s and no tokens/s.
 
+Under ModelParallelStrategy (FSDP2: the module's configure_model calls fully_shard) the prediction is per
+rank, on a meta copy of the module kept at setup, before configure_model shards it (callbacks.fsdp2).
+
 A module the dry run cannot trace, or a sharded strategy it does not model yet, gets one line saying why it
 is not predicted, and is measured only. The callbacks never change what is trained: the dry run works on a
 fake copy, measurement only observes, and every RNG stream a step may draw from is left as it was found.
@@ -36,11 +39,11 @@ import warnings
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy
+from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, ModelParallelStrategy, SingleDeviceStrategy
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from rich.console import Console
 
-from lmledger.callbacks import preflight, toy
+from lmledger.callbacks import fsdp2, preflight, toy
 from lmledger.callbacks.measure import StepMeasurement
 from lmledger.callbacks.run import (
     LedgerRun,
@@ -136,6 +139,7 @@ class Ledger(pl.Callback):
             device_memory_gb=device_memory_gb, warmup_steps=warmup_steps, measure=measure
         )
         self._reset()
+        self._unsharded: torch.nn.Module | None = None  # FSDP2: the module before configure_model (on meta)
 
     # -- fit start --------------------------------------------------------------------------------
 
@@ -146,6 +150,8 @@ class Ledger(pl.Callback):
                 f"the Trainer has {len(ledgers)} Ledger callbacks, and each would count the other's work: keep one "
                 "(lmledger fit adds its own; leave lmledger.Ledger out of --trainer.callbacks)"
             )
+        # Before configure_model shards it (callbacks.fsdp2): under ModelParallelStrategy, a meta copy to dry-run.
+        self._unsharded = fsdp2.unsharded_copy(trainer, pl_module) if stage == "fit" else None
 
     def _reset(self, accumulate: int = 1) -> None:
         """The state of one fit (a Ledger may see several fits, and validate without one)."""
@@ -202,7 +208,7 @@ class Ledger(pl.Callback):
     def _predict(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: object, batch_idx: int) -> None:
         self.tokens = self.run.tokens_per_batch if self.run is not None else tokens_per_batch(pl_module, batch)
         self.samples = self.run.batch_size if self.run is not None else samples_per_batch(batch)
-        dry = dry_run_training_step(trainer, pl_module, batch, batch_idx, self._accumulate)
+        dry = dry_run_training_step(trainer, pl_module, batch, batch_idx, self._accumulate, self._unsharded)
         worst = None
         if isinstance(dry, moe.MoEBounds):  # top-k routing decides shapes: two stated assumptions
             dry, worst = dry.balanced, dry.worst
@@ -242,6 +248,7 @@ class Ledger(pl.Callback):
         if self.run is not None:
             self._summary_card(trainer)
         self._check_fits(trainer, pl_module, batch)
+        self._unsharded = None  # predicted: the copy is no longer needed
         if trainer.is_global_zero:
             Console().print(self.report.table("ledger (predicted)"))
 
@@ -280,14 +287,19 @@ class Ledger(pl.Callback):
         def batch_for(size: int) -> object:
             return _toy_batch(self.run, size) if self.run is not None else resized(batch, size)
 
-        with untouched_rng(pl_module.device), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            found = largest_batch(
-                pl_module, batch_for, capacity.bytes, step=lightning_step(0, trainer),
-                optimizer=torch_optimizers(trainer)[0] if trainer.optimizers else None, share=(trainer,),
-                precision=str(trainer.precision), device=pl_module.device, limit=max(1, now),
-                accumulate=self._accumulate,
-            ) if self._dry is not None and pl_module.automatic_optimization else None  # fmt: skip
+        if self._unsharded is not None:  # FSDP2: per rank, on the module as it was before configure_model
+            found = fsdp2.largest_batch(
+                trainer, pl_module, self._unsharded, batch_for, capacity.bytes, max(1, now)
+            ) if self._dry is not None else None  # fmt: skip
+        else:
+            with untouched_rng(pl_module.device), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                found = largest_batch(
+                    pl_module, batch_for, capacity.bytes, step=lightning_step(0, trainer),
+                    optimizer=torch_optimizers(trainer)[0] if trainer.optimizers else None, share=(trainer,),
+                    precision=str(trainer.precision), device=pl_module.device, limit=max(1, now),
+                    accumulate=self._accumulate,
+                ) if self._dry is not None and pl_module.automatic_optimization else None  # fmt: skip
         if found is None or isinstance(found, NotTraced):
             return "lower the batch size, checkpoint activations or set ledger.device_memory_gb"
         if found.size == 0:
@@ -544,14 +556,18 @@ def bar_chart(report: Report):
 
 
 def dry_run_training_step(
-    trainer: pl.Trainer, pl_module: pl.LightningModule, batch: object, batch_idx: int, accumulate: int = 1
-) -> StepLedger | moe.MoEBounds | NotTraced:
+    trainer: pl.Trainer, pl_module: pl.LightningModule, batch: object, batch_idx: int, accumulate: int = 1,
+    unsharded: torch.nn.Module | None = None,
+) -> StepLedger | moe.MoEBounds | NotTraced:  # fmt: skip
     """The dry run of `pl_module.training_step` on `batch` with the trainer's optimizer, precision and
     accumulation (two, under balanced and worst routing, where top-k routing decides a shape: ledger.moe),
-    or why there is none. The copy keeps the trainer and logs nothing; the RNG streams are untouched."""
+    or why there is none. The copy keeps the trainer and logs nothing; the RNG streams are untouched.
+    Under ModelParallelStrategy (FSDP2) it is one rank's step on `unsharded`, the module as setup saw it."""
     why = _not_modelled(trainer, pl_module)
     if why is not None:
         return NotTraced(why)
+    if isinstance(trainer.strategy, ModelParallelStrategy):  # configure_model sharded pl_module: callbacks.fsdp2
+        return fsdp2.predict(trainer, pl_module, unsharded, batch, batch_idx, accumulate)
     optimizers = torch_optimizers(trainer)
     manual = not pl_module.automatic_optimization
     with untouched_rng(pl_module.device), warnings.catch_warnings():
@@ -590,7 +606,10 @@ def _replicated_ranks(trainer: pl.Trainer) -> int:
 
 def _not_modelled(trainer: pl.Trainer, pl_module: pl.LightningModule) -> str | None:
     """Why the dry run does not apply to this run, or None."""
-    replicated = isinstance(trainer.strategy, (SingleDeviceStrategy, DDPStrategy))
-    if not replicated or isinstance(trainer.strategy, DeepSpeedStrategy):  # DeepSpeed subclasses DDPStrategy
-        return f"{type(trainer.strategy).__name__} shards the model; the dry run models one replicated device"
+    modelled = isinstance(trainer.strategy, (SingleDeviceStrategy, DDPStrategy, ModelParallelStrategy))
+    if not modelled or isinstance(trainer.strategy, DeepSpeedStrategy):  # DeepSpeed subclasses DDPStrategy
+        return (
+            f"{type(trainer.strategy).__name__} shards the model; the live dry run models replicated devices and "
+            "FSDP2 (ModelParallelStrategy)"
+        )
     return None

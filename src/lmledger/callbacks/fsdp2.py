@@ -1,0 +1,153 @@
+"""The live FSDP2 fit's prediction (Lightning's ModelParallelStrategy, `fully_shard` in configure_model).
+
+Lightning calls callbacks' `setup` before the module's `configure_model` (canary in
+tests/test_ledger_fsdp2.py), so at setup the Ledger keeps `unsharded_copy`: the module with every
+parameter, buffer and tensor attribute on the meta device (no memory). At the first batch `predict` dry-runs
+one rank's step on it with ledger.sharded.predict_sharded at the mesh's data-parallel size, where FSDP2 is
+the module's own configure_model replayed on the fake copy over a mesh of torch's fake process group (beside
+the real one), with the same dimension names as the strategy's; the optimizer is the same kind and groups as
+the one configure_optimizers made over the real shards. Tensor parallelism (a mesh with
+tensor_parallel_size > 1), gradient accumulation and manual optimization are one line each, and measured only.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections.abc import Callable
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch import nn
+
+from lmledger.callbacks.run import torch_optimizers, untouched_rng
+from lmledger.errors import UserError
+from lmledger.ledger import sharded
+from lmledger.ledger.dryrun import NotTraced, StepLedger
+from lmledger.ledger.predict import lightning_step
+
+# Objects a module may hold that are data, not state: the copy shares them (deepcopy would read them whole).
+_SHARED = (torch.utils.data.Dataset, torch.utils.data.DataLoader)
+
+
+def unsharded_copy(trainer: pl.Trainer, pl_module: pl.LightningModule) -> nn.Module | None:
+    """Under ModelParallelStrategy, before configure_model: a deep copy of `pl_module` whose parameters,
+    buffers and tensor attributes are meta twins (shapes and dtypes, no memory); None under any other strategy."""
+    if not isinstance(trainer.strategy, ModelParallelStrategy):
+        return None
+    memo: dict[int, object] = {id(trainer): trainer, id(pl_module._device_mesh): None}
+    for module in pl_module.modules():
+        for value in vars(module).values():
+            if isinstance(value, _SHARED):
+                memo[id(value)] = value
+        tensors = [*module._parameters.values(), *module._buffers.values()]
+        tensors += [v for v in vars(module).values() if isinstance(v, torch.Tensor)]
+        for t in tensors:
+            if t is not None and id(t) not in memo:
+                twin = torch.empty_like(t.detach(), device="meta")
+                memo[id(t)] = nn.Parameter(twin, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else twin
+    return copy.deepcopy(pl_module, memo)
+
+
+def mesh_sizes(trainer: pl.Trainer) -> tuple[int, int]:
+    """(data-parallel, tensor-parallel) sizes of ModelParallelStrategy's mesh."""
+    mesh = trainer.strategy.device_mesh
+    return mesh["data_parallel"].size(), mesh["tensor_parallel"].size()
+
+
+def predict(
+    trainer: pl.Trainer, pl_module: pl.LightningModule, unsharded: nn.Module | None, batch: object, batch_idx: int,
+    accumulate: int = 1,
+) -> StepLedger | NotTraced:  # fmt: skip
+    """One rank's step under the live ModelParallelStrategy (module docstring), or why there is none."""
+    why = _not_modelled(trainer, pl_module, unsharded, accumulate)
+    if why is not None:
+        return NotTraced(why)
+    data_parallel, _ = mesh_sizes(trainer)
+    optimizers = torch_optimizers(trainer)
+    with untouched_rng(pl_module.device), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            return sharded.predict_sharded(
+                unsharded, batch, step=lightning_step(batch_idx, trainer),
+                optimizer=same_optimizer(optimizers[0], pl_module) if optimizers else None,
+                precision=str(trainer.precision), strategy="fsdp2", world_size=data_parallel,
+                fsdp=sharded.FSDPSettings(shard=replay_configure_model(trainer)), device=pl_module.device,
+            )  # fmt: skip
+        except UserError as err:
+            return NotTraced(str(err))
+
+
+def _not_modelled(trainer, pl_module, unsharded, accumulate: int) -> str | None:
+    _, tensor_parallel = mesh_sizes(trainer)
+    if tensor_parallel > 1:
+        return (
+            f"ModelParallelStrategy's mesh has tensor_parallel_size {tensor_parallel}: the dry run does not model "
+            "tensor parallelism yet"
+        )
+    if not pl_module.automatic_optimization or accumulate > 1:
+        return "FSDP2 with manual optimization or gradient accumulation is not modelled yet"
+    if unsharded is None:
+        return "the Ledger joined after configure_model had sharded the module: no unsharded copy to dry-run"
+    return None
+
+
+def same_optimizer(optimizer: torch.optim.Optimizer, pl_module: nn.Module) -> Callable:
+    """A factory making `optimizer`'s kind over the fake copy's sharded parameters: each group's parameters by
+    their position in the module (configure_model keeps the order), with that group's hyperparameters."""
+    position = {id(p): i for i, p in enumerate(pl_module.parameters())}
+    unknown = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in position]
+    if unknown:
+        raise UserError("the optimizer holds tensors that are not the module's parameters: FSDP2 is measured only")
+    groups = [([position[id(p)] for p in g["params"]], {k: v for k, v in g.items() if k != "params"})
+              for g in optimizer.param_groups]  # fmt: skip
+    kind = type(optimizer)
+
+    def make(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+        return kind([{"params": [params[i] for i in ix], **options} for ix, options in groups])
+
+    return make
+
+
+def replay_configure_model(trainer: pl.Trainer) -> Callable[[nn.Module, object], None]:
+    """FSDPSettings.shard for predict_sharded: the fake copy's own configure_model, its `device_mesh` a mesh of
+    the strategy's shape and dimension names over the fake process group (LightningModule.device_mesh reads
+    `_device_mesh`: canary in tests/test_ledger_fsdp2.py)."""
+
+    def shard(model: nn.Module, fake_mesh: object) -> None:
+        model.trainer = trainer  # a deep copy drops its trainer; configure_model may read it
+        model._device_mesh = fake_mesh_like(trainer.strategy.device_mesh, fake_mesh)
+        model.configure_model()
+
+    return shard
+
+
+def fake_mesh_like(real: object, fake_mesh: object) -> object:
+    """A 2-D (data_parallel, tensor_parallel) DeviceMesh as the strategy's, its data-parallel dimension the fake
+    process group's ranks. With tensor_parallel_size 1 its tensor dimension is this rank alone: the real
+    one-rank group stands there, which FSDP2 over the data-parallel dimension never calls."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.device_mesh import DeviceMesh
+
+    group = fake_mesh.get_group()
+    ranks = torch.distributed.get_process_group_ranks(group)
+    names = real.mesh_dim_names
+    with unset_fake_temporarily():  # the mesh's rank table is read as values: a real tensor, as the fake mesh's
+        return DeviceMesh.from_group(
+            [group, real[names[1]].get_group()], "cpu", mesh=torch.tensor(ranks).reshape(len(ranks), 1),
+            mesh_dim_names=names,
+        )  # fmt: skip
+
+
+def largest_batch(trainer, pl_module, unsharded, batch_for, capacity_bytes: int, limit: int) -> object:
+    """The largest per-rank batch whose predicted FSDP2 peak fits (ledger.sharded.largest_batch_sharded)."""
+    optimizers = torch_optimizers(trainer)
+    with untouched_rng(pl_module.device), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return sharded.largest_batch_sharded(
+            unsharded, batch_for, capacity_bytes, limit=limit, step=lightning_step(0, trainer),
+            optimizer=same_optimizer(optimizers[0], pl_module) if optimizers else None,
+            precision=str(trainer.precision), strategy="fsdp2", world_size=mesh_sizes(trainer)[0],
+            fsdp=sharded.FSDPSettings(shard=replay_configure_model(trainer)), device=pl_module.device,
+        )  # fmt: skip

@@ -1,0 +1,298 @@
+"""A live FSDP2 fit (Lightning's ModelParallelStrategy, fully_shard in configure_model) is predicted per rank by
+Ledger() (callbacks.fsdp2) and held to what each of 2 real gloo ranks on this CPU measures: LitLM through
+`lmledger fit`, and a plain-PyTorch module with its own configure_model. A tensor-parallel mesh is measured
+only, with one line. LitLM's gradient norm and clipping under FSDP2 equal a single process's on the same data.
+
+Each fit is a few steps of a tiny model. The 2-rank fits are started as scripts (this file run as one:
+`python tests/test_ledger_fsdp2.py plain|tensor_parallel OUT`), since Lightning's launcher for
+ModelParallelStrategy starts rank 1 by running the same command again; each rank writes its Ledger's figures
+to OUT/rank{R}.json (DumpLedger)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch import nn
+
+from lmledger.callbacks import Ledger
+from lmledger.lit import LitLM
+from lmledger.model import ModelConfig
+
+HERE = Path(__file__).resolve()
+STATE = ("params", "grads", "optimizer")
+PEAK_TOLERANCE = 0.03
+
+
+class DumpLedger(pl.Callback):
+    """At fit end, this rank's Ledger figures (predicted and measured) to $LEDGER_DUMP/rank{R}.json."""
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        ledger = next(c for c in trainer.callbacks if isinstance(c, Ledger))
+        report = ledger.report
+        lines = ("params", "grads", "optimizer", "activations", "peak")
+        figures = {
+            "predicted": {n: report.primary.get(n) for n in lines} if report.primary else None,
+            "measured": {n: report.measured.get(n) for n in lines} if report.measured else None,
+            "why_not_predicted": ledger.why_not_predicted,
+            "rank": trainer.global_rank,
+        }
+        out = Path(os.environ["LEDGER_DUMP"]) / f"rank{trainer.global_rank}.json"
+        out.write_text(json.dumps(figures))
+
+
+def _ranks(out: Path) -> list[dict]:
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def _check_predicted_equals_measured(ranks: list[dict]) -> None:
+    for rank in ranks:
+        assert rank["why_not_predicted"] is None, rank
+        predicted, measured = rank["predicted"], rank["measured"]
+        for line in STATE:
+            assert predicted[line] == measured[line] > 0, (rank["rank"], line, predicted, measured)
+        assert abs(measured["peak"] / predicted["peak"] - 1) <= PEAK_TOLERANCE, (rank["rank"], predicted, measured)
+
+
+def _env(out: Path) -> dict[str, str]:
+    path = os.pathsep.join(p for p in (str(HERE.parent), os.environ.get("PYTHONPATH")) if p)  # DumpLedger's module
+    return {**os.environ, "OMP_NUM_THREADS": "1", "LEDGER_DUMP": str(out), "PYTHONPATH": path}
+
+
+# --------------------------------------------------------------------------------------------
+# (a) LitLM through `lmledger fit`
+# --------------------------------------------------------------------------------------------
+
+FSDP2 = ["--trainer.strategy", "ModelParallelStrategy", "--trainer.strategy.data_parallel_size", "2",
+         "--trainer.strategy.tensor_parallel_size", "1"]  # fmt: skip
+
+
+def test_litlm_fsdp2_fit_is_predicted_per_rank(workdir):
+    from conftest import TINY_OVERRIDES, read_scalars
+
+    out = workdir / "dump"
+    out.mkdir()
+    cmd = [
+        sys.executable, "-m", "lmledger.cli", "fit", "--config", "configs/tiny.yaml", *TINY_OVERRIDES, *FSDP2,
+        "--trainer.devices", "2", "--trainer.max_steps", "4", "--trainer.log_every_n_steps", "2",
+        "--trainer.val_check_interval", "4", "--ledger.warmup_steps", "1",
+        "--trainer.callbacks+=test_ledger_fsdp2.DumpLedger",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=_env(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "GLOBAL_RANK: 1, MEMBER: 2/2" in proc.stderr + proc.stdout
+    ranks = _ranks(out)
+    _check_predicted_equals_measured(ranks)
+    # Each rank holds half of every (even) tensor: the state is half the single-device closed form's whole.
+    scalars = read_scalars(workdir / "runs" / "tiny" / "version_0")
+    whole = 4 * sum(p.numel() for p in LitLM(_tiny_config()).model.parameters())
+    assert ranks[0]["measured"]["params"] == whole // 2
+    assert scalars["memory/predicted/params"][-1][1] == ranks[0]["predicted"]["params"]
+    grad_norms = [v for _, v in scalars["train/grad_norm"]]
+    assert len(grad_norms) == 2 and all(0 < v < float("inf") for v in grad_norms)
+
+
+def _tiny_config() -> ModelConfig:
+    # conftest.TINY_OVERRIDES on configs/tiny.yaml, vocabulary of the stdlib corpus (bytes)
+    return ModelConfig(vocab_size=256, context_length=64, d_model=64, n_layers=2, n_heads=2, d_ff=128,
+                       tie_embeddings=False)  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------
+# (b), (c) a plain-PyTorch LightningModule with its own configure_model
+# --------------------------------------------------------------------------------------------
+
+
+class Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.up = nn.Linear(width, 2 * width)
+        self.down = nn.Linear(2 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(self.norm(x))))
+
+
+class Net(nn.Module):
+    def __init__(self, width: int = 32, classes: int = 10) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(width) for _ in range(2))
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+class PlainFSDP2(pl.LightningModule):
+    """fully_shard on each block, then the net, resharding after forward off; Adam."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = Net()
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = self.device_mesh["data_parallel"]
+        for block in self.net.blocks:
+            fully_shard(block, mesh=mesh, reshard_after_forward=False)
+        fully_shard(self.net, mesh=mesh, reshard_after_forward=False)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+
+def _plain_fit(case: str) -> None:
+    """One rank of the 2-rank fit of PlainFSDP2 (run as a script: Lightning starts rank 1 the same way)."""
+    torch.set_num_threads(1)
+    pl.seed_everything(0, verbose=False)
+    data_parallel, tensor_parallel = (2, 1) if case == "plain" else (1, 2)
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(64, 32, generator=g), torch.randint(0, 10, (64,), generator=g))
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, max_steps=3, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+        strategy=ModelParallelStrategy(data_parallel_size=data_parallel, tensor_parallel_size=tensor_parallel),
+        callbacks=[Ledger(warmup_steps=1), DumpLedger()],
+    )  # fmt: skip
+    trainer.fit(PlainFSDP2(), torch.utils.data.DataLoader(data, batch_size=8))
+
+
+def _run_plain(case: str, tmp_path: Path) -> list[dict]:
+    proc = subprocess.run(
+        [sys.executable, str(HERE), case, str(tmp_path)], capture_output=True, text=True, timeout=300,
+        env=_env(tmp_path), cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return _ranks(tmp_path)
+
+
+def test_plain_module_with_its_own_configure_model_is_predicted_per_rank(tmp_path):
+    ranks = _run_plain("plain", tmp_path)
+    _check_predicted_equals_measured(ranks)
+    whole = 4 * sum(p.numel() for p in Net().parameters())
+    assert [r["measured"]["params"] for r in ranks] == [whole // 2, whole // 2]
+    assert ranks[0]["measured"]["optimizer"] == 2 * ranks[0]["measured"]["params"]  # Adam: two moments
+
+
+def test_a_tensor_parallel_mesh_is_measured_only_with_one_line(tmp_path):
+    ranks = _run_plain("tensor_parallel", tmp_path)
+    for rank in ranks:
+        assert rank["predicted"] is None
+        assert "tensor_parallel_size 2" in rank["why_not_predicted"]
+        assert "tensor parallelism" in rank["why_not_predicted"]
+        assert rank["measured"]["params"] > 0  # still measured
+
+
+# --------------------------------------------------------------------------------------------
+# LitLM's gradient norm and clipping under FSDP2
+# --------------------------------------------------------------------------------------------
+
+CLIP = 0.05  # well below the first step's norm: clipping acts
+
+
+def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randint(0, 256, (4, 32), generator=g), torch.randint(0, 256, (4, 32), generator=g)) for _ in "ab"]
+
+
+def _lit(strategy) -> LitLM:
+    torch.manual_seed(0)
+    config = ModelConfig(vocab_size=256, context_length=32, d_model=32, n_layers=2, n_heads=2, d_ff=64)
+    lit = LitLM(config)
+    lit._trainer = SimpleNamespace(strategy=strategy)  # what gradient_norm and configure_model read
+    return lit
+
+
+def _clipped(lit: LitLM) -> tuple[float, dict[str, torch.Tensor]]:
+    optimizer = torch.optim.SGD(lit.parameters(), lr=1.0)
+    norm = lit.gradient_norm()
+    assert type(norm) is torch.Tensor  # not FSDP2's DTensor of partial norms: NonFiniteGuard all-reduces it
+    lit.configure_gradient_clipping(optimizer, gradient_clip_val=CLIP)
+    grads = {n: getattr(p.grad, "full_tensor", lambda g=p.grad: g)() for n, p in lit.named_parameters()}
+    return float(norm), grads
+
+
+def _fsdp2_rank() -> tuple[float, dict[str, torch.Tensor]]:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    lit = _lit(ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1))
+    lit._device_mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("data_parallel", "tensor_parallel"))
+    lit.configure_model()
+    assert all(type(p).__name__ == "DTensor" for p in lit.parameters())
+    x, y = _batches()[dist.get_rank()]
+    lit(x, y).backward()  # FSDP2 reduce-scatters the mean of the two ranks' gradients
+    return _clipped(lit)
+
+
+def test_litlm_gradient_norm_and_clipping_under_fsdp2_equal_one_process():
+    from lmledger.ledger.sharded import run_ranks
+
+    ranks = run_ranks(_fsdp2_rank, 2)
+    lit = _lit(pl.strategies.SingleDeviceStrategy(device="cpu"))
+    (x0, y0), (x1, y1) = _batches()
+    ((lit(x0, y0) + lit(x1, y1)) / 2).backward()
+    norm, grads = _clipped(lit)
+    assert norm > 2 * CLIP  # clipping acts
+    for rank_norm, rank_grads in ranks:
+        assert rank_norm == pytest.approx(norm, rel=1e-5)
+        for name, grad in grads.items():
+            torch.testing.assert_close(rank_grads[name], grad, rtol=1e-4, atol=1e-7)
+    clipped = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads.values()]))
+    assert float(clipped) == pytest.approx(CLIP, rel=1e-4)
+
+
+# --------------------------------------------------------------------------------------------
+# Canaries: what callbacks.fsdp2 relies on in Lightning
+# --------------------------------------------------------------------------------------------
+
+
+def test_canary_callbacks_setup_runs_before_configure_model(tmp_path):
+    """Lightning's Trainer._run: callbacks' setup (call._call_setup_hook), then configure_model; the Ledger
+    keeps its unsharded copy in setup."""
+    order = []
+
+    class Recorder(pl.Callback):
+        def setup(self, trainer, pl_module, stage):
+            order.append("callback setup")
+
+    class Module(PlainFSDP2):
+        def configure_model(self):
+            order.append("configure_model")
+
+    data = torch.utils.data.TensorDataset(torch.randn(4, 32), torch.randint(0, 10, (4,)))
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[Recorder()], default_root_dir=tmp_path,
+    )  # fmt: skip
+    trainer.fit(Module(), torch.utils.data.DataLoader(data, batch_size=4))
+    assert order == ["callback setup", "configure_model"]
+
+
+def test_canary_device_mesh_reads_the_module_attribute():
+    """LightningModule.device_mesh is `_device_mesh` (ModelParallelStrategy sets it): the fake copy's own
+    configure_model is handed the fake mesh so."""
+    module = PlainFSDP2()
+    mesh = object()
+    module._device_mesh = mesh
+    assert module.device_mesh is mesh
+
+
+if __name__ == "__main__":
+    _plain_fit(sys.argv[1])
