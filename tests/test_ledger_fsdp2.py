@@ -137,9 +137,9 @@ class Net(nn.Module):
 class PlainFSDP2(pl.LightningModule):
     """fully_shard on each block, then the net, resharding after forward off; Adam."""
 
-    def __init__(self) -> None:
+    def __init__(self, width: int = 32) -> None:
         super().__init__()
-        self.net = Net()
+        self.net = Net(width)
 
     def configure_model(self) -> None:
         from torch.distributed.fsdp import fully_shard
@@ -161,16 +161,17 @@ def _plain_fit(case: str) -> None:
     """One rank of the 2-rank fit of PlainFSDP2 (run as a script: Lightning starts rank 1 the same way)."""
     torch.set_num_threads(1)
     pl.seed_everything(0, verbose=False)
-    data_parallel, tensor_parallel = (2, 1) if case == "plain" else (1, 2)
+    data_parallel, tensor_parallel = (1, 2) if case == "tensor_parallel" else (2, 1)
+    width = 33 if case == "uneven" else 32  # 33: some first dimensions do not divide by the 2 ranks
     g = torch.Generator().manual_seed(0)
-    data = torch.utils.data.TensorDataset(torch.randn(64, 32, generator=g), torch.randint(0, 10, (64,), generator=g))
+    data = torch.utils.data.TensorDataset(torch.randn(64, width, generator=g), torch.randint(0, 10, (64,), generator=g))
     trainer = pl.Trainer(
         accelerator="cpu", devices=2, max_steps=3, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False,
         strategy=ModelParallelStrategy(data_parallel_size=data_parallel, tensor_parallel_size=tensor_parallel),
         callbacks=[Ledger(warmup_steps=1), DumpLedger()],
     )  # fmt: skip
-    trainer.fit(PlainFSDP2(), torch.utils.data.DataLoader(data, batch_size=8))
+    trainer.fit(PlainFSDP2(width), torch.utils.data.DataLoader(data, batch_size=8))
 
 
 def _run_plain(case: str, tmp_path: Path) -> list[dict]:
@@ -188,6 +189,20 @@ def test_plain_module_with_its_own_configure_model_is_predicted_per_rank(tmp_pat
     whole = 4 * sum(p.numel() for p in Net().parameters())
     assert [r["measured"]["params"] for r in ranks] == [whole // 2, whole // 2]
     assert ranks[0]["measured"]["optimizer"] == 2 * ranks[0]["measured"]["params"]  # Adam: two moments
+
+
+def test_uneven_shards_predict_rank_0_which_holds_the_most(tmp_path):
+    """The fake process group's rank is 0, so every rank is given rank 0's step. Where a first dimension does not
+    divide by W, FSDP2 pads each rank's parameter and gradient shard to one size (equal on every rank), while
+    Adam's moments follow the unpadded shard: the last rank holds less, and its peak is below the prediction."""
+    ranks = _run_plain("uneven", tmp_path)
+    _check_predicted_equals_measured(ranks[:1])
+    last = ranks[1]
+    predicted, measured = last["predicted"], last["measured"]
+    assert predicted == ranks[0]["predicted"]
+    assert measured["params"] == predicted["params"] and measured["grads"] == predicted["grads"]
+    assert measured["optimizer"] < predicted["optimizer"]
+    assert 1 - PEAK_TOLERANCE <= measured["peak"] / predicted["peak"] < 1
 
 
 def test_a_tensor_parallel_mesh_is_measured_only_with_one_line(tmp_path):
