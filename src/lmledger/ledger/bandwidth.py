@@ -1,15 +1,16 @@
 """Memory bandwidth per device, for the roofline (ledger/roofline.py): bytes per second an op can move.
 
-A listed GPU: the datasheet figure in gpus.GPUS (HBM/GDDR bandwidth). A CPU: measured once per
-machine and cached on disk beside the CPU peak (cpu.cache_dir()/cpu-bandwidth.json, with when and
-how), because no spec the OS reports gives it. An unlisted GPU: measured once per process.
+- A listed GPU: the datasheet figure in gpus.GPUS (HBM/GDDR bandwidth).
+- A CPU: measured once per machine, since no spec the OS reports gives it. Cached on disk beside the
+  CPU peak, with when and how (cpu.cache_dir()/cpu-bandwidth.json).
+- An unlisted GPU: measured once per process.
 
-The measurement is the best rate of `dst.copy_(src)` (each byte read once and written once) over
-buffers from 256 KiB to 64 MiB, several rounds, with torch's threads and with one thread (times the
-threads: caches are per core). On a CPU the best rate comes from a buffer that fits in
-cache, not from DRAM: a step's tensors are often cache-resident on a small model, and a bound must not
-be beaten, so the roofline takes the best rate ("cache"); the large-buffer rate ("dram") is kept
-beside it in the detail line and the cache file. No Lightning import.
+The measurement is the best rate of `dst.copy_(src)`: each byte read once and written once. Buffers
+run from 256 KiB to 64 MiB, over several rounds. It runs with torch's threads, and with one thread
+times the threads (caches are per core). On a CPU the best rate comes from a buffer in cache, not
+from DRAM. A small model's tensors are often cache-resident, and a bound must not be beaten. So the
+roofline takes the best rate ("cache"). The large-buffer rate ("dram") is kept beside it, in the
+detail line and the cache file. No Lightning import.
 """
 
 from __future__ import annotations
@@ -28,10 +29,12 @@ from lmledger.atomic import DiskWriteError, atomic_write
 from lmledger.ledger.cpu import cache_dir, cpu_info
 from lmledger.ledger.gpus import find_gpu, resolve
 
-CPU_BANDWIDTH_FILE = "cpu-bandwidth.json"
+__all__ = ["Bandwidth", "measured_cpu_bandwidth", "memory_bandwidth"]
+
+_CPU_BANDWIDTH_FILE = "cpu-bandwidth.json"
 _SIZES = tuple(1 << p for p in range(18, 27))  # bytes per buffer: 256 KiB .. 64 MiB
 _TARGET_S = 0.002  # each timing repeats the copy until it lasts this long
-CPU_TRIES = 3
+_CPU_TRIES = 3
 
 
 @dataclass(frozen=True)
@@ -43,7 +46,7 @@ class Bandwidth:
 
 
 def memory_bandwidth(device: str | torch.device | None = None) -> Bandwidth:
-    """The memory bandwidth the roofline divides bytes by on `device` (default: CUDA if present, else CPU)."""
+    """The bandwidth the roofline divides bytes by on `device`; default CUDA if present, else CPU."""
     device = torch.device(device) if device is not None else _default_device()
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
@@ -54,8 +57,8 @@ def memory_bandwidth(device: str | torch.device | None = None) -> Bandwidth:
     return measured_cpu_bandwidth()
 
 
-def gpu_bandwidth(key: str) -> Bandwidth:
-    """The datasheet bandwidth of a GPU named by key or torch device name (for planning on paper)."""
+def _gpu_bandwidth(key: str) -> Bandwidth:
+    """The datasheet bandwidth of a GPU key or torch device name, for planning on paper."""
     spec = resolve(key)
     if spec is None:
         from lmledger.errors import UserError
@@ -68,8 +71,8 @@ def _default_device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
-def copy_rates(device: torch.device, rounds: int) -> dict[int, float]:
-    """Best bytes/s (read + written) of a buffer copy per buffer size on `device`, over `rounds` rounds."""
+def _copy_rates(device: torch.device, rounds: int) -> dict[int, float]:
+    """Best bytes/s (read + written) of a buffer copy on `device`, per buffer size, over `rounds`."""
     best: dict[int, float] = {}
     for _ in range(rounds):
         for size in _SIZES:
@@ -101,11 +104,13 @@ def _cache_key() -> str:
     return f"{info.model} | {info.logical_cpus} cpus | torch {torch.__version__} | {torch.get_num_threads()} threads"
 
 
-def measured_cpu_bandwidth(*, tries: int = CPU_TRIES, refresh: bool = False) -> Bandwidth:
-    """This CPU's best copy bandwidth, measured once per machine (CPU model, CPU count, torch version,
-    threads) and cached in cache_dir()/cpu-bandwidth.json with when and how; `refresh` measures again
-    and keeps the faster of the two."""
-    path = cache_dir() / CPU_BANDWIDTH_FILE
+def measured_cpu_bandwidth(*, tries: int = _CPU_TRIES, refresh: bool = False) -> Bandwidth:
+    """This CPU's best copy bandwidth.
+
+    Measured once per machine (CPU model, CPU count, torch version, threads). Cached in
+    cache_dir()/cpu-bandwidth.json with when and how. `refresh` measures again and keeps the faster.
+    """
+    path = cache_dir() / _CPU_BANDWIDTH_FILE
     entries = _load(path)
     key = _cache_key()
     entry = entries.get(key)
@@ -114,16 +119,16 @@ def measured_cpu_bandwidth(*, tries: int = CPU_TRIES, refresh: bool = False) -> 
     )
     if refresh or not valid:
         threads = torch.get_num_threads()
-        rates = copy_rates(torch.device("cpu"), tries)
+        rates = _copy_rates(torch.device("cpu"), tries)
         torch.set_num_threads(1)
         try:
-            single = copy_rates(torch.device("cpu"), tries)
+            single = _copy_rates(torch.device("cpu"), tries)
         finally:
             torch.set_num_threads(threads)
         entry = {
-            # Caches are private per core, so one thread's cache-resident rate times the threads is what
-            # they can reach together; it also survives a busy machine, where a descheduled thread stalls
-            # a multi-threaded copy and only ever makes it look slower.
+            # Caches are private per core: one thread's cache-resident rate times the threads is what
+            # they reach together. It also survives a busy machine, where a descheduled thread stalls a
+            # multi-threaded copy and only ever makes it look slower.
             "bytes_per_s": max(max(rates.values()), max(single.values()) * threads),
             "dram_bytes_per_s": max(rates[_SIZES[-1]], single[_SIZES[-1]]),
             "measured_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -135,7 +140,7 @@ def measured_cpu_bandwidth(*, tries: int = CPU_TRIES, refresh: bool = False) -> 
             ),
         }
         if valid and entries[key]["bytes_per_s"] > entry["bytes_per_s"]:
-            entry = entries[key]  # a busy machine only makes copies slower: the faster measurement stands
+            entry = entries[key]  # a busy machine only makes copies slower: the faster one stands
         entries[key] = entry
         _save(path, entries)
     detail = (
@@ -147,7 +152,7 @@ def measured_cpu_bandwidth(*, tries: int = CPU_TRIES, refresh: bool = False) -> 
 
 @functools.cache
 def _measured_device_bandwidth(device: str) -> Bandwidth:
-    rates = copy_rates(torch.device(device), 2)
+    rates = _copy_rates(torch.device(device), 2)
     best = max(rates.values())
     return Bandwidth(best, "measured", f"best copy rate on {device}, this process", rates[_SIZES[-1]])
 

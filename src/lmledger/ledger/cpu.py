@@ -1,10 +1,10 @@
-"""The CPU's peak FLOP/s: from its own specifications, or its best measured matmul, cached per machine.
+"""The CPU's peak FLOP/s: from its specifications, or its best measured matmul, cached per machine.
 
-The CPU's peak is a property of the machine, not of the moment: cores x clock x FLOP per cycle of the
-widest FMA units its flags report (`cpu_spec_peak`, labelled "spec"). Where the OS does not report enough
-for that, or a matmul beats it, the peak is measured: the best rate of square matmuls over several
-tries (ledger/matmul.py), labelled "measured", cached on disk per machine (`measured_cpu_peak`).
-`cpu_peak` chooses between them. Importing this module does not import torch.
+The peak is a property of the machine, not of the moment. The spec is cores x clock x FLOP per cycle
+of the widest FMA units its flags report (`cpu_spec_peak`, labelled "spec"). Where the OS reports too
+little for that, or a matmul beats it, the peak is measured (`measured_cpu_peak`, labelled
+"measured"). That is the best rate of square matmuls over several tries (ledger/matmul.py), cached on
+disk per machine. `cpu_peak` chooses between them. Importing this module does not import torch.
 """
 
 from __future__ import annotations
@@ -23,6 +23,17 @@ from pathlib import Path
 from lmledger.atomic import DiskWriteError, atomic_write
 from lmledger.ledger import matmul
 from lmledger.ledger.gpus import Peak, dtype_name
+
+__all__ = [
+    "CPU_MEASURE_TRIES",
+    "CPU_PEAKS_FILE",
+    "CpuInfo",
+    "cache_dir",
+    "cpu_info",
+    "cpu_peak",
+    "cpu_spec_peak",
+    "measured_cpu_peak",
+]
 
 
 @dataclass(frozen=True)
@@ -73,7 +84,7 @@ def _cgroup_cpu_limit() -> int | None:
 
 @functools.cache
 def cpu_info() -> CpuInfo:
-    """What the OS reports about the CPUs this process may run on (Linux; elsewhere mostly unknown)."""
+    """What the OS reports of the CPUs this process may run on (Linux; elsewhere mostly unknown)."""
     try:
         allowed = sorted(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
@@ -94,8 +105,8 @@ def cpu_info() -> CpuInfo:
     limit = _cgroup_cpu_limit()
     if limit is not None:
         cores = min(cores, limit)
-    # The clock: cpufreq's maximum (turbo included: a peak is an upper bound); in VMs without cpufreq,
-    # the "cpu MHz" the hypervisor reports (the nominal clock, constant there).
+    # The clock: cpufreq's maximum, turbo included (a peak is an upper bound). In VMs without cpufreq,
+    # the "cpu MHz" the hypervisor reports: the nominal clock, constant there.
     max_khz = [_read(f"/sys/devices/system/cpu/cpu{cpu}/cpufreq/cpuinfo_max_freq") for cpu in allowed]
     max_khz = [int(k) for k in max_khz if k and k.strip().isdigit()]
     mhz = [float(b["cpu MHz"]) for b in mine if re.fullmatch(r"[0-9.]+", b.get("cpu MHz", ""))]
@@ -108,23 +119,24 @@ def cpu_info() -> CpuInfo:
     return CpuInfo(model, platform.machine().lower(), cores, len(allowed), ghz, clock_source, flags)
 
 
-# FP32 FLOP per cycle per core: (flags needed, FLOP/cycle, what). x86 cores issue two FMA per cycle on
-# their widest vectors (Intel since Haswell for 256-bit and Skylake-SP Gold/Platinum for 512-bit, AMD
-# since Zen 2 for 256-bit; Intel's optimization manual, AMD's software optimization guides); an FMA is
-# 2 FLOP per lane: AVX-512 2 x 16 x 2 = 64, AVX2 2 x 8 x 2 = 32; AVX without FMA issues one 8-wide add
-# and one 8-wide multiply (16), SSE2 4 + 4 (8). Parts with a single 512-bit pipe (Xeon Bronze/Silver,
-# Zen 4's 2 x 256) reach half, so the spec is an upper bound, as a peak should be.
+# FP32 FLOP per cycle per core: (flags needed, FLOP/cycle, what).
+# x86 cores issue two FMA per cycle on their widest vectors: Intel since Haswell (256-bit) and
+# Skylake-SP Gold/Platinum (512-bit), AMD since Zen 2 (256-bit). Sources: Intel's optimization manual,
+# AMD's software optimization guides. An FMA is 2 FLOP per lane: AVX-512 2 x 16 x 2 = 64, AVX2
+# 2 x 8 x 2 = 32. AVX without FMA issues one 8-wide add and one 8-wide multiply (16); SSE2 4 + 4 (8).
+# Parts with one 512-bit pipe (Xeon Bronze/Silver, Zen 4's 2 x 256) reach half. So the spec is an
+# upper bound, as a peak should be.
 _X86_FP32 = (
     ({"avx512f"}, 64, "AVX-512, 2 FMA pipes"),
     ({"avx2", "fma"}, 32, "AVX2, 2 FMA pipes"),
     ({"avx"}, 16, "AVX add + mul"),
     ({"sse2"}, 8, "SSE2 add + mul"),
 )
-# aarch64: 128-bit NEON FMA, 4 fp32 lanes x 2 FLOP x 4 pipes (Arm Neoverse V1/V2, e.g. Grace) = 32; an
-# upper bound on 2-pipe cores (Neoverse N1, Cortex-A72).
+# aarch64: 128-bit NEON FMA, 4 fp32 lanes x 2 FLOP x 4 pipes = 32 (Arm Neoverse V1/V2, e.g. Grace).
+# An upper bound on 2-pipe cores (Neoverse N1, Cortex-A72).
 _ARM_FP32 = 32
 # Matrix units: Intel AMX's TMUL does 1024 BF16 (AMX-BF16, Sapphire Rapids on) or FP16 (AMX-FP16,
-# Granite Rapids) operations per cycle per core (Intel, "Accelerate AI Workloads with Intel AMX").
+# Granite Rapids) ops per cycle per core (Intel, "Accelerate AI Workloads with Intel AMX").
 # AVX512-BF16's VDPBF16PS and AVX512-FP16's VFMADDPH work on 32 16-bit lanes: 2 pipes x 32 x 2 = 128.
 _AMX_FLOP_PER_CYCLE = 1024
 _AVX512_16BIT_FLOP_PER_CYCLE = 128
@@ -156,8 +168,10 @@ def _flop_per_cycle(info: CpuInfo, dtype: str) -> tuple[int, str] | None:
 
 
 def cpu_spec_peak(dtype: str, info: CpuInfo | None = None) -> Peak | None:
-    """cores x clock x FLOP/cycle for `dtype`: the CPU's peak from its own specifications, or None where
-    the OS does not report the clock or the CPU's vector units are not known here."""
+    """The CPU's peak from its specifications: cores x clock x FLOP/cycle for `dtype`.
+
+    None where the OS reports no clock, or the CPU's vector units are not known here.
+    """
     dtype = dtype_name(dtype)
     info = info or cpu_info()
     per_cycle = _flop_per_cycle(info, dtype)
@@ -175,8 +189,10 @@ CPU_MEASURE_TRIES = 5  # ramps of matmuls for a measured CPU peak, once per mach
 
 
 def cache_dir() -> Path:
-    """Where lmledger keeps per-machine measurements: $LMLEDGER_CACHE_DIR, else $XDG_CACHE_HOME/lmledger,
-    else ~/.cache/lmledger."""
+    """Where per-machine measurements live.
+
+    $LMLEDGER_CACHE_DIR, else $XDG_CACHE_HOME/lmledger, else ~/.cache/lmledger.
+    """
     if os.environ.get("LMLEDGER_CACHE_DIR"):
         return Path(os.environ["LMLEDGER_CACHE_DIR"])
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lmledger"
@@ -212,9 +228,11 @@ def _save_cpu_peaks(path: Path, entries: dict) -> None:
 
 
 def measured_cpu_peak(dtype: str, *, tries: int = CPU_MEASURE_TRIES, refresh: bool = False) -> Peak:
-    """The best rate of square `dtype` matmuls on this CPU over `tries` ramps, measured once per machine
-    (CPU model, CPU count, torch version, torch threads) and cached in cache_dir()/cpu-peaks.json with
-    when and how; `refresh` measures again."""
+    """The best rate of square `dtype` matmuls on this CPU over `tries` ramps.
+
+    Measured once per machine (CPU model, CPU count, torch version, torch threads). Cached in
+    cache_dir()/cpu-peaks.json with when and how. `refresh` measures again.
+    """
     dtype = dtype_name(dtype)
     path = cache_dir() / CPU_PEAKS_FILE
     entries = _load_cpu_peaks(path)
@@ -235,10 +253,12 @@ def measured_cpu_peak(dtype: str, *, tries: int = CPU_MEASURE_TRIES, refresh: bo
 
 
 def cpu_peak(dtype: str) -> Peak:
-    """The CPU's peak for `dtype`: its spec (cores x clock x FLOP/cycle), unless this machine's own best
-    matmul (measured once and cached, `measured_cpu_peak`) beats it, and then that measurement. A peak a
-    matmul beats is no peak: a VM's /proc/cpuinfo gives the nominal clock, not the turbo the cores run at
-    (2026-12-01, this 2-core Xeon VM: spec 282 GFLOP/s at the reported 2.2 GHz, a square fp32 matmul 390)."""
+    """The CPU's peak for `dtype`: its spec, or this machine's best matmul where that beats it.
+
+    The measurement is made once and cached (`measured_cpu_peak`). A peak a matmul beats is no peak.
+    A VM's /proc/cpuinfo gives the nominal clock, not the turbo the cores run at. 2026-12-01, this
+    2-core Xeon VM: spec 282 GFLOP/s at the reported 2.2 GHz, a square fp32 matmul 390.
+    """
     spec = cpu_spec_peak(dtype)
     measured = measured_cpu_peak(dtype)
     if spec is not None and spec.flops_per_s >= measured.flops_per_s:

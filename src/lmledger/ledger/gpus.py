@@ -1,23 +1,26 @@
 """The GPU table: dense peak FLOP/s per dtype, memory and bandwidth per part; name resolution.
 
-Units: FLOP/s (int8 rows are integer ops/s), bytes, bytes/s. Every peak is the DENSE datasheet figure:
-NVIDIA and AMD print the "with sparsity" (2:4 structured) figure, twice the dense one, first and in bold
-for Ampere/CDNA 3 and later; that figure is never reached by a training matmul, so it never appears here.
+Units: FLOP/s (int8 rows are integer ops/s), bytes, bytes/s. Every peak is the DENSE datasheet figure.
+NVIDIA and AMD print the "with sparsity" (2:4 structured) figure first and in bold for Ampere/CDNA 3 on.
+It is twice the dense one. No training matmul reaches it, so it never appears here.
 
-Memory is the datasheet's "GB" read as 1e9 bytes, as the CS336 lecture does ("80 GB" H100 -> 80e9). The
-physical HBM is GiB-sized (an 80 GB H100 reports ~85e9 bytes to torch), so capacity planning with these
-figures is slightly conservative.
+Memory is the datasheet's "GB" read as 1e9 bytes, as the CS336 lecture does ("80 GB" H100 -> 80e9).
+Physical HBM is GiB-sized: an 80 GB H100 reports ~85e9 bytes to torch. Planning with these figures is
+slightly conservative.
 
-Why our own table instead of Lightning's `lightning.fabric.utilities.throughput.get_available_flops`
-(read in Lightning 2.6.6; canary test_lightning_resolves_no_peak_for_nvidia_h200): its H200 entries are
-keyed "h200 sxm1" / "h200 nvl1", so plain "NVIDIA H200" (torch's name for it) maps to nothing; the H200
-bf16/fp16 (2.0e15), tf32 (9.9e14) and int8 (4.0e15) figures are the sparse ones; its "h100 nvl" entry
-lists 1978.8e12 bf16 (the dense figure is 835e12); "NVIDIA L40S" falls through its `"l4" in chip` test and
-gets the L4's 121e12; there is no B200 and no fp8 column. This module also must not import Lightning.
+Why not Lightning's `lightning.fabric.utilities.throughput.get_available_flops` (read in Lightning 2.6.6;
+canary test_lightning_resolves_no_peak_for_nvidia_h200)?
+- Its H200 keys are "h200 sxm1" / "h200 nvl1": "NVIDIA H200", torch's name, maps to nothing.
+- Its H200 bf16/fp16 (2.0e15), tf32 (9.9e14) and int8 (4.0e15) figures are the sparse ones.
+- Its "h100 nvl" lists 1978.8e12 bf16; the dense figure is 835e12.
+- "NVIDIA L40S" falls through its `"l4" in chip` test and gets the L4's 121e12.
+- It has no B200 and no fp8 column.
+This module must not import Lightning anyway.
 
-Also here: the dtype names peaks are keyed by (DTYPES, dtype_name), and Peak, the value every peak source
-gives (this table; the CPU's spec and measurements, ledger/cpu.py). The lookup is ledger/peak_flops.py.
-Importing this module must not import torch (`lmledger plan` and `gpus` answer without it).
+Also here: the dtype names peaks are keyed by (DTYPES, dtype_name). And Peak, the value every peak
+source gives (this table; the CPU's spec and measurements, ledger/cpu.py). The lookup is
+ledger/peak_flops.py. Importing this module must not import torch: `lmledger plan` and `gpus` answer
+without it.
 """
 
 from __future__ import annotations
@@ -34,6 +37,18 @@ from lmledger.ledger.units import GB
 if TYPE_CHECKING:
     import torch
 
+__all__ = [
+    "DTYPES",
+    "GPUS",
+    "GpuSpec",
+    "Peak",
+    "datasheet_peak",
+    "dtype_name",
+    "find_gpu",
+    "require_gpu",
+    "resolve",
+]
+
 DTYPES = ("fp64", "fp32", "tf32", "bf16", "fp16", "fp8", "int8")
 
 _T = 1e12
@@ -44,8 +59,8 @@ _P = 1e15
 class GpuSpec:
     key: str
     name: str
-    # Dense peak per dtype in FLOP/s (ops/s for int8); None where the datasheet gives no figure for that
-    # dtype (the chip lacks it, e.g. bf16 on Volta, fp8 before Ada, or runs it at a negligible rate).
+    # Dense peak per dtype in FLOP/s (ops/s for int8). None where the datasheet gives no figure: the chip
+    # lacks the dtype (bf16 on Volta, fp8 before Ada) or runs it at a negligible rate.
     peak_flops: Mapping[str, float | None]
     memory_bytes: int
     bandwidth_bytes_per_s: float
@@ -64,13 +79,13 @@ def _peaks(fp64, fp32, tf32, bf16, fp16, fp8, int8) -> dict[str, float | None]:
     return dict(zip(DTYPES, (fp64, fp32, tf32, bf16, fp16, fp8, int8), strict=True))
 
 
-# fp64 is the FP64 Tensor Core figure where the chip has one (A100, H100, H200, B200): that is what a
-# float64 matmul (cuBLAS DGEMM) runs on; the vector FP64 figure is half of it on those chips.
-# Hopper/Ampere/Ada/Blackwell datasheets print tf32, bf16, fp16, fp8 and int8 "with sparsity" as 2x the
+# fp64 is the FP64 Tensor Core figure where the chip has one (A100, H100, H200, B200). A float64 matmul
+# (cuBLAS DGEMM) runs there; vector FP64 is half of it on those chips.
+# Hopper/Ampere/Ada/Blackwell datasheets print tf32, bf16, fp16, fp8 and int8 "with sparsity": 2x the
 # dense figures used here.
 _A100_PEAKS = _peaks(19.5 * _T, 19.5 * _T, 156 * _T, 312 * _T, 312 * _T, None, 624 * _T)
 _HOPPER_SXM_PEAKS = _peaks(67 * _T, 67 * _T, 494.7 * _T, 989.4 * _T, 989.4 * _T, 1978.9 * _T, 1978.9 * _T)
-# The NVL (dual-slot PCIe, 350-400 W) parts: the H100 NVL and H200 NVL datasheets give the same figures.
+# The NVL parts (dual-slot PCIe, 350-400 W): the H100 NVL and H200 NVL datasheets agree.
 _HOPPER_NVL_PEAKS = _peaks(60 * _T, 60 * _T, 417.5 * _T, 835 * _T, 835 * _T, 1670 * _T, 1670 * _T)
 _V100_SXM2_PEAKS = _peaks(7.8 * _T, 15.7 * _T, None, None, 125 * _T, None, None)
 _V100_PCIE_PEAKS = _peaks(7 * _T, 14 * _T, None, None, 112 * _T, None, None)
@@ -97,11 +112,11 @@ GPUS: dict[str, GpuSpec] = {
         # NVIDIA H200 Tensor Core GPU datasheet (SXM and NVL columns): H100 compute, more and faster HBM3e.
         GpuSpec("h200", "NVIDIA H200 SXM 141GB", _HOPPER_SXM_PEAKS, int(141 * GB), 4.8 * _T),
         GpuSpec("h200-nvl", "NVIDIA H200 NVL 141GB", _HOPPER_NVL_PEAKS, int(141 * GB), 4.8 * _T),
-        # Blackwell, per GPU, from NVIDIA's current per-GPU tables ("Individual Blackwell GPU
-        # Specifications" on the HGX B200 / GB200 NVL72 product pages, tensor figures "with sparsity",
-        # halved here). B200 (HGX, 1000 W): fp64 37 TF, fp32 75 TF, tf32 2.2 PF/2, fp16/bf16 4.5 PF/2,
-        # fp8 and int8 9 P/2, 180 GB at 7.7 TB/s. The launch material (GTC 2024) and most third-party pages
-        # say 192 GB and 8 TB/s; the HGX B200 board sheet's 62 TB/s for 8 GPUs agrees with 7.7.
+        # Blackwell per GPU: NVIDIA's "Individual Blackwell GPU Specifications" tables on the HGX B200 /
+        # GB200 NVL72 pages. Their tensor figures are "with sparsity", halved here.
+        # B200 (HGX, 1000 W): fp64 37 TF, fp32 75 TF, tf32 2.2 PF/2, fp16/bf16 4.5 PF/2, fp8 and int8
+        # 9 P/2, 180 GB at 7.7 TB/s. GTC 2024 and most third-party pages say 192 GB and 8 TB/s. The HGX
+        # B200 board sheet's 62 TB/s for 8 GPUs agrees with 7.7.
         GpuSpec(
             "b200",
             "NVIDIA B200 180GB",
@@ -109,8 +124,8 @@ GPUS: dict[str, GpuSpec] = {
             int(180 * GB),
             7.7 * _T,
         ),
-        # GB200 (the Grace Blackwell superchip's GPU, up to 1200 W), same NVIDIA table: fp64 40 TF, fp32
-        # 80 TF, tf32 2.5 PF/2, fp16/bf16 5 PF/2, fp8 and int8 10 P/2, 186 GB at 8 TB/s.
+        # GB200 (Grace Blackwell's GPU, up to 1200 W), same table: fp64 40 TF, fp32 80 TF, tf32 2.5 PF/2,
+        # fp16/bf16 5 PF/2, fp8 and int8 10 P/2, 186 GB at 8 TB/s.
         GpuSpec(
             "gb200",
             "NVIDIA GB200 186GB",
@@ -119,10 +134,10 @@ GPUS: dict[str, GpuSpec] = {
             8 * _T,
         ),
         # Blackwell Ultra. NVIDIA HGX B300 sheet, 8 GPUs: fp64 10 TF, fp32 600 TF, tf32 18 PF*, fp16/bf16
-        # 36 PF*, fp8 72 PF*, int8 2 POPS* (* with sparsity): per GPU dense fp64 1.25 TF, fp32 75 TF, tf32
-        # 1.125 PF, bf16 2.25 PF, fp8 4.5 PF, int8 0.125 POPS (Blackwell Ultra all but drops int8 and fp64).
-        # Memory: NVIDIA's per-GPU table gives 270 GB usable at 7.7 TB/s (the board sheet's "up to 2.3 TB"
-        # / 8 is the 288 GB of the announcements).
+        # 36 PF*, fp8 72 PF*, int8 2 POPS* (* with sparsity). Per GPU, dense: fp64 1.25 TF, fp32 75 TF,
+        # tf32 1.125 PF, bf16 2.25 PF, fp8 4.5 PF, int8 0.125 POPS. Blackwell Ultra all but drops int8 and
+        # fp64. Memory: NVIDIA's per-GPU table gives 270 GB usable at 7.7 TB/s. The board sheet's "up to
+        # 2.3 TB" / 8 is the 288 GB of the announcements.
         GpuSpec(
             "b300",
             "NVIDIA B300 SXM 270GB",
@@ -130,10 +145,10 @@ GPUS: dict[str, GpuSpec] = {
             int(270 * GB),
             7.7 * _T,
         ),
-        # GB300 (NVIDIA GB300 NVL72 page, 72 GPUs: fp16/bf16 360 PF*, fp8 720 PF*, tf32 180 PF*, int8
-        # 23 POPS*, 20.1 TB HBM3e at 576 TB/s): per GPU dense bf16 2.5 PF, fp8 5 PF, tf32 1.25 PF, int8
-        # 0.16 POPS, 279 GB, 8 TB/s; fp32 80 TF from NVIDIA's per-GPU table. The rack sheet's fp64 is not
-        # split per GPU consistently between sources, so it is left out.
+        # GB300. NVIDIA GB300 NVL72 page, 72 GPUs: fp16/bf16 360 PF*, fp8 720 PF*, tf32 180 PF*, int8
+        # 23 POPS*, 20.1 TB HBM3e at 576 TB/s. Per GPU, dense: bf16 2.5 PF, fp8 5 PF, tf32 1.25 PF, int8
+        # 0.16 POPS, 279 GB, 8 TB/s. fp32 80 TF is from NVIDIA's per-GPU table. Sources split the rack's
+        # fp64 per GPU inconsistently, so it is left out.
         GpuSpec(
             "gb300",
             "NVIDIA GB300 279GB",
@@ -149,7 +164,7 @@ GPUS: dict[str, GpuSpec] = {
             int(24 * GB),
             300 * GB,
         ),
-        # NVIDIA L40S datasheet (it prints dense and sparse side by side; no FP64 figure).
+        # NVIDIA L40S datasheet (dense and sparse side by side; no FP64 figure).
         GpuSpec(
             "l40s",
             "NVIDIA L40S 48GB",
@@ -157,8 +172,8 @@ GPUS: dict[str, GpuSpec] = {
             int(48 * GB),
             864 * GB,
         ),
-        # NVIDIA Ada GPU architecture whitepaper, GeForce RTX 4090 column. Tensor figures are the ones
-        # with FP32 accumulate (what training GEMMs use; GeForce runs them at half the FP16-accumulate rate).
+        # NVIDIA Ada GPU architecture whitepaper, GeForce RTX 4090 column. Tensor figures are with FP32
+        # accumulate, as training GEMMs use. GeForce runs them at half the FP16-accumulate rate.
         GpuSpec(
             "rtx-4090",
             "NVIDIA GeForce RTX 4090 24GB",
@@ -167,7 +182,7 @@ GPUS: dict[str, GpuSpec] = {
             1008 * GB,
         ),
         # NVIDIA A10 Tensor Core GPU datasheet: fp32 31.2 TF, tf32 62.5 TF, bf16/fp16 125 TF, int8 250 TOPS
-        # (dense; the sheet prints the sparse 125/250/500 beside them), 24 GB GDDR6 at 600 GB/s.
+        # (dense; the sparse 125/250/500 sit beside them), 24 GB GDDR6 at 600 GB/s.
         GpuSpec(
             "a10",
             "NVIDIA A10 24GB",
@@ -175,8 +190,8 @@ GPUS: dict[str, GpuSpec] = {
             int(24 * GB),
             600 * GB,
         ),
-        # The A10G is AWS's variant of the A10 and has no NVIDIA datasheet of its own; these are the
-        # A10 datasheet's figures (as Lightning also uses), so treat A10G MFU as a lower bound.
+        # The A10G is AWS's A10 variant, with no NVIDIA datasheet of its own. These are the A10's figures
+        # (Lightning uses them too), so treat A10G MFU as a lower bound.
         GpuSpec(
             "a10g",
             "NVIDIA A10G 24GB",
@@ -198,8 +213,8 @@ GPUS: dict[str, GpuSpec] = {
             320 * GB,
         ),
         # AMD Instinct MI300X data sheet (CDNA 3): fp64 matrix 163.4 TF, fp32 matrix 163.4 TF, tf32 653.7 TF,
-        # fp16/bf16 1307.4 TF, fp8 2614.9 TF, int8 2614.9 TOPS (dense; the sheet prints sparse figures 2x
-        # beside them), 192 GB HBM3 at 5.3 TB/s. ROCm torch reports it as "AMD Instinct MI300X".
+        # fp16/bf16 1307.4 TF, fp8 2614.9 TF, int8 2614.9 TOPS (dense; sparse 2x beside them), 192 GB HBM3
+        # at 5.3 TB/s. ROCm torch reports it as "AMD Instinct MI300X".
         GpuSpec("mi300x", "AMD Instinct MI300X 192GB", _CDNA3_PEAKS, int(192 * GB), 5.3 * _T),
         # AMD Instinct MI325X data sheet: the MI300X's compute, 256 GB HBM3E at 6 TB/s.
         GpuSpec("mi325x", "AMD Instinct MI325X 256GB", _CDNA3_PEAKS, int(256 * GB), 6.0 * _T),
@@ -211,7 +226,7 @@ GPUS: dict[str, GpuSpec] = {
 # Name resolution: a key ("h100-sxm", "H100 SXM") or what torch.cuda.get_device_name() reports
 # ("NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB", "Tesla T4", "NVIDIA GeForce RTX 4090", ...).
 
-# AMD's "Instinct" is a brand word like NVIDIA's "Tesla"; ROCm torch reports e.g. "AMD Instinct MI300X".
+# AMD's "Instinct" is a brand word like NVIDIA's "Tesla" (ROCm torch: "AMD Instinct MI300X").
 _VENDOR_WORDS = {"nvidia", "tesla", "geforce", "amd", "instinct"}
 _MEMORY_WORD = re.compile(r"\d+gb")
 # (model, is PCIe, memory word) -> key, for the parts sold in several memory sizes.
@@ -225,9 +240,8 @@ _SIZED_KEYS = {
     ("v100", True, "16gb"): "v100-pcie",
     ("v100", True, "32gb"): "v100-pcie-32gb",
 }
-# Parts sold in one form, with the words their device names may carry besides the model: "NVIDIA B300
-# SXM6 AC"; ROCm's "VF" marks an SR-IOV virtual function of the same GPU (cloud VMs). Memory words are
-# ignored for these.
+# Parts sold in one form, and the extra words their device names may carry ("NVIDIA B300 SXM6 AC").
+# ROCm's "VF" marks an SR-IOV virtual function of the same GPU (cloud VMs). Memory words are ignored.
 _SINGLE_KEYS: dict[str, set[str]] = {
     "b200": {"sxm", "sxm6"},
     "gb200": set(),
@@ -271,13 +285,13 @@ def _candidates(words: list[str]) -> list[str]:
             return ["h100-sxm"]
         if other:
             return []
-        # Plain "H100": the form factor decides the peak (SXM and PCIe differ by 30%), so do not guess.
+        # Plain "H100": the form factor sets the peak (SXM and PCIe differ by 30%). Do not guess.
         return [k for k in ("h100-sxm", "h100-pcie", "h100-nvl") if not sizes or _size_word(k) in sizes]
     if model == "h200":
         return ["h200-nvl" if "nvl" in qualifiers else "h200"]
     if model in ("a100", "v100"):
-        # Memory decides capacity and bandwidth; torch's names always carry it, so a name without it is
-        # ambiguous. A name that does not say PCIe is the SXM part, as torch's names are.
+        # Memory sets capacity and bandwidth. torch's names always carry it: a name without it is
+        # ambiguous. A name that does not say PCIe is the SXM part, as in torch's names.
         return [
             key
             for (part, is_pcie, size), key in _SIZED_KEYS.items()
@@ -291,13 +305,13 @@ def _candidates(words: list[str]) -> list[str]:
 
 
 def find_gpu(name: str) -> GpuSpec | None:
-    """The spec for a key or a torch device name; None, quietly, if unknown or ambiguous."""
+    """The spec for a key or torch device name; None, quietly, if unknown or ambiguous."""
     keys = _candidates(_words(name))
     return GPUS[keys[0]] if len(keys) == 1 else None
 
 
 def resolve(name: str) -> GpuSpec | None:
-    """`find_gpu`, warning for a name we do not know or one that matches several entries."""
+    """`find_gpu`, warning for an unknown or ambiguous name."""
     keys = _candidates(_words(name))
     if len(keys) == 1:
         return GPUS[keys[0]]
@@ -310,7 +324,7 @@ def resolve(name: str) -> GpuSpec | None:
 
 
 def require_gpu(name: str) -> GpuSpec:
-    """`resolve` for user input: an unknown or ambiguous name is a UserError instead of a warning."""
+    """`resolve` for user input: an unknown or ambiguous name is a UserError."""
     keys = _candidates(_words(name))
     if len(keys) == 1:
         return GPUS[keys[0]]
@@ -342,7 +356,7 @@ def dtype_name(dtype: str | torch.dtype) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Peak: one dense peak FLOP/s and where it came from; the datasheet's
+# Peak: one dense peak FLOP/s and where it came from. The datasheet's:
 
 
 @dataclass(frozen=True)
@@ -356,10 +370,10 @@ class Peak:
 def datasheet_peak(
     spec: GpuSpec, dtype: str | torch.dtype, *, float32_matmul_precision: str = "highest"
 ) -> Peak | None:
-    """The table's peak for `dtype` on `spec`, None where the datasheet has no figure.
+    """The table's peak for `dtype` on `spec`; None where the datasheet has none.
 
-    fp32 matmuls run as tf32 on chips that have tf32 (Ampere and later) unless torch's float32 matmul
-    precision is "highest", so the applicable peak for "fp32" is then the tf32 one.
+    fp32 matmuls run as tf32 on Ampere and later, unless float32 matmul precision is "highest".
+    The peak for "fp32" is then the tf32 one.
     """
     dtype = dtype_name(dtype)
     if dtype == "fp32" and float32_matmul_precision != "highest" and spec.peak_flops["tf32"] is not None:

@@ -1,7 +1,7 @@
 """Timing square matmuls: one (size x size) matmul per dtype, and the best rate over a ramp of sizes.
 
-Shared by `lmledger bench` (lmledger.bench) and the measured peaks (ledger/cpu.py for the CPU,
-ledger/peak_flops.py for an unlisted GPU). Importing this module does not import torch: the functions do.
+`lmledger bench` (lmledger.bench) and the measured peaks share it: ledger/cpu.py for the CPU,
+ledger/peak_flops.py for an unlisted GPU. Importing this module does not import torch; the functions do.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ from lmledger.ledger.gpus import dtype_name
 
 if TYPE_CHECKING:
     import torch
+
+__all__ = ["best_matmul_rate", "float32_matmul_precision", "matmul_flops", "time_matmul", "unsupported_reason"]
 
 
 def _torch_dtype(dtype: str) -> torch.dtype:
@@ -40,7 +42,7 @@ def matmul_flops(m: int, n: int, k: int) -> int:
 
 
 def unsupported_reason(dtype: str, device: torch.device) -> str | None:
-    """Why a `dtype` matmul cannot be timed on `device`, or None if it can."""
+    """Why a `dtype` matmul cannot be timed on `device`; None if it can."""
     import torch
 
     dtype = dtype_name(dtype)
@@ -73,8 +75,8 @@ def float32_matmul_precision(precision: str) -> Iterator[None]:
         torch.set_float32_matmul_precision(previous)
 
 
-# Enough operand pairs to rotate through that the next call's inputs are not still in cache (H100/H200
-# L2 is 50 MB; a server CPU's L3 is tens of MB), capped so tiny sizes do not allocate hundreds of pairs.
+# Enough operand pairs that the next call's inputs are out of cache: H100/H200 L2 is 50 MB, a server
+# CPU's L3 tens of MB. Capped, so tiny sizes do not allocate hundreds of pairs.
 _ROTATE_BYTES = {"cpu": 32 * 2**20, "cuda": 256 * 2**20}
 _MAX_BUFFERS = 16
 
@@ -109,11 +111,11 @@ def _matmul_fn(dtype: str, device: torch.device):
 def time_matmul(
     dtype: str, size: int, device: torch.device, *, repeats: int, warmup: int, statistic=statistics.median
 ) -> float:
-    """Median (or `statistic` of the) seconds of one (size x size) @ (size x size) matmul in `dtype` on `device`.
+    """Seconds of one (size x size) @ (size x size) `dtype` matmul on `device`: the median, or `statistic`.
 
-    Inputs rotate among several buffers; CUDA is timed with events, the CPU with perf_counter. fp32 runs
-    at float32 matmul precision "highest" (true fp32), tf32 at "high". Raises ValueError where
-    `unsupported_reason` gives one.
+    Inputs rotate among several buffers. CUDA is timed with events, the CPU with perf_counter.
+    fp32 runs at float32 matmul precision "highest" (true fp32), tf32 at "high".
+    Raises ValueError where `unsupported_reason` gives one.
     """
     import torch
 
@@ -155,12 +157,12 @@ def _cuda_seconds(matmul, operands, repeats: int, device: torch.device) -> list[
     return [s.elapsed_time(e) / 1e3 for s, e in zip(starts, ends, strict=True)]
 
 
-# A measured peak is the best rate over a ramp of square matmuls, doubling from 64 until one call
-# takes this long (or the size cap), but never stopping below _MEASURE_MIN_SIZE: on a busy machine a
-# small matmul can lose its time slice and look slow. Small sizes can win on a CPU (bf16 without
+# A measured peak is the best rate over a ramp of square matmuls. Sizes double from 64 until one call
+# takes this long, or to the size cap. The ramp never stops below _MEASURE_MIN_SIZE: on a busy machine
+# a small matmul can lose its time slice and look slow. Small sizes can win on a CPU: bf16 without
 # native support runs a cache-friendlier path at 64-128 than at 512, and a toy model's matmuls are
-# that small), large ones win on a GPU. Each size keeps its fastest repeat and the ramp runs several
-# times: a peak is a best case, and a shared machine only ever makes calls slower.
+# that small. Large ones win on a GPU. Each size keeps its fastest repeat, and the ramp runs several
+# times. A peak is a best case; a shared machine only ever makes calls slower.
 _MEASURE_TARGET_S = {"cpu": 0.02, "cuda": 0.005}
 _MEASURE_MIN_SIZE = {"cpu": 512, "cuda": 4096}
 _MEASURE_MAX_SIZE = {"cpu": 2048, "cuda": 8192}

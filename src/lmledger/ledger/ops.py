@@ -1,14 +1,14 @@
 """Every op of one training step, once: its FLOPs, the bytes it reads and writes, and its category.
 
 `OpRecorder` is a TorchDispatchMode the dry run (ledger/dryrun.py) enters around its first step
-(forward, backward, optimizer step). It sits below the step's FlopCounterMode on the mode stack, so it
-sees exactly the ops FlopCounterMode executes (after FlopCounterMode's own decompositions) and prices
-them with FlopCounterMode's own formula registry: the per-op FLOPs of forward and backward sum to
-StepLedger.flops. Bytes are sizes x element sizes of the op's tensor inputs (read) and outputs
-(written), each storage counted once per op and never above its size (three views of one qkv buffer
-read it once); views, metadata queries and allocations move nothing.
+(forward, backward, optimizer step). It sits below the step's FlopCounterMode on the mode stack. So it
+sees exactly the ops FlopCounterMode executes, after its decompositions. It prices them with
+FlopCounterMode's formula registry: the per-op FLOPs of forward and backward sum to StepLedger.flops.
+Bytes are sizes x element sizes of the op's tensor inputs (read) and outputs (written). Each storage
+counts once per op, never above its size: three views of one qkv buffer read it once. Views, metadata
+queries and allocations move nothing.
 
-Categories, shared with the measured side (ledger/profile.py), which classifies profiler event names
+Categories, shared with the measured side (ledger/profile.py). It classifies profiler event names
 ("aten::mm") with the same function:
     matmul          mm, bmm, addmm, baddbmm, linear, convolution (and their backward), _scaled_mm
     attention       scaled_dot_product_attention and its fused kernels, forward and backward
@@ -25,6 +25,20 @@ from dataclasses import dataclass, field
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = [
+    "ATTENTION",
+    "CATEGORIES",
+    "COMMUNICATION",
+    "MATMUL",
+    "OPTIMIZER",
+    "OTHER",
+    "CategoryTotals",
+    "OpRecord",
+    "OpRecorder",
+    "OpSummary",
+    "category_of",
+]
 
 MATMUL, ATTENTION, OTHER, OPTIMIZER, COMMUNICATION = "matmul", "attention", "other", "optimizer", "communication"
 CATEGORIES = (MATMUL, ATTENTION, OTHER, OPTIMIZER, COMMUNICATION)
@@ -51,7 +65,7 @@ _FREE_OPS = frozenset(
 _WRITE_ONLY_FIRST = frozenset({"copy_", "fill_", "zero_", "normal_", "uniform_", "bernoulli_", "random_"})
 
 
-def split_name(name: str) -> tuple[str, str]:
+def _split_name(name: str) -> tuple[str, str]:
     """(namespace, base op name) of "aten.mm.default", "aten.mm", "aten::mm" or "mm"."""
     parts = name.replace("::", ".").split(".")
     if len(parts) == 1:
@@ -60,8 +74,8 @@ def split_name(name: str) -> tuple[str, str]:
 
 
 def category_of(name: str) -> str:
-    """The category of an op or profiler event name outside an optimizer step (see the module doc)."""
-    namespace, op = split_name(name)
+    """The category of an op or profiler event name outside an optimizer step (module doc)."""
+    namespace, op = _split_name(name)
     if namespace in _COMMUNICATION_NAMESPACES or name.lower().startswith(_COMMUNICATION_PREFIXES):
         return COMMUNICATION
     if any(mark in op for mark in _ATTENTION_MARKS):
@@ -73,9 +87,12 @@ def category_of(name: str) -> str:
 
 @dataclass(frozen=True)
 class OpRecord:
-    """One op of the step: aten name ("aten.mm.default"), phase, category, FLOPs, bytes read and
-    written, the compute dtype ("float32", ...; the widest floating input's) and, for matmuls, the
-    input shapes (for shape advice)."""
+    """One op of the step.
+
+    Its aten name ("aten.mm.default"), phase, category, FLOPs, and bytes read and written. `dtype` is
+    the compute dtype ("float32", ...): the largest floating input's. `shapes`: a matmul's input
+    shapes, for shape advice.
+    """
 
     name: str
     phase: str
@@ -124,7 +141,7 @@ class OpSummary:
 
 
 def _touched_bytes(tensors: Iterator[torch.Tensor]) -> int:
-    """Bytes of these tensors, each storage counted up to its size once (views of one buffer share it)."""
+    """Bytes of these tensors, each storage counted once up to its size (views of one buffer share it)."""
     per_storage: dict[int, list[int]] = {}
     for t in tensors:
         try:
@@ -138,8 +155,11 @@ def _touched_bytes(tensors: Iterator[torch.Tensor]) -> int:
 
 
 def _tensors(tree: object) -> list[torch.Tensor]:
-    """The tensors in an op's arguments or outputs: tensors, lists and tuples of them, a kwargs dict (the
-    shapes aten schemas allow; a hand-rolled walk is a third of pytree's cost per op)."""
+    """The tensors in an op's arguments or outputs.
+
+    Tensors, lists and tuples of them, a kwargs dict: the shapes aten schemas allow. A hand-rolled walk
+    costs a third of pytree's per op.
+    """
     found: list[torch.Tensor] = []
     stack = [tree]
     while stack:
@@ -154,10 +174,12 @@ def _tensors(tree: object) -> list[torch.Tensor]:
 
 
 class OpRecorder(TorchDispatchMode):
-    """Records every op dispatched while it is entered (see the module doc). `phase` names the part of
-    the step; `watch(optimizer)` switches it to "optimizer step" for the optimizer's step and back.
+    """Records every op dispatched while it is entered (module doc).
 
-    flop_registry  FlopCounterMode.flop_registry: {overload packet: formula(*args, out_val=out, **kwargs)}
+    `phase` names the part of the step. `watch(optimizer)` sets it to "optimizer step" for the
+    optimizer's step, and back after.
+
+        flop_registry  FlopCounterMode.flop_registry: {overload packet: formula(*args, out_val=out, **kwargs)}
     """
 
     def __init__(self, flop_registry: dict[object, Callable[..., int]]) -> None:
@@ -204,11 +226,11 @@ class OpRecorder(TorchDispatchMode):
     def _record(self, func, args, kwargs, out) -> OpRecord:
         packet = func._overloadpacket
         name = str(func)  # "aten.mm.default"
-        namespace, op = split_name(name)
+        namespace, op = _split_name(name)
         formula = self.flop_registry.get(packet)
         flops = int(formula(*args, **kwargs, out_val=out)) if formula is not None else 0
         inputs = _tensors((args, kwargs))
-        # The compute dtype: the largest floating input's (SDPA's backward takes bf16 q, k, v beside an fp32 logsumexp).
+        # The compute dtype: the largest floating input's. SDPA's backward takes bf16 q, k, v and fp32 logsumexp.
         floats = [t for t in inputs if t.is_floating_point()]
         dtype = str(max(floats, key=lambda t: t.numel()).dtype).removeprefix("torch.") if floats else ""
         if op in _FREE_OPS or func.is_view or op.startswith("_foreach_zero") or op.startswith("empty"):

@@ -1,11 +1,13 @@
-"""The peak lookup: the dense peak FLOP/s MFU on a device divides by, or the reason there is none.
+"""The peak lookup: the dense peak FLOP/s that MFU divides by, or why there is none.
 
-A CUDA device listed in the GPU table (ledger/gpus.py): the datasheet figure. The CPU: its spec or its
-best measured matmul (ledger/cpu.py). An unlisted GPU, or a listed one whose datasheet has no figure
-for the dtype: the best rate of square matmuls (ledger/matmul.py), measured once per process. A dtype
-the device cannot run (fp8 on a CPU) has no peak: `peak_flops` returns a NoPeak saying why.
+- A GPU in the table (ledger/gpus.py): its datasheet figure.
+- The CPU: its spec or its best measured matmul (ledger/cpu.py).
+- An unlisted GPU, or a dtype its datasheet lacks: the best square matmul (ledger/matmul.py).
+  It is measured once per process.
+- A dtype the device cannot run (fp8 on a CPU): a NoPeak saying why.
 
-Importing this module must not import torch: torch is imported inside the functions that need a device.
+Importing this module must not import torch.
+The functions that need a device import it.
 """
 
 from __future__ import annotations
@@ -22,19 +24,23 @@ from lmledger.ledger.matmul import best_matmul_rate, unsupported_reason
 if TYPE_CHECKING:
     import torch
 
+__all__ = ["NoPeak", "compute_dtype_for_precision", "peak_flops"]
+
 _MEASURE_ROUNDS = 2  # ramps of matmuls for an unlisted GPU's peak, once per process
 
 
 @dataclass(frozen=True)
 class NoPeak:
-    """No peak for this dtype on this device, and why (one line users see)."""
+    """No peak for this dtype on this device; `reason` is the line users see."""
 
     reason: str
 
 
 def compute_dtype_for_precision(precision: str | int) -> str:
-    """The dtype a Lightning precision's matmuls run in, whose peak MFU is measured against (ledger.precisions).
-    "fp32" becomes tf32 in `peak_flops` on Ampere+ unless the float32 matmul precision is "highest"."""
+    """The dtype a precision's matmuls run in: MFU uses its peak (ledger.precisions).
+
+    `peak_flops` turns "fp32" into tf32 on Ampere+, unless float32 matmul precision is "highest".
+    """
     return precisions.precision(precision).compute_dtype
 
 
@@ -44,9 +50,11 @@ def peak_flops(
     *,
     float32_matmul_precision: str | None = None,
 ) -> Peak | NoPeak:
-    """The peak FLOP/s that MFU on `device` in `dtype` is measured against (the module docstring says
-    which source applies), or a NoPeak where the dtype cannot run on the device at all.
-    `float32_matmul_precision` defaults to torch's current setting (it decides fp32 vs tf32)."""
+    """The peak FLOP/s of `dtype` on `device` for MFU, or a NoPeak where it cannot run.
+
+    The module docstring says which source applies.
+    `float32_matmul_precision` defaults to torch's setting; it decides fp32 vs tf32.
+    """
     import torch
 
     dtype = dtype_name(dtype)
@@ -55,7 +63,7 @@ def peak_flops(
         device = torch.device("cuda", torch.cuda.current_device())
     precision = float32_matmul_precision or torch.get_float32_matmul_precision()
     if device.type == "cuda":
-        spec = find_gpu(torch.cuda.get_device_name(device))  # an unknown GPU is fine here: we measure instead
+        spec = find_gpu(torch.cuda.get_device_name(device))  # unknown is fine: we measure
         if spec is not None:
             peak = datasheet_peak(spec, dtype, float32_matmul_precision=precision)
             if peak is not None:

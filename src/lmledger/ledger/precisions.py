@@ -1,5 +1,6 @@
-"""One row per Lightning precision: what each training tensor is stored in, what the matmuls run in, and
-how Lightning's plugin runs the model. Every other module reads these facts here.
+"""One row per Lightning precision: storage widths, matmul dtype, and how the plugin runs the model.
+
+Every other module reads these facts here.
 
     param/grad/state_bytes  bytes per element of a parameter, its gradient and one optimizer state tensor
                             (torch creates AdamW's m, v and SGD's momentum like the parameter)
@@ -14,8 +15,8 @@ how Lightning's plugin runs the model. Every other module reads these facts here
     deepspeed_model_bytes   the width DeepSpeed runs the model in; None where Lightning's
                             DeepSpeedPrecision refuses the precision
 
-Dtypes are torch attribute names ("bfloat16"), so importing this module imports neither torch nor
-Lightning (`lmledger plan` answers without them); `Row.autocast_dtype` and `Row.convert_dtype` give
+Dtypes are torch attribute names ("bfloat16"). So importing this module imports neither torch nor
+Lightning: `lmledger plan` answers without them. `Row.autocast_dtype` and `Row.convert_dtype` give
 torch dtypes. tests/test_precisions.py holds each row against Lightning's plugins and torch.
 """
 
@@ -24,6 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lmledger.errors import ConfigError
+
+__all__ = ["ALIASES", "PRECISIONS", "ROWS", "Row", "normalize_precision", "precision"]
 
 
 @dataclass(frozen=True)
@@ -42,8 +45,10 @@ class Row:
 
     @property
     def fused_optimizer(self) -> bool:
-        """LitLM's rule: torch's fused AdamW/SGD, except under a GradScaler (whose unscale would leave the
-        gradients scaled for logging and clipping)."""
+        """LitLM's rule: torch's fused AdamW/SGD, except under a GradScaler.
+
+        Its unscale would leave the gradients scaled for logging and clipping.
+        """
         return not self.grad_scaler
 
     @property
@@ -71,7 +76,7 @@ _ROWS = (
     Row("bf16-mixed", 4, 4, 4, "bf16", autocast="bfloat16", activation_bytes=(2, 4), deepspeed_model_bytes=2),
     Row("16-true", 2, 2, 2, "fp16", convert_to="float16", activation_bytes=(2, 2), deepspeed_model_bytes=2),
     Row("bf16-true", 2, 2, 2, "bf16", convert_to="bfloat16", activation_bytes=(2, 2), deepspeed_model_bytes=2),
-    # Transformer Engine's te.Linear runs its matmuls in fp8; the weights stay in the plugin's weights dtype.
+    # te.Linear runs its matmuls in fp8. The weights stay in the plugin's weights dtype.
     Row("transformer-engine", 2, 2, 2, "fp8", convert_to="bfloat16", transformer_engine=True),
     Row("transformer-engine-float16", 2, 2, 2, "fp8", convert_to="float16", transformer_engine=True),
 )  # fmt: skip

@@ -1,7 +1,7 @@
 """The measured twin of the roofline: a profiled step's time per category (seconds).
 
-`breakdown(events, ...)` groups the op events `torch.profiler` recorded during one training step into
-the roofline's categories (ledger/ops.py), plus what no op accounts for:
+`breakdown(events, ...)` groups the op events `torch.profiler` recorded in one training step. The
+groups are the roofline's categories (ledger/ops.py), plus what no op accounts for:
 
     matmul, attention, other   op time outside the optimizer step, by the outermost categorised op
                                around it (aten::linear and the aten::addmm it calls are one matmul; the
@@ -14,13 +14,13 @@ the roofline's categories (ledger/ops.py), plus what no op accounts for:
     host                       overhead and idle: the step's wall time minus all of the above
                                (Python, Lightning's loop, autograd's bookkeeping, launch gaps)
 
-On a CPU an op's time is its self CPU time (children are counted under their own name, in the same
-category as their parent); on a GPU, the duration of the kernels it launched. The categories sum to
-`wall_s` by construction; `ops_overlap` says by how much the ops alone exceed the step (overlapping
-threads or streams), which would make host negative. No Lightning import; `events` are
-`torch.profiler.profile().events()` (FunctionEvent: name, time_range, cpu_parent, self_cpu_time_total,
-kernels), or anything shaped alike. `profile_step(step, device)` profiles one call of a plain training
-step (no Lightning: `lmledger account --measure`); callbacks/timing.py does the same inside a fit.
+On a CPU an op's time is its self CPU time. Children count under their own name, in their parent's
+category. On a GPU it is the duration of the kernels it launched. The categories sum to `wall_s` by
+construction. `ops_overlap` says how much the ops alone exceed the step (overlapping threads or
+streams); host would be negative there. `events` are `torch.profiler.profile().events()`
+(FunctionEvent: name, time_range, cpu_parent, self_cpu_time_total, kernels), or anything shaped alike.
+`profile_step(step, device)` profiles one call of a plain training step (`lmledger account --measure`).
+callbacks/timing.py does the same inside a fit. No Lightning import.
 """
 
 from __future__ import annotations
@@ -34,9 +34,22 @@ import torch
 
 from lmledger.ledger.ops import CATEGORIES, OPTIMIZER, OTHER, category_of
 
+__all__ = [
+    "DATA_WAIT",
+    "HOST",
+    "MEASURED",
+    "OPTIMIZER_MARK",
+    "STEP_MARK",
+    "Breakdown",
+    "breakdown",
+    "mean_breakdown",
+    "profile_step",
+    "profiler",
+]
+
 STEP_MARK = "lmledger#step"  # the record_function around the whole step (callbacks/timing.py)
 OPTIMIZER_MARK = "lmledger#optimizer"  # a zero-length record at on_before_optimizer_step
-OPTIMIZER_RECORD = "Optimizer.step#"  # torch.optim's own record_function around step()
+_OPTIMIZER_RECORD = "Optimizer.step#"  # torch.optim's own record_function around step()
 DATA_WAIT, HOST = "data_wait", "host"
 MEASURED = (*CATEGORIES, DATA_WAIT, HOST)
 
@@ -47,7 +60,7 @@ class Breakdown:
 
     seconds: dict[str, float]
     wall_s: float
-    ops_overlap: float = 0.0  # seconds the ops exceeded the wall by (0 on a single-threaded CPU step)
+    ops_overlap: float = 0.0  # seconds the ops exceed the wall by (0 on a single-threaded CPU step)
     events: int = 0
     top_ops: dict[str, list[tuple[str, float]]] = field(default_factory=dict)  # per category, slowest names
 
@@ -56,7 +69,7 @@ class Breakdown:
 
 
 def _category_chain(event, optimizer_window: tuple[float, float] | None) -> str | None:
-    """The category an event's time goes to, or None for a record that is not an op (host)."""
+    """The category an event's time goes to; None for a record that is not an op (host)."""
     if event.name in (STEP_MARK, OPTIMIZER_MARK):
         return None  # our own markers: their cost is overhead
     start = event.time_range.start
@@ -66,7 +79,7 @@ def _category_chain(event, optimizer_window: tuple[float, float] | None) -> str 
     node = event
     while node is not None:  # up to the step: the outermost matmul / attention / collective wins
         name = node.name
-        if name.startswith((STEP_MARK, OPTIMIZER_RECORD)):
+        if name.startswith((STEP_MARK, _OPTIMIZER_RECORD)):
             break
         if name.startswith(_OP_PREFIXES):
             is_op = True
@@ -81,13 +94,16 @@ _OP_PREFIXES = ("aten::", "c10d::", "_c10d_functional::", "nccl:", "gloo:", "rec
 
 
 def breakdown(events: Iterable, wall_s: float, data_wait_s: float = 0.0, *, device: str = "cpu") -> Breakdown:
-    """The step's time per category from its profiler events (see the module doc); `wall_s` includes
-    `data_wait_s`. device "cpu": self CPU time per op; "cuda": kernel time per launching op."""
+    """The step's time per category from its profiler events (module doc).
+
+    `wall_s` includes `data_wait_s`. device "cpu": self CPU time per op; "cuda": kernel time per
+    launching op.
+    """
     events = list(events)
     marks = [e for e in events if e.name == STEP_MARK]
     window = (marks[0].time_range.start, marks[0].time_range.end) if marks else None
     opt_marks = [e.time_range.start for e in events if e.name == OPTIMIZER_MARK]
-    records = [e for e in events if e.name.startswith(OPTIMIZER_RECORD)]
+    records = [e for e in events if e.name.startswith(_OPTIMIZER_RECORD)]
     optimizer_window = None
     if opt_marks:  # Lightning: optimizer.step(closure) runs forward and backward inside torch's record
         begin = opt_marks[-1]
@@ -142,7 +158,7 @@ def mean_breakdown(samples: list[Breakdown]) -> Breakdown | None:
 
 
 def profiler(device: torch.device):
-    """A torch.profiler.profile for one step on `device` (CPU ops; CUDA kernels too on a GPU), not started."""
+    """An unstarted torch.profiler.profile for one step on `device` (CPU ops; on a GPU, kernels too)."""
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -150,8 +166,10 @@ def profiler(device: torch.device):
 
 
 def profile_step(step: Callable[..., None], device: torch.device) -> Breakdown:
-    """The breakdown of one call `step(phase)`, where `step` calls `phase("optimizer step")` before its
-    optimizer step (ledger.predict.measure's step does); no data wait (the batch is already there)."""
+    """The breakdown of one call `step(phase)`; no data wait (the batch is already there).
+
+    `step` calls `phase("optimizer step")` before its optimizer step, as ledger.predict.measure's does.
+    """
 
     def phase(name: str) -> None:
         if name == "optimizer step":

@@ -1,9 +1,9 @@
 """The ledger's one result type: a training step's figures from each source, side by side.
 
-`Figures` is one source's reading of one optimizer step on one device: the dry run's, the toy LM's closed
-forms', or the real step's. `Report` holds the predictors' Figures beside the measured ones and renders
-them three ways: a rich table, a JSON object and TensorBoard scalars (one tag per line and source).
-Every ratio divides the measurement by the first predictor.
+`Figures` is one source's reading of one optimizer step on one device. The source is the dry run,
+the toy LM's closed forms, or the real step. `Report` holds the predictors' Figures beside the
+measured ones. It renders them three ways: a rich table, a JSON object and TensorBoard scalars (one
+tag per line and source). Every ratio divides the measurement by the first predictor.
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from rich.table import Table
 
 from lmledger.ledger.units import format_bytes, format_count
+
+__all__ = ["BYTE_LINES", "FLOP_LINES", "LINES", "Figures", "Report", "figures_of_step", "markdown_table"]
 
 # The lines of every ledger table, in order: bytes per device, then FLOPs per optimizer step.
 BYTE_LINES = ("params", "grads", "optimizer", "activations", "autocast_weight_copies", "peak")
@@ -27,10 +29,12 @@ _SOURCE_TAGS = {"measured": "measured", "dry run": "predicted", "closed form": "
 
 @dataclass(frozen=True)
 class Figures:
-    """One source's figures for one optimizer step on one device (None: not known; `why_missing` says why).
+    """One source's figures for one optimizer step on one device.
 
-    activations are what one micro-batch saves for backward; FLOPs cover every micro-batch of the step;
-    flops_model is the MFU numerator (no recompute), flops_hardware what the kernels do."""
+    None is not known; `why_missing` says why. activations are what one micro-batch saves for backward.
+    FLOPs cover every micro-batch of the step. flops_model is the MFU numerator (no recompute);
+    flops_hardware is what the kernels do.
+    """
 
     params: int | None = None
     grads: int | None = None
@@ -66,10 +70,11 @@ def figures_of_step(step: object, flops_model: int | None = None) -> Figures:
 class Report:
     """Predictors' Figures beside the measured ones, and the latest rates (tokens/s, MFU, ...).
 
-    predicted   {source: Figures}, the first being the one ratios divide by ("dry run" where it traced)
-    measured    the real step's Figures (None before the first measurement)
-    rates       {"tokens/s" or "samples/s", "TFLOP/s", "MFU", "HFU": value} of the latest window
-    notes       caption lines: per device, per-batch size, where the peak fell, why a source is missing
+    Its fields:
+        predicted   {source: Figures}; ratios divide by the first ("dry run" where it traced)
+        measured    the real step's Figures (None before the first measurement)
+        rates       {"tokens/s" or "samples/s", "TFLOP/s", "MFU", "HFU": value} of the latest window
+        notes       caption lines: per device, per-batch size, where the peak fell, why a source is missing
     """
 
     predicted: dict[str, Figures]
@@ -82,7 +87,7 @@ class Report:
         return next(iter(self.predicted.values()), None)
 
     def lines(self) -> list[str]:
-        """The lines with a figure from some source (autocast copies only where a source has them)."""
+        """The lines some source has a figure for (autocast copies only where one has them)."""
         sources = [*self.predicted.values(), *([self.measured] if self.measured else [])]
         shown = []
         for line in LINES:
@@ -95,7 +100,7 @@ class Report:
         return shown
 
     def rows(self) -> list[tuple[str, ...]]:
-        """(line, one text per predictor, measured, measured/first predictor), as the table shows them."""
+        """The table's rows: (line, one text per predictor, measured, measured/first predictor)."""
         rows = []
         primary = self.primary
         for line in self.lines():
@@ -142,8 +147,10 @@ class Report:
         return out
 
     def scalars(self, which: str = "all") -> dict[str, float]:
-        """TensorBoard tags: memory/{predicted,closed_form,measured}/<line> (bytes) and
-        flops/{hardware,model,closed_form,measured}_per_step. `which`: "predicted", "measured" or "all"."""
+        """TensorBoard tags. `which`: "predicted", "measured" or "all".
+
+        memory/{predicted,closed_form,measured}/<line> (bytes), flops/{hardware,model,closed_form,measured}_per_step.
+        """
         sources: dict[str, Figures] = {}
         if which in ("predicted", "all"):
             sources.update(self.predicted)
@@ -186,6 +193,3 @@ def markdown_table(header: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
     return "\n".join(lines)
-
-
-__all__ = ["BYTE_LINES", "FLOP_LINES", "LINES", "Figures", "Report", "figures_of_step", "markdown_table"]

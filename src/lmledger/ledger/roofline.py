@@ -4,12 +4,12 @@ For every op the dry run recorded (ledger/ops.py):
 
     bound = max(FLOPs / peak(op dtype), bytes read and written / memory bandwidth)
 
-(Williams, Waterman & Patterson, "Roofline", CACM 2009: an op is limited by its arithmetic or by the
-bytes it moves, whichever is slower). Peaks are dense figures (ledger/peak_flops.py: datasheet for a
-listed GPU, the CPU's spec peak); bandwidth from ledger/bandwidth.py. Collectives move their bytes over
-the interconnect when its bandwidth is given, else are priced at memory bandwidth (a lower bound).
-Summed per category, the bound is the step time no implementation of the same ops can beat on that
-device; a measurement below it is a bug in the bound (tests/test_time_ledger.py holds each category).
+An op is limited by its arithmetic or by the bytes it moves, whichever is slower (Williams, Waterman &
+Patterson, "Roofline", CACM 2009). Peaks are dense figures (ledger/peak_flops.py): the datasheet for a
+listed GPU, the CPU's spec peak. Bandwidth comes from ledger/bandwidth.py. Collectives move their bytes
+over the interconnect when its bandwidth is given. Otherwise they are priced at memory bandwidth (a lower
+bound). Summed per category, the bound is a step time no implementation of the same ops can beat on
+that device. A measurement below it is a bug in the bound (tests/test_time_ledger.py holds each category).
 
     ideal          model FLOPs / dense peak: the step if every FLOP ran at peak and nothing else cost time
     roofline MFU   model FLOPs / bound / peak: the highest MFU this model at this shape can reach there
@@ -24,7 +24,23 @@ from dataclasses import dataclass
 
 from lmledger.ledger.ops import CATEGORIES, COMMUNICATION, OpRecord, OpSummary
 
-# torch dtype names (OpRecord.dtype) -> the dtype names peaks are keyed by (hardware.DTYPES)
+__all__ = [
+    "LABELS",
+    "CategoryBound",
+    "Roofline",
+    "TimeRow",
+    "device_roofline",
+    "diagnosis",
+    "format_table",
+    "gpu_roofline",
+    "peak_dtype",
+    "roofline",
+    "time_rows",
+    "toy_step_ops",
+    "with_ddp_allreduce",
+]
+
+# torch dtype names (OpRecord.dtype) -> the dtype names peaks are keyed by (gpus.DTYPES)
 _PEAK_DTYPE = {
     "float64": "fp64",
     "float32": "fp32",
@@ -38,7 +54,7 @@ _PEAK_DTYPE = {
 
 
 def peak_dtype(dtype: str, default: str) -> str:
-    """The peak's dtype name for an op's torch dtype name ("" for integer-only ops: the default)."""
+    """The peak's dtype name for an op's torch dtype name; `default` for integer-only ops ("")."""
     return _PEAK_DTYPE.get(dtype, default)
 
 
@@ -58,7 +74,7 @@ class Roofline:
     """The step's bound per category (CATEGORIES) on one device."""
 
     by_category: dict[str, CategoryBound]
-    peak_flops_per_s: float  # the dense peak of the run's compute dtype (ideal and MFU use it)
+    peak_flops_per_s: float  # the dense peak of the run's compute dtype, for ideal and MFU
     peak_dtype: str
     bandwidth_bytes_per_s: float
     device: str  # what the figures are for ("cpu", "h100-sxm", ...)
@@ -77,7 +93,7 @@ class Roofline:
         return model_flops / self.seconds / self.peak_flops_per_s if self.seconds > 0 else 0.0
 
 
-def op_bound(
+def _op_bound(
     op: OpRecord, peak_for: Callable[[str], float], bandwidth: float, interconnect: float | None = None
 ) -> tuple[float, float]:
     """(compute seconds, memory seconds) of one op; its bound is the larger."""
@@ -97,9 +113,11 @@ def roofline(
     peak_source: str = "",
     bandwidth_source: str = "",
 ) -> Roofline:
-    """The bound of the step's `ops` on a device with dense `peaks` {"fp32": FLOP/s, ...} and memory
-    bandwidth; `compute_dtype` (the precision's matmul dtype) is the peak for ideal and MFU and for ops
-    whose dtype has no peak (integer ops, or a dtype the device lacks)."""
+    """The bound of the step's `ops` on a device with dense `peaks` {"fp32": FLOP/s, ...} and bandwidth.
+
+    `compute_dtype` is the precision's matmul dtype. Its peak serves ideal and MFU, and ops whose dtype
+    has no peak (integer ops, or a dtype the device lacks).
+    """
     if not peaks.get(compute_dtype):
         raise ValueError(f"no {compute_dtype} peak given")
     if not bandwidth_bytes_per_s > 0:
@@ -111,7 +129,7 @@ def roofline(
 
     rows: dict[str, list[float]] = {c: [0.0, 0.0, 0.0, 0, 0, 0, 0] for c in CATEGORIES}
     for op in ops.ops:
-        compute, memory = op_bound(op, peak_for, bandwidth_bytes_per_s, interconnect_bytes_per_s)
+        compute, memory = _op_bound(op, peak_for, bandwidth_bytes_per_s, interconnect_bytes_per_s)
         row = rows[op.category]
         row[0] += max(compute, memory)
         row[1] += compute
@@ -134,15 +152,18 @@ def roofline(
 def device_roofline(
     ops: OpSummary, compute_dtype: str, device: object, interconnect_bytes_per_s: float | None = None
 ) -> Roofline:
-    """The bound on a live device (torch.device, "cpu", "cuda"): its peaks (peak_flops.peak_flops) and
-    bandwidth (bandwidth.memory_bandwidth); collectives at `interconnect_bytes_per_s` where given."""
+    """The bound on a live device (torch.device, "cpu", "cuda").
+
+    Peaks come from peak_flops.peak_flops, bandwidth from bandwidth.memory_bandwidth. Collectives run at
+    `interconnect_bytes_per_s` where given.
+    """
     from lmledger.ledger.bandwidth import memory_bandwidth
     from lmledger.ledger.gpus import DTYPES, Peak
     from lmledger.ledger.peak_flops import peak_flops
 
     peaks: dict[str, float | None] = {}
     sources = {}
-    for dtype in DTYPES:  # a dtype the device lacks has no peak (NoPeak): its ops use the compute dtype's
+    for dtype in DTYPES:  # a dtype the device lacks has a NoPeak: its ops use the compute dtype's peak
         peak = peak_flops(dtype, device) if dtype in ("fp64", "fp32", "bf16", "fp16", compute_dtype) else None
         peaks[dtype] = peak.flops_per_s if isinstance(peak, Peak) else None
         if isinstance(peak, Peak):
@@ -159,8 +180,10 @@ def device_roofline(
 
 
 def gpu_roofline(ops: OpSummary, compute_dtype: str, gpu: str) -> Roofline:
-    """The bound on a GPU from its datasheet alone (gpus.GPUS): for planning on a machine without it.
-    The ops come from a dry run on this machine; the GPU's kernels may differ in the temporaries they make."""
+    """The bound on a GPU from its datasheet alone (gpus.GPUS), for planning on a machine without it.
+
+    The ops come from a dry run on this machine. The GPU's kernels may make other temporaries.
+    """
     from lmledger.ledger.gpus import datasheet_peak, require_gpu
 
     spec = require_gpu(gpu)
@@ -179,10 +202,13 @@ def gpu_roofline(ops: OpSummary, compute_dtype: str, gpu: str) -> Roofline:
 
 
 def with_ddp_allreduce(ops: OpSummary, prediction: object) -> OpSummary:
-    """`ops` with DDP's bucket all-reduces added as communication, for a per-rank prediction that has
-    buckets (ledger.sharded.ShardedLedger at world size W > 1) and records no collective itself (the
-    dry run emulates DDP's Reducer, so its all-reduces are not among the ops). A ring all-reduce sends
-    2(W-1)/W of the buffer from each rank (nccl-tests PERFORMANCE.md: busBw = algBw x 2(n-1)/n)."""
+    """`ops` with DDP's bucket all-reduces added as communication.
+
+    For a per-rank prediction with buckets (ledger.sharded.ShardedLedger at world size W > 1) that
+    records no collective itself. The dry run emulates DDP's Reducer, so its all-reduces are not among
+    the ops. A ring all-reduce sends 2(W-1)/W of the buffer from each rank (nccl-tests PERFORMANCE.md:
+    busBw = algBw x 2(n-1)/n).
+    """
     buckets, world = getattr(prediction, "buckets", ()), getattr(prediction, "world_size", 1)
     if not buckets or world <= 1 or ops.by_category.get(COMMUNICATION, None) and ops.by_category[COMMUNICATION].ops:
         return ops
@@ -197,8 +223,10 @@ def with_ddp_allreduce(ops: OpSummary, prediction: object) -> OpSummary:
 def toy_step_ops(
     config: object, batch_size: int, seq_len: int, precision: str = "32-true", optimizer: Callable | None = None
 ) -> OpSummary:
-    """The ops of one training step of lmledger's ToyLM, from a dry run on meta weights (nothing is
-    allocated); `optimizer` is a factory params -> optimizer (default fused AdamW, as LitLM on a CPU)."""
+    """The ops of one ToyLM training step, from a dry run on meta weights (nothing is allocated).
+
+    `optimizer` is a factory params -> optimizer; default fused AdamW, as LitLM on a CPU.
+    """
     import torch
 
     from lmledger.errors import UserError
@@ -246,8 +274,10 @@ class TimeRow:
 
 
 def time_rows(bound: Roofline, measured: object | None, model_flops: float) -> dict[str, TimeRow]:
-    """The table's rows: "ideal", "bound", "measured", then one per category (LABELS), keyed by name.
-    `measured` is a profile.Breakdown (or None: bound only)."""
+    """The table's rows by name: "ideal", "bound", "measured", then one per category (LABELS).
+
+    `measured` is a profile.Breakdown, or None for the bound only.
+    """
     wall = measured.wall_s if measured is not None else None
 
     def row(label: str, b: float | None, m: float | None) -> TimeRow:
@@ -270,12 +300,12 @@ def time_rows(bound: Roofline, measured: object | None, model_flops: float) -> d
 
 
 def _percent(x: float) -> str:
-    """A rate as a percentage with two significant digits below 10% (0.05%, 3.4%, 38%)."""
+    """A rate as a percentage, two significant digits below 10% (0.05%, 3.4%, 38%)."""
     return f"{x:.0%}" if x >= 0.1 else f"{100 * x:.2g}%"
 
 
 def diagnosis(bound: Roofline, measured: object, model_flops: float) -> str:
-    """One line: measured MFU of the roofline's possible one, where most of the gap is, and the data wait."""
+    """One line: measured MFU against the roofline's, where most of the gap is, and the data wait."""
     wall = measured.wall_s
     mfu = model_flops / wall / bound.peak_flops_per_s if wall > 0 else 0.0
     gaps = {}
@@ -301,7 +331,7 @@ def diagnosis(bound: Roofline, measured: object, model_flops: float) -> str:
 
 
 def format_table(bound: Roofline, measured: object | None, model_flops: float | None) -> str:
-    """The step-time table as fixed-width text (shared with `lmledger account --measure`)."""
+    """The step-time table as fixed-width text (also `lmledger account --measure`'s)."""
     rows = time_rows(bound, measured, model_flops or 0.0)
 
     def ms(x: float | None) -> str:
@@ -325,7 +355,7 @@ def format_table(bound: Roofline, measured: object | None, model_flops: float | 
             lines.append("-" * len(head))
     beaten = [k for k, row in rows.items() if k in LABELS and row.efficiency is not None and row.efficiency > 1]
     for name in beaten:
-        # A bound a measurement beats is wrong: the figure that set it is too low for this machine.
+        # A bound a measurement beats is wrong: the figure behind it is too low for this machine.
         cat = bound.by_category[name]
         if cat.compute_seconds >= cat.memory_seconds:
             figure = f"the {bound.peak_dtype} peak ({bound.peak_source or 'peak'})"

@@ -1,9 +1,9 @@
 """One description of a training run, per device: the facts every ledger figure depends on.
 
-Built at the edges and nowhere else: from a live Trainer by the callbacks (callbacks/run.py) and from a
-`lmledger fit` config by account, plan and sweep (runspec.py). Both go through `sharding` for the
-strategy, so a run has one strategy name whichever way it was described. Pure: torch and the toy LM's
-config only, no Lightning.
+It is built at the edges and nowhere else. The callbacks build it from a live Trainer (callbacks/run.py).
+Account, plan and sweep build it from a `lmledger fit` config (runspec.py). Both name the strategy
+through `sharding`, so a run has one strategy name either way. Pure: torch and the toy LM's config only,
+no Lightning.
 """
 
 from __future__ import annotations
@@ -16,22 +16,27 @@ from torch import nn
 from lmledger.ledger import precisions
 from lmledger.model import ModelConfig
 
+__all__ = ["Run", "sharding"]
+
 
 @dataclass(frozen=True)
 class Run:
     """The shape of one training run, per device.
 
-    config           the toy LM's ModelConfig (None for another module: its prediction is a dry run)
-    module           the eager module when the run is live (never a torch.compile wrapper), else None
-    precision        Lightning's name: "32-true", "bf16-mixed", "transformer-engine", ...
-    weights_dtype    a Transformer Engine plugin's weights dtype (else None)
-    optimizer        a ledger.memory optimizer name: "adamw", "sgd" or "none"
-    momentum         SGD's momentum (0 keeps no state); LitLM's SGD uses 0.9
-    fused_optimizer  torch's fused kernels (no foreach temporaries in the optimizer step); LitLM's
-                     choice, except under fp16's GradScaler
-    strategy         a ledger.memory strategy name (`sharding`): ddp, fsdp (FSDP1), fsdp2, zero2, deepspeed_stage_N
-    compiled / fp8   LitLM's compile and fp8 switches
-    accelerator, data_path, vocab_from_data   what a config said (account and sweep print them)
+    Its fields:
+        config           the toy LM's ModelConfig; None for another module (predicted by a dry run)
+        module           the eager module of a live run (never a torch.compile wrapper), else None
+        precision        Lightning's name: "32-true", "bf16-mixed", "transformer-engine", ...
+        weights_dtype    a Transformer Engine plugin's weights dtype, else None
+        optimizer        a ledger.memory optimizer name: "adamw", "sgd" or "none"
+        momentum         SGD's momentum (0 keeps no state); LitLM's SGD uses 0.9
+        fused_optimizer  torch's fused kernels (no foreach temporaries in the step); LitLM's choice,
+                         except under fp16's GradScaler
+        strategy         a ledger.memory strategy name (`sharding`): ddp, fsdp (FSDP1), fsdp2, zero2,
+                         deepspeed_stage_N
+        compiled / fp8   LitLM's compile and fp8 switches
+        accelerator, data_path, vocab_from_data
+                         what a config said (account and sweep print them)
     """
 
     config: ModelConfig | None
@@ -44,7 +49,7 @@ class Run:
     device: torch.device = torch.device("cpu")
     weights_dtype: torch.dtype | None = None
     momentum: float = 0.9
-    fused_optimizer: bool | None = None  # None: LitLM's rule (fused_by_default)
+    fused_optimizer: bool | None = None  # None: LitLM's rule (_fused_by_default)
     compiled: bool = False
     fp8: str | None = None
     module: nn.Module | None = None
@@ -54,7 +59,7 @@ class Run:
 
     def __post_init__(self) -> None:
         if self.fused_optimizer is None:
-            object.__setattr__(self, "fused_optimizer", fused_by_default(self.precision))
+            object.__setattr__(self, "fused_optimizer", _fused_by_default(self.precision))
         object.__setattr__(self, "device", torch.device(self.device))
 
     @property
@@ -62,34 +67,36 @@ class Run:
         return self.batch_size * self.seq_len
 
 
-def fused_by_default(precision: str) -> bool:
+def _fused_by_default(precision: str) -> bool:
     """LitLM's choice (lmledger.lit): fused optimizer kernels, except under fp16's GradScaler."""
     return precisions.precision(precision).fused_optimizer
 
 
-# Lightning 2.6.6's DeepSpeedStrategy(stage=2) default: the registry's plain "deepspeed" is ZeRO stage 2
+# Lightning 2.6.6's DeepSpeedStrategy(stage=2) default: the registry's plain "deepspeed" is ZeRO-2
 # (lightning/pytorch/strategies/deepspeed.py, DeepSpeedStrategy.__init__).
-DEEPSPEED_DEFAULT_STAGE = 2
+_DEEPSPEED_DEFAULT_STAGE = 2
 
 
 def sharding(name: str, *, fsdp_sharding: str | None = None, deepspeed_stage: int | None = None) -> str:
-    """The ledger.memory strategy name of a Lightning strategy, given its registry or class name ("fsdp",
-    "deepspeed_stage_3_offload", "FSDPStrategy", ...) and, where it has one, FSDP's sharding strategy
-    (torch.distributed.fsdp.ShardingStrategy's name) or DeepSpeed's ZeRO stage. Anything that does not
-    shard (single device, DDP and its variants) replicates the state: "ddp"."""
+    """The ledger.memory strategy name of a Lightning strategy.
+
+    `name` is a registry or class name ("fsdp", "deepspeed_stage_3_offload", "FSDPStrategy", ...).
+    `fsdp_sharding` is a torch.distributed.fsdp.ShardingStrategy name; `deepspeed_stage` a ZeRO stage.
+    Anything that does not shard (one device, DDP and its variants) replicates the state: "ddp".
+    """
     name = name.rsplit(".", 1)[-1].lower()
     if name.endswith("strategy"):
         name = name[: -len("strategy")]
     if name.startswith("deepspeed"):
         if deepspeed_stage is None:
             digits = name.removeprefix("deepspeed_stage_")[:1]
-            deepspeed_stage = int(digits) if digits.isdigit() else DEEPSPEED_DEFAULT_STAGE
+            deepspeed_stage = int(digits) if digits.isdigit() else _DEEPSPEED_DEFAULT_STAGE
         return f"deepspeed_stage_{deepspeed_stage}" if deepspeed_stage else "ddp"
     if name in ("modelparallel", "model_parallel", "fsdp2"):
-        return "fsdp2"  # torch's fully_shard (FSDP2): per-parameter DTensor shards, dry-run by ledger.sharded
+        return "fsdp2"  # torch's fully_shard: per-parameter DTensor shards, dry-run by ledger.sharded
     if name.startswith("fsdp"):
-        # SHARD_GRAD_OP keeps whole params (ZeRO-2); NO_SHARD is DDP; FULL_SHARD and the hybrids shard
-        # all three within a shard group.
+        # SHARD_GRAD_OP keeps whole params (ZeRO-2). NO_SHARD is DDP.
+        # FULL_SHARD and the hybrids shard all three within a shard group.
         kind = str(fsdp_sharding or "FULL_SHARD").rsplit(".", 1)[-1].upper()
         return {"SHARD_GRAD_OP": "zero2", "NO_SHARD": "ddp"}.get(kind, "fsdp")
     return "ddp"

@@ -1,8 +1,9 @@
-"""Throughput of a fit as a pure accumulator: what happened since the window opened, and the rates it gives.
+"""Throughput of a fit, as a pure accumulator over a window.
 
-The callback feeds it (a batch's tokens or samples and FLOPs, the time spent waiting for data, pauses
-such as validation) and reads it at each logging step; the accumulator knows nothing of Lightning and
-takes every time from its caller. The rates:
+The callback feeds it: a batch's tokens or samples and FLOPs, data waits, pauses such as validation.
+It reads the rates at each logging step.
+The accumulator knows nothing of Lightning; every time comes from its caller.
+The rates:
     tokens/s (or samples/s), TFLOP/s (model FLOPs; hardware FLOPs where model FLOPs are unknown),
     MFU = model FLOP/s / peak, HFU = hardware FLOP/s / peak, and the other MFU conventions by name,
     data_wait_frac = share of the window spent between steps.
@@ -12,6 +13,8 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
+
+__all__ = ["Window"]
 
 
 @dataclass
@@ -35,7 +38,7 @@ class Window:
                 self.flops[kind] += n
 
     def rates(self, now: float, peak_flops_per_s: float | None, counts_tokens: bool) -> dict[str, float]:
-        """perf/* values of the window ending `now` (empty when no time or no batch has passed)."""
+        """perf/* values of the window ending `now`; empty until time and a batch have passed."""
         seconds = now - self.start - self.paused
         if seconds <= 0 or self.batches == 0:
             return {}
@@ -46,11 +49,11 @@ class Window:
             out["perf/tflops"] = numerator / seconds / 1e12
         out["perf/data_wait_frac"] = min(1.0, max(0.0, self.data_wait / seconds))
         if peak_flops_per_s:
-            for kind, tag in MFU_TAGS.items():
+            for kind, tag in _MFU_TAGS.items():
                 if self.flops.get(kind):
                     out[tag] = self.flops[kind] / seconds / peak_flops_per_s
         return out
 
 
-# FLOP kinds and the tag of their utilisation (docs/mfu.md): PaLM's full attention is perf/mfu.
-MFU_TAGS = {"model": "perf/mfu", "hardware": "perf/hfu", "6n": "perf/mfu_6n", "causal": "perf/mfu_causal"}
+# FLOP kinds and their utilisation tags (docs/mfu.md). PaLM's full attention is perf/mfu.
+_MFU_TAGS = {"model": "perf/mfu", "hardware": "perf/hfu", "6n": "perf/mfu_6n", "causal": "perf/mfu_causal"}

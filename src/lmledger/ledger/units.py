@@ -1,17 +1,29 @@
 """How lmledger writes bytes and counts for people.
 
-Bytes are decimal everywhere (1 MB = 1e6 bytes, 1 GB = 1e9 bytes), as the lecture, GPU datasheets and
-`--ledger.device_memory_gb` count them. torch's own memory summaries use binary units (1 GiB = 2**30 bytes,
-7% more than a GB), so a figure copied from them reads 7% lower here.
+Bytes are decimal everywhere: 1 MB = 1e6 bytes, 1 GB = 1e9 bytes.
+The lecture, GPU datasheets and `--ledger.device_memory_gb` count so.
+PyTorch's memory summaries are binary (1 GiB = 2**30 bytes, 7% more than a GB).
+A figure copied from them reads 7% lower here.
 """
 
 from __future__ import annotations
 
-MB, GB = 1e6, 1e9
-BYTE_UNITS = (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3))
-COUNT_UNITS = (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3))
+__all__ = [
+    "GB",
+    "MB",
+    "MEMORY_COMPONENTS",
+    "MEMORY_ROWS",
+    "STATE_COMPONENTS",
+    "format_bytes",
+    "format_count",
+    "format_mb",
+]
 
-# The memory ledger's parts, in the order every table, JSON object and plot lists them.
+MB, GB = 1e6, 1e9
+_BYTE_UNITS = (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3))
+_COUNT_UNITS = (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3))
+
+# The memory ledger's parts, in the order every table, JSON and plot lists them.
 STATE_COMPONENTS = ("params", "grads", "optimizer")  # held between steps
 MEMORY_COMPONENTS = (*STATE_COMPONENTS, "activations")
 MEMORY_ROWS = (*MEMORY_COMPONENTS, "peak")
@@ -21,7 +33,7 @@ def format_bytes(nbytes: float | None) -> str:
     """12_653_000 -> '12.65 MB'; None (not known) -> 'n/a'."""
     if nbytes is None:
         return "n/a"
-    for unit, scale in BYTE_UNITS:
+    for unit, scale in _BYTE_UNITS:
         if abs(nbytes) >= scale:
             return f"{nbytes / scale:.4g} {unit}"
     return f"{nbytes:.0f} B"
@@ -29,12 +41,12 @@ def format_bytes(nbytes: float | None) -> str:
 
 def format_count(n: float) -> str:
     """1234567 -> '1.23M' (FLOPs, parameters, tokens)."""
-    for unit, scale in COUNT_UNITS:
+    for unit, scale in _COUNT_UNITS:
         if abs(n) >= scale:
             return f"{n / scale:.3g}{unit}"
     return f"{n:.3g}"
 
 
 def format_mb(nbytes: float | None, spec: str = ".1f", unit: str = " MB") -> str:
-    """12_345_678 -> '12.3 MB'; `spec` and `unit` as a column wants them (',.2f', ''); None -> '—'."""
+    """12_345_678 -> '12.3 MB'; None -> '—'. `spec` and `unit` suit a column (',.2f', '')."""
     return "—" if nbytes is None else f"{nbytes / MB:{spec}}{unit}"
