@@ -71,8 +71,19 @@ def _env(out: Path) -> dict[str, str]:
 # (a) LitLM through `lmledger fit`
 # --------------------------------------------------------------------------------------------
 
-FSDP2 = ["--trainer.strategy", "ModelParallelStrategy", "--trainer.strategy.data_parallel_size", "2",
-         "--trainer.strategy.tensor_parallel_size", "1"]  # fmt: skip
+FSDP2 = ["--trainer.strategy", "fsdp2"]  # lmledger.strategies: ModelParallelStrategy, tensor parallel 1
+
+
+def test_fsdp2_names_model_parallel_with_every_rank_data_parallel():
+    import lightning.pytorch as pl
+
+    import lmledger.fitting.cli  # noqa: F401  (registers "fsdp2")
+    from lmledger.strategies import FSDP2Strategy
+
+    trainer = pl.Trainer(strategy="fsdp2", accelerator="cpu", devices=2, logger=False, enable_progress_bar=False)
+    strategy = trainer.strategy
+    assert isinstance(strategy, FSDP2Strategy)
+    assert (strategy._data_parallel_size, strategy._tensor_parallel_size) == ("auto", 1)  # W ranks at setup
 
 
 def test_litlm_fsdp2_fit_is_predicted_per_rank(workdir):

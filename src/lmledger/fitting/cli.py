@@ -70,6 +70,9 @@ from lmledger.precision import check_trainer_config, trainer_precision_kwargs
 from lmledger.preemption import PreemptionCheckpoint, noted_stop_signals, slurm_job_key, slurm_line
 from lmledger.rundir import RunClaim, claim_version_dir, release_claims, undo_uncommitted_claims
 from lmledger.seeding import StepSeeder
+from lmledger.strategies import register as register_strategies
+
+register_strategies()  # --trainer.strategy fsdp2 (lmledger.strategies)
 
 
 class LedgerCLI(LightningCLI):
