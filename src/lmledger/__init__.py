@@ -1,11 +1,12 @@
-"""lmledger: train language models with PyTorch Lightning and keep a ledger of every byte, FLOP and second
-they spend, predicted beside measured.
+"""lmledger: train language models with PyTorch Lightning, and keep a ledger of their cost.
+
+Every byte, FLOP and second is predicted, then measured beside it.
 
     import lmledger
     trainer = lightning.Trainer(callbacks=[lmledger.Ledger()])
 
-`Ledger` and `callbacks` are imported on first use: `import lmledger` alone loads neither torch nor
-Lightning, so the commands that need neither (`lmledger plan`, `lmledger gpus`) start fast.
+`Ledger` and `callbacks` are imported on first use. `import lmledger` alone loads neither torch nor
+Lightning. So the commands that need neither (`lmledger plan`, `lmledger gpus`) start fast.
 """
 
 from importlib import import_module

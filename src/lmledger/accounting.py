@@ -1,8 +1,9 @@
 """One training step of a fit config, accounted: predicted, measured, MFU by convention, time, per rank.
 
-What `lmledger account` prints and `plan max-batch` and `sweep --dry-run` reuse: `account(spec)` for a
-ToyLM config (ledger.predict's closed forms beside real steps here), `account_any_model(argv)` for any
-LightningModule (its dry run), and one rank's dry run at the config's world size (ledger.sharded).
+`lmledger account` prints it. `plan max-batch` and `sweep --dry-run` reuse it.
+`account(spec)`: a ToyLM config, ledger.predict's closed forms beside real steps here.
+`account_any_model(argv)`: any LightningModule, by its dry run.
+`per_rank`: one rank's dry run at the config's world size (ledger.sharded).
 """
 
 from __future__ import annotations
@@ -21,8 +22,21 @@ from lmledger.ledger.units import MEMORY_ROWS, format_bytes
 from lmledger.model import count_parameters
 from lmledger.runspec import RunSpec
 
+__all__ = [
+    "AC_LABELS",
+    "account",
+    "account_any_model",
+    "any_model_at_scale",
+    "at_scale",
+    "per_rank",
+    "print_any_model_at_scale",
+    "print_per_rank",
+    "traced_at_scale",
+    "trainer_scale",
+]
 
-def predict(spec: RunSpec, device: str) -> dict:
+
+def _predict(spec: RunSpec, device: str) -> dict:
     """ledger.predict.predict of the config's run on `device` ("cpu" or "cuda"), as account shows it."""
     p = predict_run(dataclasses.replace(spec, device=torch.device(device)))
     return {
@@ -38,10 +52,11 @@ def _measure_device(spec: RunSpec) -> torch.device:
     return torch.device("cuda") if wants_gpu and torch.cuda.is_available() else torch.device("cpu")
 
 
-def measure(spec: RunSpec, device: torch.device) -> dict:
-    """ledger.predict.measure of the config's run on `device` (real training steps: FLOPs counted once,
-    saved activations on the first step, state after it, the peak over a second, steady step), and the
-    median time of a further step."""
+def _measure(spec: RunSpec, device: torch.device) -> dict:
+    """ledger.predict.measure of the config's run on `device`, and the median time of a further step.
+
+    Real training steps: FLOPs are counted once. Saved activations come from the first step, state
+    after it. The peak is over a second, steady step."""
     m = measure_run(dataclasses.replace(spec, device=device))
     return {
         "flops": {"measured": m.flops},
@@ -54,14 +69,16 @@ def measure(spec: RunSpec, device: torch.device) -> dict:
         },  # fmt: skip
         "peak_phase": m.peak_phase,
         "autocast_weight_copies": m.autocast_weight_copies,
-        "step_seconds": step_seconds(m.step, device),
-        "time": step_time(spec, device, m.step),
+        "_step_seconds": _step_seconds(m.step, device),
+        "time": _step_time(spec, device, m.step),
     }
 
 
-def step_time(spec: RunSpec, device: torch.device, step) -> dict:
-    """The step-time table (docs/time.md): the roofline bound of the config's step on `device`
-    (its dry run's ops) beside the mean of three profiled real steps."""
+def _step_time(spec: RunSpec, device: torch.device, step) -> dict:
+    """The step-time table (docs/time.md).
+
+    The roofline bound of the config's step on `device` (its dry run's ops), beside the mean of three
+    profiled real steps."""
     from lmledger.ledger import roofline
 
     def optimizer(params):  # as ledger.predict.measure builds it
@@ -70,11 +87,11 @@ def step_time(spec: RunSpec, device: torch.device, step) -> dict:
         return torch.optim.AdamW(params, lr=1e-4, fused=spec.fused_optimizer)
 
     ops = roofline.toy_step_ops(spec.config, spec.batch_size, spec.seq_len, spec.precision, optimizer)
-    return time_table(ops, spec.precision, device, step)
+    return _time_table(ops, spec.precision, device, step)
 
 
-def time_table(ops, precision: str, device: torch.device, step) -> dict:
-    """The bound of `ops` (a dry run's OpSummary) on `device` beside three profiled calls of `step(phase)`."""
+def _time_table(ops, precision: str, device: torch.device, step) -> dict:
+    """The bound of `ops` (a dry run's OpSummary) on `device`, beside three profiled `step(phase)` calls."""
     from lmledger.ledger import profile, roofline
 
     bound = roofline.device_roofline(ops, compute_dtype_for_precision(precision), device)
@@ -89,20 +106,21 @@ def time_table(ops, precision: str, device: torch.device, step) -> dict:
 
 
 # nanoGPT's estimate_mfu (model.py) divides by this on any device: "A100 GPU bfloat16 peak flops is 312 TFLOPS".
-NANOGPT_PEAK = 312e12
+_NANOGPT_PEAK = 312e12
 
 
-def step_seconds(step, device: torch.device) -> float:
-    """Median seconds of a training step, after one untimed step (the throughput callback's timer)."""
+def _step_seconds(step, device: torch.device) -> float:
+    """Median seconds of a training step, after one untimed step. The throughput callback's timer."""
     from lmledger.callbacks.throughput import forward_backward_seconds
 
     return forward_backward_seconds(step, device, eager=False, repeats=3)
 
 
-def mfu_conventions(spec: RunSpec, seconds: float | None, device: torch.device) -> dict:
-    """FLOPs per token of a training step under each MFU convention, and its ratio to perf/mfu's; with
-    a measured step time, MFU against the device's dense peak (a measured peak is raised to the step's
-    own hardware rate where the step beats it, as the throughput callback does)."""
+def _mfu_conventions(spec: RunSpec, seconds: float | None, device: torch.device) -> dict:
+    """FLOPs per token of a training step under each MFU convention, and the ratio to perf/mfu's.
+
+    With a measured step time, also MFU against the device's dense peak. A measured peak the step beats
+    is raised to the step's own hardware rate, as the throughput callback does."""
     per_token = ledger_flops.flops_per_token_by_convention(spec.config, spec.seq_len)
     peak = peak_line = None
     if seconds is not None:
@@ -123,12 +141,14 @@ def mfu_conventions(spec: RunSpec, seconds: float | None, device: torch.device) 
     def mfu(n: int) -> float | None:
         return None if peak is None else n * spec.tokens_per_batch / seconds / peak.flops_per_s
 
-    nanogpt_printed = None if seconds is None else per_token["nanogpt"] * spec.tokens_per_batch / seconds / NANOGPT_PEAK
+    nanogpt_printed = (
+        None if seconds is None else per_token["nanogpt"] * spec.tokens_per_batch / seconds / _NANOGPT_PEAK
+    )
 
     return {
         "perf_mfu": "palm",
         "seq_len": spec.seq_len,
-        "step_seconds": seconds,
+        "_step_seconds": seconds,
         "peak_flops_per_s": peak and peak.flops_per_s,
         "peak": peak_line,
         "nanogpt_printed_mfu": nanogpt_printed,
@@ -149,8 +169,8 @@ def account(spec: RunSpec, do_measure: bool, argv: list[str] = ()) -> dict:
         device = _measure_device(spec)
     else:
         device = torch.device("cuda" if spec.accelerator in ("gpu", "cuda") else "cpu")
-    predicted = predict(spec, device.type)
-    measured = measure(spec, device) if do_measure else None
+    predicted = _predict(spec, device.type)
+    measured = _measure(spec, device) if do_measure else None
     result = {
         "params": count_parameters(spec.config),
         "flops": {**predicted["flops"], "measured": measured["flops"]["measured"] if measured else None},
@@ -176,7 +196,7 @@ def account(spec: RunSpec, do_measure: bool, argv: list[str] = ()) -> dict:
             "peak_phase": predicted["peak_phase"],
             "measured_peak_phase": measured["peak_phase"] if measured else None,
         },
-        "mfu_conventions": mfu_conventions(spec, measured["step_seconds"] if measured else None, device),
+        "_mfu_conventions": _mfu_conventions(spec, measured["_step_seconds"] if measured else None, device),
         "time": measured["time"] if measured else None,
     }
     if traced_at_scale(spec):
@@ -188,16 +208,18 @@ AC_LABELS = ("checkpointing off", "checkpointing on")
 
 
 def traced_at_scale(spec: RunSpec) -> bool:
-    """A ToyLM run whose per-rank dry run (ledger.sharded) says more than the closed forms: DDP over several
-    ranks (its buckets) and FSDP2 (its gathered blocks). ZeRO, FSDP1 and DeepSpeed keep the closed forms,
-    whose state bytes are those the dry run would give."""
+    """Whether a ToyLM run's per-rank dry run (ledger.sharded) says more than the closed forms.
+
+    It does for DDP over several ranks (its buckets) and for FSDP2 (its gathered blocks).
+    ZeRO, FSDP1 and DeepSpeed keep the closed forms. Their state bytes are what the dry run would give."""
     return (spec.strategy in ("ddp", "auto", "single_device") and spec.world_size > 1) or spec.strategy == "fsdp2"
 
 
 def _add_per_rank(result: dict, spec: RunSpec, argv: list[str]) -> None:
-    """result["per_rank"]: one rank's dry run at the config's world size and strategy. It replaces the closed
-    forms where it traces the strategy (DDP's buckets, FSDP2's gathered blocks are in it); the config's
-    checkpointing picks the case (every block, or none)."""
+    """Set result["per_rank"]: one rank's dry run at the config's world size and strategy.
+
+    It replaces the closed forms where it traces the strategy. (DDP's buckets and FSDP2's gathered blocks
+    are in it.) The config's checkpointing picks the case: every block, or none."""
     result["per_rank"] = per_rank(spec, argv=argv)
     if spec.config.activation_checkpointing in (0, 1):
         case = result["per_rank"]["cases"][AC_LABELS[spec.config.activation_checkpointing]]
@@ -208,16 +230,19 @@ def _add_per_rank(result: dict, spec: RunSpec, argv: list[str]) -> None:
 
 
 def per_rank(spec: RunSpec, capacity_bytes: int | None = None, argv: list[str] = ()) -> dict:
-    """ledger.sharded.run_at_scale with account's case names (checkpointing off and on) and the strategy's
-    settings among the fit arguments `argv` (scale_settings)."""
+    """ledger.sharded.run_at_scale with account's case names: checkpointing off and on.
+
+    The strategy's settings come from the fit arguments `argv` (_scale_settings)."""
     from lmledger.ledger.sharded import run_at_scale
 
-    return run_at_scale(spec, capacity_bytes, labels=AC_LABELS, **scale_settings(list(argv), spec.strategy))
+    return run_at_scale(spec, capacity_bytes, labels=AC_LABELS, **_scale_settings(list(argv), spec.strategy))
 
 
-def module_step_fn(module, batch: object, precision: str):
-    """`step(phase)`: one training step of a copy of `module` on `batch` as Lightning runs it (precision as its
-    plugin does, the module's own optimizer, zero_grad, backward, step), after two untimed steps."""
+def _module_step_fn(module, batch: object, precision: str):
+    """`step(phase)`: one training step of a copy of `module` on `batch`, as Lightning runs it.
+
+    Precision as its plugin does it, the module's own optimizer, zero_grad, backward, step.
+    Two untimed steps run first."""
     import copy
     from contextlib import nullcontext
 
@@ -250,8 +275,10 @@ def module_step_fn(module, batch: object, precision: str):
 
 
 def account_any_model(argv: list[str], do_measure: bool) -> dict:
-    """account for a config naming any LightningModule: the dry run beside (with --measure) the real step,
-    both on its data's first batch. No model FLOPs (6N + attention needs the architecture) and no MFU."""
+    """account for a config naming any LightningModule.
+
+    The dry run, beside the real step with --measure. Both run on its data's first batch.
+    No model FLOPs (6N + attention needs the architecture), so no MFU."""
     from lmledger.callbacks.ledger import samples_per_batch, tokens_per_batch
     from lmledger.fitting.cli import build_model_and_data, first_batch
     from lmledger.ledger import predict as any_model
@@ -275,7 +302,7 @@ def account_any_model(argv: list[str], do_measure: bool) -> dict:
         measured = any_model.measure_module(module, batch, precision=precision) if do_measure else None
         timing = None
         if do_measure and predicted.dry is not None and predicted.dry.ops is not None:
-            timing = time_table(predicted.dry.ops, precision, device, module_step_fn(module, batch, precision))
+            timing = _time_table(predicted.dry.ops, precision, device, _module_step_fn(module, batch, precision))
     not_predicted = predicted.unmodelled
     p = None if not_predicted else predicted
 
@@ -305,23 +332,27 @@ def account_any_model(argv: list[str], do_measure: bool) -> dict:
             "measured_peak_phase": measured.peak_phase if measured else None,
             "not_predicted": not_predicted,
         },
-        "mfu_conventions": None,
+        "_mfu_conventions": None,
         "time": timing,
     }
 
 
 def trainer_scale(argv: list[str]) -> tuple[int, str]:
-    """(world size, ledger strategy name) that a fit's arguments ask for: trainer.devices x num_nodes and
-    trainer.strategy from the --config files, then --trainer.* overrides, read before anything is built (so
-    a model at scale is built on the meta device)."""
+    """(world size, ledger strategy name) that a fit's arguments ask for.
+
+    World size is trainer.devices x num_nodes. Both it and trainer.strategy come from the --config
+    files, then the --trainer.* overrides. They are read before anything is built. So a model at scale
+    is built on the meta device."""
     world_size, strategy, _ = _trainer_scale(argv)
     return world_size, strategy
 
 
-def scale_settings(argv: list[str], strategy: str) -> dict:
-    """The keyword arguments at_scale takes from the strategy's init_args: DDP's bucket settings (DDPStrategy
-    passes them through to torch's DDP); a ModelParallelStrategy with tensor_parallel_size > 1 is tensor
-    parallel, which the dry run does not model (it says so in one line, and the run is measured only)."""
+def _scale_settings(argv: list[str], strategy: str) -> dict:
+    """The keyword arguments at_scale takes from the strategy's init_args.
+
+    DDP's bucket settings: DDPStrategy passes them through to torch's DDP.
+    A ModelParallelStrategy with tensor_parallel_size > 1 is tensor parallel. The dry run does not model
+    that. It says so in one line, and the run is measured only."""
     from lmledger.ledger.ddp import DDPSettings
 
     init = _trainer_scale(argv)[2]
@@ -371,9 +402,10 @@ def at_scale(world_size: int, strategy: str) -> bool:
 
 
 def any_model_at_scale(argv: list[str], capacity_bytes: int | None = None) -> dict:
-    """One rank's dry run of any LightningModule at the arguments' world size and strategy (ledger.sharded),
-    as configured and with every block checkpointed; the module is built on the meta device (an 8B model
-    costs no memory), the batch shaped like its data's first batch."""
+    """One rank's dry run of any LightningModule, at the arguments' world size and strategy.
+
+    Cases: as configured, and every block checkpointed (ledger.sharded). The module is built on the
+    meta device, so an 8B model costs no memory. The batch is shaped like its data's first batch."""
     from lmledger.callbacks.ledger import samples_per_batch, tokens_per_batch
     from lmledger.fitting.cli import build_model_and_data, first_batch
     from lmledger.ledger import predict as any_model
@@ -391,7 +423,7 @@ def any_model_at_scale(argv: list[str], capacity_bytes: int | None = None) -> di
             module, lambda size: any_model.resized(batch, size), samples, strategy=strategy, world_size=world_size,
             capacity_bytes=capacity_bytes, step=any_model.module_step,
             optimizer=any_model.configured_optimizer(module), precision=precision,
-            **scale_settings(argv, strategy),
+            **_scale_settings(argv, strategy),
         )  # fmt: skip
     return {
         "params": any_model.parameter_count(module),
@@ -409,7 +441,7 @@ def any_model_at_scale(argv: list[str], capacity_bytes: int | None = None) -> di
 
 
 def print_per_rank(scale: dict) -> None:
-    """The per-rank table of a run at scale: each checkpointing case's state, buffers and peak."""
+    """The per-rank table of a run at scale: state, buffers and peak per checkpointing case."""
     from rich.console import Console
     from rich.table import Table
 

@@ -1,9 +1,10 @@
 """Files written whole or not at all: a temp file beside the target, fsynced, renamed over it.
 
-A kill at any moment leaves the previous file or the complete new one; a disk that refuses the write
-(full, read-only, over quota) becomes one `DiskWriteError` line saying what is intact. Temp files are
-named ".<final name>.<writer pid>.<12 hex>.tmp", so a later writer can tell a dead writer's leftovers
-(`remove_stale_temps`) from a live one's. No torch, no Lightning: `prepare` and `plan` import this.
+A kill at any moment leaves the previous file or the complete new one. A disk that refuses the write
+(full, read-only, over quota) becomes one `DiskWriteError` line saying what is intact.
+Temp files are named ".<final name>.<writer pid>.<12 hex>.tmp". So a later writer can tell a dead
+writer's leftovers (`remove_stale_temps`) from a live one's.
+No torch, no Lightning: `prepare` and `plan` import this.
 """
 
 from __future__ import annotations
@@ -18,26 +19,44 @@ from typing import IO
 
 from lmledger.errors import UserError
 
+__all__ = [
+    "STALE_TEMP_SECONDS",
+    "TEMP_NAME",
+    "DiskWriteError",
+    "atomic_write",
+    "fsync_dir",
+    "printable",
+    "remove_stale_temps",
+    "stage",
+    "temp_path",
+    "write_error",
+]
+
+
 # Names without the pid come from lmledger versions that did not record it; they go by age alone.
 TEMP_NAME = re.compile(r"\.(?P<name>.+?)\.(?:(?P<pid>\d+)\.)?[0-9a-f]{12}\.tmp")
 STALE_TEMP_SECONDS = 24 * 3600  # a temp file whose writer we cannot see is stale after a day
 
-Content = bytes | bytearray | memoryview | str | Callable[[IO[bytes]], object]
+_Content = bytes | bytearray | memoryview | str | Callable[[IO[bytes]], object]
 
 
 class DiskWriteError(UserError):
-    """Writing a file failed (a full disk, a read-only file system): one line saying what is intact."""
+    """Writing a file failed (full disk, read-only file system). One line says what is intact."""
 
 
 def printable(text: str) -> str:
-    """A path for messages and meta.json: a name that is not UTF-8 (kept by Python as surrogate escapes) shows U+FFFD
-    where its bad bytes were, instead of failing to print."""
+    """A path fit for messages and meta.json.
+
+    Python keeps a non-UTF-8 name as surrogate escapes. Here its bad bytes show as U+FFFD,
+    instead of failing to print."""
     return text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
 
 
 def write_error(err: OSError, path: Path, after: str | None = None) -> DiskWriteError:
-    """One line for an OSError while writing `path`, e.g. "no space left on device while writing
-    runs/x/results.csv; the previous results.csv is intact" (`after` replaces the part after the ';')."""
+    """One line for an OSError while writing `path`.
+
+    E.g. "no space left on device while writing runs/x/results.csv; the previous results.csv is intact".
+    `after` replaces the part after the ';'."""
     reason = err.strerror or str(err) or os.strerror(err.errno or 5)  # 5: EIO
     reason = reason[:1].lower() + reason[1:]
     if after is None:
@@ -60,8 +79,10 @@ def _pid_alive(pid: int) -> bool:
 
 
 def remove_stale_temps(directory: Path, names: Iterable[str]) -> list[Path]:
-    """Delete temp files a killed writer of one of `names` left in `directory`: only names of our exact
-    pattern, and only when their writer's pid is dead on this machine or they are a day old."""
+    """Delete the temp files that killed writers of `names` left in `directory`.
+
+    Only names of our exact pattern go. And only when their writer's pid is dead on this machine,
+    or they are a day old."""
     wanted = set(names)
     removed = []
     try:
@@ -97,8 +118,10 @@ def fsync_dir(directory: Path) -> None:
 
 
 class _RecordingFile:
-    """A binary file whose first OSError is kept: torch.save reports a failed write as a RuntimeError
-    ("[enforce fail at inline_container.cc:...]") that has lost the errno saying why."""
+    """A binary file that keeps its first OSError.
+
+    torch.save reports a failed write as a RuntimeError ("[enforce fail at inline_container.cc:...]").
+    That error has lost the errno saying why."""
 
     def __init__(self, f: IO[bytes]) -> None:
         self.f, self.error = f, None
@@ -115,7 +138,7 @@ class _RecordingFile:
 
 
 def _interrupted(err: BaseException) -> bool:
-    """Whether a KeyboardInterrupt is among the exceptions `err` was raised from or while handling."""
+    """Whether `err` was raised from, or while handling, a KeyboardInterrupt."""
     seen = set()
     while err is not None and id(err) not in seen:
         if isinstance(err, KeyboardInterrupt):
@@ -125,10 +148,12 @@ def _interrupted(err: BaseException) -> bool:
     return False
 
 
-def stage(path: Path, content: Content) -> Path:
-    """Write `content` (bytes, str as UTF-8, or a callable given the open binary file) to a fsynced temp
-    file beside `path` and return its name; on any failure the temp file is removed and the error raised
-    (an OSError hidden inside a callback's other exception comes out as that OSError)."""
+def stage(path: Path, content: _Content) -> Path:
+    """Write `content` to a fsynced temp file beside `path`; return the temp file's path.
+
+    `content` is bytes, str (as UTF-8), or a callable given the open binary file.
+    On any failure the temp file is removed and the error raised. An OSError hidden inside a
+    callback's other exception comes out as that OSError."""
     tmp = temp_path(path)
     try:
         # "xb", not tempfile.mkstemp: the file gets the umask's permissions, not 0600.
@@ -157,10 +182,11 @@ def stage(path: Path, content: Content) -> Path:
     return tmp
 
 
-def atomic_write(path: str | os.PathLike, content: Content) -> None:
-    """Put `content` at `path` whole: stage it beside `path` (clearing dead writers' temp files first),
-    os.replace it over `path`, fsync the directory. Any OSError becomes one DiskWriteError line with
-    `path` left as it was."""
+def atomic_write(path: str | os.PathLike, content: _Content) -> None:
+    """Put `content` at `path` whole.
+
+    Clear dead writers' temp files, stage it beside `path`, os.replace it over `path`, fsync the
+    directory. Any OSError becomes one DiskWriteError line, with `path` left as it was."""
     path = Path(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,8 +1,8 @@
 """Matmul benchmark: achieved FLOP/s and MFU per dtype and size, against the dense peak.
 
-The peak is the datasheet figure on a listed GPU and a measured one elsewhere (the CPU, an unlisted
-GPU); every result says which. Timing itself (warm-up, rotated inputs, CUDA events, median) lives in
-lmledger.ledger.matmul.time_matmul, which the measured peaks use too.
+The peak is the datasheet figure on a listed GPU. Elsewhere (the CPU, an unlisted GPU) it is measured.
+Every result says which. Timing itself lives in lmledger.ledger.matmul.time_matmul: warm-up, rotated
+inputs, CUDA events, median. The measured peaks use it too.
 """
 
 from __future__ import annotations
@@ -16,15 +16,18 @@ from lmledger.ledger.gpus import Peak, find_gpu
 from lmledger.ledger.matmul import matmul_flops, time_matmul, unsupported_reason
 from lmledger.ledger.peak_flops import NoPeak, peak_flops
 
+__all__ = ["DEFAULT_DTYPES", "DEFAULT_SIZES", "MatmulBench", "bench_matmul", "plot_mfu"]
+
+
 DEFAULT_DTYPES = {"cpu": ("fp32", "bf16"), "cuda": ("fp32", "tf32", "bf16", "fp16", "fp8")}
 # CPU sizes stay small: bf16 matmuls without AVX512-BF16/AMX run at ~1 GFLOP/s.
 DEFAULT_SIZES = {"cpu": (128, 256, 512), "cuda": (1024, 2048, 4096, 8192)}
-DEFAULT_REPEATS = {"cpu": 5, "cuda": 20}
-WARMUP = {"cpu": 1, "cuda": 5}
+_DEFAULT_REPEATS = {"cpu": 5, "cuda": 20}
+_WARMUP = {"cpu": 1, "cuda": 5}
 
 
 @dataclass(frozen=True)
-class MatmulResult:
+class _MatmulResult:
     dtype: str
     size: int  # m = n = k
     seconds: float | None  # median of the repeats; None when the dtype did not run
@@ -65,7 +68,7 @@ class MatmulBench:
     device_name: str
     repeats: int
     warmup: int
-    results: list[MatmulResult]
+    results: list[_MatmulResult]
 
     def to_json(self) -> dict:
         return {
@@ -85,10 +88,10 @@ def _device_name(device: torch.device) -> str:
     return name if spec is None else f"{name} ({spec.key})"
 
 
-def _bench_dtype(dtype: str, sizes: list[int], device: torch.device, repeats: int, warmup: int) -> list[MatmulResult]:
+def _bench_dtype(dtype: str, sizes: list[int], device: torch.device, repeats: int, warmup: int) -> list[_MatmulResult]:
     reason = unsupported_reason(dtype, device)
     if reason is not None:
-        return [MatmulResult(dtype, size, None, None, f"unsupported: {reason}") for size in sizes]
+        return [_MatmulResult(dtype, size, None, None, f"unsupported: {reason}") for size in sizes]
     # "fp32" here means true fp32 (time_matmul runs it at precision "highest"), so its peak is fp32's.
     peak = peak_flops(dtype, device, float32_matmul_precision="highest")
     peak = None if isinstance(peak, NoPeak) else peak  # none left: unsupported dtypes returned above
@@ -97,16 +100,16 @@ def _bench_dtype(dtype: str, sizes: list[int], device: torch.device, repeats: in
         try:
             seconds = time_matmul(dtype, size, device, repeats=repeats, warmup=warmup)
         except ValueError as err:  # e.g. an fp8 size that is not a multiple of 16
-            results.append(MatmulResult(dtype, size, None, peak, f"skipped: {err}"))
+            results.append(_MatmulResult(dtype, size, None, peak, f"skipped: {err}"))
         else:
-            results.append(MatmulResult(dtype, size, seconds, peak))
+            results.append(_MatmulResult(dtype, size, seconds, peak))
     return results
 
 
 def bench_matmul(dtypes: list[str], sizes: list[int], device: torch.device, repeats: int | None = None) -> MatmulBench:
-    """Time square matmuls of each size in each dtype on `device` and relate them to the peak."""
-    repeats = repeats or DEFAULT_REPEATS[device.type]
-    warmup = WARMUP[device.type]
+    """Time square matmuls of each size and dtype on `device`, against the peak."""
+    repeats = repeats or _DEFAULT_REPEATS[device.type]
+    warmup = _WARMUP[device.type]
     results = [result for dtype in dtypes for result in _bench_dtype(dtype, sizes, device, repeats, warmup)]
     return MatmulBench(str(device), _device_name(device), repeats, warmup, results)
 

@@ -1,7 +1,7 @@
 """The `lmledger` entry point: dispatch to a subcommand, turn user errors into one clear line.
 
-Each subcommand lives in `lmledger.commands.<name>` and exposes `main(argv) -> int`; they are
-imported lazily so `lmledger plan` does not pay for importing Lightning.
+Each subcommand lives in `lmledger.commands.<name>` and exposes `main(argv) -> int`.
+They are imported lazily, so `lmledger plan` does not pay for importing Lightning.
 """
 
 from __future__ import annotations
@@ -13,12 +13,15 @@ import sys
 from lmledger.commands.argparser import canonical_flags
 from lmledger.errors import UserError
 
+__all__ = ["COMMANDS", "VERB_COMMANDS", "main"]
+
+
 # Each command: (module under lmledger.commands, help). Most modules' main takes the arguments after the
 # command; VERB_COMMANDS' main serves several commands and takes the command itself first.
 VERB_COMMANDS = ("fit", "validate")
 # Commands that read a fit's arguments: an alias of a fit flag (`--device-memory-gb`) becomes the fit's
 # spelling (`--ledger.device_memory_gb`) before LightningCLI or argparse reads it.
-FIT_ARGUMENT_COMMANDS = ("fit", "validate", "account", "plan")
+_FIT_ARGUMENT_COMMANDS = ("fit", "validate", "account", "plan")
 COMMANDS = {
     "fit": ("train", "train a model (LightningCLI)"),
     "validate": ("train", "evaluate a model on the validation split (LightningCLI)"),
@@ -39,7 +42,7 @@ def _usage() -> str:
 
 
 def _discard_stdout() -> None:
-    """Point stdout at /dev/null so the interpreter's final flush of a closed pipe raises nothing."""
+    """Point stdout at /dev/null. Then the final flush of a closed pipe raises nothing."""
     try:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
@@ -57,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"lmledger: error: unknown command {name!r}; choose from {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
     module = importlib.import_module(f"lmledger.commands.{COMMANDS[name][0]}")
-    if name in FIT_ARGUMENT_COMMANDS:
+    if name in _FIT_ARGUMENT_COMMANDS:
         rest = canonical_flags(rest)
     try:
         code = int(module.main([name, *rest] if name in VERB_COMMANDS else rest) or 0)

@@ -1,14 +1,14 @@
 """Token files: open and validate a prepared directory, and serve it to Lightning as batches.
 
-`lmledger prepare` (lmledger.corpus, which owns the format) writes DIR/train.bin, DIR/val.bin
-and DIR/meta.json. Here:
-- `load_meta` / `TokenFiles.open` check a directory and turn every way it can be wrong into one UserError line;
-- `train_window_starts` / `val_window_starts` / `gather_windows` are the pure window functions;
-- `TokenDataModule` feeds them to a Trainer.
+`lmledger prepare` writes DIR/train.bin, DIR/val.bin and DIR/meta.json (lmledger.corpus owns the format).
+`load_meta` and `TokenFiles.open` check a directory. Every way it can be wrong is one UserError line.
+`train_window_starts`, `val_window_starts` and `_gather_windows` are the pure window functions.
+`TokenDataModule` feeds them to a Trainer.
 
-Training batch i on rank r is a pure function of (seed, r, i): random windows of context_length + 1 tokens
-drawn by a counter-based generator keyed on those three numbers. The sampler starts at the number of batches
-the trainer has already consumed, so a resumed run sees exactly the batches an uninterrupted one would.
+Training batch i on rank r is a pure function of (seed, r, i). It holds random windows of
+context_length + 1 tokens. A counter-based generator keyed on those three numbers draws them.
+The sampler starts at the number of batches the trainer has already consumed. So a resumed run sees
+exactly the batches an uninterrupted one would.
 """
 
 from __future__ import annotations
@@ -31,7 +31,10 @@ from lmledger.corpus import FORMAT_VERSION, META_FILE, SPLIT_FILES, TOKEN_DTYPES
 from lmledger.errors import UserError
 from lmledger.lightning_private import batches_fetched
 
-SPLITS = tuple(SPLIT_FILES)  # ("train", "val")
+__all__ = ["TokenDataModule", "TokenFiles", "TrainBatches", "load_meta", "train_window_starts", "val_window_starts"]
+
+
+_SPLITS = tuple(SPLIT_FILES)  # ("train", "val")
 
 
 def _redo(root: Path) -> str:
@@ -73,9 +76,9 @@ def load_meta(path: str | os.PathLike) -> dict:
     return meta
 
 
-# Where a directory's verified hashes are remembered: (size, mtime_ns, sha256) of each .bin, so the hash is
-# computed on first use and again only when a file changes.
-VERIFIED_FILE = ".lmledger-verified.json"
+# A directory's verified hashes: (size, mtime_ns, sha256) per .bin. The hash is computed on first use,
+# then again only when a file changes.
+_VERIFIED_FILE = ".lmledger-verified.json"
 
 
 def _sha256(path: Path) -> str:
@@ -86,21 +89,23 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def verify_sha256(files: TokenFiles) -> None:
-    """UserError unless each .bin hashes to the sha256 its meta.json records (data re-prepared or edited in
-    place under the same meta.json). Hashed on a directory's first use and after a file changes; the
-    verdict is kept in VERIFIED_FILE (skipped quietly where the directory is read-only)."""
+def _verify_sha256(files: TokenFiles) -> None:
+    """UserError unless each .bin hashes to the sha256 its meta.json records.
+
+    A mismatch means data re-prepared or edited in place under the same meta.json.
+    Hashed on a directory's first use and after a file changes. The verdict is kept in _VERIFIED_FILE
+    (skipped quietly where the directory is read-only)."""
     recorded = files.meta.get("sha256")
     if not isinstance(recorded, dict):
         return  # prepared by a version that recorded none
-    stamp_path = files.root / VERIFIED_FILE
+    stamp_path = files.root / _VERIFIED_FILE
     try:
         stamp = json.loads(stamp_path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         stamp = {}
     stamp = stamp if isinstance(stamp, dict) else {}
     fresh = {}
-    for split in SPLITS:
+    for split in _SPLITS:
         name = SPLIT_FILES[split]
         if name not in recorded:
             continue
@@ -131,7 +136,7 @@ class TokenFiles:
     @classmethod
     def open(cls, path: str | os.PathLike, check_token_ids: bool = True) -> TokenFiles:
         files = cls(Path(path), load_meta(path))
-        for split in SPLITS:
+        for split in _SPLITS:
             bin_path, n_tokens = files.bin_path(split), files.num_tokens(split)
             if not bin_path.is_file():
                 raise UserError(f"{bin_path} is missing; {_redo(files.root)}")
@@ -144,7 +149,7 @@ class TokenFiles:
             if n_tokens == 0:
                 raise UserError(f"{bin_path} holds no tokens; {_redo(files.root)} with more data")
         if check_token_ids:
-            for split in SPLITS:
+            for split in _SPLITS:
                 largest = int(files.tokens(split).max())  # one pass over the map; ~GB/s
                 if largest >= files.vocab_size:
                     raise UserError(
@@ -171,8 +176,8 @@ class TokenFiles:
         return np.memmap(self.bin_path(split), dtype=self.dtype, mode="r", shape=(self.num_tokens(split),))
 
     def require_context(self, context_length: int) -> None:
-        """Both splits must hold at least one window of context_length + 1 tokens (inputs and shifted targets)."""
-        for split in SPLITS:
+        """Both splits must hold one window of context_length + 1 tokens: inputs and shifted targets."""
+        for split in _SPLITS:
             if self.num_tokens(split) < context_length + 1:
                 more = "a larger --val-fraction" if split == "val" else "a larger --source"
                 raise UserError(
@@ -189,36 +194,39 @@ def train_window_starts(
 ) -> np.ndarray:
     """Start offsets (int64, shape (batch_size,)) of training batch `index` on `rank`: a pure function.
 
-    Philox is counter-based, and SeedSequence hashes (seed, rank, index) into its key, so any batch can be
-    drawn directly, without replaying the ones before it. Starts are uniform over every offset that leaves
-    room for context_length + 1 tokens.
+    Philox is counter-based. SeedSequence hashes (seed, rank, index) into its key. So any batch can be
+    drawn directly, without replaying the ones before it. Starts are uniform over every offset that
+    leaves room for context_length + 1 tokens.
     """
     key = np.random.SeedSequence(seed, spawn_key=(rank, index))
     rng = np.random.Generator(np.random.Philox(key))
     return rng.integers(0, n_tokens - context_length, size=batch_size, dtype=np.int64)
 
 
-def val_window_count(n_tokens: int, context_length: int) -> int:
-    """Non-overlapping input windows in a split: window k is tokens [kT, (k+1)T], its last token only a target."""
+def _val_window_count(n_tokens: int, context_length: int) -> int:
+    """Non-overlapping input windows in a split.
+
+    Window k is tokens [kT, (k+1)T]. Its last token is only a target."""
     return (n_tokens - 1) // context_length
 
 
-def val_batch_count(batch_size: int, n_tokens: int, context_length: int) -> int:
-    """Full batches of consecutive windows; a split with fewer windows than batch_size gives one short batch."""
-    return max(1, val_window_count(n_tokens, context_length) // batch_size)
+def _val_batch_count(batch_size: int, n_tokens: int, context_length: int) -> int:
+    """Full batches of consecutive windows. Fewer windows than batch_size give one short batch."""
+    return max(1, _val_window_count(n_tokens, context_length) // batch_size)
 
 
 def val_window_starts(index: int, batch_size: int, n_tokens: int, context_length: int) -> np.ndarray:
-    """Start offsets of validation batch `index`: windows index*B .. index*B + B - 1, back to back."""
+    """Start offsets of validation batch `index`. Windows index*B .. index*B + B - 1, back to back."""
     first = index * batch_size
-    rows = min(batch_size, val_window_count(n_tokens, context_length) - first)
+    rows = min(batch_size, _val_window_count(n_tokens, context_length) - first)
     return (first + np.arange(rows, dtype=np.int64)) * context_length
 
 
-def gather_windows(tokens: np.ndarray, starts: np.ndarray, context_length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inputs x = tokens[s : s+T] and targets y = tokens[s+1 : s+T+1] per start s, as int64 (B, T) tensors.
+def _gather_windows(tokens: np.ndarray, starts: np.ndarray, context_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs x = tokens[s : s+T] and targets y = tokens[s+1 : s+T+1] per start s.
 
-    All in numpy: a torch copy here would use intra-op threads and contend with the training step.
+    Both are int64 (B, T) tensors. All in numpy: a torch copy here would use intra-op threads.
+    Those contend with the training step.
     """
     tokens = np.asarray(tokens)  # a plain view: slicing an np.memmap builds a memmap object per slice
     x = np.empty((len(starts), context_length), dtype=np.int64)
@@ -233,9 +241,9 @@ def gather_windows(tokens: np.ndarray, starts: np.ndarray, context_length: int) 
 
 
 class _TokenFileDataset(Dataset):
-    """Holds a .bin's path, dtype and length; each process maps the file on first use.
+    """A .bin's path, dtype and length. Each process maps the file on first use.
 
-    The memmap is never pickled: spawned DataLoader workers receive the path and open their own map.
+    The memmap is never pickled. Spawned DataLoader workers get the path and open their own map.
     """
 
     def __init__(self, bin_path: Path, dtype: np.dtype, n_tokens: int) -> None:
@@ -253,9 +261,9 @@ class _TokenFileDataset(Dataset):
 
 
 class TrainBatches(_TokenFileDataset):
-    """Item i is the whole training batch i of this rank, (x, y); any i >= 0 is valid.
+    """Item i is this rank's whole training batch i, (x, y). Any i >= 0 is valid.
 
-    __len__ is the epoch length (what Lightning shows as the progress total), not a bound on i.
+    Its length is the epoch length (Lightning's progress total), not a bound on i.
     """
 
     def __init__(
@@ -279,11 +287,11 @@ class TrainBatches(_TokenFileDataset):
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         starts = train_window_starts(self.seed, self.rank, index, self.batch_size, self.n_tokens, self.context_length)
-        return gather_windows(self.tokens, starts, self.context_length)
+        return _gather_windows(self.tokens, starts, self.context_length)
 
 
-class ValBatches(_TokenFileDataset):
-    """Item j is validation batch j: consecutive, non-overlapping windows; the same on every run."""
+class _ValBatches(_TokenFileDataset):
+    """Item j is validation batch j: consecutive, non-overlapping windows. The same on every run."""
 
     def __init__(
         self, bin_path: Path, dtype: np.dtype, n_tokens: int, *, batch_size: int, context_length: int, num_batches: int
@@ -298,15 +306,15 @@ class ValBatches(_TokenFileDataset):
         if not 0 <= index < self.num_batches:
             raise IndexError(f"validation batch {index} out of range(0, {self.num_batches})")
         starts = val_window_starts(index, self.batch_size, self.n_tokens, self.context_length)
-        return gather_windows(self.tokens, starts, self.context_length)
+        return _gather_windows(self.tokens, starts, self.context_length)
 
 
-class ResumingSampler(DistributedSampler):
-    """Yields len(dataset) consecutive batch indices from `start()`, which is read anew at every iter().
+class _ResumingSampler(DistributedSampler):
+    """Yields len(dataset) consecutive batch indices from `start()`, read anew at every iter().
 
-    A DistributedSampler only so that Lightning leaves it alone under DDP (any other sampler gets wrapped
-    in a DistributedSamplerWrapper that deals the indices out across ranks); the ranks already draw
-    different batches because TrainBatches keys its windows on the rank.
+    A DistributedSampler only so that Lightning leaves it alone under DDP. Any other sampler gets
+    wrapped in a DistributedSamplerWrapper, which deals the indices out across ranks.
+    The ranks already draw different batches: TrainBatches keys its windows on the rank.
     """
 
     def __init__(self, dataset: TrainBatches, start: Callable[[], int], num_replicas: int = 1, rank: int = 0) -> None:
@@ -370,10 +378,10 @@ class TokenDataModule(pl.LightningDataModule):
         # Read and checked here, not in setup(): the CLI links vocab_size into the model right after __init__.
         self.files = TokenFiles.open(path)
         self.files.require_context(context_length)
-        verify_sha256(self.files)
+        _verify_sha256(self.files)
 
     def state_dict(self) -> dict:
-        """What checkpoints record of the data: its sha256s, compared on resume (lmledger.fitting.cli)."""
+        """What checkpoints record of the data: its sha256s. Compared on resume (lmledger.fitting.cli)."""
         recorded = self.files.meta.get("sha256")
         return {"sha256": dict(recorded)} if isinstance(recorded, dict) else {}
 
@@ -389,11 +397,11 @@ class TokenDataModule(pl.LightningDataModule):
         return self.batch_size * self.context_length
 
     def batches_consumed(self) -> int:
-        """Training batches the attached trainer has already taken (restored from a checkpoint on resume).
+        """Training batches the attached trainer has already taken. Restored from a checkpoint on resume.
 
-        Lightning restores the loops' progress before it first iterates the train loader (canary
-        test_loops_restore_their_progress_before_the_train_loader_is_iterated); the count is of batches
-        fetched across epochs, without the prefetcher's look-ahead.
+        Lightning restores the loops' progress before it first iterates the train loader
+        (canary test_loops_restore_their_progress_before_the_train_loader_is_iterated).
+        The count is of batches fetched across epochs, without the prefetcher's look-ahead.
         """
         if self.trainer is None:
             return 0
@@ -419,14 +427,14 @@ class TokenDataModule(pl.LightningDataModule):
             rank=rank,
             epoch_length=self.train_batches_per_epoch(),
         )
-        return self._loader(dataset, ResumingSampler(dataset, self.batches_consumed, world_size, rank))
+        return self._loader(dataset, _ResumingSampler(dataset, self.batches_consumed, world_size, rank))
 
     def val_dataloader(self) -> DataLoader:
         n_tokens = self.files.num_tokens("val")
-        num_batches = val_batch_count(self.batch_size, n_tokens, self.context_length)
+        num_batches = _val_batch_count(self.batch_size, n_tokens, self.context_length)
         if self.val_batches is not None:
             num_batches = min(num_batches, self.val_batches)
-        dataset = ValBatches(
+        dataset = _ValBatches(
             self.files.bin_path("val"),
             self.files.dtype,
             n_tokens,

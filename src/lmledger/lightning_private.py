@@ -1,7 +1,7 @@
 """Every read or write of Lightning's private state, in one place.
 
-Each function was read from Lightning 2.6.6 and is held to the installed version by a canary in
-tests/test_canaries.py (named beside it), so an upgrade that moves one fails there, not mid-run.
+Each function was read from Lightning 2.6.6. A canary in tests/test_canaries.py (named beside it)
+holds it to the installed version. So an upgrade that moves one fails there, not mid-run.
 LedgerCLI also overrides LightningCLI._parse_ckpt_path (canary: test_cli_parses_ckpt_path_in_a_private_hook).
 """
 
@@ -17,6 +17,18 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.cli import LightningCLI
+
+__all__ = [
+    "accumulating",
+    "batches_fetched",
+    "batches_that_stepped",
+    "cli_value",
+    "is_local_path",
+    "pin_logger_version",
+    "save_last_checkpoint",
+    "should_update_logs",
+    "take_received_sigterm",
+]
 
 
 def is_local_path(path: str | os.PathLike) -> bool:
@@ -38,7 +50,7 @@ def batches_that_stepped(trainer: pl.Trainer) -> int:
 
 
 def batches_fetched(trainer: pl.Trainer) -> int:
-    """Training batches the fit loop has fetched, across epochs; restored from a checkpoint on resume.
+    """Training batches the fit loop has fetched, across epochs. Restored from a checkpoint on resume.
     Canary: test_epoch_loop_counts_batches_that_stepped."""
     return trainer.fit_loop.epoch_loop.batch_progress.total.ready
 
@@ -50,7 +62,7 @@ def accumulating(trainer: pl.Trainer) -> bool:
 
 
 def take_received_sigterm(trainer: pl.Trainer) -> bool:
-    """Whether Lightning's SIGTERM handler has fired; clears its flag so that Lightning does not stop too.
+    """Whether Lightning's SIGTERM handler has fired. Clears its flag, so Lightning does not stop too.
     Canary: test_signal_connector_keeps_a_sigterm_flag."""
     connector = trainer._signal_connector
     received = connector.received_sigterm
@@ -59,7 +71,7 @@ def take_received_sigterm(trainer: pl.Trainer) -> bool:
 
 
 def save_last_checkpoint(callback: ModelCheckpoint, trainer: pl.Trainer) -> str:
-    """Have `callback` save its "last" checkpoint now, unless it already saved this step; return its path.
+    """Have `callback` save its "last" checkpoint now, unless it saved this step. Return its path.
     ModelCheckpoint's own save keeps its naming (last-vN.ckpt) and its record of the last path.
     Canary: test_model_checkpoint_saves_last_through_private_methods."""
     if callback._last_global_step_saved != trainer.global_step or not callback.last_model_path:
@@ -68,14 +80,14 @@ def save_last_checkpoint(callback: ModelCheckpoint, trainer: pl.Trainer) -> str:
 
 
 def pin_logger_version(logger: Any, claim: Callable[[str], int]) -> None:
-    """Give a TensorBoardLogger / CSVLogger that has not chosen its version yet the one `claim(root_dir)`
-    returns, instead of the next free one it would list the directory for later.
+    """Pin the version of a TensorBoardLogger / CSVLogger that has not chosen one yet.
+    It gets what `claim(root_dir)` returns, not the next free one it would list the directory for later.
     Canary: test_logger_picks_its_version_lazily."""
     if logger._version is None:
         logger._version = claim(logger.root_dir)
 
 
 def cli_value(cli: LightningCLI, config: Any, key: str, default: Any = None) -> Any:
-    """`key` of a LightningCLI config, looked up under the running subcommand when there is one.
+    """`key` of a LightningCLI config, under the running subcommand if there is one.
     Canary: test_cli_get_reads_under_the_subcommand."""
     return cli._get(config, key, default=default)

@@ -1,9 +1,12 @@
 """The toy decoder-only language model: plain PyTorch + einops, no Lightning.
 
-Pre-norm transformer: token embedding -> n_layers x [RMSNorm -> causal self-attention (RoPE, SDPA)
--> residual, RMSNorm -> SwiGLU MLP -> residual] -> RMSNorm -> LM head. No biases, no dropout.
-Positions are rotary (RoPE): they add no parameters, so N counts only weights that do matmuls,
-the embedding table and the norms.
+Pre-norm transformer:
+    token embedding
+    -> n_layers x [RMSNorm -> causal self-attention (RoPE, SDPA) -> residual,
+                   RMSNorm -> SwiGLU MLP -> residual]
+    -> RMSNorm -> LM head
+No biases, no dropout. Positions are rotary (RoPE), which adds no parameters.
+So N counts only the weights that do matmuls, the embedding table and the norms.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lmledger.errors import ConfigError
+
+__all__ = ["ModelConfig", "ToyLM", "count_parameters"]
 
 
 @dataclass(frozen=True)  # frozen: LitLM's default instance is shared
@@ -62,7 +67,7 @@ def count_parameters(cfg: ModelConfig) -> int:
     return cfg.n_layers * per_layer + embeddings + d  # + final norm
 
 
-class RotaryEmbedding(nn.Module):
+class _RotaryEmbedding(nn.Module):
     """Rotate-half RoPE (Su et al. 2021) with cos/sin tables cached as non-persistent buffers."""
 
     def __init__(self, head_dim: int, max_len: int, theta: float) -> None:
@@ -82,13 +87,13 @@ class RotaryEmbedding(nn.Module):
         return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
-class CausalSelfAttention(nn.Module):
+class _CausalSelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.n_heads = cfg.n_heads
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
         self.out = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
-        self.rope = RotaryEmbedding(cfg.head_dim, cfg.context_length, cfg.rope_theta)
+        self.rope = _RotaryEmbedding(cfg.head_dim, cfg.context_length, cfg.rope_theta)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q, k, v = rearrange(self.qkv(x), "b t (three h d) -> three b h t d", three=3, h=self.n_heads)
@@ -96,7 +101,7 @@ class CausalSelfAttention(nn.Module):
         return self.out(rearrange(y, "b h t d -> b t (h d)"))
 
 
-class SwiGLU(nn.Module):
+class _SwiGLU(nn.Module):
     """w2(silu(w1 x) * w3 x) (Shazeer 2020)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -109,13 +114,13 @@ class SwiGLU(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
-class Block(nn.Module):
+class _Block(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.attn_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
-        self.attn = CausalSelfAttention(cfg)
+        self.attn = _CausalSelfAttention(cfg)
         self.mlp_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
-        self.mlp = SwiGLU(cfg)
+        self.mlp = _SwiGLU(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x))
@@ -127,7 +132,7 @@ class ToyLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.blocks = nn.ModuleList(_Block(cfg) for _ in range(cfg.n_layers))
         self.norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -138,8 +143,8 @@ class ToyLM(nn.Module):
     def reset_parameters(self) -> None:
         """Truncated normal (at 3 sigma) with std 1/sqrt(fan_in) for every matmul weight.
 
-        An untied embedding is a lookup table (fan_in 1, std 1); a tied one is also the LM head,
-        whose fan_in is d_model, so it takes std 1/sqrt(d_model) and logits start at unit scale.
+        An untied embedding is a lookup table: fan_in 1, std 1. A tied one is also the LM head,
+        whose fan_in is d_model. So it takes std 1/sqrt(d_model), and logits start at unit scale.
         """
         for module in self.modules():
             if isinstance(module, nn.Linear) and module.weight is not self.embed.weight:
@@ -155,8 +160,9 @@ class ToyLM(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """idx: (batch, seq) token ids. Returns logits (batch, seq, vocab), or the mean
-        next-token cross-entropy when targets (batch, seq) are given."""
+        """idx: (batch, seq) token ids. Returns logits (batch, seq, vocab).
+
+        Given targets (batch, seq), returns the mean next-token cross-entropy instead."""
         if idx.shape[1] > self.cfg.context_length:
             raise ConfigError(f"sequence length {idx.shape[1]} > context_length {self.cfg.context_length}")
         x = self.embed(idx)

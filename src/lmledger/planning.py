@@ -1,9 +1,9 @@
 """What a fit config can reach before it runs: its largest batch under a memory cap, its roofline MFU.
 
-`lmledger plan max-batch` and `train-time --mfu roofline:CONFIG` print these. A ToyLM config is sized by
-ledger.predict's closed forms (ledger.planner.max_batch searches the batch), a run at scale by one rank's
-dry run (lmledger.accounting.per_rank), any LightningModule by dry runs of its training_step
-(ledger.predict.max_batch_module).
+`lmledger plan max-batch` and `train-time --mfu roofline:CONFIG` print these.
+A ToyLM config is sized by ledger.predict's closed forms. (ledger.planner.max_batch searches the batch.)
+A run at scale is sized by one rank's dry run (lmledger.accounting.per_rank).
+Any LightningModule is sized by dry runs of its training_step (ledger.predict.max_batch_module).
 """
 
 from __future__ import annotations
@@ -17,11 +17,14 @@ from lmledger.accounting import AC_LABELS, any_model_at_scale, at_scale, per_ran
 from lmledger.errors import UserError
 from lmledger.ledger.gpus import dtype_name
 
+__all__ = ["max_batch_of", "roofline_mfu"]
+
 
 def roofline_mfu(config: str, gpu: str, dtype: str) -> tuple[float, str, str]:
-    """The roofline MFU of a ToyLM fit config's training step on `gpu` (docs/time.md): its dry run (here,
-    on this machine's CPU) priced at the GPU's datasheet peaks and bandwidth; a line saying so; and the
-    step's shape advice for that GPU."""
+    """The roofline MFU of a ToyLM fit config's step on `gpu`, a line saying so, and shape advice.
+
+    The step's dry run (here, on this CPU) is priced at the GPU's datasheet peaks and bandwidth.
+    See docs/time.md."""
     from lmledger.ledger.roofline import gpu_roofline, toy_step_ops
     from lmledger.ledger.shapes import advice_text
     from lmledger.runspec import load_run_spec
@@ -41,8 +44,10 @@ def roofline_mfu(config: str, gpu: str, dtype: str) -> tuple[float, str, str]:
 
 
 def max_batch_of(fit_args: list[str], capacity: int, gpu_key: str | None) -> tuple[str, dict, object]:
-    """plan max-batch's answer: its kind ("at scale", "module" or "config"), its JSON, and what printing
-    it needs besides (nothing; the parameter count and whether a GPU was asked for; the RunSpec)."""
+    """plan max-batch's answer: (kind, JSON, what printing needs besides).
+
+    Kinds: "at scale" needs nothing more. "module" needs the parameter count and whether a GPU
+    was asked for. "config" needs the RunSpec."""
     from lmledger.fitting.checks import named_classes
 
     if named_classes(fit_args):
@@ -50,15 +55,16 @@ def max_batch_of(fit_args: list[str], capacity: int, gpu_key: str | None) -> tup
             result = any_model_at_scale(fit_args, capacity)
             result.update(capacity_bytes=capacity, gpu=gpu_key)
             return "at scale", result, None
-        result, params, wants_gpu = max_batch_any_model(fit_args, capacity, gpu_key)
+        result, params, wants_gpu = _max_batch_any_model(fit_args, capacity, gpu_key)
         return "module", result, (params, wants_gpu)
-    result, spec = max_batch_of_config(fit_args, capacity, gpu_key)
+    result, spec = _max_batch_of_config(fit_args, capacity, gpu_key)
     return "config", result, spec
 
 
-def max_batch_of_config(fit_args: list[str], capacity: int, gpu_key: str | None) -> tuple[dict, object]:
-    """The largest batch of a ToyLM fit config whose predicted peak fits in `capacity` bytes per device,
-    as plan's JSON reports it, and the config's RunSpec."""
+def _max_batch_of_config(fit_args: list[str], capacity: int, gpu_key: str | None) -> tuple[dict, object]:
+    """plan's JSON for a ToyLM config, and its RunSpec.
+
+    The batch is the largest whose predicted peak fits in `capacity` bytes per device."""
     from lmledger.ledger.planner import max_batch
     from lmledger.ledger.predict import predict
     from lmledger.runspec import load_run_spec
@@ -89,9 +95,10 @@ def max_batch_of_config(fit_args: list[str], capacity: int, gpu_key: str | None)
 
 
 def _per_rank_batch(result: dict, spec, capacity: int, fit_args: list[str]) -> None:
-    """result["per_rank"]: the largest micro-batch per rank at the config's world size and strategy, from
-    one rank's dry run (ledger.sharded), checkpointing off and on; the config's own case (checkpointing
-    every block or none) then answers max_batch."""
+    """Set result["per_rank"]: the largest micro-batch per rank, checkpointing off and on.
+
+    It comes from one rank's dry run (ledger.sharded) at the config's world size and strategy.
+    The config's own case (every block checkpointed, or none) then answers max_batch."""
     result["per_rank"] = per_rank(spec, capacity, fit_args)
     if spec.config.activation_checkpointing not in (0, 1):
         return
@@ -105,10 +112,11 @@ def _per_rank_batch(result: dict, spec, capacity: int, fit_args: list[str]) -> N
             result["peak_bytes"] = capacity + case["over_by_at_batch_1"]
 
 
-def max_batch_any_model(fit_args: list[str], capacity: int, gpu_key: str | None) -> tuple[dict, int, bool]:
-    """max-batch for any LightningModule: dry runs of its training_step on batches shaped like its data's
-    first batch, doubling then bisecting the number of samples (ledger.predict.max_batch_module). Returns
-    plan's JSON, the module's parameter count, and whether the config asked for a GPU."""
+def _max_batch_any_model(fit_args: list[str], capacity: int, gpu_key: str | None) -> tuple[dict, int, bool]:
+    """max-batch for any LightningModule: (plan's JSON, parameter count, whether a GPU was asked for).
+
+    Dry runs of its training_step on batches shaped like its data's first one. The sample count doubles,
+    then bisects (ledger.predict.max_batch_module)."""
     from lmledger.fitting.cli import build_model_and_data, first_batch
     from lmledger.ledger import predict as any_model
     from lmledger.ledger.dryrun import NotTraced, batch_tensors

@@ -10,10 +10,11 @@ Precisions (Lightning's names; what each keeps and runs in is in lmledger.ledger
                          (-float16: fp16); TiedTransformerEnginePrecision(weights_dtype="float32")
                          keeps fp32 master weights instead
 
-fp8 comes two ways: the Transformer Engine precision plugin above, or torchao's float8 training
-(`model.fp8: torchao`, see convert_linears_to_float8) inside bf16-mixed or bf16-true. Both need
-their library (the fp8-te / fp8-ao extras) and a GPU with fp8 tensor cores. When either is
-missing, check_precision says so in one line; nothing falls back to bf16 behind the user's back.
+fp8 comes two ways. One is the Transformer Engine precision plugin above. The other is torchao's
+float8 training (`model.fp8: torchao`, see _convert_linears_to_float8), inside bf16-mixed or bf16-true.
+Both need their library (the fp8-te / fp8-ao extras). Both need a GPU with fp8 tensor cores.
+When either is missing, check_precision says so in one line. Nothing falls back to bf16 behind the
+user's back.
 """
 
 from __future__ import annotations
@@ -30,13 +31,23 @@ from torch import nn
 from lmledger.errors import UserError
 from lmledger.ledger.precisions import ROWS, normalize_precision
 
-FP8_PATHS = ("torchao",)  # values of LitLM's `fp8` switch; Transformer Engine is a trainer precision
-TE_PRECISIONS = tuple(row.name for row in ROWS.values() if row.transformer_engine)
-BF16_PRECISIONS = tuple(row.name for row in ROWS.values() if row.compute_dtype == "bf16")
+__all__ = [
+    "TiedTransformerEnginePrecision",
+    "apply_fp8",
+    "check_precision",
+    "check_trainer_config",
+    "requested_precision",
+    "trainer_precision_kwargs",
+]
+
+
+_FP8_PATHS = ("torchao",)  # values of LitLM's `fp8` switch; Transformer Engine is a trainer precision
+_TE_PRECISIONS = tuple(row.name for row in ROWS.values() if row.transformer_engine)
+_BF16_PRECISIONS = tuple(row.name for row in ROWS.values() if row.compute_dtype == "bf16")
 
 # fp8 tensor cores (and torch._scaled_mm on CUDA) start at sm_89, Ada; bf16 ones at sm_80, Ampere.
-FP8_MIN_CAPABILITY = (8, 9)
-BF16_MIN_CAPABILITY = (8, 0)
+_FP8_MIN_CAPABILITY = (8, 9)
+_BF16_MIN_CAPABILITY = (8, 0)
 
 _TORCHAO_AVAILABLE = RequirementCache("torchao>=0.8")
 _WEIGHTS_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -47,8 +58,8 @@ _WEIGHTS_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float3
 # ----------------------------------------------------------------------------------------------
 
 
-def resolve_accelerator(accelerator: object = "auto") -> str:
-    """The device type a Trainer `accelerator` flag ends up on: "cpu", "cuda", "mps" or other."""
+def _resolve_accelerator(accelerator: object = "auto") -> str:
+    """The device type a Trainer `accelerator` flag lands on: "cpu", "cuda", "mps" or other."""
     name = "auto" if accelerator is None else str(accelerator).lower()
     if name in ("auto", "gpu"):
         if torch.cuda.is_available():
@@ -59,7 +70,7 @@ def resolve_accelerator(accelerator: object = "auto") -> str:
     return name
 
 
-def cuda_capability() -> tuple[int, int] | None:
+def _cuda_capability() -> tuple[int, int] | None:
     """The lowest compute capability among the visible CUDA devices (None without CUDA)."""
     if not torch.cuda.is_available():
         return None
@@ -72,7 +83,7 @@ def _fp8_hardware_problem(device: str, capability: tuple[int, int] | None) -> st
         return f"this run is on {device}, not on a GPU with {need}"
     if capability is None:
         return f"no CUDA GPU is visible (fp8 needs one with {need})"
-    if capability < FP8_MIN_CAPABILITY:
+    if capability < _FP8_MIN_CAPABILITY:
         return f"this GPU is sm_{capability[0]}{capability[1]}, without {need}"
     return None
 
@@ -96,12 +107,12 @@ def check_precision(
     """Raise UserError (one line) if `precision` (with LitLM's `fp8` switch) cannot run on
     `accelerator`. `capability` stands in for the CUDA device's (default: asked of torch)."""
     name = "32-true" if precision is None else normalize_precision(precision)
-    device = resolve_accelerator(accelerator)
+    device = _resolve_accelerator(accelerator)
     if device == "cuda" and capability is None:
-        capability = cuda_capability()
+        capability = _cuda_capability()
 
     if fp8 is not None:
-        if fp8 not in FP8_PATHS:
+        if fp8 not in _FP8_PATHS:
             raise UserError(
                 f"unknown model.fp8 {fp8!r}: use torchao, or null (Transformer Engine is "
                 "--trainer.precision transformer-engine)"
@@ -110,22 +121,22 @@ def check_precision(
             "fp8 through torchao (model.fp8=torchao)", "torchao", bool(_TORCHAO_AVAILABLE), "fp8-ao",
             device, capability, instead="drop --model.fp8",
         )  # fmt: skip
-        if name in TE_PRECISIONS:
+        if name in _TE_PRECISIONS:
             raise UserError(f"model.fp8=torchao and trainer.precision={name} are two fp8 paths: choose one")
-        if name not in BF16_PRECISIONS:
+        if name not in _BF16_PRECISIONS:
             raise UserError(
                 f"model.fp8=torchao runs inside bf16 training: set --trainer.precision bf16-mixed or bf16-true "
                 f"(got {name})"
             )
 
-    if name in TE_PRECISIONS:
+    if name in _TE_PRECISIONS:
         _require_fp8(
             f"fp8 through Transformer Engine (trainer.precision={name})", "transformer_engine",
             bool(lightning_te._TRANSFORMER_ENGINE_AVAILABLE), "fp8-te", device, capability,
             instead="choose a precision without fp8, e.g. --trainer.precision bf16-mixed",
         )  # fmt: skip
 
-    if name in BF16_PRECISIONS and device == "cuda" and capability is not None and capability < BF16_MIN_CAPABILITY:
+    if name in _BF16_PRECISIONS and device == "cuda" and capability is not None and capability < _BF16_MIN_CAPABILITY:
         raise UserError(
             f"precision {name} needs bfloat16 tensor cores (compute capability >= 8.0, Ampere or later); "
             f"this GPU is sm_{capability[0]}{capability[1]}: use --trainer.precision 16-mixed"
@@ -155,9 +166,11 @@ def _te_weights_dtype(spec: object) -> torch.dtype:
 
 
 def requested_precision(trainer: Any) -> tuple[str, torch.dtype | None]:
-    """The precision a parsed `trainer` config section (mapping-like: precision, plugins) asks
-    for, and the weights dtype of a Transformer Engine plugin given in `plugins` (else None):
-    the two arguments lmledger.ledger.memory.state_bytes takes."""
+    """(precision, weights dtype) that a parsed `trainer` config section asks for.
+
+    The section is mapping-like: precision, plugins. The weights dtype is that of a Transformer
+    Engine plugin in `plugins`, else None. These are the two arguments that
+    lmledger.ledger.memory.state_bytes takes."""
     precision = trainer.get("precision")
     te_plugins = [spec for spec in _as_list(trainer.get("plugins")) if _names_te_plugin(spec)]
     if not te_plugins:
@@ -172,8 +185,10 @@ def requested_precision(trainer: Any) -> tuple[str, torch.dtype | None]:
 
 
 def check_trainer_config(trainer: Any, fp8: str | None = None) -> None:
-    """check_precision for a parsed, not yet instantiated, `trainer` config section (mapping-like:
-    precision, accelerator, plugins). A Transformer Engine plugin in `plugins` counts as fp8."""
+    """check_precision for a parsed, not yet instantiated, `trainer` config section.
+
+    The section is mapping-like: precision, accelerator, plugins. A Transformer Engine plugin in
+    `plugins` counts as fp8."""
     precision, _ = requested_precision(trainer)
     check_precision(precision, trainer.get("accelerator"), fp8)
 
@@ -184,22 +199,25 @@ def check_trainer_config(trainer: Any, fp8: str | None = None) -> None:
 
 
 def trainer_precision_kwargs(precision: str | int | None, accelerator: object = "auto", plugins: object = None) -> dict:
-    """Trainer keyword arguments for `precision`: `precision=NAME`, or `precision=None` and
-    `plugins=[*plugins, OUR_PLUGIN]` where Lightning's own choice is not what we want:
+    """Trainer keyword arguments for `precision`.
 
-    - transformer-engine(-float16): TiedTransformerEnginePrecision, which keeps tied weights tied;
-    - 16-mixed on CPU: Lightning swaps it for bf16-mixed (canary test_16_mixed_on_cpu_becomes_bf16),
-      but torch runs fp16 autocast and GradScaler on CPU, so Lightning's fp16 MixedPrecision plugin
-      is given explicitly and the run is what was asked for.
+    Usually `precision=NAME`. Where Lightning's own choice is not what we want, it is `precision=None`
+    and `plugins=[*plugins, OUR_PLUGIN]`. Two cases:
+
+    transformer-engine(-float16) gets TiedTransformerEnginePrecision, which keeps tied weights tied.
+
+    16-mixed on CPU gets Lightning's fp16 MixedPrecision plugin, explicitly. Lightning would swap it
+    for bf16-mixed (canary test_16_mixed_on_cpu_becomes_bf16). But torch runs fp16 autocast and
+    GradScaler on CPU. So the run is what was asked for.
     """
     plugins = _as_list(plugins)
     if precision is None:
         return {}
     name = normalize_precision(precision)
-    if name in TE_PRECISIONS:
+    if name in _TE_PRECISIONS:
         weights = ROWS[name].convert_to
         return {"precision": None, "plugins": [*plugins, TiedTransformerEnginePrecision(weights_dtype=weights)]}
-    if name == "16-mixed" and resolve_accelerator(accelerator) == "cpu":
+    if name == "16-mixed" and _resolve_accelerator(accelerator) == "cpu":
         return {"precision": None, "plugins": [*plugins, MixedPrecision("16-mixed", device="cpu")]}
     return {"precision": name}
 
@@ -220,9 +238,10 @@ def _dtype(name: str | torch.dtype) -> torch.dtype:
 class TiedTransformerEnginePrecision(TransformerEnginePrecision):
     """Lightning's Transformer Engine (fp8) precision, with tied weights kept tied.
 
-    Lightning swaps each nn.Linear for a te.Linear holding a clone of its weight (canary
-    test_transformer_engine_unties_tied_weights), so a tied LM head silently unties and trains one more
-    V x d matrix. convert_module records which parameters were shared and shares them again after.
+    Lightning swaps each nn.Linear for a te.Linear holding a clone of its weight
+    (canary test_transformer_engine_unties_tied_weights). So a tied LM head silently unties.
+    It then trains one more V x d matrix. convert_module records which parameters were shared.
+    It shares them again after.
 
     Args:
         weights_dtype: "bfloat16" (Lightning's `transformer-engine`), "float16", or "float32" for
@@ -253,16 +272,16 @@ class TiedTransformerEnginePrecision(TransformerEnginePrecision):
             self.precision = "transformer-engine-float16"
 
     def convert_module(self, module: nn.Module) -> nn.Module:
-        ties = shared_parameters(module)
+        ties = _shared_parameters(module)
         module = super().convert_module(module)
-        retie(module, ties)
+        _retie(module, ties)
         return module
 
 
-SharedParameter = list[tuple[str, str, nn.Module]]  # (owner module path, attribute, owner) per reference
+_SharedParameter = list[tuple[str, str, nn.Module]]  # (owner module path, attribute, owner) per reference
 
 
-def shared_parameters(root: nn.Module) -> list[SharedParameter]:
+def _shared_parameters(root: nn.Module) -> list[_SharedParameter]:
     """Every Parameter held by more than one (module, attribute), as the references to it."""
     refs: dict[int, dict[tuple[int, str], tuple[str, str, nn.Module]]] = {}
     for path, owner in root.named_modules(remove_duplicate=False):
@@ -272,9 +291,10 @@ def shared_parameters(root: nn.Module) -> list[SharedParameter]:
     return [list(by_owner.values()) for by_owner in refs.values() if len(by_owner) > 1]
 
 
-def retie(root: nn.Module, shared: Iterable[SharedParameter]) -> None:
-    """Make each group of references from shared_parameters() point at one Parameter again: the
-    one still held by an owner that was not swapped out (else the first reference's)."""
+def _retie(root: nn.Module, shared: Iterable[_SharedParameter]) -> None:
+    """Make each group of references from _shared_parameters() point at one Parameter again.
+
+    The one kept is held by an owner that was not swapped out, else the first reference's."""
     for group in shared:
         current = [(root.get_submodule(path), attr, original) for path, attr, original in group]
         kept = [getattr(owner, attr) for owner, attr, original in current if owner is original]
@@ -289,19 +309,21 @@ def retie(root: nn.Module, shared: Iterable[SharedParameter]) -> None:
 # ----------------------------------------------------------------------------------------------
 
 
-def float8_eligible(module: nn.Module, fqn: str) -> bool:
-    """Which linears torchao converts: both dims divisible by 16 (torch._scaled_mm's rule), and
-    not the LM head. The head's output is the logits, where fp8's 3-bit mantissa would perturb
-    the loss directly, and a tied head's weight is also the embedding table. The price is that
-    its matmul (V x d per token, a large share of a small model's FLOPs) stays in bf16."""
+def _float8_eligible(module: nn.Module, fqn: str) -> bool:
+    """Which linears torchao converts: both dims divisible by 16, and not the LM head.
+
+    16 is torch._scaled_mm's rule. The head's output is the logits. There fp8's 3-bit mantissa would
+    perturb the loss directly. A tied head's weight is also the embedding table. The price: the head's
+    matmul stays in bf16. That is V x d per token, a large share of a small model's FLOPs."""
     if not isinstance(module, nn.Linear) or fqn.rsplit(".", 1)[-1] == "lm_head":
         return False
     return module.in_features % 16 == 0 and module.out_features % 16 == 0
 
 
-def convert_linears_to_float8(model: nn.Module) -> nn.Module:
-    """Swap the eligible nn.Linear layers of `model` for torchao Float8Linear (dynamic per-tensor
-    scaling), in place. Weights stay in their dtype: fp8 copies are made per matmul."""
+def _convert_linears_to_float8(model: nn.Module) -> nn.Module:
+    """Swap `model`'s eligible nn.Linear layers for torchao Float8Linear, in place.
+
+    Scaling is dynamic, per tensor. Weights stay in their dtype: fp8 copies are made per matmul."""
     if not _TORCHAO_AVAILABLE:
         raise UserError(
             "fp8 through torchao (model.fp8=torchao) cannot run: torchao is not installed "
@@ -309,13 +331,13 @@ def convert_linears_to_float8(model: nn.Module) -> nn.Module:
         )
     from torchao.float8 import convert_to_float8_training
 
-    return convert_to_float8_training(model, module_filter_fn=float8_eligible)
+    return convert_to_float8_training(model, module_filter_fn=_float8_eligible)
 
 
 def apply_fp8(model: nn.Module, fp8: str | None) -> nn.Module:
     """LitLM's `fp8` switch: None leaves `model` as it is; "torchao" converts it in place."""
     if fp8 is None:
         return model
-    if fp8 not in FP8_PATHS:
+    if fp8 not in _FP8_PATHS:
         raise UserError(f"unknown fp8 {fp8!r}: use torchao, or null")
-    return convert_linears_to_float8(model)
+    return _convert_linears_to_float8(model)

@@ -1,10 +1,11 @@
-"""One writer per directory: an `fcntl.flock` lock on a file inside it, held while a process writes there.
+"""One writer per directory: a process writing there holds an `fcntl.flock` lock on a file inside it.
 
-The kernel drops a flock lock when its holder dies, however it dies (SIGKILL included), so a lock never
-goes stale. The file holds "PID@HOST" of the holder, for the refusal's one line. On NFS, Linux (2.6.12
-and later) turns flock into a POSIX byte-range lock that the server arbitrates, so the lock excludes
-writers on other machines too; with the mount option `local_lock=flock` (or `local_lock=all`) it is
-local to each client and excludes only writers on the same machine (docs/reliability.md).
+The kernel drops a flock lock when its holder dies, however it dies (SIGKILL included).
+So a lock never goes stale. The file holds the holder's "PID@HOST", for the refusal's one line.
+On NFS, Linux (2.6.12 and later) turns flock into a POSIX byte-range lock the server arbitrates.
+So the lock excludes writers on other machines too. The mount option `local_lock=flock`
+(or `local_lock=all`) makes it local to each client. Then it excludes only writers on the same
+machine (docs/reliability.md).
 
 No torch or Lightning here: `lmledger prepare` takes the same lock.
 """
@@ -17,12 +18,15 @@ from pathlib import Path
 
 from lmledger.errors import UserError
 
+__all__ = ["RUN_LOCK", "DirLock"]
+
+
 # The lock file in a run's version directory (runs/NAME/version_N/) and in a prepared-data directory.
 RUN_LOCK = "lmledger.lock"
 
 
-def holder(path: str | os.PathLike) -> str:
-    """ "pid N" (with "on HOST" when another machine holds it) from a lock file, or "another process"."""
+def _holder(path: str | os.PathLike) -> str:
+    """ "pid N" from a lock file (plus "on HOST" for another machine), or "another process"."""
     try:
         text = Path(path).read_text().strip()
     except OSError:
@@ -36,9 +40,10 @@ def holder(path: str | os.PathLike) -> str:
 class DirLock:
     """An exclusive flock on `path`, taken without waiting; `busy(holder)` builds the refusal.
 
-    The file is created when missing and left in place on release unless `remove=True`: unlinking a lock
-    file another process has just opened would let two processes hold "the" lock on two inodes, so a
-    taker checks, once locked, that the path still names the inode it locked and starts over if not.
+    The file is created when missing. Release leaves it in place unless `remove=True`.
+    Why the care? Unlinking a lock file another process has just opened would let two processes hold
+    "the" lock, on two inodes. So a taker checks, once locked, that the path still names the inode it
+    locked. If not, it starts over.
     """
 
     def __init__(self, path: str | os.PathLike) -> None:
@@ -59,7 +64,7 @@ class DirLock:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 os.close(fd)
-                raise busy(holder(self.path)) from None
+                raise busy(_holder(self.path)) from None
             except OSError as err:  # e.g. ENOLCK: an NFS mount without a lock manager
                 os.close(fd)
                 raise UserError(

@@ -1,9 +1,10 @@
-"""Read a `fit` config (YAML files + dotted overrides) into the numbers the ledger needs, without
-building the model, the data or the trainer — so `account` and `plan max-batch` can size a 3B-parameter
-config on a laptop.
+"""Read a `fit` config (YAML files + dotted overrides) into the numbers the ledger needs.
 
-The same LightningCLI parser as `lmledger fit` reads the arguments, so configs, overrides and error
-messages are exactly those of a real run.
+Nothing is built: no model, data or trainer. So `account` and `plan max-batch` can size a
+3B-parameter config on a laptop.
+
+The arguments go through `lmledger fit`'s own LightningCLI parser. Configs, overrides and error
+messages are exactly a real run's.
 """
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ import torch
 from lmledger.ledger.run import Run, sharding
 from lmledger.model import ModelConfig
 from lmledger.precision import requested_precision
+
+__all__ = ["RunSpec", "load_run_spec", "run_spec_from_config"]
+
 
 # A run described by a config is the same ledger.run.Run the callbacks build from a live Trainer.
 RunSpec = Run
@@ -34,8 +38,10 @@ def _world_size(devices, num_nodes) -> int:
 
 
 def _strategy_name(strategy) -> str:
-    """The ledger.run.sharding name of a config's trainer.strategy: a registry name ("fsdp",
-    "deepspeed_stage_2") or a class_path with init_args (FSDP's sharding_strategy, DeepSpeed's stage)."""
+    """The ledger.run.sharding name of a config's trainer.strategy.
+
+    The strategy is a registry name ("fsdp", "deepspeed_stage_2"), or a class_path with init_args
+    (FSDP's sharding_strategy, DeepSpeed's stage)."""
     if isinstance(strategy, str):
         return sharding(strategy)
     name = getattr(strategy, "class_path", "") or ""

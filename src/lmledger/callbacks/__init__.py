@@ -5,11 +5,15 @@
     LedgerSettings    its settings, validated in one place (settings.py); `--ledger.*` on the CLI
     NonFiniteGuard    drops a step whose gradients are not finite (nonfinite.py)
 
-The rest are the Ledger's parts: measure.py (the measured twin of the dry run), toy.py (the toy LM's
-closed forms and cards), preflight.py (what a device holds), throughput.py (the peak, compile speedup),
-progress.py (plain progress lines off a terminal), run.py (reading the live Trainer, writing to loggers).
-The callbacks never change what is trained: counting runs on fake or meta copies, measurement only
-observes, and the RNG streams are left as they were found.
+The rest are the Ledger's parts:
+    measure.py     the measured twin of the dry run
+    toy.py         the toy LM's closed forms and cards
+    preflight.py   what a device holds
+    throughput.py  the peak, compile speedup
+    progress.py    plain progress lines off a terminal
+    run.py         reading the live Trainer, writing to loggers
+The callbacks never change what is trained. Counting runs on fake or meta copies.
+Measurement only observes. The RNG streams are left as they were found.
 """
 
 from __future__ import annotations

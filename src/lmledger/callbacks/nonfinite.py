@@ -1,19 +1,22 @@
-"""Never train on NaNs: a step whose loss or gradients are not finite stops the run, or is skipped.
+"""Never train on NaNs. A step whose loss or gradients are not finite stops the run, or is skipped.
 
-The check runs after backward and before the optimizer step, so a bad step's update is never applied: the
-weights and Adam moments stay those of the last good step. Stopping raises NonFiniteLossError (a UserError:
-one line from the CLI, exit 2) naming the step and the newest checkpoint saved before it. Skipping drops the
-update while the batch, the step counter and the LR schedule move on, as fp16's GradScaler does with an
-overflowed step.
+The check runs after backward, before the optimizer step. So a bad step's update is never applied.
+The weights and Adam moments stay those of the last good step.
+Stopping raises NonFiniteLossError, a UserError (one line from the CLI, exit 2). It names the step and
+the newest checkpoint saved before it.
+Skipping drops the update. The batch, the step counter and the LR schedule move on.
+fp16's GradScaler does the same with an overflowed step.
 
-How the update is dropped without stalling the GPU: fused optimizers (LitLM's AdamW and SGD) read a
-`found_inf` tensor, the one GradScaler hands them, and return early on the device when it is 1, leaving
-parameters, moments and step counts untouched. The guard sets it from a flag computed on the device, so no
-step waits for the host. The host reads the verdict once the device has computed it (at once on CPU; on
-CUDA when an event recorded after the flag has completed, usually by the next step; under torch.distributed
-exactly one step later on every rank), then warns of the skip or stops. Other optimizers, an optimizer's
-first step (its state is created then) and fp16 runs, whose GradScaler owns `found_inf`, are judged at
-once, at the cost of one host sync, and a skipped update is dropped by discarding the gradients.
+How is the update dropped without stalling the GPU? Fused optimizers (LitLM's AdamW and SGD) read a
+`found_inf` tensor, the one GradScaler hands them. When it is 1 they return early, on the device.
+Parameters, moments and step counts stay untouched. The guard sets `found_inf` from a flag computed
+on the device, so no step waits for the host.
+The host reads the verdict once the device has computed it, then warns of the skip or stops.
+On CPU that is at once. On CUDA it is when an event recorded after the flag has completed, usually by
+the next step. Under torch.distributed it is exactly one step later, on every rank.
+Some steps are judged at once, at the cost of one host sync: other optimizers, an optimizer's first
+step (its state is created then), and fp16 runs (their GradScaler owns `found_inf`).
+Their skipped update is dropped by discarding the gradients.
 """
 
 from __future__ import annotations
@@ -30,14 +33,18 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lmledger.checkpointing import open_checkpoint
 from lmledger.errors import UserError
 
+__all__ = ["NonFiniteGuard", "NonFiniteLossError"]
+
 
 class NonFiniteLossError(UserError):
-    """A training step produced a NaN or infinite loss or gradient and no skips were left."""
+    """A step's loss or gradient was NaN or infinite, and no skips were left."""
 
 
 @dataclass
 class _Verdict:
-    """One step's check on its way from the device: values = [bad, loss, gradient norm] (0 where unchecked)."""
+    """One step's check, on its way from the device.
+
+    values = [bad, loss, gradient norm], 0 where unchecked."""
 
     step: int
     values: torch.Tensor  # on the host once `done` has completed
@@ -57,10 +64,12 @@ class _Verdict:
         return cls(step, host, loss is not None, norm is not None, done)
 
     def due(self, step: int, in_lockstep: bool) -> bool:
-        """Whether to judge this verdict in `step`'s hook. A CPU verdict is there at once. Ranks must judge
-        a verdict in the same step (a rank that stops alone leaves the others waiting in a collective), so
-        under torch.distributed a CUDA verdict is judged exactly one step later, waited for if need be (the
-        device has nearly always got that far). Alone, it is judged as soon as it has arrived."""
+        """Whether to judge this verdict in `step`'s hook.
+
+        A CPU verdict is there at once. Ranks must judge a verdict in the same step. (A rank that stops
+        alone leaves the others waiting in a collective.) So under torch.distributed a CUDA verdict is
+        judged exactly one step later, waited for if need be. The device has nearly always got that far.
+        Alone, a verdict is judged as soon as it has arrived."""
         if self.done is None:
             return True
         return self.step < step if in_lockstep else self.done.query()
@@ -80,7 +89,7 @@ class _Verdict:
 
 
 class NonFiniteGuard(pl.Callback):
-    """Stops training at the first non-finite step, or skips up to `max_skips` of them over the run.
+    """Stop at the first non-finite step, or skip up to `max_skips` of them over the run.
 
     Args:
         max_skips: non-finite steps to skip (no update applied) before stopping; 0 stops at the first.
@@ -133,12 +142,12 @@ class NonFiniteGuard(pl.Callback):
         self._raise_if_stopped(trainer)
 
     def _settle_all(self) -> None:
-        """Judge every verdict in flight, oldest first, waiting for those not yet on the host."""
+        """Judge every verdict in flight, oldest first. Wait for those not yet on the host."""
         while self._in_flight:
             self._judge(self._in_flight.popleft())
 
     def _judge(self, verdict: _Verdict) -> bool:
-        """True if the step was bad: counted as skipped, or, past max_skips, the reason to stop."""
+        """True if the step was bad. It counts as skipped, or, past max_skips, as the reason to stop."""
         problem = verdict.problem()
         if problem is None:
             return False
@@ -174,8 +183,10 @@ class NonFiniteGuard(pl.Callback):
 
 
 def _gradient_norm(pl_module: pl.LightningModule, optimizer) -> torch.Tensor | None:
-    """This step's total gradient norm: the module's own when it keeps one (LitLM computes it once a step
-    for logging, this check and clipping), else measured over the optimizer's parameters."""
+    """This step's total gradient norm.
+
+    The module's own, when it keeps one. (LitLM computes it once a step for logging, this check and
+    clipping.) Else it is measured over the optimizer's parameters."""
     shared = getattr(pl_module, "gradient_norm", None)
     if callable(shared):
         return shared()
@@ -184,13 +195,15 @@ def _gradient_norm(pl_module: pl.LightningModule, optimizer) -> torch.Tensor | N
 
 
 def _drops_update_on_found_inf(optimizer) -> bool:
-    """Whether optimizer.step() skips the update on the device when `optimizer.found_inf` is 1: torch's fused
-    Adam, AdamW and SGD kernels do (canary test_fused_optimizers_skip_the_step_when_found_inf_is_set).
+    """Whether optimizer.step() skips the update on the device when `optimizer.found_inf` is 1.
 
-    Read from the live param groups, not `defaults`: a restored optimizer takes its groups' settings from
-    the checkpoint. And not before every parameter has its state: fused SGD allocates its momentum
-    buffers uninitialised and fills them in the step itself, so a first step skipped on the device would
-    leave garbage momentum behind (that step is judged at once and its gradients dropped instead)."""
+    torch's fused Adam, AdamW and SGD kernels do
+    (canary test_fused_optimizers_skip_the_step_when_found_inf_is_set).
+
+    Read from the live param groups, not `defaults`. A restored optimizer takes its groups' settings
+    from the checkpoint. And not before every parameter has its state. Fused SGD allocates its momentum
+    buffers uninitialised and fills them in the step itself. A first step skipped on the device would
+    leave garbage momentum behind. So that step is judged at once and its gradients dropped instead."""
     if not getattr(optimizer, "_step_supports_amp_scaling", False):
         return False
     groups = optimizer.param_groups

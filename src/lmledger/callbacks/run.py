@@ -1,11 +1,12 @@
 """What the ledger callbacks read from a live Trainer, and how they write back to it.
 
-`LedgerRun.from_trainer` gathers the facts every ledger figure depends on (model shape, batch,
-precision, optimizer, sharding) from the objects Lightning has already built, so the callbacks
-need no configuration of their own; it is the ledger.run.Run that account and plan build from a
-config. The writers send one-off values (a table, a measured figure)
-straight to the loggers at the current step: `LightningModule.log` would hold them until the next
-logging step, and drop them if none comes.
+`LedgerRun.from_trainer` gathers the facts every ledger figure depends on. Model shape, batch,
+precision, optimizer, sharding: it reads them from the objects Lightning has already built.
+So the callbacks need no configuration of their own. It is the ledger.run.Run that account and
+plan build from a config.
+The writers send one-off values (a table, a measured figure) straight to the loggers, at the
+current step. `LightningModule.log` would hold them until the next logging step. It would drop
+them if none comes.
 """
 
 from __future__ import annotations
@@ -27,7 +28,20 @@ from lmledger.ledger.precisions import PRECISIONS
 from lmledger.ledger.run import Run, sharding
 from lmledger.model import ToyLM
 
-DISABLE_HINT = "or run without the ledger (--ledger.enabled false)"
+__all__ = [
+    "LedgerRun",
+    "is_logging_step",
+    "log_scalars",
+    "log_text",
+    "logging_step",
+    "synchronize",
+    "tensorboard_writers",
+    "torch_optimizers",
+    "untouched_rng",
+]
+
+
+_DISABLE_HINT = "or run without the ledger (--ledger.enabled false)"
 
 
 class LedgerRun(Run):
@@ -43,7 +57,7 @@ class LedgerRun(Run):
         if not isinstance(model, ToyLM):
             raise UserError(
                 f"the ledger accounts for lmledger's ToyLM, but {type(pl_module).__name__}.model is "
-                f"{type(model).__name__}: train a LitLM {DISABLE_HINT}"
+                f"{type(model).__name__}: train a LitLM {_DISABLE_HINT}"
             )
         datamodule = trainer.datamodule
         batch_size = getattr(datamodule, "batch_size", None)
@@ -51,13 +65,13 @@ class LedgerRun(Run):
         if not (isinstance(batch_size, int) and isinstance(seq_len, int)):
             raise UserError(
                 "the ledger reads batch_size and context_length from the data module: fit with a "
-                f"TokenDataModule {DISABLE_HINT}"
+                f"TokenDataModule {_DISABLE_HINT}"
             )
         precision = str(trainer.precision)
         if precision not in PRECISIONS:
             raise UserError(
                 f"the ledger accounts for precisions {', '.join(PRECISIONS)}, not {precision}: "
-                f"choose one of them {DISABLE_HINT}"
+                f"choose one of them {_DISABLE_HINT}"
             )
         optimizer, momentum = _optimizer_kind(trainer)
         hparams = getattr(pl_module, "hparams", {})
@@ -81,7 +95,7 @@ class LedgerRun(Run):
 
 
 def torch_optimizers(trainer: pl.Trainer) -> list[torch.optim.Optimizer]:
-    """The run's torch optimizers (Lightning wraps them under some strategies; the torch one is inside)."""
+    """The run's torch optimizers. (Some strategies wrap them; the torch one is inside.)"""
     return [getattr(o, "optimizer", o) for o in trainer.optimizers]
 
 
@@ -101,7 +115,7 @@ def _optimizer_kind(trainer: pl.Trainer) -> tuple[str, float]:
         return "sgd", float(optimizer.param_groups[0].get("momentum", 0.0))
     raise UserError(
         f"the memory ledger models AdamW, Adam and SGD, not {type(optimizer).__name__}: "
-        f"use model.optimizer adamw|sgd {DISABLE_HINT}"
+        f"use model.optimizer adamw|sgd {_DISABLE_HINT}"
     )
 
 
@@ -160,8 +174,10 @@ def synchronize(device: torch.device) -> None:
 
 @contextlib.contextmanager
 def untouched_rng(device: torch.device) -> Iterator[None]:
-    """Run a measurement without moving any global RNG stream a training step may draw from: torch's (CPU
-    and the run's CUDA device), Python's `random` and numpy's legacy global generator."""
+    """Run a measurement without moving any global RNG stream a training step may draw from.
+
+    Those are torch's (CPU and the run's CUDA device), Python's `random`, and numpy's legacy global
+    generator."""
     devices = [device] if device.type == "cuda" else []
     python_state, numpy_state = random.getstate(), np.random.get_state()
     try:

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 from lmledger.errors import ConfigError
 
+__all__ = ["LedgerSettings"]
+
 
 @dataclass
 class LedgerSettings:

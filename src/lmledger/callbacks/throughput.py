@@ -1,4 +1,4 @@
-"""Throughput during a fit: the peak MFU and HFU divide by, and the torch.compile speedup probe.
+"""Throughput during a fit: the peak that MFU and HFU divide by, and the torch.compile speedup probe.
 
 The Ledger callback feeds ledger.throughput's accumulator and logs at every logging step:
     perf/tokens_per_sec    tokens trained per second on this device (perf/samples_per_sec without tokens)
@@ -11,18 +11,19 @@ The Ledger callback feeds ledger.throughput's accumulator and logs at every logg
                            copying the next batch (plus Lightning's per-step bookkeeping)
     perf/tokens_per_sec_total   x world size (only when world size > 1)
     perf/compile_speedup   under model.compile, once before step 0 (`compile_speedup` here)
-Validation inside a window is excluded from every figure; the warm-up batches and the two measured
-steps are not timed.
+No figure counts validation inside a window. The warm-up batches and the two measured steps are
+not timed.
 
-Why not Lightning's ThroughputMonitor: it synchronizes the device after every batch and its rolling
-window gives no value before it fills (canary test_throughput_monitor_syncs_every_batch); its peaks come
-from `get_available_flops`, which maps "NVIDIA H200" to nothing (canary
-test_lightning_resolves_no_peak_for_nvidia_h200) and lists sparse peaks for H200 and H100 NVL. Here
-the device is synchronized only when a window starts or ends, every window is reported, and the peak
-comes from lmledger.ledger.peak_flops (dense datasheet figures, or a measured matmul peak labelled so).
+Why not Lightning's ThroughputMonitor? It synchronizes the device after every batch
+(canary test_throughput_monitor_syncs_every_batch). Its rolling window gives no value before it fills.
+Its peaks come from `get_available_flops`. That maps "NVIDIA H200" to nothing
+(canary test_lightning_resolves_no_peak_for_nvidia_h200), and lists sparse peaks for H200 and H100 NVL.
+Here the device is synchronized only when a window starts or ends, and every window is reported.
+The peak comes from lmledger.ledger.peak_flops: dense datasheet figures, or a measured matmul peak
+labelled so.
 
-On CUDA the host runs ahead of the device, so between two synchronizations the host's time between
-steps may overlap queued kernels: data_wait_frac is an upper bound on the device's idle share.
+On CUDA the host runs ahead of the device. Between two synchronizations, the host's time between
+steps may overlap queued kernels. So data_wait_frac is an upper bound on the device's idle share.
 """
 
 from __future__ import annotations
@@ -42,9 +43,11 @@ from lmledger.callbacks.run import LedgerRun, log_scalars, log_text, synchronize
 from lmledger.ledger.gpus import Peak
 from lmledger.ledger.peak_flops import NoPeak, compute_dtype_for_precision, peak_flops
 
+__all__ = ["compile_speedup", "forward_backward_seconds", "resolve_peak"]
+
 
 def resolve_peak(precision: str, device: torch.device, fp8: str | None = None) -> tuple[Peak | None, str]:
-    """The dense peak FLOP/s MFU is measured against on this device, and a line saying where it came from."""
+    """This device's dense peak FLOP/s (MFU's denominator), and a line saying where it came from."""
     # torchao float8 (LitLM fp8="torchao") runs the eligible linears in fp8 under a bf16 precision.
     dtype = "fp8" if fp8 == "torchao" else compute_dtype_for_precision(precision)
     with untouched_rng(device):
@@ -69,8 +72,10 @@ def resolve_peak(precision: str, device: torch.device, fp8: str | None = None) -
 
 
 def forward_backward_seconds(step: Callable[[], None], device: torch.device, eager: bool, repeats: int = 3) -> float:
-    """Median seconds of `step()` after one untimed call; with `eager`, torch.compile'd code inside runs
-    eagerly (torch.compiler.set_stance), so one model times both ways."""
+    """Median seconds of `step()` after one untimed call.
+
+    With `eager`, torch.compile'd code inside runs eagerly (torch.compiler.set_stance).
+    So one model times both ways."""
     stance = torch.compiler.set_stance("force_eager") if eager else contextlib.nullcontext()
     times = []
     with stance:
@@ -85,16 +90,17 @@ def forward_backward_seconds(step: Callable[[], None], device: torch.device, eag
 
 
 def compile_speedup(trainer: pl.Trainer, pl_module: pl.LightningModule, run: LedgerRun) -> None:
-    """perf/compile_speedup and perf/compile: times the step's forward+backward compiled and eagerly before
-    training starts, on a random batch laid out as the data module's are (contiguous int64 B x T, so the
-    graph timed is the one training then uses). Gradients are taken with autograd.grad (nothing lands in
-    .grad, no weight moves) and the batch comes off a private generator, so training goes on exactly as it
-    would without this.
+    """Log perf/compile_speedup and perf/compile: the step timed compiled and eager, before training.
 
-    On one device only: under DDP, Dynamo splits the graph at DDP's gradient buckets (so the
-    all-reduce overlaps backward) only when it compiles inside DDP's forward, and training would reuse
-    the probe's unsplit graph; sharded parameters (FSDP, DeepSpeed) only exist inside the strategy's
-    forward. Not under Transformer Engine: its delayed fp8 scaling would learn from the random batch."""
+    The random batch is laid out as the data module's: contiguous int64 B x T. So the graph timed is
+    the one training then uses. Gradients come from autograd.grad: nothing lands in .grad, no weight
+    moves. The batch comes off a private generator. Training goes on exactly as it would without this.
+
+    On one device only. Under DDP, Dynamo splits the graph at DDP's gradient buckets (so the
+    all-reduce overlaps backward). It does so only when it compiles inside DDP's forward.
+    Training would reuse the probe's unsplit graph. Sharded parameters (FSDP, DeepSpeed) exist only
+    inside the strategy's forward. Not under Transformer Engine either: its delayed fp8 scaling would
+    learn from the random batch."""
     if not isinstance(trainer.strategy, SingleDeviceStrategy):
         return
     if isinstance(trainer.precision_plugin, TransformerEnginePrecision):

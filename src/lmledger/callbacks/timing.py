@@ -2,18 +2,22 @@
 
     Trainer(callbacks=[TimeLedger()])
 
-Before step 1 (or from the `prediction` it is given) it takes the dry run's ops (ledger/ops.py) and
-prices them on this device (ledger/roofline.py). It then profiles a few sampled steps with
-torch.profiler (`profile_steps` steps after `warmup_steps`, then one every `every_n_steps`; never
-every step) and groups their op events into the same categories (ledger/profile.py), plus the data
-wait measured between on_train_batch_end and the next on_train_batch_start (as the throughput
-callback measures it) and host overhead / idle. It logs, per profiled step,
+Before step 1 it takes the dry run's ops (ledger/ops.py), or those of the `prediction` it is given.
+It prices them on this device (ledger/roofline.py).
+Then it profiles a few sampled steps with torch.profiler, never every step. That is `profile_steps`
+steps after `warmup_steps`, then one every `every_n_steps`. Their op events go into the same
+categories (ledger/profile.py). Two more categories join them. One is the data wait between
+on_train_batch_end and the next on_train_batch_start (as the throughput callback measures it).
+The other is host overhead / idle.
+
+It logs, per profiled step:
     time/bound/<category>       seconds per step the roofline allows
     time/measured/<category>    seconds per step measured (time/measured/data_wait, time/measured/host)
-and at fit end a stacked bar chart (time/breakdown), the step-time table as text (time/table), and
-prints the table and its one-line diagnosis. A profiled step runs slower (the profiler's own cost):
-`is_profiling_step(n)` says which training batches (0-based, counted over the fit) are profiled, so a
-throughput window can leave them out.
+At fit end it logs a stacked bar chart (time/breakdown) and the step-time table as text (time/table).
+It prints the table and its one-line diagnosis.
+
+A profiled step runs slower: the profiler has its own cost. `is_profiling_step(n)` says which training
+batches are profiled (0-based, counted over the fit). So a throughput window can leave them out.
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ from lmledger.ledger.dryrun import NotTraced, StepLedger
 from lmledger.ledger.peak_flops import compute_dtype_for_precision
 from lmledger.ledger.roofline import LABELS, Roofline, device_roofline, format_table, with_ddp_allreduce
 from lmledger.ledger.shapes import advice_text
+
+__all__ = ["TimeLedger"]
 
 
 class TimeLedger(pl.Callback):
@@ -127,7 +133,7 @@ class TimeLedger(pl.Callback):
         except ValueError as err:
             self.why_no_bound = str(err)
             return
-        # Model FLOPs: 3 x the forward's , which is 6N + attention for ToyLM and Llama.
+        # Model FLOPs: 3 x the forward's, which is 6N + attention for ToyLM and Llama.
         self.model_flops = 3 * prediction.flops_forward
 
     # -- profiling -------------------------------------------------------------------------------
@@ -257,7 +263,7 @@ class TimeLedger(pl.Callback):
 
 
 def _this_gpu(device: torch.device) -> str | None:
-    """The GPUS key of a CUDA device, None for a CPU or an unlisted GPU."""
+    """The GPUS key of a CUDA device. None for a CPU or an unlisted GPU."""
     if device.type != "cuda":
         return None
     from lmledger.ledger.gpus import find_gpu

@@ -1,13 +1,12 @@
-"""What the ledger adds for lmledger's own toy LM (a LitLM): the closed forms as a second predictor, and
-the toy-only cards.
+"""What the ledger adds for lmledger's own toy LM (a LitLM): the closed forms, and the toy-only cards.
 
-- `closed_form(run)`: the lecture's closed forms (ledger.predict on the run's ModelConfig) as Figures,
-  shown beside the dry run. The closed-form peak leaves out the buffers (rotary tables) and the batch,
-  which the dry run counts as the tracker does: they are added to it here.
-- `summary_rows`: the `ledger/summary` card (parameters, tokens per batch, predicted peak, FLOPs).
-- `flop_breakdown`: the `flops/breakdown` card, analytic FLOPs by component beside FlopCounterMode's by
-  module and operator, and what each MFU convention counts.
-- `validation_flops`: FLOPs of a validation batch (forward only), counted once per shape on a meta copy.
+`closed_form(run)`: the lecture's closed forms as Figures, a second predictor beside the dry run.
+(ledger.predict on the run's ModelConfig.) The closed-form peak leaves out the buffers (rotary
+tables) and the batch. The dry run counts them, as the tracker does, so they are added here.
+`summary_rows`: the `ledger/summary` card. Parameters, tokens per batch, predicted peak, FLOPs.
+`flop_breakdown`: the `flops/breakdown` card. Analytic FLOPs by component, beside FlopCounterMode's
+by module and operator. Also what each MFU convention counts.
+`validation_flops`: FLOPs of a forward-only validation batch. Counted once per shape, on a meta copy.
 """
 
 from __future__ import annotations
@@ -28,13 +27,16 @@ from lmledger.ledger.run import Run
 from lmledger.ledger.units import format_bytes, format_count
 from lmledger.model import count_parameters
 
+__all__ = ["closed_form", "flop_breakdown", "flops_by_convention", "summary_rows", "validation_flops"]
+
+
 # FlopCounterMode module names shown in the breakdown: the embedding, each block's attention and
 # MLP (their norms do no matmul), the LM head. Deeper names split the MLP's backward unreliably
 # (see MeasuredFlops).
 _BREAKDOWN_MODULE = re.compile(r"ToyLM\.(embed|lm_head|blocks\.\d+\.(attn|mlp))")
 
 # The conventions perf/* logs, and under which tag.
-CONVENTION_TAGS = {"6n": "perf/mfu_6n", "palm": "perf/mfu", "causal": "perf/mfu_causal", "hfu": "perf/hfu"}
+_CONVENTION_TAGS = {"6n": "perf/mfu_6n", "palm": "perf/mfu", "causal": "perf/mfu_causal", "hfu": "perf/hfu"}
 
 
 def closed_form(run: Run, dry: StepLedger | None, accumulate: int = 1) -> Figures:
@@ -93,8 +95,10 @@ def summary_rows(run: Run, predicted: Figures) -> list[list[str]]:
 
 
 def flop_breakdown(cfg, shape: tuple[int, int]) -> str:
-    """The flops/breakdown text: analytic FLOPs by component, FlopCounterMode's by module and op (a meta
-    copy), and what each MFU convention counts, for one training batch of `shape`."""
+    """The flops/breakdown text for one training batch of `shape`.
+
+    Analytic FLOPs by component. FlopCounterMode's by module and op, on a meta copy.
+    What each MFU convention counts."""
     analytic = analytic_flops(cfg, *shape, training=True)
     measured = measure_flops_meta(cfg, *shape, training=True)
     batch, seq = shape
@@ -122,12 +126,12 @@ def flop_breakdown(cfg, shape: tuple[int, int]) -> str:
         "By operator:",
         markdown_table(["op", "FLOPs"], [[op, format_count(n)] for op, n in sorted(measured.by_op.items())]),
         "What each MFU convention counts for this batch (docs/mfu.md):",
-        markdown_table(["convention", "FLOPs", "vs perf/mfu", "tag"], convention_rows(cfg, shape)),
+        markdown_table(["convention", "FLOPs", "vs perf/mfu", "tag"], _convention_rows(cfg, shape)),
     ]
     return "\n\n".join(parts)
 
 
-def convention_rows(cfg, shape: tuple[int, int]) -> list[list[str]]:
+def _convention_rows(cfg, shape: tuple[int, int]) -> list[list[str]]:
     """One row per MFU convention: FLOPs of a training batch of `shape`, ratio to perf/mfu's, tag."""
     batch, seq = shape
     per_token = flops_per_token_by_convention(cfg, seq)
@@ -136,7 +140,7 @@ def convention_rows(cfg, shape: tuple[int, int]) -> list[list[str]]:
             MFU_CONVENTIONS[key],
             format_count(n * batch * seq),
             f"{n / per_token['palm'] - 1:+.3%}",
-            CONVENTION_TAGS.get(key, "(not logged)"),
+            _CONVENTION_TAGS.get(key, "(not logged)"),
         ]
         for key, n in per_token.items()
     ]

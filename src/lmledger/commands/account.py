@@ -1,5 +1,7 @@
-"""`lmledger account --config FILE [overrides] [--measure] [--json]`: one training step, on paper
-and (with --measure) on this machine, each figure beside its twin (the accounting is lmledger.accounting)."""
+"""`lmledger account --config FILE [overrides] [--measure] [--json]`: one training step, on paper.
+
+With --measure, also on this machine, each figure beside its twin. lmledger.accounting does the sums.
+"""
 
 from __future__ import annotations
 
@@ -20,18 +22,22 @@ from lmledger.errors import UserError
 from lmledger.ledger.units import MEMORY_ROWS, format_bytes
 from lmledger.runspec import load_run_spec
 
+__all__ = ["main"]
+
+
 # The fit arguments (--config, --model, overrides) pass through to LightningCLI's parser, not argparse's.
-# The fit arguments (--config, --model, overrides) pass through to LightningCLI's parser, not argparse's.
-USAGE = """lmledger account --config FILE [--config FILE2] [--a.b VALUE ...] [--measure] [--json]
+_USAGE = """lmledger account --config FILE [--config FILE2] [--a.b VALUE ...] [--measure] [--json]
        lmledger account --model CLASS_PATH [--data CLASS_PATH] [--a.b VALUE ...] [--measure] [--json]"""
 
 
-DESCRIPTION = """One training step of a `lmledger fit` config: parameter count, model and hardware FLOPs, predicted
-bytes per component and peak, and the FLOPs per token each MFU convention counts (docs/mfu.md).
---measure also runs real steps on this machine (CUDA if the config asks for a GPU and one is
-present, else CPU), prints each measurement beside its prediction, and each convention's MFU.
-A config whose model is any LightningModule (--model CLASS_PATH, or `model: {class_path: ...}`) is
-predicted by a dry run of its training_step on the shapes of its data's first batch (docs/any-model.md)."""
+_DESCRIPTION = """One training step of a `lmledger fit` config. It shows the parameter count and the model
+and hardware FLOPs. It predicts bytes per component and the peak. It shows the FLOPs per token each
+MFU convention counts (docs/mfu.md).
+--measure also runs real steps on this machine: CUDA if the config asks for a GPU and one is present,
+else CPU. Each measurement prints beside its prediction, with each convention's MFU.
+The model may be any LightningModule (--model CLASS_PATH, or `model: {class_path: ...}`).
+A dry run of its training_step then predicts it, on the shapes of its data's first batch
+(docs/any-model.md)."""
 
 
 def _error_pct(predicted: float | None, measured: float | None) -> str:
@@ -42,7 +48,7 @@ def _error_pct(predicted: float | None, measured: float | None) -> str:
     return f"{100 * (predicted - measured) / measured:+.2f}%"
 
 
-def print_table(result: dict) -> None:
+def _print_table(result: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -78,14 +84,14 @@ def print_table(result: dict) -> None:
         measured_in = run["measured_peak_phase"]
         measured_in = f"; measured peak (live tensor bytes) in: {measured_in}" if measured_in else ""
         print(f"predicted peak falls in: {run['peak_phase']}{measured_in}; {where}")
-    print_conventions(result["mfu_conventions"], run)
+    _print_conventions(result["mfu_conventions"], run)
     if result.get("per_rank"):
         print_per_rank(result["per_rank"])
     if result.get("time"):
         print(result["time"]["table"])
 
 
-def print_conventions(conv: dict, run: dict) -> None:
+def _print_conventions(conv: dict, run: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -113,7 +119,7 @@ def _fmt(x: float | None) -> str:
     return "—" if x is None else f"{x:.4g}"
 
 
-def print_any_model_table(result: dict) -> None:
+def _print_any_model_table(result: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -147,8 +153,8 @@ def print_any_model_table(result: dict) -> None:
         print(result["time"]["table"])
 
 
-def account_command(*fit_args: str, measure: bool = False, json: bool = False) -> int:
-    """`lmledger account`: one training step, on paper and (with --measure) here (DESCRIPTION says more).
+def _account_command(*fit_args: str, measure: bool = False, json: bool = False) -> int:
+    """`lmledger account`: one training step, on paper and (with --measure) here. See _DESCRIPTION.
 
     Args:
         measure: also run real steps here and print each measurement beside its prediction
@@ -169,7 +175,7 @@ def account_command(*fit_args: str, measure: bool = False, json: bool = False) -
         if json:
             print(dumps(result))
         else:
-            print_any_model_table(result)
+            _print_any_model_table(result)
         return 0
     if not any(a == "--config" or a.startswith("--config=") for a in rest):
         raise UserError("account needs --config FILE (e.g. configs/tiny.yaml) or --model CLASS_PATH")
@@ -177,7 +183,7 @@ def account_command(*fit_args: str, measure: bool = False, json: bool = False) -
     if json:
         print(dumps(result))
     else:
-        print_table(result)
+        _print_table(result)
     return 0
 
 
@@ -185,10 +191,10 @@ def main(argv: list[str]) -> int:
     # Exact flags only: an abbreviation is a fit argument, as LightningCLI reads it.
     return run_command(
         "lmledger account",
-        account_command,
+        _account_command,
         argv,
-        DESCRIPTION,
-        usage=USAGE,
+        _DESCRIPTION,
+        usage=_USAGE,
         allow_abbrev=False,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -1,8 +1,9 @@
-"""Command-line arguments from a command function's signature and docstring, parsed by argparse whose
-usage errors are UserErrors (one line on stderr, exit 2, like every other bad input).
+"""Command-line arguments from a command function's signature and docstring, parsed by argparse.
 
-jsonargparse (LightningCLI's parser) would read the same signatures, but 4.53 spells `vocab_size` as
-`--vocab_size`, wants `--json true` and `--source [a,b]`; argparse keeps the flags as they are.
+Usage errors are UserErrors: one line on stderr, exit 2, like every other bad input.
+
+jsonargparse (LightningCLI's parser) would read the same signatures. But 4.53 spells `vocab_size` as
+`--vocab_size`, and wants `--json true` and `--source [a,b]`. argparse keeps the flags as they are.
 """
 
 from __future__ import annotations
@@ -16,10 +17,13 @@ from collections.abc import Callable, Mapping, Sequence
 
 from lmledger.errors import UserError
 
+__all__ = ["ArgumentParser", "add_function_arguments", "canonical_flags", "run_command"]
+
+
 # A flag `lmledger fit` also takes keeps LightningCLI's spelling everywhere (what --help shows); the argparse
 # spelling (`--device-memory-gb`) stays an alias, rewritten by canonical_flags before any parser reads it.
-FIT_SPELLINGS = {"device_memory_gb": "--ledger.device_memory_gb"}
-ALIASES = {"--" + name.replace("_", "-"): flag for name, flag in FIT_SPELLINGS.items()}
+_FIT_SPELLINGS = {"device_memory_gb": "--ledger.device_memory_gb"}
+_ALIASES = {"--" + name.replace("_", "-"): flag for name, flag in _FIT_SPELLINGS.items()}
 
 
 def canonical_flags(argv: Sequence[str]) -> list[str]:
@@ -27,7 +31,7 @@ def canonical_flags(argv: Sequence[str]) -> list[str]:
     out = []
     for arg in argv:
         flag, eq, value = arg.partition("=")
-        out.append(ALIASES[flag] + eq + value if flag in ALIASES else arg)
+        out.append(_ALIASES[flag] + eq + value if flag in _ALIASES else arg)
     return out
 
 
@@ -37,9 +41,11 @@ class ArgumentParser(argparse.ArgumentParser):
 
 
 def _docstring(function: Callable) -> tuple[list[str], dict[str, tuple[str | None, str]]]:
-    """The summary's paragraphs (text before `Args:`, each on one line) and, per parameter, (metavar, help)
-    from lines such as `vocab_size (N): bpe vocabulary size (default {DEFAULT_BPE_VOCAB_SIZE})`. A `{NAME}`
-    naming an upper-case global of the function's module is replaced by its value, so help quotes the constant."""
+    """The summary's paragraphs, and (metavar, help) per parameter.
+
+    The summary is the text before `Args:`, each paragraph on one line. Parameters come from lines such
+    as `vocab_size (N): bpe vocabulary size (default {DEFAULT_BPE_VOCAB_SIZE})`. A `{NAME}` naming an
+    upper-case global of the function's module becomes its value. So help quotes the constant."""
     text = re.sub(
         r"\{([A-Z][A-Z0-9_]*)\}",
         lambda m: str(function.__globals__[m[1]]) if m[1] in function.__globals__ else m[0],
@@ -71,7 +77,7 @@ def _value_type(hint) -> tuple[object, bool]:
 
 
 def _passes_rest(function: Callable) -> bool:
-    """Whether the function takes `*args`: the arguments its own flags do not name (a fit config)."""
+    """Whether the function takes `*args`: arguments its own flags do not name (a fit config)."""
     return any(p.kind is p.VAR_POSITIONAL for p in inspect.signature(function).parameters.values())
 
 
@@ -79,7 +85,7 @@ def add_function_arguments(parser: argparse.ArgumentParser, function: Callable) 
     """One argument per parameter: no default -> positional, or a required flag when keyword-only;
     `flag: bool = False` -> a bare `--flag`; `Literal[...]` -> choices; a list or sequence -> one or more
     values; `Annotated[T, parse]` -> `parse(text)` makes the value; `snake_case` -> `--snake-case` (a name
-    in FIT_SPELLINGS: the fit's spelling first, `--snake-case` its alias);
+    in _FIT_SPELLINGS: the fit's spelling first, `--snake-case` its alias);
     `*args` -> no argument (run_command hands it the arguments left over)."""
     _, docs = _docstring(function)
     hints = typing.get_type_hints(function, include_extras=True)
@@ -108,7 +114,7 @@ def add_function_arguments(parser: argparse.ArgumentParser, function: Callable) 
             options["required"] = True
         else:
             options["default"] = param.default
-        flags = [FIT_SPELLINGS[param.name], flag] if param.name in FIT_SPELLINGS else [flag]
+        flags = [_FIT_SPELLINGS[param.name], flag] if param.name in _FIT_SPELLINGS else [flag]
         parser.add_argument(*flags, dest=param.name, **options)
 
 
@@ -120,11 +126,14 @@ def run_command(
     verb_name: str = "kind",
     **parser_options,
 ) -> int:
-    """Parse argv for `command` (or for one verb of a {verb: function} mapping, as `bench matmul`) and call
-    it with what was parsed. A command's docstring summary is its --help description; a verb's first
-    paragraph is its line in the command's --help, the rest its own description. A function with `*args`
-    receives the arguments its flags do not name; any other refuses them. verb_name names the verb in
-    errors ("required: kind"); parser_options go to the command's ArgumentParser (usage, allow_abbrev)."""
+    """Parse argv for `command` and call it with what was parsed.
+
+    `command` is a function, or a {verb: function} mapping (as `bench matmul`).
+    A command's docstring summary is its --help description. A verb's first paragraph is its line in the
+    command's --help. The rest is the verb's own description.
+    A function with `*args` receives the arguments its flags do not name. Any other refuses them.
+    verb_name names the verb in errors ("required: kind").
+    parser_options go to the command's ArgumentParser (usage, allow_abbrev)."""
     if callable(command):
         parser = ArgumentParser(
             prog=prog, description=description or " ".join(_docstring(command)[0]), **parser_options

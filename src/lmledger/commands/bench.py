@@ -14,6 +14,8 @@ from lmledger.commands.argparser import run_command
 from lmledger.errors import UserError
 from lmledger.ledger.gpus import dtype_name
 
+__all__ = ["main"]
+
 
 def _device(name: str | None) -> torch.device:
     if name is None:
@@ -49,7 +51,7 @@ def _table(bench: MatmulBench) -> Table:
     return table
 
 
-def matmul(
+def _matmul(
     dtypes: str | None = None,
     sizes: str | None = None,
     repeats: int | None = None,
@@ -93,4 +95,4 @@ def matmul(
 
 
 def main(argv: list[str]) -> int:
-    return run_command("lmledger bench", {"matmul": matmul}, argv, "Benchmarks that relate speed to the peak.")
+    return run_command("lmledger bench", {"matmul": _matmul}, argv, "Benchmarks that relate speed to the peak.")

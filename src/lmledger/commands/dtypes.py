@@ -9,6 +9,8 @@ from rich.table import Table
 
 from lmledger.commands.argparser import run_command
 
+__all__ = ["main"]
+
 
 def _console() -> Console:
     # Piped output has no terminal width to respect: keep the whole table rather than cut it at 80.
@@ -65,9 +67,10 @@ def _casts_table(demo: dict) -> Table:
     return table
 
 
-def dtypes(json: bool = False) -> int:
-    """Bytes, bits, range, eps and smallest values per floating-point format, with the CS336 lecture's
-    casts (underflow, fp8 overflow, tensor sizes) run by this torch.
+def _dtypes(json: bool = False) -> int:
+    """Bytes, bits, range, eps and smallest values per floating-point format.
+
+    Then the CS336 lecture's casts, run by this torch: underflow, fp8 overflow, tensor sizes.
 
     Args:
         json: print one JSON object
@@ -86,4 +89,4 @@ def dtypes(json: bool = False) -> int:
 
 
 def main(argv: list[str]) -> int:
-    return run_command("lmledger dtypes", dtypes, argv)
+    return run_command("lmledger dtypes", _dtypes, argv)

@@ -11,6 +11,8 @@ from lmledger.commands.argparser import run_command
 from lmledger.ledger.gpus import DTYPES, GPUS, GpuSpec, require_gpu
 from lmledger.ledger.units import GB, format_bytes
 
+__all__ = ["main"]
+
 
 def _console() -> Console:
     # Piped output has no terminal width to respect: keep the whole table rather than cut it at 80.
@@ -56,7 +58,7 @@ def _entry_table(spec: GpuSpec, title: str) -> Table:
     return table
 
 
-def gpus(resolve: str | None = None, json: bool = False) -> int:
+def _gpus(resolve: str | None = None, json: bool = False) -> int:
     """Dense datasheet peaks (never the 'with sparsity' figures), memory and bandwidth per GPU.
 
     Args:
@@ -79,4 +81,4 @@ def gpus(resolve: str | None = None, json: bool = False) -> int:
 
 
 def main(argv: list[str]) -> int:
-    return run_command("lmledger gpus", gpus, argv)
+    return run_command("lmledger gpus", _gpus, argv)

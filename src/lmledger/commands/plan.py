@@ -17,6 +17,9 @@ from lmledger.ledger.gpus import DTYPES
 from lmledger.ledger.planner import MAX_COUNT, MAX_GPUS, device_capacity, max_params, train_time
 from lmledger.ledger.units import GB
 
+__all__ = ["PEAK_DTYPES", "main"]
+
+
 # torch and Lightning are imported only by max-batch (it reads a fit config): train-time, max-params'
 # parsing and `gpus` start in a fraction of a second.
 
@@ -25,7 +28,7 @@ PEAK_DTYPES = ", ".join(DTYPES)  # quoted in train-time's --help
 
 
 def _count(text: str) -> float:
-    """A positive finite count such as 70e9, 70B or 15T (k, M, B, T suffixes), at most MAX_COUNT."""
+    """A positive finite count such as 70e9, 70B or 15T (k, M, B, T suffixes). At most MAX_COUNT."""
     match = re.fullmatch(r"\s*([0-9.eE+-]+)\s*([kKmMbBtT]?)\s*", text)
     try:
         value = float(match.group(1)) * _SUFFIXES[match.group(2).lower()]
@@ -48,7 +51,7 @@ def _fraction(text: str) -> float:
 
 
 def _mfu(text: str) -> float | str:
-    """A number (the MFU), or roofline:CONFIG: the roofline's upper bound for that fit config's step."""
+    """A number (the MFU), or roofline:CONFIG. The latter is the roofline's bound for that config's step."""
     if text.startswith("roofline:") and text.removeprefix("roofline:"):
         return text
     if text == "roofline" or text == "roofline:":
@@ -82,7 +85,7 @@ def _print_rows(title: str, rows: list[tuple[str, str]]) -> None:
     Console().print(table)
 
 
-def train_time_command(
+def _train_time_command(
     *,
     params: Annotated[float, _count],
     tokens: Annotated[float, _count],
@@ -133,7 +136,7 @@ def train_time_command(
         print(advice)
 
 
-def max_params_command(
+def _max_params_command(
     *,
     gpu: str,
     num_gpus: Annotated[int, _gpu_count] = 1,
@@ -165,7 +168,7 @@ def max_params_command(
     )
 
 
-def max_batch_command(
+def _max_batch_command(
     *fit_args: str,
     gpu: str | None = None,
     device_memory_gb: Annotated[float | None, _positive_gb] = None,
@@ -240,5 +243,5 @@ def _print_any_model_batch(result: dict, shown: str, params: int, wants_gpu: boo
 
 
 def main(argv: list[str]) -> int:
-    verbs = {"train-time": train_time_command, "max-params": max_params_command, "max-batch": max_batch_command}
+    verbs = {"train-time": _train_time_command, "max-params": _max_params_command, "max-batch": _max_batch_command}
     return run_command("lmledger plan", verbs, argv, "Napkin math (CS336 lecture 2).", verb_name="verb")

@@ -19,6 +19,8 @@ from lmledger.corpus import (
 )
 from lmledger.errors import UserError
 
+__all__ = ["main", "prepare_corpus"]
+
 
 def prepare_corpus(
     source: Sequence[str] = (STDLIB,),
@@ -50,7 +52,7 @@ def prepare_corpus(
 
 # In --out while a prepare writes there (lmledger.runlock): a second prepare into the same directory at the
 # same time is refused; one that comes after finds the data and refuses without --overwrite.
-PREPARE_LOCK = ".prepare.lock"
+_PREPARE_LOCK = ".prepare.lock"
 
 
 @contextlib.contextmanager
@@ -64,7 +66,7 @@ def _locked(out: Path):
         out.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise UserError(f"cannot create --out {out} ({err.strerror})") from None
-    lock = DirLock(out / PREPARE_LOCK)
+    lock = DirLock(out / _PREPARE_LOCK)
     try:
         lock.acquire(
             lambda who: UserError(

@@ -1,6 +1,8 @@
-"""`lmledger sweep EXPERIMENT.yaml [--dry-run] [--jobs N] [--out DIR] [--launcher local|slurm ...]`: run an
-experiment grid (see lmledger.sweep.spec for the file format) as local processes or as one SLURM job array
-(lmledger.sweep.slurm), or with --dry-run list its points with their predicted cost."""
+"""`lmledger sweep EXPERIMENT.yaml [--dry-run] [--jobs N] [--out DIR] [--launcher local|slurm ...]`.
+
+It runs an experiment grid as local processes, or as one SLURM job array (lmledger.sweep.slurm).
+With --dry-run it lists the points and their predicted cost. lmledger.sweep.spec has the file format.
+"""
 
 from __future__ import annotations
 
@@ -19,16 +21,19 @@ from lmledger.errors import UserError
 from lmledger.sweep import Experiment, Point, PointResult, load_experiment, plan_sweep, run_sweep
 from lmledger.sweep.listing import DRY_RUN_COLUMNS, dry_run_rows, plain_table
 
-# rich lays out a table in about 2 ms a row (10,000 rows: 21 s of a 54 s dry run, profiled 2026-11-30 on
-# a 2-core CPU, shared); longer listings are printed as plain aligned columns instead.
-RICH_TABLE_ROWS = 200
+__all__ = ["main"]
 
 
-def dry_run_listing(experiment: Experiment, out_dir: Path) -> int:
-    """List the points with what a run would do and its predicted cost; 2 if any point's arguments are bad."""
+# rich lays out a table in about 2 ms a row: 10,000 rows took 21 s of a 54 s dry run (profiled
+# 2026-11-30, a shared 2-core CPU). Longer listings print as plain aligned columns.
+_RICH_TABLE_ROWS = 200
+
+
+def _dry_run_listing(experiment: Experiment, out_dir: Path) -> int:
+    """List each point, what a run would do, and its predicted cost. 2 if any point's arguments are bad."""
     rows, checked = dry_run_rows(experiment, out_dir)
     title = f"sweep {experiment.name}: {len(experiment.points)} points (dry run: nothing is run)"
-    if len(rows) <= RICH_TABLE_ROWS:
+    if len(rows) <= _RICH_TABLE_ROWS:
         table = Table(title=title)
         for i, column in enumerate(DRY_RUN_COLUMNS):
             table.add_column(column, justify="left" if i < 3 else "right")
@@ -50,7 +55,7 @@ def dry_run_listing(experiment: Experiment, out_dir: Path) -> int:
     return 0
 
 
-def run(experiment: Experiment, out_dir: Path, jobs: int) -> int:
+def _run(experiment: Experiment, out_dir: Path, jobs: int) -> int:
     plan = plan_sweep(experiment, out_dir)  # bad points or a point still running: one line, nothing run
     stderr = Console(stderr=True)
     running: set[str] = set()
@@ -109,15 +114,15 @@ def _summary(experiment: Experiment, out_dir: Path, results: list[PointResult]) 
     return 1 if failed or interrupted else 0
 
 
-class Terminated(BaseException):
-    """SIGTERM reached the sweep (a scheduler preempting it): stop the points, as Ctrl-C does."""
+class _Terminated(BaseException):
+    """SIGTERM reached the sweep (a scheduler preempting it). Stop the points, as Ctrl-C does."""
 
 
 def _raise_terminated(signum, frame) -> None:
-    raise Terminated
+    raise _Terminated
 
 
-def run_slurm(experiment: Experiment, out_dir: Path, jobs: int | None, request) -> int:
+def _run_slurm(experiment: Experiment, out_dir: Path, jobs: int | None, request) -> int:
     from lmledger.sweep.slurm import require_slurm, run_slurm_sweep
 
     require_slurm()  # before the checks: the one line that says what is missing
@@ -136,7 +141,7 @@ def run_slurm(experiment: Experiment, out_dir: Path, jobs: int | None, request) 
     return _summary(experiment, out_dir, results)
 
 
-def sweep(
+def _sweep(
     experiment: str,
     dry_run: bool = False,
     jobs: int | None = None,
@@ -148,8 +153,9 @@ def sweep(
     mem: str | None = None,
     gres: str | None = None,
 ) -> int:
-    """Run an experiment grid: each point through the real CLI in its own process and run directory;
-    re-running skips finished points and redoes failed ones.
+    """Run an experiment grid. Each point runs through the real CLI, in its own process and run directory.
+
+    Re-running skips finished points and redoes failed ones.
 
     Args:
         experiment: an experiment YAML file, e.g. experiments/batch_memory.yaml
@@ -180,18 +186,18 @@ def sweep(
     loaded = load_experiment(path)
     out_dir = Path(out) if out else Path("runs") / "sweeps" / loaded.name
     if dry_run:
-        return dry_run_listing(loaded, out_dir)
+        return _dry_run_listing(loaded, out_dir)
     if launcher == "slurm":
         try:
-            return run_slurm(loaded, out_dir, jobs, request)
+            return _run_slurm(loaded, out_dir, jobs, request)
         except KeyboardInterrupt:
             print(f"lmledger sweep: stopped waiting; the queued points stay queued, and the same command collects "
                   f"them (squeue -n lmledger-{loaded.name})", file=sys.stderr)  # fmt: skip
             return 130
     previous = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
-        return run(loaded, out_dir, jobs or 1)
-    except Terminated:
+        return _run(loaded, out_dir, jobs or 1)
+    except _Terminated:
         print(
             f"lmledger sweep: stopped by SIGTERM; the running points were stopped too, and the next "
             f"`lmledger sweep {path}` resumes them",
@@ -203,4 +209,4 @@ def sweep(
 
 
 def main(argv: list[str]) -> int:
-    return run_command("lmledger sweep", sweep, argv)
+    return run_command("lmledger sweep", _sweep, argv)

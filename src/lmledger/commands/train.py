@@ -1,22 +1,25 @@
 """`lmledger fit|validate`: LightningCLI over LitLM and TokenDataModule, or over any LightningModule.
 
-`--model CLASS_PATH` / `--data CLASS_PATH` (or a --config whose `model:` / `data:` has a `class_path`) switch
-LightningCLI to subclass mode: any LightningModule and LightningDataModule (data defaults to TokenDataModule),
-with lmledger.callbacks.Ledger as the ledger and the same run directories, checkpoints and resume. Class paths
-import from the working directory too, as under `python -m`.
+`--model CLASS_PATH` / `--data CLASS_PATH` switch LightningCLI to subclass mode. So does a --config
+whose `model:` / `data:` has a `class_path`. Then any LightningModule and LightningDataModule run
+(data defaults to TokenDataModule). They get lmledger.callbacks.Ledger and the same run directories,
+checkpoints and resume. Class paths import from the working directory too, as under `python -m`.
 
-Runs live under `runs/<name>/version_<n>/` (TensorBoard events, the resolved config.yaml, checkpoints/);
-each new run takes the next version, so nothing from an earlier run is overwritten.
-`--ckpt_path last` resumes the newest run of that name that has a last.ckpt, logging into the same version.
+Runs live under `runs/<name>/version_<n>/`: TensorBoard events, the resolved config.yaml, checkpoints/.
+Each new run takes the next version, so no earlier run is overwritten.
+`--ckpt_path last` resumes the newest run of that name that has a last.ckpt.
+It logs into the same version.
 
-`validate` needs --ckpt_path (a file or `last`) and writes nothing: no config, and no run directory unless the
-command line names one to log in (`--trainer.logger.init_args.save_dir DIR`, as `lmledger sweep` does).
+`validate` needs --ckpt_path (a file or `last`) and writes nothing. It makes no config.
+It makes no run directory unless the command line names one to log in.
+`lmledger sweep` does (`--trainer.logger.init_args.save_dir DIR`).
 
-Every run also gets, without configuring anything: checkpoints written atomically (AtomicCheckpointIO),
-a NaN/Inf guard (`--nonfinite.max_skips K`, default 0 = stop at the first non-finite step), per-batch
-reseeding for exact resume (StepSeeder), a save-and-stop on SIGTERM (PreemptionCheckpoint, exit 143),
-and checks that a --ckpt_path is readable, fits the model, was trained with the same settings and data,
-and has steps left to train, before Lightning touches it. docs/reliability.md lists every case.
+Every run also gets these, unconfigured. Checkpoints are written atomically (AtomicCheckpointIO).
+A NaN/Inf guard runs (`--nonfinite.max_skips K`; default 0 stops at the first non-finite step).
+Each batch is reseeded for exact resume (StepSeeder). SIGTERM saves and stops (PreemptionCheckpoint,
+exit 143). A --ckpt_path is checked before Lightning touches it. Is it readable? Does it fit the model?
+Was it trained with the same settings and data? Has it steps left to train?
+docs/reliability.md lists every case.
 """
 
 from __future__ import annotations
@@ -38,13 +41,17 @@ from lmledger.fitting.resume import NothingToResume
 from lmledger.fitting.steps import disk_error
 from lmledger.preemption import slurm_line
 
+__all__ = ["main"]
+
+
 _HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 
 def _quiet_event_writer(excepthook):
-    """threading.excepthook without the traceback of TensorBoard's event writer thread failing on a full disk:
-    the training loop re-raises the same OSError at its next write (canary
-    test_tensorboard_writer_thread_reraises_its_error), and main reports it in one line."""
+    """threading.excepthook, minus the traceback of TensorBoard's writer thread on a full disk.
+
+    The training loop re-raises that OSError at its next write. Then main reports it in one line.
+    Canary: test_tensorboard_writer_thread_reraises_its_error."""
 
     def hook(args) -> None:
         if issubclass(args.exc_type, OSError) and "tensorboard" in type(args.thread).__module__.lower():

@@ -1,9 +1,13 @@
-"""Experiment sweeps: a YAML grid of `lmledger` runs, each point in its own process and run directory,
-collected into one table and a few plots (docs/sweeps.md).
+"""Experiment sweeps: a YAML grid of `lmledger` runs, collected into one table and a few plots.
 
-Each module imports only the ones before it: spec (the file, points, command lines), collect (metrics,
-PointResult), check (arguments parsed before anything runs), plots, report (results.csv/md, then the
-plots, loaded only to draw them), runner (processes, locks, statuses).
+Each point runs in its own process and run directory (docs/sweeps.md).
+Each module imports only the ones before it, in this order:
+    spec     the file, points, command lines
+    collect  metrics, PointResult
+    check    arguments parsed before anything runs
+    plots
+    report   results.csv/md, then the plots (loaded only to draw them)
+    runner   processes, locks, statuses
 """
 
 from lmledger.sweep.check import CheckedPoints, bad_points_error, check_points

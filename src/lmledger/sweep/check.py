@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from lmledger.errors import UserError
 from lmledger.sweep.spec import CONFIG_COMMANDS, Experiment, config_args, fit_args, format_value, override_flags
 
+__all__ = ["CheckedPoints", "bad_points_error", "check_points"]
+
 
 @dataclass
 class CheckedPoints:
@@ -18,10 +20,11 @@ class CheckedPoints:
 def check_points(experiment: Experiment) -> CheckedPoints:
     """Parse every config-reading point's arguments with `lmledger fit`'s own parser, building nothing.
 
-    A parse costs ~0.1 s, so a point is not parsed whole: its base (configs and fixed overrides) is parsed
-    once per distinct base, each (key, value) once on top of that base, and a point combines the parsed
-    values in place (milliseconds). A point whose combination fails, or that uses a value that failed on
-    its own, is parsed whole once to confirm (a value may be valid only beside another, e.g. a class_path).
+    A parse costs ~0.1 s, so a point is not parsed whole. Its base (configs and fixed overrides) is
+    parsed once per distinct base. Each (key, value) is parsed once on top of that base. A point then
+    combines the parsed values in place, in milliseconds.
+    Some points are parsed whole once, to confirm: those whose combination fails, or that use a value
+    that failed on its own. (A value may be valid only beside another, e.g. a class_path.)
     Other commands (plan, bench, gpus) are checked when they run: they fail in a second.
     """
     from lmledger.fitting.cli import parse_fit_config
@@ -92,7 +95,7 @@ _ANY_MODEL = object()  # check_points: a point whose model is a class_path (no R
 
 
 def _combined_spec(base, values: dict[str, object], build):
-    """build(base with `values` set at their dotted keys), or None when that fails; base is restored."""
+    """build(base with `values` set at their dotted keys), or None if that fails. base is restored."""
     missing = object()
     saved: dict[str, object] = {}
     try:

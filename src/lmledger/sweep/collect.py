@@ -1,5 +1,8 @@
-"""A point's metrics: the scalars of its TensorBoard run, or the JSON object a command printed, under
-one set of names (the TensorBoard tags `fit` logs), and the PointResult that holds them."""
+"""A point's metrics, and the PointResult that holds them.
+
+Metrics are the scalars of its TensorBoard run, or the JSON object a command printed.
+Both go under one set of names: the TensorBoard tags `fit` logs.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +15,18 @@ from pathlib import Path
 
 from lmledger.ledger.units import MEMORY_ROWS, STATE_COMPONENTS
 from lmledger.sweep.spec import Experiment, Point
+
+__all__ = [
+    "DEFAULT_METRICS",
+    "PointResult",
+    "account_metrics",
+    "flatten",
+    "json_path",
+    "metric_columns",
+    "newest_run_dir",
+    "read_tensorboard",
+]
+
 
 _LEDGER_TAGS = (
     *(f"memory/{kind}/{row}" for kind in ("predicted", "measured") for row in MEMORY_ROWS),
@@ -78,7 +93,7 @@ def flatten(obj, prefix: str = "") -> dict[str, object]:
 
 
 def json_path(obj, path: str):
-    """The value at "a/b/-1/c" in a JSON object (list items by index, negative from the end), or None."""
+    """The value at "a/b/-1/c" in a JSON object, or None. List items go by index, negative from the end."""
     for part in path.split("/"):
         if isinstance(obj, dict):
             obj = obj.get(part)
@@ -90,7 +105,7 @@ def json_path(obj, path: str):
 
 
 def account_metrics(result: dict) -> dict[str, object]:
-    """`account --json` under the TensorBoard tag names `fit` logs, so both feed the same columns."""
+    """`account --json` under the TensorBoard tag names `fit` logs. So both feed the same columns."""
     metrics = flatten(result)
     for row, pair in result.get("memory", {}).items():
         for kind in ("predicted", "measured"):
@@ -106,7 +121,7 @@ def account_metrics(result: dict) -> dict[str, object]:
 
 
 def read_tensorboard(run_dir: Path) -> dict[str, float]:
-    """Each scalar tag of a run, summarised: the median of perf/* tags, the last value of the rest."""
+    """Each scalar tag of a run, summarised. perf/* tags by their median, the rest by their last value."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     accumulator = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})

@@ -1,7 +1,7 @@
-"""`lmledger sweep --dry-run`'s listing: what each point would do, and its predicted cost; nothing runs.
+"""`lmledger sweep --dry-run`'s listing: what each point would do, and its predicted cost.
 
-Each point's arguments are parsed (check.py); a point that would run is accounted on paper
-(lmledger.accounting, milliseconds a point); the listing is rows of text the command prints.
+Nothing runs. Each point's arguments are parsed (check.py). A point that would run is accounted on
+paper (lmledger.accounting), in milliseconds. The listing is rows of text the command prints.
 """
 
 from __future__ import annotations
@@ -12,6 +12,9 @@ from lmledger.ledger.units import format_mb
 from lmledger.sweep.check import CheckedPoints, check_points
 from lmledger.sweep.runner import check_out_dir, cuda_available, finished_result, resumable, running_pid
 from lmledger.sweep.spec import Experiment, Point
+
+__all__ = ["DRY_RUN_COLUMNS", "dry_run_rows", "plain_table"]
+
 
 DRY_RUN_COLUMNS = ("point", "command", "would", "params", "model FLOPs/step", "state MB", "activations MB", "peak MB")
 
@@ -40,7 +43,7 @@ def _would(out_dir: Path, point: Point, have_gpu: bool) -> str:
 
 
 def _cost_cells(spec) -> tuple[str, ...]:
-    """params, model FLOPs per step, and state, activations and peak MB of a point's run, predicted."""
+    """A point's predicted params, model FLOPs per step, and state, activations and peak MB."""
     from lmledger.accounting import account
 
     cost = account(spec, False)
@@ -52,7 +55,7 @@ def _cost_cells(spec) -> tuple[str, ...]:
 
 
 def dry_run_rows(experiment: Experiment, out_dir: Path) -> tuple[list[tuple[str, ...]], CheckedPoints]:
-    """One row of DRY_RUN_COLUMNS per point, and the checked points (their errors mark rows `fail`)."""
+    """One row of DRY_RUN_COLUMNS per point, and the checked points. Their errors mark rows `fail`."""
     check_out_dir(experiment, out_dir)
     checked = check_points(experiment)  # every point parsed, nothing built: milliseconds a point
     rows: list[tuple[str, ...]] = []

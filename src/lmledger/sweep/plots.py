@@ -1,5 +1,7 @@
-"""The PNGs of a sweep: memory per component, predicted beside measured; MFU and
-tokens/s against the swept variable; activations against each numeric grid key.
+"""The PNGs of a sweep.
+
+Memory per component, predicted beside measured. MFU and tokens/s against the swept variable.
+Activations against each numeric grid key.
 
 matplotlib's Figure is used directly (the Agg canvas): no pyplot state shared between threads.
 """
@@ -13,6 +15,9 @@ from lmledger.atomic import atomic_write
 from lmledger.ledger.units import MB, MEMORY_COMPONENTS
 from lmledger.sweep.collect import PointResult
 from lmledger.sweep.spec import Experiment, short_key, slug_value
+
+__all__ = ["draw_plots"]
+
 
 _COMPONENT_COLORS = {"params": "#4c72b0", "grads": "#dd8452", "optimizer": "#55a868", "activations": "#c44e52"}
 
@@ -31,7 +36,7 @@ def _x_value(result: PointResult, x: str | None):
 
 
 def _series(results: list[PointResult], x: str | None, keys: tuple[str, ...]) -> dict[str, list[PointResult]]:
-    """Results grouped by their values of the swept keys other than x (one line per group)."""
+    """Results grouped by their values of the swept keys other than x. One line per group."""
     groups: dict[str, list[PointResult]] = {}
     for result in results:
         label = " ".join(
@@ -42,14 +47,14 @@ def _series(results: list[PointResult], x: str | None, keys: tuple[str, ...]) ->
 
 
 def _tick_at_values(ax, xs: list) -> None:
-    """Numeric x with a few swept values: a tick at each value, not at matplotlib's fractions."""
+    """Numeric x with a few swept values: a tick at each value. Not at matplotlib's fractions."""
     values = sorted({x for x in xs if _is_number(x)})
     if values and len(values) == len(set(xs)) and len(values) <= 12:
         ax.set_xticks(values, [f"{v:g}" for v in values])
 
 
 def _save(figure, path: Path) -> Path:
-    """Render in memory, then write atomically: a full disk leaves the previous PNG whole (one line)."""
+    """Render in memory, then write atomically. A full disk leaves the previous PNG whole (one line)."""
     figure.tight_layout()
     png = io.BytesIO()
     figure.savefig(png, format="png", dpi=90)
@@ -57,8 +62,8 @@ def _save(figure, path: Path) -> Path:
     return path
 
 
-def plot_memory_bars(results: list[PointResult], path: Path) -> Path:
-    """Per point, a stacked bar of predicted bytes per component beside the measured one; peak as a tick."""
+def _plot_memory_bars(results: list[PointResult], path: Path) -> Path:
+    """Per point, stacked bars of bytes per component: predicted beside measured. Peak as a tick."""
     from matplotlib.figure import Figure
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
@@ -105,8 +110,8 @@ def plot_memory_bars(results: list[PointResult], path: Path) -> Path:
     return _save(figure, path)
 
 
-def plot_perf(results: list[PointResult], experiment: Experiment, path: Path) -> Path:
-    """MFU and tokens/s against the swept variable, one line per value of the other swept keys."""
+def _plot_perf(results: list[PointResult], experiment: Experiment, path: Path) -> Path:
+    """MFU and tokens/s against the swept variable. One line per value of the other swept keys."""
     from matplotlib.figure import Figure
 
     panels = [m for m in ("perf/tokens_per_sec", "perf/mfu") if any(r.metrics.get(m) is not None for r in results)]
@@ -135,9 +140,10 @@ def plot_perf(results: list[PointResult], experiment: Experiment, path: Path) ->
     return _save(figure, path)
 
 
-def plot_memory_line(results: list[PointResult], experiment: Experiment, key: str, path: Path) -> Path:
-    """Activations (and peak, where measured) against one numeric grid key: the prediction as a
-    line, the measurements as points on it."""
+def _plot_memory_line(results: list[PointResult], experiment: Experiment, key: str, path: Path) -> Path:
+    """Activations (and peak, where measured) against one numeric grid key.
+
+    The prediction is a line, the measurements are points on it."""
     from matplotlib.figure import Figure
 
     rows = [
@@ -179,12 +185,12 @@ def draw_plots(experiment: Experiment, results: list[PointResult], out_dir: Path
     done = [r for r in results if r.status == "done"]
     written: list[Path] = []
     if any(r.metrics.get(f"memory/predicted/{c}") is not None for r in done for c in MEMORY_COMPONENTS):
-        written.append(plot_memory_bars(done, out_dir / "memory.png"))
+        written.append(_plot_memory_bars(done, out_dir / "memory.png"))
     if any(r.metrics.get(m) is not None for r in done for m in ("perf/tokens_per_sec", "perf/mfu")):
-        written.append(plot_perf(done, experiment, out_dir / "perf.png"))
+        written.append(_plot_perf(done, experiment, out_dir / "perf.png"))
     if any(r.metrics.get("memory/predicted/activations") is not None for r in done):
         for key in experiment.grid_keys:
             values = {r.point.swept.get(key) for r in done}
             if len(values) >= 2 and all(_is_number(v) for v in values):
-                written.append(plot_memory_line(done, experiment, key, out_dir / f"memory_vs_{short_key(key)}.png"))
+                written.append(_plot_memory_line(done, experiment, key, out_dir / f"memory_vs_{short_key(key)}.png"))
     return written

@@ -1,5 +1,7 @@
-"""A sweep's results: results.csv (every column, raw) and results.md (human units, each prediction beside
-its measured twin), then the plots."""
+"""A sweep's results: results.csv, results.md, then the plots.
+
+results.csv has every column, raw. results.md has human units, each prediction beside its measured twin.
+"""
 
 from __future__ import annotations
 
@@ -12,12 +14,14 @@ from lmledger.ledger.units import MB
 from lmledger.sweep.collect import PointResult, metric_columns
 from lmledger.sweep.spec import Experiment, short_key, slug_value
 
+__all__ = ["markdown_table", "write_results"]
 
-def table_columns(experiment: Experiment, results: list[PointResult]) -> list[str]:
+
+def _table_columns(experiment: Experiment, results: list[PointResult]) -> list[str]:
     return ["point", "status", *experiment.swept_keys, *metric_columns(experiment, results), "seconds", "error"]
 
 
-def result_row(result: PointResult, columns: list[str]) -> dict[str, object]:
+def _result_row(result: PointResult, columns: list[str]) -> dict[str, object]:
     values = {c: result.metric(c) for c in columns}
     values.update(
         point=result.point.id,
@@ -30,8 +34,8 @@ def result_row(result: PointResult, columns: list[str]) -> dict[str, object]:
 
 
 def write_results(experiment: Experiment, results: list[PointResult], out_dir: Path) -> list[Path]:
-    columns = table_columns(experiment, results)
-    rows = [result_row(r, columns) for r in results]
+    columns = _table_columns(experiment, results)
+    rows = [_result_row(r, columns) for r in results]
     buffer = io.StringIO()
     writer = csv.DictWriter(buffer, columns, lineterminator="\n")
     writer.writeheader()
@@ -44,7 +48,7 @@ def write_results(experiment: Experiment, results: list[PointResult], out_dir: P
     return draw_plots(experiment, results, out_dir)
 
 
-def format_cell(column: str, value) -> str:
+def _format_cell(column: str, value) -> str:
     if value is None or value == "":
         return ""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -63,8 +67,9 @@ def format_cell(column: str, value) -> str:
 
 
 def markdown_table(experiment: Experiment, columns: list[str], rows: list[dict]) -> str:
-    """The non-empty columns of the results, human-formatted: memory in MB (1e6 bytes), each predicted figure
-    and its measured twin in one "predicted / measured" cell."""
+    """The results' non-empty columns, human-formatted.
+
+    Memory is in MB (1e6 bytes). Each prediction shares a "predicted / measured" cell with its twin."""
     shown = [c for c in columns if c != "point" and any(row.get(c) not in (None, "") for row in rows)]
     short = [short_key(k) for k in experiment.swept_keys]
     short_names = {k: s for k, s in zip(experiment.swept_keys, short, strict=True) if short.count(s) == 1}
@@ -83,10 +88,10 @@ def markdown_table(experiment: Experiment, columns: list[str], rows: list[dict])
             cells.append((f"{component} MB ({kind})", column, None))
 
     def render(row: dict, column: str, twin: str | None) -> str:
-        text = format_cell(column, row.get(column))
+        text = _format_cell(column, row.get(column))
         if twin is None:
             return text
-        measured = format_cell(twin, row.get(twin))
+        measured = _format_cell(twin, row.get(twin))
         return f"{text or '—'} / {measured or '—'}" if text or measured else ""
 
     lines = [f"# sweep {experiment.name}", ""]

@@ -1,21 +1,28 @@
 """`lmledger sweep EXPERIMENT.yaml --launcher slurm`: the points as the tasks of one SLURM job array.
 
-`sbatch --array` directly, not submitit: submitit is not installed with the kit (it is one more dependency
-for a handful of sbatch lines), it pickles a Python callable per task where a point is already a command
-line, and it reads job states from `sacct`, which a cluster without accounting (our CI's) does not have.
+Why `sbatch --array` directly, not submitit? submitit is not installed with the kit. It would be one
+more dependency for a handful of sbatch lines. It pickles a Python callable per task, where a point is
+already a command line. It reads job states from `sacct`, which a cluster without accounting lacks
+(our CI's does).
 
-- Before anything is queued, each point's predicted peak (the same prediction `--dry-run` lists) is held
-  against what the job asks for: `--mem` for CPU jobs, the GPU's memory for `--gres=gpu:TYPE:N`. A point
-  that cannot fit is refused in one line. Without `--mem`, the largest point's need sets it (need_bytes).
-- out_dir/slurm/ holds each submission: array-N.sh (the batch script), tasks-N.json (task index -> point
-  and its command line) and logs/ (SLURM's own --output, one file per task).
-- A task runs `python -m lmledger.sweep slurm-task TASKS.json INDEX` (exec'd, so SLURM's signals reach it);
-  it records points/<id>/status.json ("running", then done/failed/interrupted, as a local point does) and
-  sends the point's stdout and stderr to points/<id>/stdout.log and stderr.log.
-- Statuses: squeue says which tasks are pending or running (without accounting, a finished job leaves
-  squeue and `sacct` knows nothing); a point's own status.json says how it ended. A re-run submits only the
-  points that are neither done nor in the queue.
-- A fit point runs with `--ckpt_path auto`: a requeued task (preemption, time limit) resumes its own run.
+Before anything is queued, each point's predicted peak is held against what the job asks for.
+(The prediction is the one `--dry-run` lists.) CPU jobs: `--mem`. `--gres=gpu:TYPE:N`: the GPU's memory.
+A point that cannot fit is refused in one line. Without `--mem`, the largest point's need sets it
+(_need_bytes).
+
+out_dir/slurm/ holds each submission. array-N.sh is the batch script. tasks-N.json maps task index ->
+point and its command line. logs/ has SLURM's own --output, one file per task.
+
+A task runs `python -m lmledger.sweep slurm-task TASKS.json INDEX`, exec'd so SLURM's signals reach it.
+It records points/<id>/status.json: "running", then done/failed/interrupted, as a local point does.
+It sends the point's stdout and stderr to points/<id>/stdout.log and stderr.log.
+
+Statuses: squeue says which tasks are pending or running. (Without accounting, a finished job leaves
+squeue, and `sacct` knows nothing.) A point's own status.json says how it ended. A re-run submits only
+the points that are neither done nor in the queue.
+
+A fit point runs with `--ckpt_path auto`, so a requeued task resumes its own run
+(preemption, time limit).
 """
 
 from __future__ import annotations
@@ -49,19 +56,22 @@ from lmledger.sweep.runner import (
 )
 from lmledger.sweep.spec import Experiment, Point, cli_args, load_experiment
 
-MIB = 1 << 20  # SLURM's --mem "M" (its default unit) is 2^20 bytes, as slurm.conf's RealMemory
-# A CPU job's memory beside the predicted tensor peak: the Python process with torch and Lightning loaded,
-# its allocator's slack and the data loader. The max RSS of `lmledger fit --config configs/tiny.yaml` (20 steps,
-# 1.1 MB of predicted tensors) was 624 MiB (getrusage of the child; 2026-12-01, a 2-core shared CPU); 2 GiB
-# leaves room for bigger imports (Hugging Face transformers) and data loader workers.
-PROCESS_BYTES = 2 << 30
-PEAK_MARGIN = 1.25  # and a quarter over the predicted peak: the ledger's peaks are within 2% (tests)
+__all__ = ["SlurmRequest", "ended_result", "in_queue", "require_slurm", "run_slurm_sweep", "task_main"]
+
+
+_MIB = 1 << 20  # SLURM's --mem "M" (its default unit) is 2^20 bytes, as slurm.conf's RealMemory
+# A CPU job's memory beside the predicted tensor peak: the Python process with torch and Lightning,
+# its allocator's slack, and the data loader. `lmledger fit --config configs/tiny.yaml` (20 steps,
+# 1.1 MB of predicted tensors) had a max RSS of 624 MiB (getrusage of the child; 2026-12-01, a shared
+# 2-core CPU). 2 GiB leaves room for bigger imports (Hugging Face transformers) and loader workers.
+_PROCESS_BYTES = 2 << 30
+_PEAK_MARGIN = 1.25  # and a quarter over the predicted peak: the ledger's peaks are within 2% (tests)
 # Seconds before a --time limit that SLURM sends SIGUSR1 (the kit saves, requeues and stops on it).
-SIGNAL_BEFORE_END_S = 120
+_SIGNAL_BEFORE_END_S = 120
 # squeue states in which a task still holds or waits for a node (squeue --states=all would add finished ones).
-ACTIVE_STATES = {"PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "REQUEUE_FED", "REQUEUE_HOLD",
+_ACTIVE_STATES = {"PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "REQUEUE_FED", "REQUEUE_HOLD",
                  "RESIZING", "SUSPENDED", "SIGNALING", "STAGE_OUT", "STOPPED"}  # fmt: skip
-POLL_S = 2.0
+_POLL_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -83,7 +93,7 @@ class SlurmRequest:
         if mem_mib is not None:
             lines.append(f"#SBATCH --mem={mem_mib}M")
         if self.time is not None:
-            lines.append(f"#SBATCH --signal=B:USR1@{SIGNAL_BEFORE_END_S}")
+            lines.append(f"#SBATCH --signal=B:USR1@{_SIGNAL_BEFORE_END_S}")
         return lines
 
 
@@ -98,16 +108,16 @@ def require_slurm() -> None:
         )
 
 
-def parse_mem(text: str) -> int:
-    """Bytes of a `--mem` value as sbatch reads it: a number with K, M (the default), G or T (powers of 1024)."""
+def _parse_mem(text: str) -> int:
+    """Bytes of a `--mem` value, as sbatch reads it. A number with K, M (default), G or T (powers of 1024)."""
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)B?\s*", str(text), re.IGNORECASE)
     if not match or float(match.group(1)) <= 0:
         raise UserError(f"--mem {text!r}: give a size as sbatch takes it, e.g. 8G, 8000M or 8000 (megabytes)")
-    scale = {"K": 1 << 10, "": MIB, "M": MIB, "G": 1 << 30, "T": 1 << 40}[match.group(2).upper()]
+    scale = {"K": 1 << 10, "": _MIB, "M": _MIB, "G": 1 << 30, "T": 1 << 40}[match.group(2).upper()]
     return int(float(match.group(1)) * scale)
 
 
-def gres_gpu(gres: str | None) -> tuple[str | None, int] | None:
+def _gres_gpu(gres: str | None) -> tuple[str | None, int] | None:
     """(GPU type or None, count) of a `--gres gpu[:TYPE][:N]` request; None when it asks for no GPU."""
     if not gres:
         return None
@@ -121,10 +131,12 @@ def gres_gpu(gres: str | None) -> tuple[str | None, int] | None:
     return None
 
 
-def gres_gpu_spec(kind: str):
-    """The kit's GPU entry for a gres type. Clusters name types their own way (`h100`, `a100`): a key of
-    `lmledger gpus` is taken as it is, a prefix of several keys means the one with the least memory (h100: the
-    80 GB SXM/PCIe, not the 94 GB NVL), so a point is never sent to a GPU it may not fit."""
+def _gres_gpu_spec(kind: str):
+    """The kit's GPU entry for a gres type.
+
+    Clusters name types their own way (`h100`, `a100`). A key of `lmledger gpus` is taken as it is.
+    A prefix of several keys means the one with the least memory. (h100: the 80 GB SXM/PCIe, not the
+    94 GB NVL.) So a point is never sent to a GPU it may not fit."""
     from lmledger.ledger.gpus import GPUS
 
     name = kind.lower().replace("_", "-")
@@ -139,17 +151,17 @@ def gres_gpu_spec(kind: str):
     return min(matches, key=lambda spec: spec.memory_bytes)
 
 
-def need_bytes(peak: float) -> int:
-    """A CPU task's --mem for a point whose predicted peak is `peak` bytes: the margin over it plus the process."""
-    return int(math.ceil(peak * PEAK_MARGIN)) + PROCESS_BYTES
+def _need_bytes(peak: float) -> int:
+    """A CPU task's --mem for a predicted peak of `peak` bytes: the margin over it, plus the process."""
+    return int(math.ceil(peak * _PEAK_MARGIN)) + _PROCESS_BYTES
 
 
 def _gb(n: float) -> str:
     return f"{n / 1e9:,.2f} GB"
 
 
-def predicted_peaks(experiment: Experiment, points: list[Point]) -> dict[str, float]:
-    """Point id -> its predicted peak bytes per rank, for the points the ledger can predict without building."""
+def _predicted_peaks(experiment: Experiment, points: list[Point]) -> dict[str, float]:
+    """Point id -> predicted peak bytes per rank, for points predictable without building."""
     from lmledger.ledger.predict import predict
 
     specs = check_points(replace(experiment, points=tuple(points))).specs
@@ -163,16 +175,17 @@ def predicted_peaks(experiment: Experiment, points: list[Point]) -> dict[str, fl
     return peaks
 
 
-def memory_request(experiment: Experiment, points: list[Point], request: SlurmRequest) -> int | None:
-    """The --mem (MiB) to ask for, after holding every point's predicted peak against the request; a point
-    that cannot fit is refused in one line before anything is queued."""
-    peaks = predicted_peaks(experiment, points)
-    gpu = gres_gpu(request.gres)
+def _memory_request(experiment: Experiment, points: list[Point], request: SlurmRequest) -> int | None:
+    """The --mem (MiB) to ask for, after holding every point's predicted peak against the request.
+
+    A point that cannot fit is refused in one line, before anything is queued."""
+    peaks = _predicted_peaks(experiment, points)
+    gpu = _gres_gpu(request.gres)
     if gpu is not None:
         kind, _ = gpu
         if kind is None:
-            return None if request.mem is None else max(1, parse_mem(request.mem) // MIB)
-        spec = gres_gpu_spec(kind)
+            return None if request.mem is None else max(1, _parse_mem(request.mem) // _MIB)
+        spec = _gres_gpu_spec(kind)
         for point in points:
             if peaks.get(point.id, 0) > spec.memory_bytes:
                 raise UserError(
@@ -180,28 +193,28 @@ def memory_request(experiment: Experiment, points: list[Point], request: SlurmRe
                     f"{_gb(spec.memory_bytes)} of a {spec.name} (--gres {request.gres}); nothing was queued: shrink "
                     "the point or ask for a larger GPU"
                 )
-        return None if request.mem is None else max(1, parse_mem(request.mem) // MIB)
+        return None if request.mem is None else max(1, _parse_mem(request.mem) // _MIB)
     if request.mem is not None:
-        asked = parse_mem(request.mem)
+        asked = _parse_mem(request.mem)
         for point in points:
-            if point.id in peaks and need_bytes(peaks[point.id]) > asked:
+            if point.id in peaks and _need_bytes(peaks[point.id]) > asked:
                 raise UserError(
-                    f"point {point.id}: predicted peak {_gb(peaks[point.id])} (+{PEAK_MARGIN - 1:.0%} and "
-                    f"{_gb(PROCESS_BYTES)} for the process: {_gb(need_bytes(peaks[point.id]))}) does not fit "
+                    f"point {point.id}: predicted peak {_gb(peaks[point.id])} (+{_PEAK_MARGIN - 1:.0%} and "
+                    f"{_gb(_PROCESS_BYTES)} for the process: {_gb(_need_bytes(peaks[point.id]))}) does not fit "
                     f"--mem {request.mem} ({_gb(asked)}); nothing was queued: ask for more, or leave --mem out "
                     "and the prediction sets it"
                 )
-        return max(1, asked // MIB)
+        return max(1, asked // _MIB)
     if not peaks:
         return None  # nothing predicted: the cluster's default
-    return math.ceil(max(need_bytes(p) for p in peaks.values()) / MIB)
+    return math.ceil(max(_need_bytes(p) for p in peaks.values()) / _MIB)
 
 
 # ------------------------------------------------------------------------------------- the queue
 
 
-def queued_tasks(array_jobs: set[str]) -> dict[str, str]:
-    """ "JOB_TASK" -> state for every task of these array jobs that squeue still lists (pending or running)."""
+def _queued_tasks(array_jobs: set[str]) -> dict[str, str]:
+    """ "JOB_TASK" -> state, for each task of these array jobs that squeue still lists (pending, running)."""
     if not array_jobs:
         return {}
     try:
@@ -216,20 +229,20 @@ def queued_tasks(array_jobs: set[str]) -> dict[str, str]:
     states = {}
     for line in done.stdout.splitlines():
         task, _, state = line.strip().partition(" ")
-        if state in ACTIVE_STATES:
+        if state in _ACTIVE_STATES:
             states[task] = state
     return states
 
 
 def in_queue(out_dir: Path, points: list[Point]) -> dict[str, str]:
-    """Point id -> SLURM task ("JOB_TASK") for the points whose task is pending or running now."""
+    """Point id -> SLURM task ("JOB_TASK"), for points whose task is pending or running now."""
     tasks = {p.id: saved_status(out_dir, p).get("slurm_task") for p in points}
     tasks = {pid: t for pid, t in tasks.items() if t}
-    active = queued_tasks({t.split("_")[0] for t in tasks.values()})
+    active = _queued_tasks({t.split("_")[0] for t in tasks.values()})
     return {pid: task for pid, task in tasks.items() if task in active}
 
 
-def submit(experiment: Experiment, out_dir: Path, points: list[Point], request: SlurmRequest, jobs: int,
+def _submit(experiment: Experiment, out_dir: Path, points: list[Point], request: SlurmRequest, jobs: int,
            mem_mib: int | None) -> str:  # fmt: skip
     """sbatch one array over `points`; returns its job id. Each point's status.json says "queued" in task i."""
     slurm_dir = out_dir / "slurm"
@@ -287,15 +300,17 @@ def run_slurm_sweep(
     on_done: Callable[[PointResult], None] | None = None,
     on_submit: Callable[[str, int, int | None], None] | None = None,
     plan: SweepPlan | None = None,
-    poll_s: float = POLL_S,
+    poll_s: float = _POLL_S,
 ) -> list[PointResult]:
-    """Submit the points not done and not queued as one array, wait until none is queued or running, then
-    write results.csv, results.md and the plots as the local launcher does. Returns one result per point."""
+    """Submit the points neither done nor queued as one array, and wait for them. One result per point.
+
+    It waits until none is queued or running. Then it writes results.csv, results.md and the plots,
+    as the local launcher does."""
     require_slurm()
     plan = plan_sweep(experiment, out_dir) if plan is None else plan
     queued = in_queue(out_dir, plan.pending)
     to_submit = [p for p in plan.pending if p.id not in queued]
-    mem_mib = memory_request(experiment, to_submit, request) if to_submit else None
+    mem_mib = _memory_request(experiment, to_submit, request) if to_submit else None
     claim_out_dir(experiment, out_dir)
     results = dict(plan.results)
     if on_done:
@@ -303,7 +318,7 @@ def run_slurm_sweep(
             if point.id in results:
                 on_done(results[point.id])
     if to_submit:
-        job = submit(experiment, out_dir, to_submit, request, jobs, mem_mib)
+        job = _submit(experiment, out_dir, to_submit, request, jobs, mem_mib)
         if on_submit:
             on_submit(job, len(to_submit), mem_mib)
     waiting = {p.id: p for p in plan.pending}
@@ -323,7 +338,7 @@ def run_slurm_sweep(
 
 
 def ended_result(out_dir: Path, point: Point) -> PointResult:
-    """A point whose task left the queue: its status.json as the task wrote it, or "failed" if it died first."""
+    """A point whose task left the queue: its status.json, or "failed" if the task died first."""
     saved = saved_status(out_dir, point)
     if saved.get("status") in ("done", "failed", "interrupted"):
         return PointResult(point, saved["status"], saved.get("metrics", {}), saved.get("error", ""),
@@ -340,8 +355,10 @@ def ended_result(out_dir: Path, point: Point) -> PointResult:
 
 
 def task_main(argv: list[str], run_command: Callable[[list[str]], int]) -> int:
-    """`python -m lmledger.sweep slurm-task TASKS.json INDEX`: one point, as the SLURM task runs it;
-    `run_command` is the lmledger command line's main (the entry point passes it: commands sit above sweeps)."""
+    """`python -m lmledger.sweep slurm-task TASKS.json INDEX`: one point, as the SLURM task runs it.
+
+    `run_command` is the lmledger command line's main. The entry point passes it: commands sit above
+    sweeps."""
     record = json.loads(Path(argv[0]).read_text())
     task = record["tasks"][argv[1]]
     out_dir = Path(record["out_dir"])
