@@ -1,9 +1,8 @@
 """Memory bandwidth per device, for the roofline (ledger/roofline.py): bytes per second an op can move.
 
-- A listed GPU: the datasheet figure in gpus.GPUS (HBM/GDDR bandwidth).
-- A CPU: measured once per machine, since no spec the OS reports gives it. Cached on disk beside the
-  CPU peak, with when and how (cpu.cache_dir()/cpu-bandwidth.json).
-- An unlisted GPU: measured once per process.
+A listed GPU has its datasheet figure in gpus.GPUS (HBM/GDDR bandwidth). A CPU's is measured once
+per machine: no spec the OS reports gives it. It is cached on disk beside the CPU peak, with when and
+how (cpu.cache_dir()/cpu-bandwidth.json). An unlisted GPU's is measured once per process.
 
 The measurement is the best rate of `dst.copy_(src)`: each byte read once and written once. Buffers
 run from 256 KiB to 64 MiB, over several rounds. It runs with torch's threads, and with one thread

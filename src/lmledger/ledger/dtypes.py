@@ -1,20 +1,18 @@
 """Floating-point formats in numbers, and the CS336 lecture's casts (lecture 2, tensors_memory) run for real.
 
-Each row gives bytes per element, sign/exponent/mantissa bits, the largest finite value, eps (the gap
-between 1 and the next value), the smallest normal and the smallest subnormal value. Rows come from
-`torch.finfo` where torch has the dtype; tf32 (a tensor-core compute mode: float32 in memory, no torch
-dtype) and fp4 e2m1 (packed two per byte, no finfo in torch) come from their format definitions and
-say so. The smallest subnormal is smallest_normal * 2**-mantissa_bits (finfo does not give it); tests
-check it, eps and max by casting.
+Each row gives bytes per element and sign/exponent/mantissa bits. Then the largest finite value and
+eps (the gap between 1 and the next value). Then the smallest normal and smallest subnormal values.
+Rows come from `torch.finfo` where torch has the dtype. Two come from their format definitions, and
+say so. tf32 is a tensor-core compute mode: float32 in memory, no torch dtype. fp4 e2m1 is packed two
+per byte, with no finfo in torch. The smallest subnormal is smallest_normal * 2**-mantissa_bits.
+finfo does not give it. Tests check it, eps and max by casting.
 
-The demonstrations are measured by casting real tensors with the torch that is installed:
-- 1e-8 underflows to 0 in float16 (smallest subnormal 2**-24 ~ 6e-8) but not in bfloat16 (float32's
-  exponent range);
-- fp8 beyond its range: a plain `.to()` and a cast after clamping to +-finfo.max, side by side. torch
-  saturates e4m3fn (no infinity in that format) but rounds e5m2 (which has one) to +-inf past 61,440;
-  clamping first saturates both, at +-448 and +-57,344;
-- bytes of a 4 x 8 float32 tensor, and of GPT-3's 12288 x 49152 feed-forward matrix on the meta device
-  (shape and dtype, no memory).
+The demonstrations cast real tensors with the installed torch. 1e-8 underflows to 0 in float16
+(smallest subnormal 2**-24 ~ 6e-8). Not in bfloat16, which has float32's exponent range. fp8 beyond
+its range: a plain `.to()` beside a cast after clamping to +-finfo.max. torch saturates e4m3fn, which
+has no infinity. It rounds e5m2, which has one, to +-inf past 61,440. Clamping first saturates both,
+at +-448 and +-57,344. Last, the bytes of a 4 x 8 float32 tensor. And of GPT-3's 12288 x 49152
+feed-forward matrix on the meta device (shape and dtype, no memory).
 """
 
 from __future__ import annotations
@@ -23,6 +21,8 @@ import math
 from dataclasses import asdict, dataclass
 
 import torch
+
+__all__ = ["FormatRow", "demonstrations", "format_table", "jsonable"]
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,7 @@ class FormatRow:
         return asdict(self)
 
 
-# Formats in the lecture's order; e8m0 and fp4 only where this torch has them.
+# Formats in the lecture's order. e8m0 and fp4 only where this torch has them.
 _TORCH_FORMATS = ("float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2", "float8_e8m0fnu")
 
 
@@ -72,8 +72,11 @@ def _from_finfo(name: str) -> FormatRow:
 def _from_definition(
     name: str, torch_dtype: str | None, nbytes: float, exponent: int, mantissa: int, source: str
 ) -> FormatRow:
-    """An IEEE-style binary format with `exponent` and `mantissa` bits: bias 2**(exponent-1) - 1, the
-    all-ones exponent kept for inf/NaN unless the format (fp4 e2m1) has none."""
+    """An IEEE-style binary format with `exponent` and `mantissa` bits.
+
+    Bias 2**(exponent-1) - 1. The all-ones exponent is kept for inf/NaN, unless the format (fp4 e2m1)
+    has none.
+    """
     bias = 2 ** (exponent - 1) - 1
     top = 2**exponent - 1 if name.startswith("fp4") else 2**exponent - 2  # e2m1 has no inf/NaN codes
     largest = (2 - 2.0**-mantissa) * 2.0 ** (top - bias)
@@ -95,8 +98,8 @@ def _from_definition(
 
 def format_table() -> list[FormatRow]:
     rows = [_from_finfo("float32")]
-    # NVIDIA A100 whitepaper: TF32 has float32's 8-bit exponent and float16's 10-bit mantissa; tensors stay
-    # float32 (4 bytes) in memory and tensor cores round the inputs of a matmul to it.
+    # NVIDIA A100 whitepaper: TF32 has float32's 8-bit exponent and float16's 10-bit mantissa. Tensors stay
+    # float32 (4 bytes) in memory; tensor cores round a matmul's inputs to it.
     rows.append(_from_definition("tf32", None, 4, 8, 10, "format definition (NVIDIA A100 whitepaper)"))
     rows += [_from_finfo(name) for name in _TORCH_FORMATS[1:] if hasattr(torch, name)]
     if hasattr(torch, "float4_e2m1fn_x2"):
@@ -116,7 +119,7 @@ def _cast(values: list[float], dtype: torch.dtype, clamp: float | None = None) -
     return tensor.to(dtype).to(torch.float32).tolist()
 
 
-def underflow(value: float = 1e-8) -> dict:
+def _underflow(value: float = 1e-8) -> dict:
     """`value` cast to float16, bfloat16 and float32 and read back."""
     return {
         "value": value,
@@ -128,8 +131,8 @@ def underflow(value: float = 1e-8) -> dict:
 _FP8_PROBES = {"float8_e4m3fn": [1000.0, -1000.0], "float8_e5m2": [100_000.0, -100_000.0]}
 
 
-def fp8_overflow() -> dict:
-    """Each fp8 format's max, and what values beyond it become: plain cast vs cast after clamping."""
+def _fp8_overflow() -> dict:
+    """Each fp8 format's max, and what values beyond it become: plain cast vs clamped cast."""
     result = {}
     for name, probes in _FP8_PROBES.items():
         dtype = getattr(torch, name)
@@ -143,25 +146,27 @@ def fp8_overflow() -> dict:
     return result
 
 
-GPT3_MATRIX = (12288, 49152)  # GPT-3 175B: d_model 12288, d_ff 4 x 12288 (Brown et al. 2020, table 2.1)
+_GPT3_MATRIX = (12288, 49152)  # GPT-3 175B: d_model 12288, d_ff 4 x 12288 (Brown et al. 2020, table 2.1)
 
 
-def tensor_bytes() -> dict:
-    """Bytes of the lecture's two tensors: a real 4 x 8 float32 tensor, and GPT-3's feed-forward matrix
-    on the meta device (shape and dtype only: no 2.4 GB allocation)."""
+def _tensor_bytes() -> dict:
+    """Bytes of the lecture's two tensors: a real 4 x 8 float32 tensor, and GPT-3's feed-forward matrix.
+
+    The matrix is on the meta device: shape and dtype only, no 2.4 GB allocation.
+    """
     small = torch.zeros(4, 8, dtype=torch.float32)
     matrix = {
-        name: torch.empty(GPT3_MATRIX, dtype=getattr(torch, name), device="meta").nbytes for name in _TORCH_FORMATS[:4]
+        name: torch.empty(_GPT3_MATRIX, dtype=getattr(torch, name), device="meta").nbytes for name in _TORCH_FORMATS[:4]
     }
     return {"tensor_4x8_float32": small.nbytes, "gpt3_matrix_12288x49152": matrix}
 
 
 def demonstrations() -> dict:
-    return {"underflow": underflow(), "fp8_overflow": fp8_overflow(), "bytes": tensor_bytes()}
+    return {"underflow": _underflow(), "fp8_overflow": _fp8_overflow(), "bytes": _tensor_bytes()}
 
 
 def jsonable(value):
-    """`value` with every non-finite float as the string "inf", "-inf" or "nan": JSON has no Infinity."""
+    """`value` with each non-finite float as the string "inf", "-inf" or "nan": JSON has no Infinity."""
     if isinstance(value, float) and not math.isfinite(value):
         return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
     if isinstance(value, dict):

@@ -1,26 +1,26 @@
 """FLOPs of one step of the toy LM: on paper (two conventions) and measured with FlopCounterMode.
 
 Two figures, never mixed:
-- model FLOPs, the MFU convention (PaLM appendix B, nanoGPT, torchtitan): per token
-  6·N_matmul + 12·L·H·Q·T for a training step, 2·N_matmul + 4·L·H·Q·T forward-only, where
-  N_matmul = L·(4·d² + 3·d·f) + V·d counts the weights that take part in matmuls (attention, SwiGLU,
-  LM head). The embedding table is a lookup, not a matmul: it only counts when tied, and then as the
-  LM head, so N_matmul is the same tied or untied. No recompute, no causal discount.
-- hardware FLOPs: what the kernels do, counted the way torch.utils.flop_counter.FlopCounterMode
-  counts them: a matmul is 2·m·k·n, its backward twice that (grad of input and of weight), SDPA
-  forward is 2 full T×T bmm (scores, attention·V; no causal discount), its backward 5 bmm (the
-  fused kernels recompute the scores), elementwise ops (norms, RoPE, SiLU, softmax, loss) are free,
-  and activation checkpointing adds the forward it recomputes in backward.
+- model FLOPs, the MFU convention (PaLM appendix B, nanoGPT, torchtitan). Per token:
+  6·N_matmul + 12·L·H·Q·T for a training step, 2·N_matmul + 4·L·H·Q·T forward-only.
+  N_matmul = L·(4·d² + 3·d·f) + V·d counts the weights in matmuls (attention, SwiGLU, LM head).
+  The embedding table is a lookup, not a matmul. It counts only when tied, and then as the LM head:
+  N_matmul is the same tied or untied. No recompute, no causal discount.
+- hardware FLOPs: what the kernels do, counted as torch.utils.flop_counter.FlopCounterMode does.
+  A matmul is 2·m·k·n; its backward twice that (grad of input and of weight).
+  SDPA forward is 2 full T×T bmm (scores, attention·V; no causal discount). Its backward is 5 bmm:
+  the fused kernels recompute the scores. Elementwise ops (norms, RoPE, SiLU, softmax, loss) are
+  free. Activation checkpointing adds the forward it recomputes in backward.
 
 For the toy LM the two differ by exactly (training, T = seq_len, Q = head dim, H·Q = d_model):
   hardware = model + 2·B·L·H·Q·T²                 (one score recompute per SDPA backward)
                    + Σ over checkpointed blocks of their recomputed forward
 and forward-only hardware = model.
 
-Beside the model figure, the numerators other MFU figures use (MFU_CONVENTIONS, docs/mfu.md): 6N alone
-(Kaplan, Chinchilla), causal attention counted half (Megatron-LM), and what nanoGPT's and torchtitan's
-formulas give for this model. Each has a counted twin: FlopCounterMode's aten.mm total is 6N; with
-causal_attention=True its SDPA count covers only the unmasked entries.
+Beside the model figure sit the numerators of other MFU figures (MFU_CONVENTIONS, docs/mfu.md):
+6N alone (Kaplan, Chinchilla), causal attention counted half (Megatron-LM), and what nanoGPT's and
+torchtitan's formulas give for this model. Each has a counted twin. FlopCounterMode's aten.mm total
+is 6N. With causal_attention=True its SDPA count covers only the unmasked entries.
 """
 
 from __future__ import annotations
@@ -40,10 +40,30 @@ from lmledger.errors import UserError
 from lmledger.ledger.moe import GROUPED_MM_FLOP_FORMULAS
 from lmledger.model import ModelConfig, ToyLM, count_parameters
 
+__all__ = [
+    "COMPONENTS",
+    "CPU_SDPA_FLOP_FORMULAS",
+    "MFU_CONVENTIONS",
+    "FlopReport",
+    "MeasuredFlops",
+    "StepFlopCounter",
+    "analytic_flops",
+    "causal_flops_per_token",
+    "flop_counter",
+    "flops_per_token_by_convention",
+    "matmul_parameters",
+    "measure_flops",
+    "measure_flops_meta",
+    "model_flops_per_token",
+    "nanogpt_flops_per_token",
+    "six_n_flops_per_token",
+    "torchtitan_flops_per_token",
+]
+
 aten = torch.ops.aten
 
-BLOCK_COMPONENTS = ("qkv", "attn_scores", "attn_values", "attn_out", "mlp_w1", "mlp_w3", "mlp_w2")
-COMPONENTS = (*BLOCK_COMPONENTS, "lm_head")
+_BLOCK_COMPONENTS = ("qkv", "attn_scores", "attn_values", "attn_out", "mlp_w1", "mlp_w3", "mlp_w2")
+COMPONENTS = (*_BLOCK_COMPONENTS, "lm_head")
 
 # Backward FLOPs as a multiple of forward FLOPs, per FlopCounterMode's formulas.
 _BACKWARD_MULTIPLIER = {
@@ -60,9 +80,12 @@ _BACKWARD_MULTIPLIER = {
 
 @dataclass(frozen=True)
 class FlopReport:
-    """FLOPs of one step. `by_component[name][phase]` is hardware FLOPs summed over layers; the
-    phases are "forward", "backward" and "recompute" (activation checkpointing) and sum to
-    `hardware`. The SDPA kernels' own score recompute is part of attn_scores' backward."""
+    """FLOPs of one step.
+
+    `by_component[name][phase]` is hardware FLOPs summed over layers. The phases "forward",
+    "backward" and "recompute" (activation checkpointing) sum to `hardware`. The SDPA kernels' own
+    score recompute is part of attn_scores' backward.
+    """
 
     model: int
     hardware: int
@@ -75,10 +98,12 @@ class FlopReport:
 @dataclass(frozen=True)
 class MeasuredFlops:
     """What FlopCounterMode counted. `total` and `by_op` (keyed "aten.mm", ...) are exact.
-    `by_module` is keyed by FlopCounterMode's module names ("ToyLM.blocks.0.mlp"): exact for a
-    forward, but in backward its module tracker leaks between siblings that share an input (w3
-    also gets w1's backward), credits the root module with its forward only, and loses track under
-    activation checkpointing."""
+
+    `by_module` is keyed by FlopCounterMode's module names ("ToyLM.blocks.0.mlp"). It is exact for a
+    forward. In backward its module tracker leaks between siblings that share an input (w3 also gets
+    w1's backward). It credits the root module with its forward only. It loses track under
+    activation checkpointing.
+    """
 
     total: int
     by_module: dict[str, int]
@@ -92,15 +117,17 @@ def matmul_parameters(cfg: ModelConfig) -> int:
 
 
 def model_flops_per_token(cfg: ModelConfig, seq_len: int, training: bool = True) -> int:
-    """MFU-convention FLOPs per token: 6·N_matmul + 12·L·H·Q·T (training), 2·N_matmul + 4·L·H·Q·T
-    (forward only). Source: PaLM (Chowdhery et al. 2022) appendix B."""
+    """MFU-convention FLOPs per token: 6·N_matmul + 12·L·H·Q·T; forward only 2·N_matmul + 4·L·H·Q·T.
+
+    Source: PaLM (Chowdhery et al. 2022) appendix B.
+    """
     _check_seq_len(cfg, seq_len)
     attention = 2 * 2 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len  # scores and attention·V
     forward = 2 * matmul_parameters(cfg) + attention
     return 3 * forward if training else forward
 
 
-# MFU conventions (docs/mfu.md). Published MFU figures count different FLOPs; each of these is one
+# MFU conventions (docs/mfu.md). Published MFU figures count different FLOPs. Each function here is one
 # numerator, per token of a training step (forward only: a third). perf/mfu is "palm".
 
 
@@ -108,20 +135,22 @@ def six_n_flops_per_token(cfg: ModelConfig, training: bool = True) -> int:
     """6·N_matmul per token (2·N_matmul forward only): attention's T×T products left out.
 
     Source: Kaplan et al. 2020 §2.1 (C ≈ 6N, the context-dependent term dropped) and Hoffmann et al.
-    2022 (Chinchilla, C = 6ND). Kaplan's N also leaves out the LM head; ours keeps it (it is a
-    matmul), so that this differs from "palm" by attention alone."""
+    2022 (Chinchilla, C = 6ND). Kaplan's N also leaves out the LM head. Ours keeps it (a matmul), so
+    this differs from "palm" by attention alone.
+    """
     return (6 if training else 2) * matmul_parameters(cfg)
 
 
 def causal_flops_per_token(cfg: ModelConfig, seq_len: int, training: bool = True) -> int:
-    """6·N_matmul + 6·L·H·Q·T per token (2·N_matmul + 2·L·H·Q·T forward only): PaLM's attention
-    term halved, because a causal mask leaves half of each T×T product to compute.
+    """6·N_matmul + 6·L·H·Q·T per token (2·N_matmul + 2·L·H·Q·T forward only).
 
+    PaLM's attention term halved: a causal mask leaves half of each T×T product to compute.
     Source: Megatron-LM, megatron/training/training.py num_floating_point_operations (core attention
-    `seq_length / 2`, "only half of the mask is non-zero"); FlashAttention's
-    benchmarks/benchmark_flash_attention.py counts causal attention at half for the same reason. The
-    exact lower triangle has T(T+1)/2 entries, (T+1)/T of this term (measure_flops(...,
-    causal_attention=True) counts it)."""
+    `seq_length / 2`, "only half of the mask is non-zero"). FlashAttention's
+    benchmarks/benchmark_flash_attention.py counts causal attention at half for the same reason.
+    The exact lower triangle has T(T+1)/2 entries, (T+1)/T of this term.
+    measure_flops(..., causal_attention=True) counts it.
+    """
     _check_seq_len(cfg, seq_len)
     attention = 2 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len  # half of PaLM's 4·L·H·Q·T
     forward = 2 * matmul_parameters(cfg) + attention
@@ -129,20 +158,24 @@ def causal_flops_per_token(cfg: ModelConfig, seq_len: int, training: bool = True
 
 
 def nanogpt_flops_per_token(cfg: ModelConfig) -> int:
-    """What nanoGPT's GPT.estimate_mfu (karpathy/nanoGPT model.py) would count per token for this
-    model: 6·N + 12·L·H·Q·T with N every parameter (its get_num_params drops only the learned position
-    table, which ToyLM does not have: RoPE) and T the model's context length (block_size), whatever
-    sequence length the batch has. Against ours it adds the norms' gains, and the token embedding table
-    when untied (nanoGPT always ties it to the LM head)."""
+    """What nanoGPT's GPT.estimate_mfu (karpathy/nanoGPT model.py) counts per token for this model.
+
+    6·N + 12·L·H·Q·T, with N every parameter. Its get_num_params drops only the learned position
+    table, which ToyLM lacks (RoPE). T is the model's context length (block_size), whatever the
+    batch's sequence length. Against ours it adds the norms' gains, and the token embedding table when
+    untied. nanoGPT always ties it to the LM head.
+    """
     attention = 12 * cfg.n_layers * cfg.n_heads * cfg.head_dim * cfg.context_length
     return 6 * count_parameters(cfg) + attention
 
 
 def torchtitan_flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
-    """What torchtitan's get_dense_model_nparams_and_flops (pytorch/torchtitan
-    torchtitan/models/utils.py, the llama3 model's get_nparams_and_flops) would count per token:
-    6·(N − the token embedding, unless tied) + 6·L·H·(2·Q)·T, T the training sequence length. Against
-    ours it adds the norms' gains."""
+    """What torchtitan's get_dense_model_nparams_and_flops counts per token.
+
+    pytorch/torchtitan torchtitan/models/utils.py, the llama3 model's get_nparams_and_flops:
+    6·(N − the token embedding, unless tied) + 6·L·H·(2·Q)·T, T the training sequence length.
+    Against ours it adds the norms' gains.
+    """
     _check_seq_len(cfg, seq_len)
     embedding = 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.d_model
     attention = 6 * cfg.n_layers * cfg.n_heads * (2 * cfg.head_dim) * seq_len
@@ -161,9 +194,11 @@ MFU_CONVENTIONS = {
 
 
 def flops_per_token_by_convention(cfg: ModelConfig, seq_len: int) -> dict[str, int]:
-    """FLOPs per token of a training step on sequences of `seq_len` under each MFU_CONVENTIONS entry.
-    "hfu" counts what the kernels do (analytic_flops' hardware figure: attention's score recompute and
-    activation checkpointing), which does not depend on the batch size."""
+    """FLOPs per token of a training step on `seq_len` sequences, per MFU_CONVENTIONS entry.
+
+    "hfu" counts what the kernels do: analytic_flops' hardware figure, with attention's score
+    recompute and activation checkpointing. It does not depend on the batch size.
+    """
     hardware = analytic_flops(cfg, 1, seq_len, training=True).hardware
     return {
         "6n": six_n_flops_per_token(cfg),
@@ -184,10 +219,10 @@ def analytic_flops(
 ) -> FlopReport:
     """Model and hardware FLOPs of one step on `batch_size` sequences of `seq_len` tokens.
 
-    training=False is a forward-only (validation) step: no backward and no checkpointing, as in
-    ToyLM.forward under no_grad. `checkpoint_early_stop` mirrors torch.utils.checkpoint's default:
-    the non-reentrant recompute stops once the last tensor saved for backward is back, and the
-    block's last matmul (w2) saves its inputs before it runs, so w2 is not recomputed.
+    training=False is a forward-only (validation) step: no backward, no checkpointing, as in
+    ToyLM.forward under no_grad. `checkpoint_early_stop` mirrors torch.utils.checkpoint's default.
+    The non-reentrant recompute stops once the last tensor saved for backward is back. The block's
+    last matmul (w2) saves its inputs before it runs, so w2 is not recomputed.
     """
     if batch_size < 1:
         raise UserError(f"batch size must be >= 1, got {batch_size}")
@@ -197,14 +232,14 @@ def analytic_flops(
         "lm_head": 2 * batch_size * seq_len * cfg.d_model * cfg.vocab_size,
     }
 
-    recomputed = set(BLOCK_COMPONENTS)
+    recomputed = set(_BLOCK_COMPONENTS)
     if checkpoint_early_stop:
         recomputed.discard("mlp_w2")
     checkpointed_layers = sum(cfg.is_checkpointed(i) for i in range(cfg.n_layers)) if training else 0
 
     by_component = {}
     for name in COMPONENTS:
-        layers = cfg.n_layers if name in BLOCK_COMPONENTS else 1
+        layers = cfg.n_layers if name in _BLOCK_COMPONENTS else 1
         by_component[name] = {
             "forward": layers * forward[name],
             "backward": layers * forward[name] * _BACKWARD_MULTIPLIER[name] if training else 0,
@@ -223,7 +258,7 @@ def analytic_flops(
 
 def _forward_flops_per_layer(cfg: ModelConfig, batch_size: int, seq_len: int) -> dict[str, int]:
     tokens, d, f = batch_size * seq_len, cfg.d_model, cfg.d_ff
-    # One (T×Q)·(Q×T) or (T×T)·(T×Q) bmm per head, the full square: kernels skip the masked half,
+    # One (T×Q)·(Q×T) or (T×T)·(T×Q) bmm per head, the full square. Kernels skip the masked half;
     # the counting convention does not.
     attention = 2 * batch_size * cfg.n_heads * seq_len * seq_len * cfg.head_dim
     return {
@@ -245,8 +280,8 @@ def _check_seq_len(cfg: ModelConfig, seq_len: int) -> None:
         )
 
 
-# FlopCounterMode counts CPU SDPA as 0 (no formula for the CPU flash-attention ops, pytorch issue 195460;
-# canary test_cpu_flash_attention_has_no_flop_formula): give them torch's own SDPA formulas.
+# FlopCounterMode counts CPU SDPA as 0: the CPU flash-attention ops have no formula (pytorch issue
+# 195460; canary test_cpu_flash_attention_has_no_flop_formula). Give them torch's own SDPA formulas.
 def _cpu_flash_attention_flop(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
     return sdpa_flop_count(query_shape, key_shape, value_shape)
 
@@ -264,8 +299,11 @@ CPU_SDPA_FLOP_FORMULAS = {
 
 
 def _causal_entries(query_shape, key_shape, is_causal: bool) -> tuple[int, int]:
-    """Entries of one head's score matrix that a causal mask leaves, and all of them. torch's
-    is_causal mask is lower triangular from the top-left corner: query row i sees min(i + 1, S) keys."""
+    """(entries a causal mask leaves, all entries) of one head's score matrix.
+
+    torch's is_causal mask is lower triangular from the top-left corner: query row i sees
+    min(i + 1, S) keys.
+    """
     s_q, s_k = query_shape[2], key_shape[2]
     if not is_causal:
         return s_q * s_k, s_q * s_k
@@ -286,28 +324,30 @@ def _causal_flash_attention_backward_flop(
     return sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape) * kept // full
 
 
-# The same ops counted over the entries a causal mask keeps (every bmm in the formulas is linear in
-# the number of score entries, so scaling by kept / full is exact): what the causal convention calls
-# the work, read off the real step's SDPA calls and their is_causal flag.
-CAUSAL_CPU_SDPA_FLOP_FORMULAS = {
+# The same ops counted over the entries a causal mask keeps: the work as the causal convention sees
+# it, read off the real step's SDPA calls and their is_causal flag. Every bmm in the formulas is
+# linear in the number of score entries, so scaling by kept / full is exact.
+_CAUSAL_CPU_SDPA_FLOP_FORMULAS = {
     aten._scaled_dot_product_flash_attention_for_cpu: _causal_flash_attention_flop,
     aten._scaled_dot_product_flash_attention_for_cpu_backward: _causal_flash_attention_backward_flop,
 }
 
 
 def flop_counter(causal_attention: bool = False) -> FlopCounterMode:
-    """A silent FlopCounterMode that also counts CPU SDPA; with `causal_attention`, CPU (and meta) SDPA
-    calls made with is_causal count only the unmasked entries. That is what the causal convention
-    counts, not what every kernel executes: torch's CPU flash kernel skips key blocks of 512 past the
-    diagonal, so below 512 tokens it computes the full square; FlashAttention's CUDA kernels skip the
-    tiles above it."""
-    formulas = CAUSAL_CPU_SDPA_FLOP_FORMULAS if causal_attention else CPU_SDPA_FLOP_FORMULAS
+    """A silent FlopCounterMode that also counts CPU SDPA.
+
+    With `causal_attention`, CPU (and meta) SDPA calls made with is_causal count only the unmasked
+    entries. That is what the causal convention counts, not what every kernel executes. torch's CPU
+    flash kernel skips key blocks of 512 past the diagonal: below 512 tokens it computes the full
+    square. FlashAttention's CUDA kernels skip the tiles above it.
+    """
+    formulas = _CAUSAL_CPU_SDPA_FLOP_FORMULAS if causal_attention else CPU_SDPA_FLOP_FORMULAS
     # torch._grouped_mm (transformers' MoE experts) has no formula in torch's registry
     return FlopCounterMode(display=False, custom_mapping={**formulas, **GROUPED_MM_FLOP_FORMULAS})
 
 
 class _CountWithoutDecomposing(TorchDispatchMode):
-    """Counts registered ops as FlopCounterMode does, and runs every other op as it is."""
+    """Counts registered ops as FlopCounterMode does; runs every op as it is."""
 
     def __init__(self, counter: FlopCounterMode) -> None:
         super().__init__()
@@ -326,11 +366,12 @@ class _CountWithoutDecomposing(TorchDispatchMode):
 class StepFlopCounter(FlopCounterMode):
     """FlopCounterMode for a real training step: the same registry (CPU SDPA included), total only.
 
-    FlopCounterMode runs an op that has no FLOP formula through its decomposition (`func.decompose()`),
-    so a fused kernel is replaced by its parts and the step computes other bits (canary
-    test_flop_counter_decomposes_what_it_cannot_count); its ModuleTracker hooks every module into the
-    autograd graph. A measurement must not change training: this counter runs each op as it is, and
-    keeps no per-module breakdown."""
+    FlopCounterMode runs an op without a FLOP formula through its decomposition (`func.decompose()`).
+    A fused kernel is then replaced by its parts, and the step computes other bits (canary
+    test_flop_counter_decomposes_what_it_cannot_count). Its ModuleTracker hooks every module into the
+    autograd graph. A measurement must not change training. So this counter runs each op as it is,
+    and keeps no per-module breakdown.
+    """
 
     def __init__(self) -> None:
         super().__init__(display=False, custom_mapping={**CPU_SDPA_FLOP_FORMULAS, **GROUPED_MM_FLOP_FORMULAS})
@@ -350,11 +391,11 @@ class StepFlopCounter(FlopCounterMode):
 def _fused_sdpa_on_meta() -> Iterator[None]:
     """Route SDPA on meta tensors to the CPU flash op while counting.
 
-    On meta tensors SDPA takes the math fallback (torch's fused-kernel chooser has no meta entry),
-    whose autograd backward is 4 bmm where the fused kernels count 5. The CPU flash op has meta
+    On meta tensors SDPA takes the math fallback: torch's fused-kernel chooser has no meta entry.
+    Its autograd backward is 4 bmm, where the fused kernels count 5. The CPU flash op has meta
     kernels, so routing to it makes a meta count follow the CPU/CUDA convention. This patches the
-    attribute for the duration of the count rather than using a TorchFunctionMode: a mode is popped
-    while torch.autograd.grad runs and would miss the checkpoint recompute in backward.
+    attribute while counting, not a TorchFunctionMode. A mode is popped while torch.autograd.grad runs
+    and would miss the checkpoint recompute in backward.
     """
     eager_sdpa = F.scaled_dot_product_attention
 
@@ -380,13 +421,13 @@ def measure_flops(
 ) -> MeasuredFlops:
     """Count the FLOPs of one step of `model(idx, targets)` with FlopCounterMode.
 
-    training=True: forward in train mode (so activation checkpointing applies) and the backward of
-    the loss, recompute included; targets default to idx (FLOPs do not depend on token values).
-    training=False: forward under no_grad in eval mode. Works on CPU, CUDA and meta tensors. A
-    torch.compile'd module is unwrapped to the eager module it wraps (the counter cannot see inside
-    compiled graphs). Gradients go through torch.autograd.grad, so no .grad is written, and the
-    train/eval mode is restored. causal_attention=True (CPU and meta only) counts causal SDPA calls
-    over the unmasked entries alone (flop_counter).
+    training=True: forward in train mode (so activation checkpointing applies), then the loss's
+    backward, recompute included. targets default to idx: FLOPs do not depend on token values.
+    training=False: forward under no_grad in eval mode. Works on CPU, CUDA and meta tensors.
+    A torch.compile'd module is unwrapped to its eager module: the counter cannot see inside compiled
+    graphs. Gradients go through torch.autograd.grad, so no .grad is written. The train/eval mode is
+    restored. causal_attention=True (CPU and meta only) counts causal SDPA calls over the unmasked
+    entries alone (flop_counter).
     """
     model = getattr(model, "_orig_mod", model)
     if training and not torch.is_grad_enabled():
@@ -424,7 +465,7 @@ def measure_flops(
 
 
 def measure_flops_meta(cfg: ModelConfig, batch_size: int, seq_len: int, training: bool = True) -> MeasuredFlops:
-    """measure_flops on a ToyLM built on the meta device: shapes only, no memory, no math."""
+    """measure_flops on a ToyLM on the meta device: shapes only, no memory, no math."""
     if batch_size < 1:
         raise UserError(f"batch size must be >= 1, got {batch_size}")
     _check_seq_len(cfg, seq_len)

@@ -1,26 +1,25 @@
 """The GPU table: dense peak FLOP/s per dtype, memory and bandwidth per part; name resolution.
 
 Units: FLOP/s (int8 rows are integer ops/s), bytes, bytes/s. Every peak is the DENSE datasheet figure.
-NVIDIA and AMD print the "with sparsity" (2:4 structured) figure first and in bold for Ampere/CDNA 3 on.
-It is twice the dense one. No training matmul reaches it, so it never appears here.
+Since Ampere and CDNA 3, NVIDIA and AMD print the sparse figure first, in bold. That is "with
+sparsity" (2:4 structured), twice the dense one. No training matmul reaches it, so it never appears
+here.
 
 Memory is the datasheet's "GB" read as 1e9 bytes, as the CS336 lecture does ("80 GB" H100 -> 80e9).
 Physical HBM is GiB-sized: an 80 GB H100 reports ~85e9 bytes to torch. Planning with these figures is
 slightly conservative.
 
-Why not Lightning's `lightning.fabric.utilities.throughput.get_available_flops` (read in Lightning 2.6.6;
-canary test_lightning_resolves_no_peak_for_nvidia_h200)?
-- Its H200 keys are "h200 sxm1" / "h200 nvl1": "NVIDIA H200", torch's name, maps to nothing.
-- Its H200 bf16/fp16 (2.0e15), tf32 (9.9e14) and int8 (4.0e15) figures are the sparse ones.
-- Its "h100 nvl" lists 1978.8e12 bf16; the dense figure is 835e12.
-- "NVIDIA L40S" falls through its `"l4" in chip` test and gets the L4's 121e12.
-- It has no B200 and no fp8 column.
-This module must not import Lightning anyway.
+Why not Lightning's `lightning.fabric.utilities.throughput.get_available_flops`? We read it in
+Lightning 2.6.6 (canary test_lightning_resolves_no_peak_for_nvidia_h200). Its H200 keys are
+"h200 sxm1" / "h200 nvl1". So "NVIDIA H200", torch's name, maps to nothing. Its H200 bf16/fp16
+(2.0e15), tf32 (9.9e14) and int8 (4.0e15) figures are the sparse ones. Its "h100 nvl" lists
+1978.8e12 bf16; the dense figure is 835e12. The L40S falls through its `"l4" in chip` test. It gets
+the L4's 121e12. It has no B200 and no fp8 column. And this module must not import Lightning.
 
-Also here: the dtype names peaks are keyed by (DTYPES, dtype_name). And Peak, the value every peak
-source gives (this table; the CPU's spec and measurements, ledger/cpu.py). The lookup is
-ledger/peak_flops.py. Importing this module must not import torch: `lmledger plan` and `gpus` answer
-without it.
+Also here: DTYPES and dtype_name, the dtype names peaks are keyed by. And Peak, the value every peak
+source gives. The sources are this table and the CPU's spec and measurements (ledger/cpu.py). The
+lookup is ledger/peak_flops.py. Importing this module must not import torch. `lmledger plan` and
+`gpus` answer without it.
 """
 
 from __future__ import annotations

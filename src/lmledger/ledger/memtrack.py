@@ -1,23 +1,22 @@
 """A measured peak on any device: the high-water mark of live tensor bytes while a block runs.
 
 CUDA keeps allocator statistics (torch.cuda.max_memory_allocated); the CPU keeps none. This
-tracker counts bytes itself, the same way on every device:
+tracker counts bytes itself, the same way on every device.
 
-- what is live when it starts is what it is told about (`track`: a model's parameters, buffers and
-  gradients, an optimizer's state, the batch) — the baseline;
-- every storage an operator returns that is not one of that operator's inputs' storages (a view,
-  an in-place or `out=` result) is a new allocation, seen by a TorchDispatchMode;
-- a storage is freed when its one Python object is finalized (a weakref callback; canary
-  test_a_storage_keeps_one_python_object_that_dies_with_it), baseline ones included.
+The baseline is what `track` is told is live at the start. That is a model's parameters, buffers and
+gradients, an optimizer's state, the batch. A TorchDispatchMode sees each operator's outputs. An
+output storage that is none of the operator's inputs' is a new allocation. A view, an in-place or an
+`out=` result is not. A storage is freed when its one Python object is finalized, baseline ones
+included. A weakref callback sees it (canary test_a_storage_keeps_one_python_object_that_dies_with_it).
 
-The peak is taken after every operator, with the operator's inputs still alive, and charged to the
-phase the caller last named (`phase("backward")`). Not seen: scratch buffers a kernel allocates and
-frees inside one operator (oneDNN / cuBLAS workspaces, a fused kernel's temporaries), storages
-resized with UntypedStorage.resize_ outside an operator (FSDP's flat parameters), and allocator
-rounding. Storages of all devices count together: track one device's tensors.
+The peak is taken after every operator, with its inputs still alive. It is charged to the phase the
+caller last named (`phase("backward")`). It does not see scratch buffers a kernel allocates and frees
+inside one operator (oneDNN / cuBLAS workspaces, a fused kernel's temporaries). Nor storages resized
+with UntypedStorage.resize_ outside an operator (FSDP's flat parameters). Nor allocator rounding.
+Storages of all devices count together: track one device's tensors.
 
-Tensors go through the operators unchanged: what is trained is bit-identical with and without it.
-Pure torch (no Lightning): `ledger.memory` predicts, this measures.
+Tensors go through the operators unchanged: training is bit-identical with and without it.
+Pure torch (no Lightning). `ledger.memory` predicts; this measures.
 """
 
 from __future__ import annotations
@@ -31,11 +30,13 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-Trackable = torch.Tensor | nn.Module | torch.optim.Optimizer | Iterable
+__all__ = ["MemoryTracker", "track_peak"]
+
+_Trackable = torch.Tensor | nn.Module | torch.optim.Optimizer | Iterable
 
 
 class _Dispatch(TorchDispatchMode):
-    """Sees every operator below autograd (forward, backward, optimizer) and reports its outputs."""
+    """Sees every operator below autograd (forward, backward, optimizer); reports its outputs."""
 
     def __init__(self, tracker: MemoryTracker) -> None:
         super().__init__()
@@ -72,8 +73,8 @@ class MemoryTracker:
             tracker.phase("optimizer step"); optimizer.step()
         tracker.peak_bytes, tracker.peak_phase, tracker.phase_peaks
 
-    start()/stop() do what the `with` block does, for callers whose start and end are in different
-    places (a Lightning callback's hooks). After stop() nothing of the tracker stays attached.
+    start()/stop() do what the `with` block does. They suit callers whose start and end are apart
+    (a Lightning callback's hooks). After stop() nothing of the tracker stays attached.
     """
 
     def __init__(self) -> None:
@@ -90,10 +91,13 @@ class MemoryTracker:
 
     # -- what is live at the start -------------------------------------------------------------
 
-    def track(self, *objects: Trackable) -> MemoryTracker:
-        """Count already-live tensors: modules (parameters, buffers, their .grad), optimizers (every
-        state tensor), tensors, and lists / tuples / dicts of these; anything else (a batch's strings)
-        holds no tensor bytes and is passed over. Each storage counts once."""
+    def track(self, *objects: _Trackable) -> MemoryTracker:
+        """Count already-live tensors. Each storage counts once.
+
+        Modules (parameters, buffers, their .grad), optimizers (every state tensor), tensors, and
+        lists / tuples / dicts of these. Anything else (a batch's strings) holds no tensor bytes and is
+        passed over.
+        """
         for obj in objects:
             for tensor in _tensors_of(obj):
                 if _has_storage(tensor):
@@ -106,7 +110,7 @@ class MemoryTracker:
     # -- phases --------------------------------------------------------------------------------
 
     def phase(self, name: str) -> None:
-        """Charge what happens from here on to `name` (until the next call)."""
+        """Charge what happens from here on to `name`, until the next call."""
         self._phase = name
         self.phase_peaks.setdefault(name, self.current_bytes)
         self._raise_peak()
@@ -127,7 +131,7 @@ class MemoryTracker:
         return self._mode is not None
 
     def stop(self) -> None:
-        """Leave the dispatch mode and drop every weakref (their callbacks die with them)."""
+        """Leave the dispatch mode; drop every weakref (their callbacks die with them)."""
         if self._mode is not None:
             mode, self._mode = self._mode, None
             mode.__exit__(None, None, None)
@@ -166,7 +170,7 @@ class MemoryTracker:
         for storage in outputs:
             key = id(storage)
             if key not in seen_inputs or key in self._sizes:
-                # New, or an input we already count (an out= argument may have been resized).
+                # New, or an input we already count: an out= argument may have been resized.
                 # An alias of an untracked input (a view of the batch) is left out.
                 self._add(storage)
         self._raise_peak()
@@ -201,7 +205,9 @@ def _tensors_of(obj: object) -> Iterator[torch.Tensor]:
             yield from _tensors_of(item)
 
 
-def track_peak(*baseline: Trackable) -> MemoryTracker:
-    """`with track_peak(model, optimizer, batch) as t: ...`: a MemoryTracker over `baseline`, started
-    by the `with`. It keeps no reference to `baseline` (a tensor freed inside is seen as freed)."""
+def track_peak(*baseline: _Trackable) -> MemoryTracker:
+    """A MemoryTracker over `baseline`, started by `with`: `with track_peak(model, optimizer, batch) as t:`.
+
+    It keeps no reference to `baseline`: a tensor freed inside is seen as freed.
+    """
     return MemoryTracker().track(*baseline)

@@ -1,48 +1,52 @@
 """Mixture of experts in the dry run: expert shapes that top-k routing decides, under a stated assumption.
 
-A token-choice MoE layer routes each token to k of E experts (`torch.topk` over the router's scores)
-and then sizes each expert's batch from the routing: `nonzero`/`where`, `bincount`, `unique`, a mask,
+A token-choice MoE layer routes each token to k of E experts (`torch.topk` over the router's scores).
+It then sizes each expert's batch from the routing: `nonzero`/`where`, `bincount`, `unique`, a mask,
 or `.item()`/`.tolist()` of per-expert counts. Fake tensors hold no values, so such shapes stop a dry
-run. `RoutingAssumption` answers them: the indices every topk (and top-1 argmax / max) returns are
-given values, those values are carried through every later operator whose inputs all have values
-(computed for real, on small CPU tensors: indices, masks, counts), and a data-dependent operator
+run. `RoutingAssumption` answers them. The indices every topk (and top-1 argmax / max) returns get
+values. Those values are carried through every later operator whose inputs all have values. They
+are computed for real, on small CPU tensors: indices, masks, counts. A data-dependent operator
 whose inputs have values is answered by the real result's shape. Two assumptions:
 
     balanced  row r of the scores picks experts (r·k + j) mod E, j < k: each expert gets tokens·k/E
               (floor or ceil), every expert is hit. The fewest tokens the busiest expert can get.
     worst     every expert is hit, and all other picks go to the same k experts: experts E-k+1..E-1
-              get every token, expert E-k all but E-k of them, experts 0..E-k-1 one token each. No
-              expert can get more than every token (topk picks distinct experts per token), and
-              every expert's fixed costs are paid (its autocast weight copy, per-expert buffers: with
-              only k experts hit, bf16-mixed would predict less than balanced). The heavy experts are
-              the last ones: a loop over experts runs them last in forward and first in backward,
-              when the most saved activations are alive. A layer that drops the tokens past an
-              expert's capacity drops most of these; given the capacity (Assumption("worst",
-              capacity), predict_moe(capacity=...)) the heavy experts are filled to it instead.
+              get every token, expert E-k all but E-k of them, experts 0..E-k-1 one token each.
 
-Balanced is the routing a load-balancing loss aims at, not a lower bound: where the peak falls inside
-the expert loop it is set by one expert's batch, and a random routing can give that expert fewer than
-tokens·k/E (tests/test_moe.py measures Mixtral 0.9 % below balanced on two of six seeds).
+Under worst, no expert can get more than every token: topk picks distinct experts per token. Every
+expert's fixed costs are paid: its autocast weight copy, per-expert buffers. With only k experts
+hit, bf16-mixed would predict less than balanced. The heavy experts are the last ones. A loop over
+experts runs them last in forward and first in backward, when the most saved activations are alive.
+A layer that drops the tokens past an expert's capacity drops most of these. Given the capacity
+(Assumption("worst", capacity), predict_moe(capacity=...)), the heavy experts are filled to it instead.
 
-Token-choice routing computes tokens·k expert rows whatever the routing, so FLOPs are the same under
-both (unless a capacity drops tokens); the peak differs where an expert's temporaries are sized by
-its batch.
+Balanced is the routing a load-balancing loss aims at, not a lower bound. Where the peak falls inside
+the expert loop, one expert's batch sets it. A random routing can give that expert fewer than
+tokens·k/E: tests/test_moe.py measures Mixtral 0.9 % below balanced on two of six seeds.
 
-A data-dependent shape or value that no topk decided (`x[x > 0]`, `.item()` of a loss) still stops the
-dry run (NotTraced). Without an assumption (routing=None) the dry run says when routing decided a
-shape, and names the fix (`routing_dependent`).
+Token-choice routing computes tokens·k expert rows whatever the routing. So FLOPs are the same under
+both, unless a capacity drops tokens. The peak differs where an expert's batch sizes its temporaries.
+
+A data-dependent shape or value no topk decided (`x[x > 0]`, `.item()` of a loss) still stops the dry
+run (NotTraced). Without an assumption (routing=None) the dry run says when routing decided a shape,
+and names the fix (`routing_dependent`).
 
 Also here, for every dry run: transformers' default `grouped_mm` experts path calls torch's
-`_grouped_mm`, whose meta kernel (torch/_meta_registrations.py, _meta_grouped_mm_common) checks
-the CUDA kernel's rule "bf16 only", while the CPU kernel takes float32 too (canary
+`_grouped_mm`. Its meta kernel (torch/_meta_registrations.py, _meta_grouped_mm_common) checks the
+CUDA kernel's rule, "bf16 only". The CPU kernel takes float32 too (canary
 test_grouped_mm_meta_kernel_refuses_what_the_cpu_kernel_runs). The fake CPU step gets the CPU
-kernel's output shape instead (`_grouped_mm_shape`). Its shapes do not depend on routing (every
-token-expert row goes through one GEMM, offsets split them), so balanced and worst agree there.
+kernel's output shape instead (`_grouped_mm_shape`). Its shapes do not depend on routing: every
+token-expert row goes through one GEMM, and offsets split them. So balanced and worst agree there.
 
-Use: `predict(model, batch, ...)` for any model (a StepLedger, MoEBounds where routing decides a
-shape, or NotTraced); `predict_moe` for both bounds; `dry_run(..., routing="balanced" | "worst" |
-Assumption("worst", capacity))` for one; `routing_dependent(not_traced)` to tell the routing line
-apart. Pure torch, no Lightning.
+Use:
+
+    predict(model, batch, ...)   any model: a StepLedger, MoEBounds where routing decides a shape,
+                                 or NotTraced
+    predict_moe                  both bounds
+    dry_run(..., routing=...)    one: "balanced", "worst" or Assumption("worst", capacity)
+    routing_dependent(result)    whether a NotTraced is the routing line
+
+Pure torch, no Lightning.
 """
 
 from __future__ import annotations
@@ -70,19 +74,30 @@ from lmledger.errors import UserError
 if TYPE_CHECKING:  # dryrun imports this module
     from lmledger.ledger.dryrun import NotTraced, StepLedger
 
-Routing = Literal["balanced", "worst"]
-ROUTINGS: tuple[str, ...] = ("balanced", "worst")
+__all__ = [
+    "GROUPED_MM_FLOP_FORMULAS",
+    "Assumption",
+    "MoEBounds",
+    "RoutingAssumption",
+    "predict",
+    "predict_moe",
+    "routing_dependent",
+    "routing_indices",
+]
+
+_Routing = Literal["balanced", "worst"]
+_ROUTINGS: tuple[str, ...] = ("balanced", "worst")
 
 aten = torch.ops.aten
 
-# Tensors with values are computed for real: indices, masks and counts (tokens·k elements, or
-# tokens·k·(E+1) for Mixtral's one-hot mask: 9.4M for 512k tokens of top-2 over 8 experts), never
-# activations. Past this many elements an operator's inputs or outputs are left without values, and a
-# shape decided by them stays not traced (the generic line).
-VALUE_LIMIT = 1 << 24
+# Tensors with values are computed for real: indices, masks and counts, never activations. They hold
+# tokens·k elements, or tokens·k·(E+1) for Mixtral's one-hot mask (9.4M for 512k tokens of top-2 over
+# 8 experts). Past this many elements an operator's inputs or outputs get no values. A shape they
+# decide stays not traced (the generic line).
+_VALUE_LIMIT = 1 << 24
 
 # What NotTraced says when top-k routing decided a shape and no assumption was given.
-ROUTING_REASON = "expert shapes depend on top-k routing (mixture of experts)"
+_ROUTING_REASON = "expert shapes depend on top-k routing (mixture of experts)"
 
 _DATA_DEPENDENT = (DynamicOutputShapeException, DataDependentOutputException)
 _ROUTERS = frozenset({aten.topk.default, aten.argmax.default, aten.max.dim})
@@ -100,34 +115,38 @@ _FACTORIES = frozenset(
 )
 
 
-class RoutingDependentShape(RuntimeError):
+class _RoutingDependentShape(RuntimeError):
     """A shape or value the routing decides, met in a dry run without a routing assumption."""
 
 
 @dataclass(frozen=True)
 class Assumption:
-    """A routing assumption: "balanced" or "worst", and for worst the experts' capacity (tokens an
-    expert keeps per call; None: every token). dry_run's `routing` takes one, or the name alone."""
+    """A routing assumption: "balanced" or "worst", and for worst the experts' capacity.
 
-    routing: Routing
+    `capacity` is the tokens an expert keeps per call; None keeps every token. dry_run's `routing`
+    takes an Assumption, or the name alone.
+    """
+
+    routing: _Routing
     capacity: int | None = None
 
     def __post_init__(self) -> None:
-        if self.routing not in ROUTINGS:
-            raise UserError(f"routing must be one of {', '.join(ROUTINGS)}, got {self.routing!r}")
+        if self.routing not in _ROUTINGS:
+            raise UserError(f"routing must be one of {', '.join(_ROUTINGS)}, got {self.routing!r}")
         if self.capacity is not None and not (isinstance(self.capacity, int) and self.capacity >= 1):
             raise UserError(f"an expert capacity must be a positive number of tokens, got {self.capacity!r}")
 
 
 def routing_indices(
-    shape: torch.Size | tuple[int, ...], dim: int, k: int, routing: Routing, capacity: int | None = None
+    shape: torch.Size | tuple[int, ...], dim: int, k: int, routing: _Routing, capacity: int | None = None
 ) -> torch.Tensor:
     """The indices a topk over `dim` of a `shape` tensor returns under `routing` (int64, CPU).
 
-    balanced: the r-th row (all other dims, row-major) picks (r·k + j) mod n for j < k, so over the
-    rows every choice is picked rows·k/n times (floor or ceil) and a row's k picks are distinct.
-    worst: every choice is picked once, then the last choices are filled up to `capacity` picks each
-    (default: every row), from n-1 down (_worst_loads)."""
+    balanced: the r-th row (all other dims, row-major) picks (r·k + j) mod n for j < k. Over the rows
+    every choice is picked rows·k/n times (floor or ceil), and a row's k picks are distinct.
+    worst: every choice is picked once. Then the last choices are filled to `capacity` picks each
+    (default: every row), from n-1 down (_worst_loads).
+    """
     Assumption(routing, capacity)  # checks both
     dim = dim % len(shape) if shape else 0
     n = shape[dim] if shape else 1
@@ -136,18 +155,21 @@ def routing_indices(
     if routing == "balanced":
         flat = (torch.arange(rows, dtype=torch.int64)[:, None] * k + torch.arange(k)) % max(n, 1)
     else:
-        # Each choice's picks are consecutive in this sequence and no more than `rows` long, so laid
-        # out column by column they fall in distinct rows: a row's k picks stay distinct.
+        # Each choice's picks are consecutive here, at most `rows` long. Laid out column by column they
+        # fall in distinct rows: a row's k picks stay distinct.
         loads = torch.tensor(_worst_loads(rows, n, k, capacity))
         flat = torch.repeat_interleave(torch.arange(n, dtype=torch.int64), loads).reshape(k, rows).t()
     return flat.reshape(*others, k).movedim(-1, dim).contiguous() if shape else flat.reshape(k)
 
 
 def _worst_loads(rows: int, n: int, k: int, capacity: int | None) -> list[int]:
-    """Picks per choice under the worst routing: one each (every expert's fixed costs), then the last
-    choices filled to the capacity (a loop over experts meets them last in forward and first in
-    backward, when the most saved activations are alive); picks past every capacity (dropped by the
-    layer) go to the last choices, up to one per row."""
+    """Picks per choice under the worst routing.
+
+    One each first: every expert's fixed costs. Then the last choices are filled to the capacity. A
+    loop over experts meets them last in forward and first in backward, when the most saved
+    activations are alive. Picks past every capacity (the layer drops them) go to the last choices,
+    up to one per row.
+    """
     cap = rows if capacity is None else min(capacity, rows)
     remaining = rows * k
     loads = [0] * n
@@ -161,8 +183,10 @@ def _worst_loads(rows: int, n: int, k: int, capacity: int | None) -> list[int]:
 
 
 def _grouped_mm_shape(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None) -> list[int]:
-    """Output shape of torch._grouped_mm, from the layouts of torch/_meta_registrations.py's
-    _create_grouped_mm_output_tensor (the CPU kernel returns it contiguous)."""
+    """Output shape of torch._grouped_mm; the CPU kernel returns it contiguous.
+
+    From the layouts of torch/_meta_registrations.py's _create_grouped_mm_output_tensor.
+    """
     if a.dim() == 2 and b.dim() == 3:  # rows grouped by the offsets, one matrix per group
         return [a.shape[0], b.shape[-1]]
     if a.dim() == 2 and b.dim() == 2:  # the contraction grouped by the offsets: one product per group
@@ -173,15 +197,17 @@ def _grouped_mm_shape(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | Non
 
 
 class RoutingAssumption(TorchDispatchMode):
-    """Answer the shapes and values that routing decides (module docstring); entered inside the
-    FakeTensorMode, so what it makes is fake. routing=None gives no answer: a routing-decided shape
-    raises RoutingDependentShape instead. `answered` counts the answers given."""
+    """Answers the shapes and values routing decides (module docstring).
 
-    def __init__(self, routing: Routing | Assumption | None) -> None:
+    Entered inside the FakeTensorMode, so what it makes is fake. routing=None gives no answer: a
+    routing-decided shape raises _RoutingDependentShape instead. `answered` counts the answers given.
+    """
+
+    def __init__(self, routing: _Routing | Assumption | None) -> None:
         super().__init__()
         self.routing = Assumption(routing) if isinstance(routing, str) else routing
         if self.routing is not None and not isinstance(self.routing, Assumption):
-            raise UserError(f"routing must be one of {', '.join(ROUTINGS)}, an Assumption or None, got {routing!r}")
+            raise UserError(f"routing must be one of {', '.join(_ROUTINGS)}, an Assumption or None, got {routing!r}")
         self.answered = 0
         self.routed = 0  # topk / argmax calls given values
         self._values: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
@@ -218,7 +244,7 @@ class RoutingAssumption(TorchDispatchMode):
         tensors = [x for x in flat if isinstance(x, torch.Tensor)]
         values = [self._value(t) for t in tensors]
         with_values = bool(tensors) and all(v is not None for v in values)
-        with_values = with_values and sum(t.numel() for t in tensors) <= VALUE_LIMIT
+        with_values = with_values and sum(t.numel() for t in tensors) <= _VALUE_LIMIT
         if not tensors and func in _FACTORIES:
             with_values = True
         if not with_values:
@@ -235,8 +261,8 @@ class RoutingAssumption(TorchDispatchMode):
             out = func(*args, **kwargs)
         except _DATA_DEPENDENT as err:
             if self.routing is None:
-                raise RoutingDependentShape(
-                    f"{ROUTING_REASON}: predict with routing='balanced' and 'worst' (ledger.moe.predict_moe)"
+                raise _RoutingDependentShape(
+                    f"{_ROUTING_REASON}: predict with routing='balanced' and 'worst' (ledger.moe.predict_moe)"
                 ) from err
             with unset_fake_temporarily():
                 real = func(*real_args, **real_kwargs)
@@ -244,7 +270,7 @@ class RoutingAssumption(TorchDispatchMode):
             device = next((t.device for t in tensors if isinstance(t, FakeTensor)), torch.device("cpu"))
             return tree_map(partial(self._fake_like_remembered, device), real)
         leaves = [x for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor)]
-        if sum(x.numel() for x in leaves) > VALUE_LIMIT:
+        if sum(x.numel() for x in leaves) > _VALUE_LIMIT:
             return out
         with unset_fake_temporarily():
             real = func(*real_args, **real_kwargs)
@@ -294,7 +320,7 @@ class RoutingAssumption(TorchDispatchMode):
                 return out
             keepdim = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
             indices = out if func is aten.argmax.default else out[1]
-        if indices.numel() > VALUE_LIMIT:
+        if indices.numel() > _VALUE_LIMIT:
             return out
         with unset_fake_temporarily():  # real values
             assumption = self.routing or Assumption("balanced")
@@ -322,35 +348,41 @@ class RoutingAssumption(TorchDispatchMode):
 
 @dataclass(frozen=True)
 class MoEBounds:
-    """The dry run under both routing assumptions (two dryrun.StepLedger). `routing_matters` is False
-    when the two agree on every figure routing could change (a grouped GEMM path, an MoE whose
-    temporaries never set a peak, or no MoE at all): then either is the prediction."""
+    """The dry run under both routing assumptions: two dryrun.StepLedger.
+
+    `routing_matters` is False when they agree on every figure routing could change. Then either is
+    the prediction. That happens on a grouped GEMM path, an MoE whose temporaries never set a peak,
+    or no MoE at all.
+    """
 
     balanced: StepLedger
     worst: StepLedger
     routing_matters: bool
 
 
-# The StepLedger figures a routing can change (params, grads and optimizer state it cannot).
+# The StepLedger figures a routing can change. It cannot change params, grads or optimizer state.
 _ROUTED_FIGURES = ("peak", "phase_peaks", "activations", "flops_forward", "flops_backward")
 
 
 def routing_dependent(result: object) -> bool:
-    """Whether a dry run's NotTraced says that routing decided a shape (then predict_moe answers)."""
-    return ROUTING_REASON in str(getattr(result, "reason", ""))
+    """Whether a dry run's NotTraced says routing decided a shape; predict_moe then answers."""
+    return _ROUTING_REASON in str(getattr(result, "reason", ""))
 
 
 def predict_moe(
     model: nn.Module, batch: object, *, capacity: int | None = None, **dry_run_kwargs: object
 ) -> MoEBounds | NotTraced:
-    """The dry run of `model` under balanced and worst routing: MoEBounds, or the NotTraced of the
-    first that does not trace. `capacity`: the tokens an expert keeps per call, for a layer that
-    drops the rest (without it the worst routing sends every token to the heavy experts, which such a
-    layer drops: less than balanced). Other keywords are dry_run's (step, optimizer, precision, ...)."""
+    """The dry run of `model` under balanced and worst routing.
+
+    MoEBounds, or the NotTraced of the first that does not trace. `capacity` is the tokens an expert
+    keeps per call, for a layer that drops the rest. Without it the worst routing sends every token to
+    the heavy experts. Such a layer drops them: less than balanced. Other keywords are dry_run's
+    (step, optimizer, precision, ...).
+    """
     from lmledger.ledger import dryrun  # dryrun imports this module
 
     results = {}
-    for name in ROUTINGS:
+    for name in _ROUTINGS:
         assumption = Assumption(name, capacity if name == "worst" else None)
         result = dryrun.dry_run(model, batch, routing=assumption, **dry_run_kwargs)
         if isinstance(result, dryrun.NotTraced):
@@ -364,9 +396,12 @@ def predict_moe(
 def predict(
     model: nn.Module, batch: object, *, capacity: int | None = None, **dry_run_kwargs: object
 ) -> StepLedger | MoEBounds | NotTraced:
-    """The dry run of any model, MoE or not: its StepLedger, or MoEBounds where top-k routing decides
-    a shape (the dry run stops at the first such shape, then predict_moe runs both assumptions), or
-    NotTraced. What a caller that does not know whether the model routes (Ledger(), account) calls."""
+    """The dry run of any model, MoE or not: a StepLedger, MoEBounds or NotTraced.
+
+    MoEBounds where top-k routing decides a shape. The dry run stops at the first such shape, then
+    predict_moe runs both assumptions. Callers that do not know whether the model routes call this
+    (Ledger(), account).
+    """
     from lmledger.ledger import dryrun
 
     result = dryrun.dry_run(model, batch, **dry_run_kwargs)
@@ -381,9 +416,12 @@ def predict(
 
 
 def _grouped_mm_flop(a_shape, b_shape, offs_shape=None, *args, out_shape=None, **kwargs) -> int:
-    """2 · rows · contraction · columns over all groups: each row (2D × 3D) or each contraction slice
-    (2D × 2D, the weight gradient) meets one group's matrix. Exact when the offsets cover every row,
-    as in transformers' grouped_mm experts (rows past the last offset are skipped by the kernel)."""
+    """2 · rows · contraction · columns over all groups.
+
+    Each row (2D × 3D) or contraction slice (2D × 2D, the weight gradient) meets one group's matrix.
+    Exact when the offsets cover every row, as in transformers' grouped_mm experts. The kernel skips
+    rows past the last offset.
+    """
     if len(a_shape) == 2 and len(b_shape) == 3:
         return 2 * a_shape[0] * a_shape[1] * b_shape[2]
     if len(a_shape) == 2 and len(b_shape) == 2:
@@ -393,6 +431,6 @@ def _grouped_mm_flop(a_shape, b_shape, offs_shape=None, *args, out_shape=None, *
     return 2 * a_shape[0] * a_shape[1] * a_shape[2] * b_shape[2]
 
 
-# FlopCounterMode has no formula for _grouped_mm (it counts 0); ledger.flops.flop_counter's mapping
+# FlopCounterMode has no formula for _grouped_mm: it counts 0. ledger.flops.flop_counter's mapping
 # takes this one (torch/utils/flop_counter.py, custom_mapping).
 GROUPED_MM_FLOP_FORMULAS: dict[object, Callable[..., int]] = {aten._grouped_mm: _grouped_mm_flop}

@@ -1,10 +1,13 @@
 """The peak lookup: the dense peak FLOP/s that MFU divides by, or why there is none.
 
-- A GPU in the table (ledger/gpus.py): its datasheet figure.
-- The CPU: its spec or its best measured matmul (ledger/cpu.py).
-- An unlisted GPU, or a dtype its datasheet lacks: the best square matmul (ledger/matmul.py).
-  It is measured once per process.
-- A dtype the device cannot run (fp8 on a CPU): a NoPeak saying why.
+Where each peak comes from:
+
+    a GPU in the table        its datasheet figure (ledger/gpus.py)
+    the CPU                   its spec or its best measured matmul (ledger/cpu.py)
+    an unlisted GPU, or a     the best square matmul (ledger/matmul.py), measured once per process
+    dtype its datasheet lacks
+    a dtype the device        none: a NoPeak says why
+    cannot run (fp8 on a CPU)
 
 Importing this module must not import torch.
 The functions that need a device import it.

@@ -1,8 +1,10 @@
 """Napkin math before a run: how long training takes, the largest model that fits, the largest batch.
 
-Formulas are the CS336 lecture 2 ones (docs/reference.md, "Napkin math"): training FLOPs = 6 * params * tokens
-(forward 2N per token, backward 4N), time = FLOPs / (peak * GPUs * MFU), and a model fits when
-params * bytes_per_param <= the GPUs' total memory (activations ignored).
+The formulas are CS336 lecture 2's (docs/reference.md, "Napkin math"). A model fits when params *
+bytes_per_param <= the GPUs' total memory. Activations are ignored.
+
+    training FLOPs = 6 * params * tokens  (forward 2N per token, backward 4N)
+    time = FLOPs / (peak * GPUs * MFU)
 """
 
 from __future__ import annotations
@@ -15,18 +17,32 @@ from lmledger.errors import UserError
 from lmledger.ledger.gpus import GpuSpec, datasheet_peak, dtype_name, require_gpu
 from lmledger.ledger.units import GB
 
-SECONDS_PER_DAY = 86_400
+# Also public, but lazy (module __getattr__, so not listed): OPTIMIZERS.
+__all__ = [
+    "MAX_COUNT",
+    "MAX_GPUS",
+    "MaxParams",
+    "TrainTime",
+    "bytes_per_param",
+    "device_capacity",
+    "max_batch",
+    "max_params",
+    "train_time",
+    "training_flops",
+]
 
-# Beyond any real run by many orders of magnitude (the largest published runs: ~2e12 params, ~4e13 tokens,
-# ~1e5 GPUs), yet small enough that 6 * N * D and the days stay finite floats.
+_SECONDS_PER_DAY = 86_400
+
+# Orders of magnitude beyond any real run (the largest published: ~2e12 params, ~4e13 tokens, ~1e5 GPUs).
+# Yet small enough that 6 * N * D and the days stay finite floats.
 MAX_COUNT = 1e24
 MAX_GPUS = 10_000_000
-MIN_MFU = 1e-6  # below this no run is training; with MAX_COUNT it keeps the days finite
+_MIN_MFU = 1e-6  # below this no run is training; with MAX_COUNT it keeps the days finite
 
 
 def __getattr__(name: str):
-    # ledger.memory imports torch; `lmledger plan train-time` must answer without it, so the optimizer
-    # names are looked up only when someone asks for them.
+    # ledger.memory imports torch, and `lmledger plan train-time` must answer without it. So the
+    # optimizer names are looked up only when asked for.
     if name == "OPTIMIZERS":
         from lmledger.ledger import memory
 
@@ -35,17 +51,17 @@ def __getattr__(name: str):
 
 
 def bytes_per_param(precision: str = "32-true", optimizer: str = "adamw") -> float:
-    """Bytes each parameter costs in training on one GPU: the param, its grad and the optimizer
-    state, by the conventions of lmledger.ledger.memory (the one rule both the planner and the
-    running ledger use), with each precision's bytes per element from ledger.precisions: 32-true
-    and *-mixed AdamW 4 + 4 + 2 * 4 = 16, *-true 8, 64-true 32.
+    """Bytes each parameter costs in training on one GPU: the param, its grad and the optimizer state.
 
-    - mixed (torch autocast): params, grads and AdamW m, v stay fp32; the bf16/fp16 copies autocast
-      makes of the weights live only through a forward pass and are not counted. Mixed precision buys
-      speed, not parameter memory. (Frameworks that keep bf16 params + grads beside an fp32 master
-      copy land at 2+2+4+4+4 = 16 too; Megatron-style fp32 grads 18-20.)
-    - transformer-engine: the fp8 copies Transformer Engine makes for its matmuls are not counted.
-    - optimizer: adamw keeps two states (m, v), sgd with momentum one, none (plain SGD) zero.
+    The conventions are lmledger.ledger.memory's: one rule for the planner and the running ledger.
+    Bytes per element come from ledger.precisions. AdamW: 32-true and *-mixed 4 + 4 + 2 * 4 = 16,
+    *-true 8, 64-true 32.
+
+    Mixed (torch autocast): params, grads and AdamW m, v stay fp32. Autocast's bf16/fp16 weight
+    copies live only through a forward pass. They are not counted. Mixed precision buys speed, not
+    parameter memory. Frameworks with bf16 params + grads and an fp32 master copy land at 16 too
+    (2+2+4+4+4). Megatron-style fp32 grads: 18-20. Transformer Engine's fp8 copies for its matmuls
+    are not counted. Optimizer states: adamw two (m, v), sgd with momentum one, none (plain SGD) zero.
     """
     from lmledger.ledger import memory
 
@@ -75,7 +91,7 @@ class TrainTime:
 
     @property
     def days(self) -> float:
-        return self.seconds / SECONDS_PER_DAY
+        return self.seconds / _SECONDS_PER_DAY
 
     def to_json(self) -> dict:
         return {**asdict(self), "hours": self.hours, "days": self.days}
@@ -93,7 +109,7 @@ def _check_num_gpus(num_gpus: int) -> None:
 
 
 def _check_count(flag: str, value: float) -> None:
-    """A positive, finite count no larger than MAX_COUNT (1e400 parses as inf; 1e300 * 1e300 overflows)."""
+    """A positive, finite count up to MAX_COUNT (1e400 parses as inf; 1e300 * 1e300 overflows)."""
     if not math.isfinite(value):
         raise UserError(f"{flag} must be a finite number, got {value} (e.g. 70e9 or 70B)")
     if not value > 0:
@@ -109,8 +125,8 @@ def train_time(
     _check_count("--params", params)
     _check_count("--tokens", tokens)
     _check_num_gpus(num_gpus)
-    if not MIN_MFU <= mfu <= 1:
-        raise UserError(f"--mfu must be in (0, 1], got {mfu} (0.5 is good, 0.3-0.4 typical; at least {MIN_MFU:g})")
+    if not _MIN_MFU <= mfu <= 1:
+        raise UserError(f"--mfu must be in (0, 1], got {mfu} (0.5 is good, 0.3-0.4 typical; at least {_MIN_MFU:g})")
     spec = _gpu(gpu)
     dtype = dtype_name(dtype)
     peak = datasheet_peak(spec, dtype)
@@ -141,7 +157,7 @@ def max_params(
 ) -> MaxParams:
     """The most parameters whose params, grads and optimizer state fit in the GPUs' memory.
 
-    Assumes the state is sharded evenly over the GPUs (FSDP / ZeRO-3) and ignores activations.
+    Assumes the state is sharded evenly over the GPUs (FSDP / ZeRO-3). Ignores activations.
     """
     _check_num_gpus(num_gpus)
     spec = _gpu(gpu)
@@ -153,8 +169,8 @@ def max_params(
 def max_batch(bytes_for_batch: Callable[[int], int], capacity_bytes: int, *, limit: int = 2**31) -> int:
     """The largest batch b >= 1 with bytes_for_batch(b) <= capacity_bytes; 0 if not even b = 1 fits.
 
-    `bytes_for_batch` must not decrease with b. Doubling finds a batch that does not fit, bisection
-    the boundary: O(log b) calls. Stops at `limit` when memory never runs out.
+    `bytes_for_batch` must not decrease with b. Doubling finds a batch that does not fit; bisection
+    finds the boundary: O(log b) calls. Stops at `limit` when memory never runs out.
     """
     if bytes_for_batch(1) > capacity_bytes:
         return 0
@@ -174,8 +190,11 @@ def max_batch(bytes_for_batch: Callable[[int], int], capacity_bytes: int, *, lim
 
 
 def device_capacity(gpu: str | None, device_memory_gb: float | None) -> tuple[int, str, str | None]:
-    """(bytes one device may use, how to show it, the GPU key or None): a GPU's memory or a size in GB,
-    exactly one of them (plan max-batch's --gpu and --ledger.device_memory_gb)."""
+    """(bytes one device may use, how to show it, the GPU key or None).
+
+    From exactly one of a GPU's memory or a size in GB: plan max-batch's --gpu and
+    --ledger.device_memory_gb.
+    """
     if (gpu is None) == (device_memory_gb is None):
         raise UserError(
             "max-batch needs the memory to fit in: --gpu KEY or --ledger.device_memory_gb GB (alias "

@@ -1,13 +1,14 @@
 """One prediction of a training step, before anything runs: `predict(run, batch=...)`.
 
-For lmledger's ToyLM (run.config set) it is the lecture's closed forms (ledger.memory, activations, peak,
-flops): what the fit tables (callbacks.toy.closed_form), the preflight guard, account, plan max-batch and
-the sweeps' dry run all show. For any other module (run.module, no config) it is a dry run of the module's
-training step on fake tensors of `batch`'s shapes (ledger.dryrun).
+For lmledger's ToyLM (run.config set) it is the lecture's closed forms (ledger.memory, activations,
+peak, flops). The fit tables (callbacks.toy.closed_form), the preflight guard, account, plan max-batch
+and the sweeps' dry run all show it. For any other module (run.module, no config) it is a dry run of
+the module's training step, on fake tensors of `batch`'s shapes (ledger.dryrun).
 
-A LightningModule is used by duck typing only (no Lightning import): its `training_step(batch, batch_idx)`
-is the step and its `configure_optimizers()` the optimizer, as Lightning's automatic optimization runs
-them. `measure_module` is the same two steps on real tensors (dryrun.measure_step), the dry run's twin.
+A LightningModule is used by duck typing only (no Lightning import). Its `training_step(batch,
+batch_idx)` is the step and its `configure_optimizers()` the optimizer, as Lightning's automatic
+optimization runs them. `measure_module`, the dry run's twin, runs the same two steps on real tensors
+(dryrun.measure_step).
 """
 
 from __future__ import annotations
@@ -42,14 +43,30 @@ from lmledger.ledger.memtrack import track_peak
 from lmledger.ledger.run import Run
 from lmledger.model import ToyLM, count_parameters
 
+__all__ = [
+    "Measurement",
+    "Prediction",
+    "configured_optimizer",
+    "lightning_step",
+    "max_batch_module",
+    "measure",
+    "measure_module",
+    "module_step",
+    "parameter_count",
+    "predict",
+    "resized",
+]
+
 
 @dataclass(frozen=True)
 class Prediction:
     """Bytes per device and FLOPs of one training step of a run, predicted.
 
-    activations / peak are None where there is no model for the run (`unmodelled` says why: a precision
-    or device ledger.activations does not cover, a module the dry run cannot trace). flops_model (6N + attention,
-    what MFU divides) exists for ToyLM only. `dry` is the dry run's whole ledger for any other module."""
+    activations / peak are None where the run has no model; `unmodelled` says why. It may be a
+    precision or device ledger.activations does not cover, or a module the dry run cannot trace.
+    flops_model (6N + attention, what MFU divides) exists for ToyLM only. `dry` is the dry run's whole
+    ledger, for any other module.
+    """
 
     params: int | None
     grads: int | None
@@ -72,8 +89,9 @@ class Prediction:
 def predict(run: Run, batch: object = None, *, batch_size: int | None = None) -> Prediction:
     """The prediction for `run`, or for the same run at another per-device batch size.
 
-    ToyLM (run.config set): closed forms. Any other module (run.module): a dry run on `batch` (resized to
-    batch_size samples if given), which is then required."""
+    ToyLM (run.config set): closed forms. Any other module (run.module): a dry run on `batch`, which is
+    then required. It is resized to `batch_size` samples if given.
+    """
     if run.config is None:
         return _dry_prediction(run, batch, batch_size)
     if batch_size is not None:
@@ -102,15 +120,17 @@ def predict(run: Run, batch: object = None, *, batch_size: int | None = None) ->
     )  # fmt: skip
 
 
-# Precisions `measure` runs (as Lightning's plugins do: autocast, or the module converted): those whose
-# activations the closed forms model.
-MEASURABLE = tuple(row.name for row in precisions.ROWS.values() if row.activation_bytes is not None)
+# Precisions `measure` runs, as Lightning's plugins do (autocast, or the module converted).
+# They are those whose activations the closed forms model.
+_MEASURABLE = tuple(row.name for row in precisions.ROWS.values() if row.activation_bytes is not None)
 
 
 @dataclass(frozen=True)
 class Measurement:
-    """predict's measured twin for a ToyLM run: bytes and FLOPs of real training steps on this machine,
-    and `step`, one more training step to time."""
+    """predict's measured twin for a ToyLM run: bytes and FLOPs of real training steps here.
+
+    `step` runs one more training step, to time.
+    """
 
     flops: int
     params: int
@@ -124,11 +144,14 @@ class Measurement:
 
 
 def measure(run: Run) -> Measurement:
-    """Build the run's ToyLM for real on run.device and run training steps: FLOPs counted once, saved
-    activations on the first step, state after the optimizer has stepped, the peak over a second, steady
-    step (the CUDA allocator's; elsewhere live tensor bytes, ledger.memtrack, with the phase it fell in)."""
-    if run.precision not in MEASURABLE:
-        raise UserError(f"--measure supports precisions {', '.join(MEASURABLE)}, not {run.precision}")
+    """Build the run's ToyLM for real on run.device and run training steps.
+
+    FLOPs are counted once. Saved activations come from the first step; state after the optimizer has
+    stepped. The peak is over a second, steady step. On CUDA it is the allocator's. Elsewhere it is
+    live tensor bytes (ledger.memtrack), with the phase it fell in.
+    """
+    if run.precision not in _MEASURABLE:
+        raise UserError(f"--measure supports precisions {', '.join(_MEASURABLE)}, not {run.precision}")
     if run.world_size > 1 or run.strategy != "ddp":
         raise UserError("--measure runs one process; measure a sharded or multi-device config with `lmledger fit`")
     torch.manual_seed(0)
@@ -146,7 +169,7 @@ def measure(run: Run) -> Measurement:
     autocast_dtype = row.autocast_dtype
 
     def autocast():
-        # as Lightning's precision plugin runs it: no weight cache (a cast lives while backward needs it)
+        # As Lightning's precision plugin runs it: no weight cache (a cast lives while backward needs it).
         return torch.autocast(run.device.type, autocast_dtype, cache_enabled=False) if autocast_dtype else nullcontext()
 
     x = torch.randint(0, run.config.vocab_size, (run.batch_size, run.seq_len), device=run.device)
@@ -161,7 +184,7 @@ def measure(run: Run) -> Measurement:
     state = ledger_memory.measure_state_bytes(model, optimizer)
 
     def step(phase=lambda name: None) -> None:
-        # Lightning's order: forward, then zero_grad, backward, step (last step's grads live through forward).
+        # Lightning's order: forward, zero_grad, backward, step. Last step's grads live through forward.
         phase("forward")
         with autocast():
             loss = model(x, y)
@@ -189,7 +212,7 @@ def _dry_prediction(run: Run, batch: object, batch_size: int | None) -> Predicti
         raise UserError("a run of a module other than lmledger's ToyLM is predicted by a dry run: pass its batch")
     if batch_size is not None:
         batch = resized(batch, batch_size)
-    result = predict_module(run.module, batch, precision=run.precision, device=run.device)
+    result = _predict_module(run.module, batch, precision=run.precision, device=run.device)
     forward_precision = precisions.normalize_precision(run.precision)
     if isinstance(result, NotTraced):
         return Prediction(None, None, None, None, None, None, None, None, None, forward_precision, result.reason)
@@ -205,10 +228,13 @@ def _no_log(*args, **kwargs) -> None:
 
 
 def lightning_step(batch_idx: int = 0, trainer: object = None) -> Callable[[nn.Module, object], object]:
-    """`step(module, batch)` for the dry run of a LightningModule: one call of its training_step, the loss
-    as Lightning takes it (a tensor, or a dict's 'loss'). The module it runs on is a copy: `self.log` is
-    silenced (its metrics must not reach a real trainer) and, if given, `trainer` is set on it (copies lose
-    theirs: canary test_a_lightning_module_copies_without_its_trainer)."""
+    """`step(module, batch)` for the dry run of a LightningModule.
+
+    One call of its training_step; the loss as Lightning takes it (a tensor, or a dict's 'loss').
+    The module it runs on is a copy. `self.log` is silenced: its metrics must not reach a real trainer.
+    `trainer`, if given, is set on it: copies lose theirs (canary
+    test_a_lightning_module_copies_without_its_trainer).
+    """
 
     def step(module: nn.Module, batch: object) -> object:
         if trainer is not None:
@@ -219,13 +245,15 @@ def lightning_step(batch_idx: int = 0, trainer: object = None) -> Callable[[nn.M
     return step
 
 
-module_step = lightning_step()  # with no trainer, batch_idx 0: account, plan and predict_module
+module_step = lightning_step()  # no trainer, batch_idx 0: for account, plan and _predict_module
 
 
 def configured_optimizer(module: nn.Module) -> torch.optim.Optimizer | None:
-    """The one torch optimizer a LightningModule's configure_optimizers returns, in any of the forms Lightning
-    accepts (an optimizer, a dict with 'optimizer', a list or tuple whose first item is one or a list of them);
-    None when it configures none. More than one is a UserError: the dry run models a single optimizer step."""
+    """The one torch optimizer a LightningModule's configure_optimizers returns; None if it has none.
+
+    Any form Lightning accepts: an optimizer, a dict with 'optimizer', a list or tuple whose first item
+    is one or a list of them. More than one is a UserError: the dry run models one optimizer step.
+    """
     configure = getattr(module, "configure_optimizers", None)
     configured = configure() if callable(configure) else None
     found: list[torch.optim.Optimizer] = []
@@ -252,8 +280,11 @@ def configured_optimizer(module: nn.Module) -> torch.optim.Optimizer | None:
 
 
 def resized(batch: object, size: int) -> object:
-    """The batch's shapes with `size` samples: every tensor's first dimension becomes `size` (meta tensors,
-    nothing allocated). The batch dimension comes first, as in the ledger's samples rule."""
+    """The batch's shapes with `size` samples, as meta tensors (nothing allocated).
+
+    Every tensor's first dimension becomes `size`: the batch dimension comes first, as in the ledger's
+    samples rule.
+    """
     if not batch_tensors(batch):
         raise UserError(
             f"a {type(batch).__name__} batch holds no tensor: the prediction reads batch shapes from tensors "
@@ -268,7 +299,7 @@ def resized(batch: object, size: int) -> object:
     return map_tensors(resize, batch)
 
 
-def predict_module(
+def _predict_module(
     module: nn.Module,
     batch: object,
     *,
@@ -282,7 +313,7 @@ def predict_module(
 
 
 def measure_module(module: nn.Module, batch: object, *, precision: str | int = "32-true") -> StepLedger:
-    """predict_module's measured twin: the same two steps on a copy of the module and the real batch."""
+    """The dry run's measured twin: the same two steps on a copy of the module and the real batch."""
     real = copy.deepcopy(module)
     return measure_step(real, batch, step=module_step, optimizer=configured_optimizer(real), precision=precision)
 
@@ -296,8 +327,10 @@ def max_batch_module(
     device: torch.device | str | None = None,
     limit: int = 1 << 16,
 ) -> LargestBatch | NotTraced:
-    """The largest number of samples per batch whose predicted peak fits capacity_bytes (dryrun.largest_batch
-    over batches shaped like `batch`)."""
+    """The most samples per batch whose predicted peak fits `capacity_bytes`.
+
+    dryrun.largest_batch over batches shaped like `batch`.
+    """
     batch_for: Callable[[int], object] = lambda size: resized(batch, size)  # noqa: E731
     return largest_batch(
         module,
@@ -312,5 +345,5 @@ def max_batch_module(
 
 
 def parameter_count(module: nn.Module) -> int:
-    """Parameters, each shared tensor once (Module.parameters() already yields a tied weight once)."""
+    """Parameters, each shared tensor once (Module.parameters() yields a tied weight once)."""
     return sum(p.numel() for p in module.parameters())
