@@ -22,7 +22,7 @@ from torch.utils.checkpoint import checkpoint
 
 from lmledger.errors import ConfigError
 
-__all__ = ["ModelConfig", "ToyLM", "count_parameters"]
+__all__ = ["Block", "CausalSelfAttention", "ModelConfig", "RotaryEmbedding", "SwiGLU", "ToyLM", "count_parameters"]
 
 
 @dataclass(frozen=True)  # frozen: LitLM's default instance is shared
@@ -67,7 +67,7 @@ def count_parameters(cfg: ModelConfig) -> int:
     return cfg.n_layers * per_layer + embeddings + d  # + final norm
 
 
-class _RotaryEmbedding(nn.Module):
+class RotaryEmbedding(nn.Module):
     """Rotate-half RoPE (Su et al. 2021) with cos/sin tables cached as non-persistent buffers."""
 
     def __init__(self, head_dim: int, max_len: int, theta: float) -> None:
@@ -87,13 +87,13 @@ class _RotaryEmbedding(nn.Module):
         return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
-class _CausalSelfAttention(nn.Module):
+class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.n_heads = cfg.n_heads
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
         self.out = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
-        self.rope = _RotaryEmbedding(cfg.head_dim, cfg.context_length, cfg.rope_theta)
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.context_length, cfg.rope_theta)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q, k, v = rearrange(self.qkv(x), "b t (three h d) -> three b h t d", three=3, h=self.n_heads)
@@ -101,7 +101,7 @@ class _CausalSelfAttention(nn.Module):
         return self.out(rearrange(y, "b h t d -> b t (h d)"))
 
 
-class _SwiGLU(nn.Module):
+class SwiGLU(nn.Module):
     """w2(silu(w1 x) * w3 x) (Shazeer 2020)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -114,13 +114,13 @@ class _SwiGLU(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
-class _Block(nn.Module):
+class Block(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.attn_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
-        self.attn = _CausalSelfAttention(cfg)
+        self.attn = CausalSelfAttention(cfg)
         self.mlp_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
-        self.mlp = _SwiGLU(cfg)
+        self.mlp = SwiGLU(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x))
@@ -132,7 +132,7 @@ class ToyLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.blocks = nn.ModuleList(_Block(cfg) for _ in range(cfg.n_layers))
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
