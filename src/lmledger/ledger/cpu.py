@@ -1,10 +1,11 @@
 """The CPU's peak FLOP/s: from its specifications, or its best measured matmul, cached per machine.
 
-The peak is a property of the machine, not of the moment. The spec is cores x clock x FLOP per cycle
-of the widest FMA units its flags report (`cpu_spec_peak`, labelled "spec"). Where the OS reports too
-little for that, or a matmul beats it, the peak is measured (`measured_cpu_peak`, labelled
-"measured"). That is the best rate of square matmuls over several tries (ledger/matmul.py), cached on
-disk per machine. `cpu_peak` chooses between them. Importing this module does not import torch.
+The peak is a property of the machine, not of the moment. The spec (`cpu_spec_peak`, labelled
+"spec") is cores x clock x FLOP per cycle. That is per cycle of the widest FMA units its flags report.
+Where the OS reports too little, or a matmul beats the spec, the peak is measured. That is
+`measured_cpu_peak`, labelled "measured". It is the best rate of square matmuls over several tries
+(ledger/matmul.py), cached on disk per machine. `cpu_peak` chooses between them. Importing this
+module does not import torch.
 """
 
 from __future__ import annotations
@@ -256,8 +257,8 @@ def cpu_peak(dtype: str) -> Peak:
     """The CPU's peak for `dtype`: its spec, or this machine's best matmul where that beats it.
 
     The measurement is made once and cached (`measured_cpu_peak`). A peak a matmul beats is no peak.
-    A VM's /proc/cpuinfo gives the nominal clock, not the turbo the cores run at. 2026-12-01, this
-    2-core Xeon VM: spec 282 GFLOP/s at the reported 2.2 GHz, a square fp32 matmul 390.
+    A VM's /proc/cpuinfo gives the nominal clock, not the turbo the cores run at. On 2026-12-01, this
+    2-core Xeon VM: spec 282 GFLOP/s at the reported 2.2 GHz. A square fp32 matmul reached 390.
     """
     spec = cpu_spec_peak(dtype)
     measured = measured_cpu_peak(dtype)

@@ -3,14 +3,14 @@
 Each row gives bytes per element and sign/exponent/mantissa bits. Then the largest finite value and
 eps (the gap between 1 and the next value). Then the smallest normal and smallest subnormal values.
 Rows come from `torch.finfo` where torch has the dtype. Two come from their format definitions, and
-say so. tf32 is a tensor-core compute mode: float32 in memory, no torch dtype. fp4 e2m1 is packed two
+say so. TF32 is a tensor-core compute mode: float32 in memory, no torch dtype. FP4 E2M1 is packed two
 per byte, with no finfo in torch. The smallest subnormal is smallest_normal * 2**-mantissa_bits.
 finfo does not give it. Tests check it, eps and max by casting.
 
-The demonstrations cast real tensors with the installed torch. 1e-8 underflows to 0 in float16
-(smallest subnormal 2**-24 ~ 6e-8). Not in bfloat16, which has float32's exponent range. fp8 beyond
-its range: a plain `.to()` beside a cast after clamping to +-finfo.max. torch saturates e4m3fn, which
-has no infinity. It rounds e5m2, which has one, to +-inf past 61,440. Clamping first saturates both,
+The demonstrations cast real tensors with the installed torch. A value of 1e-8 underflows to 0 in float16
+(smallest subnormal 2**-24 ~ 6e-8). Not in bfloat16, which has float32's exponent range. Beyond
+fp8's range, a plain `.to()` sits beside a cast after clamping to +-finfo.max. PyTorch saturates
+e4m3fn, which has no infinity. It rounds e5m2, which has one, to +-inf past 61,440. Clamping first saturates both,
 at +-448 and +-57,344. Last, the bytes of a 4 x 8 float32 tensor. And of GPT-3's 12288 x 49152
 feed-forward matrix on the meta device (shape and dtype, no memory).
 """

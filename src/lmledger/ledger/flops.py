@@ -1,26 +1,33 @@
 """FLOPs of one step of the toy LM: on paper (two conventions) and measured with FlopCounterMode.
 
-Two figures, never mixed:
-- model FLOPs, the MFU convention (PaLM appendix B, nanoGPT, torchtitan). Per token:
-  6·N_matmul + 12·L·H·Q·T for a training step, 2·N_matmul + 4·L·H·Q·T forward-only.
-  N_matmul = L·(4·d² + 3·d·f) + V·d counts the weights in matmuls (attention, SwiGLU, LM head).
-  The embedding table is a lookup, not a matmul. It counts only when tied, and then as the LM head:
-  N_matmul is the same tied or untied. No recompute, no causal discount.
-- hardware FLOPs: what the kernels do, counted as torch.utils.flop_counter.FlopCounterMode does.
-  A matmul is 2·m·k·n; its backward twice that (grad of input and of weight).
-  SDPA forward is 2 full T×T bmm (scores, attention·V; no causal discount). Its backward is 5 bmm:
-  the fused kernels recompute the scores. Elementwise ops (norms, RoPE, SiLU, softmax, loss) are
-  free. Activation checkpointing adds the forward it recomputes in backward.
+Two figures, never mixed.
 
-For the toy LM the two differ by exactly (training, T = seq_len, Q = head dim, H·Q = d_model):
-  hardware = model + 2·B·L·H·Q·T²                 (one score recompute per SDPA backward)
-                   + Σ over checkpointed blocks of their recomputed forward
-and forward-only hardware = model.
+Model FLOPs are the MFU convention (PaLM appendix B, nanoGPT, torchtitan). Per token:
 
-Beside the model figure sit the numerators of other MFU figures (MFU_CONVENTIONS, docs/mfu.md):
-6N alone (Kaplan, Chinchilla), causal attention counted half (Megatron-LM), and what nanoGPT's and
-torchtitan's formulas give for this model. Each has a counted twin. FlopCounterMode's aten.mm total
-is 6N. With causal_attention=True its SDPA count covers only the unmasked entries.
+    training step   6·N_matmul + 12·L·H·Q·T
+    forward only    2·N_matmul + 4·L·H·Q·T
+    N_matmul        L·(4·d² + 3·d·f) + V·d: the weights in matmuls (attention, SwiGLU, LM head)
+
+The embedding table is a lookup, not a matmul. It counts only when tied, and then as the LM head.
+So N_matmul is the same tied or untied. No recompute, no causal discount.
+
+Hardware FLOPs are what the kernels do, as torch.utils.flop_counter.FlopCounterMode counts them.
+A matmul is 2·m·k·n. Its backward is twice that: grad of input and of weight. SDPA forward is 2
+full T×T bmm: scores, and attention·V. There is no causal discount. Its backward is 5 bmm, as the
+fused kernels recompute the scores. Elementwise ops are free: norms, RoPE, SiLU, softmax, loss.
+Activation checkpointing adds the forward it recomputes in backward.
+
+For the toy LM the two differ exactly. In training, with T = seq_len, Q = head dim, H·Q = d_model:
+
+    hardware = model + 2·B·L·H·Q·T²          (one score recompute per SDPA backward)
+                     + Σ over checkpointed blocks of their recomputed forward
+
+Forward only, hardware = model.
+
+Other MFU figures use other numerators (MFU_CONVENTIONS, docs/mfu.md). 6N alone (Kaplan,
+Chinchilla). Causal attention counted half (Megatron-LM). And what nanoGPT's and torchtitan's
+formulas give for this model. Each has a counted twin. FlopCounterMode's aten.mm total is 6N. With
+causal_attention=True, its SDPA count covers only the unmasked entries.
 """
 
 from __future__ import annotations
@@ -134,8 +141,8 @@ def model_flops_per_token(cfg: ModelConfig, seq_len: int, training: bool = True)
 def six_n_flops_per_token(cfg: ModelConfig, training: bool = True) -> int:
     """6·N_matmul per token (2·N_matmul forward only): attention's T×T products left out.
 
-    Source: Kaplan et al. 2020 §2.1 (C ≈ 6N, the context-dependent term dropped) and Hoffmann et al.
-    2022 (Chinchilla, C = 6ND). Kaplan's N also leaves out the LM head. Ours keeps it (a matmul), so
+    Sources: Kaplan et al. 2020 §2.1, C ≈ 6N without the context-dependent term. Hoffmann et al. 2022
+    (Chinchilla), C = 6ND. Kaplan's N also leaves out the LM head. Ours keeps it (a matmul), so
     this differs from "palm" by attention alone.
     """
     return (6 if training else 2) * matmul_parameters(cfg)
@@ -160,10 +167,10 @@ def causal_flops_per_token(cfg: ModelConfig, seq_len: int, training: bool = True
 def nanogpt_flops_per_token(cfg: ModelConfig) -> int:
     """What nanoGPT's GPT.estimate_mfu (karpathy/nanoGPT model.py) counts per token for this model.
 
-    6·N + 12·L·H·Q·T, with N every parameter. Its get_num_params drops only the learned position
-    table, which ToyLM lacks (RoPE). T is the model's context length (block_size), whatever the
-    batch's sequence length. Against ours it adds the norms' gains, and the token embedding table when
-    untied. nanoGPT always ties it to the LM head.
+    It counts 6·N + 12·L·H·Q·T, with N every parameter. Its get_num_params drops only the learned
+    position table, which ToyLM lacks (RoPE). T is the model's context length (block_size), whatever
+    the batch's sequence length. Against ours it adds the norms' gains. Untied, it also adds the token
+    embedding table. (nanoGPT always ties it to the LM head.)
     """
     attention = 12 * cfg.n_layers * cfg.n_heads * cfg.head_dim * cfg.context_length
     return 6 * count_parameters(cfg) + attention
@@ -172,9 +179,9 @@ def nanogpt_flops_per_token(cfg: ModelConfig) -> int:
 def torchtitan_flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
     """What torchtitan's get_dense_model_nparams_and_flops counts per token.
 
-    pytorch/torchtitan torchtitan/models/utils.py, the llama3 model's get_nparams_and_flops:
-    6·(N − the token embedding, unless tied) + 6·L·H·(2·Q)·T, T the training sequence length.
-    Against ours it adds the norms' gains.
+    Source: pytorch/torchtitan torchtitan/models/utils.py, the llama3 model's get_nparams_and_flops.
+    Per token: 6·(N − the token embedding, unless tied) + 6·L·H·(2·Q)·T. T is the training sequence
+    length. Against ours it adds the norms' gains.
     """
     _check_seq_len(cfg, seq_len)
     embedding = 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.d_model
@@ -196,8 +203,8 @@ MFU_CONVENTIONS = {
 def flops_per_token_by_convention(cfg: ModelConfig, seq_len: int) -> dict[str, int]:
     """FLOPs per token of a training step on `seq_len` sequences, per MFU_CONVENTIONS entry.
 
-    "hfu" counts what the kernels do: analytic_flops' hardware figure, with attention's score
-    recompute and activation checkpointing. It does not depend on the batch size.
+    The "hfu" entry counts what the kernels do: analytic_flops' hardware figure. It includes
+    attention's score recompute and activation checkpointing. It does not depend on the batch size.
     """
     hardware = analytic_flops(cfg, 1, seq_len, training=True).hardware
     return {
@@ -219,7 +226,7 @@ def analytic_flops(
 ) -> FlopReport:
     """Model and hardware FLOPs of one step on `batch_size` sequences of `seq_len` tokens.
 
-    training=False is a forward-only (validation) step: no backward, no checkpointing, as in
+    With training=False it is a forward-only (validation) step. No backward, no checkpointing, as in
     ToyLM.forward under no_grad. `checkpoint_early_stop` mirrors torch.utils.checkpoint's default.
     The non-reentrant recompute stops once the last tensor saved for backward is back. The block's
     last matmul (w2) saves its inputs before it runs, so w2 is not recomputed.
@@ -301,7 +308,7 @@ CPU_SDPA_FLOP_FORMULAS = {
 def _causal_entries(query_shape, key_shape, is_causal: bool) -> tuple[int, int]:
     """(entries a causal mask leaves, all entries) of one head's score matrix.
 
-    torch's is_causal mask is lower triangular from the top-left corner: query row i sees
+    PyTorch's is_causal mask is lower triangular from the top-left corner. Query row i sees
     min(i + 1, S) keys.
     """
     s_q, s_k = query_shape[2], key_shape[2]
@@ -337,8 +344,8 @@ def flop_counter(causal_attention: bool = False) -> FlopCounterMode:
     """A silent FlopCounterMode that also counts CPU SDPA.
 
     With `causal_attention`, CPU (and meta) SDPA calls made with is_causal count only the unmasked
-    entries. That is what the causal convention counts, not what every kernel executes. torch's CPU
-    flash kernel skips key blocks of 512 past the diagonal: below 512 tokens it computes the full
+    entries. That is what the causal convention counts, not what every kernel executes. PyTorch's CPU
+    flash kernel skips key blocks of 512 past the diagonal. Below 512 tokens it computes the full
     square. FlashAttention's CUDA kernels skip the tiles above it.
     """
     formulas = _CAUSAL_CPU_SDPA_FLOP_FORMULAS if causal_attention else CPU_SDPA_FLOP_FORMULAS
@@ -367,7 +374,7 @@ class StepFlopCounter(FlopCounterMode):
     """FlopCounterMode for a real training step: the same registry (CPU SDPA included), total only.
 
     FlopCounterMode runs an op without a FLOP formula through its decomposition (`func.decompose()`).
-    A fused kernel is then replaced by its parts, and the step computes other bits (canary
+    A fused kernel is then replaced by its parts. The step computes other bits (canary
     test_flop_counter_decomposes_what_it_cannot_count). Its ModuleTracker hooks every module into the
     autograd graph. A measurement must not change training. So this counter runs each op as it is,
     and keeps no per-module breakdown.
@@ -393,7 +400,7 @@ def _fused_sdpa_on_meta() -> Iterator[None]:
 
     On meta tensors SDPA takes the math fallback: torch's fused-kernel chooser has no meta entry.
     Its autograd backward is 4 bmm, where the fused kernels count 5. The CPU flash op has meta
-    kernels, so routing to it makes a meta count follow the CPU/CUDA convention. This patches the
+    kernels. Routed to it, a meta count follows the CPU/CUDA convention. This patches the
     attribute while counting, not a TorchFunctionMode. A mode is popped while torch.autograd.grad runs
     and would miss the checkpoint recompute in backward.
     """
@@ -421,13 +428,13 @@ def measure_flops(
 ) -> MeasuredFlops:
     """Count the FLOPs of one step of `model(idx, targets)` with FlopCounterMode.
 
-    training=True: forward in train mode (so activation checkpointing applies), then the loss's
-    backward, recompute included. targets default to idx: FLOPs do not depend on token values.
+    With training=True: forward in train mode, so activation checkpointing applies. Then the loss's
+    backward, recompute included. Targets default to idx: FLOPs do not depend on token values. With
     training=False: forward under no_grad in eval mode. Works on CPU, CUDA and meta tensors.
-    A torch.compile'd module is unwrapped to its eager module: the counter cannot see inside compiled
+    A torch.compile'd module is unwrapped to its eager module. The counter cannot see inside compiled
     graphs. Gradients go through torch.autograd.grad, so no .grad is written. The train/eval mode is
-    restored. causal_attention=True (CPU and meta only) counts causal SDPA calls over the unmasked
-    entries alone (flop_counter).
+    restored. With causal_attention=True (CPU and meta only), causal SDPA calls count only the
+    unmasked entries (flop_counter).
     """
     model = getattr(model, "_orig_mod", model)
     if training and not torch.is_grad_enabled():

@@ -371,7 +371,7 @@ def datasheet_peak(
 ) -> Peak | None:
     """The table's peak for `dtype` on `spec`; None where the datasheet has none.
 
-    fp32 matmuls run as tf32 on Ampere and later, unless float32 matmul precision is "highest".
+    On Ampere and later, fp32 matmuls run as tf32, unless float32 matmul precision is "highest".
     The peak for "fp32" is then the tf32 one.
     """
     dtype = dtype_name(dtype)

@@ -114,7 +114,7 @@ def time_matmul(
     """Seconds of one (size x size) @ (size x size) `dtype` matmul on `device`: the median, or `statistic`.
 
     Inputs rotate among several buffers. CUDA is timed with events, the CPU with perf_counter.
-    fp32 runs at float32 matmul precision "highest" (true fp32), tf32 at "high".
+    The fp32 dtype runs at float32 matmul precision "highest" (true fp32). The tf32 dtype runs at "high".
     Raises ValueError where `unsupported_reason` gives one.
     """
     import torch

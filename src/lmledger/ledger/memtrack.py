@@ -10,8 +10,8 @@ output storage that is none of the operator's inputs' is a new allocation. A vie
 included. A weakref callback sees it (canary test_a_storage_keeps_one_python_object_that_dies_with_it).
 
 The peak is taken after every operator, with its inputs still alive. It is charged to the phase the
-caller last named (`phase("backward")`). It does not see scratch buffers a kernel allocates and frees
-inside one operator (oneDNN / cuBLAS workspaces, a fused kernel's temporaries). Nor storages resized
+caller last named (`phase("backward")`). It does not see a kernel's scratch buffers, allocated and
+freed inside one operator. Those are oneDNN / cuBLAS workspaces and fused kernels' temporaries. Nor storages resized
 with UntypedStorage.resize_ outside an operator (FSDP's flat parameters). Nor allocator rounding.
 Storages of all devices count together: track one device's tensors.
 

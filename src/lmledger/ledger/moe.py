@@ -16,27 +16,28 @@ whose inputs have values is answered by the real result's shape. Two assumptions
 Under worst, no expert can get more than every token: topk picks distinct experts per token. Every
 expert's fixed costs are paid: its autocast weight copy, per-expert buffers. With only k experts
 hit, bf16-mixed would predict less than balanced. The heavy experts are the last ones. A loop over
-experts runs them last in forward and first in backward, when the most saved activations are alive.
-A layer that drops the tokens past an expert's capacity drops most of these. Given the capacity
-(Assumption("worst", capacity), predict_moe(capacity=...)), the heavy experts are filled to it instead.
+experts runs them last in forward and first in backward. That is when the most saved activations
+are alive. A layer that drops the tokens past an expert's capacity drops most of these. Given the
+capacity (Assumption("worst", capacity), predict_moe(capacity=...)), the heavy experts are filled to
+it instead.
 
 Balanced is the routing a load-balancing loss aims at, not a lower bound. Where the peak falls inside
 the expert loop, one expert's batch sets it. A random routing can give that expert fewer than
-tokens·k/E: tests/test_moe.py measures Mixtral 0.9 % below balanced on two of six seeds.
+tokens·k/E. On two of six seeds, tests/test_moe.py measures Mixtral 0.9 % below balanced.
 
 Token-choice routing computes tokens·k expert rows whatever the routing. So FLOPs are the same under
 both, unless a capacity drops tokens. The peak differs where an expert's batch sizes its temporaries.
 
-A data-dependent shape or value no topk decided (`x[x > 0]`, `.item()` of a loss) still stops the dry
-run (NotTraced). Without an assumption (routing=None) the dry run says when routing decided a shape,
-and names the fix (`routing_dependent`).
+A data-dependent shape or value no topk decided still stops the dry run (NotTraced). Examples:
+`x[x > 0]`, `.item()` of a loss. Without an assumption (routing=None), the dry run says when routing
+decided a shape. It names the fix (`routing_dependent`).
 
 Also here, for every dry run: transformers' default `grouped_mm` experts path calls torch's
 `_grouped_mm`. Its meta kernel (torch/_meta_registrations.py, _meta_grouped_mm_common) checks the
 CUDA kernel's rule, "bf16 only". The CPU kernel takes float32 too (canary
 test_grouped_mm_meta_kernel_refuses_what_the_cpu_kernel_runs). The fake CPU step gets the CPU
-kernel's output shape instead (`_grouped_mm_shape`). Its shapes do not depend on routing: every
-token-expert row goes through one GEMM, and offsets split them. So balanced and worst agree there.
+kernel's output shape instead (`_grouped_mm_shape`). Its shapes do not depend on routing. Every
+token-expert row goes through one GEMM; offsets split them. So balanced and worst agree there.
 
 Use:
 
@@ -142,9 +143,9 @@ def routing_indices(
 ) -> torch.Tensor:
     """The indices a topk over `dim` of a `shape` tensor returns under `routing` (int64, CPU).
 
-    balanced: the r-th row (all other dims, row-major) picks (r·k + j) mod n for j < k. Over the rows
-    every choice is picked rows·k/n times (floor or ceil), and a row's k picks are distinct.
-    worst: every choice is picked once. Then the last choices are filled to `capacity` picks each
+    Under balanced, the r-th row (all other dims, row-major) picks (r·k + j) mod n for j < k. Over the
+    rows every choice is picked rows·k/n times (floor or ceil). A row's k picks are distinct. Under
+    worst, every choice is picked once. Then the last choices are filled to `capacity` picks each
     (default: every row), from n-1 down (_worst_loads).
     """
     Assumption(routing, capacity)  # checks both
@@ -166,7 +167,7 @@ def _worst_loads(rows: int, n: int, k: int, capacity: int | None) -> list[int]:
     """Picks per choice under the worst routing.
 
     One each first: every expert's fixed costs. Then the last choices are filled to the capacity. A
-    loop over experts meets them last in forward and first in backward, when the most saved
+    loop over experts meets them last in forward and first in backward. That is when the most saved
     activations are alive. Picks past every capacity (the layer drops them) go to the last choices,
     up to one per row.
     """
@@ -199,8 +200,8 @@ def _grouped_mm_shape(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | Non
 class RoutingAssumption(TorchDispatchMode):
     """Answers the shapes and values routing decides (module docstring).
 
-    Entered inside the FakeTensorMode, so what it makes is fake. routing=None gives no answer: a
-    routing-decided shape raises _RoutingDependentShape instead. `answered` counts the answers given.
+    Entered inside the FakeTensorMode, so what it makes is fake. With routing=None it gives no answer.
+    A routing-decided shape raises _RoutingDependentShape instead. `answered` counts the answers given.
     """
 
     def __init__(self, routing: _Routing | Assumption | None) -> None:

@@ -3,9 +3,9 @@
 `OpRecorder` is a TorchDispatchMode the dry run (ledger/dryrun.py) enters around its first step
 (forward, backward, optimizer step). It sits below the step's FlopCounterMode on the mode stack. So it
 sees exactly the ops FlopCounterMode executes, after its decompositions. It prices them with
-FlopCounterMode's formula registry: the per-op FLOPs of forward and backward sum to StepLedger.flops.
+FlopCounterMode's formula registry. The per-op FLOPs of forward and backward sum to StepLedger.flops.
 Bytes are sizes x element sizes of the op's tensor inputs (read) and outputs (written). Each storage
-counts once per op, never above its size: three views of one qkv buffer read it once. Views, metadata
+counts once per op, never above its size. Three views of one qkv buffer read it once. Views, metadata
 queries and allocations move nothing.
 
 Categories, shared with the measured side (ledger/profile.py). It classifies profiler event names

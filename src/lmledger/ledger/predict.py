@@ -3,11 +3,11 @@
 For lmledger's ToyLM (run.config set) it is the lecture's closed forms (ledger.memory, activations,
 peak, flops). The fit tables (callbacks.toy.closed_form), the preflight guard, account, plan max-batch
 and the sweeps' dry run all show it. For any other module (run.module, no config) it is a dry run of
-the module's training step, on fake tensors of `batch`'s shapes (ledger.dryrun).
+the module's training step (ledger.dryrun). It runs on fake tensors of `batch`'s shapes.
 
 A LightningModule is used by duck typing only (no Lightning import). Its `training_step(batch,
-batch_idx)` is the step and its `configure_optimizers()` the optimizer, as Lightning's automatic
-optimization runs them. `measure_module`, the dry run's twin, runs the same two steps on real tensors
+batch_idx)` is the step. Its `configure_optimizers()` gives the optimizer. Lightning's automatic
+optimization runs them so. `measure_module`, the dry run's twin, runs the same two steps on real tensors
 (dryrun.measure_step).
 """
 
@@ -62,10 +62,10 @@ __all__ = [
 class Prediction:
     """Bytes per device and FLOPs of one training step of a run, predicted.
 
-    activations / peak are None where the run has no model; `unmodelled` says why. It may be a
-    precision or device ledger.activations does not cover, or a module the dry run cannot trace.
-    flops_model (6N + attention, what MFU divides) exists for ToyLM only. `dry` is the dry run's whole
-    ledger, for any other module.
+    Activations and peak are None where the run has no model; `unmodelled` says why. The precision or
+    device may be one ledger.activations does not cover. Or the dry run cannot trace the module. Only
+    ToyLM has flops_model (6N + attention, what MFU divides). For any other module, `dry` is the dry
+    run's whole ledger.
     """
 
     params: int | None
@@ -251,8 +251,8 @@ module_step = lightning_step()  # no trainer, batch_idx 0: for account, plan and
 def configured_optimizer(module: nn.Module) -> torch.optim.Optimizer | None:
     """The one torch optimizer a LightningModule's configure_optimizers returns; None if it has none.
 
-    Any form Lightning accepts: an optimizer, a dict with 'optimizer', a list or tuple whose first item
-    is one or a list of them. More than one is a UserError: the dry run models one optimizer step.
+    It takes any form Lightning accepts. An optimizer, or a dict with 'optimizer'. Or a list or tuple
+    whose first item is one, or a list of them. More than one is a UserError: the dry run models one optimizer step.
     """
     configure = getattr(module, "configure_optimizers", None)
     configured = configure() if callable(configure) else None
@@ -282,7 +282,7 @@ def configured_optimizer(module: nn.Module) -> torch.optim.Optimizer | None:
 def resized(batch: object, size: int) -> object:
     """The batch's shapes with `size` samples, as meta tensors (nothing allocated).
 
-    Every tensor's first dimension becomes `size`: the batch dimension comes first, as in the ledger's
+    Every tensor's first dimension becomes `size`. The batch dimension comes first, as in the ledger's
     samples rule.
     """
     if not batch_tensors(batch):

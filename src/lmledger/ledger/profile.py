@@ -16,11 +16,11 @@ groups are the roofline's categories (ledger/ops.py), plus what no op accounts f
 
 On a CPU an op's time is its self CPU time. Children count under their own name, in their parent's
 category. On a GPU it is the duration of the kernels it launched. The categories sum to `wall_s` by
-construction. `ops_overlap` says how much the ops alone exceed the step (overlapping threads or
-streams); host would be negative there. `events` are `torch.profiler.profile().events()`
+construction. `ops_overlap` says how much the ops alone exceed the step, where threads or streams
+overlap. Host would be negative there. `events` are `torch.profiler.profile().events()`
 (FunctionEvent: name, time_range, cpu_parent, self_cpu_time_total, kernels), or anything shaped alike.
 `profile_step(step, device)` profiles one call of a plain training step (`lmledger account --measure`).
-callbacks/timing.py does the same inside a fit. No Lightning import.
+Inside a fit, callbacks/timing.py does the same. No Lightning import.
 """
 
 from __future__ import annotations

@@ -32,8 +32,8 @@ class Figures:
     """One source's figures for one optimizer step on one device.
 
     None is not known; `why_missing` says why. activations are what one micro-batch saves for backward.
-    FLOPs cover every micro-batch of the step. flops_model is the MFU numerator (no recompute);
-    flops_hardware is what the kernels do.
+    FLOPs cover every micro-batch of the step. Model FLOPs (flops_model) are the MFU numerator, with no
+    recompute. Hardware FLOPs (flops_hardware) are what the kernels do.
     """
 
     params: int | None = None

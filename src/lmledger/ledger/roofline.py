@@ -4,12 +4,13 @@ For every op the dry run recorded (ledger/ops.py):
 
     bound = max(FLOPs / peak(op dtype), bytes read and written / memory bandwidth)
 
-An op is limited by its arithmetic or by the bytes it moves, whichever is slower (Williams, Waterman &
-Patterson, "Roofline", CACM 2009). Peaks are dense figures (ledger/peak_flops.py): the datasheet for a
-listed GPU, the CPU's spec peak. Bandwidth comes from ledger/bandwidth.py. Collectives move their bytes
-over the interconnect when its bandwidth is given. Otherwise they are priced at memory bandwidth (a lower
-bound). Summed per category, the bound is a step time no implementation of the same ops can beat on
-that device. A measurement below it is a bug in the bound (tests/test_time_ledger.py holds each category).
+This is the Roofline model (Williams, Waterman & Patterson, CACM 2009). An op is limited by its
+arithmetic or by the bytes it moves, whichever is slower. Peaks are dense figures
+(ledger/peak_flops.py): the datasheet for a listed GPU, the CPU's spec peak. Bandwidth comes from
+ledger/bandwidth.py. Collectives move their bytes over the interconnect when its bandwidth is given.
+Otherwise they are priced at memory bandwidth (a lower bound). Summed per category, the bound is a
+step time no implementation of the same ops can beat on that device. A measurement below it is a bug
+in the bound (tests/test_time_ledger.py holds each category).
 
     ideal          model FLOPs / dense peak: the step if every FLOP ran at peak and nothing else cost time
     roofline MFU   model FLOPs / bound / peak: the highest MFU this model at this shape can reach there
@@ -115,8 +116,8 @@ def roofline(
 ) -> Roofline:
     """The bound of the step's `ops` on a device with dense `peaks` {"fp32": FLOP/s, ...} and bandwidth.
 
-    `compute_dtype` is the precision's matmul dtype. Its peak serves ideal and MFU, and ops whose dtype
-    has no peak (integer ops, or a dtype the device lacks).
+    `compute_dtype` is the precision's matmul dtype. Its peak serves ideal and MFU. It also serves ops
+    whose dtype has no peak: integer ops, or a dtype the device lacks.
     """
     if not peaks.get(compute_dtype):
         raise ValueError(f"no {compute_dtype} peak given")

@@ -1,7 +1,7 @@
 """One description of a training run, per device: the facts every ledger figure depends on.
 
 It is built at the edges and nowhere else. The callbacks build it from a live Trainer (callbacks/run.py).
-Account, plan and sweep build it from a `lmledger fit` config (runspec.py). Both name the strategy
+Account, plan and sweep build it from a `lmledger fit` config (run_config.py). Both name the strategy
 through `sharding`, so a run has one strategy name either way. Pure: torch and the toy LM's config only,
 no Lightning.
 """

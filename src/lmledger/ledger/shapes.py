@@ -4,13 +4,14 @@ NVIDIA, "Matrix Multiplication Background User's Guide", Table 1 (Tensor Core re
 cuBLAS >= 11.0 any size runs on tensor cores. They run best when M, N and K are multiples of 16 bytes
 of elements (fp16/bf16 8, tf32 4, int8 16). On A100, of 128 bytes (fp16/bf16 64, tf32 32, int8 128).
 The guide names A100. We hold Hopper and Blackwell data-centre parts (H100, H200, B200) to the same
-128 bytes: their MMA tiles are no smaller. fp8 through Transformer Engine or torch._scaled_mm needs
-every dimension divisible by 16. nanoGPT (model.py, train.py) pads GPT-2's vocabulary of 50257 to
-50304 (a multiple of 64) and reports ~25% faster training.
+128 bytes: their MMA tiles are no smaller. With fp8 (Transformer Engine or torch._scaled_mm) every
+dimension must divide by 16. The nanoGPT code (model.py, train.py) pads GPT-2's vocabulary of 50257
+to 50304, a multiple of 64. It reports ~25% faster training.
 
 `shape_advice(ops, gpu)` reads the dry run's matmul ops (ledger/ops.py) and finds each GEMM's M, K
 and N. It returns one Advice per dimension value that misses the multiple. Each gives the padded
-value, the FLOPs of the ops it appears in, and the FLOPs and roofline time the padding adds. Padding
+value and the FLOPs of the ops it appears in. It also gives the FLOPs and roofline time the padding
+adds. Padding
 makes the arithmetic a little larger. What it buys is the fast kernel, which the bound cannot see.
 Pure: no torch, no Lightning.
 """
@@ -32,7 +33,7 @@ _WIDE_TILE_GPUS = ("a100", "a800", "h100", "h800", "h200", "h20", "gh200", "b100
 def _preferred_multiple(dtype: str, gpu: str) -> int:
     """The multiple, in elements, a `dtype` ("bfloat16", ...) matmul dimension wants on `gpu` (a key).
 
-    16 bytes of elements; 128 on A100-class parts; fp8 16 (Transformer Engine).
+    It is 16 bytes of elements, or 128 on A100-class parts. For fp8 it is 16 (Transformer Engine).
     """
     if dtype in _FP8:
         return 16
