@@ -28,7 +28,7 @@ import torch
 from lmledger.ledger.dryrun import NotTraced, dry_run
 from lmledger.ledger.peak import peak_bytes
 from lmledger.model import ToyLM, count_parameters
-from lmledger.runspec import load_run_spec
+from lmledger.run_config import load_run
 
 SECONDS_GOAL = 60.0
 RESIDENT_GOAL = 1e9  # bytes
@@ -51,7 +51,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     logging.getLogger("lightning.fabric.utilities.seed").setLevel(logging.WARNING)
 
-    spec = load_run_spec(["--config", config])
+    spec = load_run(["--config", config])
     before = resident_bytes()
     start = time.perf_counter()
     with torch.device("meta"):

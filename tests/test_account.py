@@ -10,7 +10,7 @@ import pytest
 from conftest import run_json
 from lmledger.cli import main as lmledger
 from lmledger.ledger.peak import peak_bytes
-from lmledger.runspec import load_run_spec
+from lmledger.run_config import load_run
 
 SMALL = ["--model.config.d_model", "96", "--model.config.n_layers", "2", "--model.config.n_heads", "4",
          "--model.config.d_ff", "200", "--model.config.context_length", "48", "--data.batch_size", "3"]  # fmt: skip
@@ -25,7 +25,7 @@ def test_account_measure_matches_prediction(workdir, capsys, precision):
     assert result["run"]["vocab_size"] == 256 and result["run"]["vocab_from_data"]
     from lmledger.model import count_parameters
 
-    assert result["params"] == count_parameters(load_run_spec(["--config", "configs/tiny.yaml", *SMALL]).config)
+    assert result["params"] == count_parameters(load_run(["--config", "configs/tiny.yaml", *SMALL]).config)
     flops = result["flops"]
     assert abs(flops["hardware"] - flops["measured"]) <= 0.005 * flops["measured"]
     assert flops["model"] < flops["hardware"]  # the attention backward's score recompute
@@ -58,7 +58,7 @@ def test_plan_max_batch_is_the_largest_that_fits(workdir, capsys):
     result = run_json(
         capsys, "plan", "max-batch", "--config", "configs/cs336-small.yaml", "--gpu", "h100-sxm", "--json"
     )
-    spec = load_run_spec(["--config", "configs/cs336-small.yaml"])
+    spec = load_run(["--config", "configs/cs336-small.yaml"])
     best = result["max_batch"]
     assert best > 1
 

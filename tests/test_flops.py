@@ -426,11 +426,11 @@ def test_account_lists_the_conventions_and_needs_a_measured_step_for_mfu(workdir
 
 def test_account_measure_gives_each_convention_its_mfu(workdir, capsys):
     from conftest import run_json
-    from lmledger.runspec import load_run_spec
+    from lmledger.run_config import load_run
 
     result = run_json(capsys, "account", "--config", "configs/tiny.yaml", *ACCOUNT_SMALL, "--measure", "--json")
     conv, tokens = result["mfu_conventions"], result["run"]["tokens_per_step"]
-    cfg = load_run_spec(["--config", "configs/tiny.yaml", *ACCOUNT_SMALL]).config
+    cfg = load_run(["--config", "configs/tiny.yaml", *ACCOUNT_SMALL]).config
     per_token = flops_per_token_by_convention(cfg, 48)
     rows = conv["conventions"]
     assert {key: row["flops_per_token"] for key, row in rows.items()} == per_token

@@ -6,7 +6,7 @@ Layers, bottom up (a module may import any module of a lower layer, and of its o
     2  the data and the Lightning side: corpus, data, lit, precision, checkpointing, seeding, preemption, rundir,
        lightning_private, runlock
     3  callbacks/: Lightning adapters over ledger/
-    4  fitting/: the fit CLI and its checks, runspec; accounting, planning: what account and plan compute
+    4  fitting/: the fit CLI and its checks, run_config; accounting, planning: what account and plan compute
     5  sweep/
     6  commands/, cli: the commands, thin; nothing below imports them
 Imports are read from the source (every `import` and `from ... import`, at any depth in a file), so a
@@ -28,7 +28,7 @@ LAYERS = {
     "corpus": 2, "lit": 2, "data": 2, "precision": 2, "checkpointing": 2, "lightning_private": 2, "runlock": 2,
     "bench": 2, "seeding": 2, "preemption": 2, "rundir": 2, "strategies": 2,
     "callbacks": 3,
-    "fitting": 4, "runspec": 4, "accounting": 4, "planning": 4,
+    "fitting": 4, "run_config": 4, "accounting": 4, "planning": 4,
     "sweep": 5,
     "commands": 6, "cli": 6, "__init__": 6,
 }  # fmt: skip

@@ -1,4 +1,4 @@
-"""ledger.run: one description of a run, the same whether built from a config (runspec) or from a live
+"""ledger.run: one description of a run, the same whether built from a config (run_config) or from a live
 Lightning strategy (callbacks.run), and ledger.predict.predict, the one prediction every command shows."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from lmledger.ledger.peak import peak_bytes
 from lmledger.ledger.predict import predict
 from lmledger.ledger.run import Run
 from lmledger.model import ModelConfig
-from lmledger.runspec import _strategy_name as config_strategy
+from lmledger.run_config import config_strategy
 
 
 def _class(path: str, **init_args) -> Namespace:

@@ -213,7 +213,7 @@ def test_plan_json_is_standard_json_at_the_limits(capsys):
 
 def test_reading_a_fit_config_prints_no_seed_line():
     # LightningCLI seeds while parsing and logs "Seed set to 1234"; nothing runs here. account reads its
-    # config through the same runspec.load_run_spec, so one subprocess covers both commands.
+    # config through the same run_config.load_run, so one subprocess covers both commands.
     argv = ["plan", "max-batch", "--gpu", "h100-sxm", "--config", "configs/tiny.yaml", "--json"]
     proc = subprocess.run([sys.executable, "-m", "lmledger.cli", *argv], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr

@@ -8,7 +8,7 @@ import torch
 
 from conftest import TINY_OVERRIDES, run_json
 from lmledger.ledger.sharded import predict_sharded, toy_inputs
-from lmledger.runspec import load_run_spec
+from lmledger.run_config import load_run
 
 TINY = ["--config", "configs/tiny.yaml", *TINY_OVERRIDES, "--data.batch_size", "4"]
 
@@ -36,7 +36,7 @@ def test_plan_max_batch_per_rank_under_fsdp2(workdir, capsys):
     # Sharding params, grads and AdamW state over 4 ranks leaves room for more samples per rank.
     assert four["max_batch"] >= single["max_batch"]
     # The answer fits and one more sample does not, by the dry run itself.
-    spec = load_run_spec([*TINY, "--trainer.devices", "4", "--trainer.strategy", "fsdp2"])
+    spec = load_run([*TINY, "--trainer.devices", "4", "--trainer.strategy", "fsdp2"])
     model, batch_for, optimizer = toy_inputs(spec)
     best = four["max_batch"]
     peaks = [

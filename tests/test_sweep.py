@@ -125,11 +125,11 @@ def test_dry_run_predicts_and_runs_nothing(workdir, capsys):
     )
     assert not (workdir / "sweeps").exists() and not (workdir / "runs").exists()
     from lmledger.accounting import account
-    from lmledger.runspec import load_run_spec
+    from lmledger.run_config import load_run
 
     for batch in (2, 8):
         args = ["--config", "configs/tiny.yaml", *[str(x) for kv in SMALL.items() for x in ("--" + kv[0], kv[1])]]
-        expected = account(load_run_spec([*args, "--data.batch_size", str(batch)]), False)
+        expected = account(load_run([*args, "--data.batch_size", str(batch)]), False)
         assert f"{expected['flops']['model']:.4g}" in out
         assert f"{expected['memory']['peak']['predicted'] / 1e6:,.2f}" in out
     assert "fail:" in out and "no_such_field" in out  # the bad point is shown beside the good ones

@@ -142,10 +142,10 @@ def test_points_are_checked_with_one_parse_per_value_not_per_point(workdir, caps
     checked = check_points(experiment)
     assert len(calls) == 23 and not checked.errors and len(checked.specs) == 200
     # each combined spec is what parsing the point's whole command line gives
-    from lmledger.runspec import load_run_spec
+    from lmledger.run_config import load_run
 
     for point in (experiment.points[0], experiment.points[57], experiment.points[-1]):
-        assert checked.specs[point.id] == load_run_spec(fit_args(point))
+        assert checked.specs[point.id] == load_run(fit_args(point))
     spec = checked.specs[experiment.points[57].id]  # batch 3, context 16 * 2**8, sgd
     assert (spec.batch_size, spec.seq_len, spec.optimizer) == (3, 4096, "sgd")
 

@@ -18,9 +18,10 @@ from lmledger.ledger.gpus import Peak
 from lmledger.ledger.peak_flops import NoPeak, compute_dtype_for_precision, peak_flops
 from lmledger.ledger.predict import measure as measure_run
 from lmledger.ledger.predict import predict as predict_run
+from lmledger.ledger.run import Run
 from lmledger.ledger.units import MEMORY_ROWS, format_bytes
 from lmledger.model import count_parameters
-from lmledger.runspec import RunSpec
+from lmledger.precision import local_device, predicted_device
 
 __all__ = [
     "AC_LABELS",
@@ -36,7 +37,7 @@ __all__ = [
 ]
 
 
-def _predict(spec: RunSpec, device: str) -> dict:
+def _predict(spec: Run, device: str) -> dict:
     """ledger.predict.predict of the config's run on `device` ("cpu" or "cuda"), as account shows it."""
     p = predict_run(dataclasses.replace(spec, device=torch.device(device)))
     return {
@@ -47,12 +48,7 @@ def _predict(spec: RunSpec, device: str) -> dict:
     }
 
 
-def _measure_device(spec: RunSpec) -> torch.device:
-    wants_gpu = spec.accelerator in ("gpu", "cuda", "auto")
-    return torch.device("cuda") if wants_gpu and torch.cuda.is_available() else torch.device("cpu")
-
-
-def _measure(spec: RunSpec, device: torch.device) -> dict:
+def _measure(spec: Run, device: torch.device) -> dict:
     """ledger.predict.measure of the config's run on `device`, and the median time of a further step.
 
     Real training steps: FLOPs are counted once. Saved activations come from the first step, state
@@ -74,7 +70,7 @@ def _measure(spec: RunSpec, device: torch.device) -> dict:
     }
 
 
-def _step_time(spec: RunSpec, device: torch.device, step) -> dict:
+def _step_time(spec: Run, device: torch.device, step) -> dict:
     """The step-time table (docs/time.md).
 
     The roofline bound of the config's step on `device` (its dry run's ops), beside the mean of three
@@ -116,7 +112,7 @@ def _step_seconds(step, device: torch.device) -> float:
     return forward_backward_seconds(step, device, eager=False, repeats=3)
 
 
-def _mfu_conventions(spec: RunSpec, seconds: float | None, device: torch.device) -> dict:
+def _mfu_conventions(spec: Run, seconds: float | None, device: torch.device) -> dict:
     """FLOPs per token of a training step under each MFU convention, and the ratio to perf/mfu's.
 
     With a measured step time, also MFU against the device's dense peak. A measured peak the step beats
@@ -164,11 +160,8 @@ def _mfu_conventions(spec: RunSpec, seconds: float | None, device: torch.device)
     }
 
 
-def account(spec: RunSpec, do_measure: bool, argv: list[str] = ()) -> dict:
-    if do_measure:
-        device = _measure_device(spec)
-    else:
-        device = torch.device("cuda" if spec.accelerator in ("gpu", "cuda") else "cpu")
+def account(spec: Run, do_measure: bool, argv: list[str] = ()) -> dict:
+    device = local_device(spec.accelerator) if do_measure else predicted_device(spec.accelerator)
     predicted = _predict(spec, device.type)
     measured = _measure(spec, device) if do_measure else None
     result = {
@@ -207,7 +200,7 @@ def account(spec: RunSpec, do_measure: bool, argv: list[str] = ()) -> dict:
 AC_LABELS = ("checkpointing off", "checkpointing on")
 
 
-def traced_at_scale(spec: RunSpec) -> bool:
+def traced_at_scale(spec: Run) -> bool:
     """Whether a ToyLM run's per-rank dry run (ledger.sharded) says more than the closed forms.
 
     It does for DDP over several ranks (its buckets) and for FSDP2 (its gathered blocks).
@@ -215,7 +208,7 @@ def traced_at_scale(spec: RunSpec) -> bool:
     return (spec.strategy in ("ddp", "auto", "single_device") and spec.world_size > 1) or spec.strategy == "fsdp2"
 
 
-def _add_per_rank(result: dict, spec: RunSpec, argv: list[str]) -> None:
+def _add_per_rank(result: dict, spec: Run, argv: list[str]) -> None:
     """Set result["per_rank"]: one rank's dry run at the config's world size and strategy.
 
     It replaces the closed forms where it traces the strategy. (DDP's buckets and FSDP2's gathered blocks
@@ -229,7 +222,7 @@ def _add_per_rank(result: dict, spec: RunSpec, argv: list[str]) -> None:
             result["run"]["peak_phase"] = case["peak_phase"]
 
 
-def per_rank(spec: RunSpec, capacity_bytes: int | None = None, argv: list[str] = ()) -> dict:
+def per_rank(spec: Run, capacity_bytes: int | None = None, argv: list[str] = ()) -> dict:
     """ledger.sharded.run_at_scale with account's case names: checkpointing off and on.
 
     The strategy's settings come from the fit arguments `argv` (_scale_settings)."""
@@ -281,14 +274,13 @@ def account_any_model(argv: list[str], do_measure: bool) -> dict:
     No model FLOPs (6N + attention needs the architecture), so no MFU."""
     from lmledger.callbacks.ledger import samples_per_batch, tokens_per_batch
     from lmledger.fitting.cli import build_model_and_data, first_batch
-    from lmledger.ledger import predict as any_model
+    from lmledger.ledger import predict as ledger_predict
     from lmledger.ledger.dryrun import map_tensors
     from lmledger.ledger.run import Run
 
     module, data, config = build_model_and_data(argv)
     precision = str(config.trainer.get("precision") or "32-true")
-    wants_gpu = config.trainer.get("accelerator") in ("gpu", "cuda", "auto")
-    device = torch.device("cuda") if wants_gpu and torch.cuda.is_available() else torch.device("cpu")
+    device = local_device(config.trainer.get("accelerator"))
     batch = first_batch(data)
     if device.type == "cuda":
         module.to(device)
@@ -299,7 +291,7 @@ def account_any_model(argv: list[str], do_measure: bool) -> dict:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         predicted = predict_run(run, batch)
-        measured = any_model.measure_module(module, batch, precision=precision) if do_measure else None
+        measured = ledger_predict.measure_module(module, batch, precision=precision) if do_measure else None
         timing = None
         if do_measure and predicted.dry is not None and predicted.dry.ops is not None:
             timing = _time_table(predicted.dry.ops, precision, device, _module_step_fn(module, batch, precision))
@@ -313,7 +305,7 @@ def account_any_model(argv: list[str], do_measure: bool) -> dict:
         }
 
     return {
-        "params": any_model.parameter_count(module),
+        "params": ledger_predict.parameter_count(module),
         "flops": {
             "model": None,
             "hardware": p.flops_hardware if p else None,
@@ -366,7 +358,7 @@ def _trainer_scale(argv: list[str]) -> tuple[int, str, dict]:
     from types import SimpleNamespace
 
     from lmledger.fitting.checks import config_files, read_config
-    from lmledger.runspec import _strategy_name, _world_size
+    from lmledger.run_config import config_strategy, config_world_size
 
     trainer: dict = {}
     for name in config_files(argv):
@@ -394,7 +386,7 @@ def _trainer_scale(argv: list[str]) -> tuple[int, str, dict]:
     if isinstance(strategy, dict):
         init = dict(strategy.get("init_args") or {})
         strategy = SimpleNamespace(class_path=strategy.get("class_path", ""), init_args=init)
-    return _world_size(devices, nodes if isinstance(nodes, int) else 1), _strategy_name(strategy), init
+    return config_world_size(devices, nodes if isinstance(nodes, int) else 1), config_strategy(strategy), init
 
 
 def at_scale(world_size: int, strategy: str) -> bool:
@@ -408,7 +400,7 @@ def any_model_at_scale(argv: list[str], capacity_bytes: int | None = None) -> di
     meta device, so an 8B model costs no memory. The batch is shaped like its data's first batch."""
     from lmledger.callbacks.ledger import samples_per_batch, tokens_per_batch
     from lmledger.fitting.cli import build_model_and_data, first_batch
-    from lmledger.ledger import predict as any_model
+    from lmledger.ledger import predict as ledger_predict
     from lmledger.ledger import sharded
 
     world_size, strategy = trainer_scale(argv)
@@ -420,13 +412,13 @@ def any_model_at_scale(argv: list[str], capacity_bytes: int | None = None) -> di
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         scale = sharded.at_scale(
-            module, lambda size: any_model.resized(batch, size), samples, strategy=strategy, world_size=world_size,
-            capacity_bytes=capacity_bytes, step=any_model.module_step,
-            optimizer=any_model.configured_optimizer(module), precision=precision,
+            module, lambda size: ledger_predict.resized(batch, size), samples, strategy=strategy, world_size=world_size,
+            capacity_bytes=capacity_bytes, step=ledger_predict.module_step,
+            optimizer=ledger_predict.configured_optimizer(module), precision=precision,
             **_scale_settings(argv, strategy),
         )  # fmt: skip
     return {
-        "params": any_model.parameter_count(module),
+        "params": ledger_predict.parameter_count(module),
         "run": {
             "model": config.model.class_path,
             "batch_size": samples,

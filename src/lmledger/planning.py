@@ -11,11 +11,10 @@ from __future__ import annotations
 import dataclasses
 import warnings
 
-import torch
-
 from lmledger.accounting import AC_LABELS, any_model_at_scale, at_scale, per_rank, traced_at_scale, trainer_scale
 from lmledger.errors import UserError
 from lmledger.ledger.gpus import dtype_name
+from lmledger.precision import local_device, predicted_device
 
 __all__ = ["max_batch_of", "roofline_mfu"]
 
@@ -27,9 +26,9 @@ def roofline_mfu(config: str, gpu: str, dtype: str) -> tuple[float, str, str]:
     See docs/time.md."""
     from lmledger.ledger.roofline import gpu_roofline, toy_step_ops
     from lmledger.ledger.shapes import advice_text
-    from lmledger.runspec import load_run_spec
+    from lmledger.run_config import load_run
 
-    spec = load_run_spec(["--config", config])
+    spec = load_run(["--config", config])
     if spec.config is None:
         raise UserError(f"--mfu roofline:{config}: the roofline MFU is computed for lmledger's ToyLM configs")
     ops = toy_step_ops(spec.config, spec.batch_size, spec.seq_len, spec.precision)
@@ -47,7 +46,7 @@ def max_batch_of(fit_args: list[str], capacity: int, gpu_key: str | None) -> tup
     """plan max-batch's answer: (kind, JSON, what printing needs besides).
 
     Kinds: "at scale" needs nothing more. "module" needs the parameter count and whether a GPU
-    was asked for. "config" needs the RunSpec."""
+    was asked for. "config" needs the Run."""
     from lmledger.fitting.checks import named_classes
 
     if named_classes(fit_args):
@@ -62,17 +61,16 @@ def max_batch_of(fit_args: list[str], capacity: int, gpu_key: str | None) -> tup
 
 
 def _max_batch_of_config(fit_args: list[str], capacity: int, gpu_key: str | None) -> tuple[dict, object]:
-    """plan's JSON for a ToyLM config, and its RunSpec.
+    """plan's JSON for a ToyLM config, and its Run.
 
     The batch is the largest whose predicted peak fits in `capacity` bytes per device."""
     from lmledger.ledger.planner import max_batch
     from lmledger.ledger.predict import predict
-    from lmledger.runspec import load_run_spec
+    from lmledger.run_config import load_run
 
-    spec = load_run_spec(fit_args)
+    spec = load_run(fit_args)
     # The closed forms for a GPU (its kernels' transients); with only a memory size, for the config's device.
-    device = "cuda" if gpu_key or spec.accelerator in ("gpu", "cuda") else "cpu"
-    run = dataclasses.replace(spec, device=torch.device(device))
+    run = dataclasses.replace(spec, device=predicted_device("gpu" if gpu_key else spec.accelerator))
 
     def bytes_for_batch(batch: int) -> int:
         return predict(run, batch_size=batch).peak
@@ -118,18 +116,19 @@ def _max_batch_any_model(fit_args: list[str], capacity: int, gpu_key: str | None
     Dry runs of its training_step on batches shaped like its data's first one. The sample count doubles,
     then bisects (ledger.predict.max_batch_module)."""
     from lmledger.fitting.cli import build_model_and_data, first_batch
-    from lmledger.ledger import predict as any_model
+    from lmledger.ledger import predict as ledger_predict
     from lmledger.ledger.dryrun import NotTraced, batch_tensors
 
     module, data, config = build_model_and_data(fit_args)
     precision = str(config.trainer.get("precision") or "32-true")
-    wants_gpu = gpu_key is not None or config.trainer.get("accelerator") in ("gpu", "cuda")
     # Fake CUDA tensors need a CUDA build and device; without one the CPU's kernels stand in (plan says so).
-    device = torch.device("cuda" if wants_gpu and torch.cuda.is_available() else "cpu")
+    wanted = predicted_device("gpu" if gpu_key is not None else config.trainer.get("accelerator"))
+    device = local_device(wanted.type)
+    wants_gpu = wanted.type == "cuda"
     batch = first_batch(data)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        found = any_model.max_batch_module(module, batch, capacity, precision=precision, device=device)
+        found = ledger_predict.max_batch_module(module, batch, capacity, precision=precision, device=device)
     if isinstance(found, NotTraced):
         raise UserError(f"{config.model.class_path} cannot be dry-run, so no batch size is predicted: {found.reason}")
     per_sample = batch_tensors(batch)[0].shape[1:]
@@ -147,4 +146,4 @@ def _max_batch_any_model(fit_args: list[str], capacity: int, gpu_key: str | None
         "model": config.model.class_path,
         "device": device.type,
     }
-    return result, any_model.parameter_count(module), wants_gpu
+    return result, ledger_predict.parameter_count(module), wants_gpu

@@ -36,7 +36,10 @@ __all__ = [
     "apply_fp8",
     "check_precision",
     "check_trainer_config",
+    "local_device",
+    "predicted_device",
     "requested_precision",
+    "resolve_accelerator",
     "trainer_precision_kwargs",
 ]
 
@@ -58,7 +61,7 @@ _WEIGHTS_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float3
 # ----------------------------------------------------------------------------------------------
 
 
-def _resolve_accelerator(accelerator: object = "auto") -> str:
+def resolve_accelerator(accelerator: object = "auto") -> str:
     """The device type a Trainer `accelerator` flag lands on: "cpu", "cuda", "mps" or other."""
     name = "auto" if accelerator is None else str(accelerator).lower()
     if name in ("auto", "gpu"):
@@ -68,6 +71,17 @@ def _resolve_accelerator(accelerator: object = "auto") -> str:
             return "mps"
         return "cuda" if name == "gpu" else "cpu"  # "gpu" without one: Lightning reports that itself
     return name
+
+
+def predicted_device(accelerator: object) -> torch.device:
+    """The device a machine-independent prediction is for: CUDA if the config names a GPU, else CPU."""
+    return torch.device("cuda" if str(accelerator).lower() in ("gpu", "cuda") else "cpu")
+
+
+def local_device(accelerator: object = "auto") -> torch.device:
+    """Where the config's step runs on this machine, to measure it: CUDA if asked for and here, else CPU."""
+    here = resolve_accelerator(accelerator) == "cuda" and torch.cuda.is_available()
+    return torch.device("cuda" if here else "cpu")
 
 
 def _cuda_capability() -> tuple[int, int] | None:
@@ -107,7 +121,7 @@ def check_precision(
     """Raise UserError (one line) if `precision` (with LitLM's `fp8` switch) cannot run on
     `accelerator`. `capability` stands in for the CUDA device's (default: asked of torch)."""
     name = "32-true" if precision is None else normalize_precision(precision)
-    device = _resolve_accelerator(accelerator)
+    device = resolve_accelerator(accelerator)
     if device == "cuda" and capability is None:
         capability = _cuda_capability()
 
@@ -217,7 +231,7 @@ def trainer_precision_kwargs(precision: str | int | None, accelerator: object = 
     if name in _TE_PRECISIONS:
         weights = ROWS[name].convert_to
         return {"precision": None, "plugins": [*plugins, TiedTransformerEnginePrecision(weights_dtype=weights)]}
-    if name == "16-mixed" and _resolve_accelerator(accelerator) == "cpu":
+    if name == "16-mixed" and resolve_accelerator(accelerator) == "cpu":
         return {"precision": None, "plugins": [*plugins, MixedPrecision("16-mixed", device="cpu")]}
     return {"precision": name}
 

@@ -12,20 +12,14 @@ from __future__ import annotations
 from dataclasses import fields
 from pathlib import Path
 
-import torch
-
 from lmledger.ledger.run import Run, sharding
 from lmledger.model import ModelConfig
-from lmledger.precision import requested_precision
+from lmledger.precision import predicted_device, requested_precision
 
-__all__ = ["RunSpec", "load_run_spec", "run_spec_from_config"]
-
-
-# A run described by a config is the same ledger.run.Run the callbacks build from a live Trainer.
-RunSpec = Run
+__all__ = ["config_strategy", "config_world_size", "load_run", "run_from_config"]
 
 
-def _world_size(devices, num_nodes) -> int:
+def config_world_size(devices, num_nodes) -> int:
     if isinstance(devices, int) and devices > 0:
         per_node = devices
     elif isinstance(devices, (list, tuple)):
@@ -37,7 +31,7 @@ def _world_size(devices, num_nodes) -> int:
     return per_node * (num_nodes or 1)
 
 
-def _strategy_name(strategy) -> str:
+def config_strategy(strategy) -> str:
     """The ledger.run.sharding name of a config's trainer.strategy.
 
     The strategy is a registry name ("fsdp", "deepspeed_stage_2"), or a class_path with init_args
@@ -55,14 +49,14 @@ def _strategy_name(strategy) -> str:
     )
 
 
-def load_run_spec(argv: list[str]) -> Run:
+def load_run(argv: list[str]) -> Run:
     """Parse `--config FILE [--config FILE2] [--a.b value ...]` as `lmledger fit` would."""
     from lmledger.fitting.cli import parse_fit_config  # imports Lightning
 
-    return run_spec_from_config(parse_fit_config(argv))
+    return run_from_config(parse_fit_config(argv))
 
 
-def run_spec_from_config(config) -> Run:
+def run_from_config(config) -> Run:
     """The Run of a parsed `fit` config (a jsonargparse Namespace, as parse_fit_config returns)."""
     model_fields = {f.name for f in fields(ModelConfig)}
     model_args = {k: v for k, v in vars(config.model.config).items() if k in model_fields}
@@ -81,9 +75,9 @@ def run_spec_from_config(config) -> Run:
         precision=precision,
         weights_dtype=weights_dtype,
         optimizer=config.model.optimizer,
-        strategy=_strategy_name(trainer.strategy),
-        world_size=_world_size(trainer.devices, trainer.num_nodes),
-        device=torch.device("cuda" if str(trainer.accelerator) in ("gpu", "cuda") else "cpu"),
+        strategy=config_strategy(trainer.strategy),
+        world_size=config_world_size(trainer.devices, trainer.num_nodes),
+        device=predicted_device(trainer.accelerator),
         fp8=config.model.get("fp8"),
         compiled=bool(config.model.get("compile")),
         accelerator=str(trainer.accelerator),

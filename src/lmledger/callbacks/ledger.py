@@ -46,11 +46,11 @@ from rich.console import Console
 from lmledger.callbacks import fsdp2, preflight, toy
 from lmledger.callbacks.measure import StepMeasurement
 from lmledger.callbacks.run import (
-    LedgerRun,
     is_logging_step,
     log_scalars,
     log_text,
     logging_step,
+    run_from_trainer,
     synchronize,
     tensorboard_writers,
     torch_optimizers,
@@ -66,6 +66,7 @@ from lmledger.ledger.dryrun import NotTraced, StepLedger, batch_tensors, largest
 from lmledger.ledger.gpus import Peak
 from lmledger.ledger.predict import lightning_step, resized
 from lmledger.ledger.report import Figures, Report, figures_of_step, markdown_table
+from lmledger.ledger.run import Run
 from lmledger.ledger.throughput import Window
 from lmledger.ledger.units import MB, format_bytes
 from lmledger.model import ToyLM
@@ -110,7 +111,7 @@ def is_toy_run(trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:
     )
 
 
-def _toy_batch(run: LedgerRun, size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def _toy_batch(run: Run, size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """A batch shaped like the TokenDataModule's (inputs, targets), on the meta device: the dry run reads shapes."""
     shape = (run.batch_size if size is None else size, run.seq_len)
     return torch.empty(shape, dtype=torch.long, device="meta"), torch.empty(shape, dtype=torch.long, device="meta")
@@ -156,7 +157,7 @@ class Ledger(pl.Callback):
     def _reset(self, accumulate: int = 1) -> None:
         """The state of one fit (a Ledger may see several fits, and validate without one)."""
         self.report: Report | None = None
-        self.run: LedgerRun | None = None  # the toy LM's run description (None for any other module)
+        self.run: Run | None = None  # the toy LM's run description (None for any other module)
         self.measurement: StepMeasurement | None = None
         self.timing: TimeLedger | None = None  # the time ledger (callbacks.timing), fed this pipeline's dry run
         self.why_not_predicted: str | None = None
@@ -177,7 +178,7 @@ class Ledger(pl.Callback):
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._reset(1 if not pl_module.automatic_optimization else trainer.accumulate_grad_batches)
-        self.run = LedgerRun.from_trainer(trainer, pl_module) if is_toy_run(trainer, pl_module) else None
+        self.run = run_from_trainer(trainer, pl_module) if is_toy_run(trainer, pl_module) else None
         if self.settings.time:
             # Profiled batches come after the warm-up and the two measured steps, which they would slow.
             measured = 2 * self._accumulate if self.settings.measure else 0

@@ -1,6 +1,6 @@
 """What the ledger callbacks read from a live Trainer, and how they write back to it.
 
-`LedgerRun.from_trainer` gathers the facts every ledger figure depends on. Model shape, batch,
+`run_from_trainer` gathers the facts every ledger figure depends on. Model shape, batch,
 precision, optimizer, sharding: it reads them from the objects Lightning has already built.
 So the callbacks need no configuration of their own. It is the ledger.run.Run that account and
 plan build from a config.
@@ -29,11 +29,11 @@ from lmledger.ledger.run import Run, sharding
 from lmledger.model import ToyLM
 
 __all__ = [
-    "LedgerRun",
     "is_logging_step",
     "log_scalars",
     "log_text",
     "logging_step",
+    "run_from_trainer",
     "synchronize",
     "tensorboard_writers",
     "torch_optimizers",
@@ -44,54 +44,47 @@ __all__ = [
 _DISABLE_HINT = "or run without the ledger (--ledger.enabled false)"
 
 
-class LedgerRun(Run):
-    """The ledger.run.Run of a live fit, built from the Trainer (`from_trainer`); `model` is its ToyLM."""
-
-    @property
-    def model(self) -> ToyLM:
-        return self.module
-
-    @classmethod
-    def from_trainer(cls, trainer: pl.Trainer, pl_module: pl.LightningModule) -> LedgerRun:
-        model = getattr(pl_module, "model", None)
-        if not isinstance(model, ToyLM):
-            raise UserError(
-                f"the ledger accounts for lmledger's ToyLM, but {type(pl_module).__name__}.model is "
-                f"{type(model).__name__}: train a LitLM {_DISABLE_HINT}"
-            )
-        datamodule = trainer.datamodule
-        batch_size = getattr(datamodule, "batch_size", None)
-        seq_len = getattr(datamodule, "context_length", None)
-        if not (isinstance(batch_size, int) and isinstance(seq_len, int)):
-            raise UserError(
-                "the ledger reads batch_size and context_length from the data module: fit with a "
-                f"TokenDataModule {_DISABLE_HINT}"
-            )
-        precision = str(trainer.precision)
-        if precision not in PRECISIONS:
-            raise UserError(
-                f"the ledger accounts for precisions {', '.join(PRECISIONS)}, not {precision}: "
-                f"choose one of them {_DISABLE_HINT}"
-            )
-        optimizer, momentum = _optimizer_kind(trainer)
-        hparams = getattr(pl_module, "hparams", {})
-        plugin = trainer.precision_plugin
-        return cls(
-            config=model.cfg,
-            module=model,
-            compiled=bool(hparams.get("compile", False)),
-            batch_size=batch_size,
-            seq_len=seq_len,
-            precision=precision,
-            weights_dtype=plugin.weights_dtype if isinstance(plugin, TransformerEnginePrecision) else None,
-            fp8=hparams.get("fp8"),
-            optimizer=optimizer,
-            momentum=momentum,
-            fused_optimizer=_optimizer_is_fused(trainer),
-            strategy=_strategy_name(trainer.strategy),
-            world_size=trainer.world_size,
-            device=pl_module.device,
+def run_from_trainer(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Run:
+    """The ledger.run.Run of a live LitLM fit: its ToyLM, data module, precision and strategy."""
+    model = getattr(pl_module, "model", None)
+    if not isinstance(model, ToyLM):
+        raise UserError(
+            f"the ledger accounts for lmledger's ToyLM, but {type(pl_module).__name__}.model is "
+            f"{type(model).__name__}: train a LitLM {_DISABLE_HINT}"
         )
+    datamodule = trainer.datamodule
+    batch_size = getattr(datamodule, "batch_size", None)
+    seq_len = getattr(datamodule, "context_length", None)
+    if not (isinstance(batch_size, int) and isinstance(seq_len, int)):
+        raise UserError(
+            "the ledger reads batch_size and context_length from the data module: fit with a "
+            f"TokenDataModule {_DISABLE_HINT}"
+        )
+    precision = str(trainer.precision)
+    if precision not in PRECISIONS:
+        raise UserError(
+            f"the ledger accounts for precisions {', '.join(PRECISIONS)}, not {precision}: "
+            f"choose one of them {_DISABLE_HINT}"
+        )
+    optimizer, momentum = _optimizer_kind(trainer)
+    hparams = getattr(pl_module, "hparams", {})
+    plugin = trainer.precision_plugin
+    return Run(
+        config=model.cfg,
+        module=model,
+        compiled=bool(hparams.get("compile", False)),
+        batch_size=batch_size,
+        seq_len=seq_len,
+        precision=precision,
+        weights_dtype=plugin.weights_dtype if isinstance(plugin, TransformerEnginePrecision) else None,
+        fp8=hparams.get("fp8"),
+        optimizer=optimizer,
+        momentum=momentum,
+        fused_optimizer=_optimizer_is_fused(trainer),
+        strategy=_strategy_name(trainer.strategy),
+        world_size=trainer.world_size,
+        device=pl_module.device,
+    )
 
 
 def torch_optimizers(trainer: pl.Trainer) -> list[torch.optim.Optimizer]:
@@ -120,7 +113,7 @@ def _optimizer_kind(trainer: pl.Trainer) -> tuple[str, float]:
 
 
 def _strategy_name(strategy: pl.strategies.Strategy) -> str:
-    """The ledger.run.sharding name of a live Lightning strategy (as runspec names a config's)."""
+    """The ledger.run.sharding name of a live Lightning strategy (as run_config names a config's)."""
     if isinstance(strategy, FSDPStrategy):
         return sharding(
             "fsdp", fsdp_sharding=getattr(strategy.sharding_strategy, "name", str(strategy.sharding_strategy))

@@ -39,9 +39,10 @@ from lightning.pytorch.plugins.precision import TransformerEnginePrecision
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.utilities import rank_zero_info
 
-from lmledger.callbacks.run import LedgerRun, log_scalars, log_text, synchronize, untouched_rng
+from lmledger.callbacks.run import log_scalars, log_text, synchronize, untouched_rng
 from lmledger.ledger.gpus import Peak
 from lmledger.ledger.peak_flops import NoPeak, compute_dtype_for_precision, peak_flops
+from lmledger.ledger.run import Run
 
 __all__ = ["compile_speedup", "forward_backward_seconds", "resolve_peak"]
 
@@ -89,7 +90,7 @@ def forward_backward_seconds(step: Callable[[], None], device: torch.device, eag
     return statistics.median(times)
 
 
-def compile_speedup(trainer: pl.Trainer, pl_module: pl.LightningModule, run: LedgerRun) -> None:
+def compile_speedup(trainer: pl.Trainer, pl_module: pl.LightningModule, run: Run) -> None:
     """Log perf/compile_speedup and perf/compile: the step timed compiled and eager, before training.
 
     The random batch is laid out as the data module's: contiguous int64 B x T. So the graph timed is
@@ -111,7 +112,7 @@ def compile_speedup(trainer: pl.Trainer, pl_module: pl.LightningModule, run: Led
                       generator=generator)
         for _ in range(2)
     )  # fmt: skip
-    params = [p for p in run.model.parameters() if p.requires_grad]
+    params = [p for p in run.module.parameters() if p.requires_grad]
 
     def step() -> None:
         with trainer.precision_plugin.forward_context():

@@ -20,7 +20,7 @@ from lmledger.accounting import (
 from lmledger.commands.argparser import run_command
 from lmledger.errors import UserError
 from lmledger.ledger.units import MEMORY_ROWS, format_bytes
-from lmledger.runspec import load_run_spec
+from lmledger.run_config import load_run
 
 __all__ = ["main"]
 
@@ -179,7 +179,7 @@ def _account_command(*fit_args: str, measure: bool = False, json: bool = False) 
         return 0
     if not any(a == "--config" or a.startswith("--config=") for a in rest):
         raise UserError("account needs --config FILE (e.g. configs/tiny.yaml) or --model CLASS_PATH")
-    result = account(load_run_spec(rest), measure, rest)
+    result = account(load_run(rest), measure, rest)
     if json:
         print(dumps(result))
     else:

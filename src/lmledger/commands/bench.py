@@ -13,13 +13,14 @@ from lmledger.bench import DEFAULT_DTYPES, DEFAULT_SIZES, MatmulBench, bench_mat
 from lmledger.commands.argparser import run_command
 from lmledger.errors import UserError
 from lmledger.ledger.gpus import dtype_name
+from lmledger.precision import local_device
 
 __all__ = ["main"]
 
 
 def _device(name: str | None) -> torch.device:
     if name is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return local_device("auto")
     if name not in ("cpu", "cuda"):
         raise UserError(f"--device must be cpu or cuda, got {name!r}")
     if name == "cuda" and not torch.cuda.is_available():

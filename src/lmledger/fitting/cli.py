@@ -3,7 +3,7 @@
 What `lmledger fit|validate` runs (commands/train.py says what the user sees): the Ledger callback, atomic
 checkpoints, the NaN/Inf guard, per-batch reseeding, the save-and-stop on SIGTERM/SIGUSR1, the run lock, and
 every check of fitting.checks and fitting.resume before anything is claimed. `parse_fit_config`,
-`build_model_and_data` and `first_batch` read a fit config for account, plan, runspec and sweeps without training.
+`build_model_and_data` and `first_batch` read a fit config for account, plan, run_config and sweeps without training.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ __all__ = ["CheckedPoints", "bad_points_error", "check_points"]
 
 @dataclass
 class CheckedPoints:
-    specs: dict[str, object]  # point id -> its RunSpec (fit, validate and account points)
+    specs: dict[str, object]  # point id -> its Run (fit, validate and account points)
     errors: dict[str, str]  # point id -> the one line its arguments give
 
 
@@ -28,12 +28,12 @@ def check_points(experiment: Experiment) -> CheckedPoints:
     Other commands (plan, bench, gpus) are checked when they run: they fail in a second.
     """
     from lmledger.fitting.cli import parse_fit_config
-    from lmledger.runspec import run_spec_from_config
+    from lmledger.run_config import run_from_config
 
     def spec_of(config):
         # A config naming any LightningModule parses but has no closed forms to list (its dry run needs the
         # module built): checked, not predicted.
-        return _ANY_MODEL if "class_path" in config.model else run_spec_from_config(config)
+        return _ANY_MODEL if "class_path" in config.model else run_from_config(config)
 
     def parse(args: list[str]):
         try:
@@ -91,7 +91,7 @@ def check_points(experiment: Experiment) -> CheckedPoints:
     return CheckedPoints(specs, errors)
 
 
-_ANY_MODEL = object()  # check_points: a point whose model is a class_path (no RunSpec)
+_ANY_MODEL = object()  # check_points: a point whose model is a class_path (no Run)
 
 
 def _combined_spec(base, values: dict[str, object], build):

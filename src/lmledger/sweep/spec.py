@@ -359,5 +359,5 @@ def cli_args(point: Point, out_dir: Path | None = None) -> list[str]:
 
 
 def fit_args(point: Point) -> list[str]:
-    """The point's arguments as `load_run_spec` reads them (configs and overrides, no command words)."""
+    """The point's arguments as `load_run` reads them (configs and overrides, no command words)."""
     return config_args(point) + _override_args(point)
