@@ -65,7 +65,7 @@ def _measure(spec: Run, device: torch.device) -> dict:
         },  # fmt: skip
         "peak_phase": m.peak_phase,
         "autocast_weight_copies": m.autocast_weight_copies,
-        "_step_seconds": _step_seconds(m.step, device),
+        "step_seconds": _step_seconds(m.step, device),
         "time": _step_time(spec, device, m.step),
     }
 
@@ -144,7 +144,7 @@ def _mfu_conventions(spec: Run, seconds: float | None, device: torch.device) -> 
     return {
         "perf_mfu": "palm",
         "seq_len": spec.seq_len,
-        "_step_seconds": seconds,
+        "step_seconds": seconds,
         "peak_flops_per_s": peak and peak.flops_per_s,
         "peak": peak_line,
         "nanogpt_printed_mfu": nanogpt_printed,
@@ -189,7 +189,7 @@ def account(spec: Run, do_measure: bool, argv: list[str] = ()) -> dict:
             "peak_phase": predicted["peak_phase"],
             "measured_peak_phase": measured["peak_phase"] if measured else None,
         },
-        "_mfu_conventions": _mfu_conventions(spec, measured["_step_seconds"] if measured else None, device),
+        "mfu_conventions": _mfu_conventions(spec, measured["step_seconds"] if measured else None, device),
         "time": measured["time"] if measured else None,
     }
     if traced_at_scale(spec):
@@ -324,7 +324,7 @@ def account_any_model(argv: list[str], do_measure: bool) -> dict:
             "measured_peak_phase": measured.peak_phase if measured else None,
             "not_predicted": not_predicted,
         },
-        "_mfu_conventions": None,
+        "mfu_conventions": None,
         "time": timing,
     }
 
