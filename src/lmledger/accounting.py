@@ -19,7 +19,7 @@ from lmledger.ledger.peak_flops import NoPeak, compute_dtype_for_precision, peak
 from lmledger.ledger.predict import measure as measure_run
 from lmledger.ledger.predict import predict as predict_run
 from lmledger.ledger.run import Run
-from lmledger.ledger.units import MEMORY_ROWS, format_bytes
+from lmledger.ledger.units import MEMORY_ROWS, format_bytes, tera
 from lmledger.model import count_parameters
 from lmledger.precision import local_device, predicted_device
 
@@ -128,11 +128,11 @@ def _mfu_conventions(spec: Run, seconds: float | None, device: torch.device) -> 
             source = peak.source.removeprefix("datasheet:")
             detail = getattr(peak, "detail", "")
             where = detail if detail.startswith(source) else ": ".join(filter(None, (source, detail)))
-            peak_line = f"{peak.flops_per_s / 1e12:.4g} TFLOP/s dense {peak.dtype} ({where})"
+            peak_line = f"{tera(peak.flops_per_s):.4g} TFLOP/s dense {peak.dtype} ({where})"
             achieved = per_token["hfu"] * spec.tokens_per_batch / seconds
             if peak.source == "measured" and achieved > peak.flops_per_s:
                 peak = Peak(achieved, "measured", peak.dtype)
-                peak_line += f", raised to the step's own {achieved / 1e12:.4g} TFLOP/s, which beat it"
+                peak_line += f", raised to the step's own {tera(achieved):.4g} TFLOP/s, which beat it"
 
     def mfu(n: int) -> float | None:
         return None if peak is None else n * spec.tokens_per_batch / seconds / peak.flops_per_s

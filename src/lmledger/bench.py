@@ -15,6 +15,7 @@ import torch
 from lmledger.ledger.gpus import Peak, find_gpu
 from lmledger.ledger.matmul import matmul_flops, time_matmul, unsupported_reason
 from lmledger.ledger.peak_flops import NoPeak, peak_flops
+from lmledger.ledger.units import tera
 
 __all__ = ["DEFAULT_DTYPES", "DEFAULT_SIZES", "MatmulBench", "bench_matmul", "plot_mfu"]
 
@@ -126,7 +127,7 @@ def plot_mfu(bench: MatmulBench, path: Path) -> None:
     for dtype in dict.fromkeys(result.dtype for result in bench.results):
         ran = [r for r in bench.results if r.dtype == dtype and r.mfu is not None]
         if ran:
-            label = f"{dtype} (peak {ran[0].peak.flops_per_s / 1e12:.3g} TFLOP/s, {ran[0].peak.source})"
+            label = f"{dtype} (peak {tera(ran[0].peak.flops_per_s):.3g} TFLOP/s, {ran[0].peak.source})"
             axes.plot([r.size for r in ran], [r.mfu for r in ran], marker="o", label=label)
     axes.axhline(1.0, color="grey", linestyle=":", linewidth=1)
     axes.set_xscale("log", base=2)

@@ -68,7 +68,7 @@ from lmledger.ledger.predict import lightning_step, resized
 from lmledger.ledger.report import Figures, Report, figures_of_step, markdown_table
 from lmledger.ledger.run import Run
 from lmledger.ledger.throughput import Window
-from lmledger.ledger.units import MB, format_bytes
+from lmledger.ledger.units import MB, format_bytes, tera
 from lmledger.model import ToyLM
 
 # --------------------------------------------------------------------------------------------
@@ -428,8 +428,8 @@ class Ledger(pl.Callback):
         log_text(
             trainer,
             "perf/peak",
-            f"{achieved / 1e12:.4g} TFLOP/s {self.peak.dtype}: raised at step {trainer.global_step} from the "
-            f"fit-start measurement ({before / 1e12:.4g} TFLOP/s), which training beat",
+            f"{tera(achieved):.4g} TFLOP/s {self.peak.dtype}: raised at step {trainer.global_step} from the "
+            f"fit-start measurement ({tera(before):.4g} TFLOP/s), which training beat",
         )
 
     # -- validation -------------------------------------------------------------------------------

@@ -43,6 +43,7 @@ from lmledger.callbacks.run import log_scalars, log_text, synchronize, untouched
 from lmledger.ledger.gpus import Peak
 from lmledger.ledger.peak_flops import NoPeak, compute_dtype_for_precision, peak_flops
 from lmledger.ledger.run import Run
+from lmledger.ledger.units import tera
 
 __all__ = ["compile_speedup", "forward_backward_seconds", "resolve_peak"]
 
@@ -60,7 +61,7 @@ def resolve_peak(precision: str, device: torch.device, fp8: str | None = None) -
         if peak.source.startswith("datasheet:")
         else peak.detail or f"measured on this {device.type} (fastest square {peak.dtype} matmul)"
     )
-    line = f"{peak.flops_per_s / 1e12:.4g} TFLOP/s dense {peak.dtype} ({source}) for precision {precision}"
+    line = f"{tera(peak.flops_per_s):.4g} TFLOP/s dense {peak.dtype} ({source}) for precision {precision}"
     if peak.dtype in ("fp32", "tf32"):
         line += f", float32 matmul precision {torch.get_float32_matmul_precision()!r}"
     if dtype == "fp8":

@@ -13,6 +13,7 @@ from lmledger.bench import DEFAULT_DTYPES, DEFAULT_SIZES, MatmulBench, bench_mat
 from lmledger.commands.argparser import run_command
 from lmledger.errors import UserError
 from lmledger.ledger.gpus import dtype_name
+from lmledger.ledger.units import tera
 from lmledger.precision import local_device
 
 __all__ = ["main"]
@@ -46,9 +47,9 @@ def _table(bench: MatmulBench) -> Table:
         if r.seconds is None:
             table.add_row(r.dtype, str(r.size), "—", "—", "—", r.note)
             continue
-        peak = "—" if r.peak is None else f"{r.peak.flops_per_s / 1e12:.4g} ({r.peak.source})"
+        peak = "—" if r.peak is None else f"{tera(r.peak.flops_per_s):.4g} ({r.peak.source})"
         mfu = "—" if r.mfu is None else f"{r.mfu:.3f}"
-        table.add_row(r.dtype, str(r.size), f"{r.seconds * 1e3:.3f}", f"{r.flops_per_s / 1e12:.4g}", peak, mfu)
+        table.add_row(r.dtype, str(r.size), f"{r.seconds * 1e3:.3f}", f"{tera(r.flops_per_s):.4g}", peak, mfu)
     return table
 
 

@@ -9,7 +9,7 @@ from rich.table import Table
 
 from lmledger.commands.argparser import run_command
 from lmledger.ledger.gpus import DTYPES, GPUS, GpuSpec, require_gpu
-from lmledger.ledger.units import GB, format_bytes
+from lmledger.ledger.units import GB, format_bytes, tera
 
 __all__ = ["main"]
 
@@ -21,7 +21,7 @@ def _console() -> Console:
 
 
 def _tera(value: float | None) -> str:
-    return "—" if value is None else f"{value / 1e12:g}"
+    return "—" if value is None else f"{tera(value):g}"
 
 
 def _table(specs: list[GpuSpec], title: str) -> Table:
@@ -38,7 +38,7 @@ def _table(specs: list[GpuSpec], title: str) -> Table:
             spec.name,
             *(_tera(spec.peak_flops[dtype]) for dtype in DTYPES),
             f"{spec.memory_bytes / GB:g}",
-            f"{spec.bandwidth_bytes_per_s / 1e12:g}",
+            f"{tera(spec.bandwidth_bytes_per_s):g}",
         )
     return table
 
@@ -52,9 +52,9 @@ def _entry_table(spec: GpuSpec, title: str) -> Table:
     for dtype in DTYPES:
         unit = "TOP/s" if dtype == "int8" else "TFLOP/s"
         flops = spec.peak_flops[dtype]
-        table.add_row(f"{dtype} (dense)", "—" if flops is None else f"{flops / 1e12:g} {unit}")
+        table.add_row(f"{dtype} (dense)", "—" if flops is None else f"{tera(flops):g} {unit}")
     table.add_row("memory", format_bytes(spec.memory_bytes))
-    table.add_row("bandwidth", f"{spec.bandwidth_bytes_per_s / 1e12:g} TB/s")
+    table.add_row("bandwidth", f"{tera(spec.bandwidth_bytes_per_s):g} TB/s")
     return table
 
 

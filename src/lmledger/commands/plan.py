@@ -15,7 +15,7 @@ from lmledger.commands.argparser import run_command
 from lmledger.errors import UserError
 from lmledger.ledger.gpus import DTYPES
 from lmledger.ledger.planner import MAX_COUNT, MAX_GPUS, device_capacity, max_params, train_time
-from lmledger.ledger.units import GB
+from lmledger.ledger.units import GB, tera
 
 __all__ = ["PEAK_DTYPES", "main"]
 
@@ -126,7 +126,7 @@ def _train_time_command(
             ("tokens", f"{result.tokens:.4g}"),
             ("total FLOPs", f"{result.total_flops:.4g}"),
             ("GPU", f"{result.num_gpus} × {result.gpu}"),
-            (f"peak {result.dtype} per GPU", f"{result.peak_flops / 1e12:g} TFLOP/s (dense)"),
+            (f"peak {result.dtype} per GPU", f"{tera(result.peak_flops):g} TFLOP/s (dense)"),
             ("MFU", mfu_line or f"{result.mfu:g}"),
             ("hours", f"{result.hours:,.1f}"),
             ("days", f"{result.days:,.1f}"),

@@ -24,6 +24,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from lmledger.ledger.ops import CATEGORIES, COMMUNICATION, OpRecord, OpSummary
+from lmledger.ledger.units import tera
 
 __all__ = [
     "LABELS",
@@ -343,7 +344,7 @@ def format_table(bound: Roofline, measured: object | None, model_flops: float | 
 
     head = f"{'step time (ms per step)':<34} {'bound':>10} {'measured':>10} {'share':>7} {'bound/measured':>15}"
     lines = [
-        f"time ledger on {bound.device}: peak {bound.peak_flops_per_s / 1e12:.4g} TFLOP/s {bound.peak_dtype} "
+        f"time ledger on {bound.device}: peak {tera(bound.peak_flops_per_s):.4g} TFLOP/s {bound.peak_dtype} "
         f"({bound.peak_source or 'peak'}), memory {bound.bandwidth_bytes_per_s / 1e9:.4g} GB/s "
         f"({bound.bandwidth_source or 'bandwidth'})",
         head,

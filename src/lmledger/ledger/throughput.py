@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+from lmledger.ledger.units import tera
+
 __all__ = ["Window"]
 
 
@@ -46,7 +48,7 @@ class Window:
             self.tokens if counts_tokens else self.samples) / seconds}  # fmt: skip
         numerator = self.flops.get("model") or self.flops.get("hardware")
         if numerator:
-            out["perf/tflops"] = numerator / seconds / 1e12
+            out["perf/tflops"] = tera(numerator / seconds)
         out["perf/data_wait_frac"] = min(1.0, max(0.0, self.data_wait / seconds))
         if peak_flops_per_s:
             for kind, tag in _MFU_TAGS.items():

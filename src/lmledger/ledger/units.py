@@ -14,12 +14,15 @@ __all__ = [
     "MEMORY_COMPONENTS",
     "MEMORY_ROWS",
     "STATE_COMPONENTS",
+    "TERA",
     "format_bytes",
     "format_count",
     "format_mb",
+    "tera",
 ]
 
 MB, GB = 1e6, 1e9
+TERA = 1e12  # TFLOP/s, TB/s
 _BYTE_UNITS = (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3))
 _COUNT_UNITS = (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3))
 
@@ -50,3 +53,8 @@ def format_count(n: float) -> str:
 def format_mb(nbytes: float | None, spec: str = ".1f", unit: str = " MB") -> str:
     """12_345_678 -> '12.3 MB'; None -> '—'. `spec` and `unit` suit a column (',.2f', '')."""
     return "—" if nbytes is None else f"{nbytes / MB:{spec}}{unit}"
+
+
+def tera(value: float) -> float:
+    """A rate in units of 1e12: FLOP/s -> TFLOP/s, bytes/s -> TB/s."""
+    return value / TERA
