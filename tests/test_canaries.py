@@ -116,7 +116,7 @@ def test_logger_picks_its_version_lazily(tmp_path, logger_class):
 
 
 def test_cli_parses_ckpt_path_in_a_private_hook():
-    """LedgerCLI._parse_ckpt_path turns a checkpoint's unparseable hyperparameters into one line."""
+    """FitCLI._parse_ckpt_path turns a checkpoint's unparseable hyperparameters into one line."""
     assert "self._parse_ckpt_path()" in inspect.getsource(LightningCLI.__init__)
 
 

@@ -2,7 +2,7 @@
 
 Each function was read from Lightning 2.6.6. A canary in tests/test_canaries.py (named beside it)
 holds it to the installed version. So an upgrade that moves one fails there, not mid-run.
-LedgerCLI also overrides LightningCLI._parse_ckpt_path (canary: test_cli_parses_ckpt_path_in_a_private_hook).
+FitCLI also overrides LightningCLI._parse_ckpt_path (canary: test_cli_parses_ckpt_path_in_a_private_hook).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""LedgerCLI: LightningCLI over LitLM and TokenDataModule, or any LightningModule, with the kit's defaults.
+"""FitCLI: LightningCLI over LitLM and TokenDataModule, or any LightningModule, with the kit's defaults.
 
 What `lmledger fit|validate` runs (commands/train.py says what the user sees): the Ledger callback, atomic
 checkpoints, the NaN/Inf guard, per-batch reseeding, the save-and-stop on SIGTERM/SIGUSR1, the run lock, and
@@ -75,7 +75,7 @@ from lmledger.strategies import register as register_strategies
 register_strategies()  # --trainer.strategy fsdp2 (lmledger.strategies)
 
 
-class LedgerCLI(LightningCLI):
+class FitCLI(LightningCLI):
     @property
     def any_model(self) -> bool:
         """Subclass mode: the model is any LightningModule (LitLM-specific checks and links are skipped)."""
@@ -307,7 +307,7 @@ def run_claimed(argv: list[str]) -> None:
     run directory as it found it (RunClaim.undo), and every run directory lock is released at the end."""
     try:
         with noted_stop_signals():  # a SIGUSR1 while the run is built: saved and stopped at step 1, not fatal
-            _run_cli(LedgerCLI, argv, run=True)
+            _run_cli(FitCLI, argv, run=True)
     except UserError:
         undo_uncommitted_claims()
         raise
@@ -319,7 +319,7 @@ def run_claimed(argv: list[str]) -> None:
         release_claims()
 
 
-def _run_cli(cli_class: type[LedgerCLI], argv: list[str], run: bool) -> LedgerCLI:
+def _run_cli(cli_class: type[FitCLI], argv: list[str], run: bool) -> FitCLI:
     for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
         logging.getLogger(name).addFilter(DropAdverts())
     # LightningCLI warns when it gets `args` while sys.argv also holds arguments, as it does when we run
@@ -382,7 +382,7 @@ def _parse_error_line(err: BaseException) -> str:
     return f"--{found['key']} {found['value']}: expected {wanted}"
 
 
-class _ParseOnlyCLI(LedgerCLI):
+class _ParseOnlyCLI(FitCLI):
     """Parses a fit config and stops: builds no model, data or trainer."""
 
     def before_instantiate_classes(self) -> None:
@@ -392,7 +392,7 @@ class _ParseOnlyCLI(LedgerCLI):
         pass
 
 
-class _BuildCLI(LedgerCLI):
+class _BuildCLI(FitCLI):
     """Parses a fit config and builds its model and data module; no trainer, nothing run or written."""
 
     def before_instantiate_classes(self) -> None:
