@@ -7,8 +7,8 @@ For each model (lmledger's toy LM and a tiny Hugging Face Llama, activation chec
     peer      torch.distributed._tools.fsdp2_mem_tracker.FSDPMemTracker over the same fully_shard'ed model on
               fake tensors and the same fake process group, two iterations, the second's peak (torchtitan's
               scripts/estimate/estimation.py does the same)
-    measured  W real gloo processes (ledger.sharded.run_ranks), each training two steps of the real model
-              under fully_shard, rank 0's peak of live tensor bytes (ledger.sharded.measure_sharded)
+    measured  W real gloo processes (ledger.realranks.run_ranks), each training two steps of the real model
+              under fully_shard, rank 0's peak of live tensor bytes (ledger.realranks.measure_sharded)
 
 Printed: each peak, ours and the peer's error against the measurement, and (an independent measurement of
 the same real steps) FSDPMemTracker run over real tensors on rank 0, against the measurement. Goal (issue
@@ -29,14 +29,8 @@ import torch
 import torch.nn.functional as F
 
 from lmledger.ledger import dryrun
-from lmledger.ledger.sharded import (
-    FSDPSettings,
-    fake_process_group,
-    measure_sharded,
-    predict_sharded,
-    run_ranks,
-    shard_blocks,
-)
+from lmledger.ledger.realranks import measure_sharded, run_ranks
+from lmledger.ledger.sharded import FSDPSettings, fake_process_group, predict_sharded, shard_blocks
 from lmledger.model import ModelConfig, ToyLM
 
 TOY = ModelConfig(vocab_size=256, context_length=64, d_model=128, n_layers=4, n_heads=4, d_ff=384)

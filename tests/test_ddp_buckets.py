@@ -1,4 +1,4 @@
-"""DDP's gradient buckets (ledger.ddp) and the per-rank DDP dry run (ledger.sharded), held to torch's own
+"""DDP's gradient buckets (ledger.ddp) and the per-rank DDP dry run (ledger.ddp_dryrun), held to torch's own
 bucketing and to real 2-process DDP on CPU (gloo)."""
 
 from __future__ import annotations
@@ -7,7 +7,8 @@ import torch
 import torch.distributed as dist
 
 from lmledger.ledger.ddp import DEFAULT_FIRST_BUCKET_BYTES, MIB, DDPSettings, assign_buckets, rebuilt_buckets
-from lmledger.ledger.sharded import measure_sharded, predict_sharded, run_ranks
+from lmledger.ledger.realranks import measure_sharded, run_ranks
+from lmledger.ledger.sharded import predict_sharded
 from lmledger.model import ModelConfig, ToyLM
 
 CFG = ModelConfig(vocab_size=256, context_length=32, d_model=64, n_layers=2, n_heads=2, d_ff=128)

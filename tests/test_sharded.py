@@ -13,9 +13,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lmledger.ledger import sharded
+from lmledger.ledger import fsdp2
 from lmledger.ledger.dryrun import NotTraced
-from lmledger.ledger.sharded import FSDPSettings, fsdp2_shard_bytes, measure_sharded, predict_sharded, run_ranks
+from lmledger.ledger.realranks import measure_sharded, run_ranks
+from lmledger.ledger.sharded import FSDPSettings, fsdp2_shard_bytes, predict_sharded
 from lmledger.model import ModelConfig, ToyLM
 
 TOY = ModelConfig(vocab_size=256, context_length=32, d_model=64, n_layers=2, n_heads=2, d_ff=128)
@@ -140,9 +141,9 @@ def test_bad_world_size_and_missing_fake_group_are_one_line(monkeypatch):
     assert isinstance(predict_sharded(ToyLM(TOY), _batch(), strategy="fsdp2", world_size=0), NotTraced)
 
     def no_fake_group(*args):
-        raise sharded._Unavailable("torch X has no fake process group")
+        raise fsdp2._Unavailable("torch X has no fake process group")
 
-    monkeypatch.setattr(sharded, "fake_process_group", _raising(no_fake_group))
+    monkeypatch.setattr(fsdp2, "fake_process_group", _raising(no_fake_group))
     result = predict_sharded(ToyLM(TOY), _batch(), strategy="fsdp2", world_size=2)
     assert isinstance(result, NotTraced) and "no fake process group" in result.reason
     assert "measured only" in result.reason
@@ -165,11 +166,11 @@ def test_state_only_strategies_say_their_peak_is_unchecked():
     assert result.params < predict_sharded(ToyLM(TOY), _batch(), optimizer=_adamw).params
 
 
-# Canaries: what ledger.sharded's workarounds rely on in the installed torch.
+# Canaries: what ledger.fsdp2's and ledger.rankstate's workarounds rely on in the installed torch.
 
 
 def test_canary_dtensor_storage_is_the_global_size():
-    with sharded.fake_process_group(2) as mesh:
+    with fsdp2.fake_process_group(2) as mesh:
         from torch.distributed.tensor import Shard, distribute_tensor
 
         t = distribute_tensor(torch.zeros(8, 4), mesh, [Shard(0)])
@@ -188,7 +189,7 @@ def test_canary_storage_resize_is_not_an_operator():
     t = torch.empty(16)
     with Record():
         t.untyped_storage().resize_(0)  # FSDP2's free_storage
-    assert seen == []  # why _sharded_tracking patches UntypedStorage.resize_
+    assert seen == []  # why rankstate.sharded_tracking patches UntypedStorage.resize_
 
 
 def test_canary_fsdp2_frees_unsharded_params_with_storage_resize():
@@ -205,7 +206,7 @@ def _source(fn) -> str:
 
 
 def test_canary_fsdp2_reads_two_chunks():
-    # ledger.sharded._RankChunks makes a chunk only when read: FSDP2 must read no chunk but its rank's and the 0th.
+    # ledger.fsdp2._RankChunks makes a chunk only when read: FSDP2 must read no chunk but its rank's and the 0th.
     import re
 
     from torch.distributed.fsdp._fully_shard import _fsdp_param
@@ -218,7 +219,7 @@ def test_canary_fsdp2_reads_two_chunks():
 def test_rank_chunks_are_torchs_chunks():
     t = torch.arange(10 * 3).view(10, 3)
     for n in (1, 3, 4, 7, 16):
-        lazy = sharded._RankChunks(t, n, 0)
+        lazy = fsdp2._RankChunks(t, n, 0)
         real = list(torch.chunk(t, n, 0))
         assert len(lazy) == n
         for i in range(n):

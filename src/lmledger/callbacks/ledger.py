@@ -574,18 +574,17 @@ def dry_run_training_step(
     with untouched_rng(pl_module.device), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            if _replicated_ranks(trainer) > 1:  # DDP: one rank's step with its gradient buckets (ledger.sharded)
-                if manual or accumulate > 1:
-                    return NotTraced(
-                        "DDP with manual optimization or gradient accumulation: when no_sync lets the buckets "
-                        "fill is not modelled yet"
-                    )
+            if _replicated_ranks(trainer) > 1:  # DDP: one rank's step with its gradient buckets (ledger.ddp_dryrun)
+                # Accumulation: the micro-batches before the last run under no_sync, as Lightning runs them.
+                # Manual: each manual_backward fills the buckets unless the step turned the real wrapper's
+                # require_backward_grad_sync off (trainer.strategy.block_backward_sync()), read as it runs.
                 return sharded.predict_sharded(
                     pl_module, batch, step=lightning_step(batch_idx, trainer),
-                    optimizer=optimizers[0] if optimizers else None, precision=str(trainer.precision),
-                    strategy="ddp", world_size=trainer.world_size,
+                    optimizer=optimizers if manual else (optimizers[0] if optimizers else None),
+                    precision=str(trainer.precision), strategy="ddp", world_size=trainer.world_size,
                     ddp=DDPSettings.from_kwargs(getattr(trainer.strategy, "_ddp_kwargs", {}) or {}),
-                    device=pl_module.device,
+                    device=pl_module.device, accumulate=accumulate, manual=manual,
+                    synced=lambda: getattr(trainer.strategy.model, "require_backward_grad_sync", True),
                 )  # fmt: skip
             return moe.predict(
                 pl_module, batch, step=lightning_step(batch_idx, trainer),

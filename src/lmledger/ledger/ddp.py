@@ -4,9 +4,10 @@ torch.nn.parallel.DistributedDataParallel (torch 2.13, nn/parallel/distributed.p
 csrc/distributed/c10d/reducer.cpp) keeps every gradient that needs reducing in flat bucket buffers:
 
 - Construction: one bucket of everything (limit sys.maxsize) unless find_unused_parameters is set
-  without static_graph; then [first bucket, bucket_cap] limits over the parameters in reverse
-  registration order (_BucketCapacityConfig.compute_bucket_size_limits).
-- After the first backward the Reducer rebuilds them (Reducer::rebuild_buckets, at the next forward),
+  without static_graph; then [first bucket, bucket_cap] limits over the parameters in registration
+  order, the bucket list reversed (_BucketCapacityConfig.compute_bucket_size_limits, _ddp_init_helper).
+- After the first backward the Reducer rebuilds them (Reducer::rebuild_buckets, at the next forward;
+  not under find_unused_parameters without static_graph: should_rebuild_buckets),
   greedily in the order the gradients became ready, with limits [first bucket, bucket_cap]: the first
   bucket holds up to `dist._DEFAULT_FIRST_BUCKET_BYTES` (1 MiB) when bucket_cap_mb is left at its
   default (25 MiB), else bucket_cap itself (_BucketCapacityConfig.create). A bucket closes once it
@@ -14,8 +15,9 @@ csrc/distributed/c10d/reducer.cpp) keeps every gradient that needs reducing in f
 - Memory: the buckets together hold one copy of the reduced gradients (their dtype, no padding), alive
   from construction on. Without gradient_as_bucket_view that is a second copy beside `param.grad`;
   with it `param.grad` becomes a view of its bucket after each backward (mark_variable_ready_dense),
-  so the grads cost nothing more. static_graph and find_unused_parameters change the first
-  iteration's buckets and the graph walk, not the steady state's bytes.
+  so the grads cost nothing more. static_graph and find_unused_parameters change the buckets' layout
+  (find_unused_parameters without static_graph keeps the first ones for good) and the graph walk, not
+  the steady state's bytes.
 """
 
 from __future__ import annotations
@@ -91,14 +93,16 @@ def assign_buckets(sizes: Sequence[tuple[int, str]], order: Sequence[int], limit
 
 
 def initial_buckets(sizes: Sequence[tuple[int, str]], settings: DDPSettings) -> list[Bucket]:
-    """The buckets DDP builds at construction, over the parameters in reverse registration order."""
+    """The buckets DDP builds at construction: assigned over the parameters in registration order, the
+    bucket list then reversed (DistributedDataParallel._ddp_init_helper: the last-defined parameters'
+    gradients come first). Steady state under find_unused_parameters without static_graph: never rebuilt."""
     if settings.static_graph or not settings.find_unused_parameters:
         limits = [sys.maxsize]
     elif settings.first_bucket_bytes_cap < settings.bucket_bytes_cap:
         limits = [settings.first_bucket_bytes_cap, settings.bucket_bytes_cap]
     else:
         limits = [settings.bucket_bytes_cap]
-    return assign_buckets(sizes, list(reversed(range(len(sizes)))), limits)
+    return list(reversed(assign_buckets(sizes, list(range(len(sizes))), limits)))
 
 
 def rebuilt_buckets(

@@ -1,0 +1,117 @@
+"""Planning at scale: one rank's peak and largest micro-batch at a run's world size and strategy, with the
+model as it is and with every block checkpointed (ledger.sharded's dry run; `lmledger account` and
+`lmledger plan` print it). Pure torch: no Lightning import.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from lmledger.errors import UserError
+from lmledger.ledger.ddp import DDPSettings
+from lmledger.ledger.dryrun import NotTraced, OptimizerSpec, StepFn
+from lmledger.ledger.fsdp2 import DEFAULT_FSDP, FSDPSettings
+from lmledger.ledger.sharded import largest_batch_sharded, predict_sharded
+
+DEFAULT_DDP = DDPSettings()
+
+
+def run_strategy(strategy: str) -> str:
+    """predict_sharded's name for a ledger.run strategy name (ledger.run.sharding)."""
+    return "ddp" if strategy in ("ddp", "auto", "single_device") else strategy
+
+
+def toy_inputs(run) -> tuple[nn.Module, Callable[[int], object], OptimizerSpec]:
+    """A ledger.run.Run of lmledger's ToyLM as the dry run takes it: the model on the meta device (nothing
+    allocated, activation checkpointing off: at_scale adds it), a meta batch of b windows, LitLM's
+    optimizer as a factory."""
+    from lmledger.model import ToyLM
+
+    with torch.device("meta"):
+        model = ToyLM(dataclasses.replace(run.config, activation_checkpointing=0))
+
+    def batch_for(size: int) -> object:
+        ids = torch.empty((size, run.seq_len), dtype=torch.long, device="meta")
+        return ids, ids.clone()
+
+    fused = bool(run.fused_optimizer)
+    if run.optimizer in ("adamw", "adam"):
+        kind = torch.optim.AdamW if run.optimizer == "adamw" else torch.optim.Adam
+
+        def optimizer(params):
+            return kind(params, lr=1e-4, fused=fused)
+    elif run.optimizer == "sgd":
+
+        def optimizer(params):
+            return torch.optim.SGD(params, lr=1e-4, momentum=run.momentum, fused=fused)
+    else:
+        optimizer = None
+    return model, batch_for, optimizer
+
+
+def at_scale(
+    module: nn.Module,
+    batch_for: Callable[[int], object],
+    batch_size: int,
+    *,
+    strategy: str,
+    world_size: int,
+    capacity_bytes: int | None = None,
+    step: StepFn | None = None,
+    optimizer: OptimizerSpec = None,
+    precision: str | int = "32-true",
+    ddp: DDPSettings = DEFAULT_DDP,
+    fsdp: FSDPSettings = DEFAULT_FSDP,
+    labels: tuple[str, str] = ("as configured", "every block checkpointed"),
+) -> dict:
+    """One rank's ledger at `batch_size` per rank and, given a capacity, its largest micro-batch, with the
+    model as it is (labels[0]) and with every block checkpointed (labels[1]): a JSON-ready dict. A case
+    the dry run cannot model carries `not_predicted` (one line) instead of numbers."""
+    name = run_strategy(strategy)
+    cases = {}
+    for label, ac in zip(labels, (None, True), strict=True):
+        kwargs = dict(step=step, optimizer=optimizer, precision=precision, strategy=name, world_size=world_size,
+                      ddp=ddp, fsdp=fsdp, activation_checkpointing=ac)  # fmt: skip
+        try:
+            ledger = predict_sharded(module, batch_for(batch_size), **kwargs)
+        except UserError as err:  # e.g. a precision the dry run does not cover: the run is measured only
+            ledger = NotTraced(str(err))
+        if isinstance(ledger, NotTraced):
+            cases[label] = {"not_predicted": ledger.reason}
+            continue
+        case = {
+            "params": ledger.params, "grads": ledger.grads, "optimizer": ledger.optimizer,
+            "activations": ledger.activations, "peak": ledger.peak, "peak_phase": ledger.peak_phase,
+            "comm_buffers": ledger.comm_buffers, "buckets": len(ledger.buckets),
+            "peak_checked": ledger.peak_checked, "not_predicted": None,
+        }  # fmt: skip
+        if capacity_bytes is not None:
+            found = largest_batch_sharded(module, batch_for, capacity_bytes, limit=1 << 12, **kwargs)
+            if isinstance(found, NotTraced):
+                case["max_batch"], case["max_batch_peak"] = None, None
+            else:
+                case["max_batch"] = found.size
+                case["max_batch_peak"] = found.fits.peak if found.fits else None
+                # Not even one sample fits: by how much the smallest step is over.
+                case["over_by_at_batch_1"] = found.over.peak - capacity_bytes if found.size == 0 else None
+        cases[label] = case
+    return {"strategy": name, "world_size": world_size, "batch_size": batch_size, "capacity_bytes": capacity_bytes,
+            "cases": cases}  # fmt: skip
+
+
+def run_at_scale(
+    run, capacity_bytes: int | None = None, labels: tuple[str, str] = ("off", "on"), **settings: object
+) -> dict:
+    """at_scale for a ledger.run.Run of lmledger's ToyLM (toy_inputs): its world size, strategy, precision and
+    optimizer, the config's batch per rank; checkpointing off and on (labels). `settings`: at_scale's ddp,
+    fsdp, or a strategy name that replaces the run's."""
+    model, batch_for, optimizer = toy_inputs(run)
+    settings.setdefault("strategy", run.strategy)
+    return at_scale(
+        model, batch_for, run.batch_size, world_size=run.world_size, optimizer=optimizer,
+        precision=run.precision, capacity_bytes=capacity_bytes, labels=labels, **settings,
+    )  # fmt: skip

@@ -1,0 +1,232 @@
+"""FSDP2 per rank at world size W, on fake tensors over torch's fake process group.
+
+torch's `fully_shard` (what Lightning's ModelParallelStrategy runs in configure_model) wraps the fake copy,
+over a fake process group of W ranks (a DeviceMesh made outside FakeTensorMode, as torchtitan's memory
+estimator does): sharded DTensor parameters, grads and AdamW state, the all-gather and reduce-scatter
+buffers, reshard after forward on or off, activation checkpointing as the model has it. Counted per rank on
+the local shards, with the storages FSDP resizes outside any operator followed (ledger.rankstate).
+
+The fake process group never outlives the call and never clashes with a real one: when the caller
+already has a default group (Lightning's DDP in the same process), the fake ranks get a non-default
+group of their own, destroyed alone (fake_process_group). Pure torch: no Lightning import.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from unittest import mock
+
+import torch
+from torch import nn
+
+from lmledger.ledger.dryrun import NotTraced, StepFn
+from lmledger.ledger.rankstate import FakeRun, ShardedLedger, sharded_ledger, sharded_tracking
+
+
+@dataclass(frozen=True)
+class FSDPSettings:
+    """How fully_shard wraps the model. `shard(module, mesh)` wraps it as a LightningModule's
+    configure_model would; default: each child of every nn.ModuleList (the transformer blocks), then the
+    root, all with `reshard_after_forward`. `mp_policy` is passed to fully_shard as it is. `shard_size` makes
+    the mesh 2-D, (W / shard_size replicas, shard_size shards): hybrid sharding (HSDP), as torchtitan's
+    data_parallel_replicate/shard degrees do."""
+
+    reshard_after_forward: bool = True
+    shard: Callable[[nn.Module, object], None] | None = None
+    mp_policy: object = None
+    shard_size: int | None = None  # HSDP: shard within groups of this many ranks, replicate across them
+
+
+DEFAULT_FSDP = FSDPSettings()
+
+
+@contextmanager
+def fake_process_group(world_size: int, shard_size: int | None = None) -> Iterator[object]:
+    """torch's fake process group of `world_size` ranks (this process is its rank 0) and a CPU DeviceMesh
+    over it (1-D; with shard_size, 2-D: replicate x shard), made outside any FakeTensorMode; torn down on exit.
+
+    Without a default group it is the default one (init_process_group("fake"), as torchtitan's estimator
+    does), destroyed after. When the caller already has a default group (Lightning's DDP in this process),
+    the fake group is a separate, non-default one, registered as c10d registers a new group and destroyed
+    alone, so the caller's groups are untouched (c10d private API: test_a_real_default_group_is_set_aside
+    holds it)."""
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        raise _Unavailable("this torch is built without torch.distributed: no fake process group")
+    try:
+        from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+    except ImportError:
+        raise _Unavailable(f"torch {torch.__version__} has no fake process group") from None
+    if not dist.is_initialized():
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+        try:
+            yield make_mesh(init_device_mesh, world_size, shard_size)
+        finally:
+            dist.destroy_process_group()
+        return
+    if shard_size is not None and shard_size != world_size:
+        raise _Unavailable("a 2-D (HSDP) mesh beside this process's own process group is not built yet")
+    c10d = dist.distributed_c10d
+    _FAKE_GROUPS[0] += 1
+    # This process is the fake group's rank 0; the other ranks' global numbers exist nowhere (never looked up).
+    ranks = [dist.get_rank()] + [_NO_SUCH_RANK + i for i in range(1, world_size)]
+    group, _ = c10d._new_process_group_helper(
+        world_size, 0, ranks, "fake", FakeStore(), group_name=f"lmledger_fake_{os.getpid()}_{_FAKE_GROUPS[0]}",
+        timeout=c10d.default_pg_timeout,
+    )  # fmt: skip
+    c10d._world.pg_group_ranks[group] = {global_rank: i for i, global_rank in enumerate(ranks)}
+    try:
+        yield DeviceMesh.from_group(group, "cpu")
+    finally:
+        dist.destroy_process_group(group)
+
+
+def make_mesh(init_device_mesh: Callable, world_size: int, shard_size: int | None) -> object:
+    if shard_size is None or shard_size == world_size:
+        return init_device_mesh("cpu", (world_size,))
+    return init_device_mesh("cpu", (world_size // shard_size, shard_size), mesh_dim_names=("replicate", "shard"))
+
+
+_FAKE_GROUPS = [0]
+_NO_SUCH_RANK = 1 << 30
+
+
+class _Unavailable(Exception):
+    pass
+
+
+def shard_blocks(model: nn.Module, mesh: object, settings: FSDPSettings) -> None:
+    """The common FSDP2 wrapping (torchtitan's, Lightning's examples): fully_shard every child of every
+    nn.ModuleList (the repeated blocks), then the root."""
+    from torch.distributed.fsdp import fully_shard
+
+    kwargs = {"mesh": mesh, "reshard_after_forward": settings.reshard_after_forward}
+    if settings.mp_policy is not None:
+        kwargs["mp_policy"] = settings.mp_policy
+    for sub in list(model.modules()):
+        if isinstance(sub, nn.ModuleList):
+            for block in sub:
+                fully_shard(block, **kwargs)
+    # A LightningModule's training_step calls its children, never itself: FSDP2's root is then the child
+    # (the module Lightning's ModelParallelStrategy examples shard in configure_model).
+    roots = (
+        [c for c in model.children() if any(True for _ in c.parameters())]
+        if hasattr(model, "training_step")
+        else [model]
+    )
+    for root in roots:
+        fully_shard(root, **kwargs)
+
+
+def shard_model(model: nn.Module, mesh: object, settings: FSDPSettings) -> None:
+    """Wrap `model` with fully_shard as `settings` say (their own `shard`, else shard_blocks)."""
+    if settings.shard is not None:
+        settings.shard(model, mesh)
+    else:
+        shard_blocks(model, mesh, settings)
+
+
+def predict_fsdp2(
+    module: nn.Module,
+    batch: object,
+    *,
+    step: StepFn | None,
+    optimizer: object,
+    precision: str | int,
+    world_size: int,
+    settings: FSDPSettings,
+    device: torch.device | str | None,
+) -> ShardedLedger | NotTraced:
+    """One FSDP2 rank's steady-state step (module docstring); arguments as ledger.sharded.predict_sharded."""
+    if device is not None and torch.device(device).type != "cpu":
+        return NotTraced(f"the sharded dry run runs FSDP2 on a CPU mesh, not {device}: predict it for cpu")
+    size = settings.shard_size
+    if size is not None and (not isinstance(size, int) or size < 1 or world_size % size):
+        return NotTraced(
+            f"world size {world_size} does not divide into shard groups of {size} ranks (HSDP's mesh): "
+            "the run is measured only"
+        )
+    try:
+        with fake_process_group(world_size, size) as device_mesh, _rank_chunks_only():
+            wrap = lambda model: shard_model(model, device_mesh, settings)  # noqa: E731
+            fake = FakeRun(module, batch, step, optimizer, precision, device, wrap=wrap)
+            if isinstance(fake.error, NotTraced):
+                return fake.error
+            with sharded_tracking():
+                result = fake.ledger()
+            if isinstance(result, NotTraced):
+                return result
+            units = fsdp_units(fake.model)
+    except _Unavailable as err:
+        return NotTraced(f"{err}: the run is measured only")
+    comm = max((2 * u for u in units), default=0)
+    return sharded_ledger(result, "fsdp2", world_size, comm_buffers=comm, state=fake.state)
+
+
+class _RankChunks:
+    """torch.chunk(tensor, n, dim) padded with empties to n, as FSDP2's _chunk_with_empty returns it, with each
+    chunk made when it is read: FSDP2 reads its own rank's and the 0th (the padded size), so the fake run
+    makes 2 views per parameter, not W (the dry run's cost then stays flat in the world size)."""
+
+    def __init__(self, tensor: torch.Tensor, num_chunks: int, dim: int) -> None:
+        self.tensor, self.num_chunks, self.dim = tensor, num_chunks, dim
+        length = tensor.size(dim)
+        self.size = math.ceil(length / num_chunks) if length else 0
+        self.count = math.ceil(length / self.size) if self.size else 0
+
+    def __len__(self) -> int:
+        return self.num_chunks
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        if index < 0:
+            index += self.num_chunks
+        if not 0 <= index < self.num_chunks:
+            raise IndexError(index)
+        if index < self.count:
+            start = index * self.size
+            return self.tensor.narrow(self.dim, start, min(self.size, self.tensor.size(self.dim) - start))
+        return self[0].new_empty(0) if self.count else self.tensor.new_empty(0)
+
+    def __iter__(self):
+        return (self[i] for i in range(self.num_chunks))
+
+
+@contextmanager
+def _rank_chunks_only() -> Iterator[None]:
+    """FSDP2's _chunk_with_empty made lazy for the fake run (_RankChunks); the real twin runs torch's own. The
+    W = 2 and 4 tests against real ranks hold the two equal; test_canary_fsdp2_reads_two_chunks holds the use."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param
+
+    with mock.patch.object(_fsdp_param, "_chunk_with_empty", _RankChunks):
+        yield
+
+
+def fsdp_units(model: nn.Module) -> list[int]:
+    """Bytes each fully_shard unit all-gathers: its padded shards times the world size."""
+    units = []
+    for sub in model.modules():
+        state = getattr(sub, "_get_fsdp_state", None)
+        group = getattr(state(), "_fsdp_param_group", None) if callable(state) else None
+        if group is None:
+            continue
+        world = group.mesh_info.shard_mesh_size
+        units.append(
+            sum(p._sharded_param_data.numel() * p._sharded_param_data.element_size() for p in group.fsdp_params) * world
+        )
+    return units
+
+
+def fsdp2_shard_bytes(shapes_and_widths: list[tuple[tuple[int, ...], int]], world_size: int) -> int:
+    """The closed form of one rank's FSDP2 shards: each tensor is chunked on dim 0 into W pieces of
+    ceil(dim0 / W) rows (the last ones padded: FSDPParam._init_sharded_param)."""
+    total = 0
+    for shape, width in shapes_and_widths:
+        rows = math.ceil(shape[0] / world_size) if shape else 1
+        total += rows * math.prod(shape[1:]) * width
+    return total

@@ -1,0 +1,266 @@
+"""One rank's share of a data-parallel step: what the sharded dry run (ledger.sharded, ledger.ddp_dryrun,
+ledger.fsdp2) and its measured twin on real ranks (ledger.realranks) both count.
+
+- ShardedLedger: a StepLedger of one rank at world size W, and what sharding added.
+- Strategy names: the ones traced, the state-only ones, the ones not modelled.
+- Local shards: a DTensor's untyped_storage() is its global size, so state and live bytes are read from
+  `_local_tensor`; storages FSDP resizes outside any operator (UntypedStorage.resize_, its unsharded
+  parameters) are followed (canary in tests/test_sharded.py); DDP's bucket buffers are live from the start.
+- FakeRun: the dry run's fake copy of model, batch and optimizers, optionally wrapped (fully_shard).
+
+Pure torch: no Lightning import.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from unittest import mock
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+
+from lmledger.errors import UserError
+from lmledger.ledger import dryrun
+from lmledger.ledger.ddp import Bucket
+from lmledger.ledger.dryrun import NotTraced, OptimizerSpec, StepLedger
+from lmledger.ledger.memtrack import MemoryTracker
+
+TRACED = ("ddp", "fsdp2")
+STATE_ONLY = ("zero1", "zero2", "zero3", "fsdp", "deepspeed_stage_1", "deepspeed_stage_2", "deepspeed_stage_3")
+NOT_MODELLED = {
+    "tensor": "tensor parallelism",
+    "pipeline": "pipeline parallelism",
+    "tp": "tensor parallelism",
+    "pp": "pipeline parallelism",
+}
+
+
+@dataclass(frozen=True)
+class ShardedLedger(StepLedger):
+    """A StepLedger of one rank at `world_size`, and what sharding added.
+
+    buckets        DDP's steady-state buckets (ledger.ddp.Bucket), empty otherwise
+    comm_buffers   DDP: the bucket buffers; FSDP2: the largest unit's all-gather output plus its
+                   reduce-scatter input (both W padded shards long), sized from the FSDP state (the
+                   peak counts the buffers themselves as they are allocated)
+    peak_checked   False where the peak is the single-device step's with the sharded state swapped in
+                   (DeepSpeed, FSDP1): not yet held to a measurement
+    """
+
+    strategy: str = "ddp"
+    world_size: int = 1
+    buckets: tuple[Bucket, ...] = ()
+    comm_buffers: int = 0
+    peak_checked: bool = True
+
+
+def sharded_ledger(result: StepLedger, strategy: str, world_size: int, *, state=None, **extra) -> ShardedLedger:
+    """`result` as a ShardedLedger, with `state` (params/grads/optimizer bytes) replacing its own if given."""
+    fields = {f.name: getattr(result, f.name) for f in dataclasses.fields(StepLedger)}
+    if state:
+        fields.update(state)
+    return ShardedLedger(**fields, strategy=strategy, world_size=world_size, **extra)
+
+
+def strategy_name(strategy: str) -> str | NotTraced:
+    """The sharded dry run's name for a strategy ("ddp", "fsdp2" or one of STATE_ONLY), NotTraced for one it
+    does not model; an unknown name is a UserError."""
+    name = str(strategy).lower().removesuffix("strategy").strip("_")
+    for key, what in NOT_MODELLED.items():
+        if name.startswith(key):
+            return NotTraced(f"the dry run does not model {what} ({strategy}) yet: the run is measured only")
+    if name in ("ddp", "auto", "single_device", "ddp_spawn", "ddp_fork", "ddp_notebook"):
+        return "ddp"
+    if name in ("fsdp2", "modelparallel", "model_parallel", "fully_shard"):
+        return "fsdp2"
+    if name in STATE_ONLY:
+        return name
+    known = ", ".join(("ddp", "fsdp2", *STATE_ONLY))
+    raise UserError(f"unknown strategy {strategy!r} for the sharded dry run: use one of {known}")
+
+
+# --------------------------------------------------------------------------------------------
+# Counting local shards, and storages FSDP resizes outside an operator
+# --------------------------------------------------------------------------------------------
+
+
+def local(t: object) -> object:
+    """A DTensor's local shard (what this rank allocates); anything else as it is."""
+    shard = getattr(t, "_local_tensor", None)
+    return shard if isinstance(t, torch.Tensor) and isinstance(shard, torch.Tensor) else t
+
+
+def local_state_bytes(model: nn.Module, optimizer: object) -> dict[str, int]:
+    """measure_state_bytes on each rank's own shards: params, their .grad and optimizer state (`optimizer`:
+    one, None, or a list under manual optimization), local storages once each (0-dim `step` counters left out)."""
+    params = [local(p) for p in model.parameters()]
+    grads = [local(p.grad) for p in model.parameters() if p.grad is not None]
+    optimizers = optimizer if isinstance(optimizer, (list, tuple)) else [optimizer]
+    states = []
+    for opt in (o for o in optimizers if o is not None):
+        for per_param in opt.state.values():
+            states += [local(v) for v in per_param.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
+    return {"params": _unique(params), "grads": _unique(grads), "optimizer": _unique(states)}
+
+
+def _unique(tensors: list) -> int:
+    seen: dict[int, int] = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        seen.setdefault(storage._cdata, storage.nbytes())
+    return sum(seen.values())
+
+
+class _ShardedTracker(MemoryTracker):
+    """MemoryTracker on local shards, with `extra` storages live from the start (DDP's buckets) and
+    UntypedStorage.resize_ followed while it runs (FSDP2 allocates and frees unsharded parameters so)."""
+
+    extra: tuple[torch.Tensor, ...] = ()
+    active: list[_ShardedTracker] = []
+
+    def track(self, *objects):
+        tensors: list[torch.Tensor] = []
+        for obj in objects:
+            if isinstance(obj, nn.Module):
+                for p in obj.parameters():
+                    tensors.append(local(p))
+                    if p.grad is not None:
+                        tensors.append(local(p.grad))
+                tensors += list(obj.buffers())
+            elif isinstance(obj, torch.optim.Optimizer):
+                for state in obj.state.values():
+                    tensors += [local(v) for v in state.values() if isinstance(v, torch.Tensor)]
+            else:
+                tensors.append(tree_map(local, obj))
+        return super().track(tensors, list(self.extra))
+
+    def _after_op(self, out, inputs):
+        super()._after_op(tree_map(local, out), tree_map(local, inputs))
+
+    def start(self):
+        super().start()
+        _ShardedTracker.active.append(self)
+        return self
+
+    def stop(self):
+        if self in _ShardedTracker.active:
+            _ShardedTracker.active.remove(self)
+        super().stop()
+
+    def resized(self, storage: torch.UntypedStorage) -> None:
+        if self.running:
+            self._add(storage)  # new, or a tracked one at its new size
+            self._raise_peak()
+
+
+_ORIGINAL_RESIZE = torch.UntypedStorage.resize_
+
+
+def _resize_seen(storage: torch.UntypedStorage, size: int):
+    out = _ORIGINAL_RESIZE(storage, size)
+    for tracker in _ShardedTracker.active:
+        tracker.resized(storage)
+    return out
+
+
+@contextmanager
+def sharded_tracking(extra: tuple[torch.Tensor, ...] = ()) -> Iterator[None]:
+    """Make the dry run's (and measure's) MemoryTracker a _ShardedTracker with `extra` storages."""
+    tracker_type = type("_Tracker", (_ShardedTracker,), {"extra": extra})
+    with (
+        mock.patch.object(dryrun, "MemoryTracker", tracker_type),
+        mock.patch.object(torch.UntypedStorage, "resize_", _resize_seen),
+    ):
+        yield
+
+
+# --------------------------------------------------------------------------------------------
+# The fake copy, wrapped
+# --------------------------------------------------------------------------------------------
+
+
+class FakeRun:
+    """The dry run's fake copy of the model, batch and optimizer (dryrun._fake_copy and friends); `wrap(model)`,
+    if given, runs on the fake copy before its optimizer is made (fully_shard, as configure_model does: the
+    optimizer then sees the DTensor parameters). `ledger()` is dryrun's step on them: `accumulate` micro-batches
+    per optimizer step, or, with `manual`, the module's own training step (`optimizer` may be a list)."""
+
+    def __init__(self, module, batch, step, optimizer, precision, device, wrap=None, manual=False) -> None:
+        self.error: NotTraced | None = None
+        self.step, self.manual = step, manual
+        self.dtype, self.autocast = dryrun._precision_dtypes(precision)
+        self.target = dryrun._target_device(module, device)
+        self.mode = dryrun.FakeTensorMode(allow_non_fake_inputs=True)
+        self.state: dict[str, int] | None = None
+        configured = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+        if len(configured) > 1 and not manual:
+            raise UserError(
+                f"{len(configured)} optimizers: Lightning steps several optimizers only under manual optimization"
+            )
+        try:
+            self.model, memo = dryrun._fake_copy(module, self.mode, self.target, self.dtype)
+            self.batch = dryrun.map_tensors(
+                lambda t: dryrun._fake_tensor(t, self.mode, self.target), dryrun._cast_batch(batch, self.dtype)
+            )
+            with self.mode:
+                if wrap is not None:
+                    wrap(self.model)
+                made = [optimizer_factory(o, module) if wrap is not None else o for o in configured]
+                self.optimizers = [dryrun._fake_optimizer(o, self.model, memo, self.target) for o in made]
+        except UserError:
+            raise
+        except Exception as err:
+            self.error = NotTraced(f"could not copy the model onto fake tensors: {dryrun._one_line(err)}")
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        return self.optimizers[0]
+
+    def ledger(self, step=None, accumulate: int = 1) -> StepLedger | NotTraced:
+        """The dry run's step on the fake copy (`step` in place of the run's own, if given)."""
+        step = step or self.step
+        try:
+            with self.mode, torch.compiler.set_stance("force_eager"), dryrun._RealOutputStorages():
+                with dryrun._eager_library_decisions():
+                    if self.manual:
+                        result = dryrun._ledger_of_manual_step(
+                            self.model, self.batch, step, self.optimizers, self.autocast, self.target
+                        )
+                    else:
+                        result = dryrun._ledger_of_step(
+                            self.model, self.batch, step, self.optimizer, self.autocast, self.target, accumulate
+                        )
+        except UserError:
+            raise
+        except Exception as err:
+            return NotTraced(f"the step does not run on fake tensors: {dryrun._why(err)}")
+        self.state = local_state_bytes(self.model, self.optimizers)
+        return dataclasses.replace(result, **self.state)
+
+
+def optimizer_factory(optimizer: OptimizerSpec, module: nn.Module) -> OptimizerSpec:
+    """An optimizer over the real module becomes a factory making the same kind over the sharded
+    parameters (its first group's hyperparameters; per-group settings follow by position)."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        return optimizer
+    real_params = list(module.parameters())
+    position = {id(p): i for i, p in enumerate(real_params)}
+    groups = [([position[id(p)] for p in g["params"]], {k: v for k, v in g.items() if k != "params"})
+              for g in optimizer.param_groups]  # fmt: skip
+    kind = type(optimizer)
+
+    def make(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+        return kind([{"params": [params[i] for i in ix], **opts} for ix, opts in groups])
+
+    return make
+
+
+def made_optimizers(optimizer: object, module: nn.Module, params: list[nn.Parameter]) -> list:
+    """The run's optimizers over `params` (a copy's): `optimizer` one spec, None, or a list (manual)."""
+    specs = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+    made = [optimizer_factory(spec, module) for spec in specs]
+    return [spec(params) if spec is not None else None for spec in made]

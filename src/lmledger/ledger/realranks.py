@@ -1,0 +1,271 @@
+"""The sharded dry run's measured twin: one rank of a real process group, and W gloo ranks on this CPU.
+
+`measure_sharded` runs the step predict_sharded predicts on this rank of the initialised (real) default
+process group: a copy of the module wrapped in torch's DistributedDataParallel or fully_shard, real steps,
+the same trackers (ledger.rankstate). Under DDP it drives the wrapper as Lightning does: the micro-batches of
+an optimizer step but the last under no_sync (automatic optimization), or the module's own training step
+inside DDP's forward, the Reducer prepared at each manual_backward (manual optimization). `run_ranks` starts
+W gloo processes on this CPU for it. Pure torch: no Lightning import.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import os
+import tempfile
+import weakref
+from collections.abc import Callable
+from types import SimpleNamespace
+
+import torch
+from torch import nn
+
+from lmledger.ledger import dryrun
+from lmledger.ledger.ddp import Bucket, DDPSettings
+from lmledger.ledger.dryrun import StepFn
+from lmledger.ledger.fsdp2 import DEFAULT_FSDP, FSDPSettings, fsdp_units, make_mesh, shard_model
+from lmledger.ledger.rankstate import (
+    ShardedLedger,
+    local_state_bytes,
+    made_optimizers,
+    sharded_ledger,
+    sharded_tracking,
+    strategy_name,
+)
+
+DEFAULT_DDP = DDPSettings()
+
+
+def measure_sharded(
+    module: nn.Module,
+    batch: object,
+    *,
+    step: StepFn | None = None,
+    optimizer: object = None,
+    precision: str | int = "32-true",
+    strategy: str = "ddp",
+    ddp: DDPSettings = DEFAULT_DDP,
+    fsdp: FSDPSettings = DEFAULT_FSDP,
+    accumulate: int = 1,
+    manual: bool = False,
+) -> ShardedLedger:
+    """predict_sharded's twin on this rank of the initialised (real) default process group (module docstring).
+
+    DDP: two optimizer steps first (the Reducer rebuilds its buckets at the second forward), then dryrun's
+    two, the second tracked; a comm hook that all-reduces as DDP's default one does hands over each bucket
+    buffer, which the tracker counts from the start. FSDP2: dryrun's two steps on the sharded copy."""
+    import torch.distributed as dist
+
+    model = copy_in_precision(module, precision)
+    if strategy_name(strategy) == "fsdp2":
+        return _measure_fsdp2(model, module, batch, step, optimizer, precision, fsdp)
+    from torch.nn.parallel import DistributedDataParallel
+
+    world = dist.get_world_size()
+    dtype, autocast = dryrun._precision_dtypes(precision)
+    device = dryrun._target_device(model, None)
+    batch = dryrun._cast_batch(batch, dtype)
+    wrapped = _ManualStep(model, step) if manual else _StepModule(model, step or dryrun.default_step)
+    # As Lightning's DDPStrategy runs a LightningModule: DDP wraps a module whose forward is the step, so
+    # the Reducer's forward bookkeeping runs (lightning/pytorch/overrides/base.py _LightningModuleWrapperBase).
+    ddp_model = DistributedDataParallel(wrapped, **dataclasses.asdict(ddp))
+    buffers = _hand_over_buffers(ddp_model, world)
+    opts = made_optimizers(optimizer, module, list(model.parameters()))
+    if manual:
+        wrapped.wrapper = weakref.ref(ddp_model)
+        if not hasattr(type(model), "trainer"):  # a plain module: what its step reaches through self.trainer
+            model.trainer = SimpleNamespace(strategy=_DDPStrategyStandIn(ddp_model))
+        run = _manual_forward(ddp_model)
+        for _ in range(2):  # buckets built, rebuilt (second forward) and handed over
+            buffers.clear()
+            with dryrun._ManualOptimization(model, [o for o in opts if o is not None]):
+                run(model, batch)
+        with sharded_tracking(tuple(buffers.values())):
+            result = dryrun._ledger_of_manual_step(model, batch, run, opts, autocast, device)
+    else:
+        run = no_sync_before_last(ddp_model, accumulate)
+        for _ in range(2):
+            buffers.clear()
+            _train_step(ddp_model, batch, run, opts[0], accumulate)
+        with sharded_tracking(tuple(buffers.values())):
+            result = dryrun._ledger_of_step(ddp_model, batch, run, opts[0], autocast, device, accumulate)
+    return _ddp_ledger(result, ddp_model, buffers, world)
+
+
+def copy_in_precision(module: nn.Module, precision: str | int) -> nn.Module:
+    """A deep copy of `module`, cast to a *-true precision's dtype."""
+    import copy
+
+    model = copy.deepcopy(module)
+    dtype, _ = dryrun._precision_dtypes(precision)
+    if dtype is not None:
+        model.to(dtype)
+    return model
+
+
+def _measure_fsdp2(model, module, batch, step, optimizer, precision, fsdp) -> ShardedLedger:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size()
+    dtype, autocast = dryrun._precision_dtypes(precision)
+    device = dryrun._target_device(model, None)
+    shard_model(model, make_mesh(init_device_mesh, world, fsdp.shard_size), fsdp)
+    opt = made_optimizers(optimizer, module, list(model.parameters()))[0]
+    with sharded_tracking():
+        result = dryrun._ledger_of_step(model, dryrun._cast_batch(batch, dtype), step, opt, autocast, device)
+    state = local_state_bytes(model, opt)
+    units = fsdp_units(model)
+    return sharded_ledger(dataclasses.replace(result, **state), "fsdp2", world, comm_buffers=max(units, default=0) * 2)
+
+
+def _hand_over_buffers(ddp_model: nn.Module, world: int) -> dict[int, torch.Tensor]:
+    """Register a comm hook that does what DDP's default one does (divide, then all-reduce in place) and keeps
+    each bucket's buffer in the dict returned, by bucket index."""
+    import torch.distributed as dist
+
+    buffers: dict[int, torch.Tensor] = {}
+
+    def allreduce(_state, bucket):
+        buffer = bucket.buffer()
+        buffers[bucket.index()] = buffer
+        buffer.div_(world)
+        return dist.all_reduce(buffer, async_op=True).get_future().then(lambda fut: fut.value()[0])
+
+    ddp_model.register_comm_hook(None, allreduce)
+    return buffers
+
+
+def _ddp_ledger(result, ddp_model, buffers: dict[int, torch.Tensor], world: int) -> ShardedLedger:
+    """The measured step with the Reducer's rebuilt buckets as DDP logs them (else the buffers' sizes)."""
+    sizes = tuple(b.numel() * b.element_size() for _, b in sorted(buffers.items()))
+    logging = ddp_model._get_ddp_logging_data()
+    logged = logging.get("rebuilt_bucket_sizes") or logging.get("bucket_sizes", "")
+    buckets = tuple(Bucket("", (), int(s)) for s in str(logged).split(", ") if s) or tuple(
+        Bucket("", (), s) for s in sizes
+    )
+    return sharded_ledger(result, "ddp", world, buckets=buckets, comm_buffers=sum(sizes))
+
+
+def _train_step(ddp_model, batch, run: StepFn, opt, accumulate: int) -> None:
+    """One optimizer step of `accumulate` micro-batches, in Lightning's order (dryrun._ledger_of_step's)."""
+    for micro in range(accumulate):
+        loss = run(ddp_model, batch) / accumulate
+        if micro == 0:
+            (opt or ddp_model).zero_grad(set_to_none=True)
+        loss.backward()
+        del loss
+    if opt is not None:
+        opt.step()
+
+
+def no_sync_before_last(ddp_model, accumulate: int) -> StepFn:
+    """The DDP forward of each micro-batch, every one but each `accumulate`-th under no_sync, as Lightning's
+    automatic optimization runs them (_block_parallel_sync_behavior). no_sync() only clears
+    require_backward_grad_sync, which DDP reads in its forward alone (_pre_forward/_post_forward decide
+    whether the Reducer expects the backward's hooks), so setting it before each forward does the same."""
+    calls = itertools.count()
+
+    def run(model: nn.Module, batch: object) -> torch.Tensor:
+        model.require_backward_grad_sync = next(calls) % accumulate == accumulate - 1
+        try:
+            return model(batch)
+        finally:
+            model.require_backward_grad_sync = True
+
+    return run
+
+
+class _StepModule(nn.Module):
+    def __init__(self, module: nn.Module, step: StepFn) -> None:
+        super().__init__()
+        self.module, self.step = module, step
+
+    def forward(self, batch: object) -> torch.Tensor:
+        return dryrun.loss_of(self.step(self.module, batch))
+
+
+class _ManualStep(nn.Module):
+    """A manual-optimization training step as Lightning's DDPStrategy runs it inside DDP's forward: each
+    manual_backward first prepares the Reducer (DDPStrategy.pre_backward -> prepare_for_backward), and after
+    the step the wrapper's require_backward_grad_sync is off until the outer forward returns
+    (_DDPForwardRedirection), so DDP's own _post_forward prepares nothing."""
+
+    def __init__(self, module: nn.Module, step: StepFn) -> None:
+        super().__init__()
+        self.module, self.step = module, step
+        self.wrapper: Callable[[], nn.Module] = lambda: None  # the DDP wrapper (a weakref: not a submodule)
+
+    def forward(self, batch: object) -> object:
+        patched = self.module.manual_backward  # dryrun._ManualOptimization's
+
+        ddp_model = self.wrapper()
+
+        def manual_backward(loss: torch.Tensor, *args, **kwargs) -> None:
+            _prepare_for_backward(ddp_model)
+            patched(loss, *args, **kwargs)
+
+        self.module.manual_backward = manual_backward
+        try:
+            return self.step(self.module, batch)
+        finally:
+            self.module.manual_backward = patched
+            ddp_model.require_backward_grad_sync = False
+
+
+class _DDPStrategyStandIn:
+    """What a manual training step reaches through `self.trainer.strategy` under Lightning's DDPStrategy: the
+    wrapper (`model`) and `block_backward_sync()`, its no_sync."""
+
+    def __init__(self, ddp_model: nn.Module) -> None:
+        self.model = ddp_model
+
+    def block_backward_sync(self):
+        return self.model.no_sync()
+
+
+def _prepare_for_backward(ddp_model) -> None:
+    """Lightning's overrides.distributed.prepare_for_backward (find_unused_parameters off)."""
+    if torch.is_grad_enabled() and ddp_model.require_backward_grad_sync:
+        ddp_model.require_forward_param_sync = True
+        ddp_model.reducer._rebuild_buckets()
+        ddp_model.reducer.prepare_for_backward([])
+    else:
+        ddp_model.require_forward_param_sync = False
+
+
+def _manual_forward(ddp_model) -> StepFn:
+    def run(model: nn.Module, batch: object) -> object:
+        try:
+            return ddp_model(batch)
+        finally:
+            ddp_model.require_backward_grad_sync = True  # _DDPForwardRedirection.on_after_outer_forward
+
+    return run
+
+
+def run_ranks(target: Callable, world_size: int, *args: object) -> list:
+    """`target(*args)` on each of `world_size` processes of a gloo process group on this CPU (spawned,
+    one thread each); the list of their return values by rank. `target` must be importable (a module-level
+    function) and its result picklable."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(
+            _rank_main, args=(world_size, tmp, target, args), nprocs=world_size, join=True, start_method="spawn"
+        )
+        return [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
+
+
+def _rank_main(rank: int, world_size: int, tmp: str, target: Callable, args: tuple) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    store = dist.FileStore(os.path.join(tmp, "store"), world_size)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+    try:
+        result = target(*args)
+        torch.save(result, os.path.join(tmp, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
