@@ -272,7 +272,7 @@ def account_any_model(argv: list[str], do_measure: bool) -> dict:
 
     The dry run, beside the real step with --measure. Both run on its data's first batch.
     No model FLOPs (6N + attention needs the architecture), so no MFU."""
-    from lmledger.callbacks.ledger import samples_per_batch, tokens_per_batch
+    from lmledger.callbacks.live import samples_per_batch, tokens_per_batch
     from lmledger.fitting.cli import build_model_and_data, first_batch
     from lmledger.ledger import predict as ledger_predict
     from lmledger.ledger.dryrun import map_tensors
@@ -398,7 +398,7 @@ def any_model_at_scale(argv: list[str], capacity_bytes: int | None = None) -> di
 
     Cases: as configured, and every block checkpointed (ledger.sharded). The module is built on the
     meta device, so an 8B model costs no memory. The batch is shaped like its data's first batch."""
-    from lmledger.callbacks.ledger import samples_per_batch, tokens_per_batch
+    from lmledger.callbacks.live import samples_per_batch, tokens_per_batch
     from lmledger.fitting.cli import build_model_and_data, first_batch
     from lmledger.ledger import predict as ledger_predict
     from lmledger.ledger import sharded

@@ -2,33 +2,25 @@
 
     Trainer(callbacks=[lmledger.Ledger()])
 
-One pipeline for lmledger's own LitLM and any other module alike:
+One pipeline for lmledger's LitLM and any other module:
 
-- predicted once per fit, before step 1: a dry run (lmledger.ledger.dryrun) of the module's own
-  training_step on fake tensors of the first batch's shapes, with the optimizer it configured, the
-  trainer's precision and its gradient accumulation: params, grads, optimizer state, saved activations,
-  peak, hardware FLOPs, and model FLOPs as 3 x the forward's (no recompute; docs/mfu.md). For a LitLM the
-  toy LM's closed forms stand beside it as a second predictor (callbacks.toy), and the dry run happens at
-  fit start, on a batch of the data module's shape;
-- checked: a predicted peak over what the device holds (callbacks.preflight) stops the run before step 1;
-- measured on the real steps (callbacks.measure.StepMeasurement): state, saved activations and FLOPs
-  over optimizer step 1, the peak over step 2; throughput after the warm-up (ledger.throughput);
-- reported as one ledger.report.Report: a rich table at fit start, at the first measurement and at the
-  end, the same as JSON (`report.to_json()`) and TensorBoard scalars (`memory/{predicted,closed_form,
-  measured}/*`, `flops/{hardware,model,closed_form,measured}_per_step`, `perf/*`), the text `ledger/table`
-  and the chart `memory/predicted_vs_measured`.
+- Predicted once per fit, before step 1 (callbacks.live). A dry run (ledger.dryrun) runs the module's
+  own training_step on fake tensors of the first batch's shapes. It uses the module's optimizer, the
+  trainer's precision and its gradient accumulation. It gives params, grads, optimizer state, saved
+  activations, peak, hardware FLOPs, and model FLOPs as 3 x the forward's (docs/mfu.md). A LitLM also
+  gets the toy LM's closed forms as a second predictor (callbacks.toy), at fit start.
+- Checked: a predicted peak over what the device holds stops the run before step 1 (callbacks.preflight).
+- Measured on the real steps (callbacks.measure): state, saved activations and FLOPs over optimizer
+  step 1, the peak over step 2. Throughput after the warm-up (ledger.throughput).
+- Reported as one ledger.report.Report: a rich table at fit start, first measurement and end. The same
+  goes to JSON (`report.to_json()`), TensorBoard scalars (`memory/{predicted,closed_form,measured}/*`,
+  `flops/{hardware,model,closed_form,measured}_per_step`, `perf/*`), the text `ledger/table` and the
+  chart `memory/predicted_vs_measured`.
 
-Tokens per batch: the module's `tokens_per_batch` if it has one (an int, or a method taking the batch);
-else the number of elements of the first integer tensor of rank 2 in the batch (token ids, batch x
-sequence); a batch with none has samples (the first tensor's first dimension), and the run reports
-samples/s and no tokens/s.
-
-Under ModelParallelStrategy (FSDP2: the module's configure_model calls fully_shard) the prediction is per
-rank, on a meta copy of the module kept at setup, before configure_model shards it (callbacks.fsdp2).
-
-A module the dry run cannot trace, or a sharded strategy it does not model yet, gets one line saying why it
-is not predicted, and is measured only. The callbacks never change what is trained: the dry run works on a
-fake copy, measurement only observes, and every RNG stream a step may draw from is left as it was found.
+Under DDP and FSDP2 the prediction is per rank (callbacks.live, callbacks.fsdp2).
+A module the dry run cannot trace gets one line saying why, and is measured only.
+The callbacks never change what is trained. The dry run works on a fake copy, measurement only
+observes, and every RNG stream a step may draw from is left as it was found.
 """
 
 from __future__ import annotations
@@ -39,11 +31,11 @@ import warnings
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, ModelParallelStrategy, SingleDeviceStrategy
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from rich.console import Console
 
 from lmledger.callbacks import fsdp2, preflight, toy
+from lmledger.callbacks.live import dry_run_training_step, is_toy_run, samples_per_batch, tokens_per_batch, toy_batch
 from lmledger.callbacks.measure import StepMeasurement
 from lmledger.callbacks.run import (
     is_logging_step,
@@ -60,62 +52,14 @@ from lmledger.callbacks.settings import LedgerSettings
 from lmledger.callbacks.throughput import compile_speedup, resolve_peak
 from lmledger.callbacks.timing import TimeLedger
 from lmledger.errors import UserError
-from lmledger.ledger import moe, precisions, sharded
-from lmledger.ledger.ddp import DDPSettings
+from lmledger.ledger import moe, precisions
 from lmledger.ledger.dryrun import NotTraced, StepLedger, batch_tensors, largest_batch
 from lmledger.ledger.gpus import Peak
 from lmledger.ledger.predict import lightning_step, resized
-from lmledger.ledger.report import Figures, Report, figures_of_step, markdown_table
+from lmledger.ledger.report import Figures, Report, bar_chart, figures_of_step, markdown_table
 from lmledger.ledger.run import Run
 from lmledger.ledger.throughput import Window
-from lmledger.ledger.units import MB, format_bytes, tera
-from lmledger.model import ToyLM
-
-# --------------------------------------------------------------------------------------------
-# The batch
-# --------------------------------------------------------------------------------------------
-
-
-def tokens_per_batch(pl_module: pl.LightningModule, batch: object) -> int | None:
-    """Tokens in `batch` (module docstring: the module's `tokens_per_batch`, else the first integer
-    rank-2 tensor's size), or None when the batch holds no token ids."""
-    told = getattr(pl_module, "tokens_per_batch", None)
-    if callable(told):
-        told = told(batch)
-    if told is not None:
-        if not isinstance(told, int) or isinstance(told, bool) or told < 0:
-            raise UserError(
-                f"{type(pl_module).__name__}.tokens_per_batch gave {told!r}: it must be a non-negative int "
-                "(or a method returning one)"
-            )
-        return told
-    for t in batch_tensors(batch):
-        if t.ndim == 2 and not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool:
-            return t.numel()
-    return None
-
-
-def samples_per_batch(batch: object) -> int:
-    """The first tensor's first dimension (1 for a batch with no tensors or a 0-dim one)."""
-    tensors = batch_tensors(batch)
-    return tensors[0].shape[0] if tensors and tensors[0].ndim else 1
-
-
-def is_toy_run(trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:
-    """lmledger's own run: a ToyLM at `.model` and a data module that states batch_size and context_length."""
-    datamodule = getattr(trainer, "datamodule", None)
-    return (
-        isinstance(getattr(pl_module, "model", None), ToyLM)
-        and isinstance(getattr(datamodule, "batch_size", None), int)
-        and isinstance(getattr(datamodule, "context_length", None), int)
-    )
-
-
-def _toy_batch(run: Run, size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """A batch shaped like the TokenDataModule's (inputs, targets), on the meta device: the dry run reads shapes."""
-    shape = (run.batch_size if size is None else size, run.seq_len)
-    return torch.empty(shape, dtype=torch.long, device="meta"), torch.empty(shape, dtype=torch.long, device="meta")
-
+from lmledger.ledger.units import format_bytes, tera
 
 # --------------------------------------------------------------------------------------------
 # The callback
@@ -190,7 +134,7 @@ class Ledger(pl.Callback):
             self.peak, line = resolve_peak(str(trainer.precision), pl_module.device, fp8)
         log_text(trainer, "perf/peak", line)
         if self.run is not None:  # the toy LM's batch shape is known before the first batch
-            self._predict(trainer, pl_module, _toy_batch(self.run), 0)
+            self._predict(trainer, pl_module, toy_batch(self.run), 0)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.run is not None and self.run.compiled:
@@ -286,7 +230,7 @@ class Ledger(pl.Callback):
         flag = "--data.batch_size" if self.run is not None else "a batch of"
 
         def batch_for(size: int) -> object:
-            return _toy_batch(self.run, size) if self.run is not None else resized(batch, size)
+            return toy_batch(self.run, size) if self.run is not None else resized(batch, size)
 
         if self._unsharded is not None:  # FSDP2: per rank, on the module as it was before configure_model
             found = fsdp2.largest_batch(
@@ -528,88 +472,3 @@ class Ledger(pl.Callback):
     @property
     def measured(self) -> Figures | None:
         return self.report.measured if self.report is not None else None
-
-
-def bar_chart(report: Report):
-    """memory/predicted_vs_measured: each memory line's first prediction and measurement side by side (a
-    bar chart: one-off values, where a custom-scalars chart would plot isolated dots against steps)."""
-    from matplotlib.figure import Figure
-
-    names = [n for n in report.lines() if not n.startswith("flops")]
-    predicted = [(report.primary.get(n) or 0) / MB for n in names]
-    measured = [((report.measured.get(n) if report.measured else None) or 0) / MB for n in names]
-    figure = Figure(figsize=(7, 0.6 * len(names) + 1.2), layout="constrained")
-    axes = figure.add_subplot()
-    ys = range(len(names))
-    height = 0.38
-    axes.barh([y - height / 2 for y in ys], predicted, height, label=next(iter(report.predicted)), color="#4c72b0")
-    axes.barh([y + height / 2 for y in ys], measured, height, label="measured", color="#dd8452")
-    axes.set_yticks(list(ys), names)
-    axes.invert_yaxis()
-    axes.set_xlabel("MB per device (1 MB = 1e6 bytes)")
-    figure.legend(loc="outside lower center", ncols=2)
-    return figure
-
-
-# --------------------------------------------------------------------------------------------
-# The dry run of a live module
-# --------------------------------------------------------------------------------------------
-
-
-def dry_run_training_step(
-    trainer: pl.Trainer, pl_module: pl.LightningModule, batch: object, batch_idx: int, accumulate: int = 1,
-    unsharded: torch.nn.Module | None = None,
-) -> StepLedger | moe.MoEBounds | NotTraced:  # fmt: skip
-    """The dry run of `pl_module.training_step` on `batch` with the trainer's optimizer, precision and
-    accumulation (two, under balanced and worst routing, where top-k routing decides a shape: ledger.moe),
-    or why there is none. The copy keeps the trainer and logs nothing; the RNG streams are untouched.
-    Under ModelParallelStrategy (FSDP2) it is one rank's step on `unsharded`, the module as setup saw it."""
-    why = _not_modelled(trainer, pl_module)
-    if why is not None:
-        return NotTraced(why)
-    if isinstance(trainer.strategy, ModelParallelStrategy):  # configure_model sharded pl_module: callbacks.fsdp2
-        return fsdp2.predict(trainer, pl_module, unsharded, batch, batch_idx, accumulate)
-    optimizers = torch_optimizers(trainer)
-    manual = not pl_module.automatic_optimization
-    with untouched_rng(pl_module.device), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        try:
-            if _replicated_ranks(trainer) > 1:  # DDP: one rank's step with its gradient buckets (ledger.ddp_dryrun)
-                # Accumulation: the micro-batches before the last run under no_sync, as Lightning runs them.
-                # Manual: each manual_backward fills the buckets unless the step turned the real wrapper's
-                # require_backward_grad_sync off (trainer.strategy.block_backward_sync()), read as it runs.
-                return sharded.predict_sharded(
-                    pl_module, batch, step=lightning_step(batch_idx, trainer),
-                    optimizer=optimizers if manual else (optimizers[0] if optimizers else None),
-                    precision=str(trainer.precision), strategy="ddp", world_size=trainer.world_size,
-                    ddp=DDPSettings.from_kwargs(getattr(trainer.strategy, "_ddp_kwargs", {}) or {}),
-                    device=pl_module.device, accumulate=accumulate, manual=manual,
-                    synced=lambda: getattr(trainer.strategy.model, "require_backward_grad_sync", True),
-                )  # fmt: skip
-            return moe.predict(
-                pl_module, batch, step=lightning_step(batch_idx, trainer),
-                optimizer=optimizers if manual else (optimizers[0] if optimizers else None),
-                precision=str(trainer.precision), device=pl_module.device, share=(trainer,),
-                accumulate=accumulate, manual=manual,
-            )  # fmt: skip
-        except UserError as err:
-            return NotTraced(str(err))
-
-
-def _replicated_ranks(trainer: pl.Trainer) -> int:
-    """The world size of a DDP run (every rank holds the whole model), else 1."""
-    strategy = trainer.strategy
-    if isinstance(strategy, DDPStrategy) and not isinstance(strategy, DeepSpeedStrategy):
-        return trainer.world_size
-    return 1
-
-
-def _not_modelled(trainer: pl.Trainer, pl_module: pl.LightningModule) -> str | None:
-    """Why the dry run does not apply to this run, or None."""
-    modelled = isinstance(trainer.strategy, (SingleDeviceStrategy, DDPStrategy, ModelParallelStrategy))
-    if not modelled or isinstance(trainer.strategy, DeepSpeedStrategy):  # DeepSpeed subclasses DDPStrategy
-        return (
-            f"{type(trainer.strategy).__name__} shards the model; the live dry run models replicated devices and "
-            "FSDP2 (ModelParallelStrategy)"
-        )
-    return None

@@ -115,7 +115,7 @@ class TimeLedger(pl.Callback):
             return
         prediction = self.prediction
         if prediction is None:
-            from lmledger.callbacks.ledger import dry_run_training_step
+            from lmledger.callbacks.live import dry_run_training_step
 
             result = dry_run_training_step(trainer, pl_module, batch, batch_idx)
             if isinstance(result, NotTraced):

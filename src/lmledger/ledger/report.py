@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 
 from rich.table import Table
 
-from lmledger.ledger.units import format_bytes, format_count
+from lmledger.ledger.units import MB, format_bytes, format_count
 
-__all__ = ["BYTE_LINES", "FLOP_LINES", "LINES", "Figures", "Report", "figures_of_step", "markdown_table"]
+__all__ = ["BYTE_LINES", "FLOP_LINES", "LINES", "Figures", "Report", "bar_chart", "figures_of_step", "markdown_table"]
 
 # The lines of every ledger table, in order: bytes per device, then FLOPs per optimizer step.
 BYTE_LINES = ("params", "grads", "optimizer", "activations", "autocast_weight_copies", "peak")
@@ -193,3 +193,24 @@ def markdown_table(header: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def bar_chart(report: Report):
+    """memory/predicted_vs_measured: each memory line's first prediction and measurement side by side (a
+    bar chart: one-off values, where a custom-scalars chart would plot isolated dots against steps)."""
+    from matplotlib.figure import Figure
+
+    names = [n for n in report.lines() if not n.startswith("flops")]
+    predicted = [(report.primary.get(n) or 0) / MB for n in names]
+    measured = [((report.measured.get(n) if report.measured else None) or 0) / MB for n in names]
+    figure = Figure(figsize=(7, 0.6 * len(names) + 1.2), layout="constrained")
+    axes = figure.add_subplot()
+    ys = range(len(names))
+    height = 0.38
+    axes.barh([y - height / 2 for y in ys], predicted, height, label=next(iter(report.predicted)), color="#4c72b0")
+    axes.barh([y + height / 2 for y in ys], measured, height, label="measured", color="#dd8452")
+    axes.set_yticks(list(ys), names)
+    axes.invert_yaxis()
+    axes.set_xlabel("MB per device (1 MB = 1e6 bytes)")
+    figure.legend(loc="outside lower center", ncols=2)
+    return figure
