@@ -1,12 +1,15 @@
-"""Checkpoints that survive a kill, load without running code, and say clearly when they do not fit.
+"""Checkpoints that survive a kill, load without running code, and say when they do not fit.
 
-- `AtomicCheckpointIO` is Lightning's checkpoint plugin over `lmledger.atomic.atomic_write` (a kill leaves
-  the previous file or the complete new one, never a torn one); it loads with weights_only=True.
-- `open_checkpoint` / `check_checkpoint_fits` turn a missing, corrupt or mismatched checkpoint into one UserError line.
-- `newest_checkpoint`: which checkpoint of a run directory `--ckpt_path last` means.
+    AtomicCheckpointIO      Lightning's checkpoint plugin over `lmledger.atomic.atomic_write`; loads weights_only
+    open_checkpoint,        a missing, corrupt or mismatched checkpoint -> one UserError line
+    check_checkpoint_fits
+    newest_checkpoint       the checkpoint of a run directory that `--ckpt_path last` means
 
-Beside it: lmledger.seeding (per-batch reseeding), lmledger.preemption (save and stop on SIGTERM/SIGUSR1,
-SLURM requeue), lmledger.rundir (a run directory of one's own, locked, undone when a run is refused).
+A kill leaves the previous file or the complete new one, never a torn one.
+
+Beside it: lmledger.seeding (per-batch reseeding) and lmledger.preemption (save and stop on
+SIGTERM/SIGUSR1, SLURM requeue). And lmledger.rundir: a run directory of one's own, locked, undone
+when a run is refused.
 """
 
 from __future__ import annotations
@@ -28,20 +31,29 @@ from lmledger.errors import UserError
 from lmledger.lightning_private import is_local_path
 from lmledger.model import ModelConfig
 
-# Objects besides tensors and containers that our checkpoints may hold: a LitLM built in Python (not through
-# the CLI, which stores plain dicts) keeps its ModelConfig dataclass in hyper_parameters.
-SAFE_CHECKPOINT_GLOBALS = [ModelConfig]
+__all__ = [
+    "AtomicCheckpointIO",
+    "check_checkpoint_fits",
+    "make_last_checkpoint_atomic",
+    "newest_checkpoint",
+    "open_checkpoint",
+]
+
+# Objects besides tensors and containers that our checkpoints may hold. A LitLM built in Python keeps
+# its ModelConfig dataclass in hyper_parameters. (The CLI stores plain dicts.)
+_SAFE_CHECKPOINT_GLOBALS = [ModelConfig]
 
 
 # ------------------------------------------------------------------------------------- writing
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """torch.save/torch.load checkpoints; local saves are atomic and loads refuse to run pickled code.
+    """torch.save/torch.load checkpoints: local saves are atomic, loads run no pickled code.
 
-    Lightning's own local save writes a temp file in the system temp dir and moves it into place without
-    fsync (canary test_lightning_saves_through_the_system_temp_dir_without_fsync): a copy when /tmp is
-    another filesystem, and a killed save leaves a checkpoint-sized orphan there. URLs keep Lightning's path.
+    Lightning's own local save writes a temp file in the system temp dir. It moves it into place
+    without fsync (canary test_lightning_saves_through_the_system_temp_dir_without_fsync). That is a
+    copy when /tmp is another filesystem. A killed save leaves a checkpoint-sized orphan there. URLs
+    keep Lightning's path.
     """
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
@@ -51,26 +63,26 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
     def load_checkpoint(self, path, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
         if not is_local_path(path):
-            # Lightning reads weights_only=None as False for URLs; keep it safe unless asked otherwise
+            # Lightning reads weights_only=None as False for URLs. Keep it safe unless asked otherwise
             # (canary test_remote_checkpoints_load_unsafely_by_default).
             safe = True if weights_only is None else weights_only
             return super().load_checkpoint(path, map_location=map_location or "cpu", weights_only=safe)
         if weights_only is False:
-            # Only code can ask for this (the CLI never does); say once that it unpickles arbitrary objects.
+            # Only code asks for this, never the CLI. Say once that it unpickles arbitrary objects.
             rank_zero_warn(f"loading {path} with weights_only=False runs any code pickled into it")
             return torch.load(path, map_location=map_location or "cpu", weights_only=False)
         return open_checkpoint(path, map_location=map_location or "cpu")
 
 
 def make_last_checkpoint_atomic(callbacks: list[pl.Callback]) -> None:
-    """Keep last.ckpt whole across a kill for every ModelCheckpoint among `callbacks`.
+    """Keep last.ckpt whole across a kill, for every ModelCheckpoint among `callbacks`.
 
-    With save_last="link" Lightning removes last.ckpt before linking the new one (canary
-    test_link_last_removes_the_old_link_before_making_the_new_one): a kill in between leaves it missing or
-    dangling. A full save through AtomicCheckpointIO never does, so "link" becomes a full save.
+    With save_last="link", Lightning removes last.ckpt before linking the new one (canary
+    test_link_last_removes_the_old_link_before_making_the_new_one). A kill in between leaves it
+    missing or dangling. A full save through AtomicCheckpointIO never does. So "link" becomes a full save.
     """
     for callback in callbacks:
-        # Lightning links only when it also keeps top-k files; with save_top_k=0 "link" already saves in full.
+        # Lightning links only when it also keeps top-k files. With save_top_k=0, "link" saves in full.
         if isinstance(callback, ModelCheckpoint) and callback.save_last == "link" and callback.save_top_k != 0:
             callback.save_last = True
             rank_zero_warn("ModelCheckpoint(save_last='link') is not crash-safe; saving last.ckpt in full instead")
@@ -80,23 +92,23 @@ def make_last_checkpoint_atomic(callbacks: list[pl.Callback]) -> None:
 
 
 def open_checkpoint(path: str | os.PathLike, map_location: Any = "cpu", mmap: bool = False) -> dict[str, Any]:
-    """torch.load with weights_only=True; a missing, unreadable or non-Lightning file is one UserError line.
+    """torch.load with weights_only=True. A missing, unreadable or non-Lightning file is one UserError line.
 
-    mmap=True reads only the pickled structure (tensors stay on disk until touched): a cheap check.
+    mmap=True reads only the pickled structure: a cheap check. Tensors stay on disk until touched.
     """
     path = Path(path)
     if not path.is_file():
         raise UserError(f"checkpoint {path} does not exist; pass a .ckpt file written by `lmledger fit`")
     try:
-        with torch.serialization.safe_globals(SAFE_CHECKPOINT_GLOBALS):
+        with torch.serialization.safe_globals(_SAFE_CHECKPOINT_GLOBALS):
             checkpoint = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
-    except Exception as err:  # torch raises RuntimeError, UnpicklingError, OSError, ... for damaged files
+    except Exception as err:  # damaged files: torch raises RuntimeError, UnpicklingError, OSError, ...
         if not zipfile.is_zipfile(path):
             # A truncated archive gives a bare "[Errno 22] Invalid argument" from torch.
             reason = "not a complete zip archive: truncated, or not written by torch.save"
         elif "Weights only load failed" in str(err):
             reason = "it holds pickled objects other than tensors and plain containers, refused for safety"
-        else:  # torch's messages run to several sentences of advice; the first names the damage
+        else:  # torch's messages run to several sentences of advice. The first names the damage.
             reason = str(err).strip().splitlines()[0].split(". ")[0] if str(err).strip() else type(err).__name__
         raise UserError(
             f"checkpoint {path} cannot be read ({reason}); pass a .ckpt file written by `lmledger fit`"
@@ -138,22 +150,25 @@ def check_checkpoint_fits(path: str | os.PathLike, module: pl.LightningModule) -
     )
 
 
-def checkpoint_step(path: str | os.PathLike) -> int | None:
-    """The global_step recorded in a checkpoint (read through mmap: cheap), or None if it cannot be read."""
+def _checkpoint_step(path: str | os.PathLike) -> int | None:
+    """A checkpoint's recorded global_step (read through mmap: cheap); None if unreadable."""
     try:
-        with torch.serialization.safe_globals(SAFE_CHECKPOINT_GLOBALS):
+        with torch.serialization.safe_globals(_SAFE_CHECKPOINT_GLOBALS):
             checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         return int(checkpoint["global_step"])
-    except Exception:  # a damaged file is reported when it is opened for real, if it is the one chosen
+    except Exception:  # a damaged file is reported when opened for real, if it is the one chosen
         return None
 
 
 def newest_checkpoint(checkpoint_dir: str | os.PathLike) -> Path | None:
-    """The checkpoint in `checkpoint_dir` that has trained furthest: the largest recorded global_step, the
-    newest modification time among equals (last.ckpt, last-v1.ckpt after a moved run directory, top-k files)."""
+    """The checkpoint in `checkpoint_dir` that has trained furthest.
+
+    That is the largest recorded global_step; among equals, the newest modification time. Candidates
+    are last.ckpt, last-v1.ckpt (after a moved run directory) and top-k files.
+    """
     found = []
     for path in Path(checkpoint_dir).glob("*.ckpt"):
         if path.is_file():
-            step = checkpoint_step(path)
+            step = _checkpoint_step(path)
             found.append((-1 if step is None else step, path.stat().st_mtime_ns, path))
     return max(found)[2] if found else None

@@ -1,8 +1,9 @@
-"""Save and stop on SIGTERM/SIGUSR1 at a step boundary, and requeue the SLURM job the run is in.
+"""Save and stop on SIGTERM/SIGUSR1 at a step boundary; requeue the run's SLURM job.
 
-- `PreemptionCheckpoint` turns SIGTERM or SIGUSR1 into "finish this step, save last.ckpt, stop" (`Preempted`).
-- `noted_stop_signals` keeps a SIGUSR1 that comes while the run is built, for the first step boundary.
-- `slurm_job_key` / `slurm_line` / `requeue_slurm_job`: the SLURM job this process runs in.
+    PreemptionCheckpoint    SIGTERM or SIGUSR1 -> finish this step, save last.ckpt, stop (Preempted)
+    noted_stop_signals      keeps a SIGUSR1 that comes while the run is built, for the first step boundary
+
+`slurm_job_key`, `slurm_line` and `_requeue_slurm_job` deal with the SLURM job this process runs in.
 """
 
 from __future__ import annotations
@@ -20,12 +21,16 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lmledger.lightning_private import accumulating, save_last_checkpoint, take_received_sigterm
 
+__all__ = ["Preempted", "PreemptionCheckpoint", "noted_stop_signals", "slurm_job_key", "slurm_line"]
+
 # ------------------------------------------------------------------------------------- SLURM
 
 
 def slurm_job_key(env=None) -> str | None:
-    """The SLURM job this process runs in, as `scontrol requeue` names it: "ARRAYJOB_TASK" for an array
-    task, else the job id; None outside SLURM."""
+    """This process's SLURM job, as `scontrol requeue` names it; None outside SLURM.
+
+    An array task is "ARRAYJOB_TASK"; any other job, its id.
+    """
     env = os.environ if env is None else env
     array, task = env.get("SLURM_ARRAY_JOB_ID"), env.get("SLURM_ARRAY_TASK_ID")
     if array and task:
@@ -34,7 +39,7 @@ def slurm_job_key(env=None) -> str | None:
 
 
 def slurm_line(env=None) -> str | None:
-    """ "SLURM job 12 (array task 3 of job 9), restart 1" for a run's first line and its TensorBoard text."""
+    """ "SLURM job 12 (array task 3 of job 9), restart 1": for a run's first line and TensorBoard text."""
     env = os.environ if env is None else env
     job = env.get("SLURM_JOB_ID")
     if not job:
@@ -45,7 +50,7 @@ def slurm_line(env=None) -> str | None:
 
 
 def _slurm_job_state(job: str) -> str | None:
-    """The job's state as scontrol reports it (RUNNING, COMPLETING, CANCELLED, ...), None if unknown."""
+    """The job's state from scontrol (RUNNING, COMPLETING, CANCELLED, ...); None if unknown."""
     import subprocess
 
     try:
@@ -58,13 +63,13 @@ def _slurm_job_state(job: str) -> str | None:
     return match.group(1) if match else None
 
 
-def requeue_slurm_job(signum: int | None) -> str | None:
-    """Requeue the job this process runs in, after its checkpoint is saved; returns a few words on the outcome.
+def _requeue_slurm_job(signum: int | None) -> str | None:
+    """Requeue this process's job once its checkpoint is saved; a few words on the outcome.
 
-    SIGUSR1 is SLURM's warning (`--signal=B:USR1@N` before the time limit, `scancel --signal=USR1`): the job
-    would end, so it is requeued here. On SIGTERM the job is requeued only while SLURM still counts it
-    RUNNING (`scancel --signal=TERM`): after `scontrol requeue` or a preemption SLURM requeues it itself, and
-    after a plain `scancel` (CANCELLED) the user asked it to end.
+    SIGUSR1 is SLURM's warning: `--signal=B:USR1@N` before the time limit, or `scancel --signal=USR1`.
+    The job would end, so it is requeued here. On SIGTERM it is requeued only while SLURM counts it
+    RUNNING (`scancel --signal=TERM`). After `scontrol requeue` or a preemption, SLURM requeues it
+    itself. After a plain `scancel` (CANCELLED), the user asked it to end.
     """
     import subprocess
 
@@ -88,8 +93,11 @@ def requeue_slurm_job(signum: int | None) -> str | None:
 
 
 class Preempted(SIGTERMException):
-    """Training stopped on SIGTERM/SIGUSR1 after a complete step; `checkpoint` holds it (None: nothing was
-    saved); `requeued` says what became of the SLURM job (None outside SLURM)."""
+    """Training stopped on SIGTERM/SIGUSR1 after a complete step.
+
+    `checkpoint` holds that step (None: nothing was saved). `requeued` says what became of the SLURM
+    job (None outside SLURM).
+    """
 
     def __init__(self, step: int, checkpoint: str | None, requeued: str | None = None) -> None:
         super().__init__(143)
@@ -105,9 +113,11 @@ def _note_early(signum, frame) -> None:
 
 @contextlib.contextmanager
 def noted_stop_signals():
-    """While `lmledger fit` parses and builds, before PreemptionCheckpoint takes over: a SIGUSR1 is noted
-    (and acted on at the first step boundary) rather than ending the process, its default action. A
-    handler someone else installed stays."""
+    """Note a SIGUSR1 while `lmledger fit` parses and builds, before PreemptionCheckpoint takes over.
+
+    Its default action would end the process. Noted, it is acted on at the first step boundary. A
+    handler someone else installed stays.
+    """
     usr1 = getattr(signal, "SIGUSR1", None)
     try:
         previous = signal.getsignal(usr1) if usr1 is not None else None
@@ -123,22 +133,25 @@ def noted_stop_signals():
             signal.signal(usr1, signal.SIG_DFL)
 
 
-# The signals that mean "save and stop": SLURM and Kubernetes send SIGTERM before killing a job, SLURM sends
-# SIGUSR1 as its warning before a time limit (`#SBATCH --signal=B:USR1@90`) or on `scancel --signal=USR1`.
-STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGUSR1") if hasattr(signal, name))
+# The signals that mean "save and stop". SLURM and Kubernetes send SIGTERM before killing a job. SLURM
+# sends SIGUSR1 as its warning before a time limit (`#SBATCH --signal=B:USR1@90`) or on `scancel --signal=USR1`.
+_STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGUSR1") if hasattr(signal, name))
 
 
 class PreemptionCheckpoint(pl.Callback):
-    """On SIGTERM or SIGUSR1 finish the current optimizer step, save last.ckpt atomically, requeue the SLURM
-    job the run is in (requeue_slurm_job), and stop the fit with `Preempted`.
+    """On SIGTERM or SIGUSR1: finish the optimizer step, save last.ckpt, requeue, stop with `Preempted`.
 
-    Lightning's own SIGTERM handler stops after the current batch without saving, mid-accumulation alike,
-    and exits 0 (canary test_lightning_stops_on_sigterm_without_saving); its SLURM requeue (SIGUSR1) works
-    only when SLURMEnvironment is detected (srun or --ntasks), saves an hpc_ckpt_N.ckpt that `--ckpt_path
-    last` does not see, and saves mid-accumulation. This is the one path instead: the handler only takes
-    note; the decision to stop is made at the step boundary, reduced over the ranks (any rank signalled:
-    all stop at the same step), the save follows the optimizer step (where ModelCheckpoint saves), and the
-    stop comes at the next batch's start, after that step's logging and validation.
+    The save is atomic. The requeue is of the run's SLURM job (_requeue_slurm_job).
+
+    Lightning's own SIGTERM handler stops after the current batch without saving, even
+    mid-accumulation. It exits 0 (canary test_lightning_stops_on_sigterm_without_saving). Its SLURM
+    requeue (SIGUSR1) works only when SLURMEnvironment is detected (srun or --ntasks). It saves an
+    hpc_ckpt_N.ckpt that `--ckpt_path last` does not see, and saves mid-accumulation.
+
+    This is the one path instead. The handler only takes note. The decision to stop is made at the
+    step boundary, reduced over the ranks: if any rank is signalled, all stop at the same step. The
+    save follows the optimizer step, where ModelCheckpoint saves. The stop comes at the next batch's
+    start, after that step's logging and validation.
     """
 
     def __init__(self) -> None:
@@ -189,7 +202,7 @@ class PreemptionCheckpoint(pl.Callback):
         # A SIGTERM during set-up or the sanity check reached Lightning's handler: take it over.
         if take_received_sigterm(trainer):
             self.requested, self.signum = True, self.signum or signal.SIGTERM
-        for signum in STOP_SIGNALS:
+        for signum in _STOP_SIGNALS:
             self._install(signum)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
@@ -207,7 +220,7 @@ class PreemptionCheckpoint(pl.Callback):
         self.saved = self._save_last(trainer)  # every rank calls it: Lightning's save is collective
         self._saved_step = trainer.global_step
         if trainer.is_global_zero:
-            self.requeued = requeue_slurm_job(self.signum)
+            self.requeued = _requeue_slurm_job(self.signum)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._restore_handlers()

@@ -1,7 +1,7 @@
 """A run's version directory: the next free one, the SLURM job training there, one writer, no litter.
 
-`claim_version_dir` makes `version_N` atomically; `RunClaim` locks it (lmledger.runlock) for the fit and,
-when the run is refused before its first step is through every check, leaves it as it was found.
+`claim_version_dir` makes `version_N` atomically. `RunClaim` locks it for the fit (lmledger.runlock).
+A run refused before its first step passes every check leaves it as it was found.
 """
 
 from __future__ import annotations
@@ -14,6 +14,16 @@ import lightning.pytorch as pl
 
 from lmledger.atomic import atomic_write
 from lmledger.errors import UserError
+
+__all__ = [
+    "SLURM_JOB_FILE",
+    "RunClaim",
+    "claim_version_dir",
+    "release_claims",
+    "slurm_job_version",
+    "undo_uncommitted_claims",
+    "versions",
+]
 
 _VERSION = re.compile(r"version_(\d+)")
 
@@ -29,8 +39,8 @@ def versions(run_root: str | os.PathLike) -> list[int]:
 def claim_version_dir(run_root: str | os.PathLike) -> int:
     """Create `run_root/version_N` for the next free N and return N.
 
-    mkdir is atomic: of two runs that pick the same N at the same moment, one creates it and the other
-    moves on to N+1 (TensorBoardLogger lists the directory and creates the version later: both took N).
+    mkdir is atomic. Of two runs that pick the same N at once, one creates it; the other moves on to
+    N+1. (TensorBoardLogger lists the directory and creates the version later: both took N.)
     """
     root = Path(run_root)
     root.mkdir(parents=True, exist_ok=True)
@@ -45,15 +55,15 @@ def claim_version_dir(run_root: str | os.PathLike) -> int:
 
 # ------------------------------------------------------------------------------------- one writer, no litter
 
-# Beside the lock in a version directory: the SLURM job (slurm_job_key) that trains there, so that the
-# job's requeued runs find it with --ckpt_path auto, and another job does not.
+# Beside the lock in a version directory: the SLURM job (slurm_job_key) that trains there.
+# The job's requeued runs find it with --ckpt_path auto; another job does not.
 SLURM_JOB_FILE = "slurm_job"
-# Files this small are restored byte for byte when a refused run rewrote them (hparams.yaml, a config).
+# A refused run's rewrites of files this small are undone byte for byte (hparams.yaml, a config).
 _RESTORE_AT_MOST = 1 << 20
 
 
 def slurm_job_version(run_root: str | os.PathLike, job: str) -> int | None:
-    """The version directory of `run_root` that SLURM job `job` trains in, if any (the newest, should two)."""
+    """The version of `run_root` that SLURM job `job` trains in, if any (the newest, should two)."""
     root = Path(run_root)
     for version in sorted(versions(root), reverse=True):
         try:
@@ -65,13 +75,13 @@ def slurm_job_version(run_root: str | os.PathLike, job: str) -> int | None:
 
 
 class RunClaim(pl.Callback):
-    """The run directory a fit trains in: held under a lock (lmledger.runlock) while the process lives, and,
-    if the run is refused before its first step is through every check, left as it was found.
+    """The run directory a fit trains in, locked while the process lives (lmledger.runlock).
 
-    `claim()` snapshots the directory and takes its lock; until the run is committed (its second optimizer
-    step starts, a checkpoint is saved, or training ends), `undo()` removes whatever this process created
-    there (a version directory it made, in full; in an existing one, only the new files) and restores the
-    small files it rewrote. Nothing that was there before is removed.
+    If the run is refused before its first step passes every check, it is left as it was found.
+    `claim()` snapshots the directory and takes its lock. The run is committed when its second
+    optimizer step starts, a checkpoint is saved, or training ends. Until then, `undo()` removes what
+    this process created there. A version directory it made goes in full; in an existing one, only the
+    new files go. It restores the small files it rewrote. Nothing that was there before is removed.
     """
 
     def __init__(self) -> None:
@@ -175,7 +185,7 @@ _CLAIMS: list[RunClaim] = []
 
 
 def undo_uncommitted_claims() -> None:
-    """A refused run (UserError before its first step passed every check): undo this process's claims."""
+    """Undo this process's claims, for a refused run (a UserError before its first step passed every check)."""
     for claim in list(_CLAIMS):
         claim.undo()
 

@@ -12,8 +12,10 @@ import torch
 
 from lmledger.lightning_private import batches_fetched
 
+__all__ = ["StepSeeder"]
 
-def step_seed(seed: int, rank: int, batch: int) -> int:
+
+def _step_seed(seed: int, rank: int, batch: int) -> int:
     """A 63-bit seed for training batch `batch` on `rank`, well mixed by SeedSequence."""
     state = np.random.SeedSequence(seed, spawn_key=(rank, batch)).generate_state(2, np.uint32)
     return int(state[0]) << 31 | int(state[1]) >> 1
@@ -22,12 +24,12 @@ def step_seed(seed: int, rank: int, batch: int) -> int:
 class StepSeeder(pl.Callback):
     """Reseeds torch (CPU and every CUDA device), numpy and `random` before each training batch.
 
-    Lightning checkpoints model, optimizer, schedule and loop progress but no generator states. Even saved
-    states would not make resume exact: dataloader iterators, validation and measurement callbacks draw from
-    the global generators between steps, differently in a resumed run. Keying each batch's random state
-    on (seed, rank, batch index) instead makes dropout masks and other draws in batch i the same however
-    the run got there. The seed is the one `seed_everything` set (LightningCLI's `seed_everything:`);
-    without one, nothing is reseeded.
+    Lightning checkpoints model, optimizer, schedule and loop progress, but no generator states. Even
+    saved states would not make resume exact. Dataloader iterators, validation and measurement
+    callbacks draw from the global generators between steps, differently in a resumed run. So each
+    batch's random state is keyed on (seed, rank, batch index) instead. Dropout masks and other draws
+    in batch i are then the same however the run got there. The seed is the one `seed_everything` set
+    (LightningCLI's `seed_everything:`). Without one, nothing is reseeded.
     """
 
     def on_train_batch_start(
@@ -37,11 +39,12 @@ class StepSeeder(pl.Callback):
         if seed is None:
             return
         batch_index = batches_fetched(trainer) - 1
-        value = step_seed(int(seed), trainer.global_rank, batch_index)
+        value = _step_seed(int(seed), trainer.global_rank, batch_index)
         random.seed(value)
         np.random.seed(value % 2**32)
-        # torch.manual_seed would also queue lazy seeds for CUDA, MPS, XPU and MTIA, each capturing a stack
-        # trace: 234 us a step on a CPU-only torch against 9 us for the generators a run has (2026-12-01).
+        # torch.manual_seed would also queue lazy seeds for CUDA, MPS, XPU and MTIA, each capturing a
+        # stack trace. On a CPU-only torch that is 234 us a step, against 9 us for the generators a run
+        # has (2026-12-01).
         torch.default_generator.manual_seed(value)
         if torch.cuda.is_available():
             torch.cuda.manual_seed_all(value)

@@ -1,8 +1,8 @@
 """`--trainer.strategy fsdp2`: FSDP2 over every rank, by name.
 
-Lightning's ModelParallelStrategy defaults to data parallel = nodes and tensor parallel = devices per
-node, so on one node its "auto" is all tensor parallel. FSDP2Strategy fixes tensor parallel at 1: every
-rank shards the model (what `lmledger account --trainer.strategy fsdp2` predicts).
+Lightning's ModelParallelStrategy defaults to data parallel = nodes, tensor parallel = devices per
+node. So on one node its "auto" is all tensor parallel. FSDP2Strategy fixes tensor parallel at 1.
+Every rank shards the model, as `lmledger account --trainer.strategy fsdp2` predicts.
 """
 
 from __future__ import annotations

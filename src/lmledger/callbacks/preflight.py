@@ -1,15 +1,18 @@
 """What one device can hold, for the ledger's check before step 1 (callbacks.ledger.Ledger).
 
-The predicted peak of a training step is compared with:
-- on CUDA, the bytes free on the device plus those this process's caching allocator already holds
-  (the model's parameters live there and are part of the prediction);
-- on CPU, the RAM the kernel says is available (MemAvailable in /proc/meminfo, or psutil where
-  /proc is absent), shared between the processes of this machine, plus the model's parameters and
-  buffers, which are already allocated and part of the prediction;
-- anywhere, `device_memory_gb` when set (1 GB = 1e9 bytes): on CUDA the smaller of the two wins; on
-  CPU the setting replaces the RAM figure (the user may know of swap, or of other jobs to come).
-If the peak does not fit, the run stops with `does_not_fit`'s line: predicted vs available, the largest
-component and the largest batch that fits.
+The predicted peak of a training step is compared with a capacity:
+
+    CUDA        bytes free on the device + those this process's caching allocator holds
+    CPU         available RAM (MemAvailable in /proc/meminfo; psutil where /proc is absent),
+                shared between this machine's processes, + the model's parameters and buffers
+    anywhere    `device_memory_gb` when set (1 GB = 1e9 bytes)
+
+On CUDA the model's parameters live in the allocator's bytes. On CPU they are already allocated. In
+both, they are part of the prediction. On CUDA the smaller of the device and the setting wins. On
+CPU the setting replaces the RAM figure: the user may know of swap, or of other jobs to come.
+
+If the peak does not fit, the run stops with `does_not_fit`'s line. It gives predicted vs available,
+the largest component and the largest batch that fits.
 """
 
 from __future__ import annotations
@@ -22,6 +25,15 @@ import torch
 from lmledger.ledger.report import Figures
 from lmledger.ledger.units import format_bytes
 
+__all__ = [
+    "MEMINFO",
+    "Capacity",
+    "available_memory",
+    "available_ram",
+    "does_not_fit",
+    "processes_on_this_machine",
+]
+
 
 @dataclass(frozen=True)
 class Capacity:
@@ -33,11 +45,11 @@ MEMINFO = "/proc/meminfo"
 
 
 def available_ram() -> Capacity | None:
-    """RAM a new allocation can get without swapping, or None where neither /proc nor psutil says."""
+    """RAM a new allocation can get without swapping; None where neither /proc nor psutil says."""
     try:
         with open(MEMINFO) as f:
             for line in f:
-                # "MemAvailable:   22874512 kB" (proc(5): the kernel's estimate, page cache included; kB = 1024 B)
+                # "MemAvailable:   22874512 kB". proc(5): the kernel's estimate, page cache included; kB = 1024 B.
                 if line.startswith("MemAvailable:"):
                     return Capacity(int(line.split()[1]) * 1024, "MemAvailable in /proc/meminfo")
     except (OSError, ValueError, IndexError):
@@ -50,7 +62,7 @@ def available_ram() -> Capacity | None:
 
 
 def _held_bytes(module: torch.nn.Module) -> int:
-    """Bytes of the module's CPU parameters and buffers: allocated already, yet counted in the prediction."""
+    """Bytes of the module's CPU parameters and buffers: allocated already, and counted in the prediction."""
     tensors = [*module.parameters(), *module.buffers()]
     return sum(t.numel() * t.element_size() for t in tensors if t.device.type == "cpu")
 
@@ -61,10 +73,10 @@ def available_memory(
     module: torch.nn.Module | None = None,
     processes_here: int = 1,
 ) -> Capacity | None:
-    """What one device can hold for this run, or None where nothing says.
+    """What one device can hold for this run; None where nothing says.
 
-    On CPU the machine's available RAM is split between the `processes_here` training processes
-    on it, and each already holds its module's tensors.
+    On CPU, the machine's available RAM is split between its `processes_here` training processes.
+    Each already holds its module's tensors.
     """
     setting = None
     if device_memory_gb is not None:
@@ -95,5 +107,5 @@ def does_not_fit(predicted: Figures, capacity: Capacity, hint: str) -> str:
 
 
 def processes_on_this_machine(trainer: pl.Trainer) -> int:
-    """Training processes sharing this machine's RAM (a CPU DDP run starts one per device)."""
+    """Training processes sharing this machine's RAM. A CPU DDP run starts one per device."""
     return max(1, trainer.world_size // max(1, trainer.num_nodes))

@@ -1,8 +1,8 @@
 """Progress as plain lines, for logs that are not a terminal (batch jobs, CI, `make demo > log`).
 
-Lightning's bars redraw in place and show nothing useful in a file. `PlainProgress` is a progress bar in
-Lightning's sense (it receives the `prog_bar` values: loss, tok/s, mfu) that prints one line per logging
-interval and one per validation:
+Lightning's bars redraw in place and show nothing useful in a file. `PlainProgress` is a progress
+bar in Lightning's sense: it receives the `prog_bar` values (loss, tok/s, mfu). It prints one line per
+logging interval and one per validation:
 
     step 100/600  loss 2.3456  tok/s 12,345  mfu 0.457  elapsed 0:21  eta 1:45
 """
@@ -17,6 +17,8 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks.progress.progress_bar import ProgressBar
 
 from lmledger.lightning_private import accumulating
+
+__all__ = ["PlainProgress", "plain_progress_if_not_a_terminal"]
 
 
 def _clock(seconds: float) -> str:
@@ -34,7 +36,7 @@ def _value(name: str, value: float) -> str:
 
 
 class PlainProgress(ProgressBar):
-    """One line every `log_every_n_steps` optimizer steps (and after each validation) to `stream`."""
+    """One line to `stream` every `log_every_n_steps` optimizer steps, and after each validation."""
 
     def __init__(self, stream: TextIO | None = None) -> None:
         super().__init__()
@@ -64,7 +66,7 @@ class PlainProgress(ProgressBar):
         metrics = self.get_metrics(trainer, pl_module)
         metrics.pop("v_num", None)
         parts = [f"step {step}" + (f"/{trainer.max_steps}" if trainer.max_steps > 0 else "")]
-        # Validation's values stay in the bar's metrics between validations; they get their own line.
+        # Validation's values stay in the bar's metrics between validations. They get their own line.
         parts += [f"{k} {_value(k, v)}" for k, v in metrics.items() if not k.startswith("val/")]
         elapsed = time.perf_counter() - self._start
         parts.append(f"elapsed {_clock(elapsed)}")
@@ -82,7 +84,7 @@ class PlainProgress(ProgressBar):
 
 
 def plain_progress_if_not_a_terminal(enable_progress_bar: bool | None) -> list[pl.Callback]:
-    """[PlainProgress()] when stdout is not a terminal and the config keeps a progress bar; else []."""
+    """[PlainProgress()] if stdout is not a terminal and the config keeps a progress bar; else []."""
     if enable_progress_bar is False or sys.stdout.isatty():
         return []
     return [PlainProgress()]

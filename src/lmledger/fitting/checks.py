@@ -1,6 +1,6 @@
 """What `lmledger fit|validate` refuses before a run starts: config files, class paths, trainer values.
 
---ckpt_path and what a checkpoint may resume are fitting.resume's.
+--ckpt_path, and what a checkpoint may resume, are fitting.resume's.
 """
 
 from __future__ import annotations
@@ -23,24 +23,42 @@ from lightning.pytorch.accelerators import MPSAccelerator
 from lmledger.errors import ConfigError, UserError
 from lmledger.ledger.predict import configured_optimizer
 
+__all__ = [
+    "SUBCOMMANDS",
+    "DropAdverts",
+    "build_failure",
+    "check_accelerator",
+    "check_class_paths",
+    "check_config_files",
+    "check_trainer_values",
+    "check_trains_something",
+    "config_files",
+    "named_classes",
+    "read_config",
+    "refuse_empty_train_loader",
+    "refuse_several_optimizers",
+]
+
 SUBCOMMANDS = ("fit", "validate")
 
 
 class DropAdverts(logging.Filter):
-    """Lightning's "💡 Tip" for a cloud logger, on every run (canary test_lightning_advertises_a_cloud_logger)."""
+    """Drop Lightning's "💡 Tip" for a cloud logger, on every run (canary test_lightning_advertises_a_cloud_logger)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not str(record.msg).startswith("💡 Tip")
 
 
 def build_failure(err: BaseException) -> UserError | None:
-    """One line for an exception a class's own __init__ raised while jsonargparse built it, or None.
+    """One line for an exception a class's own __init__ raised while jsonargparse built it; or None.
 
-    jsonargparse reports a failed subclass build (`--model X`, `--data.init_args.*`, a callback) as a
-    ValueError listing every Union subtype it tried, raised `from` the original exception (canary
-    test_jsonargparse_chains_a_failed_build). The deepest cause is the class's own error; the innermost
-    traceback frame holding `class_type` (jsonargparse's and Lightning's instantiators) names the class.
-    The kit's UserError comes through as it is, anything else as `building pkg.Class failed (Type: ...)`."""
+    jsonargparse reports a failed subclass build as a ValueError listing every Union subtype it tried.
+    Builds are `--model X`, `--data.init_args.*`, a callback. The ValueError is raised `from` the
+    original exception (canary test_jsonargparse_chains_a_failed_build). The deepest cause is the
+    class's own error. The innermost traceback frame holding `class_type` names the class: that is
+    jsonargparse's and Lightning's instantiators. The kit's UserError comes through as it is. Anything
+    else becomes `building pkg.Class failed (Type: ...)`.
+    """
     original = err
     while original.__cause__ is not None:
         original = original.__cause__
@@ -74,8 +92,10 @@ def read_config(name: str) -> dict | None:
 
 
 def named_classes(args) -> list[tuple[str, str]]:
-    """(where, class path) for each model or data class the command line or its --config files name:
-    `--model X`, `--data=X`, `--model.class_path X`, or `model: {class_path: X}` / `model: X` in a file."""
+    """(where, class path) for each model or data class the command line or its --config files name.
+
+    Forms: `--model X`, `--data=X`, `--model.class_path X`. In a file: `model: {class_path: X}` or `model: X`.
+    """
     args = [str(a) for a in args or []]
     found = []
     for i, arg in enumerate(args):
@@ -100,9 +120,12 @@ _BASES = {"model": pl.LightningModule, "data": pl.LightningDataModule}
 
 
 def _import_quitting_aloud(where: str, value: str, module_name: str):
-    """importlib.import_module, with a module that exits while being imported (argparse's parse_args() at
-    module level, run on lmledger's command line) named as the cause: its usage and `lmledger: error:` lines
-    would otherwise read as lmledger's own. What the import prints is held back and shown if it succeeds."""
+    """importlib.import_module, naming as the cause a module that exits while being imported.
+
+    An example is argparse's parse_args() at module level, run on lmledger's command line. Its usage
+    and `lmledger: error:` lines would otherwise read as lmledger's own. What the import prints is held
+    back, and shown if it succeeds.
+    """
     printed = io.StringIO()
     try:
         with contextlib.redirect_stderr(printed):
@@ -122,8 +145,11 @@ def _import_quitting_aloud(where: str, value: str, module_name: str):
 
 
 def _package_home(where: str, module_name: str) -> Path | None:
-    """For a class path named in a config file: the nearest directory at or above the file that holds its
-    top-level package (configs/examples/*.yaml name `examples.*`, which lives at the repository root)."""
+    """The nearest directory at or above a config file that holds a class path's top-level package.
+
+    Only for class paths named in a config file. configs/examples/*.yaml name `examples.*`, which
+    lives at the repository root.
+    """
     if not where.startswith("config "):
         return None
     top = module_name.split(".")[0]
@@ -135,8 +161,10 @@ def _package_home(where: str, module_name: str) -> Path | None:
 
 
 def check_class_paths(named: list[tuple[str, str]]) -> None:
-    """Each dotted class path imports and names a LightningModule (--model) or LightningDataModule (--data);
-    jsonargparse's own report of either runs to several lines about every type it tried."""
+    """Each dotted class path imports and names a LightningModule (--model) or LightningDataModule (--data).
+
+    jsonargparse's own report of either runs to several lines about every type it tried.
+    """
     keys = ["data" if where.startswith("--data") or where.split(": ")[-1].startswith("data") else "model"
             for where, _ in named]  # fmt: skip
     if "model" not in keys:
@@ -144,7 +172,7 @@ def check_class_paths(named: list[tuple[str, str]]) -> None:
     for (where, value), key in zip(named, keys, strict=True):
         base = _BASES[key]
         if not isinstance(value, str) or "." not in value:
-            # Nothing of the user's is imported here, so a bare name could only resolve to Lightning's own.
+            # Nothing of the user's is imported here. A bare name could only resolve to Lightning's own.
             raise UserError(
                 f"{where} {value!r}: name the class by its import path, package.module.Class (e.g. "
                 "examples.byte_convnet.ByteConvNet), importable from the working directory"
@@ -173,8 +201,11 @@ def check_class_paths(named: list[tuple[str, str]]) -> None:
 
 
 def check_config_files(args, any_model: bool = False) -> None:
-    """Sections of a --config file that are not mappings: jsonargparse 4 resets `data: [1, 2]` to the class
-    defaults without a word, and `model: {config: 5}` ends in a message about a missing context_length."""
+    """Refuse sections of a --config file that are not mappings.
+
+    jsonargparse 4 resets `data: [1, 2]` to the class defaults without a word. `model: {config: 5}`
+    ends in a message about a missing context_length.
+    """
     for name in config_files(args):
         doc = read_config(name)
         if doc is None:
@@ -193,8 +224,10 @@ def check_config_files(args, any_model: bool = False) -> None:
 
 
 def check_trainer_values(trainer) -> None:
-    """Values Lightning accepts and then misuses (canary test_trainer_accepts_values_that_train_wrongly):
-    negative clipping ascends the gradient, zero accumulation trains nothing, negative devices crash."""
+    """Refuse values Lightning accepts and then misuses (canary test_trainer_accepts_values_that_train_wrongly).
+
+    Negative clipping ascends the gradient. Zero accumulation trains nothing. Negative devices crash.
+    """
     clip = trainer.get("gradient_clip_val")
     if clip is not None and not (isinstance(clip, (int, float)) and math.isfinite(clip) and clip >= 0):
         raise ConfigError(f"--trainer.gradient_clip_val must be >= 0 (0 or null: no clipping), got {clip}")
@@ -211,10 +244,13 @@ def check_trainer_values(trainer) -> None:
 
 
 def refuse_several_optimizers(model: pl.LightningModule, trainer: Trainer) -> None:
-    """Lightning refuses several optimizers under automatic optimization with a RuntimeError traceback once the
-    strategy sets up, after the run directory is claimed; configure_optimizers is asked here first, with the
-    trainer attached for a method that reads it (one that needs more than the trainer's settings, e.g.
-    estimated_stepping_batches, is left to Lightning)."""
+    """Refuse several optimizers under automatic optimization, before Lightning does.
+
+    Lightning refuses them with a RuntimeError traceback once the strategy sets up. By then the run
+    directory is claimed. So configure_optimizers is asked here first. The trainer is attached, for a
+    method that reads it. A method needing more than the trainer's settings is left to Lightning
+    (e.g. one reading estimated_stepping_batches).
+    """
     if not model.automatic_optimization:
         return
     model.trainer = trainer
@@ -233,10 +269,12 @@ def refuse_several_optimizers(model: pl.LightningModule, trainer: Trainer) -> No
 
 
 def refuse_empty_train_loader(datamodule) -> None:
-    """Make the data module's train_dataloader refuse a loader of no batches when Lightning asks for it:
-    Lightning says "No training batches", trains nothing and exits 0. The loader only exists once the
-    module is prepared and set up, inside Trainer.fit, so the check rides on the call (the run directory
-    claimed by then is undone for a refusal, RunClaim)."""
+    """Make the data module's train_dataloader refuse a loader of no batches, when Lightning asks for it.
+
+    Lightning says "No training batches", trains nothing and exits 0. The loader exists only once the
+    module is prepared and set up, inside Trainer.fit. So the check rides on the call. The run
+    directory claimed by then is undone for a refusal (RunClaim).
+    """
     own = getattr(type(datamodule), "train_dataloader", None)
     if own is None or own is pl.LightningDataModule.train_dataloader:
         return  # Lightning's own message for a data module without one
@@ -258,8 +296,10 @@ def refuse_empty_train_loader(datamodule) -> None:
 
 
 def check_trains_something(trainer) -> None:
-    """max_steps 0 (or max_epochs 0 with no step limit): Lightning stops at once, "`max_steps=0` reached",
-    and exits 0 with a run directory of nothing."""
+    """Refuse max_steps 0, or max_epochs 0 with no step limit.
+
+    Lightning stops at once ("`max_steps=0` reached"). It exits 0 with a run directory of nothing.
+    """
     max_steps, max_epochs = trainer.get("max_steps"), trainer.get("max_epochs")
     if max_steps == 0 or (max_epochs == 0 and max_steps in (None, -1)):
         flag = "max_steps" if max_steps == 0 else "max_epochs"
@@ -270,7 +310,7 @@ def check_trains_something(trainer) -> None:
 
 
 def check_accelerator(accelerator) -> None:
-    """Lightning says "No supported gpu backend found!" (with a traceback) when asked for a missing GPU."""
+    """Refuse a missing GPU. Lightning says "No supported gpu backend found!", with a traceback."""
     if accelerator not in ("gpu", "cuda") or torch.cuda.is_available():
         return
     if accelerator == "gpu" and MPSAccelerator.is_available():

@@ -1,9 +1,12 @@
 """FitCLI: LightningCLI over LitLM and TokenDataModule, or any LightningModule, with the kit's defaults.
 
-What `lmledger fit|validate` runs (commands/train.py says what the user sees): the Ledger callback, atomic
-checkpoints, the NaN/Inf guard, per-batch reseeding, the save-and-stop on SIGTERM/SIGUSR1, the run lock, and
-every check of fitting.checks and fitting.resume before anything is claimed. `parse_fit_config`,
-`build_model_and_data` and `first_batch` read a fit config for account, plan, run_config and sweeps without training.
+It is what `lmledger fit|validate` runs; commands/train.py says what the user sees. It adds the Ledger
+callback, atomic checkpoints, the NaN/Inf guard and per-batch reseeding. Also the save-and-stop on
+SIGTERM/SIGUSR1 and the run lock. Every check of fitting.checks and fitting.resume runs before
+anything is claimed.
+
+`parse_fit_config`, `build_model_and_data` and `first_batch` read a fit config without training. They
+serve account, plan, run_config and sweeps.
 """
 
 from __future__ import annotations
@@ -72,13 +75,22 @@ from lmledger.rundir import RunClaim, claim_version_dir, release_claims, undo_un
 from lmledger.seeding import StepSeeder
 from lmledger.strategies import register as register_strategies
 
+__all__ = [
+    "FitCLI",
+    "build_model_and_data",
+    "first_batch",
+    "parse_fit_config",
+    "run_claimed",
+    "slurm_tasks_per_node",
+]
+
 register_strategies()  # --trainer.strategy fsdp2 (lmledger.strategies)
 
 
 class FitCLI(LightningCLI):
     @property
     def any_model(self) -> bool:
-        """Subclass mode: the model is any LightningModule (LitLM-specific checks and links are skipped)."""
+        """Subclass mode: the model is any LightningModule. LitLM-specific checks and links are skipped."""
         return bool(self.subclass_mode_model)
 
     def add_arguments_to_parser(self, parser) -> None:
@@ -86,7 +98,7 @@ class FitCLI(LightningCLI):
             # The data a module trains on, unless the command line names another: lmledger's token windows.
             parser.set_defaults({"data": {"class_path": "lmledger.data.TokenDataModule"}})
         else:
-            # The vocabulary comes from the data's meta.json; the window length from the model config.
+            # The vocabulary comes from the data's meta.json. The window length comes from the model config.
             parser.link_arguments("data.vocab_size", "model.config.vocab_size", apply_on="instantiate")
             parser.link_arguments("model.config.context_length", "data.context_length")
         parser.add_lightning_class_args(NonFiniteGuard, "nonfinite")
@@ -103,8 +115,8 @@ class FitCLI(LightningCLI):
         self._argv = [str(a) for a in args or []]
         check_config_files(args, self.any_model)
         super().parse_arguments(parser, args)
-        # LightningCLI reads a --ckpt_path file's hyperparameters right after parsing; a missing or damaged
-        # file would fail there with a traceback, so check it first.
+        # LightningCLI reads a --ckpt_path file's hyperparameters right after parsing. A missing or
+        # damaged file would fail there with a traceback. So check it first.
         subcommand = self.config.get("subcommand")
         config = self.config[subcommand] if subcommand else self.config
         ckpt = config.get("ckpt_path")
@@ -123,13 +135,13 @@ class FitCLI(LightningCLI):
         if ckpt and ckpt not in SPECIAL_CKPT_PATHS:
             hparams = checked_hyperparameters(open_checkpoint(ckpt, mmap=True), ckpt, litlm=not self.any_model)
             refuse_checkpoint_code(hparams, config.model, ckpt, self.any_model)
-        # `--seed_everything true` promises a random seed; Lightning would use 0 (canary
+        # `--seed_everything true` promises a random seed. Lightning would use 0 (canary
         # test_seed_everything_none_without_environment_is_zero). Drawn here, it is saved in config.yaml.
         if config.get("seed_everything") is True:
             config.seed_everything = secrets.randbelow(2**32)
 
     def _parse_ckpt_path(self) -> None:
-        # LightningCLI merges a checkpoint file's hyperparameters into the config; a value that does not
+        # LightningCLI merges a checkpoint file's hyperparameters into the config. A value that does not
         # parse would be reported as if the command line held it.
         try:
             super()._parse_ckpt_path()
@@ -150,9 +162,9 @@ class FitCLI(LightningCLI):
             check_trains_something(config.trainer)
         self._resume, self._fresh = None, False
         if self.subcommand == "validate":
-            # Evaluating writes no config and, unless the command line names a directory to log in (as
-            # `lmledger sweep` does for each point), no run directory: the metrics are printed. (A logger
-            # name alone only says which run `--ckpt_path last` means.)
+            # Evaluating writes no config. It writes no run directory either, unless the command line
+            # names one to log in (as `lmledger sweep` does for each point). The metrics are printed.
+            # (A logger name alone only says which run `--ckpt_path last` means.)
             self.save_config_callback = None
             if not any(arg.startswith("--trainer.logger.init_args.save_dir") for arg in self._argv):
                 config.trainer.logger = False
@@ -178,30 +190,30 @@ class FitCLI(LightningCLI):
         # Our plugins for transformer-engine (tied weights) and 16-mixed on CPU (lmledger.precision).
         config = cli_value(self, self.config_init, "trainer", default={})
         precision = trainer_precision_kwargs(config.get("precision"), config.get("accelerator"), config.get("plugins"))
-        # The ledger callbacks ride along with whatever callbacks the config lists (--ledger.enabled false: none).
+        # The ledger callbacks join whatever callbacks the config lists (--ledger.enabled false: none).
         callbacks = config.get("callbacks") or []
         callbacks = [*(callbacks if isinstance(callbacks, list) else [callbacks])]
         settings = cli_value(self, self.config_init, "ledger")
         if self.any_model:
             callbacks.append(StepChecks(read_batches=settings.enabled))
-        # One Ledger, the same for LitLM and any module; a config that lists its own runs that one alone.
+        # One Ledger, the same for LitLM and any module. A config that lists its own runs that one alone.
         if not any(isinstance(c, Ledger) for c in callbacks):
             callbacks += ledger_callbacks(settings)
         # Last, so the line it prints carries the values the ledger callbacks logged for this step.
         callbacks += plain_progress_if_not_a_terminal(config.get("enable_progress_bar"))
-        self._claim = RunClaim()  # the run directory's lock; a refused run's files undone (before_fit)
+        self._claim = RunClaim()  # the run directory's lock; undoes a refused run's files (before_fit)
         callbacks.append(self._claim)
         precision = _slurm_plugins(precision, config.get("plugins"))
         try:
             trainer = super().instantiate_trainer(**{**precision, "callbacks": callbacks, **kwargs})
-        except ValueError as err:  # Lightning's checks of accelerator, strategy and devices, e.g. FSDP on CPU
+        except ValueError as err:  # Lightning's checks of accelerator, strategy, devices (e.g. FSDP on CPU)
             raise ConfigError(" ".join(str(err).split())) from None
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # Lightning's default; a chosen plugin stays
             trainer.strategy.checkpoint_io = AtomicCheckpointIO()
         make_last_checkpoint_atomic(trainer.callbacks)
         if self.subcommand == "fit":
             trainer.callbacks.append(PreemptionCheckpoint())
-        else:  # validate saves nothing; a ModelCheckpoint there only warns that its directory differs
+        else:  # validate saves nothing. A ModelCheckpoint there only warns that its directory differs.
             trainer.callbacks = [c for c in trainer.callbacks if not isinstance(c, ModelCheckpoint)]
         trainer.callbacks.append(NameTheEventFile())
         return trainer
@@ -212,9 +224,9 @@ class FitCLI(LightningCLI):
             check_checkpoint_fits(ckpt, self.model)
 
     def _claim_run_dir(self) -> None:
-        # The run directory is claimed now, after the checks made before training, and locked (one writer
-        # per run: RunClaim); what a run refused in its first step wrote there is undone (main). Rank 0
-        # only: DDP's launcher re-runs the CLI for the other ranks, which log nothing.
+        # The run directory is claimed now, after the checks made before training. It is locked: one
+        # writer per run (RunClaim). What a run refused in its first step wrote there is undone (main).
+        # Rank 0 only: DDP's launcher re-runs the CLI for the other ranks, which log nothing.
         if rank_zero_only.rank != 0:
             return
         for logger in self.trainer.loggers:
@@ -235,7 +247,7 @@ class FitCLI(LightningCLI):
                     self._claim.mark_slurm_job(slurm_job_key())
         run = self._claim.version_dir
         for callback in self.trainer.callbacks:
-            # The config name was chosen before the lock was held; a run that ended meanwhile may have taken it.
+            # The config name was chosen before the lock was held. A run that ended meanwhile may have taken it.
             if isinstance(callback, SaveConfigCallback) and run and (run / callback.config_filename).exists():
                 callback.config_filename = free_name(run, "config-resumed")
 
@@ -272,9 +284,12 @@ class FitCLI(LightningCLI):
 
 
 def _slurm_plugins(kwargs: dict, plugins) -> dict:
-    """Trainer kwargs with SLURMEnvironment(auto_requeue=False) among the plugins when Lightning detects SLURM
-    (srun, or --ntasks) and the config names no cluster environment: PreemptionCheckpoint saves, requeues
-    and stops on SIGUSR1 for every rank count; Lightning's requeue would save a second, hpc_ckpt checkpoint."""
+    """Trainer kwargs with SLURMEnvironment(auto_requeue=False) among the plugins, under SLURM.
+
+    That is when Lightning detects SLURM (srun, or --ntasks) and the config names no cluster
+    environment. PreemptionCheckpoint saves, requeues and stops on SIGUSR1 for every rank count.
+    Lightning's requeue would save a second, hpc_ckpt checkpoint.
+    """
     if not SLURMEnvironment.detect():
         return kwargs
     plugins = kwargs.get("plugins", plugins)
@@ -285,10 +300,13 @@ def _slurm_plugins(kwargs: dict, plugins) -> dict:
 
 
 def slurm_tasks_per_node(env=os.environ) -> None:
-    """`srun --ntasks N` on one node: Lightning's SLURMEnvironment refuses it with a traceback ("Use
-    --ntasks-per-node"; canary test_slurm_environment_refuses_ntasks_without_per_node), though on one node the two
-    mean the same. There it is given SLURM_NTASKS_PER_NODE=N; over several nodes the count per node is the user's
-    to say, in one line."""
+    """Let `srun --ntasks N` run on one node.
+
+    Lightning's SLURMEnvironment refuses it with a traceback: "Use --ntasks-per-node" (canary
+    test_slurm_environment_refuses_ntasks_without_per_node). On one node the two mean the same. There
+    it is given SLURM_NTASKS_PER_NODE=N. Over several nodes, the count per node is the user's to say;
+    one line asks for it.
+    """
     ntasks = env.get("SLURM_NTASKS", "1")
     if not ntasks.isdigit() or int(ntasks) <= 1 or "SLURM_NTASKS_PER_NODE" in env:
         return
@@ -303,10 +321,13 @@ def slurm_tasks_per_node(env=os.environ) -> None:
 
 
 def run_claimed(argv: list[str]) -> None:
-    """The fit or validate; a run refused (UserError) before its first step passed every check leaves its
-    run directory as it found it (RunClaim.undo), and every run directory lock is released at the end."""
+    """The fit or validate.
+
+    A run refused (UserError) before its first step passed every check leaves its run directory as it
+    found it (RunClaim.undo). Every run directory lock is released at the end.
+    """
     try:
-        with noted_stop_signals():  # a SIGUSR1 while the run is built: saved and stopped at step 1, not fatal
+        with noted_stop_signals():  # a SIGUSR1 while the run is built: save and stop at step 1, not fatal
             _run_cli(FitCLI, argv, run=True)
     except UserError:
         undo_uncommitted_claims()
@@ -322,21 +343,21 @@ def run_claimed(argv: list[str]) -> None:
 def _run_cli(cli_class: type[FitCLI], argv: list[str], run: bool) -> FitCLI:
     for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
         logging.getLogger(name).addFilter(DropAdverts())
-    # LightningCLI warns when it gets `args` while sys.argv also holds arguments, as it does when we run
+    # LightningCLI warns when it gets `args` while sys.argv also holds arguments. It does when we run
     # as the console script. sys.argv must stay as it is: DDP's launcher re-runs it for ranks 1..N-1.
     warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
     # From Lightning's own code, nothing to act on (canary test_lightning_pytree_uses_the_deprecated_leafspec).
     warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
     # Lightning warns on every mid-epoch resume that a loader without state_dict() "can cause unreliable
-    # results". TokenDataModule's resumes exactly (its sampler starts at the restored batch count; tested).
+    # results". TokenDataModule's resumes exactly: its sampler starts at the restored batch count (tested).
     warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch ended")
-    # Lightning warns on every run outside SLURM where `srun` is installed (a login node, our CI); a job that
-    # is not started by srun is still handled (PreemptionCheckpoint, --ckpt_path auto; docs/cluster.md).
+    # Lightning warns on every run outside SLURM where `srun` is installed (a login node, our CI). A job
+    # not started by srun is still handled (PreemptionCheckpoint, --ckpt_path auto; docs/cluster.md).
     warnings.filterwarnings("ignore", message="The `srun` command is available on your system but is not used")
     named = named_classes(argv[1:] if argv and argv[0] in SUBCOMMANDS else argv)
     if named:
-        # Class paths import from the working directory, as under `python -m` (the console script's
-        # sys.path lacks it); DDP's launcher re-runs the same command there.
+        # Class paths import from the working directory, as under `python -m`. (The console script's
+        # sys.path lacks it.) DDP's launcher re-runs the same command there.
         if os.getcwd() not in sys.path and "" not in sys.path:
             sys.path.insert(0, os.getcwd())
         check_class_paths(named)
@@ -372,7 +393,7 @@ _UNION_ERROR = re.compile(
 
 
 def _parse_error_line(err: BaseException) -> str:
-    """A parse error in one line; a value no type of a Union accepts is said as `--key value: expected ...`."""
+    """A parse error in one line. A value no type of a Union accepts reads `--key value: expected ...`."""
     line = " ".join(part.strip() for part in str(err).strip().splitlines())
     found = _UNION_ERROR.search(line)
     if found is None:
@@ -403,8 +424,10 @@ class _BuildCLI(FitCLI):
 
 
 def build_model_and_data(argv: list[str]):
-    """(model, data module, parsed config) of `lmledger fit ARGV` (argv without the `fit`), built as fit
-    builds them, for account and plan max-batch."""
+    """(model, data module, parsed config) of `lmledger fit ARGV`, built as fit builds them.
+
+    ARGV lacks the `fit`. For account and plan max-batch.
+    """
     with _without_seed_line():
         cli = _run_cli(_BuildCLI, argv, run=False)
     return cli.model, cli.datamodule, cli.config
@@ -412,8 +435,11 @@ def build_model_and_data(argv: list[str]):
 
 @contextlib.contextmanager
 def _without_seed_line():
-    """LightningCLI seeds while parsing (a model's initial weights follow the config's seed); its "Seed set
-    to N" line means nothing where nothing is trained (a parse, a build for account or plan)."""
+    """Hide LightningCLI's "Seed set to N" line where nothing is trained.
+
+    LightningCLI seeds while parsing: a model's initial weights follow the config's seed. The line
+    means nothing for a parse, or a build for account or plan.
+    """
 
     def drop(record: logging.LogRecord) -> bool:
         return not record.getMessage().startswith("Seed set to")
@@ -427,7 +453,7 @@ def _without_seed_line():
 
 
 def first_batch(datamodule) -> object:
-    """The first training batch of a data module (set up for fit, no trainer attached), read once."""
+    """A data module's first training batch, read once (set up for fit, no trainer attached)."""
     try:
         datamodule.setup("fit")
         loader = datamodule.train_dataloader()

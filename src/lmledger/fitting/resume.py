@@ -1,10 +1,12 @@
 """--ckpt_path: which checkpoint it means, and whether that checkpoint may resume this run.
 
-- `ckpt_path_form`: the values refused before anything is built (URLs, `best`, a directory, ...).
-- `checked_hyperparameters` / `refuse_checkpoint_code`: a checkpoint's hyperparameters, which LightningCLI
-  merges into the config, hold no bad value and name no code the command line does not.
-- `resume_run`: `auto` and `last` resolved to a file of this run; refused when its settings or data
-  differ, or when it already trained every step asked for (`NothingToResume`).
+    ckpt_path_form              values refused before anything is built (URLs, `best`, a directory, ...)
+    checked_hyperparameters,    a checkpoint's hyperparameters hold no bad value and name no code
+    refuse_checkpoint_code      the command line does not (LightningCLI merges them into the config)
+    resume_run                  `auto` and `last` resolved to a file of this run
+
+A resume is refused when its settings or data differ. A run that trained every step asked for
+raises `NothingToResume`.
 """
 
 from __future__ import annotations
@@ -25,23 +27,40 @@ from lmledger.lit import LitLM, check_hyperparameters
 from lmledger.preemption import slurm_job_key
 from lmledger.rundir import slurm_job_version, versions
 
+__all__ = [
+    "SPECIAL_CKPT_PATHS",
+    "NothingToResume",
+    "Resume",
+    "checked_hyperparameters",
+    "ckpt_path_form",
+    "free_name",
+    "refuse_checkpoint_code",
+    "resolve_last",
+    "resume_run",
+]
+
 # --ckpt_path values Lightning resolves itself rather than reading as a file.
 SPECIAL_CKPT_PATHS = ("last", "best", "hpc", "registry", "auto")  # auto: ours (fit resumes if it can)
 
 
 class NothingToResume(Exception):
-    """--ckpt_path names a run that already trained every step asked for: say so and exit 0, writing nothing."""
+    """--ckpt_path names a run that trained every step asked for: say so, exit 0, write nothing."""
 
 
-# Model settings that may differ on resume: they change how the same function is computed, not which.
+# Model settings that may differ on resume. They change how the same function is computed, not which.
 # (Top-level `activation_checkpointing` is the examples' and other modules' name for the same switch.)
-RESUME_MAY_CHANGE = ("compile", "config.activation_checkpointing", "config.vocab_size", "activation_checkpointing")
+_RESUME_MAY_CHANGE = ("compile", "config.activation_checkpointing", "config.vocab_size", "activation_checkpointing")
 
 
 def ckpt_path_form(ckpt: str, subcommand: str, default_root_dir) -> None:
-    """--ckpt_path values we refuse before anything is built: remote URLs, and Lightning's names that
-    need state this process does not have ("best": a fit earlier in the same process; "registry": a
-    model registry; "hpc": Lightning's SLURM requeue checkpoint, hpc_ckpt_N.ckpt, when there is none)."""
+    """Refuse, before anything is built, --ckpt_path values this process cannot honour.
+
+    Those are remote URLs, and Lightning's names for state this process does not have:
+
+        best        a fit earlier in the same process
+        registry    a model registry
+        hpc         Lightning's SLURM requeue checkpoint, hpc_ckpt_N.ckpt, when there is none
+    """
     if not is_local_path(ckpt):
         raise UserError(
             f"--ckpt_path {ckpt}: remote checkpoints are not supported here; copy it to a local file and pass that"
@@ -65,8 +84,8 @@ def ckpt_path_form(ckpt: str, subcommand: str, default_root_dir) -> None:
         )
 
 
-def find_last_checkpoint(save_dir: str, name: str) -> tuple[Path, int] | None:
-    """The newest checkpoint (newest_checkpoint) of the newest `save_dir/name/version_N` that has one, and N."""
+def _find_last_checkpoint(save_dir: str, name: str) -> tuple[Path, int] | None:
+    """(newest_checkpoint, N) of the newest `save_dir/name/version_N` that has a checkpoint."""
     root = Path(save_dir, name)
     for version in sorted(versions(root), reverse=True):
         ckpt = newest_checkpoint(root / f"version_{version}" / "checkpoints")
@@ -75,8 +94,8 @@ def find_last_checkpoint(save_dir: str, name: str) -> tuple[Path, int] | None:
     return None
 
 
-def run_dir_of(config) -> tuple[Path, object] | None:
-    """(save_dir/name, the logger's init_args) for our TensorBoard/CSV layout; None for another logger."""
+def _run_dir_of(config) -> tuple[Path, object] | None:
+    """(save_dir/name, the logger's init_args) in our TensorBoard/CSV layout; None for another logger."""
     logger = config.trainer.get("logger")
     init = logger.init_args if logger is not None and hasattr(logger, "init_args") else None
     if init is None or "save_dir" not in init:
@@ -85,12 +104,12 @@ def run_dir_of(config) -> tuple[Path, object] | None:
 
 
 def resolve_last(config, subcommand: str) -> tuple[Path, int] | None:
-    """--ckpt_path last: the newest checkpoint of the newest version of this run (None: not our layout)."""
-    found = run_dir_of(config)
+    """--ckpt_path last: the newest checkpoint of this run's newest version (None: not our layout)."""
+    found = _run_dir_of(config)
     if found is None:
         return None
     root, init = found
-    last = find_last_checkpoint(init.save_dir, init.get("name") or "lightning_logs")
+    last = _find_last_checkpoint(init.save_dir, init.get("name") or "lightning_logs")
     if last is None:
         raise UserError(
             f"--ckpt_path last: no {root}/version_*/checkpoints/last.ckpt to resume; "
@@ -99,12 +118,15 @@ def resolve_last(config, subcommand: str) -> tuple[Path, int] | None:
     return last
 
 
-def resolve_auto(config) -> tuple[Path | None, int | None, str]:
-    """--ckpt_path auto: (checkpoint, version, what happens in words). Under SLURM "this run" is the version
-    directory this job (or array task) trains in (its slurm_job file): a requeued job resumes it, another job
-    never does; elsewhere (a pod restarted, a script run again) it is the newest version with a checkpoint.
-    No checkpoint: (None, the job's version or None for a new one, the reason)."""
-    found = run_dir_of(config)
+def _resolve_auto(config) -> tuple[Path | None, int | None, str]:
+    """--ckpt_path auto: (checkpoint, version, what happens in words).
+
+    Under SLURM, "this run" is the version directory this job or array task trains in (its slurm_job
+    file). A requeued job resumes it; another job never does. Elsewhere (a pod restarted, a script run
+    again), it is the newest version with a checkpoint. With no checkpoint: (None, the job's version or
+    None for a new one, the reason).
+    """
+    found = _run_dir_of(config)
     if found is None:
         raise UserError(
             "--ckpt_path auto finds checkpoints in the TensorBoardLogger/CSVLogger layout (save_dir/name/version_N); "
@@ -113,7 +135,7 @@ def resolve_auto(config) -> tuple[Path | None, int | None, str]:
     root, init = found
     job = slurm_job_key()
     if job is None:
-        last = find_last_checkpoint(init.save_dir, init.get("name") or "lightning_logs")
+        last = _find_last_checkpoint(init.save_dir, init.get("name") or "lightning_logs")
         if last is None:
             return None, None, f"no checkpoint under {root} yet: starting fresh"
         return last[0], last[1], ""
@@ -128,7 +150,7 @@ def resolve_auto(config) -> tuple[Path | None, int | None, str]:
 
 
 def free_name(directory: Path, stem: str) -> str:
-    """stem.yaml, else stem-2.yaml, stem-3.yaml, ...: the first that does not exist in `directory`."""
+    """The first of stem.yaml, stem-2.yaml, stem-3.yaml, ... that `directory` lacks."""
     n = 1
     while (directory / (name := f"{stem}.yaml" if n == 1 else f"{stem}-{n}.yaml")).exists():
         n += 1
@@ -145,31 +167,32 @@ class Resume:
 
 
 def resume_run(config, subcommand: str, any_model: bool) -> Resume | None:
-    """Resolve a fit's --ckpt_path (`auto`, `last` or a file) and check the checkpoint may resume this run.
+    """Resolve a fit's --ckpt_path (`auto`, `last` or a file); check the checkpoint may resume this run.
 
-    Sets config.ckpt_path to the file (None: a fresh start) and points the logger at the run's own version
-    directory. None when there is nothing to say: no --ckpt_path, or `last` outside our logger layout."""
+    Sets config.ckpt_path to the file (None: a fresh start). Points the logger at the run's own version
+    directory. None when there is nothing to say: no --ckpt_path, or `last` outside our logger layout.
+    """
     ckpt = config.get("ckpt_path")
     if not ckpt:
         return None
     run_dir, auto = None, ckpt == "auto"
     if auto:
-        path, version, fresh = resolve_auto(config)
-        if path is None:  # nothing to resume: a fresh start (in the SLURM job's own version, if it has one)
+        path, version, fresh = _resolve_auto(config)
+        if path is None:  # nothing to resume: a fresh start, in the SLURM job's own version if it has one
             config.ckpt_path = None
             if version is not None:
-                run_dir_of(config)[1].version = version
+                _run_dir_of(config)[1].version = version
             return Resume(f"--ckpt_path auto: {fresh}", fresh=True)  # the version directory is named once claimed
         ckpt = "last"  # checked as --ckpt_path last checks the checkpoint it finds
     if ckpt == "last":
         found = (path, version) if config.ckpt_path == "auto" else resolve_last(config, subcommand)
         if found is None:
-            return None  # not our TensorBoard layout; let Lightning resolve "last" itself
+            return None  # not our TensorBoard layout: let Lightning resolve "last" itself
         path, version = found
         run_dir = path.parent.parent
         checkpoint = open_checkpoint(path, mmap=True)
         hparams = checked_hyperparameters(checkpoint, path, litlm=not any_model)
-        differences = hyperparameter_differences(hparams, config.model)
+        differences = _hyperparameter_differences(hparams, config.model)
         if differences:
             raise UserError(
                 f"checkpoint {path} was trained with other settings ({'; '.join(differences)}); resume with "
@@ -179,21 +202,21 @@ def resume_run(config, subcommand: str, any_model: bool) -> Resume | None:
         path, version = Path(ckpt), None
         checkpoint = open_checkpoint(path, mmap=True)
     step = int(checkpoint.get("global_step", 0))
-    check_not_finished(config.trainer, checkpoint, run_dir or path, step)
-    check_same_data(config, checkpoint, path)
+    _check_not_finished(config.trainer, checkpoint, run_dir or path, step)
+    _check_same_data(config, checkpoint, path)
     config.ckpt_path = str(path)
     if version is None:
         return Resume(f"resuming from {path} at step {step}, in a new run directory")
-    # Log into the run's own version; its config is saved beside the first one, never over it.
-    run_dir_of(config)[1].version = version
+    # Log into the run's own version. Its config is saved beside the first one, never over it.
+    _run_dir_of(config)[1].version = version
     return Resume(
         f"{'--ckpt_path auto: ' if auto else ''}resuming {run_dir} at step {step} from {path.name}",
         config_filename=free_name(run_dir, "config-resumed"),
     )
 
 
-def check_not_finished(trainer, checkpoint: dict, run: Path, step: int) -> None:
-    """NothingToResume when the checkpoint trained every step (or epoch) the trainer asks for."""
+def _check_not_finished(trainer, checkpoint: dict, run: Path, step: int) -> None:
+    """NothingToResume if the checkpoint trained every step (or epoch) the trainer asks for."""
     max_steps = trainer.get("max_steps")
     max_epochs = trainer.get("max_epochs")
     fit_loop = checkpoint.get("loops", {}).get("fit_loop", {})
@@ -206,8 +229,8 @@ def check_not_finished(trainer, checkpoint: dict, run: Path, step: int) -> None:
                 f"{run} finished at step {step}; nothing to resume (a larger --trainer.max_steps trains further)"
             )
         if max_epochs is not None and 0 <= max_epochs <= epochs_done:
-            # The data module sizes one epoch to max_steps, so a run extended past its old max_steps would
-            # stop at once on its completed epoch; the epoch count does not bound such a run.
+            # The data module sizes one epoch to max_steps. A run extended past its old max_steps would
+            # stop at once on its completed epoch. So the epoch count does not bound such a run.
             trainer.max_epochs = epochs_done + 1
     elif max_epochs is not None and 0 <= max_epochs <= epochs_done:
         raise NothingToResume(
@@ -216,12 +239,12 @@ def check_not_finished(trainer, checkpoint: dict, run: Path, step: int) -> None:
         )
 
 
-def check_same_data(config, checkpoint: dict, path: Path) -> None:
-    """A TokenDataModule checkpoint resumes only onto data of the same sha256 (or --allow_other_data)."""
+def _check_same_data(config, checkpoint: dict, path: Path) -> None:
+    """A TokenDataModule checkpoint resumes only onto data of the same sha256, or with --allow_other_data."""
     trained_on = (checkpoint.get(TokenDataModule.__qualname__) or {}).get("sha256")
     data_path = _setting(config.data, "path")
     if not trained_on or config.get("allow_other_data") or not isinstance(data_path, (str, os.PathLike)):
-        return  # another data module: its state (if any) is Lightning's to restore
+        return  # another data module: its state, if any, is Lightning's to restore
     try:
         now = load_meta(data_path).get("sha256")
     except UserError:
@@ -235,7 +258,7 @@ def check_same_data(config, checkpoint: dict, path: Path) -> None:
 
 
 def _setting(section, name: str):
-    """A class's argument from its config section: `section.name`, or `section.init_args.name` in subclass mode."""
+    """A class's argument from its config section: `section.name`; in subclass mode `section.init_args.name`."""
     if section is None:
         return None
     if "init_args" in section and isinstance(section.get("init_args"), Namespace):
@@ -261,11 +284,13 @@ def _flatten(value, prefix: str = "") -> dict:
     return {prefix[:-1]: value}
 
 
-def hyperparameter_differences(saved: dict, current) -> list[str]:
-    """'model.KEY: A in the checkpoint, B now' for each model setting that differs (RESUME_MAY_CHANGE aside).
-    Only settings both sides know are compared: a checkpoint from before a setting existed ran its default.
-    `current` in subclass mode is {class_path, init_args}: the class and its arguments are compared (a module
-    that saves no hyperparameters has none to compare)."""
+def _hyperparameter_differences(saved: dict, current) -> list[str]:
+    """'model.KEY: A in the checkpoint, B now' per differing model setting (_RESUME_MAY_CHANGE aside).
+
+    Only settings both sides know are compared. A checkpoint from before a setting existed ran its
+    default. In subclass mode `current` is {class_path, init_args}: the class and its arguments are
+    compared. A module that saves no hyperparameters has none to compare.
+    """
     differences = []
     if isinstance(current, Namespace):
         current = current.as_dict()
@@ -276,7 +301,7 @@ def hyperparameter_differences(saved: dict, current) -> list[str]:
         current = {**(current.get("init_args") or {}), **(current.get("dict_kwargs") or {})}
     theirs, ours = _flatten({k: v for k, v in saved.items() if not k.startswith("_")}), _flatten(current)
     for key in sorted(set(theirs) & set(ours)):
-        if key in RESUME_MAY_CHANGE or key.startswith("_"):
+        if key in _RESUME_MAY_CHANGE or key.startswith("_"):
             continue
         then, now = theirs[key], ours[key]
         if then != now:
@@ -291,9 +316,11 @@ def _show(value) -> str:
 
 
 def checked_hyperparameters(checkpoint: dict, path, litlm: bool = True) -> dict:
-    """The checkpoint's model hyperparameters, refused in one line naming the checkpoint when they are not
-    a mapping or hold a value LitLM would refuse (LightningCLI merges them into the config, where the
-    error would otherwise blame the command line)."""
+    """The checkpoint's model hyperparameters; one line naming the checkpoint refuses bad ones.
+
+    Bad is not a mapping, or holding a value LitLM would refuse. LightningCLI merges them into the
+    config, where the error would otherwise blame the command line.
+    """
     hparams = checkpoint.get("hyper_parameters", {})
     if not isinstance(hparams, dict):
         raise UserError(
@@ -324,9 +351,12 @@ def _is_import_path(value) -> bool:
 
 
 def _import_paths(value, key: str = ""):
-    """(key, path) for each value in a checkpoint's hyperparameters that jsonargparse would import when
-    LightningCLI merges them into the config: a `_class_path`/`class_path` entry at any depth, or any
-    string of the form package.module.name (a callable- or class-typed argument imports it)."""
+    """(key, path) per value in a checkpoint's hyperparameters that jsonargparse would import.
+
+    It imports them when LightningCLI merges them into the config. Such values are a
+    `_class_path`/`class_path` entry at any depth, and any string of the form package.module.name (a
+    callable- or class-typed argument imports it).
+    """
     if isinstance(value, dict):
         for name, item in value.items():
             if name in ("_class_path", "class_path"):
@@ -342,8 +372,10 @@ def _import_paths(value, key: str = ""):
 
 
 def _already_names(path: str, obj) -> bool:
-    """Whether `path` names `obj` (a default given as the function or class itself) among the modules already
-    imported; nothing new is imported to find out, so a path into a module not yet loaded names nothing."""
+    """Whether `path` names `obj` (a default given as the function or class itself) in modules already imported.
+
+    Nothing new is imported to find out. So a path into a module not yet loaded names nothing.
+    """
     module, _, attr = path.rpartition(".")
     while module:
         if module in sys.modules:
@@ -376,11 +408,14 @@ def _lookup(namespace, key: str):
 
 
 def refuse_checkpoint_code(hparams: dict, model_config, path, any_model: bool) -> None:
-    """A --ckpt_path file names no code the command line does not: LightningCLI builds the model from the
-    checkpoint's `_class_path` and merges its other hyperparameters into the config, and jsonargparse
-    imports every class path and dotted callable among them, so a checkpoint could pick the class (or
-    function) that runs. Each such value must equal what the command line and config files name at the same
-    place; checked on the weights-only load, before anything is imported."""
+    """Refuse a --ckpt_path file that names code the command line does not.
+
+    LightningCLI builds the model from the checkpoint's `_class_path`. It merges the other
+    hyperparameters into the config. jsonargparse imports every class path and dotted callable among
+    them. So a checkpoint could pick the class (or function) that runs. Each such value must equal
+    what the command line and config files name at the same place. It is checked on the weights-only
+    load, before anything is imported.
+    """
     current = model_config.as_dict() if isinstance(model_config, Namespace) else dict(model_config or {})
     named = current.get("class_path") if any_model else f"{LitLM.__module__}.{LitLM.__qualname__}"
     saved_class = hparams.get("_class_path")

@@ -1,4 +1,4 @@
-"""The checks made on a run's first real step, and the name of the event file a full disk refused."""
+"""The checks made on a run's first real step; the name of the event file a full disk refused."""
 
 from __future__ import annotations
 
@@ -11,26 +11,31 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lmledger.errors import UserError
 from lmledger.ledger.dryrun import batch_tensors
 
-DISK_ERRNOS = {errno.ENOSPC, errno.EROFS, errno.EDQUOT, errno.EFBIG, errno.EIO}
+__all__ = ["NameTheEventFile", "StepChecks", "disk_error"]
+
+_DISK_ERRNOS = {errno.ENOSPC, errno.EROFS, errno.EDQUOT, errno.EFBIG, errno.EIO}
 
 
 def disk_error(err: BaseException | None) -> OSError | None:
-    """The OSError of a refused write (DISK_ERRNOS) that `err` is or was raised from, if any."""
+    """The OSError of a refused write (_DISK_ERRNOS) that `err` is or was raised from, if any."""
     while err is not None:
-        if isinstance(err, OSError) and err.errno in DISK_ERRNOS:
+        if isinstance(err, OSError) and err.errno in _DISK_ERRNOS:
             return err
         err = err.__cause__
     return None
 
 
 class NameTheEventFile(pl.Callback):
-    """A TensorBoard event file that cannot be written fails in the logger's writer thread with a bare
-    `OSError: [Errno 28]`, no file named, re-raised in the training loop at the next write. Name the newest
-    event file of the run on it, so that main reports it as one line like a failed checkpoint write."""
+    """Name the run's newest event file on a bare disk OSError from TensorBoard.
+
+    An event file that cannot be written fails in the logger's writer thread. The error is a bare
+    `OSError: [Errno 28]`, with no file named. It is re-raised in the training loop at the next write.
+    Named, main reports it as one line, like a failed checkpoint write.
+    """
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
-        # Lightning's log_metrics raises it as the cause of a ValueError ("you tried to log 6.17 which is
-        # currently not supported"); its logger.finalize then re-raises the OSError itself.
+        # Lightning's log_metrics raises it as the cause of a ValueError ("you tried to log 6.17 which
+        # is currently not supported"). Its logger.finalize then re-raises the OSError itself.
         exception = disk_error(exception)
         if exception is None or exception.filename:
             return
@@ -43,10 +48,13 @@ class NameTheEventFile(pl.Callback):
 
 
 class StepChecks(pl.Callback):
-    """What Lightning lets pass for any module and lmledger refuses in one line, on the first training batch:
-    a training_step that returns no loss (Lightning skips the step: nothing trains), a loss that is not a
-    scalar that needs grad (a traceback in backward), and, with the ledger on, a batch holding no tensor
-    (the ledger reads batch shapes from tensors; without them its samples/s would be wrong)."""
+    """On the first training batch, refuse in one line what Lightning lets pass for any module.
+
+    That is three things. A training_step that returns no loss: Lightning skips the step, so nothing
+    trains. A loss that is not a scalar that needs grad: a traceback in backward. And, with the ledger
+    on, a batch holding no tensor. The ledger reads batch shapes from tensors; without them its
+    samples/s would be wrong.
+    """
 
     def __init__(self, read_batches: bool = True) -> None:
         self.read_batches = read_batches

@@ -1,5 +1,10 @@
-"""`python -m lmledger.sweep point PARENT_PID LMLEDGER_ARGS...`: one sweep point's process (runner.point_command);
-`python -m lmledger.sweep slurm-task TASKS.json INDEX`: one point as a task of a SLURM job array (slurm.task_main)."""
+"""The processes `lmledger sweep` starts.
+
+    python -m lmledger.sweep point PARENT_PID LMLEDGER_ARGS...   one sweep point (runner.point_command)
+    python -m lmledger.sweep slurm-task TASKS.json INDEX         one point as a SLURM array task (slurm.task_main)
+
+Both run a command line through lmledger.cli.main.
+"""
 
 import sys
 
