@@ -5,11 +5,11 @@
     check_checkpoint_fits
     newest_checkpoint       the checkpoint of a run directory that `--ckpt_path last` means
 
-A kill leaves the previous file or the complete new one, never a torn one.
+A kill leaves the previous file or the complete new one. Never a torn one.
 
 Beside it: lmledger.seeding (per-batch reseeding) and lmledger.preemption (save and stop on
-SIGTERM/SIGUSR1, SLURM requeue). And lmledger.rundir: a run directory of one's own, locked, undone
-when a run is refused.
+SIGTERM/SIGUSR1, SLURM requeue). And lmledger.rundir: a run directory of one's own, locked. It is
+undone when a run is refused.
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def make_last_checkpoint_atomic(callbacks: list[pl.Callback]) -> None:
 def open_checkpoint(path: str | os.PathLike, map_location: Any = "cpu", mmap: bool = False) -> dict[str, Any]:
     """torch.load with weights_only=True. A missing, unreadable or non-Lightning file is one UserError line.
 
-    mmap=True reads only the pickled structure: a cheap check. Tensors stay on disk until touched.
+    With mmap=True it reads only the pickled structure: a cheap check. Tensors stay on disk until touched.
     """
     path = Path(path)
     if not path.is_file():

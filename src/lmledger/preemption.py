@@ -39,7 +39,10 @@ def slurm_job_key(env=None) -> str | None:
 
 
 def slurm_line(env=None) -> str | None:
-    """ "SLURM job 12 (array task 3 of job 9), restart 1": for a run's first line and TensorBoard text."""
+    """A run's SLURM line, for its first line and TensorBoard text.
+
+    For example: "SLURM job 12 (array task 3 of job 9), restart 1".
+    """
     env = os.environ if env is None else env
     job = env.get("SLURM_JOB_ID")
     if not job:
@@ -149,7 +152,7 @@ class PreemptionCheckpoint(pl.Callback):
     hpc_ckpt_N.ckpt that `--ckpt_path last` does not see, and saves mid-accumulation.
 
     This is the one path instead. The handler only takes note. The decision to stop is made at the
-    step boundary, reduced over the ranks: if any rank is signalled, all stop at the same step. The
+    step boundary, reduced over the ranks. If any rank is signalled, all stop at the same step. The
     save follows the optimizer step, where ModelCheckpoint saves. The stop comes at the next batch's
     start, after that step's logging and validation.
     """

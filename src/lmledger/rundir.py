@@ -39,7 +39,7 @@ def versions(run_root: str | os.PathLike) -> list[int]:
 def claim_version_dir(run_root: str | os.PathLike) -> int:
     """Create `run_root/version_N` for the next free N and return N.
 
-    mkdir is atomic. Of two runs that pick the same N at once, one creates it; the other moves on to
+    The mkdir is atomic. Two runs may pick the same N at once. One creates it; the other moves on to
     N+1. (TensorBoardLogger lists the directory and creates the version later: both took N.)
     """
     root = Path(run_root)
@@ -77,11 +77,11 @@ def slurm_job_version(run_root: str | os.PathLike, job: str) -> int | None:
 class RunClaim(pl.Callback):
     """The run directory a fit trains in, locked while the process lives (lmledger.runlock).
 
-    If the run is refused before its first step passes every check, it is left as it was found.
+    A run refused before its first step passes every check leaves it as it was found.
     `claim()` snapshots the directory and takes its lock. The run is committed when its second
     optimizer step starts, a checkpoint is saved, or training ends. Until then, `undo()` removes what
-    this process created there. A version directory it made goes in full; in an existing one, only the
-    new files go. It restores the small files it rewrote. Nothing that was there before is removed.
+    this process created there. A version directory it made goes in full. In an existing one, only
+    the new files go. It restores the small files it rewrote. Nothing that was there before is removed.
     """
 
     def __init__(self) -> None:
@@ -146,7 +146,7 @@ class RunClaim(pl.Callback):
         self.committed = True
 
     def undo(self) -> None:
-        """Put the run directory back as claim() found it (nothing, if claim made it); then release it."""
+        """Put the run directory back as claim() found it, then release it. If claim made it: remove it."""
         import shutil
 
         try:
@@ -185,7 +185,10 @@ _CLAIMS: list[RunClaim] = []
 
 
 def undo_uncommitted_claims() -> None:
-    """Undo this process's claims, for a refused run (a UserError before its first step passed every check)."""
+    """Undo this process's claims, for a refused run.
+
+    Refused means a UserError before its first step passed every check.
+    """
     for claim in list(_CLAIMS):
         claim.undo()
 

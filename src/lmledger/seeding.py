@@ -26,7 +26,7 @@ class StepSeeder(pl.Callback):
 
     Lightning checkpoints model, optimizer, schedule and loop progress, but no generator states. Even
     saved states would not make resume exact. Dataloader iterators, validation and measurement
-    callbacks draw from the global generators between steps, differently in a resumed run. So each
+    callbacks draw from the global generators between steps. A resumed run draws differently. So each
     batch's random state is keyed on (seed, rank, batch index) instead. Dropout masks and other draws
     in batch i are then the same however the run got there. The seed is the one `seed_everything` set
     (LightningCLI's `seed_everything:`). Without one, nothing is reseeded.

@@ -9,7 +9,7 @@ The predicted peak of a training step is compared with a capacity:
 
 On CUDA the model's parameters live in the allocator's bytes. On CPU they are already allocated. In
 both, they are part of the prediction. On CUDA the smaller of the device and the setting wins. On
-CPU the setting replaces the RAM figure: the user may know of swap, or of other jobs to come.
+CPU the setting replaces the RAM figure. The user may know of swap, or of other jobs to come.
 
 If the peak does not fit, the run stops with `does_not_fit`'s line. It gives predicted vs available,
 the largest component and the largest batch that fits.
@@ -62,7 +62,7 @@ def available_ram() -> Capacity | None:
 
 
 def _held_bytes(module: torch.nn.Module) -> int:
-    """Bytes of the module's CPU parameters and buffers: allocated already, and counted in the prediction."""
+    """Bytes of the module's CPU parameters and buffers. Already allocated, they are in the prediction."""
     tensors = [*module.parameters(), *module.buffers()]
     return sum(t.numel() * t.element_size() for t in tensors if t.device.type == "cpu")
 

@@ -1,7 +1,7 @@
-"""Progress as plain lines, for logs that are not a terminal (batch jobs, CI, `make demo > log`).
+"""Progress as plain lines, for logs that are not a terminal: batch jobs, CI, `make demo > log`.
 
 Lightning's bars redraw in place and show nothing useful in a file. `PlainProgress` is a progress
-bar in Lightning's sense: it receives the `prog_bar` values (loss, tok/s, mfu). It prints one line per
+bar in Lightning's sense. It receives the `prog_bar` values: loss, tok/s, mfu. It prints one line per
 logging interval and one per validation:
 
     step 100/600  loss 2.3456  tok/s 12,345  mfu 0.457  elapsed 0:21  eta 1:45
@@ -84,7 +84,7 @@ class PlainProgress(ProgressBar):
 
 
 def plain_progress_if_not_a_terminal(enable_progress_bar: bool | None) -> list[pl.Callback]:
-    """[PlainProgress()] if stdout is not a terminal and the config keeps a progress bar; else []."""
+    """[PlainProgress()] if stdout is no terminal and the config keeps a progress bar; else []."""
     if enable_progress_bar is False or sys.stdout.isatty():
         return []
     return [PlainProgress()]

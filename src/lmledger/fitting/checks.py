@@ -1,6 +1,6 @@
 """What `lmledger fit|validate` refuses before a run starts: config files, class paths, trainer values.
 
---ckpt_path, and what a checkpoint may resume, are fitting.resume's.
+What a checkpoint may resume (--ckpt_path) is fitting.resume's.
 """
 
 from __future__ import annotations
@@ -52,12 +52,12 @@ class DropAdverts(logging.Filter):
 def build_failure(err: BaseException) -> UserError | None:
     """One line for an exception a class's own __init__ raised while jsonargparse built it; or None.
 
-    jsonargparse reports a failed subclass build as a ValueError listing every Union subtype it tried.
-    Builds are `--model X`, `--data.init_args.*`, a callback. The ValueError is raised `from` the
-    original exception (canary test_jsonargparse_chains_a_failed_build). The deepest cause is the
-    class's own error. The innermost traceback frame holding `class_type` names the class: that is
-    jsonargparse's and Lightning's instantiators. The kit's UserError comes through as it is. Anything
-    else becomes `building pkg.Class failed (Type: ...)`.
+    Builds are `--model X`, `--data.init_args.*`, a callback. A failed one is a ValueError from
+    jsonargparse. It lists every Union subtype it tried. It is raised `from` the original exception
+    (canary test_jsonargparse_chains_a_failed_build). The deepest cause is the class's own error.
+    The innermost traceback frame holding `class_type` names the class. (Those frames are
+    jsonargparse's and Lightning's instantiators.) The kit's UserError comes through as it is.
+    Anything else becomes `building pkg.Class failed (Type: ...)`.
     """
     original = err
     while original.__cause__ is not None:
@@ -92,7 +92,7 @@ def read_config(name: str) -> dict | None:
 
 
 def named_classes(args) -> list[tuple[str, str]]:
-    """(where, class path) for each model or data class the command line or its --config files name.
+    """(where, class path) per model or data class named by the command line or its --config files.
 
     Forms: `--model X`, `--data=X`, `--model.class_path X`. In a file: `model: {class_path: X}` or `model: X`.
     """
@@ -145,9 +145,9 @@ def _import_quitting_aloud(where: str, value: str, module_name: str):
 
 
 def _package_home(where: str, module_name: str) -> Path | None:
-    """The nearest directory at or above a config file that holds a class path's top-level package.
+    """The nearest directory at or above a config file holding a class path's top-level package.
 
-    Only for class paths named in a config file. configs/examples/*.yaml name `examples.*`, which
+    Only for class paths named in a config file. The configs/examples/*.yaml name `examples.*`. That
     lives at the repository root.
     """
     if not where.startswith("config "):
@@ -163,7 +163,7 @@ def _package_home(where: str, module_name: str) -> Path | None:
 def check_class_paths(named: list[tuple[str, str]]) -> None:
     """Each dotted class path imports and names a LightningModule (--model) or LightningDataModule (--data).
 
-    jsonargparse's own report of either runs to several lines about every type it tried.
+    The report jsonargparse gives of either runs to several lines about every type it tried.
     """
     keys = ["data" if where.startswith("--data") or where.split(": ")[-1].startswith("data") else "model"
             for where, _ in named]  # fmt: skip
@@ -203,7 +203,7 @@ def check_class_paths(named: list[tuple[str, str]]) -> None:
 def check_config_files(args, any_model: bool = False) -> None:
     """Refuse sections of a --config file that are not mappings.
 
-    jsonargparse 4 resets `data: [1, 2]` to the class defaults without a word. `model: {config: 5}`
+    Version 4 of jsonargparse resets `data: [1, 2]` to the class defaults without a word. `model: {config: 5}`
     ends in a message about a missing context_length.
     """
     for name in config_files(args):
@@ -248,8 +248,8 @@ def refuse_several_optimizers(model: pl.LightningModule, trainer: Trainer) -> No
 
     Lightning refuses them with a RuntimeError traceback once the strategy sets up. By then the run
     directory is claimed. So configure_optimizers is asked here first. The trainer is attached, for a
-    method that reads it. A method needing more than the trainer's settings is left to Lightning
-    (e.g. one reading estimated_stepping_batches).
+    method that reads it. A method needing more than the trainer's settings is left to Lightning.
+    One reading estimated_stepping_batches is such a method.
     """
     if not model.automatic_optimization:
         return
@@ -269,11 +269,12 @@ def refuse_several_optimizers(model: pl.LightningModule, trainer: Trainer) -> No
 
 
 def refuse_empty_train_loader(datamodule) -> None:
-    """Make the data module's train_dataloader refuse a loader of no batches, when Lightning asks for it.
+    """Make the data module's train_dataloader refuse a loader of no batches.
 
-    Lightning says "No training batches", trains nothing and exits 0. The loader exists only once the
-    module is prepared and set up, inside Trainer.fit. So the check rides on the call. The run
-    directory claimed by then is undone for a refusal (RunClaim).
+    The refusal comes when Lightning asks for the loader. Lightning says "No training batches",
+    trains nothing and exits 0. The loader exists only once the module is prepared and set up,
+    inside Trainer.fit. So the check rides on the call. The run directory claimed by then is undone
+    for a refusal (RunClaim).
     """
     own = getattr(type(datamodule), "train_dataloader", None)
     if own is None or own is pl.LightningDataModule.train_dataloader:

@@ -286,7 +286,7 @@ class FitCLI(LightningCLI):
 def _slurm_plugins(kwargs: dict, plugins) -> dict:
     """Trainer kwargs with SLURMEnvironment(auto_requeue=False) among the plugins, under SLURM.
 
-    That is when Lightning detects SLURM (srun, or --ntasks) and the config names no cluster
+    That is when Lightning detects SLURM (srun, or --ntasks). And when the config names no cluster
     environment. PreemptionCheckpoint saves, requeues and stops on SIGUSR1 for every rank count.
     Lightning's requeue would save a second, hpc_ckpt checkpoint.
     """
@@ -304,8 +304,8 @@ def slurm_tasks_per_node(env=os.environ) -> None:
 
     Lightning's SLURMEnvironment refuses it with a traceback: "Use --ntasks-per-node" (canary
     test_slurm_environment_refuses_ntasks_without_per_node). On one node the two mean the same. There
-    it is given SLURM_NTASKS_PER_NODE=N. Over several nodes, the count per node is the user's to say;
-    one line asks for it.
+    it is given SLURM_NTASKS_PER_NODE=N. Over several nodes, the count per node is the user's to say.
+    One line asks for it.
     """
     ntasks = env.get("SLURM_NTASKS", "1")
     if not ntasks.isdigit() or int(ntasks) <= 1 or "SLURM_NTASKS_PER_NODE" in env:
@@ -323,8 +323,8 @@ def slurm_tasks_per_node(env=os.environ) -> None:
 def run_claimed(argv: list[str]) -> None:
     """The fit or validate.
 
-    A run refused (UserError) before its first step passed every check leaves its run directory as it
-    found it (RunClaim.undo). Every run directory lock is released at the end.
+    A run can be refused (UserError) before its first step passed every check. It then leaves its run
+    directory as it found it (RunClaim.undo). Every run directory lock is released at the end.
     """
     try:
         with noted_stop_signals():  # a SIGUSR1 while the run is built: save and stop at step 1, not fatal
@@ -414,7 +414,7 @@ class _ParseOnlyCLI(FitCLI):
 
 
 class _BuildCLI(FitCLI):
-    """Parses a fit config and builds its model and data module; no trainer, nothing run or written."""
+    """Parses a fit config and builds its model and data module. No trainer; nothing run or written."""
 
     def before_instantiate_classes(self) -> None:
         check_accelerator(self.config.trainer.get("accelerator"))

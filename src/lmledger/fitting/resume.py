@@ -44,7 +44,7 @@ SPECIAL_CKPT_PATHS = ("last", "best", "hpc", "registry", "auto")  # auto: ours (
 
 
 class NothingToResume(Exception):
-    """--ckpt_path names a run that trained every step asked for: say so, exit 0, write nothing."""
+    """--ckpt_path names a run that trained every step asked for. Say so, exit 0, write nothing."""
 
 
 # Model settings that may differ on resume. They change how the same function is computed, not which.
@@ -121,9 +121,9 @@ def resolve_last(config, subcommand: str) -> tuple[Path, int] | None:
 def _resolve_auto(config) -> tuple[Path | None, int | None, str]:
     """--ckpt_path auto: (checkpoint, version, what happens in words).
 
-    Under SLURM, "this run" is the version directory this job or array task trains in (its slurm_job
-    file). A requeued job resumes it; another job never does. Elsewhere (a pod restarted, a script run
-    again), it is the newest version with a checkpoint. With no checkpoint: (None, the job's version or
+    Under SLURM, "this run" is the version directory this job or array task trains in. Its slurm_job
+    file says so. A requeued job resumes it; another job never does. Elsewhere, it is the newest
+    version with a checkpoint: a pod restarted, a script run again. With no checkpoint: (None, the job's version or
     None for a new one, the reason).
     """
     found = _run_dir_of(config)
@@ -167,7 +167,7 @@ class Resume:
 
 
 def resume_run(config, subcommand: str, any_model: bool) -> Resume | None:
-    """Resolve a fit's --ckpt_path (`auto`, `last` or a file); check the checkpoint may resume this run.
+    """Resolve a fit's --ckpt_path (`auto`, `last` or a file). Check it may resume this run.
 
     Sets config.ckpt_path to the file (None: a fresh start). Points the logger at the run's own version
     directory. None when there is nothing to say: no --ckpt_path, or `last` outside our logger layout.
@@ -353,9 +353,9 @@ def _is_import_path(value) -> bool:
 def _import_paths(value, key: str = ""):
     """(key, path) per value in a checkpoint's hyperparameters that jsonargparse would import.
 
-    It imports them when LightningCLI merges them into the config. Such values are a
-    `_class_path`/`class_path` entry at any depth, and any string of the form package.module.name (a
-    callable- or class-typed argument imports it).
+    It imports them when LightningCLI merges them into the config. Such values are of two kinds. A
+    `_class_path`/`class_path` entry at any depth. And any string of the form package.module.name: a
+    callable- or class-typed argument imports it.
     """
     if isinstance(value, dict):
         for name, item in value.items():
@@ -372,7 +372,7 @@ def _import_paths(value, key: str = ""):
 
 
 def _already_names(path: str, obj) -> bool:
-    """Whether `path` names `obj` (a default given as the function or class itself) in modules already imported.
+    """Whether `path` names `obj` in modules already imported. `obj` is a default: a function or class.
 
     Nothing new is imported to find out. So a path into a module not yet loaded names nothing.
     """
@@ -389,7 +389,7 @@ def _already_names(path: str, obj) -> bool:
 
 
 def _shown(value) -> str:
-    """A config value for a message: a function or class by its import path, anything else as repr()."""
+    """A config value for a message. A function or class by its import path; anything else by repr()."""
     name, module = getattr(value, "__name__", None), getattr(value, "__module__", None)
     return f"{module}.{name}" if callable(value) and name and module else repr(value)
 
@@ -411,10 +411,10 @@ def refuse_checkpoint_code(hparams: dict, model_config, path, any_model: bool) -
     """Refuse a --ckpt_path file that names code the command line does not.
 
     LightningCLI builds the model from the checkpoint's `_class_path`. It merges the other
-    hyperparameters into the config. jsonargparse imports every class path and dotted callable among
-    them. So a checkpoint could pick the class (or function) that runs. Each such value must equal
-    what the command line and config files name at the same place. It is checked on the weights-only
-    load, before anything is imported.
+    hyperparameters into the config. Then jsonargparse imports every class path and dotted callable
+    among them. So a checkpoint could pick the class (or function) that runs. Each such value must
+    equal what the command line and config files name there. It is checked on the weights-only load,
+    before anything is imported.
     """
     current = model_config.as_dict() if isinstance(model_config, Namespace) else dict(model_config or {})
     named = current.get("class_path") if any_model else f"{LitLM.__module__}.{LitLM.__qualname__}"

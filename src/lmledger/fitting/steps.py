@@ -1,4 +1,4 @@
-"""The checks made on a run's first real step; the name of the event file a full disk refused."""
+"""Checks on a run's first real step. The name of the event file a full disk refused."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ _DISK_ERRNOS = {errno.ENOSPC, errno.EROFS, errno.EDQUOT, errno.EFBIG, errno.EIO}
 
 
 def disk_error(err: BaseException | None) -> OSError | None:
-    """The OSError of a refused write (_DISK_ERRNOS) that `err` is or was raised from, if any."""
+    """The OSError of a refused write (_DISK_ERRNOS) that `err` is, or was raised from; or None."""
     while err is not None:
         if isinstance(err, OSError) and err.errno in _DISK_ERRNOS:
             return err

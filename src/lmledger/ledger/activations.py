@@ -1,8 +1,8 @@
 """Bytes autograd saves for backward: ToyLM's closed form, and the measured twin for any model.
 
-activation_bytes counts what lmledger.model saves, as it implements the toy LM (exact against
-measure_saved_activations on CPU); the helpers it is built from (widths, one block's saved set)
-are shared with ledger.peak, which walks the same tensors through a step.
+The function activation_bytes counts what lmledger.model saves, as it implements the toy LM. It is
+exact against measure_saved_activations on CPU. It is built from widths and one block's saved set.
+Those helpers are shared with ledger.peak, which walks the same tensors through a step.
 """
 
 from __future__ import annotations
@@ -20,8 +20,24 @@ from lmledger.ledger import precisions
 from lmledger.ledger.memory import storage_key
 from lmledger.model import ModelConfig
 
+__all__ = [
+    "COMPONENTS",
+    "FP32",
+    "ActivationReport",
+    "SavedActivations",
+    "Widths",
+    "activation_bytes",
+    "activation_widths",
+    "block_saved",
+    "check_device",
+    "check_shape",
+    "matmul_weights_per_block",
+    "measure_saved_activations",
+    "norm_saved",
+]
+
 COMPONENTS = ("embedding", "attention", "mlp", "norms", "logits_loss", "checkpoint_inputs")
-INDEX_BYTES = 8  # token ids and targets are int64, as the data module hands them over
+_INDEX_BYTES = 8  # token ids and targets are int64, as the data module hands them over
 FP32 = 4
 
 
@@ -29,9 +45,9 @@ FP32 = 4
 class ActivationReport:
     """Bytes autograd holds for backward once forward has finished.
 
-    `by_component` are activations proper; `autocast_weight_copies` (the low-precision weight
-    casts that linear layers save under autocast) are parameters in another dtype, so they are
-    kept apart from activations and are not in `total`.
+    `by_component` are activations proper. `autocast_weight_copies` are the low-precision weight
+    casts that linear layers save under autocast. They are parameters in another dtype. So they are
+    kept apart from activations, and are not in `total`.
     """
 
     by_component: dict[str, int]
@@ -70,12 +86,12 @@ def check_device(device: str) -> str:
 
 
 def norm_saved(tokens: int, d: int, widths: Widths, device: str) -> int:
-    """One nn.RMSNorm's saved tensors (its output is charged to the linear that consumes it).
+    """One nn.RMSNorm's saved tensors. Its output is charged to the linear that consumes it.
 
     F.rms_norm dispatches to aten._fused_rms_norm (aten/src/ATen/native/layer_norm.cpp). On CPU
-    that falls back to the composite: it saves the fp32 (upcast) input, the fp32 rsqrt per token
-    and the fp32 normalized input that multiplies the weight. On CUDA the fused kernel's autograd
-    formula (tools/autograd/derivatives.yaml) saves the input as it is and the fp32 rsqrt.
+    that falls back to the composite. It saves three fp32 tensors: the upcast input, the rsqrt per
+    token, and the normalized input that multiplies the weight. On CUDA, the fused kernel's autograd
+    formula saves the input as it is, and the fp32 rsqrt (tools/autograd/derivatives.yaml).
     """
     if device == "cuda":
         return tokens * d * widths.residual + tokens * FP32
@@ -83,14 +99,17 @@ def norm_saved(tokens: int, d: int, widths: Widths, device: str) -> int:
 
 
 def _attention_stats_bytes(batch: int, seq: int, heads: int, widths: Widths, device: str) -> int:
-    """What SDPA saves besides q, k, v and its output: the fp32 log-sum-exp of every query row,
-    and on CUDA the dropout RNG seed and offset (two 0-dim int64 tensors even at dropout 0)."""
+    """What SDPA saves besides q, k, v and its output.
+
+    That is the fp32 log-sum-exp of every query row. On CUDA, also the dropout RNG seed and offset.
+    Those are two 0-dim int64 tensors, even at dropout 0.
+    """
     if device == "cpu":
         return batch * heads * seq * FP32
     rng_state = 2 * 8
     if widths.compute == FP32:
-        # fp32 runs the memory-efficient kernel (flash and cuDNN take only 16-bit inputs),
-        # whose log-sum-exp rows are padded to a multiple of 32.
+        # fp32 runs the memory-efficient kernel: flash and cuDNN take only 16-bit inputs.
+        # Its log-sum-exp rows are padded to a multiple of 32.
         return batch * heads * math.ceil(seq / 32) * 32 * FP32 + rng_state
     return batch * heads * seq * FP32 + rng_state
 
@@ -98,8 +117,8 @@ def _attention_stats_bytes(batch: int, seq: int, heads: int, widths: Widths, dev
 def block_saved(cfg: ModelConfig, batch: int, seq: int, widths: Widths, device: str) -> dict[str, int]:
     """Saved bytes of one block that is not checkpointed."""
     tokens, d, c = batch * seq, cfg.d_model, widths.compute
-    # Rotary tables: `.to(x.dtype)` is a no-op (the saved tensor is the buffer) unless autocast
-    # runs q, k in a lower precision than the fp32 tables; then cos and sin are cast afresh for
+    # Rotary tables: `.to(x.dtype)` is a no-op (the saved tensor is the buffer), unless autocast
+    # runs q, k in a lower precision than the fp32 tables. Then cos and sin are cast afresh for
     # q and for k: four (seq, head_dim) tensors.
     rope_casts = 4 * seq * cfg.head_dim * c if widths.autocast else 0
     attention = (
@@ -110,8 +129,8 @@ def block_saved(cfg: ModelConfig, batch: int, seq: int, widths: Widths, device: 
         + _attention_stats_bytes(batch, seq, cfg.n_heads, widths, device)
         + rope_casts
     )
-    # Autocast casts the norm's output separately for w1 and for w3 (its cache only keeps casts
-    # of leaf tensors, i.e. weights); without autocast both save the same tensor.
+    # Autocast casts the norm's output separately for w1 and for w3. (Its cache only keeps casts
+    # of leaf tensors, i.e. weights.) Without autocast both save the same tensor.
     mlp_inputs = 2 if widths.autocast else 1
     mlp = mlp_inputs * tokens * d * c + 4 * tokens * cfg.d_ff * c  # w1 x, w3 x, silu(w1 x), their product
     norms = 2 * norm_saved(tokens, d, widths, device)
@@ -124,7 +143,7 @@ def matmul_weights_per_block(cfg: ModelConfig) -> int:
 
 
 def check_shape(cfg: ModelConfig, batch: int, seq: int) -> None:
-    """batch and seq of at least 1, seq within the model's context."""
+    """Refuse batch or seq below 1, or seq beyond the model's context."""
     if batch < 1 or seq < 1:
         raise UserError(f"batch and seq must be >= 1, got batch={batch}, seq={seq}")
     if seq > cfg.context_length:
@@ -136,8 +155,11 @@ def activation_bytes(
 ) -> ActivationReport:
     """Bytes autograd saves in one training forward of ToyLM(cfg) on (batch, seq) token ids.
 
-    Counted as implemented in lmledger.model (each storage once, parameters and buffers left
-    out), checked exactly against measure_saved_activations on CPU:
+    Counted as implemented in lmledger.model: each storage once, parameters and buffers left out.
+    Checked exactly against measure_saved_activations on CPU.
+
+    By component:
+
       embedding        the int64 token ids
       norms            every RMSNorm's saved tensors (norm_saved)
       attention        qkv input, the (q|k|v) storage, roped q and k, SDPA output and log-sum-exp,
@@ -147,15 +169,16 @@ def activation_bytes(
                        the logits themselves are not saved), int64 targets, nll's 4-byte weight sum
       checkpoint_inputs  a checkpointed block keeps only its input (residual dtype); what its
                        recompute rebuilds in backward is a transient, counted in peak_bytes
-    Autocast weight copies (precision *-mixed) are those of the lm_head and the blocks that are
-    not checkpointed: checkpointed blocks do not save theirs.
+
+    Autocast weight copies (precision *-mixed) are those of the lm_head and of blocks not
+    checkpointed. Checkpointed blocks do not save theirs.
     """
     check_shape(cfg, batch, seq)
     widths = activation_widths(precision)
     kind = check_device(device)
     tokens, d = batch * seq, cfg.d_model
     components = dict.fromkeys(COMPONENTS, 0)
-    components["embedding"] = tokens * INDEX_BYTES
+    components["embedding"] = tokens * _INDEX_BYTES
     block = block_saved(cfg, batch, seq, widths, kind)
     copied_weights = cfg.vocab_size * d  # lm_head, tied or not
     for layer in range(cfg.n_layers):
@@ -169,7 +192,7 @@ def activation_bytes(
     components["logits_loss"] = (
         tokens * d * widths.compute  # lm_head input
         + tokens * cfg.vocab_size * FP32  # log_softmax output
-        + tokens * INDEX_BYTES  # targets
+        + tokens * _INDEX_BYTES  # targets
         + FP32  # nll_loss total_weight
     )
     weight_copies = copied_weights * widths.compute if widths.autocast else 0
@@ -180,7 +203,7 @@ def activation_bytes(
 # The measured twin
 # --------------------------------------------------------------------------------------------
 
-# Autograd nodes between an autocast weight copy and its parameter: the cast itself and the
+# Autograd nodes between an autocast weight copy and its parameter: the cast itself, and the
 # views linear takes of it.
 _COPY_OR_VIEW_NODES = frozenset(
     {"ToCopyBackward0", "TBackward0", "TransposeBackward0", "PermuteBackward0", "ViewBackward0", "AliasBackward0"}
@@ -188,8 +211,10 @@ _COPY_OR_VIEW_NODES = frozenset(
 
 
 def _copied_parameter(t: torch.Tensor) -> torch.Tensor | None:
-    """The leaf tensor t is a cast/view of, if the chain of autograd nodes leading to it
-    contains only casts and views (an autocast weight copy); else None."""
+    """The leaf tensor that t is a cast/view of (an autocast weight copy); else None.
+
+    The chain of autograd nodes leading to it must hold only casts and views.
+    """
     node = t.grad_fn
     for _ in range(8):
         if node is None:
@@ -207,10 +232,10 @@ def _copied_parameter(t: torch.Tensor) -> torch.Tensor | None:
 
 @dataclass
 class SavedActivations:
-    """What measure_saved_activations saw; bytes are unique storages.
+    """What measure_saved_activations saw. Bytes are unique storages.
 
-    by_module charges each storage to the innermost module running when it was first saved
-    ("" = the model's own forward: the loss, and the inputs torch.utils.checkpoint keeps).
+    The field by_module charges each storage to the innermost module running when it was first saved.
+    "" is the model's own forward: the loss, and the inputs torch.utils.checkpoint keeps.
     """
 
     activations: int = 0
@@ -220,14 +245,15 @@ class SavedActivations:
 
 @contextmanager
 def measure_saved_activations(model: nn.Module) -> Iterator[SavedActivations]:
-    """Record every tensor autograd saves while the block runs (run forward inside, backward
-    after). Storages of the model's parameters and buffers are left out; casts of parameters
-    (autocast weight copies) are totalled apart. A reference to each saved tensor is held until
-    exit, so a freed storage's address cannot be reused and miscounted.
+    """Record every tensor autograd saves while the block runs: forward inside, backward after.
 
-    Tensors saved by torch.utils.checkpoint's recompute during backward are not seen (checkpoint
-    packs them with its own hooks): the figure is the steady state held between forward and
-    backward, which is what activation_bytes predicts.
+    Storages of the model's parameters and buffers are left out. Casts of parameters (autocast
+    weight copies) are totalled apart. A reference to each saved tensor is held until exit. So a
+    freed storage's address cannot be reused and miscounted.
+
+    Tensors saved by torch.utils.checkpoint's recompute in backward are not seen. Checkpoint packs
+    them with its own hooks. The figure is the steady state held between forward and
+    backward. That is what activation_bytes predicts.
     """
     result = SavedActivations()
     own = {storage_key(t) for t in (*model.parameters(), *model.buffers())}

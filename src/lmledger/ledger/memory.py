@@ -8,23 +8,31 @@ The memory ledger is three modules, each predicted figure beside its measured tw
     peak         peak_bytes                         ledger.memtrack.MemoryTracker          (any device; 2% on CPU)
                                                     measure_peak_cuda(step_fn)              (CUDA allocator)
 
-State, per rank before sharding: each parameter, its gradient and each optimizer state tensor
-("AdamW" = 2, "SGD" = 1 momentum buffer, 0 if momentum == 0, "none" = 0) take the bytes per element
-of the precision's row in ledger.precisions (32-true AdamW: 4 + 4 + 2 * 4 = 16 per parameter).
-Under *-mixed the low-precision weight copies autocast makes are transient (ledger.activations);
-Transformer Engine keeps weights in its plugin's weights_dtype (pass weights_dtype=torch.float32
-for an fp32-master setup: 16 with AdamW).
+State, per rank before sharding. Each parameter, its gradient and each optimizer state tensor take
+bytes per element from the precision's row in ledger.precisions. Optimizer states per parameter:
+"AdamW" 2; "SGD" 1 momentum buffer, 0 if momentum == 0; "none" 0. So 32-true AdamW is
+4 + 4 + 2 * 4 = 16 per parameter. Under *-mixed, the low-precision weight copies autocast makes are
+transient (ledger.activations). Transformer Engine keeps weights in its plugin's weights_dtype. For an
+fp32-master setup pass weights_dtype=torch.float32: 16 with AdamW.
 
-Sharding over `world_size` ranks (`strategy`): "ddp" (also "auto", "single_device") replicates
-everything; "zero1" divides the optimizer state, "zero2" also the grads, "zero3" / "fsdp" also the
-params. A divided term is ceil(n_params / world_size) elements per rank (FSDP pads its flat
-parameter to a multiple of the world size).
+Sharding over `world_size` ranks, by `strategy`:
 
-DeepSpeed (Lightning's "deepspeed_stage_{1,2,3}") follows what its ZeRO optimizers allocate, not the
-rule above: for any 16-bit precision Lightning hands DeepSpeed its "fp16" / "bf16" section, and
-DeepSpeed converts the model (no autocast), then keeps an fp32 master copy, fp32 gradients and fp32
-optimizer states of each rank's partition. Per parameter, N params, W ranks, s optimizer states,
-w = 2 (4 under 32-true); L = the largest layer's parameters:
+    ddp, auto, single_device    everything replicated
+    zero1                       the optimizer state divided
+    zero2                       also the grads
+    zero3, fsdp                 also the params
+
+A divided term is ceil(n_params / world_size) elements per rank. (FSDP pads its flat parameter to a
+multiple of the world size.)
+
+DeepSpeed follows what its ZeRO optimizers allocate, not the rule above. (Lightning names it
+"deepspeed_stage_{1,2,3}".) For any 16-bit precision, Lightning hands DeepSpeed its "fp16" / "bf16"
+section. DeepSpeed converts the model (no autocast). Then it keeps fp32 copies of each rank's
+partition: a master, gradients, optimizer states. Per parameter, with N params and W ranks:
+
+    s   optimizer states
+    w   2 (4 under 32-true)
+    L   the largest layer's parameters
 
     stage  params        grads                      optimizer            16-bit AdamW total
     1      w N           w N + 4N/W                 4N/W + 4sN/W         4N + 16N/W
@@ -32,13 +40,13 @@ w = 2 (4 under 32-true); L = the largest layer's parameters:
     3      w N/W + w L   4N/W + w L                 4N/W + 4sN/W         18N/W + 4L
 
 Source: DeepSpeed 0.19.8, deepspeed/runtime/zero/. stage_1_and_2.py keeps the 16-bit params whole
-(bit16_groups), an fp32 master of each rank's partition (single_partition_of_fp32_groups) and fp32
-gradients of it for the step; stage 2 partitions the 16-bit gradients, stage 1 does not (under
-32-true the gradient cast is a no-op, the master still a clone). stage3.py keeps 16-bit param, fp32
-gradient and fp32 master partitions (the master shared with the params under 32-true) and gathers one
-layer at a time (largest_layer_memory = 4L). The totals equal DeepSpeed's estimate_zero2_ (2N + 18N/W,
-DeepSpeed PR #5099) and estimate_zero3_model_states_mem_needs (18N/W + 4L) without offload (tests hold
-them equal); offload is not modelled.
+(bit16_groups). It keeps an fp32 master of each rank's partition (single_partition_of_fp32_groups).
+For the step, it keeps fp32 gradients of it. Stage 2 partitions the 16-bit gradients; stage 1 does
+not. Under 32-true the gradient cast is a no-op, and the master still a clone. The file stage3.py
+keeps 16-bit param, fp32 gradient and fp32 master partitions. Under 32-true the master is shared
+with the params. It gathers one layer at a time (largest_layer_memory = 4L). Without offload, the
+totals equal DeepSpeed's estimates. These are estimate_zero2_ (2N + 18N/W, DeepSpeed PR #5099) and
+estimate_zero3_model_states_mem_needs (18N/W + 4L). Tests hold them equal. Offload is not modelled.
 
 AdamW's 0-dim `step` counters are not counted, here or in measure_state_bytes.
 """
@@ -55,6 +63,20 @@ from lmledger.errors import UserError
 from lmledger.ledger import precisions
 from lmledger.ledger.units import STATE_COMPONENTS
 from lmledger.model import ModelConfig
+
+__all__ = [
+    "DEEPSPEED_STAGES",
+    "FP32_MASTER",
+    "OPTIMIZERS",
+    "bytes_per_param",
+    "largest_layer_params",
+    "measure_state_bytes",
+    "model_precision",
+    "optimizer_states",
+    "state_bytes",
+    "storage_key",
+    "unique_storage_bytes",
+]
 
 _STRATEGY_SHARDS: dict[str, frozenset[str]] = {
     "ddp": frozenset(),
@@ -78,8 +100,10 @@ OPTIMIZERS = ("adamw", "adam", "sgd", "none")
 
 
 def _state_widths(precision: str | int, weights_dtype: torch.dtype | None) -> dict[str, int]:
-    """Bytes per element of a param, a grad and one optimizer state tensor; a Transformer Engine
-    plugin's weights_dtype sets all three."""
+    """Bytes per element of a param, a grad and one optimizer state tensor.
+
+    A Transformer Engine plugin's weights_dtype sets all three.
+    """
     row = precisions.precision(precision)
     if weights_dtype is None:
         return {"params": row.param_bytes, "grads": row.grad_bytes, "optimizer": row.state_bytes}
@@ -89,7 +113,7 @@ def _state_widths(precision: str | int, weights_dtype: torch.dtype | None) -> di
 
 
 def optimizer_states(optimizer: str, momentum: float = 0.9) -> int:
-    """Optimizer state tensors kept per parameter tensor (each the parameter's shape)."""
+    """Optimizer state tensors kept per parameter tensor, each of the parameter's shape."""
     name = optimizer.lower()
     if name in ("adamw", "adam"):
         return 2  # exp_avg (m) and exp_avg_sq (v)
@@ -121,8 +145,9 @@ def state_bytes(
 ) -> dict[str, int]:
     """Bytes one rank holds for params, grads and optimizer state (conventions: module docstring).
 
-    largest_layer: parameters of the biggest module, which ZeRO-3 gathers whole (DeepSpeed only;
-    largest_layer_params(cfg) for ToyLM)."""
+    The argument largest_layer is the parameters of the biggest module. ZeRO-3 gathers it whole.
+    DeepSpeed only; for ToyLM, largest_layer_params(cfg).
+    """
     if n_params < 0:
         raise UserError(f"n_params must be >= 0, got {n_params}")
     width = _state_widths(precision, weights_dtype)
@@ -147,8 +172,10 @@ def bytes_per_param(
     momentum: float = 0.9,
     weights_dtype: torch.dtype | None = None,
 ) -> float:
-    """params + grads + optimizer bytes per parameter on one rank (32-true AdamW DDP: 16). Under
-    DeepSpeed ZeRO-3 the gathered largest layer is left out (it is not per parameter)."""
+    """params + grads + optimizer bytes per parameter on one rank (32-true AdamW DDP: 16).
+
+    Under DeepSpeed ZeRO-3 the gathered largest layer is left out: it is not per parameter.
+    """
     width = _state_widths(precision, weights_dtype)
     sharded = _sharded_terms(strategy, world_size)
     if strategy in DEEPSPEED_STAGES:
@@ -161,8 +188,10 @@ def bytes_per_param(
 
 
 def _deepspeed_terms(precision: str | int, states: int, stage: int) -> dict[str, tuple[int, int, int]]:
-    """Per term: (bytes per parameter on every rank, bytes per parameter divided over the ranks,
-    bytes per parameter of the largest layer) under DeepSpeed ZeRO `stage` (module docstring)."""
+    """Per term, under DeepSpeed ZeRO `stage` (module docstring), three bytes per parameter.
+
+    They are (on every rank, divided over the ranks, of the largest layer).
+    """
     row = precisions.precision(precision)
     w = row.deepspeed_model_bytes
     if w is None:
@@ -189,9 +218,12 @@ def _deepspeed_state_bytes(
 
 
 def model_precision(precision: str | int, strategy: str = "ddp") -> str:
-    """The precision the model's forward runs in: DeepSpeed takes a *-mixed precision as its own
-    16-bit mode (Lightning's _format_precision_config writes an "fp16" / "bf16" section, and
-    DeepSpeedPrecision adds no autocast), so its activations are those of the *-true counterpart."""
+    """The precision the model's forward runs in.
+
+    DeepSpeed takes a *-mixed precision as its own 16-bit mode. Lightning's _format_precision_config
+    writes an "fp16" / "bf16" section, and DeepSpeedPrecision adds no autocast. So its activations
+    are those of the *-true counterpart.
+    """
     name = precisions.normalize_precision(precision)
     if strategy in DEEPSPEED_STAGES and name.endswith("-mixed"):
         return name.replace("-mixed", "-true")
@@ -199,20 +231,26 @@ def model_precision(precision: str | int, strategy: str = "ddp") -> str:
 
 
 def largest_layer_params(cfg: ModelConfig) -> int:
-    """Parameters of ToyLM's biggest module, as DeepSpeed's model_to_params counts them (each
-    module's own parameters): the embedding / LM head, qkv, or an MLP matrix."""
+    """Parameters of ToyLM's biggest module: the embedding / LM head, qkv, or an MLP matrix.
+
+    Counted as DeepSpeed's model_to_params counts them: each module's own parameters.
+    """
     return max(cfg.vocab_size * cfg.d_model, 3 * cfg.d_model**2, cfg.d_model * cfg.d_ff)
 
 
 def storage_key(t: torch.Tensor) -> int:
-    """Identity of t's storage, shared by all its views. The StorageImpl's address rather than
-    data_ptr(), which is 0 for every meta tensor; unique while the storage is alive."""
+    """Identity of t's storage, shared by all its views; unique while the storage is alive.
+
+    It is the StorageImpl's address. data_ptr() is 0 for every meta tensor.
+    """
     return t.untyped_storage()._cdata
 
 
 def unique_storage_bytes(tensors: Iterable[object]) -> int:
-    """Sum of the tensors' storage sizes, each storage once (views and tied tensors are free; anything that
-    is not a tensor counts nothing)."""
+    """Sum of the tensors' storage sizes, each storage once.
+
+    Views and tied tensors are free. Anything that is not a tensor counts nothing.
+    """
     seen: dict[int, int] = {}
     for t in tensors:
         if isinstance(t, torch.Tensor):
@@ -221,8 +259,10 @@ def unique_storage_bytes(tensors: Iterable[object]) -> int:
 
 
 def measure_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
-    """Bytes the real tensors hold: parameters, their .grad, and optimizer state (0-dim `step`
-    counters excluded, as in state_bytes). Each storage counts once."""
+    """Bytes the real tensors hold: parameters, their .grad, and optimizer state.
+
+    The 0-dim `step` counters are excluded, as in state_bytes. Each storage counts once.
+    """
     params = list(model.parameters())
     grads = [p.grad for p in params if p.grad is not None]
     states: list[torch.Tensor] = []

@@ -1,8 +1,8 @@
 """The peak of one steady-state training step of ToyLM, phase by phase, and its CUDA twin.
 
-peak_bytes walks one step after the first (its docstring lists the phases). Measured twins: live
-tensor bytes (ledger.memtrack, within 2% on CPU) and the CUDA allocator's peak (measure_peak_cuda,
-within 15%: workspaces and rounding not modelled).
+The function peak_bytes walks one step after the first. Its docstring lists the phases. It has two measured
+twins. One is live tensor bytes (ledger.memtrack), within 2% on CPU. The other is the CUDA
+allocator's peak (measure_peak_cuda), within 15%. Workspaces and rounding are not modelled.
 """
 
 from __future__ import annotations
@@ -37,6 +37,8 @@ from lmledger.ledger.memory import (
 )
 from lmledger.model import ModelConfig, count_parameters
 
+__all__ = ["PeakReport", "measure_peak_cuda", "optimizer_kernel", "peak_bytes"]
+
 
 @dataclass(frozen=True)
 class PeakReport:
@@ -69,26 +71,35 @@ def peak_bytes(
 ) -> PeakReport:
     """Largest allocation total during one training step after the first.
 
-    P, O, G = params, optimizer state, grads; A = activation_bytes().total; Wall / Wsaved = autocast
-    copies of all matmul weights / of those saved for backward; NV = tokens x vocab; c = compute bytes.
+    Terms:
+
+        P, O, G         params, optimizer state, grads
+        A               activation_bytes().total
+        Wall, Wsaved    autocast copies of all matmul weights, and of those saved for backward
+        NV              tokens x vocab
+        c               compute bytes
+
     The largest of these totals wins:
 
-    1. forward end: P + O + [G] + A + Wsaved + NV*(c + 4 if c < 4 else 4). [G]: Lightning zeroes grads
-       after forward (grads_held_in_forward); Wsaved, not Wall: Lightning's autocast keeps no weight
-       cache (Wall with autocast_cache=True); the logits and their fp32 copy live through log_softmax.
-       (Canaries test_lightning_zeroes_grads_after_the_forward, test_lightning_autocast_keeps_no_weight_cache.)
+    1. forward end: P + O + [G] + A + Wsaved + NV*(c + 4 if c < 4 else 4). [G]: Lightning zeroes
+       grads after forward (grads_held_in_forward). Wsaved, not Wall: Lightning's autocast keeps no
+       weight cache (Wall with autocast_cache=True). The logits and their fp32 copy live through
+       log_softmax. Canaries: test_lightning_zeroes_grads_after_the_forward,
+       test_lightning_autocast_keeps_no_weight_cache.
     2. loss backward: P + O + A + Wsaved + 2*NV*4 (nll's and log_softmax's fp32 gradients).
-    3. recompute, per checkpointed block top down: the saved set below it + grads made above it + its
-       recomputed saved set and weight copies + its SwiGLU backward's gradients (tokens x d and two of
-       tokens x d_ff).
-    4. embedding backward: P + O + G, plus 2*V*d for a tied embedding (AccumulateGrad adds the head's
-       and the embedding's gradients out of place).
-    5. optimizer step: P + O + G + the AdamW kernel's temporaries (optimizer_kernel): foreach, sqrt(v)
-       of every tensor (one state); for-loop, two of the largest tensor's state; fused and SGD, none.
+    3. recompute, per checkpointed block top down: the saved set below it + grads made above it.
+       Plus its recomputed saved set and weight copies. Plus its SwiGLU backward's gradients:
+       tokens x d and two of tokens x d_ff.
+    4. embedding backward: P + O + G, plus 2*V*d for a tied embedding. (AccumulateGrad adds the
+       head's and the embedding's gradients out of place.)
+    5. optimizer step: P + O + G + the AdamW kernel's temporaries (optimizer_kernel). Foreach:
+       sqrt(v) of every tensor (one state). For-loop: two of the largest tensor's state. Fused and
+       SGD: none.
 
-    Between these points totals lie between the endpoints. Not modelled: per-op gradient temporaries,
-    library workspaces, allocator rounding, FSDP's gathered parameters. `batch` is per rank. DeepSpeed
-    runs *-mixed as its 16-bit model without autocast (activations of the *-true counterpart).
+    Between these points, totals lie between the endpoints. Not modelled: per-op gradient
+    temporaries, library workspaces, allocator rounding, FSDP's gathered parameters. `batch` is per
+    rank. DeepSpeed runs *-mixed as its 16-bit model without autocast: activations of the *-true
+    counterpart.
     """
     check_shape(cfg, batch, seq)
     precision = model_precision(precision, strategy)
@@ -164,7 +175,7 @@ def _recompute_peaks(
     grad_per_param: float,
 ) -> dict[str, float]:
     """Phase 3: each checkpointed block's recompute, the blocks walked top down."""
-    # Once the head's backward is done its saved tensors are freed and the lm_head and final-norm
+    # Once the head's backward is done, its saved tensors are freed. The lm_head and final-norm
     # grads exist.
     tokens, d, v, c = batch * seq, cfg.d_model, cfg.vocab_size, widths.compute
     copy_width = c if widths.autocast else 0
@@ -174,8 +185,8 @@ def _recompute_peaks(
     still_saved = acts.total - acts.by_component["logits_loss"] - norm_saved(tokens, d, widths, device)
     copies_saved = acts.autocast_weight_copies - v * d * copy_width
     grads_made = (v * d + d) * grad_per_param
-    # In a recomputed block's SwiGLU backward: the residual gradient, and the gradients of the
-    # product, of silu(w1 x) and of w3 x alive together once w2's backward has freed the product.
+    # In a recomputed block's SwiGLU backward, alive together once w2's backward has freed the
+    # product: the residual gradient, and the gradients of the product, of silu(w1 x) and of w3 x.
     mlp_backward = tokens * d * widths.residual + 2 * tokens * cfg.d_ff * c
     peaks = {}
     for layer in reversed(range(cfg.n_layers)):
@@ -194,9 +205,10 @@ def _recompute_peaks(
 def optimizer_kernel(device: str, fused: bool = False, foreach: bool | None = None) -> str:
     """The implementation torch.optim's AdamW / SGD run: "fused", "foreach" or "for-loop".
 
-    As torch.optim.optimizer._default_to_fused_or_foreach decides when neither flag is given:
-    foreach on the devices torch lists for foreach kernels (CUDA among them), the per-tensor loop
-    everywhere else, the CPU included; fused only when asked for."""
+    As torch.optim.optimizer._default_to_fused_or_foreach decides when neither flag is given.
+    Foreach on the devices torch lists for foreach kernels, CUDA among them. The per-tensor loop
+    everywhere else, the CPU included. Fused only when asked for.
+    """
     if fused:
         return "fused"
     if foreach is None:
@@ -215,9 +227,11 @@ def _foreach_devices() -> list[str]:
 def _optimizer_step_temporaries(
     optimizer: str, one_state: int, largest_tensor: int, device: str, fused: bool, foreach: bool | None
 ) -> int:
-    """Bytes AdamW's step holds beyond its state at its high-water mark (peak_bytes docstring):
-    sqrt(v) of every tensor at once (foreach: one state's worth), or sqrt(v_i) and its quotient for
-    the largest tensor (the per-tensor loop)."""
+    """Bytes AdamW's step holds beyond its state at its high-water mark (peak_bytes docstring).
+
+    Foreach: sqrt(v) of every tensor at once, one state's worth. The per-tensor loop: sqrt(v_i) and
+    its quotient for the largest tensor.
+    """
     if optimizer.lower() not in ("adamw", "adam"):
         return 0
     kernel = optimizer_kernel(device, fused, foreach)
@@ -229,8 +243,10 @@ def _optimizer_step_temporaries(
 
 
 def measure_peak_cuda(step_fn: Callable[[], object], device: torch.device | int | None = None) -> int:
-    """Peak bytes allocated on a CUDA device while step_fn runs (everything already allocated
-    before it, such as parameters and optimizer state, included)."""
+    """Peak bytes allocated on a CUDA device while step_fn runs.
+
+    It includes everything allocated before, such as parameters and optimizer state.
+    """
     if not torch.cuda.is_available():
         raise UserError(
             "measure_peak_cuda needs a CUDA device; elsewhere ledger.memtrack.MemoryTracker measures the peak"

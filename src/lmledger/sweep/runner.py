@@ -1,12 +1,15 @@
-"""Running a checked sweep, each point through the real CLI in its own process.
+"""_Running a checked sweep, each point through the real CLI in its own process.
 
-Results live in one directory: runs/<point-id>/ (TensorBoard, one parent for all points),
-points/<point-id>/ (status.json, stdout.log, stderr.log, lock), results.csv, results.md and the PNGs.
+Results live in one directory:
 
-Every point's arguments are parsed (check.py, nothing built) before any point runs. A point runs in its
-own session and process group and is sent SIGTERM when the sweep dies, even by SIGKILL; a held lock on
-points/<id>/lock tells a later sweep that it is still running. A training point stopped by SIGTERM
-(exit 143) is `interrupted`, and the next sweep resumes it with `--ckpt_path last`.
+    runs/<point-id>/        TensorBoard, one parent for all points
+    points/<point-id>/      status.json, stdout.log, stderr.log, lock
+    results.csv, results.md and the PNGs
+
+Every point's arguments are parsed before any point runs (check.py, nothing built). A point runs in
+its own session and process group. It is sent SIGTERM when the sweep dies, even by SIGKILL. A held
+lock on points/<id>/lock tells a later sweep that it is still running. A training point stopped by
+SIGTERM (exit 143) is `interrupted`. The next sweep resumes it with `--ckpt_path last`.
 """
 
 from __future__ import annotations
@@ -30,9 +33,27 @@ from lmledger.sweep.collect import PointResult, account_metrics, flatten, newest
 from lmledger.sweep.report import write_results
 from lmledger.sweep.spec import TRAINING_COMMANDS, Experiment, Point, cli_args
 
-# Exit codes of a point stopped by a signal it handled (128 + signal number, as the shell reports them),
-# and the negative codes subprocess gives for one it did not handle.
-INTERRUPTED_CODES = (128 + signal.SIGTERM, 128 + signal.SIGINT, -signal.SIGTERM, -signal.SIGINT)
+__all__ = [
+    "SweepPlan",
+    "check_out_dir",
+    "claim_out_dir",
+    "cuda_available",
+    "finished_result",
+    "plan_sweep",
+    "point_command",
+    "point_main",
+    "point_outcome",
+    "resumable",
+    "run_point",
+    "run_sweep",
+    "running_pid",
+    "saved_status",
+    "status_path",
+]
+
+# Exit codes of a point stopped by a signal it handled: 128 + signal number, as the shell reports them.
+# And the negative codes subprocess gives for one it did not handle.
+_INTERRUPTED_CODES = (128 + signal.SIGTERM, 128 + signal.SIGINT, -signal.SIGTERM, -signal.SIGINT)
 
 
 def _write_json(path: Path, obj: dict) -> None:
@@ -43,7 +64,7 @@ def status_path(out_dir: Path, point: Point) -> Path:
     return out_dir / "points" / point.id / "status.json"
 
 
-def lock_path(out_dir: Path, point: Point) -> Path:
+def _lock_path(out_dir: Path, point: Point) -> Path:
     return out_dir / "points" / point.id / "lock"
 
 
@@ -56,7 +77,7 @@ def saved_status(out_dir: Path, point: Point) -> dict:
 
 
 def finished_result(out_dir: Path, point: Point) -> PointResult | None:
-    """The point's result if an earlier invocation finished it (failed and interrupted points run again)."""
+    """The point's result if an earlier invocation finished it. Failed and interrupted points run again."""
     saved = saved_status(out_dir, point)
     if saved.get("status") != "done":
         return None
@@ -74,8 +95,11 @@ def finished_result(out_dir: Path, point: Point) -> PointResult | None:
 
 
 def resumable(out_dir: Path, point: Point) -> bool:
-    """Whether the point's next run continues its last one (`--ckpt_path last`): a fit stopped by a
-    signal, or whose sweep died under it ("running"), whose newest run directory holds a checkpoint."""
+    """Whether the point's next run continues its last one (`--ckpt_path last`).
+
+    It does for a fit stopped by a signal, or whose sweep died under it ("running"). Its newest run
+    directory must hold a checkpoint.
+    """
     if point.subcommand != "fit" or saved_status(out_dir, point).get("status") not in ("interrupted", "running"):
         return False
     run_dir = newest_run_dir(out_dir, point)
@@ -83,8 +107,8 @@ def resumable(out_dir: Path, point: Point) -> bool:
 
 
 def running_pid(out_dir: Path, point: Point) -> int | None:
-    """The pid of the point's process if one (from this or an earlier sweep) holds its lock, else None."""
-    path = lock_path(out_dir, point)
+    """The pid of the point's process that holds its lock, from this or an earlier sweep; else None."""
+    path = _lock_path(out_dir, point)
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
@@ -103,7 +127,7 @@ def running_pid(out_dir: Path, point: Point) -> int | None:
         os.close(fd)
 
 
-def check_nothing_running(experiment: Experiment, out_dir: Path) -> None:
+def _check_nothing_running(experiment: Experiment, out_dir: Path) -> None:
     for point in experiment.points:
         pid = running_pid(out_dir, point)
         if pid is not None:
@@ -127,9 +151,11 @@ def _subprocess_env(jobs: int) -> dict[str, str]:
     return env
 
 
-class Running:
-    """The point processes running now, so that a stopping sweep can stop them (they are in their own
-    process groups, out of reach of the terminal's Ctrl-C)."""
+class _Running:
+    """The point processes running now, for a stopping sweep to stop.
+
+    They are in their own process groups, out of reach of the terminal's Ctrl-C.
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -163,12 +189,12 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
 
 
 def point_command(args: list[str]) -> list[str]:
-    """The process of a point: `lmledger ARGS`, through point_main so that it dies with this process."""
+    """The process of a point: `lmledger ARGS`, through point_main so it dies with this process."""
     return [sys.executable, "-m", "lmledger.sweep", "point", str(os.getpid()), *args]
 
 
-def run_point(point: Point, out_dir: Path, jobs: int = 1, running: Running | None = None) -> PointResult:
-    """Run one point through the real CLI in its own process group; record its status atomically."""
+def run_point(point: Point, out_dir: Path, jobs: int = 1, running: _Running | None = None) -> PointResult:
+    """Run one point through the real CLI in its own process group. Record its status atomically."""
     import fcntl
 
     logs = status_path(out_dir, point).parent
@@ -178,9 +204,9 @@ def run_point(point: Point, out_dir: Path, jobs: int = 1, running: Running | Non
     argv = point_command(args)
     try:
         logs.mkdir(parents=True, exist_ok=True)
-        lock = os.open(lock_path(out_dir, point), os.O_RDWR | os.O_CREAT, 0o644)
+        lock = os.open(_lock_path(out_dir, point), os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as err:
-        raise write_error(err, lock_path(out_dir, point)) from None
+        raise write_error(err, _lock_path(out_dir, point)) from None
     try:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -193,7 +219,7 @@ def run_point(point: Point, out_dir: Path, jobs: int = 1, running: Running | Non
         except OSError as err:
             raise write_error(err, logs / "stdout.log") from None
         with stdout, stderr:
-            # The child inherits the locked descriptor: the lock is held as long as the point (or anything
+            # The child inherits the locked descriptor. The lock is held as long as the point (or anything
             # it started) lives, whatever happens to this process.
             proc = subprocess.Popen(
                 argv,
@@ -224,13 +250,16 @@ def run_point(point: Point, out_dir: Path, jobs: int = 1, running: Running | Non
 
 
 def point_outcome(point: Point, out_dir: Path, code: int, seconds: float | None, args: list[str]) -> PointResult:
-    """A finished point's result from its exit code and its logs (points/<id>/stdout.log, stderr.log) and,
-    for fit and validate, its newest run directory's TensorBoard events: the same for either launcher."""
+    """A finished point's result, the same for either launcher.
+
+    It comes from its exit code and logs (points/<id>/stdout.log, stderr.log). For fit and validate,
+    also from its newest run directory's TensorBoard events.
+    """
     logs = status_path(out_dir, point).parent
     out_text = (logs / "stdout.log").read_text(errors="replace")
     status, error, metrics, output = "done", "", {}, None
     run_dir = newest_run_dir(out_dir, point) if point.subcommand in TRAINING_COMMANDS else None
-    if code in INTERRUPTED_CODES:
+    if code in _INTERRUPTED_CODES:
         status = "interrupted"
         name = signal.Signals(-code if code < 0 else code - 128).name
         resumes = ", from its last checkpoint if it saved one" if point.subcommand == "fit" else ""
@@ -261,14 +290,14 @@ def _die_with_parent(parent: int) -> None:
     if sys.platform.startswith("linux"):
         import ctypes
 
-        PR_SET_PDEATHSIG = 1  # <linux/prctl.h>; prctl(2): the signal comes when the parent *thread* exits
+        PR_SET_PDEATHSIG = 1  # <linux/prctl.h>. prctl(2): the signal comes when the parent *thread* exits.
         libc = ctypes.CDLL(None, use_errno=True)
         if libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) == 0:
             if os.getppid() != parent:  # it died before the call: nobody will send the signal
                 os.kill(os.getpid(), signal.SIGTERM)
             return
 
-    def watch() -> None:  # elsewhere: poll; an orphan is adopted by another process
+    def watch() -> None:  # elsewhere: poll. An orphan is adopted by another process.
         while os.getppid() == parent:
             time.sleep(1.0)
         os.kill(os.getpid(), signal.SIGTERM)
@@ -277,8 +306,10 @@ def _die_with_parent(parent: int) -> None:
 
 
 def point_main(argv: list[str], run_command: Callable[[list[str]], int]) -> int:
-    """The process of one point: `python -m lmledger.sweep point PARENT_PID LMLEDGER_ARGS...`; `run_command` is
-    the lmledger command line's main (the entry point passes it: commands sit above sweeps)."""
+    """The process of one point: `python -m lmledger.sweep point PARENT_PID LMLEDGER_ARGS...`.
+
+    `run_command` is the lmledger command line's main. The entry point passes it: commands sit above sweeps.
+    """
     _die_with_parent(int(argv[0]))
     return run_command(argv[1:])
 
@@ -289,12 +320,12 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-SWEEP_RECORD = "sweep.json"
+_SWEEP_RECORD = "sweep.json"
 
 
 def check_out_dir(experiment: Experiment, out_dir: Path) -> bool:
-    """Whether out_dir is already this experiment's; raises if it holds anything else's results."""
-    record = out_dir / SWEEP_RECORD
+    """Whether out_dir is already this experiment's. Raises if it holds anything else's results."""
+    record = out_dir / _SWEEP_RECORD
     if record.is_file():
         try:
             owner = json.loads(record.read_text()).get("name")
@@ -313,22 +344,25 @@ def check_out_dir(experiment: Experiment, out_dir: Path) -> bool:
 
 def claim_out_dir(experiment: Experiment, out_dir: Path) -> None:
     if not check_out_dir(experiment, out_dir):
-        _write_json(out_dir / SWEEP_RECORD, {"name": experiment.name, "experiment": str(experiment.source)})
+        _write_json(out_dir / _SWEEP_RECORD, {"name": experiment.name, "experiment": str(experiment.source)})
 
 
 @dataclass
 class SweepPlan:
-    """What a checked sweep will do: results known already (reused, skipped) and the points to run."""
+    """What a checked sweep will do: results known already (reused, skipped), and the points to run."""
 
     results: dict[str, PointResult]
     pending: list[Point]
 
 
 def plan_sweep(experiment: Experiment, out_dir: Path) -> SweepPlan:
-    """Everything a sweep checks before it writes or runs anything: the results directory is this
-    experiment's, no point of an earlier sweep still runs, and every point to run has good arguments."""
+    """Everything a sweep checks before it writes or runs anything.
+
+    The results directory is this experiment's. No point of an earlier sweep still runs. Every point
+    to run has good arguments.
+    """
     check_out_dir(experiment, out_dir)
-    check_nothing_running(experiment, out_dir)
+    _check_nothing_running(experiment, out_dir)
     have_gpu = cuda_available() if any(p.requires_gpu for p in experiment.points) else False
     results: dict[str, PointResult] = {}
     pending: list[Point] = []
@@ -353,9 +387,11 @@ def run_sweep(
     on_done: Callable[[PointResult], None] | None = None,
     plan: SweepPlan | None = None,
 ) -> list[PointResult]:
-    """Run every unfinished point of a checked sweep (plan_sweep, unless `plan` is given) `jobs` at a
-    time, skip finished ones and GPU-only ones without a GPU, then write results.csv, results.md and the
-    plots. Returns one result per point, in order."""
+    """Run every unfinished point of a checked sweep, `jobs` at a time; one result per point, in order.
+
+    The sweep is checked by plan_sweep, unless `plan` is given. Finished points are skipped, and
+    GPU-only ones without a GPU. Then it writes results.csv, results.md and the plots.
+    """
     if jobs < 1:
         raise UserError(f"--jobs must be >= 1, got {jobs}")
     plan = plan_sweep(experiment, out_dir) if plan is None else plan
@@ -366,7 +402,7 @@ def run_sweep(
             if point.id in results:
                 on_done(results[point.id])
 
-    running = Running()
+    running = _Running()
 
     def work(point: Point) -> PointResult:
         if running.stopping:
@@ -383,8 +419,8 @@ def run_sweep(
             if on_done:
                 on_done(result)
     except BaseException:
-        # Ctrl-C, SIGTERM or a failed write: stop the running points (SIGTERM: a fit saves last.ckpt and
-        # is recorded interrupted), start no new ones, and wait for them. The next sweep resumes them.
+        # Ctrl-C, SIGTERM or a failed write: stop the running points, start no new ones, wait for them.
+        # On SIGTERM a fit saves last.ckpt and is recorded interrupted. The next sweep resumes them.
         running.stop_all()
         pool.shutdown(wait=True, cancel_futures=True)
         raise

@@ -1,5 +1,4 @@
-"""The experiment file: its schema, checked key by key into an Experiment of Points, and each point's
-`lmledger` command line.
+"""The experiment file: its schema, checked into an Experiment of Points; each point's command line.
 
 An experiment file (experiments/*.yaml; docs/sweeps.md has the full story):
 
@@ -17,12 +16,13 @@ An experiment file (experiments/*.yaml; docs/sweeps.md has the full story):
     x: trainer.precision              # the swept variable on the plots (default: the first grid key)
     requires: gpu                     # every point needs a CUDA GPU
 
-Override keys are the dotted names `lmledger fit` takes (`model.config.d_model`) or, for the other
-commands, their flag names (`num-gpus`); each becomes `--key value`. A point (in `grid` or `points`)
-may also set `config`: one more config file (or a list), read after the base `configs` and before
-the overrides, e.g. a fragment such as configs/precision/bf16-true.yaml. A `points` entry may also set
-`requires` and `command`; a point with its own command takes neither `configs` nor `fixed` from the
-top level.
+Override keys are the dotted names `lmledger fit` takes (`model.config.d_model`). For the other
+commands they are flag names (`num-gpus`). Each becomes `--key value`.
+
+A point in `grid` or `points` may also set `config`: one more config file, or a list. It is read
+after the base `configs` and before the overrides. An example is a fragment such as
+configs/precision/bf16-true.yaml. A `points` entry may also set `requires` and `command`. A point with
+its own command takes neither `configs` nor `fixed` from the top level.
 """
 
 from __future__ import annotations
@@ -40,12 +40,28 @@ import yaml
 
 from lmledger.errors import UserError
 
-TOP_LEVEL_KEYS = ("name", "description", "command", "configs", "fixed", "grid", "points", "metrics", "x", "requires")
-POINT_ONLY_KEYS = ("command", "requires")  # allowed in `points` entries, not as grid keys
+__all__ = [
+    "CONFIG_COMMANDS",
+    "MAX_POINTS",
+    "TRAINING_COMMANDS",
+    "Experiment",
+    "Point",
+    "cli_args",
+    "config_args",
+    "fit_args",
+    "format_value",
+    "load_experiment",
+    "override_flags",
+    "short_key",
+    "slug_value",
+]
+
+_TOP_LEVEL_KEYS = ("name", "description", "command", "configs", "fixed", "grid", "points", "metrics", "x", "requires")
+_POINT_ONLY_KEYS = ("command", "requires")  # allowed in `points` entries, not as grid keys
 TRAINING_COMMANDS = ("fit", "validate")  # metrics come from the run's TensorBoard events
-JSON_COMMANDS = ("account", "plan", "gpus", "bench")  # metrics come from the one JSON object on stdout
+_JSON_COMMANDS = ("account", "plan", "gpus", "bench")  # metrics come from the one JSON object on stdout
 CONFIG_COMMANDS = TRAINING_COMMANDS + ("account",)  # need --config
-# A sweep this large is a mistake or a job for a scheduler: each point is a process, and 10^6 points took
+# A sweep this large is a mistake, or a job for a scheduler. Each point is a process. 10^6 points took
 # 70 s and 650 MB to list (2026-11-30, 2-core CPU). The check runs before the grid is expanded.
 MAX_POINTS = 10_000
 # A plain directory name: no '/', and not '.', '..' or hidden.
@@ -57,7 +73,7 @@ _DIR_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*")
 
 @dataclass(frozen=True)
 class Point:
-    """One run of the sweep: a command line, named by a readable slug of its overrides and a hash."""
+    """One run of the sweep: a command line. Its name is a readable slug of its overrides, and a hash."""
 
     id: str
     command: tuple[str, ...]  # lmledger subcommand words and flags, e.g. ("account", "--measure")
@@ -82,9 +98,9 @@ class Experiment:
     source: Path
     description: str
     points: tuple[Point, ...]
-    metrics: tuple[str, ...] | None  # None: each command's defaults (and every JSON field for other commands)
+    metrics: tuple[str, ...] | None  # None: each command's defaults; every JSON field for other commands
     x: str | None
-    swept_keys: tuple[str, ...]  # every override key that varies between points, in order of appearance
+    swept_keys: tuple[str, ...]  # each override key that varies between points, in order of appearance
     grid_keys: tuple[str, ...]
 
 
@@ -96,7 +112,7 @@ def _parse_command(source: Path, where: str, value) -> tuple[str, ...]:
     if not isinstance(value, str) or not value.strip():
         raise _fail(source, f"{where} must be a string such as `fit` or `account --measure`, got {value!r}")
     words = tuple(shlex.split(value))
-    allowed = TRAINING_COMMANDS + JSON_COMMANDS
+    allowed = TRAINING_COMMANDS + _JSON_COMMANDS
     if words[0] not in allowed:
         raise _fail(source, f"{where}: unknown command {words[0]!r}; use one of {', '.join(allowed)}")
     return words
@@ -120,7 +136,7 @@ def _check_override_keys(source: Path, where: str, overrides: dict, allowed_extr
             raise _fail(source, f"{where}: override keys must be strings, got {key!r}")
         if key.startswith("-"):
             raise _fail(source, f"{where}: write override {key!r} without leading dashes, e.g. trainer.max_steps")
-        if key in POINT_ONLY_KEYS and key not in allowed_extra:
+        if key in _POINT_ONLY_KEYS and key not in allowed_extra:
             raise _fail(source, f"{where}: {key!r} can only be set in a `points` entry")
 
 
@@ -143,7 +159,7 @@ def _point_id(command: tuple[str, ...], own_command: bool, configs: tuple[str, .
     parts = ["-".join(w for w in command if not w.startswith("-"))] if own_command else []
     parts += [f"{short_key(k)}={slug_value(k, v)}" for k, v in swept.items()]
     slug = re.sub(r"[^A-Za-z0-9._=+-]+", "-", "_".join(parts)).strip("-_")[:60] or "point"
-    # The hash covers everything that makes the run: edit `fixed` and every point becomes a new one.
+    # The hash covers everything that makes the run. Edit `fixed` and every point becomes a new one.
     overrides = {k: v for k, v in swept.items() if k != "config"}
     identity = json.dumps(
         {"command": command, "configs": configs, "fixed": fixed, "swept": overrides}, sort_keys=True, default=str
@@ -156,8 +172,8 @@ _Spec = tuple[bool, tuple[str, ...] | None, tuple[str, ...], dict, bool]
 
 
 def load_experiment(path: str | Path) -> Experiment:
-    """Read and check an experiment file; every problem is one UserError line naming the key."""
-    # Checked by hand, not by jsonargparse dataclasses: its type errors are 8-line union dumps without the fix.
+    """Read and check an experiment file. Every problem is one UserError line naming the key."""
+    # Checked by hand, not by jsonargparse dataclasses. Its type errors are 8-line union dumps without the fix.
     source = Path(path)
     raw = _read_mapping(source)
     name = raw.get("name", source.stem)
@@ -215,16 +231,16 @@ def _read_mapping(source: Path) -> dict:
         raise _fail(source, f"not valid YAML ({' '.join(str(err).split())})") from None
     if not isinstance(raw, dict):
         raise _fail(source, "an experiment file is a mapping with keys such as command, configs, grid, metrics")
-    unknown = [k for k in raw if k not in TOP_LEVEL_KEYS]
+    unknown = [k for k in raw if k not in _TOP_LEVEL_KEYS]
     if unknown:
-        raise _fail(source, f"unknown top-level key {unknown[0]!r}; allowed: {', '.join(TOP_LEVEL_KEYS)}")
+        raise _fail(source, f"unknown top-level key {unknown[0]!r}; allowed: {', '.join(_TOP_LEVEL_KEYS)}")
     return raw
 
 
 def _grid_specs(
     source: Path, grid, n_listed: int, command: tuple[str, ...] | None, configs: tuple[str, ...], requires
 ) -> list[_Spec]:
-    """One spec per combination of the grid's values (n_listed: the `points` entries, counted in the limit)."""
+    """One spec per combination of the grid's values. The limit also counts n_listed `points` entries."""
     if not isinstance(grid, dict) or not grid:
         raise _fail(source, "grid is empty: give it at least one key with a list of values")
     _check_override_keys(source, "grid", grid)
@@ -269,9 +285,9 @@ def _listed_specs(
         where = f"points[{i}]"
         if not isinstance(entry, dict) or not entry:
             raise _fail(source, f"{where} must be a non-empty mapping of overrides, got {entry!r}")
-        _check_override_keys(source, where, entry, allowed_extra=POINT_ONLY_KEYS)
-        # A point with its own command is a different kind of run: it takes no configs or fixed
-        # overrides from the top level (those belong to the top-level command).
+        _check_override_keys(source, where, entry, allowed_extra=_POINT_ONLY_KEYS)
+        # A point with its own command is a different kind of run. It takes no configs or fixed
+        # overrides from the top level: those belong to the top-level command.
         own = "command" in entry
         point_command = _parse_command(source, f"{where}.command", entry["command"]) if own else command
         inherited = () if own else configs
@@ -280,13 +296,13 @@ def _listed_specs(
         point_requires = entry.get("requires", requires)
         if point_requires not in (None, "gpu"):
             raise _fail(source, f"{where}.requires must be `gpu`, got {point_requires!r}")
-        swept = {k: v for k, v in entry.items() if k not in POINT_ONLY_KEYS}
+        swept = {k: v for k, v in entry.items() if k not in _POINT_ONLY_KEYS}
         specs.append((own, point_command, point_configs, swept, point_requires == "gpu"))
     return specs
 
 
 def _build_points(source: Path, specs: list[_Spec], fixed: dict) -> list[Point]:
-    """The Points of the specs, each with a command and its config files; no two the same run."""
+    """The Points of the specs, each with a command and its config files. No two are the same run."""
     built: list[Point] = []
     for own, point_command, point_configs, swept, needs_gpu in specs:
         if point_command is None:
@@ -331,8 +347,8 @@ def override_flags(overrides: dict) -> list[str]:
     return args
 
 
-def run_dir_args(point: Point, out_dir: Path) -> list[str]:
-    """Every training point logs under out_dir/runs/<point id>/version_N, one TensorBoard parent."""
+def _run_dir_args(point: Point, out_dir: Path) -> list[str]:
+    """Log a training point under out_dir/runs/<point id>/version_N: one TensorBoard parent for all."""
     return ["--trainer.logger.init_args.save_dir", str(out_dir / "runs"), "--trainer.logger.init_args.name", point.id]
 
 
@@ -345,19 +361,21 @@ def _override_args(point: Point) -> list[str]:
 
 
 def cli_args(point: Point, out_dir: Path | None = None) -> list[str]:
-    """The point's `lmledger` arguments (without the program), in the order that makes later win:
-    config files, our quiet defaults, fixed overrides, the point's overrides, then its run directory."""
+    """The point's `lmledger` arguments, without the program, in the order that makes later win.
+
+    The order: config files, our quiet defaults, fixed overrides, the point's overrides, its run directory.
+    """
     args = [*point.command, *config_args(point)]
     if point.subcommand in TRAINING_COMMANDS:
         args += ["--trainer.enable_progress_bar", "false"]  # the log is a file, not a terminal
     args += _override_args(point)
     if point.subcommand in TRAINING_COMMANDS and out_dir is not None:
-        args += run_dir_args(point, out_dir)
-    if point.subcommand in JSON_COMMANDS and "--json" not in args:
+        args += _run_dir_args(point, out_dir)
+    if point.subcommand in _JSON_COMMANDS and "--json" not in args:
         args.append("--json")
     return args
 
 
 def fit_args(point: Point) -> list[str]:
-    """The point's arguments as `load_run` reads them (configs and overrides, no command words)."""
+    """The point's arguments as `load_run` reads them: configs and overrides, no command words."""
     return config_args(point) + _override_args(point)
