@@ -176,7 +176,7 @@ def test_a_manual_steps_own_no_sync_is_followed(predicted):
 
 
 def test_accumulation_beyond_ddp_is_one_line():
-    result = predict_sharded(_model(), _batch(), optimizer=_adamw, strategy="fsdp2", world_size=2, accumulate=2)
+    result = predict_sharded(_model(), _batch(), optimizer=_adamw, strategy="zero3", world_size=2, accumulate=2)
     assert isinstance(result, NotTraced) and "\n" not in result.reason and "measured only" in result.reason
 
 

@@ -6,9 +6,11 @@ parameter, buffer and tensor attribute on the meta device (no memory). At the fi
 one rank's step on it with ledger.sharded.predict_sharded at the mesh's data-parallel size, where FSDP2 is
 the module's own configure_model replayed on the fake copy over a mesh of torch's fake process group (beside
 the real one), with the same dimension names as the strategy's; the optimizer is the same kind and groups as
-the one configure_optimizers made over the real shards. Tensor parallelism (a mesh with
-tensor_parallel_size > 1), gradient accumulation, manual optimization and a GPU run are one line each, and
-measured only.
+the one configure_optimizers made over the real shards. Gradient accumulation and manual optimization are
+predicted as Lightning runs them under this strategy: every micro-batch's backward (every manual_backward)
+reduce-scatters, since its block_backward_sync is ParallelStrategy's, a no-op for an FSDPModule (canary in
+tests/test_fsdp2_accumulate.py); a step's own set_requires_gradient_sync runs on the fake copy too. Tensor
+parallelism (a mesh with tensor_parallel_size > 1) and a GPU run are one line each, and measured only.
 """
 
 from __future__ import annotations
@@ -62,33 +64,39 @@ def predict(
     accumulate: int = 1,
 ) -> StepLedger | NotTraced:  # fmt: skip
     """One rank's step under the live ModelParallelStrategy (module docstring), or why there is none."""
-    why = _not_modelled(trainer, pl_module, unsharded, accumulate)
+    why = _not_modelled(trainer, pl_module, unsharded)
     if why is not None:
         return NotTraced(why)
-    data_parallel, _ = mesh_sizes(trainer)
-    optimizers = torch_optimizers(trainer)
     with untouched_rng(pl_module.device), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            return sharded.predict_sharded(
-                unsharded, batch, step=lightning_step(batch_idx, trainer),
-                optimizer=same_optimizer(optimizers[0], pl_module) if optimizers else None,
-                precision=str(trainer.precision), strategy="fsdp2", world_size=data_parallel,
-                fsdp=sharded.FSDPSettings(shard=replay_configure_model(trainer)), device=pl_module.device,
-            )  # fmt: skip
+            arguments = fsdp2_arguments(trainer, pl_module, batch_idx, accumulate)
+            return sharded.predict_sharded(unsharded, batch, **arguments)
         except UserError as err:
             return NotTraced(str(err))
 
 
-def _not_modelled(trainer, pl_module, unsharded, accumulate: int) -> str | None:
+def fsdp2_arguments(trainer: pl.Trainer, pl_module: pl.LightningModule, batch_idx: int, accumulate: int) -> dict:
+    """predict_sharded's arguments for one rank of this ModelParallelStrategy trainer: its data-parallel size,
+    the module's configure_model replayed, the same optimizers over the fake shards, `accumulate` micro-batches
+    (each one's backward reduce-scatters, as Lightning runs FSDP2) or the module's own manual step."""
+    manual = not pl_module.automatic_optimization
+    made = [same_optimizer(o, pl_module) for o in torch_optimizers(trainer)]
+    return dict(
+        step=lightning_step(batch_idx, trainer), optimizer=made if manual else (made[0] if made else None),
+        precision=str(trainer.precision), strategy="fsdp2", world_size=mesh_sizes(trainer)[0],
+        fsdp=sharded.FSDPSettings(shard=replay_configure_model(trainer)), device=pl_module.device,
+        accumulate=accumulate, manual=manual,
+    )  # fmt: skip
+
+
+def _not_modelled(trainer, pl_module, unsharded) -> str | None:
     _, tensor_parallel = mesh_sizes(trainer)
     if tensor_parallel > 1:
         return (
             f"ModelParallelStrategy's mesh has tensor_parallel_size {tensor_parallel}: the dry run does not model "
             "tensor parallelism yet"
         )
-    if not pl_module.automatic_optimization or accumulate > 1:
-        return "FSDP2 with manual optimization or gradient accumulation is not modelled yet"
     if pl_module.device.type != "cpu":  # ledger.sharded runs FSDP2 on a CPU mesh; not yet held to a GPU's peak
         return f"the FSDP2 dry run runs on a CPU mesh, not yet on {pl_module.device.type}"
     if unsharded is None:
@@ -144,13 +152,11 @@ def fake_mesh_like(real: object, fake_mesh: object) -> object:
 
 
 def largest_batch(trainer, pl_module, unsharded, batch_for, capacity_bytes: int, limit: int) -> object:
-    """The largest per-rank batch whose predicted FSDP2 peak fits (ledger.sharded.largest_batch_sharded)."""
-    optimizers = torch_optimizers(trainer)
+    """The largest per-rank batch whose predicted FSDP2 peak fits (ledger.sharded.largest_batch_sharded), at the
+    trainer's accumulation (as the Ledger counts it: 1 under manual optimization)."""
+    accumulate = trainer.accumulate_grad_batches if pl_module.automatic_optimization else 1
     with untouched_rng(pl_module.device), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return sharded.largest_batch_sharded(
-            unsharded, batch_for, capacity_bytes, limit=limit, step=lightning_step(0, trainer),
-            optimizer=same_optimizer(optimizers[0], pl_module) if optimizers else None,
-            precision=str(trainer.precision), strategy="fsdp2", world_size=mesh_sizes(trainer)[0],
-            fsdp=sharded.FSDPSettings(shard=replay_configure_model(trainer)), device=pl_module.device,
-        )  # fmt: skip
+            unsharded, batch_for, capacity_bytes, limit=limit, **fsdp2_arguments(trainer, pl_module, 0, accumulate)
+        )

@@ -142,6 +142,8 @@ def predict_fsdp2(
     world_size: int,
     settings: FSDPSettings,
     device: torch.device | str | None,
+    accumulate: int = 1,
+    manual: bool = False,
 ) -> ShardedLedger | NotTraced:
     """One FSDP2 rank's steady-state step (module docstring); arguments as ledger.sharded.predict_sharded."""
     if device is not None and torch.device(device).type != "cpu":
@@ -155,11 +157,11 @@ def predict_fsdp2(
     try:
         with fake_process_group(world_size, size) as device_mesh, _rank_chunks_only():
             wrap = lambda model: shard_model(model, device_mesh, settings)  # noqa: E731
-            fake = FakeRun(module, batch, step, optimizer, precision, device, wrap=wrap)
+            fake = FakeRun(module, batch, step, optimizer, precision, device, wrap=wrap, manual=manual)
             if isinstance(fake.error, NotTraced):
                 return fake.error
             with sharded_tracking():
-                result = fake.ledger()
+                result = fake.ledger(accumulate=accumulate)
             if isinstance(result, NotTraced):
                 return result
             units = fsdp_units(fake.model)

@@ -124,7 +124,7 @@ class _ShardedTracker(MemoryTracker):
 
     def track(self, *objects):
         tensors: list[torch.Tensor] = []
-        for obj in objects:
+        for obj in _optimizers_spread(objects):
             if isinstance(obj, nn.Module):
                 for p in obj.parameters():
                     tensors.append(local(p))
@@ -155,6 +155,16 @@ class _ShardedTracker(MemoryTracker):
         if self.running:
             self._add(storage)  # new, or a tracked one at its new size
             self._raise_peak()
+
+
+def _optimizers_spread(objects: tuple) -> list:
+    """`objects` with a list of optimizers (manual optimization's) spread out: each is read by its local shards,
+    where a list would be read as plain tensors (a DTensor's global size)."""
+    out: list = []
+    for obj in objects:
+        listed = isinstance(obj, (list, tuple)) and obj and all(isinstance(o, torch.optim.Optimizer) for o in obj)
+        out += list(obj) if listed else [obj]
+    return out
 
 
 _ORIGINAL_RESIZE = torch.UntypedStorage.resize_

@@ -59,7 +59,7 @@ def measure_sharded(
 
     model = copy_in_precision(module, precision)
     if strategy_name(strategy) == "fsdp2":
-        return _measure_fsdp2(model, module, batch, step, optimizer, precision, fsdp)
+        return _measure_fsdp2(model, module, batch, step, optimizer, precision, fsdp, accumulate, manual)
     from torch.nn.parallel import DistributedDataParallel
 
     world = dist.get_world_size()
@@ -104,7 +104,7 @@ def copy_in_precision(module: nn.Module, precision: str | int) -> nn.Module:
     return model
 
 
-def _measure_fsdp2(model, module, batch, step, optimizer, precision, fsdp) -> ShardedLedger:
+def _measure_fsdp2(model, module, batch, step, optimizer, precision, fsdp, accumulate=1, manual=False) -> ShardedLedger:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -112,10 +112,16 @@ def _measure_fsdp2(model, module, batch, step, optimizer, precision, fsdp) -> Sh
     dtype, autocast = dryrun._precision_dtypes(precision)
     device = dryrun._target_device(model, None)
     shard_model(model, make_mesh(init_device_mesh, world, fsdp.shard_size), fsdp)
-    opt = made_optimizers(optimizer, module, list(model.parameters()))[0]
+    opts = made_optimizers(optimizer, module, list(model.parameters()))
+    batch = dryrun._cast_batch(batch, dtype)
+    # As Lightning's ModelParallelStrategy runs it: every micro-batch's backward reduce-scatters (its
+    # block_backward_sync is ParallelStrategy's, a no-op for an FSDPModule), every manual_backward too.
     with sharded_tracking():
-        result = dryrun._ledger_of_step(model, dryrun._cast_batch(batch, dtype), step, opt, autocast, device)
-    state = local_state_bytes(model, opt)
+        if manual:
+            result = dryrun._ledger_of_manual_step(model, batch, step, opts, autocast, device)
+        else:
+            result = dryrun._ledger_of_step(model, batch, step, opts[0], autocast, device, accumulate)
+    state = local_state_bytes(model, opts)
     units = fsdp_units(model)
     return sharded_ledger(dataclasses.replace(result, **state), "fsdp2", world, comm_buffers=max(units, default=0) * 2)
 

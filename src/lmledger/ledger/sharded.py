@@ -116,13 +116,13 @@ def predict_sharded(
         return NotTraced(f"world size {world_size!r} is not a positive whole number of ranks")
     if not (isinstance(accumulate, int) and accumulate >= 1):
         raise UserError(f"accumulate must be a positive number of micro-batches, got {accumulate!r}")
-    if name != "ddp" and (accumulate > 1 or manual):
+    if name not in TRACED and (accumulate > 1 or manual):
         what = "manual optimization" if manual else "gradient accumulation"
         return NotTraced(f"the sharded dry run does not model {what} under {name} yet: the run is measured only")
     if name == "fsdp2":
         return predict_fsdp2(
             module, batch, step=step, optimizer=optimizer, precision=precision, world_size=world_size,
-            settings=fsdp, device=device,
+            settings=fsdp, device=device, accumulate=accumulate, manual=manual,
         )  # fmt: skip
     if name in STATE_ONLY:
         return _predict_state_only(module, batch, step, optimizer, precision, name, world_size, device)
