@@ -27,8 +27,9 @@ import warnings
 
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
 
-from lmledger.ledger import dryrun
+from lmledger.ledger import dryrun, fakecopy
 from lmledger.ledger.realranks import measure_sharded, run_ranks
 from lmledger.ledger.sharded import FSDPSettings, fake_process_group, predict_sharded, shard_blocks
 from lmledger.model import ModelConfig, ToyLM
@@ -105,8 +106,8 @@ def peer(kind: str, ac: int, world: int) -> int:
     model, step = build(kind, ac)
     step = step or dryrun.default_step
     with fake_process_group(world) as mesh:
-        mode = dryrun.FakeTensorMode(allow_non_fake_inputs=True)
-        fake, _ = dryrun._fake_copy(model, mode, torch.device("cpu"), None)
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        fake, _ = fakecopy.fake_copy(model, mode, torch.device("cpu"), None)
         with mode:
             shard_blocks(fake, mesh, FSDPSettings())
             return tracked_peak(fake, step, tuple(mode.from_tensor(t) for t in batch()))

@@ -337,7 +337,7 @@ def test_fused_optimizers_skip_the_step_when_found_inf_is_set(make):
 
 
 def test_foreach_supported_devices_helper_exists():
-    """ledger/peak.py and ledger/dryrun.py ask torch which devices run foreach kernels (private helpers)."""
+    """ledger/peak.py and ledger/fakecopy.py ask torch which devices run foreach kernels (private helpers)."""
     from torch.optim.optimizer import _get_foreach_kernels_supported_devices as from_optimizer
     from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices as from_utils
 

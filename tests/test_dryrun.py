@@ -257,14 +257,14 @@ def test_compiled_submodules_and_held_data():
     import numpy as np
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from lmledger.ledger.dryrun import _fake_copy
+    from lmledger.ledger.fakecopy import fake_copy
 
     plain = dry_run(toy(), token_batch(), step=toy_step, optimizer=adamw)
     model = toy()
     model.blocks[0] = torch.compile(model.blocks[0])
     model.table = np.zeros(1000, dtype=np.float32)
     assert dry_run(model, token_batch(), step=toy_step, optimizer=adamw) == plain
-    copy_, _ = _fake_copy(model, FakeTensorMode(), torch.device("cpu"), None)
+    copy_, _ = fake_copy(model, FakeTensorMode(), torch.device("cpu"), None)
     assert copy_.table is model.table and copy_.embed is not model.embed
 
 

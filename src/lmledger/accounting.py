@@ -240,7 +240,7 @@ def _module_step_fn(module, batch: object, precision: str):
     from contextlib import nullcontext
 
     from lmledger.ledger import precisions
-    from lmledger.ledger.dryrun import map_tensors
+    from lmledger.ledger.fakecopy import map_tensors
     from lmledger.ledger.predict import configured_optimizer, module_step
 
     row = precisions.precision(precision)
@@ -275,7 +275,7 @@ def account_any_model(argv: list[str], do_measure: bool) -> dict:
     from lmledger.callbacks.live import samples_per_batch, tokens_per_batch
     from lmledger.fitting.cli import build_model_and_data, first_batch
     from lmledger.ledger import predict as ledger_predict
-    from lmledger.ledger.dryrun import map_tensors
+    from lmledger.ledger.fakecopy import map_tensors
     from lmledger.ledger.run import Run
 
     module, data, config = build_model_and_data(argv)

@@ -117,7 +117,8 @@ def _max_batch_any_model(fit_args: list[str], capacity: int, gpu_key: str | None
     then bisects (ledger.predict.max_batch_module)."""
     from lmledger.fitting.cli import build_model_and_data, first_batch
     from lmledger.ledger import predict as ledger_predict
-    from lmledger.ledger.dryrun import NotTraced, batch_tensors
+    from lmledger.ledger.dryrun import NotTraced
+    from lmledger.ledger.fakecopy import batch_tensors
 
     module, data, config = build_model_and_data(fit_args)
     precision = str(config.trainer.get("precision") or "32-true")

@@ -53,7 +53,8 @@ from lmledger.callbacks.throughput import compile_speedup, resolve_peak
 from lmledger.callbacks.timing import TimeLedger
 from lmledger.errors import UserError
 from lmledger.ledger import moe, precisions
-from lmledger.ledger.dryrun import NotTraced, StepLedger, batch_tensors, largest_batch
+from lmledger.ledger.dryrun import NotTraced, StepLedger, largest_batch
+from lmledger.ledger.fakecopy import batch_tensors
 from lmledger.ledger.gpus import Peak
 from lmledger.ledger.predict import lightning_step, resized
 from lmledger.ledger.report import Figures, Report, bar_chart, figures_of_step, markdown_table

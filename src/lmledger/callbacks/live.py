@@ -23,7 +23,8 @@ from lmledger.callbacks.run import torch_optimizers, untouched_rng
 from lmledger.errors import UserError
 from lmledger.ledger import moe, sharded
 from lmledger.ledger.ddp import DDPSettings
-from lmledger.ledger.dryrun import NotTraced, StepLedger, batch_tensors
+from lmledger.ledger.dryrun import NotTraced, StepLedger
+from lmledger.ledger.fakecopy import batch_tensors
 from lmledger.ledger.predict import lightning_step
 from lmledger.ledger.run import Run
 from lmledger.model import ToyLM

@@ -24,7 +24,8 @@ import gc
 import torch
 
 from lmledger.ledger.activations import measure_saved_activations
-from lmledger.ledger.dryrun import batch_tensors, phases
+from lmledger.ledger.dryrun import phases
+from lmledger.ledger.fakecopy import batch_tensors
 from lmledger.ledger.flops import StepFlopCounter
 from lmledger.ledger.memory import measure_state_bytes
 from lmledger.ledger.memtrack import MemoryTracker

@@ -1,6 +1,7 @@
-"""Planning at scale: one rank's peak and largest micro-batch at a run's world size and strategy, with the
-model as it is and with every block checkpointed (ledger.sharded's dry run; `lmledger account` and
-`lmledger plan` print it). Pure torch: no Lightning import.
+"""Planning at scale: one rank's peak and largest micro-batch at a run's world size and strategy.
+
+Both come with the model as it is and with every block checkpointed. They are ledger.sharded's dry run.
+`lmledger account` and `lmledger plan` print them. Pure torch: no Lightning import.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ from lmledger.ledger.dryrun import NotTraced, OptimizerSpec, StepFn
 from lmledger.ledger.fsdp2 import DEFAULT_FSDP, FSDPSettings
 from lmledger.ledger.sharded import largest_batch_sharded, predict_sharded
 
-DEFAULT_DDP = DDPSettings()
+__all__ = ["at_scale", "run_at_scale", "run_strategy", "toy_inputs"]
+
+_DEFAULT_DDP = DDPSettings()
 
 
 def run_strategy(strategy: str) -> str:
@@ -26,9 +29,11 @@ def run_strategy(strategy: str) -> str:
 
 
 def toy_inputs(run) -> tuple[nn.Module, Callable[[int], object], OptimizerSpec]:
-    """A ledger.run.Run of lmledger's ToyLM as the dry run takes it: the model on the meta device (nothing
-    allocated, activation checkpointing off: at_scale adds it), a meta batch of b windows, LitLM's
-    optimizer as a factory."""
+    """A ledger.run.Run of lmledger's ToyLM, as the dry run takes it.
+
+    The model is on the meta device, so nothing is allocated. Its activation checkpointing is off: at_scale
+    adds it. The batch is a meta batch of b windows. The optimizer is LitLM's, as a factory.
+    """
     from lmledger.model import ToyLM
 
     with torch.device("meta"):
@@ -64,13 +69,16 @@ def at_scale(
     step: StepFn | None = None,
     optimizer: OptimizerSpec = None,
     precision: str | int = "32-true",
-    ddp: DDPSettings = DEFAULT_DDP,
+    ddp: DDPSettings = _DEFAULT_DDP,
     fsdp: FSDPSettings = DEFAULT_FSDP,
     labels: tuple[str, str] = ("as configured", "every block checkpointed"),
 ) -> dict:
-    """One rank's ledger at `batch_size` per rank and, given a capacity, its largest micro-batch, with the
-    model as it is (labels[0]) and with every block checkpointed (labels[1]): a JSON-ready dict. A case
-    the dry run cannot model carries `not_predicted` (one line) instead of numbers."""
+    """One rank's ledger at `batch_size` per rank and, given a capacity, its largest micro-batch.
+
+    Both come with the model as it is (labels[0]) and with every block checkpointed (labels[1]). The result
+    is a JSON-ready dict. A case the dry run cannot model carries `not_predicted` (one line) instead of
+    numbers.
+    """
     name = run_strategy(strategy)
     cases = {}
     for label, ac in zip(labels, (None, True), strict=True):
@@ -106,9 +114,12 @@ def at_scale(
 def run_at_scale(
     run, capacity_bytes: int | None = None, labels: tuple[str, str] = ("off", "on"), **settings: object
 ) -> dict:
-    """at_scale for a ledger.run.Run of lmledger's ToyLM (toy_inputs): its world size, strategy, precision and
-    optimizer, the config's batch per rank; checkpointing off and on (labels). `settings`: at_scale's ddp,
-    fsdp, or a strategy name that replaces the run's."""
+    """The at_scale of a ledger.run.Run of lmledger's ToyLM (toy_inputs).
+
+    It takes the run's world size, strategy, precision and optimizer, and the config's batch per rank.
+    Checkpointing is off and on (labels). `settings` are at_scale's ddp and fsdp. A strategy name among them
+    replaces the run's.
+    """
     model, batch_for, optimizer = toy_inputs(run)
     settings.setdefault("strategy", run.strategy)
     return at_scale(

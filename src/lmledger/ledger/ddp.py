@@ -1,23 +1,26 @@
 """DDP's gradient buckets, predicted from the settings that decide them (pure accounting, no Lightning).
 
-torch.nn.parallel.DistributedDataParallel (torch 2.13, nn/parallel/distributed.py and
-csrc/distributed/c10d/reducer.cpp) keeps every gradient that needs reducing in flat bucket buffers:
+torch.nn.parallel.DistributedDataParallel keeps every gradient that needs reducing in flat bucket
+buffers. Sources: torch 2.13, nn/parallel/distributed.py and csrc/distributed/c10d/reducer.cpp.
 
-- Construction: one bucket of everything (limit sys.maxsize) unless find_unused_parameters is set
-  without static_graph; then [first bucket, bucket_cap] limits over the parameters in registration
-  order, the bucket list reversed (_BucketCapacityConfig.compute_bucket_size_limits, _ddp_init_helper).
-- After the first backward the Reducer rebuilds them (Reducer::rebuild_buckets, at the next forward;
-  not under find_unused_parameters without static_graph: should_rebuild_buckets),
-  greedily in the order the gradients became ready, with limits [first bucket, bucket_cap]: the first
-  bucket holds up to `dist._DEFAULT_FIRST_BUCKET_BYTES` (1 MiB) when bucket_cap_mb is left at its
-  default (25 MiB), else bucket_cap itself (_BucketCapacityConfig.create). A bucket closes once it
-  reaches its limit (the tensor that crosses it stays in), one open bucket per dtype.
-- Memory: the buckets together hold one copy of the reduced gradients (their dtype, no padding), alive
-  from construction on. Without gradient_as_bucket_view that is a second copy beside `param.grad`;
-  with it `param.grad` becomes a view of its bucket after each backward (mark_variable_ready_dense),
-  so the grads cost nothing more. static_graph and find_unused_parameters change the buckets' layout
-  (find_unused_parameters without static_graph keeps the first ones for good) and the graph walk, not
-  the steady state's bytes.
+Construction makes one bucket of everything (limit sys.maxsize). The exception is
+find_unused_parameters without static_graph. Then the limits are [first bucket, bucket_cap], over the
+parameters in registration order. The bucket list is then reversed
+(_BucketCapacityConfig.compute_bucket_size_limits, _ddp_init_helper).
+
+After the first backward the Reducer rebuilds them, at the next forward (Reducer::rebuild_buckets).
+Under find_unused_parameters without static_graph it does not (should_rebuild_buckets). It fills them
+greedily, in the order the gradients became ready, with limits [first bucket, bucket_cap]. The first
+bucket holds up to `dist._DEFAULT_FIRST_BUCKET_BYTES` (1 MiB) when bucket_cap_mb is left at its default
+(25 MiB). Otherwise it holds bucket_cap itself (_BucketCapacityConfig.create). A bucket closes once it
+reaches its limit; the tensor that crosses it stays in. There is one open bucket per dtype.
+
+In memory, the buckets together hold one copy of the reduced gradients (their dtype, no padding). They
+are alive from construction on. Without gradient_as_bucket_view that is a second copy beside
+`param.grad`. With it, `param.grad` becomes a view of its bucket after each backward
+(mark_variable_ready_dense). The grads then cost nothing more. The settings static_graph and
+find_unused_parameters change the buckets' layout and the graph walk, not the steady state's bytes.
+(Without static_graph, find_unused_parameters keeps the first buckets for good.)
 """
 
 from __future__ import annotations
@@ -26,15 +29,29 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+__all__ = [
+    "DEFAULT_FIRST_BUCKET_BYTES",
+    "MIB",
+    "Bucket",
+    "DDPSettings",
+    "assign_buckets",
+    "bucket_bytes",
+    "initial_buckets",
+    "rebuilt_buckets",
+]
+
 MIB = 1024 * 1024
-DEFAULT_BUCKET_CAP_MB = 25  # torch.nn.parallel.distributed._DEFAULT_BUCKET_CAP_MB
+_DEFAULT_BUCKET_CAP_MB = 25  # torch.nn.parallel.distributed._DEFAULT_BUCKET_CAP_MB
 DEFAULT_FIRST_BUCKET_BYTES = MIB  # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES (canary test in test_ddp_buckets)
 
 
 @dataclass(frozen=True)
 class DDPSettings:
-    """The DistributedDataParallel arguments that decide its buckets (Lightning's DDPStrategy passes its
-    keyword arguments through to DDP: `DDPStrategy(bucket_cap_mb=..., gradient_as_bucket_view=...)`)."""
+    """The DistributedDataParallel arguments that decide its buckets.
+
+    Lightning's DDPStrategy passes its keyword arguments through to DDP:
+    `DDPStrategy(bucket_cap_mb=..., gradient_as_bucket_view=...)`.
+    """
 
     bucket_cap_mb: float | None = None  # None: torch's default, 25 MiB with a 1 MiB first bucket
     gradient_as_bucket_view: bool = False
@@ -53,7 +70,7 @@ class DDPSettings:
 
     @property
     def bucket_bytes_cap(self) -> int:
-        return int((DEFAULT_BUCKET_CAP_MB if self.bucket_cap_mb is None else self.bucket_cap_mb) * MIB)
+        return int((_DEFAULT_BUCKET_CAP_MB if self.bucket_cap_mb is None else self.bucket_cap_mb) * MIB)
 
     @property
     def first_bucket_bytes_cap(self) -> int:
@@ -70,10 +87,13 @@ class Bucket:
 
 
 def assign_buckets(sizes: Sequence[tuple[int, str]], order: Sequence[int], limits: Sequence[int]) -> list[Bucket]:
-    """Greedy bucketing as torch's compute_bucket_assignment_by_size does it: walk the tensors in `order`,
-    (bytes, dtype) each; one open bucket per dtype; a bucket closes when it reaches its limit, the
-    limits taken in turn (the last repeats). Closed buckets come in the order they closed, the open
-    ones after them (sorted by their first tensor's position in `order`, as torch sorts them)."""
+    """Greedy bucketing, as torch's compute_bucket_assignment_by_size does it.
+
+    It walks the tensors in `order`, (bytes, dtype) each, with one open bucket per dtype. A bucket closes
+    when it reaches its limit. The limits are taken in turn, and the last repeats. Closed buckets come in
+    the order they closed, the open ones after them. All are sorted by their first tensor's position in
+    `order`, as torch sorts them.
+    """
     open_: dict[str, tuple[list[int], int, int]] = {}  # dtype -> (indices, bytes, which limit)
     done: list[Bucket] = []
     for index in order:
@@ -93,9 +113,12 @@ def assign_buckets(sizes: Sequence[tuple[int, str]], order: Sequence[int], limit
 
 
 def initial_buckets(sizes: Sequence[tuple[int, str]], settings: DDPSettings) -> list[Bucket]:
-    """The buckets DDP builds at construction: assigned over the parameters in registration order, the
-    bucket list then reversed (DistributedDataParallel._ddp_init_helper: the last-defined parameters'
-    gradients come first). Steady state under find_unused_parameters without static_graph: never rebuilt."""
+    """The buckets DDP builds at construction.
+
+    They are assigned over the parameters in registration order. The bucket list is then reversed
+    (DistributedDataParallel._ddp_init_helper): the last-defined parameters' gradients come first. Under
+    find_unused_parameters without static_graph they are the steady state: never rebuilt.
+    """
     if settings.static_graph or not settings.find_unused_parameters:
         limits = [sys.maxsize]
     elif settings.first_bucket_bytes_cap < settings.bucket_bytes_cap:
@@ -108,8 +131,11 @@ def initial_buckets(sizes: Sequence[tuple[int, str]], settings: DDPSettings) -> 
 def rebuilt_buckets(
     sizes: Sequence[tuple[int, str]], settings: DDPSettings, ready_order: Sequence[int] | None = None
 ) -> list[Bucket]:
-    """The steady-state buckets: rebuilt after the first backward in the order gradients became ready
-    (`ready_order`, parameter indices; default reverse registration order, which a dry run refines)."""
+    """The steady-state buckets: rebuilt after the first backward, in the order gradients became ready.
+
+    `ready_order` holds parameter indices. The default is reverse registration order, which a dry run
+    refines.
+    """
     order = list(reversed(range(len(sizes)))) if ready_order is None else list(ready_order)
     return assign_buckets(sizes, order, [settings.first_bucket_bytes_cap, settings.bucket_bytes_cap])
 

@@ -1,28 +1,35 @@
 """One DDP rank's training step on fake tensors: the single-device dry run plus DDP's gradient buckets.
 
-ledger.ddp predicts the buckets from DDP's settings; here they are made on the fake copy and filled as
-torch's Reducer fills them (torch 2.13, nn/parallel/distributed.py and csrc/distributed/c10d/reducer.cpp):
+The module ledger.ddp predicts the buckets from DDP's settings. Here they are made on the fake copy,
+filled as torch's Reducer fills them. Sources: torch 2.13, nn/parallel/distributed.py and
+csrc/distributed/c10d/reducer.cpp.
 
-- The Reducer's autograd hook runs after each parameter's gradient is accumulated (a post-accumulate-grad
-  hook here) and copies it, divided by W, into its bucket view (mark_variable_ready_dense's mul_out); with
-  gradient_as_bucket_view `param.grad` then becomes that view (no copy once it already is one).
-- The hook does nothing unless the forward before it prepared the Reducer for a backward
-  (`expect_autograd_hooks_`, set by prepare_for_backward in DDP's _post_forward only while
-  `require_backward_grad_sync`, which `no_sync()` clears). Under no_sync the gradients accumulate in
-  `param.grad` as on one device: after zero_grad(set_to_none) they are new tensors beside the buckets,
-  even with gradient_as_bucket_view, and the synced backward after them copies them in (and, with bucket
-  views, frees them). tests/test_ddp_accumulate.py holds this against real gloo ranks.
-- Lightning's automatic optimization runs every micro-batch of an optimizer step but the last under
-  no_sync (loops/optimization/automatic.py, _block_parallel_sync_behavior -> DDPStrategy.block_backward_sync):
-  the buckets fill in the last micro-batch's backward only. Under gradient accumulation the bucket views
-  then save nothing in the micro-batches; they save the second copy in the first micro-batch's forward and
-  in the optimizer step.
-- Under manual optimization every manual_backward prepares the Reducer (DDPStrategy.pre_backward ->
-  overrides.distributed.prepare_for_backward) unless the DDP wrapper's require_backward_grad_sync is off
-  then (a training_step's own `trainer.strategy.block_backward_sync()`): `synced` tells the emulation.
-- The buckets are the steady state's (rebuilt in gradient-ready order, read from one fake backward first;
-  with find_unused_parameters and no static graph the first ones, never rebuilt), alive from the start.
-  No process group is needed: the all-reduce is in place.
+The Reducer's autograd hook runs after each parameter's gradient is accumulated. Here that is a
+post-accumulate-grad hook. It copies the gradient, divided by W, into its bucket view
+(mark_variable_ready_dense's mul_out). With gradient_as_bucket_view, `param.grad` then becomes that
+view. Once it already is one, nothing is copied.
+
+The hook does nothing unless the forward before it prepared the Reducer for a backward. That is
+`expect_autograd_hooks_`, set by prepare_for_backward in DDP's _post_forward. It is set only while
+`require_backward_grad_sync`, which `no_sync()` clears. Under no_sync the gradients accumulate in
+`param.grad` as on one device. After zero_grad(set_to_none) they are new tensors beside the buckets,
+even with gradient_as_bucket_view. The synced backward after them copies them in. With bucket views, it
+also frees them. Real gloo ranks hold this (tests/test_ddp_accumulate.py).
+
+Lightning's automatic optimization runs every micro-batch of an optimizer step but the last under
+no_sync. See loops/optimization/automatic.py, _block_parallel_sync_behavior ->
+DDPStrategy.block_backward_sync. So the buckets fill in the last micro-batch's backward only. Under
+gradient accumulation the bucket views then save nothing in the micro-batches. They save the second
+copy in the first micro-batch's forward and in the optimizer step.
+
+Under manual optimization every manual_backward prepares the Reducer (DDPStrategy.pre_backward ->
+overrides.distributed.prepare_for_backward). The exception is when the DDP wrapper's
+require_backward_grad_sync is off then: a training_step's own `trainer.strategy.block_backward_sync()`.
+`synced` tells the emulation.
+
+The buckets are the steady state's, alive from the start. They are rebuilt in gradient-ready order,
+read from one fake backward first. With find_unused_parameters and no static graph they are the first
+ones, never rebuilt. No process group is needed: the all-reduce is in place.
 """
 
 from __future__ import annotations
@@ -33,13 +40,15 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from lmledger.ledger import dryrun
+from lmledger.ledger import dryrun, fakecopy, manualopt
 from lmledger.ledger.ddp import Bucket, DDPSettings, bucket_bytes, initial_buckets, rebuilt_buckets
 from lmledger.ledger.dryrun import NotTraced, StepFn
 from lmledger.ledger.rankstate import FakeRun, ShardedLedger, sharded_ledger, sharded_tracking
 
+__all__ = ["predict_ddp"]
 
-def reduced(model: nn.Module) -> list[nn.Parameter]:
+
+def _reduced(model: nn.Module) -> list[nn.Parameter]:
     """The parameters DDP reduces: those that need grad, each shared one once, in registration order."""
     return [p for p in model.parameters() if p.requires_grad]
 
@@ -48,13 +57,15 @@ def _always() -> bool:
     return True
 
 
-class EmulatedReducer:
-    """DDP's Reducer on a fake copy: flat bucket buffers, filled as each gradient is accumulated while
-    `syncing()` says the backward running is a synchronised one (module docstring)."""
+class _EmulatedReducer:
+    """DDP's Reducer on a fake copy: flat bucket buffers, filled as each gradient is accumulated.
+
+    They fill only while `syncing()` says the backward running is a synchronised one (module docstring).
+    """
 
     def __init__(self, model: nn.Module, settings: DDPSettings, world_size: int) -> None:
         self.model, self.settings, self.world_size = model, settings, world_size
-        self.params = reduced(model)
+        self.params = _reduced(model)
         self.syncing: Callable[[], bool] = _always
         self.ready: list[int] = []
         self.handles = [p.register_post_accumulate_grad_hook(self._hook(i)) for i, p in enumerate(self.params)]
@@ -63,9 +74,11 @@ class EmulatedReducer:
         self.views: dict[int, torch.Tensor] = {}
 
     def build(self, ready_order: list[int] | None) -> None:
-        """Allocate the steady-state buckets and each parameter's view: rebuilt in gradient-ready order, or,
-        with find_unused_parameters and no static graph, the first ones (the Reducer never rebuilds those:
-        should_rebuild_buckets)."""
+        """Allocate the steady-state buckets and each parameter's view.
+
+        They are rebuilt in gradient-ready order. With find_unused_parameters and no static graph they are the
+        first ones: the Reducer never rebuilds those (should_rebuild_buckets).
+        """
         sizes = [(p.numel() * p.element_size(), str(p.dtype)) for p in self.params]
         settings = self.settings
         if settings.find_unused_parameters and not settings.static_graph:
@@ -84,9 +97,11 @@ class EmulatedReducer:
             self.buffers.append(flat)
 
     def no_sync_before_last(self, step: StepFn, accumulate: int) -> StepFn:
-        """`step` as Lightning runs the micro-batches of one optimizer step under DDP: each forward but every
-        `accumulate`-th under no_sync, so only the last micro-batch's backward fills the buckets (as in DDP,
-        the forward decides it)."""
+        """`step` as Lightning runs the micro-batches of one optimizer step under DDP.
+
+        Every forward but each `accumulate`-th runs under no_sync. So only the last micro-batch's backward fills
+        the buckets. As in DDP, the forward decides it.
+        """
         calls = itertools.count()
         sync = [True]
         self.syncing = lambda: sync[0]
@@ -145,7 +160,7 @@ def predict_ddp(
     fake = FakeRun(module, batch, step, optimizer, precision, device, manual=manual)
     if isinstance(fake.error, NotTraced):
         return fake.error
-    reducer = EmulatedReducer(fake.model, settings, world_size)
+    reducer = _EmulatedReducer(fake.model, settings, world_size)
     try:
         # The bucket order: the order gradients become ready, read from one fake backward first.
         order = _ready_order(fake, reducer)
@@ -167,19 +182,22 @@ def predict_ddp(
     return sharded_ledger(result, "ddp", world_size, buckets=buckets, comm_buffers=bucket_bytes(buckets))
 
 
-def _ready_order(fake: FakeRun, reducer: EmulatedReducer) -> list[int] | NotTraced:
-    """The order gradients become ready in one synchronised backward (the reducer's hooks record it), on a
-    throwaway step: a forward and backward, or under manual optimization one call of the module's own step."""
+def _ready_order(fake: FakeRun, reducer: _EmulatedReducer) -> list[int] | NotTraced:
+    """The order gradients become ready in one synchronised backward, on a throwaway step.
+
+    The reducer's hooks record it. The step is a forward and backward. Under manual optimization it is one
+    call of the module's own step.
+    """
     try:
-        with fake.mode, torch.compiler.set_stance("force_eager"), dryrun._eager_library_decisions():
+        with fake.mode, torch.compiler.set_stance("force_eager"), fakecopy.eager_library_decisions():
             if fake.manual:
-                with dryrun._ManualOptimization(fake.model, [o for o in fake.optimizers if o is not None]):
+                with manualopt.ManualOptimization(fake.model, [o for o in fake.optimizers if o is not None]):
                     fake.step(fake.model, fake.batch)
             else:
                 loss = dryrun.loss_of((fake.step or dryrun.default_step)(fake.model, fake.batch))
                 loss.backward()
     except Exception as err:
-        return NotTraced(f"the step does not run on fake tensors: {dryrun._why(err)}")
+        return NotTraced(f"the step does not run on fake tensors: {dryrun.why(err)}")
     fake.model.zero_grad(set_to_none=True)
     order = list(reducer.ready)
     seen = set(order)

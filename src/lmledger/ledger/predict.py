@@ -32,13 +32,12 @@ from lmledger.ledger.dryrun import (
     LargestBatch,
     NotTraced,
     StepLedger,
-    batch_tensors,
     dry_run,
     largest_batch,
     loss_of,
-    map_tensors,
     measure_step,
 )
+from lmledger.ledger.fakecopy import batch_tensors, map_tensors
 from lmledger.ledger.memtrack import track_peak
 from lmledger.ledger.run import Run
 from lmledger.model import ToyLM, count_parameters

@@ -21,10 +21,11 @@ from unittest import mock
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_map
 
 from lmledger.errors import UserError
-from lmledger.ledger import dryrun
+from lmledger.ledger import dryrun, fakecopy, manualopt
 from lmledger.ledger.ddp import Bucket
 from lmledger.ledger.dryrun import NotTraced, OptimizerSpec, StepLedger
 from lmledger.ledger.memtrack import MemoryTracker
@@ -179,10 +180,12 @@ def _resize_seen(storage: torch.UntypedStorage, size: int):
 
 @contextmanager
 def sharded_tracking(extra: tuple[torch.Tensor, ...] = ()) -> Iterator[None]:
-    """Make the dry run's (and measure's) MemoryTracker a _ShardedTracker with `extra` storages."""
+    """Make the dry run's (and measure's) MemoryTracker a _ShardedTracker with `extra` storages: the automatic
+    step's (dryrun) and the manual one's (manualopt)."""
     tracker_type = type("_Tracker", (_ShardedTracker,), {"extra": extra})
     with (
         mock.patch.object(dryrun, "MemoryTracker", tracker_type),
+        mock.patch.object(manualopt, "MemoryTracker", tracker_type),
         mock.patch.object(torch.UntypedStorage, "resize_", _resize_seen),
     ):
         yield
@@ -194,7 +197,7 @@ def sharded_tracking(extra: tuple[torch.Tensor, ...] = ()) -> Iterator[None]:
 
 
 class FakeRun:
-    """The dry run's fake copy of the model, batch and optimizer (dryrun._fake_copy and friends); `wrap(model)`,
+    """The dry run's fake copy of the model, batch and optimizer (fakecopy.fake_copy and friends); `wrap(model)`,
     if given, runs on the fake copy before its optimizer is made (fully_shard, as configure_model does: the
     optimizer then sees the DTensor parameters). `ledger()` is dryrun's step on them: `accumulate` micro-batches
     per optimizer step, or, with `manual`, the module's own training step (`optimizer` may be a list)."""
@@ -202,9 +205,9 @@ class FakeRun:
     def __init__(self, module, batch, step, optimizer, precision, device, wrap=None, manual=False) -> None:
         self.error: NotTraced | None = None
         self.step, self.manual = step, manual
-        self.dtype, self.autocast = dryrun._precision_dtypes(precision)
-        self.target = dryrun._target_device(module, device)
-        self.mode = dryrun.FakeTensorMode(allow_non_fake_inputs=True)
+        self.dtype, self.autocast = fakecopy.precision_dtypes(precision)
+        self.target = fakecopy.target_device(module, device)
+        self.mode = FakeTensorMode(allow_non_fake_inputs=True)
         self.state: dict[str, int] | None = None
         configured = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
         if len(configured) > 1 and not manual:
@@ -212,19 +215,19 @@ class FakeRun:
                 f"{len(configured)} optimizers: Lightning steps several optimizers only under manual optimization"
             )
         try:
-            self.model, memo = dryrun._fake_copy(module, self.mode, self.target, self.dtype)
-            self.batch = dryrun.map_tensors(
-                lambda t: dryrun._fake_tensor(t, self.mode, self.target), dryrun._cast_batch(batch, self.dtype)
+            self.model, memo = fakecopy.fake_copy(module, self.mode, self.target, self.dtype)
+            self.batch = fakecopy.map_tensors(
+                lambda t: fakecopy.fake_tensor(t, self.mode, self.target), fakecopy.cast_batch(batch, self.dtype)
             )
             with self.mode:
                 if wrap is not None:
                     wrap(self.model)
                 made = [optimizer_factory(o, module) if wrap is not None else o for o in configured]
-                self.optimizers = [dryrun._fake_optimizer(o, self.model, memo, self.target) for o in made]
+                self.optimizers = [fakecopy.fake_optimizer(o, self.model, memo, self.target) for o in made]
         except UserError:
             raise
         except Exception as err:
-            self.error = NotTraced(f"could not copy the model onto fake tensors: {dryrun._one_line(err)}")
+            self.error = NotTraced(f"could not copy the model onto fake tensors: {dryrun.one_line(err)}")
 
     @property
     def optimizer(self) -> torch.optim.Optimizer | None:
@@ -234,20 +237,20 @@ class FakeRun:
         """The dry run's step on the fake copy (`step` in place of the run's own, if given)."""
         step = step or self.step
         try:
-            with self.mode, torch.compiler.set_stance("force_eager"), dryrun._RealOutputStorages():
-                with dryrun._eager_library_decisions():
+            with self.mode, torch.compiler.set_stance("force_eager"), fakecopy.RealOutputStorages():
+                with fakecopy.eager_library_decisions():
                     if self.manual:
-                        result = dryrun._ledger_of_manual_step(
+                        result = manualopt.ledger_of_manual_step(
                             self.model, self.batch, step, self.optimizers, self.autocast, self.target
                         )
                     else:
-                        result = dryrun._ledger_of_step(
+                        result = dryrun.ledger_of_step(
                             self.model, self.batch, step, self.optimizer, self.autocast, self.target, accumulate
                         )
         except UserError:
             raise
         except Exception as err:
-            return NotTraced(f"the step does not run on fake tensors: {dryrun._why(err)}")
+            return NotTraced(f"the step does not run on fake tensors: {dryrun.why(err)}")
         self.state = local_state_bytes(self.model, self.optimizers)
         return dataclasses.replace(result, **self.state)
 

@@ -1,11 +1,13 @@
 """The sharded dry run's measured twin: one rank of a real process group, and W gloo ranks on this CPU.
 
-`measure_sharded` runs the step predict_sharded predicts on this rank of the initialised (real) default
-process group: a copy of the module wrapped in torch's DistributedDataParallel or fully_shard, real steps,
-the same trackers (ledger.rankstate). Under DDP it drives the wrapper as Lightning does: the micro-batches of
-an optimizer step but the last under no_sync (automatic optimization), or the module's own training step
-inside DDP's forward, the Reducer prepared at each manual_backward (manual optimization). `run_ranks` starts
-W gloo processes on this CPU for it. Pure torch: no Lightning import.
+`measure_sharded` runs the step predict_sharded predicts, on this rank of the initialised (real)
+default process group. It runs real steps on a copy of the module, wrapped in torch's
+DistributedDataParallel or fully_shard. The trackers are the same (ledger.rankstate).
+
+Under DDP it drives the wrapper as Lightning does. Under automatic optimization, the micro-batches of an
+optimizer step but the last run under no_sync. Under manual optimization, the module's own training
+step runs inside DDP's forward. The Reducer is then prepared at each manual_backward. `run_ranks`
+starts W gloo processes on this CPU for it. Pure torch: no Lightning import.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-from lmledger.ledger import dryrun
+from lmledger.ledger import dryrun, fakecopy, manualopt
 from lmledger.ledger.ddp import Bucket, DDPSettings
 from lmledger.ledger.dryrun import StepFn
 from lmledger.ledger.fsdp2 import DEFAULT_FSDP, FSDPSettings, fsdp_units, make_mesh, shard_model
@@ -34,7 +36,9 @@ from lmledger.ledger.rankstate import (
     strategy_name,
 )
 
-DEFAULT_DDP = DDPSettings()
+__all__ = ["measure_sharded", "run_ranks"]
+
+_DEFAULT_DDP = DDPSettings()
 
 
 def measure_sharded(
@@ -45,27 +49,29 @@ def measure_sharded(
     optimizer: object = None,
     precision: str | int = "32-true",
     strategy: str = "ddp",
-    ddp: DDPSettings = DEFAULT_DDP,
+    ddp: DDPSettings = _DEFAULT_DDP,
     fsdp: FSDPSettings = DEFAULT_FSDP,
     accumulate: int = 1,
     manual: bool = False,
 ) -> ShardedLedger:
-    """predict_sharded's twin on this rank of the initialised (real) default process group (module docstring).
+    """The twin of predict_sharded, on this rank of the initialised (real) default process group.
 
-    DDP: two optimizer steps first (the Reducer rebuilds its buckets at the second forward), then dryrun's
-    two, the second tracked; a comm hook that all-reduces as DDP's default one does hands over each bucket
-    buffer, which the tracker counts from the start. FSDP2: dryrun's two steps on the sharded copy."""
+    See the module docstring. Under DDP it runs two optimizer steps first: the Reducer rebuilds its buckets
+    at the second forward. Then come dryrun's two steps, the second tracked. A comm hook all-reduces as
+    DDP's default one does. It hands over each bucket buffer, which the tracker counts from the start.
+    Under FSDP2 it runs dryrun's two steps on the sharded copy.
+    """
     import torch.distributed as dist
 
-    model = copy_in_precision(module, precision)
+    model = _copy_in_precision(module, precision)
     if strategy_name(strategy) == "fsdp2":
         return _measure_fsdp2(model, module, batch, step, optimizer, precision, fsdp, accumulate, manual)
     from torch.nn.parallel import DistributedDataParallel
 
     world = dist.get_world_size()
-    dtype, autocast = dryrun._precision_dtypes(precision)
-    device = dryrun._target_device(model, None)
-    batch = dryrun._cast_batch(batch, dtype)
+    dtype, autocast = fakecopy.precision_dtypes(precision)
+    device = fakecopy.target_device(model, None)
+    batch = fakecopy.cast_batch(batch, dtype)
     wrapped = _ManualStep(model, step) if manual else _StepModule(model, step or dryrun.default_step)
     # As Lightning's DDPStrategy runs a LightningModule: DDP wraps a module whose forward is the step, so
     # the Reducer's forward bookkeeping runs (lightning/pytorch/overrides/base.py _LightningModuleWrapperBase).
@@ -79,26 +85,26 @@ def measure_sharded(
         run = _manual_forward(ddp_model)
         for _ in range(2):  # buckets built, rebuilt (second forward) and handed over
             buffers.clear()
-            with dryrun._ManualOptimization(model, [o for o in opts if o is not None]):
+            with manualopt.ManualOptimization(model, [o for o in opts if o is not None]):
                 run(model, batch)
         with sharded_tracking(tuple(buffers.values())):
-            result = dryrun._ledger_of_manual_step(model, batch, run, opts, autocast, device)
+            result = manualopt.ledger_of_manual_step(model, batch, run, opts, autocast, device)
     else:
-        run = no_sync_before_last(ddp_model, accumulate)
+        run = _no_sync_before_last(ddp_model, accumulate)
         for _ in range(2):
             buffers.clear()
             _train_step(ddp_model, batch, run, opts[0], accumulate)
         with sharded_tracking(tuple(buffers.values())):
-            result = dryrun._ledger_of_step(ddp_model, batch, run, opts[0], autocast, device, accumulate)
+            result = dryrun.ledger_of_step(ddp_model, batch, run, opts[0], autocast, device, accumulate)
     return _ddp_ledger(result, ddp_model, buffers, world)
 
 
-def copy_in_precision(module: nn.Module, precision: str | int) -> nn.Module:
+def _copy_in_precision(module: nn.Module, precision: str | int) -> nn.Module:
     """A deep copy of `module`, cast to a *-true precision's dtype."""
     import copy
 
     model = copy.deepcopy(module)
-    dtype, _ = dryrun._precision_dtypes(precision)
+    dtype, _ = fakecopy.precision_dtypes(precision)
     if dtype is not None:
         model.to(dtype)
     return model
@@ -109,26 +115,28 @@ def _measure_fsdp2(model, module, batch, step, optimizer, precision, fsdp, accum
     from torch.distributed.device_mesh import init_device_mesh
 
     world = dist.get_world_size()
-    dtype, autocast = dryrun._precision_dtypes(precision)
-    device = dryrun._target_device(model, None)
+    dtype, autocast = fakecopy.precision_dtypes(precision)
+    device = fakecopy.target_device(model, None)
     shard_model(model, make_mesh(init_device_mesh, world, fsdp.shard_size), fsdp)
     opts = made_optimizers(optimizer, module, list(model.parameters()))
-    batch = dryrun._cast_batch(batch, dtype)
+    batch = fakecopy.cast_batch(batch, dtype)
     # As Lightning's ModelParallelStrategy runs it: every micro-batch's backward reduce-scatters (its
     # block_backward_sync is ParallelStrategy's, a no-op for an FSDPModule), every manual_backward too.
     with sharded_tracking():
         if manual:
-            result = dryrun._ledger_of_manual_step(model, batch, step, opts, autocast, device)
+            result = manualopt.ledger_of_manual_step(model, batch, step, opts, autocast, device)
         else:
-            result = dryrun._ledger_of_step(model, batch, step, opts[0], autocast, device, accumulate)
+            result = dryrun.ledger_of_step(model, batch, step, opts[0], autocast, device, accumulate)
     state = local_state_bytes(model, opts)
     units = fsdp_units(model)
     return sharded_ledger(dataclasses.replace(result, **state), "fsdp2", world, comm_buffers=max(units, default=0) * 2)
 
 
 def _hand_over_buffers(ddp_model: nn.Module, world: int) -> dict[int, torch.Tensor]:
-    """Register a comm hook that does what DDP's default one does (divide, then all-reduce in place) and keeps
-    each bucket's buffer in the dict returned, by bucket index."""
+    """Register a comm hook that does what DDP's default one does: divide, then all-reduce in place.
+
+    It keeps each bucket's buffer in the dict returned, by bucket index.
+    """
     import torch.distributed as dist
 
     buffers: dict[int, torch.Tensor] = {}
@@ -155,7 +163,7 @@ def _ddp_ledger(result, ddp_model, buffers: dict[int, torch.Tensor], world: int)
 
 
 def _train_step(ddp_model, batch, run: StepFn, opt, accumulate: int) -> None:
-    """One optimizer step of `accumulate` micro-batches, in Lightning's order (dryrun._ledger_of_step's)."""
+    """One optimizer step of `accumulate` micro-batches, in Lightning's order (dryrun.ledger_of_step's)."""
     for micro in range(accumulate):
         loss = run(ddp_model, batch) / accumulate
         if micro == 0:
@@ -166,11 +174,14 @@ def _train_step(ddp_model, batch, run: StepFn, opt, accumulate: int) -> None:
         opt.step()
 
 
-def no_sync_before_last(ddp_model, accumulate: int) -> StepFn:
-    """The DDP forward of each micro-batch, every one but each `accumulate`-th under no_sync, as Lightning's
-    automatic optimization runs them (_block_parallel_sync_behavior). no_sync() only clears
-    require_backward_grad_sync, which DDP reads in its forward alone (_pre_forward/_post_forward decide
-    whether the Reducer expects the backward's hooks), so setting it before each forward does the same."""
+def _no_sync_before_last(ddp_model, accumulate: int) -> StepFn:
+    """The DDP forward of each micro-batch, as Lightning's automatic optimization runs them.
+
+    Every one but each `accumulate`-th runs under no_sync (_block_parallel_sync_behavior). The context
+    no_sync() only clears require_backward_grad_sync. DDP reads that in its forward alone: _pre_forward and
+    _post_forward decide whether the Reducer expects the backward's hooks. So setting it before each forward
+    does the same.
+    """
     calls = itertools.count()
 
     def run(model: nn.Module, batch: object) -> torch.Tensor:
@@ -193,10 +204,12 @@ class _StepModule(nn.Module):
 
 
 class _ManualStep(nn.Module):
-    """A manual-optimization training step as Lightning's DDPStrategy runs it inside DDP's forward: each
-    manual_backward first prepares the Reducer (DDPStrategy.pre_backward -> prepare_for_backward), and after
-    the step the wrapper's require_backward_grad_sync is off until the outer forward returns
-    (_DDPForwardRedirection), so DDP's own _post_forward prepares nothing."""
+    """A manual-optimization training step as Lightning's DDPStrategy runs it inside DDP's forward.
+
+    Each manual_backward first prepares the Reducer (DDPStrategy.pre_backward -> prepare_for_backward).
+    After the step, the wrapper's require_backward_grad_sync is off until the outer forward returns
+    (_DDPForwardRedirection). So DDP's own _post_forward prepares nothing.
+    """
 
     def __init__(self, module: nn.Module, step: StepFn) -> None:
         super().__init__()
@@ -204,7 +217,7 @@ class _ManualStep(nn.Module):
         self.wrapper: Callable[[], nn.Module] = lambda: None  # the DDP wrapper (a weakref: not a submodule)
 
     def forward(self, batch: object) -> object:
-        patched = self.module.manual_backward  # dryrun._ManualOptimization's
+        patched = self.module.manual_backward  # manualopt.ManualOptimization's
 
         ddp_model = self.wrapper()
 
@@ -221,8 +234,10 @@ class _ManualStep(nn.Module):
 
 
 class _DDPStrategyStandIn:
-    """What a manual training step reaches through `self.trainer.strategy` under Lightning's DDPStrategy: the
-    wrapper (`model`) and `block_backward_sync()`, its no_sync."""
+    """What a manual training step reaches through `self.trainer.strategy` under Lightning's DDPStrategy.
+
+    That is the wrapper (`model`) and `block_backward_sync()`, its no_sync.
+    """
 
     def __init__(self, ddp_model: nn.Module) -> None:
         self.model = ddp_model
@@ -252,9 +267,11 @@ def _manual_forward(ddp_model) -> StepFn:
 
 
 def run_ranks(target: Callable, world_size: int, *args: object) -> list:
-    """`target(*args)` on each of `world_size` processes of a gloo process group on this CPU (spawned,
-    one thread each); the list of their return values by rank. `target` must be importable (a module-level
-    function) and its result picklable."""
+    """`target(*args)` on each of `world_size` processes of a gloo process group on this CPU.
+
+    The processes are spawned, one thread each. Returns the list of their return values, by rank.
+    `target` must be importable (a module-level function), and its result picklable.
+    """
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as tmp:

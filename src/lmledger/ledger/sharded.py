@@ -1,7 +1,7 @@
 """The per-rank ledger of a data-parallel step at world size W, predicted in one process.
 
-`predict_sharded(module, batch, strategy=..., world_size=W)` is the dry run (ledger.dryrun) of the step
-one rank runs, with the rank's own wrapping of the model on fake tensors:
+`predict_sharded(module, batch, strategy=..., world_size=W)` dry-runs the step one rank runs
+(ledger.dryrun). The model on fake tensors is wrapped as the rank wraps it:
 
     ddp      the single-device step plus DDP's gradient buckets (ledger.ddp_dryrun, ledger.ddp): flat
              buffers made on the fake copy and filled from each parameter's post-accumulate-grad hook, as
@@ -16,10 +16,10 @@ one rank runs, with the rank's own wrapping of the model on fake tensors:
              not traced: the state bytes per rank are ledger.memory's closed forms (DeepSpeed's own
              allocation rules); their peak is not predicted (`ShardedLedger.peak_checked` False).
 
-Counted per rank, on the local shards (ledger.rankstate). The measured twin is ledger.realranks
-(`measure_sharded` inside a real process group, `run_ranks` for W gloo processes on this CPU); planning at
-scale (`at_scale`, `run_at_scale`, `toy_inputs`) is ledger.atscale. This module is the entry point: the names
-of those modules that callers use are importable from here. Pure torch: no Lightning import.
+Counted per rank, on the local shards (ledger.rankstate). The measured twin is ledger.realranks. There
+`measure_sharded` runs inside a real process group, and `run_ranks` starts W gloo processes on this CPU.
+Planning at scale is ledger.atscale: `at_scale`, `run_at_scale`, `toy_inputs`. This module is the entry
+point: callers import those modules' names from here. Pure torch: no Lightning import.
 """
 
 from __future__ import annotations
@@ -58,7 +58,28 @@ from lmledger.ledger.rankstate import (  # noqa: F401
 )
 from lmledger.ledger.realranks import measure_sharded, run_ranks  # noqa: F401
 
-DEFAULT_DDP = DDPSettings()
+__all__ = [
+    "DEFAULT_FSDP",
+    "NOT_MODELLED",
+    "STATE_ONLY",
+    "TRACED",
+    "DDPSettings",
+    "FSDPSettings",
+    "ShardedLedger",
+    "fake_process_group",
+    "fsdp2_shard_bytes",
+    "largest_batch_sharded",
+    "local_state_bytes",
+    "measure_sharded",
+    "predict_fsdp2",
+    "predict_sharded",
+    "run_ranks",
+    "shard_blocks",
+    "sharded_ledger",
+    "strategy_name",
+]  # and _AT_SCALE's, through __getattr__
+
+_DEFAULT_DDP = DDPSettings()
 _AT_SCALE = ("at_scale", "run_at_scale", "toy_inputs", "run_strategy")  # ledger.atscale, which imports this module
 
 
@@ -79,7 +100,7 @@ def predict_sharded(
     precision: str | int = "32-true",
     strategy: str = "ddp",
     world_size: int = 1,
-    ddp: DDPSettings = DEFAULT_DDP,
+    ddp: DDPSettings = _DEFAULT_DDP,
     fsdp: FSDPSettings = DEFAULT_FSDP,
     device: torch.device | str | None = None,
     activation_checkpointing: bool | None = None,
@@ -89,20 +110,26 @@ def predict_sharded(
 ) -> ShardedLedger | NotTraced:
     """One rank's steady-state training step of `module` at `world_size` (module docstring).
 
-    Arguments as dryrun.dry_run; `batch` is one rank's micro-batch. `strategy`: "ddp" (also "auto",
-    "single_device"), "fsdp2" (torch's fully_shard / Lightning's ModelParallelStrategy), or a
-    state-only one (STATE_ONLY). Returns NotTraced with one line for what it cannot model (tensor or
-    pipeline parallelism, a world size the mesh cannot take, a torch without the fake process group,
-    accumulation or manual optimization beyond DDP) and for a model the dry run cannot trace; bad input is
-    a UserError. `activation_checkpointing`: None runs the model as it is; True checkpoints every block
-    (each child of an nn.ModuleList) on the copy with torch's non-reentrant checkpoint_wrapper, as
-    Lightning's FSDP strategies' activation_checkpointing_policy and torchtitan do.
+    Arguments are as dryrun.dry_run's; `batch` is one rank's micro-batch.
 
-    `accumulate` micro-batches per optimizer step and `manual` optimization as dry_run takes them (DDP:
-    ledger.ddp_dryrun). `synced`, under manual optimization: whether a backward running now fills DDP's
-    buckets, read as it runs (default: every one does, as Lightning's manual_backward prepares the Reducer
-    each time; the live Ledger passes the DDP wrapper's require_backward_grad_sync, so a training step's own
-    no_sync is followed)."""
+        strategy                  "ddp" (also "auto", "single_device"), "fsdp2" (torch's fully_shard /
+                                  Lightning's ModelParallelStrategy), or a state-only one (STATE_ONLY)
+        activation_checkpointing  None runs the model as it is; True checkpoints every block (each child of
+                                  an nn.ModuleList) on the copy with torch's non-reentrant checkpoint_wrapper,
+                                  as Lightning's FSDP strategies' activation_checkpointing_policy and
+                                  torchtitan do
+        accumulate, manual        micro-batches per optimizer step and manual optimization, as dry_run takes
+                                  them (DDP: ledger.ddp_dryrun)
+        synced                    under manual optimization: whether a backward running now fills DDP's
+                                  buckets, read as it runs. Default: every one does, as Lightning's
+                                  manual_backward prepares the Reducer each time. The live Ledger passes the
+                                  DDP wrapper's require_backward_grad_sync, so a training step's own no_sync
+                                  is followed
+
+    What it cannot model returns NotTraced, with one line. That covers tensor or pipeline parallelism, a
+    world size the mesh cannot take, and a torch without the fake process group. It covers accumulation or
+    manual optimization beyond DDP, and a model the dry run cannot trace. Bad input is a UserError.
+    """
     if activation_checkpointing:
         return _with_checkpointed_blocks(
             predict_sharded, module, batch, step=step, optimizer=optimizer, precision=precision,
@@ -133,8 +160,11 @@ def predict_sharded(
 
 
 def _with_checkpointed_blocks(predict: Callable, module: nn.Module, batch: object, **kwargs) -> object:
-    """predict(copy, batch, **kwargs) on a copy of module whose blocks are checkpointed: the copy
-    shares the real tensors (never copied: deepcopy's memo maps each to itself), only the wrappers are new."""
+    """predict(copy, batch, **kwargs) on a copy of module whose blocks are checkpointed.
+
+    The copy shares the real tensors: deepcopy's memo maps each to itself, so none is copied. Only the
+    wrappers are new.
+    """
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
         CheckpointImpl,
         apply_activation_checkpointing,
@@ -169,8 +199,11 @@ def largest_batch_sharded(
     limit: int = 1 << 16,
     **kwargs: object,
 ) -> LargestBatch | NotTraced:
-    """The largest per-rank micro-batch b <= limit whose predict_sharded peak (kwargs passed on) is at most
-    capacity_bytes: sizes double until one does not fit, then bisect (as dryrun.largest_batch)."""
+    """The largest per-rank micro-batch b <= limit whose predict_sharded peak is at most capacity_bytes.
+
+    The kwargs are passed on to predict_sharded. Sizes double until one does not fit, then bisect (as
+    dryrun.largest_batch).
+    """
     if capacity_bytes <= 0 or limit < 1:
         raise UserError(f"capacity_bytes and limit must be positive, got {capacity_bytes} and {limit}")
     ledgers: dict[int, StepLedger] = {}
@@ -210,7 +243,10 @@ def largest_batch_sharded(
 
 
 def _bracket(fits, guess: int, limit: int, ledgers: dict, capacity: int):
-    """(low, high): a size that fits and one that does not (None: even `limit` fits), from `guess` outward."""
+    """(low, high) from `guess` outward: a size that fits and one that does not.
+
+    The second is None when even `limit` fits.
+    """
     known = lambda size: ledgers[size].peak <= capacity if size in ledgers else fits(size)  # noqa: E731
     verdict = known(guess)
     if isinstance(verdict, NotTraced):
@@ -244,7 +280,10 @@ def _bracket(fits, guess: int, limit: int, ledgers: dict, capacity: int):
 
 
 def _predict_state_only(module, batch, step, optimizer, precision, strategy, world_size, device):
-    """ZeRO / FSDP1 / DeepSpeed: ledger.memory's state bytes per rank in the single-device step; peak unchecked."""
+    """ZeRO, FSDP1, DeepSpeed: the single-device step with ledger.memory's state bytes per rank.
+
+    The peak is unchecked.
+    """
     single = dryrun.dry_run(module, batch, step=step, optimizer=optimizer, precision=precision, device=device)
     if isinstance(single, NotTraced):
         return single
