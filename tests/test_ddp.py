@@ -40,3 +40,28 @@ def test_ddp_two_processes_train_and_log_a_per_rank_ledger(workdir):
     total = scalars["perf/tokens_per_sec_total"][-1][1]
     assert abs(total - 2 * per_device) <= 1e-6 * total
     assert 0 < scalars["perf/mfu"][-1][1] <= 1
+
+
+def test_ddp_batch_hint_counts_the_buckets(workdir):
+    """A DDP run that does not fit is told the largest per-rank batch that does, buckets included: the
+    same answer as `account`'s per-rank plan, which a single-device search would overstate."""
+    from lmledger.accounting import per_rank
+    from lmledger.run_config import load_run
+
+    def peak(batch: int, devices: int) -> int:
+        argv = ["--config", "configs/tiny.yaml", *TINY_OVERRIDES, "--data.batch_size", str(batch),
+                "--trainer.devices", str(devices), "--trainer.strategy", "ddp" if devices > 1 else "auto"]  # fmt: skip
+        return per_rank(load_run(argv), None, argv)["cases"]["checkpointing off"]["peak"]
+
+    # A cap between DDP's peak at batch 5 and 6, over the single-device peak at 6.
+    cap = (peak(5, 2) + peak(6, 2)) // 2
+    assert peak(6, 1) <= cap < peak(6, 2)
+    cmd = [
+        sys.executable, "-m", "lmledger.cli", "fit", "--config", "configs/tiny.yaml", *TINY_OVERRIDES,
+        "--trainer.strategy", "ddp", "--trainer.devices", "2", "--trainer.max_steps", "2",
+        "--ledger.device_memory_gb", str(cap / 1e9),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode != 0
+    assert "--data.batch_size 5 fits (now 8)" in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr

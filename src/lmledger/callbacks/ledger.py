@@ -35,7 +35,15 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from rich.console import Console
 
 from lmledger.callbacks import fsdp2, preflight, toy
-from lmledger.callbacks.live import dry_run_training_step, is_toy_run, samples_per_batch, tokens_per_batch, toy_batch
+from lmledger.callbacks.live import (
+    ddp_arguments,
+    dry_run_training_step,
+    is_toy_run,
+    replicated_ranks,
+    samples_per_batch,
+    tokens_per_batch,
+    toy_batch,
+)
 from lmledger.callbacks.measure import StepMeasurement
 from lmledger.callbacks.run import (
     is_logging_step,
@@ -52,7 +60,7 @@ from lmledger.callbacks.settings import LedgerSettings
 from lmledger.callbacks.throughput import compile_speedup, resolve_peak
 from lmledger.callbacks.timing import TimeLedger
 from lmledger.errors import UserError
-from lmledger.ledger import moe, precisions
+from lmledger.ledger import moe, precisions, sharded
 from lmledger.ledger.dryrun import NotTraced, StepLedger, largest_batch
 from lmledger.ledger.fakecopy import batch_tensors
 from lmledger.ledger.gpus import Peak
@@ -237,6 +245,13 @@ class Ledger(pl.Callback):
             found = fsdp2.largest_batch(
                 trainer, pl_module, self._unsharded, batch_for, capacity.bytes, max(1, now)
             ) if self._dry is not None else None  # fmt: skip
+        elif replicated_ranks(trainer) > 1:  # DDP: per rank, with the gradient buckets
+            with untouched_rng(pl_module.device), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                found = sharded.largest_batch_sharded(
+                    pl_module, batch_for, capacity.bytes, limit=max(1, now),
+                    **ddp_arguments(trainer, pl_module, 0, self._accumulate),
+                ) if self._dry is not None else None  # fmt: skip
         else:
             with untouched_rng(pl_module.device), warnings.catch_warnings():
                 warnings.simplefilter("ignore")

@@ -29,7 +29,15 @@ from lmledger.ledger.predict import lightning_step
 from lmledger.ledger.run import Run
 from lmledger.model import ToyLM
 
-__all__ = ["dry_run_training_step", "is_toy_run", "samples_per_batch", "tokens_per_batch", "toy_batch"]
+__all__ = [
+    "ddp_arguments",
+    "dry_run_training_step",
+    "is_toy_run",
+    "replicated_ranks",
+    "samples_per_batch",
+    "tokens_per_batch",
+    "toy_batch",
+]
 
 
 # --------------------------------------------------------------------------------------------
@@ -101,18 +109,9 @@ def dry_run_training_step(
     with untouched_rng(pl_module.device), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            if _replicated_ranks(trainer) > 1:  # DDP: one rank's step with its gradient buckets (ledger.ddp_dryrun)
-                # Accumulation: the micro-batches before the last run under no_sync, as Lightning runs them.
-                # Manual: each manual_backward fills the buckets unless the step turned the real wrapper's
-                # require_backward_grad_sync off (trainer.strategy.block_backward_sync()), read as it runs.
-                return sharded.predict_sharded(
-                    pl_module, batch, step=lightning_step(batch_idx, trainer),
-                    optimizer=optimizers if manual else (optimizers[0] if optimizers else None),
-                    precision=str(trainer.precision), strategy="ddp", world_size=trainer.world_size,
-                    ddp=DDPSettings.from_kwargs(getattr(trainer.strategy, "_ddp_kwargs", {}) or {}),
-                    device=pl_module.device, accumulate=accumulate, manual=manual,
-                    synced=lambda: getattr(trainer.strategy.model, "require_backward_grad_sync", True),
-                )  # fmt: skip
+            if replicated_ranks(trainer) > 1:  # DDP: one rank's step with its gradient buckets (ledger.ddp_dryrun)
+                arguments = ddp_arguments(trainer, pl_module, batch_idx, accumulate)
+                return sharded.predict_sharded(pl_module, batch, **arguments)
             return moe.predict(
                 pl_module, batch, step=lightning_step(batch_idx, trainer),
                 optimizer=optimizers if manual else (optimizers[0] if optimizers else None),
@@ -123,7 +122,25 @@ def dry_run_training_step(
             return NotTraced(str(err))
 
 
-def _replicated_ranks(trainer: pl.Trainer) -> int:
+def ddp_arguments(trainer: pl.Trainer, pl_module: pl.LightningModule, batch_idx: int, accumulate: int) -> dict:
+    """predict_sharded's arguments for one rank of this DDP trainer.
+
+    Accumulation: the micro-batches before the last run under no_sync, as Lightning runs them.
+    Manual: each manual_backward fills the buckets, unless the step turned the real wrapper's
+    require_backward_grad_sync off (trainer.strategy.block_backward_sync()), read as it runs."""
+    optimizers = torch_optimizers(trainer)
+    manual = not pl_module.automatic_optimization
+    return dict(
+        step=lightning_step(batch_idx, trainer),
+        optimizer=optimizers if manual else (optimizers[0] if optimizers else None),
+        precision=str(trainer.precision), strategy="ddp", world_size=trainer.world_size,
+        ddp=DDPSettings.from_kwargs(getattr(trainer.strategy, "_ddp_kwargs", {}) or {}),
+        device=pl_module.device, accumulate=accumulate, manual=manual,
+        synced=lambda: getattr(trainer.strategy.model, "require_backward_grad_sync", True),
+    )  # fmt: skip
+
+
+def replicated_ranks(trainer: pl.Trainer) -> int:
     """The world size of a DDP run (every rank holds the whole model), else 1."""
     strategy = trainer.strategy
     if isinstance(strategy, DDPStrategy) and not isinstance(strategy, DeepSpeedStrategy):
