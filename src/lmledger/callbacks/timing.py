@@ -23,7 +23,6 @@ batches are profiled (0-based, counted over the fit). So a throughput window can
 from __future__ import annotations
 
 import time
-import warnings
 
 import lightning.pytorch as pl
 import torch
@@ -159,10 +158,8 @@ class TimeLedger(pl.Callback):
             self.skipped += 1
             return
         self._data_wait = now - self._last_end if self._last_end is not None else 0.0
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            self._profiler = ledger_profile.profiler(self._device)
-            self._profiler.start()
+        self._profiler = ledger_profile.profiler(self._device)
+        ledger_profile.start(self._profiler)
         self._record = torch.autograd.profiler.record_function(ledger_profile.STEP_MARK)
         self._record.__enter__()
         # The step's wall time: the data wait before it plus what follows; the profiler's start is not in it.
@@ -178,8 +175,8 @@ class TimeLedger(pl.Callback):
             synchronize(self._device)
             wall = time.perf_counter() - self._started + self._data_wait
             self._record.__exit__(None, None, None)
-            self._profiler.stop()
-            events = self._profiler.events()
+            ledger_profile.stop(self._profiler)
+            events = ledger_profile.op_events(self._profiler, self._device)
             sample = ledger_profile.breakdown(events, wall, self._data_wait, device=self._device.type)
             self.samples.append(sample)
             self._profiler = self._record = None
@@ -192,10 +189,8 @@ class TimeLedger(pl.Callback):
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
         if self._profiler is not None:  # a step that raised inside its profile: close both, keep nothing
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                self._record.__exit__(None, None, None)
-                self._profiler.stop()
+            self._record.__exit__(None, None, None)
+            ledger_profile.stop(self._profiler)
             self._profiler = self._record = None
 
     def _log_sample(self, trainer: pl.Trainer, sample: ledger_profile.Breakdown) -> None:

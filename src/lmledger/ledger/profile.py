@@ -25,9 +25,12 @@ Inside a fit, callbacks/timing.py does the same. No Lightning import.
 
 from __future__ import annotations
 
+import os
+import sys
 import time
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -39,12 +42,17 @@ __all__ = [
     "HOST",
     "MEASURED",
     "OPTIMIZER_MARK",
+    "OpEvent",
     "STEP_MARK",
     "Breakdown",
     "breakdown",
     "mean_breakdown",
+    "op_events",
     "profile_step",
     "profiler",
+    "quiet_native_stderr",
+    "start",
+    "stop",
 ]
 
 STEP_MARK = "lmledger#step"  # the record_function around the whole step (callbacks/timing.py)
@@ -165,6 +173,86 @@ def profiler(device: torch.device):
     return torch.profiler.profile(activities=activities)
 
 
+@contextmanager
+def quiet_native_stderr() -> Iterator[None]:
+    """Silence file descriptor 2 for a moment: kineto prints two lines ("USDT: ... profiler_start",
+    "... profiler_stop") per profiled step from C++, at any KINETO_LOG_LEVEL (canary in tests)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def start(prof) -> None:
+    """prof.start(), without kineto's stderr line."""
+    with warnings.catch_warnings(), quiet_native_stderr():
+        warnings.simplefilter("ignore")
+        prof.start()
+
+
+def stop(prof) -> None:
+    """prof.stop(), without kineto's stderr line."""
+    with warnings.catch_warnings(), quiet_native_stderr():
+        warnings.simplefilter("ignore")
+        prof.stop()
+
+
+@dataclass(frozen=True)
+class _Range:
+    start: float  # microseconds, as FunctionEvent.time_range
+    end: float
+
+
+@dataclass
+class OpEvent:
+    """One CPU record of a profiled step, with the FunctionEvent fields `breakdown` reads."""
+
+    name: str
+    time_range: _Range
+    self_cpu_time_total: float = 0.0  # microseconds
+    cpu_parent: OpEvent | None = None
+    kernels: tuple = ()
+
+
+def op_events(prof, device: torch.device) -> list:
+    """A stopped profiler's events for `breakdown`.
+
+    On a CPU, read straight from kineto's records and nested per thread by time. That is what
+    prof.events() builds, minus what breakdown never reads: ~10x faster (56 ms vs ~5 ms for a toy
+    step's 2,800 records). A GPU's kernels need prof.events()'s linking, so it is used there.
+    """
+    if device.type != "cpu":
+        return prof.events()
+    records = [
+        e for e in prof.profiler.kineto_results.events()
+        if e.device_type() == torch.autograd.DeviceType.CPU and not e.is_async() and not e.is_hidden_event()
+    ]  # fmt: skip
+    records.sort(key=lambda e: (e.start_thread_id(), e.start_ns(), -e.duration_ns()))
+    out: list[OpEvent] = []
+    self_ns: list[int] = []  # exact integers: a parent's self time is its duration minus its children's
+    stack: list[tuple[int, int, int]] = []  # (index into out, end ns, thread)
+    for record in records:
+        begin, end, thread = record.start_ns(), record.end_ns(), record.start_thread_id()
+        while stack and (stack[-1][2] != thread or stack[-1][1] <= begin):
+            stack.pop()
+        parent = stack[-1][0] if stack and end <= stack[-1][1] else None
+        out.append(
+            OpEvent(record.name(), _Range(begin / 1e3, end / 1e3), 0.0, out[parent] if parent is not None else None)
+        )
+        self_ns.append(end - begin)
+        if parent is not None:
+            self_ns[parent] -= end - begin
+        stack.append((len(out) - 1, end, thread))
+    for event, ns in zip(out, self_ns, strict=True):
+        event.self_cpu_time_total = ns / 1e3
+    return out
+
+
 def profile_step(step: Callable[..., None], device: torch.device) -> Breakdown:
     """The breakdown of one call `step(phase)`; no data wait (the batch is already there).
 
@@ -179,7 +267,7 @@ def profile_step(step: Callable[..., None], device: torch.device) -> Breakdown:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         prof = profiler(device)
-        prof.start()
+        start(prof)
     try:
         _synchronize(device)
         with torch.autograd.profiler.record_function(STEP_MARK):
@@ -188,8 +276,8 @@ def profile_step(step: Callable[..., None], device: torch.device) -> Breakdown:
             _synchronize(device)
             wall = time.perf_counter() - started
     finally:
-        prof.stop()
-    return breakdown(prof.events(), wall, 0.0, device=device.type)
+        stop(prof)
+    return breakdown(op_events(prof, device), wall, 0.0, device=device.type)
 
 
 def _synchronize(device: torch.device) -> None:
