@@ -389,7 +389,7 @@ def _profiled_toy_step():
 
 
 def test_op_events_read_from_kineto_group_as_torchs_function_events():
-    """op_events nests kineto's records by time itself (prof.events() is ~10x slower); the breakdown of a
+    """op_events nests kineto's records by time itself (prof.events() is ~5x slower); the breakdown of a
     real profiled step is the same from both, op name for op name. (kineto keeps a few records of the
     optimizer's ops apart that FunctionEvents merge, so the record counts differ; the times do not.)"""
     prof = _profiled_toy_step()
