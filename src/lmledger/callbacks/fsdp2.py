@@ -1,16 +1,23 @@
-"""The live FSDP2 fit's prediction (Lightning's ModelParallelStrategy, `fully_shard` in configure_model).
+"""The live FSDP2 fit's prediction: Lightning's ModelParallelStrategy, `fully_shard` in configure_model.
 
 Lightning calls callbacks' `setup` before the module's `configure_model` (canary in
-tests/test_ledger_fsdp2.py), so at setup the Ledger keeps `unsharded_copy`: the module with every
-parameter, buffer and tensor attribute on the meta device (no memory). At the first batch `predict` dry-runs
-one rank's step on it with ledger.sharded.predict_sharded at the mesh's data-parallel size, where FSDP2 is
-the module's own configure_model replayed on the fake copy over a mesh of torch's fake process group (beside
-the real one), with the same dimension names as the strategy's; the optimizer is the same kind and groups as
-the one configure_optimizers made over the real shards. Gradient accumulation and manual optimization are
-predicted as Lightning runs them under this strategy: every micro-batch's backward (every manual_backward)
-reduce-scatters, since its block_backward_sync is ParallelStrategy's, a no-op for an FSDPModule (canary in
-tests/test_fsdp2_accumulate.py); a step's own set_requires_gradient_sync runs on the fake copy too. Tensor
-parallelism (a mesh with tensor_parallel_size > 1) and a GPU run are one line each, and measured only.
+tests/test_ledger_fsdp2.py). So at setup the Ledger keeps `unsharded_copy`. In it, every parameter,
+buffer and tensor attribute is on the meta device. It uses no memory.
+
+At the first batch, `predict` dry-runs one rank's step on it. It calls ledger.sharded.predict_sharded
+at the mesh's data-parallel size, with:
+
+    FSDP2       the module's own configure_model, replayed on the fake copy. Its mesh spans torch's
+                fake process group (beside the real one), with the strategy's dimension names.
+    optimizer   the same kind and groups as configure_optimizers made over the real shards
+
+Gradient accumulation and manual optimization are predicted as Lightning runs them here. Every
+micro-batch's backward (every manual_backward) reduce-scatters. The reason: its block_backward_sync
+is ParallelStrategy's, a no-op for an FSDPModule (canary in tests/test_fsdp2_accumulate.py). A step's
+own set_requires_gradient_sync runs on the fake copy too.
+
+Tensor parallelism (a mesh with tensor_parallel_size > 1) and a GPU run get one line each. They are
+measured only.
 """
 
 from __future__ import annotations
@@ -30,13 +37,18 @@ from lmledger.ledger import sharded
 from lmledger.ledger.dryrun import NotTraced, StepLedger
 from lmledger.ledger.predict import lightning_step
 
-# Objects a module may hold that are data, not state: the copy shares them (deepcopy would read them whole).
+__all__ = ["largest_batch", "predict", "unsharded_copy"]
+
+# Data a module may hold, not state: the copy shares them (deepcopy would read them whole).
 _SHARED = (torch.utils.data.Dataset, torch.utils.data.DataLoader)
 
 
 def unsharded_copy(trainer: pl.Trainer, pl_module: pl.LightningModule) -> nn.Module | None:
-    """Under ModelParallelStrategy, before configure_model: a deep copy of `pl_module` whose parameters,
-    buffers and tensor attributes are meta twins (shapes and dtypes, no memory); None under any other strategy."""
+    """Under ModelParallelStrategy, before configure_model: a deep copy of `pl_module`.
+
+    Its parameters, buffers and tensor attributes are meta twins: shapes and dtypes, no memory. None under
+    any other strategy.
+    """
     if not isinstance(trainer.strategy, ModelParallelStrategy):
         return None
     memo: dict[int, object] = {id(trainer): trainer, id(pl_module._device_mesh): None}
@@ -53,7 +65,7 @@ def unsharded_copy(trainer: pl.Trainer, pl_module: pl.LightningModule) -> nn.Mod
     return copy.deepcopy(pl_module, memo)
 
 
-def mesh_sizes(trainer: pl.Trainer) -> tuple[int, int]:
+def _mesh_sizes(trainer: pl.Trainer) -> tuple[int, int]:
     """(data-parallel, tensor-parallel) sizes of ModelParallelStrategy's mesh."""
     mesh = trainer.strategy.device_mesh
     return mesh["data_parallel"].size(), mesh["tensor_parallel"].size()
@@ -70,28 +82,35 @@ def predict(
     with untouched_rng(pl_module.device), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            arguments = fsdp2_arguments(trainer, pl_module, batch_idx, accumulate)
+            arguments = _fsdp2_arguments(trainer, pl_module, batch_idx, accumulate)
             return sharded.predict_sharded(unsharded, batch, **arguments)
         except UserError as err:
             return NotTraced(str(err))
 
 
-def fsdp2_arguments(trainer: pl.Trainer, pl_module: pl.LightningModule, batch_idx: int, accumulate: int) -> dict:
-    """predict_sharded's arguments for one rank of this ModelParallelStrategy trainer: its data-parallel size,
-    the module's configure_model replayed, the same optimizers over the fake shards, `accumulate` micro-batches
-    (each one's backward reduce-scatters, as Lightning runs FSDP2) or the module's own manual step."""
+def _fsdp2_arguments(trainer: pl.Trainer, pl_module: pl.LightningModule, batch_idx: int, accumulate: int) -> dict:
+    """predict_sharded's arguments for one rank of this ModelParallelStrategy trainer.
+
+    Among them:
+
+        world_size    the mesh's data-parallel size
+        fsdp          the module's configure_model, replayed
+        optimizer     the same optimizers over the fake shards
+        accumulate    micro-batches; each one's backward reduce-scatters, as Lightning runs FSDP2
+        manual        the module's own manual step instead
+    """
     manual = not pl_module.automatic_optimization
-    made = [same_optimizer(o, pl_module) for o in torch_optimizers(trainer)]
+    made = [_same_optimizer(o, pl_module) for o in torch_optimizers(trainer)]
     return dict(
         step=lightning_step(batch_idx, trainer), optimizer=made if manual else (made[0] if made else None),
-        precision=str(trainer.precision), strategy="fsdp2", world_size=mesh_sizes(trainer)[0],
-        fsdp=sharded.FSDPSettings(shard=replay_configure_model(trainer)), device=pl_module.device,
+        precision=str(trainer.precision), strategy="fsdp2", world_size=_mesh_sizes(trainer)[0],
+        fsdp=sharded.FSDPSettings(shard=_replay_configure_model(trainer)), device=pl_module.device,
         accumulate=accumulate, manual=manual,
     )  # fmt: skip
 
 
 def _not_modelled(trainer, pl_module, unsharded) -> str | None:
-    _, tensor_parallel = mesh_sizes(trainer)
+    _, tensor_parallel = _mesh_sizes(trainer)
     if tensor_parallel > 1:
         return (
             f"ModelParallelStrategy's mesh has tensor_parallel_size {tensor_parallel}: the dry run does not model "
@@ -104,9 +123,12 @@ def _not_modelled(trainer, pl_module, unsharded) -> str | None:
     return None
 
 
-def same_optimizer(optimizer: torch.optim.Optimizer, pl_module: nn.Module) -> Callable:
-    """A factory making `optimizer`'s kind over the fake copy's sharded parameters: each group's parameters by
-    their position in the module (configure_model keeps the order), with that group's hyperparameters."""
+def _same_optimizer(optimizer: torch.optim.Optimizer, pl_module: nn.Module) -> Callable:
+    """A factory making `optimizer`'s kind over the fake copy's sharded parameters.
+
+    Each group's parameters are found by position in the module: configure_model keeps the order. Each
+    group keeps its hyperparameters.
+    """
     position = {id(p): i for i, p in enumerate(pl_module.parameters())}
     unknown = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in position]
     if unknown:
@@ -121,23 +143,28 @@ def same_optimizer(optimizer: torch.optim.Optimizer, pl_module: nn.Module) -> Ca
     return make
 
 
-def replay_configure_model(trainer: pl.Trainer) -> Callable[[nn.Module, object], None]:
-    """FSDPSettings.shard for predict_sharded: the fake copy's own configure_model, its `device_mesh` a mesh of
-    the strategy's shape and dimension names over the fake process group (LightningModule.device_mesh reads
-    `_device_mesh`: canary in tests/test_ledger_fsdp2.py)."""
+def _replay_configure_model(trainer: pl.Trainer) -> Callable[[nn.Module, object], None]:
+    """FSDPSettings.shard for predict_sharded: the fake copy's own configure_model.
+
+    Its `device_mesh` has the strategy's shape and dimension names, over the fake process group.
+    (LightningModule.device_mesh reads `_device_mesh`: canary in tests/test_ledger_fsdp2.py.)
+    """
 
     def shard(model: nn.Module, fake_mesh: object) -> None:
         model.trainer = trainer  # a deep copy drops its trainer; configure_model may read it
-        model._device_mesh = fake_mesh_like(trainer.strategy.device_mesh, fake_mesh)
+        model._device_mesh = _fake_mesh_like(trainer.strategy.device_mesh, fake_mesh)
         model.configure_model()
 
     return shard
 
 
-def fake_mesh_like(real: object, fake_mesh: object) -> object:
-    """A 2-D (data_parallel, tensor_parallel) DeviceMesh as the strategy's, its data-parallel dimension the fake
-    process group's ranks. With tensor_parallel_size 1 its tensor dimension is this rank alone: the real
-    one-rank group stands there, which FSDP2 over the data-parallel dimension never calls."""
+def _fake_mesh_like(real: object, fake_mesh: object) -> object:
+    """A 2-D (data_parallel, tensor_parallel) DeviceMesh like the strategy's.
+
+    Its data-parallel dimension is the fake process group's ranks. With tensor_parallel_size 1, its
+    tensor dimension is this rank alone. The real one-rank group stands there. FSDP2 over the
+    data-parallel dimension never calls it.
+    """
     from torch._subclasses.fake_tensor import unset_fake_temporarily
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -152,11 +179,13 @@ def fake_mesh_like(real: object, fake_mesh: object) -> object:
 
 
 def largest_batch(trainer, pl_module, unsharded, batch_for, capacity_bytes: int, limit: int) -> object:
-    """The largest per-rank batch whose predicted FSDP2 peak fits (ledger.sharded.largest_batch_sharded), at the
-    trainer's accumulation (as the Ledger counts it: 1 under manual optimization)."""
+    """The largest per-rank batch whose predicted FSDP2 peak fits (ledger.sharded.largest_batch_sharded).
+
+    At the trainer's accumulation, as the Ledger counts it: 1 under manual optimization.
+    """
     accumulate = trainer.accumulate_grad_batches if pl_module.automatic_optimization else 1
     with untouched_rng(pl_module.device), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return sharded.largest_batch_sharded(
-            unsharded, batch_for, capacity_bytes, limit=limit, **fsdp2_arguments(trainer, pl_module, 0, accumulate)
+            unsharded, batch_for, capacity_bytes, limit=limit, **_fsdp2_arguments(trainer, pl_module, 0, accumulate)
         )

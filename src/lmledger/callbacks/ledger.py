@@ -2,25 +2,30 @@
 
     Trainer(callbacks=[lmledger.Ledger()])
 
-One pipeline for lmledger's LitLM and any other module:
+One pipeline serves lmledger's LitLM and any other module:
 
-- Predicted once per fit, before step 1 (callbacks.live). A dry run (ledger.dryrun) runs the module's
-  own training_step on fake tensors of the first batch's shapes. It uses the module's optimizer, the
-  trainer's precision and its gradient accumulation. It gives params, grads, optimizer state, saved
-  activations, peak, hardware FLOPs, and model FLOPs as 3 x the forward's (docs/mfu.md). A LitLM also
-  gets the toy LM's closed forms as a second predictor (callbacks.toy), at fit start.
-- Checked: a predicted peak over what the device holds stops the run before step 1 (callbacks.preflight).
-- Measured on the real steps (callbacks.measure): state, saved activations and FLOPs over optimizer
-  step 1, the peak over step 2. Throughput after the warm-up (ledger.throughput).
-- Reported as one ledger.report.Report: a rich table at fit start, first measurement and end. The same
-  goes to JSON (`report.to_json()`), TensorBoard scalars (`memory/{predicted,closed_form,measured}/*`,
-  `flops/{hardware,model,closed_form,measured}_per_step`, `perf/*`), the text `ledger/table` and the
-  chart `memory/predicted_vs_measured`.
+    predicted   once per fit, before step 1 (callbacks.live). A dry run (ledger.dryrun) runs the
+                module's own training_step on fake tensors of the first batch's shapes. It uses the
+                module's optimizer, the trainer's precision and its gradient accumulation. It gives
+                params, grads, optimizer state, saved activations, peak, hardware FLOPs, and model
+                FLOPs as 3 x the forward's (docs/mfu.md). A LitLM also gets the toy LM's closed
+                forms as a second predictor (callbacks.toy), at fit start.
+    checked     a predicted peak over what the device holds stops the run before step 1
+                (callbacks.preflight)
+    measured    on the real steps (callbacks.measure): state, saved activations and FLOPs over
+                optimizer step 1, the peak over step 2. Throughput after the warm-up
+                (ledger.throughput).
+    reported    as one ledger.report.Report: a rich table at fit start, first measurement and end.
+                The same goes to JSON (`report.to_json()`), TensorBoard scalars
+                (`memory/{predicted,closed_form,measured}/*`,
+                `flops/{hardware,model,closed_form,measured}_per_step`, `perf/*`), the text
+                `ledger/table` and the chart `memory/predicted_vs_measured`.
 
 Under DDP and FSDP2 the prediction is per rank (callbacks.live, callbacks.fsdp2).
 A module the dry run cannot trace gets one line saying why, and is measured only.
-The callbacks never change what is trained. The dry run works on a fake copy, measurement only
-observes, and every RNG stream a step may draw from is left as it was found.
+
+The callbacks never change what is trained. The dry run works on a fake copy. Measurement only
+observes. Every RNG stream a step may draw from is left as it was found.
 """
 
 from __future__ import annotations
@@ -69,6 +74,8 @@ from lmledger.ledger.report import Figures, Report, bar_chart, figures_of_step, 
 from lmledger.ledger.run import Run
 from lmledger.ledger.throughput import Window
 from lmledger.ledger.units import format_bytes, tera
+
+__all__ = ["Ledger"]
 
 # --------------------------------------------------------------------------------------------
 # The callback
@@ -375,10 +382,12 @@ class Ledger(pl.Callback):
         self.report.rates = shown
 
     def _raise_measured_peak(self, trainer: pl.Trainer, window: Window, now: float) -> None:
-        """A measured peak (CPU, unlisted GPU) is an estimate of the best this device does. If training
-        beats it, the fit-start measurement was pessimistic (a machine busy with other work makes every
-        matmul slower): the achieved rate is the better estimate, so it becomes the peak, and the
-        perf/peak card says so. Datasheet and spec peaks are never changed."""
+        """A measured peak (CPU, unlisted GPU) is an estimate of the best this device does.
+
+        If training beats it, the fit-start measurement was pessimistic. A machine busy with other work
+        makes every matmul slower. The achieved rate is then the better estimate, so it becomes the
+        peak. The perf/peak card says so. Datasheet and spec peaks are never changed.
+        """
         seconds = now - window.start - window.paused
         achieved = window.flops.get("hardware", 0) / seconds if seconds > 0 else 0.0
         if self.peak is None or self.peak.source != "measured" or achieved <= self.peak.flops_per_s:
@@ -457,8 +466,11 @@ class Ledger(pl.Callback):
             self.measurement.close()
 
     def _explain_oom(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        """Attach one line to a CUDA OOM (`ledger_line`, printed by lmledger fit in place of the traceback).
-        Raising here instead would skip Lightning's teardown and the other callbacks' on_exception."""
+        """Attach one line to a CUDA OOM: `ledger_line`.
+
+        The `lmledger fit` command prints it in place of the traceback. Raising here instead would skip
+        Lightning's teardown and the other callbacks' on_exception.
+        """
         Console(stderr=True).print(self.report.table("ledger at the OOM"))
         line = f"CUDA out of memory at step {trainer.global_step + 1}"
         primary = next((f for f in self.report.predicted.values() if f.peak is not None), None)

@@ -1,6 +1,6 @@
 """What the Ledger dry-runs for a live module: its batch, and one rank's training_step.
 
-Tokens per batch: the module's `tokens_per_batch` if it has one (an int, or a method taking the batch).
+Tokens per batch: the module's `tokens_per_batch`, if it has one. That is an int, or a method taking the batch.
 Else the element count of the batch's first integer rank-2 tensor (token ids, batch x sequence).
 A batch with none has samples (the first tensor's first dimension): the run reports samples/s.
 
@@ -46,8 +46,10 @@ __all__ = [
 
 
 def tokens_per_batch(pl_module: pl.LightningModule, batch: object) -> int | None:
-    """Tokens in `batch` (module docstring: the module's `tokens_per_batch`, else the first integer
-    rank-2 tensor's size), or None when the batch holds no token ids."""
+    """Tokens in `batch`, or None when the batch holds no token ids.
+
+    As the module docstring says: the module's `tokens_per_batch`, else the first integer rank-2 tensor's size.
+    """
     told = getattr(pl_module, "tokens_per_batch", None)
     if callable(told):
         told = told(batch)
@@ -81,7 +83,7 @@ def is_toy_run(trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:
 
 
 def toy_batch(run: Run, size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """A batch shaped like the TokenDataModule's (inputs, targets), on the meta device: the dry run reads shapes."""
+    """A batch shaped like the TokenDataModule's (inputs, targets). On the meta device: the dry run reads shapes."""
     shape = (run.batch_size if size is None else size, run.seq_len)
     return torch.empty(shape, dtype=torch.long, device="meta"), torch.empty(shape, dtype=torch.long, device="meta")
 
@@ -95,10 +97,13 @@ def dry_run_training_step(
     trainer: pl.Trainer, pl_module: pl.LightningModule, batch: object, batch_idx: int, accumulate: int = 1,
     unsharded: torch.nn.Module | None = None,
 ) -> StepLedger | moe.MoEBounds | NotTraced:  # fmt: skip
-    """The dry run of `pl_module.training_step` on `batch` with the trainer's optimizer, precision and
-    accumulation (two, under balanced and worst routing, where top-k routing decides a shape: ledger.moe),
-    or why there is none. The copy keeps the trainer and logs nothing; the RNG streams are untouched.
-    Under ModelParallelStrategy (FSDP2) it is one rank's step on `unsharded`, the module as setup saw it."""
+    """The dry run of `pl_module.training_step` on `batch`, or why there is none.
+
+    It uses the trainer's optimizer, precision and accumulation. Where top-k routing decides a shape, it
+    gives two: balanced and worst routing (ledger.moe). The copy keeps the trainer and logs nothing. The
+    RNG streams are untouched. Under ModelParallelStrategy (FSDP2), it is one rank's step on `unsharded`:
+    the module as setup saw it.
+    """
     why = _not_modelled(trainer, pl_module)
     if why is not None:
         return NotTraced(why)
@@ -126,8 +131,9 @@ def ddp_arguments(trainer: pl.Trainer, pl_module: pl.LightningModule, batch_idx:
     """predict_sharded's arguments for one rank of this DDP trainer.
 
     Accumulation: the micro-batches before the last run under no_sync, as Lightning runs them.
-    Manual: each manual_backward fills the buckets, unless the step turned the real wrapper's
-    require_backward_grad_sync off (trainer.strategy.block_backward_sync()), read as it runs."""
+    Manual: each manual_backward fills the buckets. Not when the step turned the real wrapper's
+    require_backward_grad_sync off (trainer.strategy.block_backward_sync()). That flag is read as it runs.
+    """
     optimizers = torch_optimizers(trainer)
     manual = not pl_module.automatic_optimization
     return dict(

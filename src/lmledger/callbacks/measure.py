@@ -1,19 +1,22 @@
 """The dry run's measured twin inside a fit: the same figures, read off the real steps.
 
-One step here is one optimizer step: `accumulate` micro-batches under automatic optimization (Lightning's
-accumulate_grad_batches), one batch under manual optimization (the module steps its optimizers itself).
-Everything opens at a batch's start (`batch_start`) and closes at a batch's end or on an exception:
+One step here is one optimizer step. Under automatic optimization it is `accumulate` micro-batches
+(Lightning's accumulate_grad_batches). Under manual optimization it is one batch: the module steps its
+optimizers itself. Everything opens at a batch's start (`batch_start`). It closes at a batch's end or
+on an exception:
 
-    step 1   FLOPs (flops.StepFlopCounter, over every micro-batch), the saved activations of the first
-             micro-batch's forward (saved-tensor hooks, closed at backward so nothing is held longer
-             than the step holds it), then params, grads and optimizer state once the optimizer stepped
-    step 2   the peak, the steady state (optimizer state exists): CUDA's max_memory_allocated (stats
-             reset at its start, read after its optimizer step), elsewhere the live tensor bytes
-             ledger.memtrack counts, with the phase it fell in; Python's cycle collector is off for the
-             step, as in the dry run, so what a step leaves in reference cycles is freed at the same point
+    step 1   FLOPs (flops.StepFlopCounter, over every micro-batch). The saved activations of the
+             first micro-batch's forward: saved-tensor hooks, closed at backward so nothing is held
+             longer than the step holds it. Then params, grads and optimizer state, once the
+             optimizer stepped.
+    step 2   the peak, in the steady state (optimizer state exists). CUDA: max_memory_allocated,
+             stats reset at its start, read after its optimizer step. Elsewhere: the live tensor
+             bytes ledger.memtrack counts, with the phase it fell in. Python's cycle collector is off
+             for the step, as in the dry run. So what a step leaves in reference cycles is freed at
+             the same point.
 
-The phases are the dry run's (dryrun.phases): forward, backward (zero_grad included: it only frees),
-optimizer step; under accumulation, first micro-batch, later micro-batches, optimizer step.
+The phases are the dry run's (dryrun.phases): forward, backward, optimizer step. Backward includes
+zero_grad: it only frees. Under accumulation: first micro-batch, later micro-batches, optimizer step.
 """
 
 from __future__ import annotations
@@ -32,15 +35,20 @@ from lmledger.ledger.memtrack import MemoryTracker
 from lmledger.ledger.report import Figures
 from lmledger.ledger.sharded import local_state_bytes
 
+__all__ = ["StepMeasurement"]
+
 
 class StepMeasurement:
-    """Measures steps 1 and 2 of a fit (module docstring); `figures()` is what it has read so far.
+    """Measures steps 1 and 2 of a fit (module docstring). `figures()` is what it has read so far.
 
-    accumulate     micro-batches per optimizer step (1 under manual optimization)
-    manual         the module steps its optimizers in training_step (each batch is one step)
-    count_flops    count FLOPs on the real step (False under torch.compile: the caller counts a meta copy)
-    activations    measure saved activations (False under torch.compile: the compiled graph saves a
-                   fused set the eager prediction does not describe)
+    Arguments:
+
+        accumulate     micro-batches per optimizer step (1 under manual optimization)
+        manual         the module steps its optimizers in training_step (each batch is one step)
+        count_flops    count FLOPs on the real step. False under torch.compile: the caller counts a
+                       meta copy.
+        activations    measure saved activations. False under torch.compile: the compiled graph saves
+                       a fused set the eager prediction does not describe.
     """
 
     def __init__(
@@ -156,7 +164,7 @@ class StepMeasurement:
             self.values["activations"] = self._saved.activations
             self.values["autocast_weight_copies"] = self._saved.autocast_weight_copies
             self._saved = None
-        measure = local_state_bytes if is_sharded(module) else measure_state_bytes  # FSDP2: this rank's shards
+        measure = local_state_bytes if _is_sharded(module) else measure_state_bytes  # FSDP2: this rank's shards
         state = measure(module, optimizers[0] if len(optimizers) == 1 else None)
         if len(optimizers) > 1:  # each optimizer's state, every storage once
             state["optimizer"] = sum(measure(module, o)["optimizer"] for o in optimizers)
@@ -172,7 +180,7 @@ class StepMeasurement:
             self._cuda_peak = True
             return
         # Each optimizer on its own: the FSDP2 tracker reads an optimizer's DTensor state by its local shards.
-        self._tracker = (self._local_shard_tracker() if is_sharded(module) else MemoryTracker()).track(
+        self._tracker = (self._local_shard_tracker() if _is_sharded(module) else MemoryTracker()).track(
             module, *optimizers, batch_tensors(batch)
         )
         self._tracker.phase(self._phases[0])
@@ -193,8 +201,11 @@ class StepMeasurement:
     # -- helpers --------------------------------------------------------------------------------
 
     def _local_shard_tracker(self) -> MemoryTracker:
-        """ledger.sharded's tracker (its measured twin's): DTensors counted by their local shard, and the
-        storages FSDP2 resizes outside any operator (its unsharded parameters) followed while it runs."""
+        """ledger.sharded's tracker, the one its measured twin uses.
+
+        DTensors count by their local shard. The storages FSDP2 resizes outside any operator (its
+        unsharded parameters) are followed while it runs.
+        """
         from unittest import mock
 
         from lmledger.ledger.sharded import _resize_seen, _ShardedTracker
@@ -223,7 +234,7 @@ class StepMeasurement:
         self._gc_was_enabled = False
 
 
-def is_sharded(module: torch.nn.Module) -> bool:
+def _is_sharded(module: torch.nn.Module) -> bool:
     """Whether `module` holds DTensor parameters (FSDP2), whose untyped_storage() is the global size."""
     if not torch.distributed.is_available():
         return False

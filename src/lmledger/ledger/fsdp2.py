@@ -1,14 +1,20 @@
 """FSDP2 per rank at world size W, on fake tensors over torch's fake process group.
 
-torch's `fully_shard` (what Lightning's ModelParallelStrategy runs in configure_model) wraps the fake copy,
-over a fake process group of W ranks (a DeviceMesh made outside FakeTensorMode, as torchtitan's memory
-estimator does): sharded DTensor parameters, grads and AdamW state, the all-gather and reduce-scatter
-buffers, reshard after forward on or off, activation checkpointing as the model has it. Counted per rank on
-the local shards, with the storages FSDP resizes outside any operator followed (ledger.rankstate).
+Here torch's `fully_shard` wraps the fake copy, as Lightning's ModelParallelStrategy runs it in
+configure_model. The fake process group has W ranks. Its DeviceMesh is made outside FakeTensorMode,
+as torchtitan's memory estimator does. Modelled:
 
-The fake process group never outlives the call and never clashes with a real one: when the caller
-already has a default group (Lightning's DDP in the same process), the fake ranks get a non-default
-group of their own, destroyed alone (fake_process_group). Pure torch: no Lightning import.
+    sharded DTensor parameters, grads and AdamW state
+    the all-gather and reduce-scatter buffers
+    reshard after forward, on or off
+    activation checkpointing, as the model has it
+
+Counted per rank on the local shards. The storages FSDP resizes outside any operator are followed
+(ledger.rankstate).
+
+The fake process group never outlives the call and never clashes with a real one. The caller may
+already have a default group (Lightning's DDP in the same process). Then the fake ranks get a
+non-default group of their own, destroyed alone (fake_process_group). Pure torch: no Lightning import.
 """
 
 from __future__ import annotations
@@ -26,14 +32,32 @@ from torch import nn
 from lmledger.ledger.dryrun import NotTraced, StepFn
 from lmledger.ledger.rankstate import FakeRun, ShardedLedger, sharded_ledger, sharded_tracking
 
+__all__ = [
+    "DEFAULT_FSDP",
+    "FSDPSettings",
+    "fake_process_group",
+    "fsdp2_shard_bytes",
+    "fsdp_units",
+    "make_mesh",
+    "predict_fsdp2",
+    "shard_blocks",
+    "shard_model",
+]
+
 
 @dataclass(frozen=True)
 class FSDPSettings:
-    """How fully_shard wraps the model. `shard(module, mesh)` wraps it as a LightningModule's
-    configure_model would; default: each child of every nn.ModuleList (the transformer blocks), then the
-    root, all with `reshard_after_forward`. `mp_policy` is passed to fully_shard as it is. `shard_size` makes
-    the mesh 2-D, (W / shard_size replicas, shard_size shards): hybrid sharding (HSDP), as torchtitan's
-    data_parallel_replicate/shard degrees do."""
+    """How fully_shard wraps the model.
+
+    Fields:
+
+        shard         `shard(module, mesh)` wraps it as a LightningModule's configure_model would.
+                      Default: each child of every nn.ModuleList (the transformer blocks), then the
+                      root, all with `reshard_after_forward`.
+        mp_policy     passed to fully_shard as it is
+        shard_size    makes the mesh 2-D, (W / shard_size replicas, shard_size shards): hybrid
+                      sharding (HSDP), as torchtitan's data_parallel_replicate/shard degrees do
+    """
 
     reshard_after_forward: bool = True
     shard: Callable[[nn.Module, object], None] | None = None
@@ -46,14 +70,17 @@ DEFAULT_FSDP = FSDPSettings()
 
 @contextmanager
 def fake_process_group(world_size: int, shard_size: int | None = None) -> Iterator[object]:
-    """torch's fake process group of `world_size` ranks (this process is its rank 0) and a CPU DeviceMesh
-    over it (1-D; with shard_size, 2-D: replicate x shard), made outside any FakeTensorMode; torn down on exit.
+    """torch's fake process group of `world_size` ranks, and a CPU DeviceMesh over it.
 
-    Without a default group it is the default one (init_process_group("fake"), as torchtitan's estimator
-    does), destroyed after. When the caller already has a default group (Lightning's DDP in this process),
-    the fake group is a separate, non-default one, registered as c10d registers a new group and destroyed
-    alone, so the caller's groups are untouched (c10d private API: test_a_real_default_group_is_set_aside
-    holds it)."""
+    This process is its rank 0. The mesh is 1-D; with shard_size, 2-D (replicate x shard). Both are
+    made outside any FakeTensorMode, and torn down on exit.
+
+    Without a default group, it is the default one: init_process_group("fake"), as torchtitan's
+    estimator does. It is destroyed after. The caller may already have a default group (Lightning's DDP
+    in this process). Then the fake group is a separate, non-default one. It is registered as c10d
+    registers a new group, and destroyed alone. So the caller's groups are untouched. (c10d private API:
+    test_a_real_default_group_is_set_aside holds it.)
+    """
     import torch.distributed as dist
 
     if not dist.is_available():
@@ -88,6 +115,7 @@ def fake_process_group(world_size: int, shard_size: int | None = None) -> Iterat
 
 
 def make_mesh(init_device_mesh: Callable, world_size: int, shard_size: int | None) -> object:
+    """A CPU mesh of `world_size` ranks: 1-D, or 2-D (replicate x shard) with a smaller shard_size."""
     if shard_size is None or shard_size == world_size:
         return init_device_mesh("cpu", (world_size,))
     return init_device_mesh("cpu", (world_size // shard_size, shard_size), mesh_dim_names=("replicate", "shard"))
@@ -102,8 +130,10 @@ class _Unavailable(Exception):
 
 
 def shard_blocks(model: nn.Module, mesh: object, settings: FSDPSettings) -> None:
-    """The common FSDP2 wrapping (torchtitan's, Lightning's examples): fully_shard every child of every
-    nn.ModuleList (the repeated blocks), then the root."""
+    """The common FSDP2 wrapping (torchtitan's, Lightning's examples).
+
+    It runs fully_shard on every child of every nn.ModuleList (the repeated blocks), then on the root.
+    """
     from torch.distributed.fsdp import fully_shard
 
     kwargs = {"mesh": mesh, "reshard_after_forward": settings.reshard_after_forward}
@@ -172,9 +202,11 @@ def predict_fsdp2(
 
 
 class _RankChunks:
-    """torch.chunk(tensor, n, dim) padded with empties to n, as FSDP2's _chunk_with_empty returns it, with each
-    chunk made when it is read: FSDP2 reads its own rank's and the 0th (the padded size), so the fake run
-    makes 2 views per parameter, not W (the dry run's cost then stays flat in the world size)."""
+    """torch.chunk(tensor, n, dim) padded with empties to n, as FSDP2's _chunk_with_empty returns it.
+
+    Each chunk is made when it is read. FSDP2 reads its own rank's and the 0th (the padded size). So the
+    fake run makes 2 views per parameter, not W. The dry run's cost then stays flat in the world size.
+    """
 
     def __init__(self, tensor: torch.Tensor, num_chunks: int, dim: int) -> None:
         self.tensor, self.num_chunks, self.dim = tensor, num_chunks, dim
@@ -201,8 +233,11 @@ class _RankChunks:
 
 @contextmanager
 def _rank_chunks_only() -> Iterator[None]:
-    """FSDP2's _chunk_with_empty made lazy for the fake run (_RankChunks); the real twin runs torch's own. The
-    W = 2 and 4 tests against real ranks hold the two equal; test_canary_fsdp2_reads_two_chunks holds the use."""
+    """FSDP2's _chunk_with_empty made lazy for the fake run (_RankChunks). The real twin runs torch's own.
+
+    The W = 2 and 4 tests against real ranks hold the two equal. The canary
+    test_canary_fsdp2_reads_two_chunks holds the use.
+    """
     from torch.distributed.fsdp._fully_shard import _fsdp_param
 
     with mock.patch.object(_fsdp_param, "_chunk_with_empty", _RankChunks):
@@ -225,8 +260,11 @@ def fsdp_units(model: nn.Module) -> list[int]:
 
 
 def fsdp2_shard_bytes(shapes_and_widths: list[tuple[tuple[int, ...], int]], world_size: int) -> int:
-    """The closed form of one rank's FSDP2 shards: each tensor is chunked on dim 0 into W pieces of
-    ceil(dim0 / W) rows (the last ones padded: FSDPParam._init_sharded_param)."""
+    """The closed form of one rank's FSDP2 shards.
+
+    Each tensor is chunked on dim 0 into W pieces of ceil(dim0 / W) rows. The last ones are padded
+    (FSDPParam._init_sharded_param).
+    """
     total = 0
     for shape, width in shapes_and_widths:
         rows = math.ceil(shape[0] / world_size) if shape else 1

@@ -1,12 +1,16 @@
-"""One rank's share of a data-parallel step: what the sharded dry run (ledger.sharded, ledger.ddp_dryrun,
-ledger.fsdp2) and its measured twin on real ranks (ledger.realranks) both count.
+"""One rank's share of a data-parallel step.
 
-- ShardedLedger: a StepLedger of one rank at world size W, and what sharding added.
-- Strategy names: the ones traced, the state-only ones, the ones not modelled.
-- Local shards: a DTensor's untyped_storage() is its global size, so state and live bytes are read from
-  `_local_tensor`; storages FSDP resizes outside any operator (UntypedStorage.resize_, its unsharded
-  parameters) are followed (canary in tests/test_sharded.py); DDP's bucket buffers are live from the start.
-- FakeRun: the dry run's fake copy of model, batch and optimizers, optionally wrapped (fully_shard).
+The sharded dry run (ledger.sharded, ledger.ddp_dryrun, ledger.fsdp2) counts it. So does its measured
+twin on real ranks (ledger.realranks). Both use:
+
+    ShardedLedger    a StepLedger of one rank at world size W, and what sharding added
+    strategy names   the ones traced, the state-only ones, the ones not modelled
+    local shards     a DTensor's untyped_storage() is its global size, so state and live bytes are
+                     read from `_local_tensor`. Storages FSDP resizes outside any operator
+                     (UntypedStorage.resize_, its unsharded parameters) are followed (canary in
+                     tests/test_sharded.py). DDP's bucket buffers are live from the start.
+    FakeRun          the dry run's fake copy of model, batch and optimizers, optionally wrapped
+                     (fully_shard)
 
 Pure torch: no Lightning import.
 """
@@ -30,6 +34,19 @@ from lmledger.ledger.ddp import Bucket
 from lmledger.ledger.dryrun import NotTraced, OptimizerSpec, StepLedger
 from lmledger.ledger.memtrack import MemoryTracker
 
+__all__ = [
+    "NOT_MODELLED",
+    "STATE_ONLY",
+    "TRACED",
+    "FakeRun",
+    "ShardedLedger",
+    "local_state_bytes",
+    "made_optimizers",
+    "sharded_ledger",
+    "sharded_tracking",
+    "strategy_name",
+]
+
 TRACED = ("ddp", "fsdp2")
 STATE_ONLY = ("zero1", "zero2", "zero3", "fsdp", "deepspeed_stage_1", "deepspeed_stage_2", "deepspeed_stage_3")
 NOT_MODELLED = {
@@ -44,12 +61,14 @@ NOT_MODELLED = {
 class ShardedLedger(StepLedger):
     """A StepLedger of one rank at `world_size`, and what sharding added.
 
-    buckets        DDP's steady-state buckets (ledger.ddp.Bucket), empty otherwise
-    comm_buffers   DDP: the bucket buffers; FSDP2: the largest unit's all-gather output plus its
-                   reduce-scatter input (both W padded shards long), sized from the FSDP state (the
-                   peak counts the buffers themselves as they are allocated)
-    peak_checked   False where the peak is the single-device step's with the sharded state swapped in
-                   (DeepSpeed, FSDP1): not yet held to a measurement
+    Fields beyond StepLedger's:
+
+        buckets        DDP's steady-state buckets (ledger.ddp.Bucket), empty otherwise
+        comm_buffers   DDP: the bucket buffers. FSDP2: the largest unit's all-gather output plus its
+                       reduce-scatter input (both W padded shards long), sized from the FSDP state.
+                       (The peak counts the buffers themselves as they are allocated.)
+        peak_checked   False where the peak is the single-device step's with the sharded state
+                       swapped in (DeepSpeed, FSDP1): not yet held to a measurement
     """
 
     strategy: str = "ddp"
@@ -60,7 +79,7 @@ class ShardedLedger(StepLedger):
 
 
 def sharded_ledger(result: StepLedger, strategy: str, world_size: int, *, state=None, **extra) -> ShardedLedger:
-    """`result` as a ShardedLedger, with `state` (params/grads/optimizer bytes) replacing its own if given."""
+    """`result` as a ShardedLedger. `state` (params/grads/optimizer bytes), if given, replaces its own."""
     fields = {f.name: getattr(result, f.name) for f in dataclasses.fields(StepLedger)}
     if state:
         fields.update(state)
@@ -68,8 +87,10 @@ def sharded_ledger(result: StepLedger, strategy: str, world_size: int, *, state=
 
 
 def strategy_name(strategy: str) -> str | NotTraced:
-    """The sharded dry run's name for a strategy ("ddp", "fsdp2" or one of STATE_ONLY), NotTraced for one it
-    does not model; an unknown name is a UserError."""
+    """The sharded dry run's name for a strategy: "ddp", "fsdp2" or one of STATE_ONLY.
+
+    NotTraced for one it does not model. An unknown name is a UserError.
+    """
     name = str(strategy).lower().removesuffix("strategy").strip("_")
     for key, what in NOT_MODELLED.items():
         if name.startswith(key):
@@ -89,22 +110,25 @@ def strategy_name(strategy: str) -> str | NotTraced:
 # --------------------------------------------------------------------------------------------
 
 
-def local(t: object) -> object:
+def _local(t: object) -> object:
     """A DTensor's local shard (what this rank allocates); anything else as it is."""
     shard = getattr(t, "_local_tensor", None)
     return shard if isinstance(t, torch.Tensor) and isinstance(shard, torch.Tensor) else t
 
 
 def local_state_bytes(model: nn.Module, optimizer: object) -> dict[str, int]:
-    """measure_state_bytes on each rank's own shards: params, their .grad and optimizer state (`optimizer`:
-    one, None, or a list under manual optimization), local storages once each (0-dim `step` counters left out)."""
-    params = [local(p) for p in model.parameters()]
-    grads = [local(p.grad) for p in model.parameters() if p.grad is not None]
+    """measure_state_bytes on each rank's own shards: params, their .grad and optimizer state.
+
+    `optimizer` is one, None, or a list under manual optimization. Local storages count once each.
+    0-dim `step` counters are left out.
+    """
+    params = [_local(p) for p in model.parameters()]
+    grads = [_local(p.grad) for p in model.parameters() if p.grad is not None]
     optimizers = optimizer if isinstance(optimizer, (list, tuple)) else [optimizer]
     states = []
     for opt in (o for o in optimizers if o is not None):
         for per_param in opt.state.values():
-            states += [local(v) for v in per_param.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
+            states += [_local(v) for v in per_param.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
     return {"params": _unique(params), "grads": _unique(grads), "optimizer": _unique(states)}
 
 
@@ -117,8 +141,11 @@ def _unique(tensors: list) -> int:
 
 
 class _ShardedTracker(MemoryTracker):
-    """MemoryTracker on local shards, with `extra` storages live from the start (DDP's buckets) and
-    UntypedStorage.resize_ followed while it runs (FSDP2 allocates and frees unsharded parameters so)."""
+    """MemoryTracker on local shards.
+
+    Its `extra` storages (DDP's buckets) are live from the start. It follows UntypedStorage.resize_
+    while it runs: FSDP2 allocates and frees unsharded parameters so.
+    """
 
     extra: tuple[torch.Tensor, ...] = ()
     active: list[_ShardedTracker] = []
@@ -128,19 +155,19 @@ class _ShardedTracker(MemoryTracker):
         for obj in _optimizers_spread(objects):
             if isinstance(obj, nn.Module):
                 for p in obj.parameters():
-                    tensors.append(local(p))
+                    tensors.append(_local(p))
                     if p.grad is not None:
-                        tensors.append(local(p.grad))
+                        tensors.append(_local(p.grad))
                 tensors += list(obj.buffers())
             elif isinstance(obj, torch.optim.Optimizer):
                 for state in obj.state.values():
-                    tensors += [local(v) for v in state.values() if isinstance(v, torch.Tensor)]
+                    tensors += [_local(v) for v in state.values() if isinstance(v, torch.Tensor)]
             else:
-                tensors.append(tree_map(local, obj))
+                tensors.append(tree_map(_local, obj))
         return super().track(tensors, list(self.extra))
 
     def _after_op(self, out, inputs):
-        super()._after_op(tree_map(local, out), tree_map(local, inputs))
+        super()._after_op(tree_map(_local, out), tree_map(_local, inputs))
 
     def start(self):
         super().start()
@@ -159,8 +186,10 @@ class _ShardedTracker(MemoryTracker):
 
 
 def _optimizers_spread(objects: tuple) -> list:
-    """`objects` with a list of optimizers (manual optimization's) spread out: each is read by its local shards,
-    where a list would be read as plain tensors (a DTensor's global size)."""
+    """`objects` with a list of optimizers (manual optimization's) spread out.
+
+    Each is then read by its local shards. A list would be read as plain tensors, at a DTensor's global size.
+    """
     out: list = []
     for obj in objects:
         listed = isinstance(obj, (list, tuple)) and obj and all(isinstance(o, torch.optim.Optimizer) for o in obj)
@@ -180,8 +209,10 @@ def _resize_seen(storage: torch.UntypedStorage, size: int):
 
 @contextmanager
 def sharded_tracking(extra: tuple[torch.Tensor, ...] = ()) -> Iterator[None]:
-    """Make the dry run's (and measure's) MemoryTracker a _ShardedTracker with `extra` storages: the automatic
-    step's (dryrun) and the manual one's (manualopt)."""
+    """Make the dry run's (and measure's) MemoryTracker a _ShardedTracker with `extra` storages.
+
+    It patches both the automatic step's tracker (dryrun) and the manual one's (manualopt).
+    """
     tracker_type = type("_Tracker", (_ShardedTracker,), {"extra": extra})
     with (
         mock.patch.object(dryrun, "MemoryTracker", tracker_type),
@@ -197,10 +228,14 @@ def sharded_tracking(extra: tuple[torch.Tensor, ...] = ()) -> Iterator[None]:
 
 
 class FakeRun:
-    """The dry run's fake copy of the model, batch and optimizer (fakecopy.fake_copy and friends); `wrap(model)`,
-    if given, runs on the fake copy before its optimizer is made (fully_shard, as configure_model does: the
-    optimizer then sees the DTensor parameters). `ledger()` is dryrun's step on them: `accumulate` micro-batches
-    per optimizer step, or, with `manual`, the module's own training step (`optimizer` may be a list)."""
+    """The dry run's fake copy of the model, batch and optimizer (fakecopy.fake_copy and friends).
+
+    `wrap(model)`, if given, runs on the fake copy before its optimizer is made. Example: fully_shard, as
+    configure_model does. The optimizer then sees the DTensor parameters.
+
+    `ledger()` is dryrun's step on them: `accumulate` micro-batches per optimizer step. With `manual`, it
+    is the module's own training step (`optimizer` may be a list).
+    """
 
     def __init__(self, module, batch, step, optimizer, precision, device, wrap=None, manual=False) -> None:
         self.error: NotTraced | None = None
@@ -222,7 +257,7 @@ class FakeRun:
             with self.mode:
                 if wrap is not None:
                     wrap(self.model)
-                made = [optimizer_factory(o, module) if wrap is not None else o for o in configured]
+                made = [_optimizer_factory(o, module) if wrap is not None else o for o in configured]
                 self.optimizers = [fakecopy.fake_optimizer(o, self.model, memo, self.target) for o in made]
         except UserError:
             raise
@@ -234,7 +269,7 @@ class FakeRun:
         return self.optimizers[0]
 
     def ledger(self, step=None, accumulate: int = 1) -> StepLedger | NotTraced:
-        """The dry run's step on the fake copy (`step` in place of the run's own, if given)."""
+        """The dry run's step on the fake copy. `step`, if given, replaces the run's own."""
         step = step or self.step
         try:
             with self.mode, torch.compiler.set_stance("force_eager"), fakecopy.RealOutputStorages():
@@ -255,9 +290,11 @@ class FakeRun:
         return dataclasses.replace(result, **self.state)
 
 
-def optimizer_factory(optimizer: OptimizerSpec, module: nn.Module) -> OptimizerSpec:
-    """An optimizer over the real module becomes a factory making the same kind over the sharded
-    parameters (its first group's hyperparameters; per-group settings follow by position)."""
+def _optimizer_factory(optimizer: OptimizerSpec, module: nn.Module) -> OptimizerSpec:
+    """An optimizer over the real module becomes a factory: the same kind over the sharded parameters.
+
+    It takes its first group's hyperparameters. Per-group settings follow by position.
+    """
     if not isinstance(optimizer, torch.optim.Optimizer):
         return optimizer
     real_params = list(module.parameters())
@@ -273,7 +310,7 @@ def optimizer_factory(optimizer: OptimizerSpec, module: nn.Module) -> OptimizerS
 
 
 def made_optimizers(optimizer: object, module: nn.Module, params: list[nn.Parameter]) -> list:
-    """The run's optimizers over `params` (a copy's): `optimizer` one spec, None, or a list (manual)."""
+    """The run's optimizers over `params` (a copy's). `optimizer` is one spec, None, or a list (manual)."""
     specs = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
-    made = [optimizer_factory(spec, module) for spec in specs]
+    made = [_optimizer_factory(spec, module) for spec in specs]
     return [spec(params) if spec is not None else None for spec in made]
