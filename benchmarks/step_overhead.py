@@ -69,6 +69,20 @@ def tokens_per_sec(ends: list[float], tokens_per_step: int, skip: int) -> float:
 
 def bare_loop(config: dict, data: str, steps: int, explain: bool = False) -> tuple[list[float], object]:
     """nanoGPT's train.py loop on the config's ToyLM: forward, backward, clip, step, zero_grad, LR by hand."""
+    step, ends = bare_stepper(config, data, steps)
+    for _ in range(steps):
+        step()
+        ends.append(time.perf_counter())
+    breakdown = None
+    if explain:
+        from lmledger.ledger.profile import profile_step
+
+        breakdown = profile_step(step, torch.device("cpu"))
+    return ends, breakdown
+
+
+def bare_stepper(config: dict, data: str, steps: int):
+    """The bare loop's step function, and the list of step ends its LR schedule counts."""
     from lmledger.data import TokenDataModule
     from lmledger.lit import warmup_cosine
     from lmledger.model import ModelConfig, ToyLM
@@ -106,15 +120,49 @@ def bare_loop(config: dict, data: str, steps: int, explain: bool = False) -> tup
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    for _ in range(steps):
-        step()
-        ends.append(time.perf_counter())
-    breakdown = None
-    if explain:
-        from lmledger.ledger.profile import profile_step
+    return step, ends
 
-        breakdown = profile_step(step, torch.device("cpu"))
-    return ends, breakdown
+
+class Paired(L.Callback):
+    """Blocks of `block` fit batches, each followed by `block` bare-loop steps in the same process.
+
+    Each pair is timed a few seconds apart, so machine drift (±5% between 100-step stretches of one
+    arm on this shared CPU) falls on both alike. A fit block's clock pauses over validation."""
+
+    step = None  # the bare loop's step function (set by paired())
+    block, skip = 20, 10
+    ratios: list[float] = []  # per pair: bare seconds / fit seconds = fit tokens/s / bare tokens/s
+
+    def __init__(self) -> None:
+        Paired.ratios = []
+        self._batches, self._start, self._paused, self._paused_at = 0, None, 0.0, None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self._batches += 1
+        if self._batches < Paired.skip or (self._batches - Paired.skip) % Paired.block:
+            return
+        if self._start is not None:
+            fit_s = time.perf_counter() - self._start - self._paused
+            began = time.perf_counter()
+            for _ in range(Paired.block):
+                Paired.step()
+            Paired.ratios.append((time.perf_counter() - began) / fit_s)
+        self._start, self._paused = time.perf_counter(), 0.0
+
+    def on_validation_start(self, trainer, pl_module) -> None:
+        self._paused_at = time.perf_counter()
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if self._paused_at is not None:
+            self._paused += time.perf_counter() - self._paused_at
+            self._paused_at = None
+
+
+def paired(config: dict, config_path: str, data: str, steps: int, scratch: Path) -> list[float]:
+    """One fit of `steps` batches with Paired: the fit / bare tokens/s ratio of each block pair."""
+    Paired.step, _ = bare_stepper(config, data, steps)
+    lmledger_fit(config_path, data, steps, scratch, extra=["--trainer.callbacks+=__main__.Paired"])
+    return list(Paired.ratios)
 
 
 @contextlib.contextmanager
@@ -147,7 +195,9 @@ def profiling_share(ends: list[float], ledger) -> float:
     return excess / (ends[-1] - ends[0])
 
 
-def lmledger_fit(config_path: str, data: str, steps: int, scratch: Path, time_ledger: bool = True):
+def lmledger_fit(
+    config_path: str, data: str, steps: int, scratch: Path, time_ledger: bool = True, extra: list[str] = ()
+):
     """`lmledger fit --config CONFIG` for `steps` steps with StepClock; the ledger's time ledger (its
     profiled steps) on or off (`--ledger.time`)."""
     from lmledger.cli import main as lmledger
@@ -156,7 +206,7 @@ def lmledger_fit(config_path: str, data: str, steps: int, scratch: Path, time_le
         "fit", "--config", config_path, "--data.path", data, "--trainer.max_steps", str(steps),
         "--trainer.enable_progress_bar", "false", "--trainer.logger.init_args.save_dir", str(scratch / "runs"),
         "--trainer.default_root_dir", str(scratch), "--trainer.callbacks+=__main__.StepClock",
-        "--ledger.time", "true" if time_ledger else "false",
+        "--ledger.time", "true" if time_ledger else "false", *extra,
     ]  # fmt: skip
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -191,6 +241,10 @@ def main() -> None:
         "--time-ledger", action="store_true",
         help="a third arm: the fit without the time ledger (--ledger.time false), for the profiler's share of a fit",
     )  # fmt: skip
+    parser.add_argument(
+        "--paired", action="store_true",
+        help="one fit with 20 bare-loop steps after every 20 fit batches, timed as pairs (drift-proof)",
+    )  # fmt: skip
     args = parser.parse_args()
     if args.quick:
         args.rounds, args.steps, args.skip, args.explain = 1, 20, 5, True
@@ -202,6 +256,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         scratch = Path(tmp)
         data = prepared(args.data or config.get("data", {}).get("path", "data/stdlib"), scratch)
+        if args.paired:
+            ratios = paired(config, args.config, data, args.steps, scratch / "paired")
+            q = statistics.quantiles(ratios, n=4)
+            print(
+                f"lmledger fit / bare loop tokens/s, paired blocks of {Paired.block} steps in one {args.steps}-step "
+                f"fit: median {statistics.median(ratios):.3f} (quartiles {q[0]:.3f}-{q[2]:.3f}, {len(ratios)} pairs; "
+                f"goal >= 0.98); torch threads {torch.get_num_threads()}"
+            )
+            return
         arms = ("bare", "fit", "fit-no-time") if args.time_ledger else ("bare", "fit")
         rates: dict[str, list[float]] = {arm: [] for arm in arms}
         shares: list[float] = []  # the profiled steps' share of each fit arm's time (--time-ledger)
