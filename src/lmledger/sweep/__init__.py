@@ -12,7 +12,7 @@ Each module imports only the ones before it, in this order:
 
 from lmledger.sweep.check import CheckedPoints, bad_points_error, check_points
 from lmledger.sweep.collect import DEFAULT_METRICS, PointResult, account_metrics, flatten, json_path, read_tensorboard
-from lmledger.sweep.report import markdown_table, write_results
+from lmledger.sweep.report import results_markdown, write_results
 from lmledger.sweep.runner import (
     SweepPlan,
     check_out_dir,
@@ -45,7 +45,7 @@ __all__ = [
     "flatten",
     "json_path",
     "load_experiment",
-    "markdown_table",
+    "results_markdown",
     "plan_sweep",
     "read_tensorboard",
     "resumable",

@@ -10,11 +10,12 @@ import io
 from pathlib import Path
 
 from lmledger.atomic import atomic_write
+from lmledger.ledger.report import markdown_table
 from lmledger.ledger.units import MB
 from lmledger.sweep.collect import PointResult, metric_columns
 from lmledger.sweep.spec import Experiment, short_key, slug_value
 
-__all__ = ["markdown_table", "write_results"]
+__all__ = ["results_markdown", "write_results"]
 
 
 def _table_columns(experiment: Experiment, results: list[PointResult]) -> list[str]:
@@ -42,7 +43,7 @@ def write_results(experiment: Experiment, results: list[PointResult], out_dir: P
     for row in rows:
         writer.writerow({k: "" if v is None else v for k, v in row.items()})
     atomic_write(out_dir / "results.csv", buffer.getvalue())
-    atomic_write(out_dir / "results.md", markdown_table(experiment, columns, rows))
+    atomic_write(out_dir / "results.md", results_markdown(experiment, columns, rows))
     from lmledger.sweep.plots import draw_plots  # matplotlib loads only when there is something to draw
 
     return draw_plots(experiment, results, out_dir)
@@ -66,7 +67,7 @@ def _format_cell(column: str, value) -> str:
     return f"{value:,}"
 
 
-def markdown_table(experiment: Experiment, columns: list[str], rows: list[dict]) -> str:
+def results_markdown(experiment: Experiment, columns: list[str], rows: list[dict]) -> str:
     """The results' non-empty columns, human-formatted.
 
     Memory is in MB (1e6 bytes). Each prediction shares a "predicted / measured" cell with its twin."""
@@ -97,7 +98,6 @@ def markdown_table(experiment: Experiment, columns: list[str], rows: list[dict])
     lines = [f"# sweep {experiment.name}", ""]
     if experiment.description:
         lines += [experiment.description, ""]
-    lines += ["| " + " | ".join(h for h, _, _ in cells) + " |", "|" + "|".join("---" for _ in cells) + "|"]
-    for row in rows:
-        lines.append("| " + " | ".join(render(row, column, twin) for _, column, twin in cells) + " |")
-    return "\n".join(lines) + "\n"
+    header = [h for h, _, _ in cells]
+    table = markdown_table(header, [[render(row, column, twin) for _, column, twin in cells] for row in rows])
+    return "\n".join([*lines, table]) + "\n"
