@@ -1,4 +1,4 @@
-"""The precision registry (ledger.precisions) held against what Lightning's plugins and torch do: each row's
+"""The precision registry (ledger.precision_table) held against what Lightning's plugins and torch do: each row's
 names, bytes per element, autocast, conversion, GradScaler and LitLM's fused rule, and the activation widths,
 measured on a tiny model stepped as the plugin runs it."""
 
@@ -15,30 +15,30 @@ from test_precision import transformer_engine  # noqa: F401 (the stand-in Transf
 from torch import nn
 
 from lmledger.errors import ConfigError
-from lmledger.ledger import precisions
+from lmledger.ledger import precision_table
 from lmledger.ledger.gpus import dtype_name
 from lmledger.lit import LitLM
 from lmledger.model import ModelConfig
 from lmledger.precision import trainer_precision_kwargs
 
 TINY = ModelConfig(vocab_size=64, context_length=16, d_model=16, n_layers=1, n_heads=2, d_ff=32)
-TORCH_RUNS = [row for row in precisions.ROWS.values() if not row.transformer_engine]
+TORCH_RUNS = [row for row in precision_table.ROWS.values() if not row.transformer_engine]
 
 
 def test_the_registry_has_lightnings_precision_names_and_aliases():
-    assert set(precisions.PRECISIONS) == set(get_args(lightning_precision._PRECISION_INPUT_STR))
-    assert precisions.ALIASES == lightning_precision._PRECISION_INPUT_STR_ALIAS_CONVERSION
-    for alias, name in precisions.ALIASES.items():
-        assert precisions.precision(alias) is precisions.precision(name)
-    assert precisions.precision(32).name == "32-true"  # Lightning's int flags
+    assert set(precision_table.PRECISIONS) == set(get_args(lightning_precision._PRECISION_INPUT_STR))
+    assert precision_table.ALIASES == lightning_precision._PRECISION_INPUT_STR_ALIAS_CONVERSION
+    for alias, name in precision_table.ALIASES.items():
+        assert precision_table.precision(alias) is precision_table.precision(name)
+    assert precision_table.precision(32).name == "32-true"  # Lightning's int flags
 
 
 def test_an_unknown_precision_is_one_line_listing_the_valid_names():
     with pytest.raises(ConfigError) as raised:
-        precisions.precision("8-true")
+        precision_table.precision("8-true")
     message = str(raised.value)
     assert "\n" not in message and message.startswith("unknown precision '8-true'")
-    assert all(name in message for name in (*precisions.PRECISIONS, *precisions.ALIASES))
+    assert all(name in message for name in (*precision_table.PRECISIONS, *precision_table.ALIASES))
 
 
 def _trainer(name: str) -> L.Trainer:
@@ -91,7 +91,7 @@ def test_litlm_picks_the_fused_optimizer_the_row_says(row):
 @pytest.mark.parametrize("name", ["transformer-engine", "transformer-engine-float16"])
 def test_transformer_engine_rows_match_lightnings_plugin(transformer_engine, name):  # noqa: F811
     # The fp8 matmuls (compute_dtype) need an fp8 GPU; on CPU the weights, the layer swap and the scaler are checked.
-    row = precisions.precision(name)
+    row = precision_table.precision(name)
     (plugin,) = trainer_precision_kwargs(name, "gpu")["plugins"]
     assert plugin.precision == name and plugin.weights_dtype == row.convert_dtype
     assert (getattr(plugin, "scaler", None) is not None) == row.grad_scaler

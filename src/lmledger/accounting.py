@@ -239,11 +239,11 @@ def _module_step_fn(module, batch: object, precision: str):
     import copy
     from contextlib import nullcontext
 
-    from lmledger.ledger import precisions
+    from lmledger.ledger import precision_table
     from lmledger.ledger.fakecopy import map_tensors
     from lmledger.ledger.predict import configured_optimizer, module_step
 
-    row = precisions.precision(precision)
+    row = precision_table.precision(precision)
     real = copy.deepcopy(module)
     if row.convert_dtype is not None:
         real.to(row.convert_dtype)

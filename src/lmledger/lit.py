@@ -247,7 +247,7 @@ class LitLM(L.LightningModule):
 
     def _fused_optimizer(self) -> bool:
         # The live plugin decides: a DeepSpeed or custom plugin may differ from its name. For Lightning's
-        # own plugins this is ledger.precisions' Row.fused_optimizer (tests/test_precisions.py).
+        # own plugins this is ledger.precision_table' Row.fused_optimizer (tests/test_precisions.py).
         return getattr(self.trainer.precision_plugin, "scaler", None) is None
 
     def on_train_start(self) -> None:

@@ -1,6 +1,6 @@
 """Precision names -> what the Trainer gets, the checks that run before it is built, and fp8.
 
-Precisions (Lightning's names; what each keeps and runs in is in lmledger.ledger.precisions):
+Precisions (Lightning's names; what each keeps and runs in is in lmledger.ledger.precision_table):
 
     32-true              fp32 weights, grads, AdamW state and matmuls
     bf16-mixed           fp32 weights and state, matmuls in bf16 under torch.autocast
@@ -29,7 +29,7 @@ from lightning_utilities.core.imports import RequirementCache
 from torch import nn
 
 from lmledger.errors import UserError
-from lmledger.ledger.precisions import ROWS, normalize_precision
+from lmledger.ledger.precision_table import ROWS, normalize_precision
 
 __all__ = [
     "TiedTransformerEnginePrecision",

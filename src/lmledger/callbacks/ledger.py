@@ -65,7 +65,7 @@ from lmledger.callbacks.settings import LedgerSettings
 from lmledger.callbacks.throughput import compile_speedup, resolve_peak
 from lmledger.callbacks.timing import TimeLedger
 from lmledger.errors import UserError
-from lmledger.ledger import moe, precisions, sharded
+from lmledger.ledger import moe, precision_table, sharded
 from lmledger.ledger.dryrun import NotTraced, StepLedger, largest_batch
 from lmledger.ledger.fakecopy import batch_tensors
 from lmledger.ledger.gpus import Peak
@@ -199,7 +199,7 @@ class Ledger(pl.Callback):
         if self.run is not None:
             predicted["closed form"] = toy.closed_form(self.run, self._dry, self._accumulate)
             notes.append("closed form: the lecture's formulas (its peak plus the buffers and the batch)")
-        if precisions.precision(str(trainer.precision)).autocast is not None:
+        if precision_table.precision(str(trainer.precision)).autocast is not None:
             notes.append("autocast_weight_copies: autocast's low-precision weight casts, in neither params nor "
                          "activations; in the peak")  # fmt: skip
         self.report = Report(predicted, notes=notes)

@@ -24,7 +24,7 @@ from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelP
 
 from lmledger import lightning_private
 from lmledger.errors import UserError
-from lmledger.ledger.precisions import PRECISIONS
+from lmledger.ledger.precision_table import PRECISIONS
 from lmledger.ledger.run import Run, sharding
 from lmledger.model import ToyLM
 

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from lmledger.errors import UserError
-from lmledger.ledger import precisions
+from lmledger.ledger import precision_table
 from lmledger.ledger.memory import storage_key
 from lmledger.model import ModelConfig
 
@@ -69,9 +69,9 @@ class Widths:
 
 def activation_widths(precision: str | int) -> Widths:
     """The precision's activation widths; refused where none are modelled."""
-    row = precisions.precision(precision)
+    row = precision_table.precision(precision)
     if row.activation_bytes is None:
-        modelled = [r.name for r in precisions.ROWS.values() if r.activation_bytes is not None]
+        modelled = [r.name for r in precision_table.ROWS.values() if r.activation_bytes is not None]
         raise UserError(f"activation bytes are modelled for {', '.join(modelled)}, not {row.name}")
     compute, residual = row.activation_bytes
     return Widths(compute=compute, residual=residual, autocast=row.autocast is not None)

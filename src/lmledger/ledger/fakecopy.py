@@ -39,7 +39,7 @@ from torch.optim.optimizer import _get_foreach_kernels_supported_devices
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lmledger.errors import UserError
-from lmledger.ledger import precisions
+from lmledger.ledger import precision_table
 
 if TYPE_CHECKING:
     from lmledger.ledger.dryrun import OptimizerSpec
@@ -62,12 +62,12 @@ __all__ = [
 def precision_dtypes(precision: str | int) -> tuple[torch.dtype | None, torch.dtype | None]:
     """(dtype the module and its floating inputs are converted to, autocast dtype) of a precision.
 
-    That is how Lightning's plugins run the precision (ledger.precisions). The loss scaling 16-mixed adds on
+    That is how Lightning's plugins run the precision (ledger.precision_table). The loss scaling 16-mixed adds on
     CUDA is a few scalars, not modelled. Transformer Engine's layer swap is not run.
     """
-    row = precisions.precision(precision)
+    row = precision_table.precision(precision)
     if row.transformer_engine:
-        covered = [r.name for r in precisions.ROWS.values() if not r.transformer_engine]
+        covered = [r.name for r in precision_table.ROWS.values() if not r.transformer_engine]
         raise UserError(f"the dry run covers {', '.join(covered)}, not {row.name}: use one of those")
     return row.convert_dtype, row.autocast_dtype
 

@@ -9,7 +9,7 @@ The memory ledger is three modules, each predicted figure beside its measured tw
                                                     measure_peak_cuda(step_fn)              (CUDA allocator)
 
 State, per rank before sharding. Each parameter, its gradient and each optimizer state tensor take
-bytes per element from the precision's row in ledger.precisions. Optimizer states per parameter:
+bytes per element from the precision's row in ledger.precision_table. Optimizer states per parameter:
 "AdamW" 2; "SGD" 1 momentum buffer, 0 if momentum == 0; "none" 0. So 32-true AdamW is
 4 + 4 + 2 * 4 = 16 per parameter. Under *-mixed, the low-precision weight copies autocast makes are
 transient (ledger.activations). Transformer Engine keeps weights in its plugin's weights_dtype. For an
@@ -60,7 +60,7 @@ import torch
 from torch import nn
 
 from lmledger.errors import UserError
-from lmledger.ledger import precisions
+from lmledger.ledger import precision_table
 from lmledger.ledger.units import STATE_COMPONENTS
 from lmledger.model import ModelConfig
 
@@ -104,7 +104,7 @@ def _state_widths(precision: str | int, weights_dtype: torch.dtype | None) -> di
 
     A Transformer Engine plugin's weights_dtype sets all three.
     """
-    row = precisions.precision(precision)
+    row = precision_table.precision(precision)
     if weights_dtype is None:
         return {"params": row.param_bytes, "grads": row.grad_bytes, "optimizer": row.state_bytes}
     if not row.transformer_engine:
@@ -192,10 +192,10 @@ def _deepspeed_terms(precision: str | int, states: int, stage: int) -> dict[str,
 
     They are (on every rank, divided over the ranks, of the largest layer).
     """
-    row = precisions.precision(precision)
+    row = precision_table.precision(precision)
     w = row.deepspeed_model_bytes
     if w is None:
-        runs = [r.name for r in precisions.ROWS.values() if r.deepspeed_model_bytes is not None]
+        runs = [r.name for r in precision_table.ROWS.values() if r.deepspeed_model_bytes is not None]
         raise UserError(f"DeepSpeed runs precisions {', '.join(runs)}, not {row.name}: choose one of them")
     grad_cast = FP32_MASTER if w < FP32_MASTER else 0  # fp32 copy of this rank's gradient partition
     master = FP32_MASTER if stage < 3 or w < FP32_MASTER else 0  # stage 3 reuses fp32 params as master
@@ -224,7 +224,7 @@ def model_precision(precision: str | int, strategy: str = "ddp") -> str:
     writes an "fp16" / "bf16" section, and DeepSpeedPrecision adds no autocast. So its activations
     are those of the *-true counterpart.
     """
-    name = precisions.normalize_precision(precision)
+    name = precision_table.normalize_precision(precision)
     if strategy in DEEPSPEED_STAGES and name.endswith("-mixed"):
         return name.replace("-mixed", "-true")
     return name

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from lmledger.errors import UserError
-from lmledger.ledger import precisions
+from lmledger.ledger import precision_table
 from lmledger.ledger.activations import (
     FP32,
     ActivationReport,
@@ -124,7 +124,7 @@ def peak_bytes(
         one_state = largest_tensor = FP32_MASTER * math.ceil(n / world_size)
     else:
         one_state = opt // max(optimizer_states(optimizer, momentum), 1)
-        largest_tensor = largest_layer_params(cfg) * precisions.precision(precision).state_bytes
+        largest_tensor = largest_layer_params(cfg) * precision_table.precision(precision).state_bytes
     step_temporaries = _optimizer_step_temporaries(optimizer, one_state, largest_tensor, kind, fused, foreach)
     candidates["optimizer step"] = resident + grads + step_temporaries
 

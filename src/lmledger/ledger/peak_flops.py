@@ -19,7 +19,7 @@ import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from lmledger.ledger import precisions
+from lmledger.ledger import precision_table
 from lmledger.ledger.cpu import cpu_peak
 from lmledger.ledger.gpus import Peak, datasheet_peak, dtype_name, find_gpu
 from lmledger.ledger.matmul import best_matmul_rate, unsupported_reason
@@ -40,11 +40,11 @@ class NoPeak:
 
 
 def compute_dtype_for_precision(precision: str | int) -> str:
-    """The dtype a precision's matmuls run in: MFU uses its peak (ledger.precisions).
+    """The dtype a precision's matmuls run in: MFU uses its peak (ledger.precision_table).
 
     `peak_flops` turns "fp32" into tf32 on Ampere+, unless float32 matmul precision is "highest".
     """
-    return precisions.precision(precision).compute_dtype
+    return precision_table.precision(precision).compute_dtype
 
 
 def peak_flops(

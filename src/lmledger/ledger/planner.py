@@ -54,7 +54,7 @@ def bytes_per_param(precision: str = "32-true", optimizer: str = "adamw") -> flo
     """Bytes each parameter costs in training on one GPU: the param, its grad and the optimizer state.
 
     The conventions are lmledger.ledger.memory's: one rule for the planner and the running ledger.
-    Bytes per element come from ledger.precisions. AdamW: 32-true and *-mixed 4 + 4 + 2 * 4 = 16,
+    Bytes per element come from ledger.precision_table. AdamW: 32-true and *-mixed 4 + 4 + 2 * 4 = 16,
     *-true 8, 64-true 32.
 
     Mixed (torch autocast): params, grads and AdamW m, v stay fp32. Autocast's bf16/fp16 weight

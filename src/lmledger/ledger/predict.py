@@ -27,7 +27,7 @@ from lmledger.ledger import activations as ledger_activations
 from lmledger.ledger import flops as ledger_flops
 from lmledger.ledger import memory as ledger_memory
 from lmledger.ledger import peak as ledger_peak
-from lmledger.ledger import precisions
+from lmledger.ledger import precision_table
 from lmledger.ledger.dryrun import (
     LargestBatch,
     NotTraced,
@@ -121,7 +121,7 @@ def predict(run: Run, batch: object = None, *, batch_size: int | None = None) ->
 
 # Precisions `measure` runs, as Lightning's plugins do (autocast, or the module converted).
 # They are those whose activations the closed forms model.
-_MEASURABLE = tuple(row.name for row in precisions.ROWS.values() if row.activation_bytes is not None)
+_MEASURABLE = tuple(row.name for row in precision_table.ROWS.values() if row.activation_bytes is not None)
 
 
 @dataclass(frozen=True)
@@ -154,7 +154,7 @@ def measure(run: Run) -> Measurement:
     if run.world_size > 1 or run.strategy != "ddp":
         raise UserError("--measure runs one process; measure a sharded or multi-device config with `lmledger fit`")
     torch.manual_seed(0)
-    row = precisions.precision(run.precision)
+    row = precision_table.precision(run.precision)
     model = ToyLM(run.config).to(run.device)
     if row.convert_dtype is not None:
         model = model.to(row.convert_dtype)
@@ -212,7 +212,7 @@ def _dry_prediction(run: Run, batch: object, batch_size: int | None) -> Predicti
     if batch_size is not None:
         batch = resized(batch, batch_size)
     result = _predict_module(run.module, batch, precision=run.precision, device=run.device)
-    forward_precision = precisions.normalize_precision(run.precision)
+    forward_precision = precision_table.normalize_precision(run.precision)
     if isinstance(result, NotTraced):
         return Prediction(None, None, None, None, None, None, None, None, None, forward_precision, result.reason)
     return Prediction(

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from lmledger.ledger import precisions
+from lmledger.ledger import precision_table
 from lmledger.model import ModelConfig
 
 __all__ = ["Run", "sharding"]
@@ -69,7 +69,7 @@ class Run:
 
 def _fused_by_default(precision: str) -> bool:
     """LitLM's choice (lmledger.lit): fused optimizer kernels, except under fp16's GradScaler."""
-    return precisions.precision(precision).fused_optimizer
+    return precision_table.precision(precision).fused_optimizer
 
 
 # Lightning 2.6.6's DeepSpeedStrategy(stage=2) default: the registry's plain "deepspeed" is ZeRO-2
