@@ -40,18 +40,12 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 
 
-class StepClock(L.Callback):
-    """perf_counter at each training batch's end, with validation paused out (a fit callback)."""
-
-    ends: list[float] = []  # class-level: the CLI builds its own instance, the script reads it here
+class ValidationPaused(L.Callback):
+    """A fit callback whose clock stops over validation: `self._paused` is the seconds spent there."""
 
     def __init__(self) -> None:
-        StepClock.ends = []
         self._paused_at: float | None = None
         self._paused = 0.0
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        StepClock.ends.append(time.perf_counter() - self._paused)
 
     def on_validation_start(self, trainer, pl_module) -> None:
         self._paused_at = time.perf_counter()
@@ -60,6 +54,19 @@ class StepClock(L.Callback):
         if self._paused_at is not None:
             self._paused += time.perf_counter() - self._paused_at
             self._paused_at = None
+
+
+class StepClock(ValidationPaused):
+    """perf_counter at each training batch's end, with validation paused out."""
+
+    ends: list[float] = []  # class-level: the CLI builds its own instance, the script reads it here
+
+    def __init__(self) -> None:
+        super().__init__()
+        StepClock.ends = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        StepClock.ends.append(time.perf_counter() - self._paused)
 
 
 def tokens_per_sec(ends: list[float], tokens_per_step: int, skip: int) -> float:
@@ -123,7 +130,7 @@ def bare_stepper(config: dict, data: str, steps: int):
     return step, ends
 
 
-class Paired(L.Callback):
+class Paired(ValidationPaused):
     """Blocks of `block` fit batches, each followed by `block` bare-loop steps in the same process.
 
     Each pair is timed a few seconds apart, so machine drift (±5% between 100-step stretches of one
@@ -134,8 +141,9 @@ class Paired(L.Callback):
     ratios: list[float] = []  # per pair: bare seconds / fit seconds = fit tokens/s / bare tokens/s
 
     def __init__(self) -> None:
+        super().__init__()
         Paired.ratios = []
-        self._batches, self._start, self._paused, self._paused_at = 0, None, 0.0, None
+        self._batches, self._start = 0, None
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self._batches += 1
@@ -148,14 +156,6 @@ class Paired(L.Callback):
                 Paired.step()
             Paired.ratios.append((time.perf_counter() - began) / fit_s)
         self._start, self._paused = time.perf_counter(), 0.0
-
-    def on_validation_start(self, trainer, pl_module) -> None:
-        self._paused_at = time.perf_counter()
-
-    def on_validation_end(self, trainer, pl_module) -> None:
-        if self._paused_at is not None:
-            self._paused += time.perf_counter() - self._paused_at
-            self._paused_at = None
 
 
 def paired(config: dict, config_path: str, data: str, steps: int, scratch: Path) -> list[float]:
@@ -258,6 +258,8 @@ def main() -> None:
         data = prepared(args.data or config.get("data", {}).get("path", "data/stdlib"), scratch)
         if args.paired:
             ratios = paired(config, args.config, data, args.steps, scratch / "paired")
+            if len(ratios) < 2:
+                raise SystemExit(f"--paired needs at least 2 pairs of {Paired.block} steps: raise --steps")
             q = statistics.quantiles(ratios, n=4)
             print(
                 f"lmledger fit / bare loop tokens/s, paired blocks of {Paired.block} steps in one {args.steps}-step "
