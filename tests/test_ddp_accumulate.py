@@ -16,15 +16,15 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import pytest
-import torch
+from rank_toy import adamw as _adamw
+from rank_toy import batch as _batch
+from rank_toy import model as _model
 
 from lmledger.ledger.ddp import DDPSettings
 from lmledger.ledger.dryrun import NotTraced
 from lmledger.ledger.realranks import measure_sharded, run_ranks
 from lmledger.ledger.sharded import predict_sharded
-from lmledger.model import ModelConfig, ToyLM
 
-CFG = ModelConfig(vocab_size=256, context_length=32, d_model=64, n_layers=2, n_heads=2, d_ff=128)
 VIEW = {"copies": DDPSettings(), "bucket view": DDPSettings(gradient_as_bucket_view=True)}
 SETTINGS = {
     **VIEW,
@@ -36,20 +36,6 @@ SETTINGS = {
 CASES = [(k, view) for k in (2, 4) for view in VIEW] + [(2, name) for name in SETTINGS if "0.1 MiB" in name]
 MANUAL = [(step, view) for step in ("manual", "manual, half under no_sync") for view in VIEW]
 ALL = CASES + MANUAL
-
-
-def _batch() -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(0)
-    return torch.randint(0, 256, (4, 32), generator=g), torch.randint(0, 256, (4, 32), generator=g)
-
-
-def _adamw(params):
-    return torch.optim.AdamW(params, lr=1e-3)
-
-
-def _model() -> ToyLM:
-    torch.manual_seed(0)
-    return ToyLM(CFG)
 
 
 def _manual_step(model, batch):

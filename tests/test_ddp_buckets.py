@@ -5,32 +5,19 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from rank_toy import adamw as _adamw
+from rank_toy import batch as _batch
+from rank_toy import model as _model
 
 from lmledger.ledger.ddp import DEFAULT_FIRST_BUCKET_BYTES, MIB, DDPSettings, assign_buckets, rebuilt_buckets
 from lmledger.ledger.realranks import measure_sharded, run_ranks
 from lmledger.ledger.sharded import predict_sharded
-from lmledger.model import ModelConfig, ToyLM
 
-CFG = ModelConfig(vocab_size=256, context_length=32, d_model=64, n_layers=2, n_heads=2, d_ff=128)
 SETTINGS = {
     "default": DDPSettings(),
     "bucket view": DDPSettings(gradient_as_bucket_view=True),
     "0.05 MiB buckets": DDPSettings(bucket_cap_mb=0.05),
 }
-
-
-def _batch() -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(0)
-    return torch.randint(0, 256, (4, 32), generator=g), torch.randint(0, 256, (4, 32), generator=g)
-
-
-def _adamw(params):
-    return torch.optim.AdamW(params, lr=1e-3)
-
-
-def _model() -> ToyLM:
-    torch.manual_seed(0)
-    return ToyLM(CFG)
 
 
 def test_canary_torch_ddp_bucket_defaults():

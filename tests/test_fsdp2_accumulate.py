@@ -21,33 +21,20 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
+from rank_toy import adamw as _adamw
+from rank_toy import batch as _batch
+from rank_toy import model as _model
 
 from lmledger.ledger.dryrun import NotTraced
 from lmledger.ledger.realranks import measure_sharded, run_ranks
 from lmledger.ledger.sharded import FSDPSettings, predict_sharded
-from lmledger.model import ModelConfig, ToyLM
 
 HERE = Path(__file__).resolve()
-CFG = ModelConfig(vocab_size=256, context_length=32, d_model=64, n_layers=2, n_heads=2, d_ff=128)
 PEAK_TOLERANCE = 0.03
 # (accumulate or a manual step, reshard_after_forward)
 CASES = [(k, reshard) for k in (2, 4) for reshard in (True, False)]
 MANUAL = [("manual", True), ("manual", False), ("manual, first backward unsynced", True)]
 ALL = CASES + MANUAL
-
-
-def _batch() -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(0)
-    return torch.randint(0, 256, (4, 32), generator=g), torch.randint(0, 256, (4, 32), generator=g)
-
-
-def _adamw(params):
-    return torch.optim.AdamW(params, lr=1e-3)
-
-
-def _model() -> ToyLM:
-    torch.manual_seed(0)
-    return ToyLM(CFG)
 
 
 def _manual_step(model, batch):
