@@ -206,13 +206,11 @@ class StepMeasurement:
         DTensors count by their local shard. The storages FSDP2 resizes outside any operator (its
         unsharded parameters) are followed while it runs.
         """
-        from unittest import mock
-
-        from lmledger.ledger.sharded import _resize_seen, _ShardedTracker
+        from lmledger.ledger.rankstate import ShardedTracker, following_resizes
 
         self._resizes = contextlib.ExitStack()
-        self._resizes.enter_context(mock.patch.object(torch.UntypedStorage, "resize_", _resize_seen))
-        return _ShardedTracker()
+        self._resizes.enter_context(following_resizes())
+        return ShardedTracker()
 
     def _stop_following_resizes(self) -> None:
         if self._resizes is not None:

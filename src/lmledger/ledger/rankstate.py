@@ -35,6 +35,8 @@ from lmledger.ledger.dryrun import NotTraced, OptimizerSpec, StepLedger
 from lmledger.ledger.memtrack import MemoryTracker
 
 __all__ = [
+    "ShardedTracker",
+    "following_resizes",
     "NOT_MODELLED",
     "STATE_ONLY",
     "TRACED",
@@ -140,7 +142,7 @@ def _unique(tensors: list) -> int:
     return sum(seen.values())
 
 
-class _ShardedTracker(MemoryTracker):
+class ShardedTracker(MemoryTracker):
     """MemoryTracker on local shards.
 
     Its `extra` storages (DDP's buckets) are live from the start. It follows UntypedStorage.resize_
@@ -148,7 +150,7 @@ class _ShardedTracker(MemoryTracker):
     """
 
     extra: tuple[torch.Tensor, ...] = ()
-    active: list[_ShardedTracker] = []
+    active: list[ShardedTracker] = []
 
     def track(self, *objects):
         tensors: list[torch.Tensor] = []
@@ -171,12 +173,12 @@ class _ShardedTracker(MemoryTracker):
 
     def start(self):
         super().start()
-        _ShardedTracker.active.append(self)
+        ShardedTracker.active.append(self)
         return self
 
     def stop(self):
-        if self in _ShardedTracker.active:
-            _ShardedTracker.active.remove(self)
+        if self in ShardedTracker.active:
+            ShardedTracker.active.remove(self)
         super().stop()
 
     def resized(self, storage: torch.UntypedStorage) -> None:
@@ -202,22 +204,27 @@ _ORIGINAL_RESIZE = torch.UntypedStorage.resize_
 
 def _resize_seen(storage: torch.UntypedStorage, size: int):
     out = _ORIGINAL_RESIZE(storage, size)
-    for tracker in _ShardedTracker.active:
+    for tracker in ShardedTracker.active:
         tracker.resized(storage)
     return out
 
 
+def following_resizes():
+    """While it is open, ShardedTrackers see UntypedStorage.resize_ (FSDP2's unsharded parameters)."""
+    return mock.patch.object(torch.UntypedStorage, "resize_", _resize_seen)
+
+
 @contextmanager
 def sharded_tracking(extra: tuple[torch.Tensor, ...] = ()) -> Iterator[None]:
-    """Make the dry run's (and measure's) MemoryTracker a _ShardedTracker with `extra` storages.
+    """Make the dry run's (and measure's) MemoryTracker a ShardedTracker with `extra` storages.
 
     It patches both the automatic step's tracker (dryrun) and the manual one's (manualopt).
     """
-    tracker_type = type("_Tracker", (_ShardedTracker,), {"extra": extra})
+    tracker_type = type("_Tracker", (ShardedTracker,), {"extra": extra})
     with (
         mock.patch.object(dryrun, "MemoryTracker", tracker_type),
         mock.patch.object(manualopt, "MemoryTracker", tracker_type),
-        mock.patch.object(torch.UntypedStorage, "resize_", _resize_seen),
+        following_resizes(),
     ):
         yield
 

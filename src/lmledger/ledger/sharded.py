@@ -50,8 +50,6 @@ from lmledger.ledger.rankstate import (  # noqa: F401
     STATE_ONLY,
     TRACED,
     ShardedLedger,
-    _resize_seen,  # callbacks.measure follows FSDP2's storage resizes with these two
-    _ShardedTracker,
     local_state_bytes,
     sharded_ledger,
     strategy_name,
