@@ -5,9 +5,12 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 DATA   := data/stdlib
 
-.PHONY: setup demo test lint prepare tensorboard clean
+.PHONY: setup setup-dev demo test lint prepare tensorboard clean
 
+# setup: what the demo needs (the runtime); setup-dev adds the test and lint tools (pytest, ruff, transformers,
+# a DeepSpeed sdist build), which only `make test` and `make lint` use.
 setup: $(VENV)/.installed
+setup-dev: $(VENV)/.installed-dev
 
 # CPU-only machines take torch 2.13.0 (a CPU build; installed first, it satisfies the project's
 # torch range, so pip never pulls a multi-GB CUDA build). Machines with an NVIDIA driver get the
@@ -19,6 +22,10 @@ $(VENV)/.installed: pyproject.toml
 	else \
 		$(BIN)/pip install --quiet torch==2.13.0; \
 	fi
+	$(BIN)/pip install --quiet -e .
+	@touch $@
+
+$(VENV)/.installed-dev: $(VENV)/.installed
 	$(BIN)/pip install --quiet -e '.[dev]'
 	@touch $@
 
@@ -30,10 +37,10 @@ prepare: $(DATA)/meta.json
 demo: setup $(DATA)/meta.json
 	$(BIN)/lmledger fit --config configs/tiny.yaml
 
-test: setup
+test: setup-dev
 	$(BIN)/python -m pytest -q
 
-lint: setup
+lint: setup-dev
 	$(BIN)/ruff check src tests benchmarks examples
 	$(BIN)/ruff format --check src tests benchmarks examples
 
