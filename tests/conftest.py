@@ -128,10 +128,15 @@ os.environ.setdefault("PYTHONWARNINGS", ",".join(SUBPROCESS_WARNINGS_HIDDEN))
 SLURM_TOOLS = ("munged", "slurmctld", "slurmd", "sbatch", "squeue", "scontrol", "scancel", "srun")
 
 
+SLURM_NODES = 2  # the session's cluster: two slurmd on this host (n1, n2); the one-node tests run on it too
+
+
 @pytest.fixture(scope="session")
-def slurm_cluster() -> Iterator[None]:
-    """A one-node SLURM on localhost (scripts/slurm-local.sh), up once per session and down at its end unless
-    it was already up. Skips in one line where the packages or root are missing; CI has both (.ci/run)."""
+def slurm_cluster() -> Iterator[int]:
+    """A SLURM on localhost (scripts/slurm-local.sh --nodes 2: nodes n1 and n2, each with this machine's CPUs), up
+    once per session and down at its end unless it was already up; yields its node count. A cluster of ours
+    already up with jobs queued is used as it is (a one-node one then skips the two-node tests). Skips in one
+    line where the packages or root are missing; CI has both (.ci/run)."""
     import shutil
     import subprocess
 
@@ -142,8 +147,19 @@ def slurm_cluster() -> Iterator[None]:
         pytest.skip("the local SLURM (scripts/slurm-local.sh) runs its daemons as root; this is not root")
     script = Path(__file__).resolve().parents[1] / "scripts" / "slurm-local.sh"
     was_up = subprocess.run([script, "status"], capture_output=True).returncode == 0
-    started = subprocess.run([script, "up"], capture_output=True, text=True, timeout=180)
+    started = subprocess.run([script, "up", "--nodes", str(SLURM_NODES)], capture_output=True, text=True, timeout=180)
+    if started.returncode != 0 and was_up:  # ours, busy with another session's jobs: take it as it is
+        started = subprocess.run([script, "up"], capture_output=True, text=True, timeout=180)
     assert started.returncode == 0, started.stderr
-    yield
+    status = subprocess.run([script, "status"], capture_output=True, text=True, timeout=60)
+    yield len(status.stdout.splitlines())
     if not was_up:
         subprocess.run([script, "down"], capture_output=True, timeout=120)
+
+
+@pytest.fixture(scope="session")
+def slurm_two_nodes(slurm_cluster: int) -> int:
+    """slurm_cluster with at least two nodes, else a one-line skip."""
+    if slurm_cluster < 2:
+        pytest.skip(f"the local SLURM runs {slurm_cluster} node (busy with jobs, so not restarted as two)")
+    return slurm_cluster
