@@ -17,9 +17,9 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lmledger.errors import UserError
-from lmledger.ledger import moe
+from lmledger.ledger import moe, moebounds
 from lmledger.ledger.dryrun import NotTraced, StepLedger, dry_run, measure_step
-from lmledger.ledger.flops import CPU_SDPA_FLOP_FORMULAS
+from lmledger.ledger.flops import CPU_SDPA_FLOP_FORMULAS, GROUPED_MM_FLOP_FORMULAS
 
 VOCAB = 32
 
@@ -133,7 +133,7 @@ def _mixtral_step(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) ->
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
-def _assert_random_routing_within(bounds: moe.MoEBounds, make, batch, step=None, precision="32-true") -> None:
+def _assert_random_routing_within(bounds: moebounds.MoEBounds, make, batch, step=None, precision="32-true") -> None:
     """Real steps with random routing (the routers' random initial weights) against the bounds.
 
     worst is an upper bound: no expert can get more than every token. balanced is not a lower one:
@@ -200,8 +200,8 @@ def test_plain_top_k_moe_is_bounded_by_balanced_and_worst_routing(dispatch, prec
     """bf16-mixed: each hit expert's linears keep an autocast copy of their weights for backward, a
     per-expert cost that the worst routing pays by hitting every expert."""
     batch = _batch()
-    bounds = moe.predict_moe(_plain(0, dispatch), batch, optimizer=_adamw, precision=precision)
-    assert isinstance(bounds, moe.MoEBounds), bounds
+    bounds = moebounds.predict_moe(_plain(0, dispatch), batch, optimizer=_adamw, precision=precision)
+    assert isinstance(bounds, moebounds.MoEBounds), bounds
     balanced, worst = bounds.balanced, bounds.worst
     assert bounds.routing_matters and worst.peak >= balanced.peak
     assert worst.phase_peaks["backward"] > balanced.phase_peaks["backward"]  # the experts' gradients
@@ -218,10 +218,10 @@ def test_an_expert_capacity_caps_the_worst_case():
     fills the heavy experts to it; not told, it sends every token to them and the layer drops most,
     which predicts less than balanced. Balanced routing (512 picks per expert) stays under 640."""
     batch, capacity = _batch(), 640
-    uncapped = moe.predict_moe(_plain(0, "nonzero"), batch, optimizer=_adamw)
-    capped = moe.predict_moe(_plain(0, "nonzero", capacity), batch, optimizer=_adamw, capacity=capacity)
-    untold = moe.predict_moe(_plain(0, "nonzero", capacity), batch, optimizer=_adamw)
-    assert isinstance(capped, moe.MoEBounds) and isinstance(uncapped, moe.MoEBounds), capped
+    uncapped = moebounds.predict_moe(_plain(0, "nonzero"), batch, optimizer=_adamw)
+    capped = moebounds.predict_moe(_plain(0, "nonzero", capacity), batch, optimizer=_adamw, capacity=capacity)
+    untold = moebounds.predict_moe(_plain(0, "nonzero", capacity), batch, optimizer=_adamw)
+    assert isinstance(capped, moebounds.MoEBounds) and isinstance(uncapped, moebounds.MoEBounds), capped
     _same_step(capped.balanced, uncapped.balanced)
     backward = [bounds.phase_peaks["backward"] for bounds in (capped.balanced, capped.worst, uncapped.worst)]
     assert backward[0] < backward[1] < backward[2]  # the experts' gradients
@@ -234,28 +234,28 @@ def test_an_expert_capacity_caps_the_worst_case():
     for seed in range(2):
         assert measure_step(_plain(seed, "nonzero", capacity), batch, optimizer=_adamw).peak <= capped.worst.peak
     with pytest.raises(UserError, match="capacity must be a positive number"):
-        moe.predict_moe(_plain(0, "nonzero"), batch, capacity=0)
+        moebounds.predict_moe(_plain(0, "nonzero"), batch, capacity=0)
 
 
 def test_without_an_assumption_the_dry_run_names_the_routing_and_the_fix():
     result = dry_run(_plain(0, "nonzero"), _batch(), optimizer=_adamw)
-    assert isinstance(result, NotTraced) and moe.routing_dependent(result)
+    assert isinstance(result, NotTraced) and moebounds.routing_dependent(result)
     assert "routing='balanced' and 'worst'" in result.reason
     assert "at tests/test_moe.py:" in result.reason  # the model's line, not the ledger's
     with pytest.raises(UserError, match="routing must be one of balanced, worst"):
         dry_run(_plain(0, "nonzero"), _batch(), routing="random")
-    # moe.predict: the bounds where routing decides shapes, the plain ledger where nothing routes
-    bounds = moe.predict(_plain(0, "nonzero"), _batch(), optimizer=_adamw)
-    assert isinstance(bounds, moe.MoEBounds)
+    # moebounds.predict: the bounds where routing decides shapes, the plain ledger where nothing routes
+    bounds = moebounds.predict(_plain(0, "nonzero"), _batch(), optimizer=_adamw)
+    assert isinstance(bounds, moebounds.MoEBounds)
     _same_step(bounds.worst, dry_run(_plain(0, "nonzero"), _batch(), optimizer=_adamw, routing="worst"))
-    dense = moe.predict(nn.Linear(8, 8), torch.randn(4, 8), step=lambda m, b: m(b).square().mean())
+    dense = moebounds.predict(nn.Linear(8, 8), torch.randn(4, 8), step=lambda m, b: m(b).square().mean())
     assert isinstance(dense, StepLedger) and dense.params == 8 * 8 * 4 + 8 * 4
 
 
 def test_mixtral_eager_experts_are_bounded_by_balanced_and_worst_routing():
     batch = _batch()
-    bounds = moe.predict_moe(_mixtral(0, "eager"), batch, step=_mixtral_step, optimizer=_adamw)
-    assert isinstance(bounds, moe.MoEBounds), bounds
+    bounds = moebounds.predict_moe(_mixtral(0, "eager"), batch, step=_mixtral_step, optimizer=_adamw)
+    assert isinstance(bounds, moebounds.MoEBounds), bounds
     assert bounds.routing_matters and bounds.worst.peak > bounds.balanced.peak
     _assert_random_routing_within(bounds, lambda seed: _mixtral(seed, "eager"), batch, step=_mixtral_step)
     for routing, predicted in (("balanced", bounds.balanced), ("worst", bounds.worst)):
@@ -280,8 +280,8 @@ def test_other_hugging_face_moe_families_match_their_forced_routings(family):
         return getattr(transformers, f"{family}ForCausalLM")(config)
 
     batch = _batch(rows=2)
-    bounds = moe.predict(build(), batch, step=_mixtral_step, optimizer=_adamw)
-    assert isinstance(bounds, moe.MoEBounds), bounds
+    bounds = moebounds.predict(build(), batch, step=_mixtral_step, optimizer=_adamw)
+    assert isinstance(bounds, moebounds.MoEBounds), bounds
     for routing, predicted in (("balanced", bounds.balanced), ("worst", bounds.worst)):
         with ForcedRouting(routing):
             forced = measure_step(build(), batch, step=_mixtral_step, optimizer=_adamw)
@@ -298,8 +298,8 @@ def test_activation_checkpointing_recomputes_the_assumed_routing():
         model.activation_checkpointing_enable({"use_reentrant": False})
         return model
 
-    bounds = moe.predict_moe(checkpointed(0), batch, step=_mixtral_step, optimizer=_adamw)
-    assert isinstance(bounds, moe.MoEBounds), bounds
+    bounds = moebounds.predict_moe(checkpointed(0), batch, step=_mixtral_step, optimizer=_adamw)
+    assert isinstance(bounds, moebounds.MoEBounds), bounds
     for routing, predicted in (("balanced", bounds.balanced), ("worst", bounds.worst)):
         with ForcedRouting(routing):
             forced = measure_step(checkpointed(0), batch, step=_mixtral_step, optimizer=_adamw)
@@ -315,8 +315,8 @@ def test_mixtral_grouped_mm_dry_runs_exactly_whatever_the_routing():
     batch = _batch(rows=2)
     model = _mixtral(0, None)
     assert model.config._experts_implementation == "grouped_mm"
-    bounds = moe.predict_moe(model, batch, step=_mixtral_step, optimizer=_adamw)
-    assert isinstance(bounds, moe.MoEBounds), bounds
+    bounds = moebounds.predict_moe(model, batch, step=_mixtral_step, optimizer=_adamw)
+    assert isinstance(bounds, moebounds.MoEBounds), bounds
     assert not bounds.routing_matters
     _same_step(bounds.balanced, measure_step(_mixtral(1, None), batch, step=_mixtral_step, optimizer=_adamw))
 
@@ -331,7 +331,7 @@ def test_grouped_mm_flop_formula_counts_what_the_eager_experts_count():
     for implementation in ("eager", "grouped_mm"):
         model = _mixtral(0, implementation, intermediate=64)
         counter = FlopCounterMode(
-            display=False, custom_mapping={**CPU_SDPA_FLOP_FORMULAS, **moe.GROUPED_MM_FLOP_FORMULAS}
+            display=False, custom_mapping={**CPU_SDPA_FLOP_FORMULAS, **GROUPED_MM_FLOP_FORMULAS}
         )
         with counter:
             model(input_ids=inputs[:2, :16], use_cache=False).logits.float().square().mean().backward()
@@ -355,9 +355,9 @@ class _DataDependent(nn.Module):
 @pytest.mark.parametrize("routing", [None, "balanced"])
 def test_a_data_dependent_shape_that_is_not_routing_stays_not_traced(routing):
     result = dry_run(_DataDependent(), torch.randn(4, 8), routing=routing)
-    assert isinstance(result, NotTraced) and not moe.routing_dependent(result)
+    assert isinstance(result, NotTraced) and not moebounds.routing_dependent(result)
     assert "output shape depends on tensor values" in result.reason and "at tests/test_moe.py:" in result.reason
-    assert moe.predict(_DataDependent(), torch.randn(4, 8)) == result  # the same line, no bounds
+    assert moebounds.predict(_DataDependent(), torch.randn(4, 8)) == result  # the same line, no bounds
 
     def item_in_step(model, batch):
         loss = model(batch).square().mean()

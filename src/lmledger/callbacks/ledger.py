@@ -65,7 +65,7 @@ from lmledger.callbacks.settings import LedgerSettings
 from lmledger.callbacks.throughput import compile_speedup, resolve_peak
 from lmledger.callbacks.timing import TimeLedger
 from lmledger.errors import UserError
-from lmledger.ledger import moe, precision_table, sharded
+from lmledger.ledger import moebounds, precision_table, sharded
 from lmledger.ledger.dryrun import NotTraced, StepLedger, largest_batch
 from lmledger.ledger.fakecopy import batch_tensors
 from lmledger.ledger.gpus import Peak
@@ -171,7 +171,7 @@ class Ledger(pl.Callback):
         self.samples = self.run.batch_size if self.run is not None else samples_per_batch(batch)
         dry = dry_run_training_step(trainer, pl_module, batch, batch_idx, self._accumulate, self._unsharded)
         worst = None
-        if isinstance(dry, moe.MoEBounds):  # top-k routing decides shapes: two stated assumptions
+        if isinstance(dry, moebounds.MoEBounds):  # top-k routing decides shapes: two stated assumptions
             dry, worst = dry.balanced, dry.worst
         predicted: dict[str, Figures] = {}
         notes = [f"per device; {self.tokens} tokens per batch" if self.tokens is not None

@@ -21,7 +21,7 @@ from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, ModelPa
 from lmledger.callbacks import fsdp2
 from lmledger.callbacks.run import torch_optimizers, untouched_rng
 from lmledger.errors import UserError
-from lmledger.ledger import moe, sharded
+from lmledger.ledger import moebounds, sharded
 from lmledger.ledger.ddp import DDPSettings
 from lmledger.ledger.dryrun import NotTraced, StepLedger
 from lmledger.ledger.fakecopy import batch_tensors
@@ -96,7 +96,7 @@ def toy_batch(run: Run, size: int | None = None) -> tuple[torch.Tensor, torch.Te
 def dry_run_training_step(
     trainer: pl.Trainer, pl_module: pl.LightningModule, batch: object, batch_idx: int, accumulate: int = 1,
     unsharded: torch.nn.Module | None = None,
-) -> StepLedger | moe.MoEBounds | NotTraced:  # fmt: skip
+) -> StepLedger | moebounds.MoEBounds | NotTraced:  # fmt: skip
     """The dry run of `pl_module.training_step` on `batch`, or why there is none.
 
     It uses the trainer's optimizer, precision and accumulation. Where top-k routing decides a shape, it
@@ -117,7 +117,7 @@ def dry_run_training_step(
             if replicated_ranks(trainer) > 1:  # DDP: one rank's step with its gradient buckets (ledger.ddp_dryrun)
                 arguments = ddp_arguments(trainer, pl_module, batch_idx, accumulate)
                 return sharded.predict_sharded(pl_module, batch, **arguments)
-            return moe.predict(
+            return moebounds.predict(
                 pl_module, batch, step=lightning_step(batch_idx, trainer),
                 optimizer=optimizers if manual else (optimizers[0] if optimizers else None),
                 precision=str(trainer.precision), device=pl_module.device, share=(trainer,),

@@ -30,10 +30,8 @@ import: the step is a plain callable `step(model, batch) -> loss`.
 
 from __future__ import annotations
 
-import gc
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import AbstractContextManager, contextmanager, nullcontext
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 from torch import nn
@@ -58,7 +56,17 @@ from lmledger.ledger.fakecopy import (
 from lmledger.ledger.flops import flop_counter
 from lmledger.ledger.memory import measure_state_bytes, unique_storage_bytes
 from lmledger.ledger.memtrack import MemoryTracker
-from lmledger.ledger.ops import OpRecorder, OpSummary
+from lmledger.ledger.ops import OpRecorder
+from lmledger.ledger.steptypes import (
+    PHASES,
+    LargestBatch,
+    NotTraced,
+    OptimizerSpec,
+    StepFn,
+    StepLedger,
+    no_cyclic_gc,
+    phases,
+)
 
 __all__ = [
     "PHASES",
@@ -78,59 +86,6 @@ __all__ = [
     "phases",
     "why",
 ]
-
-StepFn = Callable[[nn.Module, object], torch.Tensor]
-OptimizerSpec = torch.optim.Optimizer | Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None
-
-PHASES = ("forward", "backward", "optimizer step")
-# Under gradient accumulation (k micro-batches per optimizer step) the phases are the micro-batches: the
-# first (the previous step's grads alive through its forward, freed by zero_grad before its backward), the
-# later ones (grads alive and accumulating throughout), and the optimizer step.
-_ACCUMULATION_PHASES = ("first micro-batch", "later micro-batches", "optimizer step")
-
-
-def phases(accumulate: int = 1) -> tuple[str, ...]:
-    """The phase names a step of `accumulate` micro-batches is tracked in (dry run and live alike)."""
-    return PHASES if accumulate == 1 else _ACCUMULATION_PHASES
-
-
-@dataclass(frozen=True)
-class StepLedger:
-    """Bytes and FLOPs of one steady-state training (optimizer) step, dry or measured.
-
-    `phase_peaks` holds the high-water mark of live tensor bytes per phase. The phases are "forward",
-    "backward" and "optimizer step". Backward includes zero_grad: it only frees. Under accumulation the
-    phases are `phases(k)`. `peak` is the largest, reached in `peak_phase`. Everything live before the step
-    counts: params, grads, optimizer state, buffers and the batch. FLOPs cover every micro-batch of the
-    step. `activations` is what one micro-batch saves.
-    """
-
-    params: int
-    grads: int
-    optimizer: int
-    buffers: int
-    batch: int
-    activations: int
-    autocast_weight_copies: int
-    peak: int
-    peak_phase: str
-    phase_peaks: dict[str, int]
-    flops_forward: int
-    flops_backward: int
-    flops_by_op: dict[str, int] = field(default_factory=dict)
-    ops: OpSummary | None = None  # step 1's ops: FLOPs, bytes, category (ledger/ops.py; the roofline reads it)
-
-    @property
-    def flops(self) -> int:
-        """Hardware FLOPs of the step (forward + backward, recompute included)."""
-        return self.flops_forward + self.flops_backward
-
-
-@dataclass(frozen=True)
-class NotTraced:
-    """The dry run could not run the model on fake tensors; `reason` is one line saying why."""
-
-    reason: str
 
 
 def dry_run(
@@ -164,7 +119,7 @@ def dry_run(
                     forward and backward on a batch of `batch`'s shapes, its loss divided by `accumulate`
                     as Lightning divides it; zero_grad after the first one's forward
         routing     None, "balanced", "worst" or moe.Assumption("worst", capacity): the mixture-of-experts
-                    routing assumed where top-k routing decides a shape (ledger.moe; moe.predict_moe
+                    routing assumed where top-k routing decides a shape (ledger.moe; moebounds.predict_moe
                     runs both; None: such a shape gives a NotTraced line that names them)
         manual      Lightning's manual optimization: `step` is the module's whole training_step, which runs
                     its own backward and optimizer steps (`optimizer` may then be a list); the calls it makes
@@ -207,19 +162,6 @@ def dry_run(
         raise
     except Exception as err:
         return NotTraced(f"the step does not run on fake tensors: {why(err)}")
-
-
-@dataclass(frozen=True)
-class LargestBatch:
-    """The largest batch size whose dry-run peak fits.
-
-    `fits` is its ledger: None when size is 0 (not even one sample fits). `over` is the ledger of
-    size + 1: None when the search hit `limit`.
-    """
-
-    size: int
-    fits: StepLedger | None
-    over: StepLedger | None
 
 
 def largest_batch(
@@ -378,23 +320,6 @@ def ledger_of_step(
         flops_by_op=by_op,
         ops=recorder.summary(),
     )
-
-
-@contextmanager
-def no_cyclic_gc() -> Iterator[None]:
-    """Python's cycle collector off for the tracked step.
-
-    A step can leave tensors in reference cycles. FlopCounterMode's module hooks made such cycles in step 1.
-    With the collector off, those tensors are freed at the same point in every run. Otherwise they go
-    wherever a collection happens to fall. The peak is then the one without its help.
-    """
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def _backward(

@@ -22,7 +22,6 @@ import sys
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
 from unittest import mock
 
 import numpy as np
@@ -40,9 +39,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from lmledger.errors import UserError
 from lmledger.ledger import precision_table
-
-if TYPE_CHECKING:
-    from lmledger.ledger.dryrun import OptimizerSpec
+from lmledger.ledger.steptypes import OptimizerSpec
 
 __all__ = [
     "PlaceholderScalars",

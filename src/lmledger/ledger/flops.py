@@ -32,7 +32,7 @@ causal_attention=True, its SDPA count covers only the unmasked entries.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from unittest import mock
@@ -44,12 +44,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 from lmledger.errors import UserError
-from lmledger.ledger.moe import GROUPED_MM_FLOP_FORMULAS
 from lmledger.model import ModelConfig, ToyLM, count_parameters
 
 __all__ = [
     "COMPONENTS",
     "CPU_SDPA_FLOP_FORMULAS",
+    "GROUPED_MM_FLOP_FORMULAS",
     "MFU_CONVENTIONS",
     "FlopReport",
     "MeasuredFlops",
@@ -338,6 +338,27 @@ _CAUSAL_CPU_SDPA_FLOP_FORMULAS = {
     aten._scaled_dot_product_flash_attention_for_cpu: _causal_flash_attention_flop,
     aten._scaled_dot_product_flash_attention_for_cpu_backward: _causal_flash_attention_backward_flop,
 }
+
+
+def _grouped_mm_flop(a_shape, b_shape, offs_shape=None, *args, out_shape=None, **kwargs) -> int:
+    """2 · rows · contraction · columns over all groups.
+
+    Each row (2D × 3D) or contraction slice (2D × 2D, the weight gradient) meets one group's matrix.
+    Exact when the offsets cover every row, as in transformers' grouped_mm experts. The kernel skips
+    rows past the last offset.
+    """
+    if len(a_shape) == 2 and len(b_shape) == 3:
+        return 2 * a_shape[0] * a_shape[1] * b_shape[2]
+    if len(a_shape) == 2 and len(b_shape) == 2:
+        return 2 * a_shape[0] * a_shape[1] * b_shape[1]
+    if len(a_shape) == 3 and len(b_shape) == 2:
+        return 2 * a_shape[1] * a_shape[2] * b_shape[1]
+    return 2 * a_shape[0] * a_shape[1] * a_shape[2] * b_shape[2]
+
+
+# FlopCounterMode has no formula for _grouped_mm: it counts 0. ledger.flops.flop_counter's mapping
+# takes this one (torch/utils/flop_counter.py, custom_mapping).
+GROUPED_MM_FLOP_FORMULAS: dict[object, Callable[..., int]] = {aten._grouped_mm: _grouped_mm_flop}
 
 
 def flop_counter(causal_attention: bool = False) -> FlopCounterMode:

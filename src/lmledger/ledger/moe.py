@@ -54,13 +54,11 @@ from __future__ import annotations
 
 import math
 import weakref
-from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import torch
-from torch import nn
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
     DynamicOutputShapeException,
@@ -72,22 +70,10 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from lmledger.errors import UserError
 
-if TYPE_CHECKING:  # dryrun imports this module
-    from lmledger.ledger.dryrun import NotTraced, StepLedger
-
-__all__ = [
-    "GROUPED_MM_FLOP_FORMULAS",
-    "Assumption",
-    "MoEBounds",
-    "RoutingAssumption",
-    "predict",
-    "predict_moe",
-    "routing_dependent",
-    "routing_indices",
-]
+__all__ = ["ROUTINGS", "ROUTING_REASON", "Assumption", "RoutingAssumption", "routing_indices"]
 
 _Routing = Literal["balanced", "worst"]
-_ROUTINGS: tuple[str, ...] = ("balanced", "worst")
+ROUTINGS: tuple[str, ...] = ("balanced", "worst")
 
 aten = torch.ops.aten
 
@@ -98,7 +84,7 @@ aten = torch.ops.aten
 _VALUE_LIMIT = 1 << 24
 
 # What NotTraced says when top-k routing decided a shape and no assumption was given.
-_ROUTING_REASON = "expert shapes depend on top-k routing (mixture of experts)"
+ROUTING_REASON = "expert shapes depend on top-k routing (mixture of experts)"
 
 _DATA_DEPENDENT = (DynamicOutputShapeException, DataDependentOutputException)
 _ROUTERS = frozenset({aten.topk.default, aten.argmax.default, aten.max.dim})
@@ -132,8 +118,8 @@ class Assumption:
     capacity: int | None = None
 
     def __post_init__(self) -> None:
-        if self.routing not in _ROUTINGS:
-            raise UserError(f"routing must be one of {', '.join(_ROUTINGS)}, got {self.routing!r}")
+        if self.routing not in ROUTINGS:
+            raise UserError(f"routing must be one of {', '.join(ROUTINGS)}, got {self.routing!r}")
         if self.capacity is not None and not (isinstance(self.capacity, int) and self.capacity >= 1):
             raise UserError(f"an expert capacity must be a positive number of tokens, got {self.capacity!r}")
 
@@ -208,7 +194,7 @@ class RoutingAssumption(TorchDispatchMode):
         super().__init__()
         self.routing = Assumption(routing) if isinstance(routing, str) else routing
         if self.routing is not None and not isinstance(self.routing, Assumption):
-            raise UserError(f"routing must be one of {', '.join(_ROUTINGS)}, an Assumption or None, got {routing!r}")
+            raise UserError(f"routing must be one of {', '.join(ROUTINGS)}, an Assumption or None, got {routing!r}")
         self.answered = 0
         self.routed = 0  # topk / argmax calls given values
         self._values: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
@@ -263,7 +249,7 @@ class RoutingAssumption(TorchDispatchMode):
         except _DATA_DEPENDENT as err:
             if self.routing is None:
                 raise _RoutingDependentShape(
-                    f"{_ROUTING_REASON}: predict with routing='balanced' and 'worst' (ledger.moe.predict_moe)"
+                    f"{ROUTING_REASON}: predict with routing='balanced' and 'worst' (ledger.moe.predict_moe)"
                 ) from err
             with unset_fake_temporarily():
                 real = func(*real_args, **real_kwargs)
@@ -340,98 +326,3 @@ class RoutingAssumption(TorchDispatchMode):
         offs = kwargs.get("offs", args[2] if len(args) > 2 else None)
         out_dtype = kwargs.get("out_dtype") or (args[4] if len(args) > 4 else None) or a.dtype
         return torch.empty(_grouped_mm_shape(a, b, offs), dtype=out_dtype, device=a.device)
-
-
-# --------------------------------------------------------------------------------------------
-# Both bounds
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class MoEBounds:
-    """The dry run under both routing assumptions: two dryrun.StepLedger.
-
-    `routing_matters` is False when they agree on every figure routing could change. Then either is
-    the prediction. That happens on a grouped GEMM path, an MoE whose temporaries never set a peak,
-    or no MoE at all.
-    """
-
-    balanced: StepLedger
-    worst: StepLedger
-    routing_matters: bool
-
-
-# The StepLedger figures a routing can change. It cannot change params, grads or optimizer state.
-_ROUTED_FIGURES = ("peak", "phase_peaks", "activations", "flops_forward", "flops_backward")
-
-
-def routing_dependent(result: object) -> bool:
-    """Whether a dry run's NotTraced says routing decided a shape; predict_moe then answers."""
-    return _ROUTING_REASON in str(getattr(result, "reason", ""))
-
-
-def predict_moe(
-    model: nn.Module, batch: object, *, capacity: int | None = None, **dry_run_kwargs: object
-) -> MoEBounds | NotTraced:
-    """The dry run of `model` under balanced and worst routing.
-
-    MoEBounds, or the NotTraced of the first that does not trace. `capacity` is the tokens an expert
-    keeps per call, for a layer that drops the rest. Without it the worst routing sends every token to
-    the heavy experts. Such a layer drops them: less than balanced. Other keywords are dry_run's
-    (step, optimizer, precision, ...).
-    """
-    from lmledger.ledger import dryrun  # dryrun imports this module
-
-    results = {}
-    for name in _ROUTINGS:
-        assumption = Assumption(name, capacity if name == "worst" else None)
-        result = dryrun.dry_run(model, batch, routing=assumption, **dry_run_kwargs)
-        if isinstance(result, dryrun.NotTraced):
-            return result
-        results[name] = result
-    balanced, worst = results["balanced"], results["worst"]
-    matters = any(getattr(balanced, name) != getattr(worst, name) for name in _ROUTED_FIGURES)
-    return MoEBounds(balanced=balanced, worst=worst, routing_matters=matters)
-
-
-def predict(
-    model: nn.Module, batch: object, *, capacity: int | None = None, **dry_run_kwargs: object
-) -> StepLedger | MoEBounds | NotTraced:
-    """The dry run of any model, MoE or not: a StepLedger, MoEBounds or NotTraced.
-
-    MoEBounds where top-k routing decides a shape. The dry run stops at the first such shape, then
-    predict_moe runs both assumptions. Callers that do not know whether the model routes call this
-    (Ledger(), account).
-    """
-    from lmledger.ledger import dryrun
-
-    result = dryrun.dry_run(model, batch, **dry_run_kwargs)
-    if routing_dependent(result):
-        return predict_moe(model, batch, capacity=capacity, **dry_run_kwargs)
-    return result
-
-
-# --------------------------------------------------------------------------------------------
-# FLOPs of the grouped GEMM
-# --------------------------------------------------------------------------------------------
-
-
-def _grouped_mm_flop(a_shape, b_shape, offs_shape=None, *args, out_shape=None, **kwargs) -> int:
-    """2 · rows · contraction · columns over all groups.
-
-    Each row (2D × 3D) or contraction slice (2D × 2D, the weight gradient) meets one group's matrix.
-    Exact when the offsets cover every row, as in transformers' grouped_mm experts. The kernel skips
-    rows past the last offset.
-    """
-    if len(a_shape) == 2 and len(b_shape) == 3:
-        return 2 * a_shape[0] * a_shape[1] * b_shape[2]
-    if len(a_shape) == 2 and len(b_shape) == 2:
-        return 2 * a_shape[0] * a_shape[1] * b_shape[1]
-    if len(a_shape) == 3 and len(b_shape) == 2:
-        return 2 * a_shape[1] * a_shape[2] * b_shape[1]
-    return 2 * a_shape[0] * a_shape[1] * a_shape[2] * b_shape[2]
-
-
-# FlopCounterMode has no formula for _grouped_mm: it counts 0. ledger.flops.flop_counter's mapping
-# takes this one (torch/utils/flop_counter.py, custom_mapping).
-GROUPED_MM_FLOP_FORMULAS: dict[object, Callable[..., int]] = {aten._grouped_mm: _grouped_mm_flop}
