@@ -273,3 +273,47 @@ def test_short_fits_leave_nothing_attached(steps):
     assert gc.isenabled() and child.measurement._tracker is None and child.measurement._counter is None
     assert child.measured.params == child.predicted.params
     assert (child.measured.peak is not None) == (steps == 2)
+
+
+def lightning_demo_transformer() -> pl.LightningModule:
+    """Lightning's own demo LM (lightning.pytorch.demos), tiny. Its forward reads a mask's value
+    (`if self.src_mask is None or ...` then masked_fill on `mask == 1`), so the dry run cannot trace it."""
+    from lightning.pytorch.demos import LightningTransformer, Transformer
+
+    class Demo(LightningTransformer):
+        def prepare_data(self) -> None:  # the demo downloads WikiText-2 here; these tests bring their batches
+            pass
+
+    torch.manual_seed(0)
+    module = Demo(vocab_size=64)
+    module.model = Transformer(vocab_size=64, ninp=16, nhead=2, nhid=16, nlayers=1, dropout=0.0)
+    return module
+
+
+@pytest.mark.parametrize("logger, steps", [("tensorboard", 3), ("tensorboard", 1), ("csv", 3), ("none", 3)])
+def test_measured_only_never_crashes_under_any_logger(logger, steps, tmp_path):
+    """Issue 28 §5: a module the dry run cannot trace, under Lightning's default TensorBoardLogger, crashed in
+    the predicted-vs-measured chart (no prediction to draw). Measured only runs under every logger."""
+    from lightning.pytorch.loggers import CSVLogger
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 64, (4 * BATCH, 8), generator=g)
+    loader = DataLoader(TensorDataset(ids, ids.roll(-1, dims=1)), batch_size=BATCH)
+    made = {"tensorboard": lambda: TensorBoardLogger(tmp_path, name="run"), "csv": lambda: CSVLogger(tmp_path),
+            "none": lambda: False}[logger]()  # fmt: skip
+    ledger = Ledger(warmup_steps=1)
+    trainer = pl.Trainer(max_steps=steps, accelerator="cpu", logger=made, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1,
+                         callbacks=[ledger])  # fmt: skip
+    trainer.fit(lightning_demo_transformer(), loader)
+    assert ledger.predicted is None and "fake tensors hold no values" in ledger.why_not_predicted
+    assert ledger.measured.params > 0 and trainer.global_step == steps
+    if logger == "tensorboard":
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        events = EventAccumulator(trainer.logger.log_dir, size_guidance={"images": 0})
+        events.Reload()
+        assert "memory/predicted_vs_measured" in events.Tags()["images"]  # the chart, measured bars only
+        assert read_scalars(trainer.logger.log_dir)["memory/measured/params"][0][1] == ledger.measured.params
+    elif logger == "csv":
+        assert "memory/measured/params" in (Path(trainer.logger.log_dir) / "metrics.csv").read_text().splitlines()[0]

@@ -197,18 +197,23 @@ def markdown_table(header: list[str], rows: list[list[str]]) -> str:
 
 def bar_chart(report: Report):
     """memory/predicted_vs_measured: each memory line's first prediction and measurement side by side (a
-    bar chart: one-off values, where a custom-scalars chart would plot isolated dots against steps)."""
+    bar chart: one-off values, where a custom-scalars chart would plot isolated dots against steps).
+    With no prediction (measured only), the measured bars alone."""
     from matplotlib.figure import Figure
 
     names = [n for n in report.lines() if not n.startswith("flops")]
-    predicted = [(report.primary.get(n) or 0) / MB for n in names]
     measured = [((report.measured.get(n) if report.measured else None) or 0) / MB for n in names]
     figure = Figure(figsize=(7, 0.6 * len(names) + 1.2), layout="constrained")
     axes = figure.add_subplot()
     ys = range(len(names))
-    height = 0.38
-    axes.barh([y - height / 2 for y in ys], predicted, height, label=next(iter(report.predicted)), color="#4c72b0")
-    axes.barh([y + height / 2 for y in ys], measured, height, label="measured", color="#dd8452")
+    primary = report.primary
+    if primary is None:  # measured only (a module the dry run cannot trace): one bar per line
+        axes.barh(list(ys), measured, 0.6, label="measured", color="#dd8452")
+    else:
+        height = 0.38
+        predicted = [(primary.get(n) or 0) / MB for n in names]
+        axes.barh([y - height / 2 for y in ys], predicted, height, label=next(iter(report.predicted)), color="#4c72b0")
+        axes.barh([y + height / 2 for y in ys], measured, height, label="measured", color="#dd8452")
     axes.set_yticks(list(ys), names)
     axes.invert_yaxis()
     axes.set_xlabel("MB per device (1 MB = 1e6 bytes)")
