@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch
 
 from conftest import TINY_OVERRIDES, run_json
-from lmledger.ledger.sharded import predict_sharded, toy_inputs
+from lmledger.ledger.atscale import toy_inputs
+from lmledger.ledger.sharded import predict_sharded
 from lmledger.run_config import load_run
 
 TINY = ["--config", "configs/tiny.yaml", *TINY_OVERRIDES, "--data.batch_size", "4"]

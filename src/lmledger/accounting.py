@@ -223,10 +223,10 @@ def _add_per_rank(result: dict, spec: Run, argv: list[str]) -> None:
 
 
 def per_rank(spec: Run, capacity_bytes: int | None = None, argv: list[str] = ()) -> dict:
-    """ledger.sharded.run_at_scale with account's case names: checkpointing off and on.
+    """ledger.atscale.run_at_scale with account's case names: checkpointing off and on.
 
     The strategy's settings come from the fit arguments `argv` (_scale_settings)."""
-    from lmledger.ledger.sharded import run_at_scale
+    from lmledger.ledger.atscale import run_at_scale
 
     return run_at_scale(spec, capacity_bytes, labels=AC_LABELS, **_scale_settings(list(argv), spec.strategy))
 
@@ -400,8 +400,8 @@ def any_model_at_scale(argv: list[str], capacity_bytes: int | None = None) -> di
     meta device, so an 8B model costs no memory. The batch is shaped like its data's first batch."""
     from lmledger.callbacks.live import samples_per_batch, tokens_per_batch
     from lmledger.fitting.cli import build_model_and_data, first_batch
+    from lmledger.ledger import atscale
     from lmledger.ledger import predict as ledger_predict
-    from lmledger.ledger import sharded
 
     world_size, strategy = trainer_scale(argv)
     with torch.device("meta"):
@@ -411,7 +411,7 @@ def any_model_at_scale(argv: list[str], capacity_bytes: int | None = None) -> di
     samples = samples_per_batch(batch)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        scale = sharded.at_scale(
+        scale = atscale.at_scale(
             module, lambda size: ledger_predict.resized(batch, size), samples, strategy=strategy, world_size=world_size,
             capacity_bytes=capacity_bytes, step=ledger_predict.module_step,
             optimizer=ledger_predict.configured_optimizer(module), precision=precision,

@@ -18,8 +18,8 @@
 
 Counted per rank, on the local shards (ledger.rankstate). The measured twin is ledger.realranks. There
 `measure_sharded` runs inside a real process group, and `run_ranks` starts W gloo processes on this CPU.
-Planning at scale is ledger.atscale: `at_scale`, `run_at_scale`, `toy_inputs`. This module is the entry
-point: callers import those modules' names from here. Pure torch: no Lightning import.
+Planning at scale is ledger.atscale (`at_scale`, `run_at_scale`, `toy_inputs`), which imports this module.
+This module is the entry point of one rank's step: callers import the DDP, FSDP2 and rank-state names from here. Pure torch: no Lightning import.
 """
 
 from __future__ import annotations
@@ -75,18 +75,9 @@ __all__ = [
     "shard_blocks",
     "sharded_ledger",
     "strategy_name",
-]  # and _AT_SCALE's, through __getattr__
+]
 
 _DEFAULT_DDP = DDPSettings()
-_AT_SCALE = ("at_scale", "run_at_scale", "toy_inputs", "run_strategy")  # ledger.atscale, which imports this module
-
-
-def __getattr__(name: str) -> object:
-    if name in _AT_SCALE:
-        from lmledger.ledger import atscale
-
-        return getattr(atscale, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def predict_sharded(
