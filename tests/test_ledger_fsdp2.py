@@ -218,6 +218,7 @@ def test_uneven_shards_predict_rank_0_which_holds_the_most(tmp_path):
 
 def test_a_tensor_parallel_mesh_is_measured_only_with_one_line(tmp_path):
     ranks = _run_plain("tensor_parallel", tmp_path)
+    assert len(ranks) == 2
     for rank in ranks:
         assert rank["predicted"] is None
         assert "tensor_parallel_size 2" in rank["why_not_predicted"]

@@ -1,5 +1,5 @@
 """ledger.run: one description of a run, the same whether built from a config (run_config) or from a live
-Lightning strategy (callbacks.run), and ledger.predict.predict, the one prediction every command shows."""
+Lightning strategy (callbacks.run), and ledger.predict.predict, the prediction `fit` and `account` show for the toy LM."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStr
 
 from lmledger.callbacks.run import _strategy_name as live_strategy
 from lmledger.callbacks.toy import closed_form
+from lmledger.errors import UserError
 from lmledger.ledger.peak import peak_bytes
 from lmledger.ledger.predict import predict
 from lmledger.ledger.run import Run
@@ -87,5 +88,5 @@ def test_predict_dry_runs_any_other_module():
     n = sum(t.numel() for t in module.parameters())
     assert (p.params, p.grads, p.optimizer) == (4 * n, 4 * n, 8 * n) and p.flops_model is None
     assert predict(Run(None, 4, 8, module=module), batch, batch_size=8).activations > p.activations
-    with pytest.raises(Exception, match="pass its batch"):
+    with pytest.raises(UserError, match="pass its batch"):
         predict(Run(None, 4, 8, module=module))

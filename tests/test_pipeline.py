@@ -1,4 +1,4 @@
-"""The one measuring pipeline: gradient accumulation predicted and measured per optimizer step, one Ledger
+"""The fit's measuring pipeline: gradient accumulation predicted and measured per optimizer step, one Ledger
 per Trainer, training untouched by the ledger, and model FLOPs (3 x forward) for any module."""
 
 from __future__ import annotations

@@ -6,7 +6,10 @@
     NonFiniteGuard    drops a step whose gradients are not finite (nonfinite.py)
 
 The rest are the Ledger's parts:
+    live.py        what the dry run is given for a live module: its batch, one rank's step (one device, DDP)
+    fsdp2.py       the same under FSDP2, on a meta copy kept at setup
     measure.py     the measured twin of the dry run
+    timing.py      the time ledger (TimeLedger), fed the same dry run
     toy.py         the toy LM's closed forms and cards
     preflight.py   what a device holds
     throughput.py  the peak, compile speedup
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import lightning.pytorch as pl
 
+import lmledger.strategies  # noqa: F401  registers "fsdp2": Trainer(strategy="fsdp2") beside Trainer(callbacks=[Ledger()])
 from lmledger.callbacks.ledger import Ledger
 from lmledger.callbacks.settings import LedgerSettings
 

@@ -1,4 +1,4 @@
-"""The ledger's one result type: a training step's figures from each source, side by side.
+"""One device's ledger: a training step's figures from each source, side by side.
 
 `Figures` is one source's reading of one optimizer step on one device. The source is the dry run,
 the toy LM's closed forms, or the real step. `Report` holds the predictors' Figures beside the
