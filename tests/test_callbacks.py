@@ -304,3 +304,24 @@ def test_a_pessimistic_measured_peak_is_raised_to_what_training_achieved(stdlib_
     assert all(0 < u <= 1 + 1e-9 for u in hfu)
     assert all(0 < u <= 1 for _, u in scalars["perf/mfu"])
     assert "raised at step" in read_texts(trainer.logger.log_dir)["perf/peak"]
+
+
+def test_import_lmledger_makes_fsdp2_a_strategy_name_without_importing_lightning():
+    """Issue 28 §5: `Trainer(strategy="fsdp2")` in Python raised "invalid strategy name". `import lmledger`
+    (torch and Lightning not loaded) registers it when Lightning's strategies load; importing Lightning first
+    and lmledger.callbacks after registers it too (this process)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, lmledger; assert 'torch' not in sys.modules and 'lightning' not in sys.modules; "
+        "import lightning.pytorch as pl; from lmledger.strategies import FSDP2Strategy; "
+        "t = pl.Trainer(strategy='fsdp2', accelerator='cpu', devices=1, logger=False); "
+        "assert type(t.strategy) is FSDP2Strategy, t.strategy; print('ok')"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.stdout.strip() == "ok", proc.stderr[-2000:]
+    from lmledger.strategies import FSDP2Strategy
+
+    trainer = L.Trainer(strategy="fsdp2", accelerator="cpu", devices=1, logger=False)
+    assert type(trainer.strategy) is FSDP2Strategy

@@ -588,3 +588,23 @@ def test_one_profiler_at_a_time_is_visible():
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
         assert torch._C._autograd._profiler_enabled()
     assert not torch._C._autograd._profiler_enabled()
+
+
+def test_strategy_registry_resolves_a_registered_name():
+    """lmledger.strategies registers "fsdp2" so `Trainer(strategy="fsdp2")` works in Python: Lightning's
+    StrategyRegistry is a dict-like registry its accelerator connector reads a strategy name from, and
+    `register(name, class, description=...)` adds one (Lightning 2.6 reads no entry points for strategies)."""
+    from lightning.pytorch.strategies import SingleDeviceStrategy, StrategyRegistry
+
+    class Canary(SingleDeviceStrategy):
+        pass
+
+    name = "lmledger-canary-strategy"
+    StrategyRegistry.register(name, Canary, description="canary", device="cpu")
+    try:
+        assert name in StrategyRegistry and isinstance(StrategyRegistry.get(name), Canary)
+        assert isinstance(_trainer(strategy=name, devices=1).strategy, Canary)
+    finally:
+        StrategyRegistry.pop(name)
+    with pytest.raises(ValueError, match="invalid strategy name"):  # what `strategy="fsdp2"` raised unregistered
+        _trainer(strategy=name, devices=1)

@@ -3,6 +3,10 @@
 Lightning's ModelParallelStrategy defaults to data parallel = nodes, tensor parallel = devices per
 node. So on one node its "auto" is all tensor parallel. FSDP2Strategy fixes tensor parallel at 1.
 Every rank shards the model, as `lmledger account --trainer.strategy fsdp2` predicts.
+
+Importing this module registers "fsdp2" in Lightning's StrategyRegistry, as Lightning's own strategies
+register on import. So `Trainer(strategy="fsdp2")` works in Python too: `import lmledger` arranges this
+import for whenever Lightning's strategies load (lmledger/__init__.py), and lmledger.callbacks imports it.
 """
 
 from __future__ import annotations
@@ -31,3 +35,6 @@ def register() -> None:
     """Add "fsdp2" to Lightning's strategy registry, once."""
     if FSDP2 not in StrategyRegistry:
         StrategyRegistry.register(FSDP2, FSDP2Strategy, description="FSDP2 (fully_shard) over every rank")
+
+
+register()
