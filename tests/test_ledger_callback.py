@@ -317,3 +317,54 @@ def test_measured_only_never_crashes_under_any_logger(logger, steps, tmp_path):
         assert read_scalars(trainer.logger.log_dir)["memory/measured/params"][0][1] == ledger.measured.params
     elif logger == "csv":
         assert "memory/measured/params" in (Path(trainer.logger.log_dir) / "metrics.csv").read_text().splitlines()[0]
+
+
+def regression_loader(n: int = 64) -> DataLoader:
+    g = torch.Generator().manual_seed(0)
+    return DataLoader(TensorDataset(torch.randn(n, 16, generator=g), torch.randn(n, 8, generator=g)), batch_size=16)
+
+
+def test_a_profiler_that_cannot_start_leaves_the_fit_running(monkeypatch, recwarn):
+    """Issue 28 §5: Kineto failing to start killed the fit, behind TimeLedger.on_exception's own AttributeError.
+    The time ledger steps aside in one line; the rest of the ledger and the fit go on."""
+    from lmledger.ledger import profile
+
+    def start(prof):
+        raise RuntimeError("Kineto: profiler failed to start\n(a second line)")
+
+    monkeypatch.setattr(profile, "start", start)
+    ledger = Ledger(warmup_steps=1)
+    trainer = fit(Regressor(), regression_loader(), [ledger], steps=5)
+    assert trainer.global_step == 5 and ledger.measured.peak is not None
+    assert ledger.timing.samples == [] and "RuntimeError: Kineto: profiler failed to start" in (
+        ledger.timing.why_not_profiled
+    )
+    said = [str(w.message) for w in recwarn if "time ledger:" in str(w.message)]
+    assert len(said) == 1 and "\n" not in said[0] and "the fit goes on" in said[0]  # once, not per sampled step
+    assert "no step profiled: the profiler did not start" in ledger.timing.report()
+
+
+class RaisesInAProfiledStep(Regressor):
+    def training_step(self, batch, batch_idx):
+        if batch_idx == 2:  # the first profiled batch (after the two measured steps)
+            raise ValueError("the user's own error")
+        return super().training_step(batch, batch_idx)
+
+
+def test_an_error_inside_a_profiled_step_is_the_one_raised(monkeypatch):
+    """TimeLedger.on_exception closes what is open without raising, so the step's own error reaches the user
+    even when closing the profiler fails too."""
+    from lmledger.ledger import profile
+
+    real_stop = profile.stop
+
+    def stop(prof):
+        real_stop(prof)
+        raise RuntimeError("stop failed")
+
+    monkeypatch.setattr(profile, "stop", stop)
+    ledger = Ledger(warmup_steps=1)
+    with pytest.raises(ValueError, match="the user's own error"):
+        fit(RaisesInAProfiledStep(), regression_loader(), [ledger], steps=5)
+    assert ledger.timing._profiler is None and ledger.timing._record is None
+    assert not torch._C._autograd._profiler_enabled()

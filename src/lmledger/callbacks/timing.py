@@ -26,7 +26,7 @@ import time
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from matplotlib.figure import Figure
 
 from lmledger.callbacks.run import log_scalars, log_text, synchronize, tensorboard_writers
@@ -83,6 +83,7 @@ class TimeLedger(pl.Callback):
         self.samples: list[ledger_profile.Breakdown] = []
         self.why_no_bound: str | None = None
         self.skipped = 0  # sampled steps not profiled: another profiler was recording
+        self.why_not_profiled: str | None = None  # the profiler could not run: no step is profiled this fit
         self._own_prediction = False
         self._batches = 0
         self._last_end: float | None = None
@@ -142,6 +143,7 @@ class TimeLedger(pl.Callback):
         self._batches = 0
         self._last_end = time.perf_counter()
         self.samples, self.skipped = [], 0  # one fit's; a prediction passed in stays, one made here is redone
+        self.why_not_profiled = None
         if self._own_prediction:
             self.prediction, self._own_prediction = None, False
             self.bound = self.model_flops = self.why_no_bound = None
@@ -150,7 +152,7 @@ class TimeLedger(pl.Callback):
         now = time.perf_counter()
         if self.bound is None and self.why_no_bound is None:
             self._predict(trainer, pl_module, batch, batch_idx)
-        if not self.is_profiling_step(self._batches) or not trainer.is_global_zero:
+        if not self.is_profiling_step(self._batches) or not trainer.is_global_zero or self.why_not_profiled:
             return
         if torch._C._autograd._profiler_enabled():  # canary test_one_profiler_at_a_time_is_visible
             # Another profiler (Lightning's PyTorchProfiler, a second TimeLedger) is recording: a second one
@@ -158,8 +160,13 @@ class TimeLedger(pl.Callback):
             self.skipped += 1
             return
         self._data_wait = now - self._last_end if self._last_end is not None else 0.0
-        self._profiler = ledger_profile.profiler(self._device)
-        ledger_profile.start(self._profiler)
+        profiler = ledger_profile.profiler(self._device)
+        try:
+            ledger_profile.start(profiler)
+        except Exception as err:  # e.g. Kineto cannot start here: the fit goes on, without profiled steps
+            self._step_aside(f"the profiler did not start ({type(err).__name__}: {_first_line(err)})")
+            return
+        self._profiler = profiler
         self._record = torch.autograd.profiler.record_function(ledger_profile.STEP_MARK)
         self._record.__enter__()
         # The step's wall time: the data wait before it plus what follows; the profiler's start is not in it.
@@ -188,10 +195,20 @@ class TimeLedger(pl.Callback):
         self._last_end = time.perf_counter()  # validation is not data wait
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
-        if self._profiler is not None:  # a step that raised inside its profile: close both, keep nothing
-            self._record.__exit__(None, None, None)
-            ledger_profile.stop(self._profiler)
-            self._profiler = self._record = None
+        # A step that raised inside its profile: close both, keep nothing. Closing must not raise, or the
+        # user would see this error instead of the step's (Lightning raises the first callback error).
+        record, profiler, self._record, self._profiler = self._record, self._profiler, None, None
+        for close in (lambda: record.__exit__(None, None, None) if record is not None else None,
+                      lambda: ledger_profile.stop(profiler) if profiler is not None else None):  # fmt: skip
+            try:
+                close()
+            except Exception:  # noqa: S110  the step's own error is the one to see
+                pass
+
+    def _step_aside(self, why: str) -> None:
+        """No more profiled steps this fit, said in one line (the bound, if any, is still reported)."""
+        self.why_not_profiled = why
+        rank_zero_warn(f"time ledger: {why}; no step is profiled in this fit, and the fit goes on")
 
     def _log_sample(self, trainer: pl.Trainer, sample: ledger_profile.Breakdown) -> None:
         metrics = {f"time/measured/{name}": seconds for name, seconds in sample.seconds.items()}
@@ -223,6 +240,8 @@ class TimeLedger(pl.Callback):
             if not self.why_no_bound:
                 return None
             text = f"time ledger: no roofline bound ({self.why_no_bound})"
+            if self.why_not_profiled:
+                text += f"; no step profiled: {self.why_not_profiled}"
             measured = self.measured
             if measured is not None:  # the profiled step needs no prediction
                 seconds = {k: v for k, v in measured.seconds.items() if v}
@@ -232,6 +251,8 @@ class TimeLedger(pl.Callback):
         text = format_table(self.bound, self.measured, self.model_flops)
         if self.skipped:
             text += f"\n{self.skipped} sampled step(s) not profiled: another profiler was recording"
+        if self.why_not_profiled:
+            text += f"\nno step profiled: {self.why_not_profiled}"
         gpu = self.gpu or _this_gpu(self._device)
         if gpu is not None and self.prediction is not None and self.prediction.ops is not None:
             text += "\n" + advice_text(self.prediction.ops, gpu, self.bound.peak_dtype, self._device.type)
@@ -255,6 +276,11 @@ class TimeLedger(pl.Callback):
         axes.set_title("time ledger: where the step goes")
         figure.legend(loc="outside lower center", ncols=4, fontsize=8)
         return figure
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else "no message"
 
 
 def _this_gpu(device: torch.device) -> str | None:
