@@ -34,6 +34,7 @@ from lmledger.sweep.report import write_results
 from lmledger.sweep.spec import TRAINING_COMMANDS, Experiment, Point, cli_args
 
 __all__ = [
+    "SWEEP_RECORD",
     "SweepPlan",
     "check_out_dir",
     "claim_out_dir",
@@ -60,8 +61,9 @@ def _write_json(path: Path, obj: dict) -> None:
     atomic_write(path, json.dumps(obj, indent=1, default=str) + "\n")
 
 
-def status_path(out_dir: Path, point: Point) -> Path:
-    return out_dir / "points" / point.id / "status.json"
+def status_path(out_dir: Path, point: Point | str) -> Path:
+    """points/<id>/status.json of a point (or of a point id)."""
+    return out_dir / "points" / (point if isinstance(point, str) else point.id) / "status.json"
 
 
 def _lock_path(out_dir: Path, point: Point) -> Path:
@@ -320,12 +322,12 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-_SWEEP_RECORD = "sweep.json"
+SWEEP_RECORD = "sweep.json"
 
 
 def check_out_dir(experiment: Experiment, out_dir: Path) -> bool:
     """Whether out_dir is already this experiment's. Raises if it holds anything else's results."""
-    record = out_dir / _SWEEP_RECORD
+    record = out_dir / SWEEP_RECORD
     if record.is_file():
         try:
             owner = json.loads(record.read_text()).get("name")
@@ -342,9 +344,12 @@ def check_out_dir(experiment: Experiment, out_dir: Path) -> bool:
     return False
 
 
-def claim_out_dir(experiment: Experiment, out_dir: Path) -> None:
-    if not check_out_dir(experiment, out_dir):
-        _write_json(out_dir / _SWEEP_RECORD, {"name": experiment.name, "experiment": str(experiment.source)})
+def claim_out_dir(experiment: Experiment, out_dir: Path) -> bool:
+    """Make out_dir this experiment's (sweep.json). True when this call wrote the record."""
+    if check_out_dir(experiment, out_dir):
+        return False
+    _write_json(out_dir / SWEEP_RECORD, {"name": experiment.name, "experiment": str(experiment.source)})
+    return True
 
 
 @dataclass

@@ -11,15 +11,21 @@ A point that cannot fit is refused in one line. Without `--mem`, the largest poi
 (_need_bytes).
 
 out_dir/slurm/ holds each submission. array-N.sh is the batch script. tasks-N.json maps task index ->
-point and its command line. logs/ has SLURM's own --output, one file per task.
+point and its command line. experiment-N.yaml is the experiment file as submitted: the tasks read it,
+so an edit of the original while they are pending changes nothing they run. logs/ has SLURM's own
+--output, one file per task. Every value in array-N.sh is quoted for its reader: shlex for the shell
+lines, sbatch's own quoting for the #SBATCH lines (directive()); a value no #SBATCH line can carry (a
+newline) is refused in one line before anything is written. An sbatch refusal removes what the
+submission wrote: the files, sweep.json if it was new, and the folders it made.
 
 A task runs `python -m lmledger.sweep slurm-task TASKS.json INDEX`, exec'd so SLURM's signals reach it.
 It records points/<id>/status.json: "running", then done/failed/interrupted, as a local point does.
 It sends the point's stdout and stderr to points/<id>/stdout.log and stderr.log.
 
 Statuses: squeue says which tasks are pending or running. (Without accounting, a finished job leaves
-squeue, and `sacct` knows nothing.) A point's own status.json says how it ended. A re-run submits only
-the points that are neither done nor in the queue.
+squeue, and `sacct` knows nothing.) A point's own status.json says how it ended. A task that left the
+queue without one is failed with the last error line of its SLURM log (ended_result). A re-run submits
+only the points that are neither done nor in the queue.
 
 A fit point runs with `--ckpt_path auto`, so a requeued task resumes its own run
 (preemption, time limit).
@@ -46,6 +52,7 @@ from lmledger.sweep.check import check_points
 from lmledger.sweep.collect import PointResult
 from lmledger.sweep.report import write_results
 from lmledger.sweep.runner import (
+    SWEEP_RECORD,
     SweepPlan,
     claim_out_dir,
     plan_sweep,
@@ -74,9 +81,49 @@ _ACTIVE_STATES = {"PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED",
 _POLL_S = 2.0
 
 
+# sbatch reads the #SBATCH lines of a script itself (src/sbatch/opt.c, _get_argument): a value may be
+# double-quoted, with `\\` and `\"` escaped, so spaces, `;`, `$(...)`, backticks and `#` pass as written.
+# But a line ends at a newline: the rest of a value with one would be a line of its own, and bash runs it.
+# No partition, time, gres or path needs a newline or another control character, so those are refused.
+# So is "hetjob" (or the older "packjob"), in any case: sbatch blanks that word out of an #SBATCH line and
+# starts a heterogeneous job's next component at it.
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+_HETJOB = re.compile(r"hetjob|packjob", re.IGNORECASE)
+_BARE = re.compile(r"[A-Za-z0-9_.,:/=@+-]+")  # written unquoted: what the cluster's own names look like
+
+
+def check_directive_value(flag: str, value: str) -> None:
+    """One line for a value no #SBATCH line can carry: a control character (a newline), sbatch's word
+    "hetjob", or nothing."""
+    if _CONTROL.search(value):
+        raise UserError(
+            f"{flag} {value!r} holds a control character (a newline, a tab...), which no #SBATCH line of the batch "
+            "script can carry (sbatch reads those lines itself, one directive a line); give it without one"
+        )
+    if not value.strip():
+        raise UserError(f"{flag} {value!r} is empty: give a value, or leave {flag} out for the cluster's default")
+    if word := _HETJOB.search(value):
+        raise UserError(
+            f"{flag} {value!r} holds {word.group(0)!r}, which sbatch takes out of an #SBATCH line as the start of a "
+            "heterogeneous job's next part; give it without that word"
+        )
+
+
+def directive(flag: str, value: object) -> str:
+    """`#SBATCH --flag=value`, the value quoted as sbatch's directive parser reads it back.
+
+    The value has passed check_directive_value."""
+    text = str(value)
+    if not _BARE.fullmatch(text):
+        text = '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return f"#SBATCH --{flag}={text}"
+
+
 @dataclass(frozen=True)
 class SlurmRequest:
-    """What each task of the array asks SLURM for (None: the cluster's default)."""
+    """What each task of the array asks SLURM for (None: the cluster's default).
+
+    A value no #SBATCH line can carry is refused when the request is made, before anything is written."""
 
     partition: str | None = None
     time: str | None = None
@@ -84,17 +131,36 @@ class SlurmRequest:
     mem: str | None = None
     gres: str | None = None
 
+    def __post_init__(self) -> None:
+        for name in ("partition", "time", "mem", "gres"):
+            value = getattr(self, name)
+            if value is not None:
+                check_directive_value(f"--{name}", str(value))
+
     def sbatch_lines(self, mem_mib: int | None) -> list[str]:
         lines = []
         for flag, value in (("partition", self.partition), ("time", self.time), ("cpus-per-task", self.cpus_per_task),
                             ("gres", self.gres)):  # fmt: skip
             if value is not None:
-                lines.append(f"#SBATCH --{flag}={value}")
+                lines.append(directive(flag, value))
         if mem_mib is not None:
-            lines.append(f"#SBATCH --mem={mem_mib}M")
+            lines.append(f"#SBATCH --mem={int(mem_mib)}M")
         if self.time is not None:
             lines.append(f"#SBATCH --signal=B:USR1@{_SIGNAL_BEFORE_END_S}")
         return lines
+
+
+def output_pattern(logs: Path) -> str:
+    """The --output pattern of the tasks' logs in `logs`: SLURM fills in %A_%a, so a '%' of the path is
+    written '%%'. A backslash anywhere turns every pattern off (sbatch(1), filename pattern): refused."""
+    text = str(logs)
+    check_directive_value("--out", text)
+    if "\\" in text:
+        raise UserError(
+            f"--out {text!r} holds a backslash, which turns off the %A_%a in SLURM's log names (sbatch's "
+            "--output pattern); choose a results directory without one"
+        )
+    return text.replace("%", "%%") + "/%A_%a.out"
 
 
 def require_slurm() -> None:
@@ -242,50 +308,117 @@ def in_queue(out_dir: Path, points: list[Point]) -> dict[str, str]:
     return {pid: task for pid, task in tasks.items() if task in active}
 
 
+class _NothingQueued(UserError):
+    """sbatch refused the array (or its files could not be written), and _submit removed what it wrote."""
+
+
+def _missing_dirs(path: Path) -> list[Path]:
+    """`path` and each parent of it that does not exist yet, deepest first: what a refusal removes again."""
+    missing = []
+    for folder in (path, *path.parents):
+        if folder.exists() or folder.is_symlink():
+            break
+        missing.append(folder)
+    return missing
+
+
+def _remove_made(files: list[Path], folders: list[Path]) -> None:
+    """Undo a refused submission: the files it wrote, then the folders it made, each only while empty."""
+    for path in files:
+        path.unlink(missing_ok=True)
+    for folder in folders:
+        try:
+            folder.rmdir()
+        except OSError:
+            return  # not empty: someone else's files are in it, and so in its parents
+
+
+def _freeze_experiment(experiment: Experiment, points: list[Point], frozen: Path) -> None:
+    """Copy the experiment file to `frozen`, which the tasks read: an edit of the original while they
+    are pending changes nothing they run. The copy must hold the points being submitted (it is read
+    after them, so the file may have been edited in between)."""
+    try:
+        text = Path(experiment.source).read_bytes()
+    except OSError as err:
+        raise UserError(f"cannot read the experiment file {experiment.source} to submit it ({err.strerror})") from None
+    atomic_write(frozen, text)
+    ids = {p.id for p in load_experiment(frozen).points}
+    if missing := [p.id for p in points if p.id not in ids]:
+        raise UserError(
+            f"{experiment.source} changed while the sweep was being submitted (point {missing[0]} is gone from "
+            "it); nothing was queued: run the sweep again"
+        )
+
+
 def _submit(experiment: Experiment, out_dir: Path, points: list[Point], request: SlurmRequest, jobs: int,
            mem_mib: int | None) -> str:  # fmt: skip
-    """sbatch one array over `points`; returns its job id. Each point's status.json says "queued" in task i."""
+    """sbatch one array over `points`; returns its job id. Each point's status.json says "queued" in task i.
+
+    A refusal (sbatch's, or a failed write) removes every file and folder this call made, and raises
+    _NothingQueued."""
     slurm_dir = out_dir / "slurm"
     n = 1 + max([int(m.group(1)) for p in slurm_dir.glob("array-*.sh") if (m := re.search(r"-(\d+)\.sh$", p.name))]
                 or [0])  # fmt: skip
-    tasks = {}
-    for index, point in enumerate(points):
-        args = cli_args(point, out_dir)
-        if point.subcommand == "fit":
-            # A requeued task resumes its own run; a point an earlier sweep left interrupted resumes that run.
-            args += ["--ckpt_path", "last" if resumable(out_dir, point) else "auto"]
-        tasks[str(index)] = {"point": point.id, "argv": args}
-    record = slurm_dir / f"tasks-{n}.json"
-    (slurm_dir / "logs").mkdir(parents=True, exist_ok=True)
-    source = Path(experiment.source).resolve()
-    atomic_write(record, json.dumps({"experiment": str(source), "out_dir": str(out_dir.resolve()), "tasks": tasks},
-                                    indent=1) + "\n")  # fmt: skip
-    throttle = f"%{jobs}" if jobs else ""
-    script = "\n".join([
-        "#!/bin/bash",
-        f"#SBATCH --job-name=lmledger-{experiment.name}",
-        f"#SBATCH --array=0-{len(points) - 1}{throttle}",
-        f"#SBATCH --output={(slurm_dir / 'logs').resolve()}/%A_%a.out",
-        "#SBATCH --open-mode=append",  # a requeued task adds to its log
-        "#SBATCH --requeue",
-        f"#SBATCH --chdir={Path.cwd()}",
-        *request.sbatch_lines(mem_mib),
-        "# exec: the task is the batch shell, so SLURM's signals (SIGTERM, --signal=B:USR1) reach it",
-        f"exec {shlex.quote(sys.executable)} -m lmledger.sweep slurm-task {shlex.quote(str(record.resolve()))} "
-        '"$SLURM_ARRAY_TASK_ID"',
-        "",
-    ])  # fmt: skip
-    path = slurm_dir / f"array-{n}.sh"
-    atomic_write(path, script)
+    logs = (slurm_dir / "logs").resolve()
+    output = output_pattern(logs)  # before anything is written
+    record, path = slurm_dir / f"tasks-{n}.json", slurm_dir / f"array-{n}.sh"
+    frozen = slurm_dir / f"experiment-{n}.yaml"  # the experiment as submitted: what the tasks read
+    made = _missing_dirs(slurm_dir / "logs")
+    try:
+        tasks = {}
+        for index, point in enumerate(points):
+            args = cli_args(point, out_dir)
+            if point.subcommand == "fit":
+                # A requeued task resumes its own run; a point an earlier sweep left interrupted resumes that run.
+                args += ["--ckpt_path", "last" if resumable(out_dir, point) else "auto"]
+            tasks[str(index)] = {"point": point.id, "argv": args}
+        (slurm_dir / "logs").mkdir(parents=True, exist_ok=True)
+        _freeze_experiment(experiment, points, frozen)
+        atomic_write(record, json.dumps({
+            "experiment": str(frozen.resolve()), "source": str(Path(experiment.source).resolve()),
+            "out_dir": str(out_dir.resolve()), "tasks": tasks,
+        }, indent=1) + "\n")  # fmt: skip
+        throttle = f"%{jobs}" if jobs else ""
+        script = "\n".join([
+            "#!/bin/bash",
+            directive("job-name", f"lmledger-{experiment.name}"),
+            f"#SBATCH --array=0-{len(points) - 1}{throttle}",
+            directive("output", output),
+            "#SBATCH --open-mode=append",  # a requeued task adds to its log
+            "#SBATCH --requeue",
+            *request.sbatch_lines(mem_mib),
+            # The shell, not a directive, changes directory: a shell-quoted path may hold any character.
+            f"cd -- {shlex.quote(str(Path.cwd()))} || exit 1",
+            "# exec: the task is the batch shell, so SLURM's signals (SIGTERM, --signal=B:USR1) reach it",
+            f"exec {shlex.quote(sys.executable)} -m lmledger.sweep slurm-task {shlex.quote(str(record.resolve()))} "
+            '"$SLURM_ARRAY_TASK_ID"',
+            "",
+        ])  # fmt: skip
+        atomic_write(path, script)
+    except BaseException as err:
+        _remove_made([path, record, frozen], made)
+        if isinstance(err, UserError):
+            raise _NothingQueued(str(err)) from None
+        raise
     try:
         done = subprocess.run(["sbatch", "--parsable", str(path)], capture_output=True, text=True, timeout=120,
                               check=False)  # fmt: skip
+    except subprocess.TimeoutExpired:
+        raise UserError(
+            f"sbatch {path} did not answer in 120 s, and may have queued the array: see `squeue -n "
+            f"lmledger-{experiment.name}` before running the sweep again"
+        ) from None
     except (OSError, subprocess.SubprocessError) as err:
-        raise UserError(f"sbatch {path} failed ({err})") from None
+        _remove_made([path, record, frozen], made)
+        raise _NothingQueued(f"sbatch could not be run ({err}); nothing was queued") from None
     if done.returncode != 0:
-        raise UserError(f"sbatch {path} refused the array: {' '.join(done.stderr.split())}")
+        _remove_made([path, record, frozen], made)
+        said = " ".join(done.stderr.split()) or f"exit code {done.returncode}"
+        raise _NothingQueued(f"sbatch refused the array: {said}; nothing was queued, and nothing was left behind")
     job = done.stdout.strip().split(";")[0]
     for index, point in enumerate(points):
+        if saved_status(out_dir, point).get("slurm_task") == f"{job}_{index}":
+            continue  # the task started (or even ended) already, and its status is newer than "queued"
         atomic_write(status_path(out_dir, point), json.dumps({
             "point": point.id, "status": "queued", "slurm_task": f"{job}_{index}", "argv": tasks[str(index)]["argv"],
         }, indent=1) + "\n")  # fmt: skip
@@ -311,16 +444,24 @@ def run_slurm_sweep(
     queued = in_queue(out_dir, plan.pending)
     to_submit = [p for p in plan.pending if p.id not in queued]
     mem_mib = _memory_request(experiment, to_submit, request) if to_submit else None
-    claim_out_dir(experiment, out_dir)
+    if to_submit:
+        output_pattern((out_dir / "slurm" / "logs").resolve())  # a path no #SBATCH line can carry: before any write
+    made = _missing_dirs(out_dir)
+    claimed = claim_out_dir(experiment, out_dir)
     results = dict(plan.results)
+    if to_submit:
+        try:
+            job = _submit(experiment, out_dir, to_submit, request, jobs, mem_mib)
+        except _NothingQueued:
+            # A refusal leaves nothing: the sweep's record if this call wrote it, and the folders it made.
+            _remove_made([out_dir / SWEEP_RECORD] if claimed else [], made)
+            raise
+        if on_submit:
+            on_submit(job, len(to_submit), mem_mib)
     if on_done:
         for point in experiment.points:
             if point.id in results:
                 on_done(results[point.id])
-    if to_submit:
-        job = _submit(experiment, out_dir, to_submit, request, jobs, mem_mib)
-        if on_submit:
-            on_submit(job, len(to_submit), mem_mib)
     waiting = {p.id: p for p in plan.pending}
     while waiting:
         active = in_queue(out_dir, list(waiting.values()))
@@ -337,8 +478,34 @@ def run_slurm_sweep(
     return ordered
 
 
+# A line that says why a task died. SLURM's own (`slurmstepd: error: *** JOB 12 ON node CANCELLED AT ... DUE
+# TO TIME LIMIT ***`, `... oom_kill event ...`), the last line of a Python traceback (`StopIteration`,
+# `ValueError: ...`), or any line that says "error".
+_EXCEPTION_LINE = re.compile(r"[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt|Iteration|Warning)\b(:.*)?")
+_CAUSE_CHARS = 300  # a cause is quoted in one line of the summary; longer ones are cut
+
+
+def last_error_line(text: str) -> str:
+    """The last line of a log that says why the process died, or "" when none does."""
+    for line in reversed(text.splitlines()):
+        line = line.strip()
+        if line and (_EXCEPTION_LINE.fullmatch(line) or "error" in line.lower() or "killed" in line.lower()):
+            return line if len(line) <= _CAUSE_CHARS else line[: _CAUSE_CHARS - 3] + "..."
+    return ""
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")
+    except OSError:
+        return ""
+
+
 def ended_result(out_dir: Path, point: Point) -> PointResult:
-    """A point whose task left the queue: its status.json, or "failed" if the task died first."""
+    """A point whose task left the queue: its status.json, or "failed" with the cause its logs give.
+
+    The cause is the last error line of the task's SLURM log (SLURM's own messages, and anything the
+    task printed before its point's logs were open), else of the point's stderr.log."""
     saved = saved_status(out_dir, point)
     if saved.get("status") in ("done", "failed", "interrupted"):
         return PointResult(point, saved["status"], saved.get("metrics", {}), saved.get("error", ""),
@@ -347,8 +514,16 @@ def ended_result(out_dir: Path, point: Point) -> PointResult:
     task = saved.get("slurm_task", "?")
     job, _, index = task.partition("_")
     log = out_dir / "slurm" / "logs" / f"{job}_{index}.out"
-    return PointResult(point, "failed", error=f"SLURM task {task} ended without a result (killed by SLURM: time "
-                       f"limit, memory, cancelled?); see {log}", argv=saved.get("argv", []))  # fmt: skip
+    stderr = status_path(out_dir, point).parent / "stderr.log"
+    slurm_text = _read(log)
+    if cause := last_error_line(slurm_text) or (saved.get("status") == "running" and last_error_line(_read(stderr))):
+        error = f"SLURM task {task} ended without a result: {cause} (the last error in {log})"
+    elif slurm_text.strip():
+        error = f"SLURM task {task} ended without a result, and its log names no error: see {log}"
+    else:
+        error = (f"SLURM task {task} ended without a result or a log: cancelled (or refused a node) before it "
+                 f"started; {log} does not exist")  # fmt: skip
+    return PointResult(point, "failed", error=error, argv=saved.get("argv", []))
 
 
 # ------------------------------------------------------------------------------------- inside a task
@@ -357,18 +532,30 @@ def ended_result(out_dir: Path, point: Point) -> PointResult:
 def task_main(argv: list[str], run_command: Callable[[list[str]], int]) -> int:
     """`python -m lmledger.sweep slurm-task TASKS.json INDEX`: one point, as the SLURM task runs it.
 
-    `run_command` is the lmledger command line's main. The entry point passes it: commands sit above
-    sweeps."""
+    It reads the experiment from the frozen copy submitted with the array. `run_command` is the
+    lmledger command line's main. The entry point passes it: commands sit above sweeps."""
     record = json.loads(Path(argv[0]).read_text())
     task = record["tasks"][argv[1]]
     out_dir = Path(record["out_dir"])
-    experiment = load_experiment(record["experiment"])
-    point = next(p for p in experiment.points if p.id == task["point"])
     args = task["argv"]
-    logs = status_path(out_dir, point).parent
-    logs.mkdir(parents=True, exist_ok=True)
     key = f"{os.environ.get('SLURM_ARRAY_JOB_ID')}_{os.environ.get('SLURM_ARRAY_TASK_ID')}"
     restart = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
+    try:
+        experiment = load_experiment(record["experiment"])
+        point = next((p for p in experiment.points if p.id == task["point"]), None)
+        if point is None:
+            raise UserError(f"point {task['point']} is not in {record['experiment']}, which it was queued from")
+    except Exception as err:  # any cause is named in the point's status, not only in a traceback
+        cause = str(err) if isinstance(err, UserError) else f"{type(err).__name__}: {err}"
+        error = f"the task could not start its point: {' '.join(cause.split())}"
+        print(f"lmledger sweep: error: {error}", file=sys.stderr, flush=True)
+        atomic_write(status_path(out_dir, task["point"]), json.dumps({
+            "point": task["point"], "status": "failed", "error": error, "slurm_task": key, "restart": restart,
+            "argv": args,
+        }, indent=1) + "\n")  # fmt: skip
+        return 2
+    logs = status_path(out_dir, point).parent
+    logs.mkdir(parents=True, exist_ok=True)
     atomic_write(status_path(out_dir, point), json.dumps({
         "point": point.id, "status": "running", "slurm_task": key, "restart": restart, "argv": args,
     }, indent=1) + "\n")  # fmt: skip
