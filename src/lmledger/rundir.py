@@ -78,7 +78,7 @@ class RunClaim(pl.Callback):
     """The run directory a fit trains in, locked while the process lives (lmledger.runlock).
 
     A run refused before its first step passes every check leaves it as it was found.
-    `claim()` snapshots the directory and takes its lock. The run is committed when its second
+    `claim()` takes the directory's lock, then snapshots it. The run is committed when its second
     optimizer step starts, a checkpoint is saved, or training ends. Until then, `undo()` removes what
     this process created there. A version directory it made goes in full. In an existing one, only
     the new files go. It restores the small files it rewrote. Nothing that was there before is removed.
@@ -94,12 +94,32 @@ class RunClaim(pl.Callback):
         self._start_step: int | None = None
 
     def claim(self, version_dir: str | os.PathLike, made: bool, parents_made: list[Path] = ()) -> None:
-        """Lock `version_dir` (made by this process if `made`, under the `parents_made` it made too)."""
+        """Lock `version_dir` (made by this process if `made`, under the `parents_made` it made too).
+
+        The lock comes first, the snapshot after it: what another process writes there is never in
+        this one's undo. A claim the lock refuses removes only the empty directories this process made.
+        """
         from lmledger.runlock import RUN_LOCK, DirLock
 
         self.version_dir = Path(version_dir)
         self._made, self._created = made, list(parents_made)
         self.version_dir.mkdir(parents=True, exist_ok=True)
+
+        def busy(who: str) -> UserError:
+            return UserError(
+                f"{self.version_dir} is being trained in by {who} (it holds {self.version_dir / RUN_LOCK}): "
+                "one writer per run; wait for it to end or stop it, or start a fresh run without --ckpt_path"
+            )
+
+        try:
+            self.lock = DirLock(self.version_dir / RUN_LOCK).acquire(busy)
+        except UserError:
+            for directory in ([self.version_dir] if made else []) + list(reversed(self._created)):
+                try:
+                    directory.rmdir()  # only if empty: never what another process wrote
+                except OSError:
+                    pass
+            raise
         self._before = {}
         for path in self.version_dir.rglob("*"):
             if path.is_file() and not path.is_symlink():
@@ -112,19 +132,21 @@ class RunClaim(pl.Callback):
                 )
             elif path.is_dir():
                 self._before[str(path.relative_to(self.version_dir))] = (-1, 0, None)
-
-        def busy(who: str) -> UserError:
-            return UserError(
-                f"{self.version_dir} is being trained in by {who} (it holds {self.version_dir / RUN_LOCK}): "
-                "one writer per run; wait for it to end or stop it, or start a fresh run without --ckpt_path"
-            )
-
-        try:
-            self.lock = DirLock(self.version_dir / RUN_LOCK).acquire(busy)
-        except UserError:
-            self.undo()
-            raise
         _CLAIMS.append(self)
+
+    def still_held(self, trainer) -> None:
+        """Stop the run (UserError) if its lock no longer keeps others out of its directory (DirLock.lost).
+
+        Called at every step and right before every save. A run whose directory was moved or taken
+        would write by path into another writer's run, and report that writer's checkpoint as its own.
+        """
+        reason = self.lock.lost() if self.lock is not None else None
+        if reason is not None:
+            raise UserError(
+                f"{self.version_dir}: this run lost its lock ({reason}): stopped at step {trainer.global_step} "
+                "without saving, so it writes nothing into a run another process may hold now; resume from "
+                "the checkpoint it saved last, wherever its directory went"
+            )
 
     def mark_slurm_job(self, job: str) -> None:
         if self.version_dir is not None:
@@ -135,11 +157,13 @@ class RunClaim(pl.Callback):
         self._start_step = trainer.global_step
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.still_held(trainer)
         # A later optimizer step begins: the first one, and every check made at its end, went through.
         if self._start_step is not None and trainer.global_step > self._start_step:
             self.committed = True
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
+        self.still_held(trainer)  # Lightning calls this before it writes the checkpoint
         self.committed = True
 
     def on_train_end(self, trainer, pl_module) -> None:
@@ -152,6 +176,8 @@ class RunClaim(pl.Callback):
         try:
             if self.committed or self.version_dir is None:
                 return
+            if self.lock is None or self.lock.lost() is not None:
+                return  # the directory is not ours alone (any more): what is there may be another's
             if self._made:
                 shutil.rmtree(self.version_dir, ignore_errors=True)
             elif self.version_dir.is_dir():
