@@ -16,12 +16,22 @@ It logs, per profiled step:
 At fit end it logs a stacked bar chart (time/breakdown) and the step-time table as text (time/table).
 It prints the table and its one-line diagnosis.
 
+Before step 1 it also predicts the step's time (ledger/steptime): each op of the dry run replayed here,
+the optimizer, data wait and communication calibrated, and Lightning's own loop per batch, which needs
+Lightning and so is measured here (`lightning_loop_seconds`): an empty training_step through Trainer.fit,
+in a process of its own, cached per machine with the step-time cache. It logs time/predicted/<category>
+once, and the table gets a `predicted` column.
+
 A profiled step runs slower: the profiler has its own cost. `is_profiling_step(n)` says which training
 batches are profiled (0-based, counted over the fit). So a throughput window can leave them out.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import time
 
 import lightning.pytorch as pl
@@ -37,7 +47,17 @@ from lmledger.ledger.peak_flops import compute_dtype_for_precision
 from lmledger.ledger.roofline import LABELS, Roofline, device_roofline, format_table, with_ddp_allreduce
 from lmledger.ledger.shapes import advice_text
 
-__all__ = ["TimeLedger"]
+__all__ = [
+    "NO_STEP_TIME",
+    "TimeLedger",
+    "lightning_loop_seconds",
+    "measured_time",
+    "predict_fit_step_time",
+    "predict_time",
+]
+
+# Set in the loop probe's own process, so its Ledger does not predict (and probe) in turn.
+NO_STEP_TIME = "LMLEDGERNO_STEP_TIME"
 
 
 class TimeLedger(pl.Callback):
@@ -82,6 +102,7 @@ class TimeLedger(pl.Callback):
         self.model_flops: float | None = None
         self.samples: list[ledger_profile.Breakdown] = []
         self.why_no_bound: str | None = None
+        self.step_time = None  # the predicted step (ledger.steptime.StepTime), set by the Ledger before step 1
         self.skipped = 0  # sampled steps not profiled: another profiler was recording
         self.why_not_profiled: str | None = None  # the profiler could not run: no step is profiled this fit
         self._own_prediction = False
@@ -216,6 +237,10 @@ class TimeLedger(pl.Callback):
             metrics.update({f"time/bound/{name}": c.seconds for name, c in self.bound.by_category.items()})
             metrics["time/bound/total"] = self.bound.seconds
         metrics["time/measured/total"] = sample.wall_s
+        predicted = getattr(self.step_time, "seconds", None)
+        if predicted is not None and trainer.accumulate_grad_batches == 1:
+            metrics.update({f"time/predicted/{name}": seconds for name, seconds in predicted.items()})
+            metrics["time/predicted/total"] = sum(predicted.values())
         log_scalars(trainer, metrics, step=trainer.global_step)
 
     # -- the report ------------------------------------------------------------------------------
@@ -248,7 +273,8 @@ class TimeLedger(pl.Callback):
                 rows = [f"{LABELS[k]} {v * 1e3:.3f} ms ({measured.share(k):.1%})" for k, v in seconds.items()]
                 text += f"; measured {measured.wall_s * 1e3:.3f} ms per step: " + ", ".join(rows)
             return text
-        text = format_table(self.bound, self.measured, self.model_flops)
+        predicted = getattr(self.step_time, "seconds", None)
+        text = format_table(self.bound, self.measured, self.model_flops, predicted)
         if self.skipped:
             text += f"\n{self.skipped} sampled step(s) not profiled: another profiler was recording"
         if self.why_not_profiled:
@@ -291,3 +317,136 @@ def _this_gpu(device: torch.device) -> str | None:
 
     spec = find_gpu(torch.cuda.get_device_name(device))
     return spec.key if spec is not None else None
+
+
+# -- the predicted step time ---------------------------------------------------------------------------
+
+
+def lightning_loop_seconds(
+    *, progress_bar: bool, logger: bool, log_every_n_steps: int, ledger: bool = True, cache=None
+) -> tuple[float, str] | None:
+    """(seconds, how) Lightning's loop costs per batch with these settings, measured once per machine.
+
+    None where the probe could not run (it says nothing then; the prediction notes the loop is missing).
+    """
+    from lmledger.ledger.steptime.cache import StepTimeCache
+
+    cache = cache or StepTimeCache(torch.device("cpu"))
+    name = (
+        f"lightning_loop bar={int(progress_bar)} logger={int(logger)} log_every={log_every_n_steps} "
+        f"ledger={int(ledger)}"
+    )
+    found = cache.calibration(name)
+    if found is None:
+        settings = {"progress_bar": progress_bar, "logger": logger, "log_every_n_steps": max(1, log_every_n_steps),
+                    "ledger": ledger, "steps": 120, "threads": torch.get_num_threads()}  # fmt: skip
+        code = f"import json; from lmledger.callbacks.loopprobe import main; print(json.dumps(main({settings!r})))"
+        try:
+            done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                                  env={**os.environ, NO_STEP_TIME: "1"})  # fmt: skip
+            lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+            measured = json.loads(lines[-1]) if done.returncode == 0 and lines else None
+        except (OSError, subprocess.TimeoutExpired, ValueError):
+            measured = None
+        if not measured:
+            return None
+        value = max(0.0, measured["fit_s"] - measured["bare_s"] - measured["fetch_s"])
+        cache.set_calibration(
+            name, value, "an empty training_step through Trainer.fit (mean batch-to-batch after 20 batches) minus "
+            "the same step bare (median) and its loader's fetch", **measured,
+        )  # fmt: skip
+        cache.save()
+        found = cache.calibration(name)
+    return float(found["value"]), f"empty training_step through Trainer.fit, measured {found['measured_at'][:10]}"
+
+
+def predict_fit_step_time(
+    trainer: pl.Trainer,
+    pl_module: pl.LightningModule,
+    prediction: StepLedger,
+    *,
+    accumulate: int = 1,
+    tokens: int | None = None,
+    samples: int = 0,
+):
+    """The predicted step (ledger.steptime.StepTime or NoStepTime) of this fit, from its dry run."""
+    from lmledger.callbacks.run import torch_optimizers
+    from lmledger.callbacks.run import untouched_rng as fit_rng
+    from lmledger.ledger.steptime import NoStepTime, data_wait, predict_step_time
+
+    if os.environ.get(NO_STEP_TIME):
+        return NoStepTime("step-time prediction off in this process")
+    if prediction.ops is None:
+        return NoStepTime("the dry run holds no op records")
+    optimizers = torch_optimizers(trainer) if pl_module.automatic_optimization else []
+    clip = None
+    if trainer.gradient_clip_val:
+        algorithm = str(trainer.gradient_clip_algorithm or "norm").lower().split(".")[-1]
+        clip = ("value" if "value" in algorithm else "norm", float(trainer.gradient_clip_val))
+    loop = lightning_loop_seconds(
+        progress_bar=trainer.progress_bar_callback is not None, logger=bool(trainer.loggers),
+        log_every_n_steps=int(trainer.log_every_n_steps or 50),
+    )  # fmt: skip
+    loader = trainer.train_dataloader
+    data = data_wait(loader) if isinstance(loader, torch.utils.data.DataLoader) else None
+    backend = getattr(trainer.strategy, "_process_group_backend", None) or "gloo"
+    ops = with_ddp_allreduce(prediction.ops, prediction)
+    with fit_rng(pl_module.device):
+        return predict_step_time(
+            ops, pl_module.device, compute_dtype=compute_dtype_for_precision(str(trainer.precision)),
+            optimizer=optimizers[0] if optimizers else None, clip=clip, loop_s=loop[0] if loop else None,
+            loop_how=loop[1] if loop else "", data=data, world_size=trainer.world_size, backend=str(backend),
+            tokens=tokens, samples=samples, accumulate=accumulate,
+        )  # fmt: skip
+
+
+def predict_time(trainer, pl_module, dry, why_not, report, accumulate, tokens, samples, timing):
+    """The Ledger's step-time prediction before step 1: its report's `step time` and rate rows, the
+    time/predicted/<category> tags, one printed line, and the time ledger's `predicted` column."""
+    from lmledger.ledger.steptime import NoStepTime, StepTime
+
+    if dry is None:
+        result = NoStepTime(f"no dry run ({why_not})")
+    else:
+        try:
+            result = predict_fit_step_time(
+                trainer, pl_module, dry, accumulate=accumulate, tokens=tokens, samples=samples
+            )
+        except Exception as err:  # noqa: BLE001 - a prediction must never stop the fit
+            text = str(err).strip().splitlines()
+            result = NoStepTime(f"{type(err).__name__}: {text[0] if text else ''}")
+    timing.step_time = result
+    if isinstance(result, StepTime):
+        report.times["step time"] = (result.total_s, None)
+        rate = "tokens/s" if result.tokens_per_s else "samples/s"
+        report.times[rate] = (result.tokens_per_s or result.samples_per_s, None)
+        metrics = {f"time/predicted/{name}": seconds for name, seconds in result.seconds.items()}
+        metrics["time/predicted/total"] = result.total_s
+        log_scalars(trainer, metrics, step=trainer.global_step)
+        line = "ledger: " + result.line()
+        for note in result.notes:
+            line += f"\nledger: {note}"
+    else:
+        line = f"ledger: no step-time prediction: {result.reason}"
+    if trainer.is_global_zero and not os.environ.get(NO_STEP_TIME):
+        rank_zero_info(line)
+    return result
+
+
+def measured_time(report, step_time, steady: list, accumulate: int, show: bool) -> None:
+    """The measured step (the throughput windows' mean, per optimizer step) beside the predicted one."""
+    from lmledger.ledger.steptime import StepTime
+
+    seconds, batches = steady
+    if not isinstance(step_time, StepTime) or batches == 0 or seconds <= 0:
+        return
+    measured = seconds / batches * accumulate
+    report.times["step time"] = (step_time.total_s, measured)
+    for rate, per_step in (("tokens/s", step_time.tokens), ("samples/s", step_time.samples)):
+        if rate in report.times and per_step:
+            report.times[rate] = (report.times[rate][0], per_step / measured)
+    if show:
+        rank_zero_info(
+            f"step {step_time.total_s * 1e3:.4g} ms predicted, {measured * 1e3:.4g} ms measured "
+            f"(measured/predicted {measured / step_time.total_s:.3f}; over {batches} batches)"
+        )

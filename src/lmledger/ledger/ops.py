@@ -37,7 +37,9 @@ __all__ = [
     "OpRecord",
     "OpRecorder",
     "OpSummary",
+    "TensorSpec",
     "category_of",
+    "signature_of",
 ]
 
 MATMUL, ATTENTION, OTHER, OPTIMIZER, COMMUNICATION = "matmul", "attention", "other", "optimizer", "communication"
@@ -102,6 +104,9 @@ class OpRecord:
     bytes_written: int
     dtype: str
     shapes: tuple[tuple[int, ...], ...] = ()
+    # What a replay needs (ledger/steptime): its arguments with each tensor as a TensorSpec, or why not.
+    signature: tuple | None = None
+    not_replayable: str = ""
 
     @property
     def bytes(self) -> int:
@@ -138,6 +143,59 @@ class OpSummary:
             row[1] += op.flops
             row[2] += op.bytes
         return OpSummary(tuple(ops), {c: CategoryTotals(*row) for c, row in totals.items()})
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A tensor argument as a replay rebuilds it: its layout on a storage of `storage_numel` elements."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+    dtype: str
+    storage_numel: int
+    device: str
+
+
+class NotReplayable(Exception):
+    """An argument a replay cannot rebuild (a generator, a script object, a symbolic size)."""
+
+
+_SCALARS = (bool, int, float, str, type(None))
+
+
+def signature_of(tree: object) -> object:
+    """An op's arguments with each tensor replaced by its TensorSpec: hashable, values never read."""
+    if isinstance(tree, torch.Tensor):
+        try:
+            numel = tree.untyped_storage().nbytes() // max(1, tree.element_size())
+            spec = TensorSpec(tuple(tree.shape), tuple(tree.stride()), int(tree.storage_offset()),
+                              str(tree.dtype).removeprefix("torch."), int(numel), tree.device.type)  # fmt: skip
+        except (RuntimeError, NotImplementedError, TypeError) as err:  # sparse, nested, symbolic
+            raise NotReplayable(f"a {type(tree).__name__} argument without a strided layout") from err
+        if tree.layout != torch.strided or tree.is_quantized:
+            raise NotReplayable(f"a {tree.layout} tensor argument")
+        return spec
+    if isinstance(tree, _SCALARS):
+        return tree
+    if isinstance(tree, (list, tuple)):
+        return tuple(signature_of(x) for x in tree) if isinstance(tree, tuple) else [signature_of(x) for x in tree]
+    if isinstance(tree, dict):
+        return {k: signature_of(v) for k, v in tree.items()}
+    if isinstance(tree, (torch.dtype, torch.device, torch.layout, torch.memory_format)):
+        return tree
+    raise NotReplayable(f"a {type(tree).__name__} argument")
+
+
+def _frozen(tree: object) -> object:
+    """signature_of's lists and dicts as tuples, so the record stays hashable."""
+    if isinstance(tree, list):
+        return ("__list__", tuple(_frozen(x) for x in tree))
+    if isinstance(tree, dict):
+        return ("__dict__", tuple((k, _frozen(v)) for k, v in tree.items()))
+    if isinstance(tree, tuple):
+        return tuple(_frozen(x) for x in tree)
+    return tree
 
 
 def _touched_bytes(tensors: Iterator[torch.Tensor]) -> int:
@@ -252,4 +310,9 @@ class OpRecorder(TorchDispatchMode):
         if self.phase == "optimizer step" and category != COMMUNICATION:  # a collective stays one
             category = OPTIMIZER
         shapes = tuple(tuple(t.shape) for t in inputs) if category == MATMUL else ()
-        return OpRecord(name, self.phase, category, flops, read, written, dtype, shapes)
+        signature, why_not = None, ""
+        try:
+            signature = _frozen((signature_of(list(args)), signature_of(dict(kwargs))))
+        except NotReplayable as err:
+            why_not = str(err)
+        return OpRecord(name, self.phase, category, flops, read, written, dtype, shapes, signature, why_not)

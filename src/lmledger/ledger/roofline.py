@@ -35,6 +35,7 @@ __all__ = [
     "diagnosis",
     "format_table",
     "gpu_roofline",
+    "op_bounds",
     "peak_dtype",
     "roofline",
     "time_rows",
@@ -159,6 +160,17 @@ def device_roofline(
     Peaks come from peak_flops.peak_flops, bandwidth from bandwidth.memory_bandwidth. Collectives run at
     `interconnect_bytes_per_s` where given.
     """
+    peaks, sources, bandwidth = _device_figures(compute_dtype, device)
+    name = str(getattr(device, "type", device))
+    return roofline(
+        ops, peaks, compute_dtype, bandwidth.bytes_per_s, device=name,
+        interconnect_bytes_per_s=interconnect_bytes_per_s, peak_source=sources.get(compute_dtype, ""),
+        bandwidth_source=bandwidth.detail or bandwidth.source,
+    )  # fmt: skip
+
+
+def _device_figures(compute_dtype: str, device: object) -> tuple[dict[str, float | None], dict[str, str], object]:
+    """(dense peaks by dtype, their sources, memory bandwidth) of a live device."""
     from lmledger.ledger.bandwidth import memory_bandwidth
     from lmledger.ledger.gpus import DTYPES, Peak
     from lmledger.ledger.peak_flops import peak_flops
@@ -172,13 +184,19 @@ def device_roofline(
             sources[dtype] = peak.detail or peak.source
     if not peaks.get(compute_dtype):
         raise ValueError(f"no {compute_dtype} peak on {device}")
-    bandwidth = memory_bandwidth(device)
-    name = str(getattr(device, "type", device))
-    return roofline(
-        ops, peaks, compute_dtype, bandwidth.bytes_per_s, device=name,
-        interconnect_bytes_per_s=interconnect_bytes_per_s, peak_source=sources.get(compute_dtype, ""),
-        bandwidth_source=bandwidth.detail or bandwidth.source,
-    )  # fmt: skip
+    return peaks, sources, memory_bandwidth(device)
+
+
+def op_bounds(ops: list[OpRecord], compute_dtype: str, device: object) -> list[float]:
+    """Each op's roofline bound (seconds) on a live device, in order: what ledger/steptime divides by the
+    efficiency its category reached where an op cannot be replayed."""
+    peaks, _, bandwidth = _device_figures(compute_dtype, device)
+    fallback = float(peaks[compute_dtype])
+
+    def peak_for(dtype: str) -> float:
+        return float(peaks.get(peak_dtype(dtype, compute_dtype)) or fallback)
+
+    return [max(_op_bound(op, peak_for, bandwidth.bytes_per_s)) for op in ops]
 
 
 def gpu_roofline(ops: OpSummary, compute_dtype: str, gpu: str) -> Roofline:
@@ -268,36 +286,44 @@ class TimeRow:
     measured_s: float | None
     share: float | None  # of the measured step
     efficiency: float | None  # bound / measured
+    predicted_s: float | None = None  # ledger/steptime's prediction
 
     def to_json(self) -> dict:
         return {
-            "bound_s": self.bound_s, "measured_s": self.measured_s, "share": self.share, "efficiency": self.efficiency
+            "bound_s": self.bound_s, "predicted_s": self.predicted_s, "measured_s": self.measured_s,
+            "share": self.share, "efficiency": self.efficiency,
         }  # fmt: skip
 
 
-def time_rows(bound: Roofline, measured: object | None, model_flops: float) -> dict[str, TimeRow]:
-    """The table's rows by name: "ideal", "bound", "measured", then one per category (LABELS).
+def time_rows(
+    bound: Roofline, measured: object | None, model_flops: float, predicted: Mapping[str, float] | None = None
+) -> dict[str, TimeRow]:
+    """The table's rows by name: "ideal", "bound", "predicted", "measured", then one per category (LABELS).
 
-    `measured` is a profile.Breakdown, or None for the bound only.
+    `measured` is a profile.Breakdown, or None for the bound only. `predicted`: ledger/steptime's
+    seconds per category (StepTime.seconds), or None.
     """
     wall = measured.wall_s if measured is not None else None
 
-    def row(label: str, b: float | None, m: float | None) -> TimeRow:
+    def row(label: str, b: float | None, m: float | None, p: float | None = None) -> TimeRow:
         share = m / wall if (m is not None and wall) else None
         eff = b / m if (b is not None and m) else None
-        return TimeRow(label, b, m, share, eff)
+        return TimeRow(label, b, m, share, eff, p)
 
     rows = {
         "ideal": row("ideal (model FLOPs at dense peak)", bound.ideal_seconds(model_flops), None),
         "bound": row("roofline bound", bound.seconds, None),
-        "measured": row("measured", None, wall),
     }
+    if predicted is not None:
+        rows["predicted"] = row("predicted (ops replayed here)", None, None, sum(predicted.values()))
+    rows["measured"] = row("measured", None, wall)
     for name, label in LABELS.items():
         b = bound.by_category[name].seconds if name in bound.by_category else None  # no op waits for data
         m = measured.seconds.get(name) if measured is not None else None
-        if name in bound.by_category and not bound.by_category[name].ops and not m:
+        p = predicted.get(name) if predicted is not None else None
+        if name in bound.by_category and not bound.by_category[name].ops and not m and not p:
             continue  # no such ops (communication on one device)
-        rows[name] = row(label, b, m)
+        rows[name] = row(label, b, m, p)
     return rows
 
 
@@ -332,9 +358,12 @@ def diagnosis(bound: Roofline, measured: object, model_flops: float) -> str:
     return f"MFU {mfu:.2f} of a possible {possible:.2f}: {where}; data wait {measured.share('data_wait'):.0%}"
 
 
-def format_table(bound: Roofline, measured: object | None, model_flops: float | None) -> str:
-    """The step-time table as fixed-width text (also `lmledger account --measure`'s)."""
-    rows = time_rows(bound, measured, model_flops or 0.0)
+def format_table(
+    bound: Roofline, measured: object | None, model_flops: float | None, predicted: Mapping[str, float] | None = None
+) -> str:
+    """The step-time table as fixed-width text (also `lmledger account --measure`'s); a `predicted`
+    column between bound and measured where ledger/steptime's seconds per category are given."""
+    rows = time_rows(bound, measured, model_flops or 0.0, predicted)
 
     def ms(x: float | None) -> str:
         return "—" if x is None else f"{x * 1e3:.3f}"
@@ -342,7 +371,8 @@ def format_table(bound: Roofline, measured: object | None, model_flops: float | 
     def pct(x: float | None) -> str:
         return "—" if x is None else f"{x:.1%}"
 
-    head = f"{'step time (ms per step)':<34} {'bound':>10} {'measured':>10} {'share':>7} {'bound/measured':>15}"
+    pcol = f" {'predicted':>10}" if predicted is not None else ""
+    head = f"{'step time (ms per step)':<34} {'bound':>10}{pcol} {'measured':>10} {'share':>7} {'bound/measured':>15}"
     lines = [
         f"time ledger on {bound.device}: peak {tera(bound.peak_flops_per_s):.4g} TFLOP/s {bound.peak_dtype} "
         f"({bound.peak_source or 'peak'}), memory {bound.bandwidth_bytes_per_s / 1e9:.4g} GB/s "
@@ -351,7 +381,8 @@ def format_table(bound: Roofline, measured: object | None, model_flops: float | 
         "-" * len(head),
     ]
     for key, row in rows.items():
-        cells = f"{ms(row.bound_s):>10} {ms(row.measured_s):>10} {pct(row.share):>7} {pct(row.efficiency):>15}"
+        pcell = f" {ms(row.predicted_s):>10}" if predicted is not None else ""
+        cells = f"{ms(row.bound_s):>10}{pcell} {ms(row.measured_s):>10} {pct(row.share):>7} {pct(row.efficiency):>15}"
         lines.append(f"{row.label:<34} {cells}")
         if key == "measured":
             lines.append("-" * len(head))

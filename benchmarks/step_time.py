@@ -1,0 +1,144 @@
+"""The predicted step time beside the measured one, per case (issue 29): `lmledger fit` of each case for
+enough steps to be steady, reading the line the Ledger prints at fit end:
+
+    step 85.2 ms predicted, 83.1 ms measured (measured/predicted 0.975; over 40 batches)
+
+Predicted: before step 1, from the dry run's ops replayed here (ledger/steptime). Measured: the mean
+per optimizer step of the fit's throughput windows (warm-up, profiled steps and validation left out).
+It prints predicted, measured and error per case, then the median and worst |error|. The step-time cache
+is a fresh one per run of this script (shared by its cases), so the figures are this machine's now.
+
+    .venv/bin/python benchmarks/step_time.py                    # every case (~5 min on an idle 2-core CPU)
+    .venv/bin/python benchmarks/step_time.py --cases tiny,tiny-ac --steps 40
+    .venv/bin/python benchmarks/step_time.py --write            # also benchmarks/results/step-time-DATE.md
+
+Timing needs an idle machine: the script prints the load average beside the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+TOY = "configs/tiny.yaml"
+CASES: dict[str, list[str]] = {
+    "tiny": ["--config", TOY],
+    "tiny-ac": ["--config", TOY, "--model.config.activation_checkpointing", "1"],
+    "tiny-bf16": ["--config", TOY, "--trainer.precision", "bf16-mixed"],
+    "tiny-accum4": ["--config", TOY, "--trainer.accumulate_grad_batches", "4"],
+    "wide-lm": ["--config", TOY, "--model.config.d_model", "512", "--model.config.n_heads", "8",
+                "--model.config.d_ff", "1536", "--model.config.context_length", "256", "--data.batch_size", "8"],
+    "hf-llama": ["--config", "configs/examples/hf-llama.yaml"],
+    "hf-gpt2": ["--config", "configs/examples/hf-gpt2.yaml"],
+    "hf-bert": ["--config", "configs/examples/hf-bert.yaml"],
+    "hf-t5": ["--config", "configs/examples/hf-t5.yaml"],
+    "convnet": ["--config", "configs/examples/byte-convnet.yaml"],
+    "tiny-ddp2": ["--config", TOY, "--trainer.devices", "2", "--trainer.strategy", "ddp"],
+}  # fmt: skip
+_LINE = re.compile(r"step ([0-9.e+]+) ms predicted, ([0-9.e+]+) ms measured")
+_PREDICTED = re.compile(r"step time predicted .*")
+
+
+def _data(work: Path) -> Path:
+    """The prepared stdlib corpus: the repository's if there, else prepared once into `work`."""
+    if (REPO / "data/stdlib/train.bin").exists():
+        return REPO / "data/stdlib"
+    out = work / "data/stdlib"
+    lmledger = [sys.executable, "-m", "lmledger.cli"]
+    subprocess.run([*lmledger, "prepare", "--out", str(out)], check=True, capture_output=True, cwd=REPO)
+    return out
+
+
+def run_case(name: str, steps: int, data: Path, work: Path, env: dict) -> dict:
+    args = CASES[name]
+    toy = args[1] == TOY
+    command = [
+        sys.executable, "-m", "lmledger.cli", "fit", *args, "--trainer.max_steps", str(steps),
+        "--trainer.enable_progress_bar", "false", "--trainer.limit_val_batches", "0",
+        "--trainer.logger.init_args.save_dir", str(work / "runs"), "--ledger.profile_every", "0",
+        "--data.path" if toy else "--data.init_args.path", str(data),
+    ]  # fmt: skip
+    started = time.perf_counter()
+    done = subprocess.run(command, capture_output=True, text=True, cwd=REPO, env=env, timeout=900)
+    text = done.stdout + done.stderr
+    found = _LINE.search(text)
+    row = {"case": name, "wall_s": time.perf_counter() - started, "rc": done.returncode}
+    predicted_line = _PREDICTED.search(text)
+    row["line"] = predicted_line.group(0) if predicted_line else ""
+    if found is None:
+        row["error"] = (text.strip().splitlines() or ["no output"])[-1][:200]
+        return row
+    row["predicted_ms"], row["measured_ms"] = float(found.group(1)), float(found.group(2))
+    row["error_pct"] = 100 * (row["predicted_ms"] - row["measured_ms"]) / row["measured_ms"]
+    return row
+
+
+def table(rows: list[dict]) -> str:
+    head = "| case | predicted ms | measured ms | error | fit wall s |\n|---|---|---|---|---|"
+    lines = [head]
+    for r in rows:
+        if "error_pct" in r:
+            lines.append(f"| {r['case']} | {r['predicted_ms']:.1f} | {r['measured_ms']:.1f} | {r['error_pct']:+.1f}% | "
+                         f"{r['wall_s']:.0f} |")  # fmt: skip
+        else:
+            lines.append(f"| {r['case']} | — | — | failed: {r.get('error', '')} | {r['wall_s']:.0f} |")
+    errors = [abs(r["error_pct"]) for r in rows if "error_pct" in r]
+    if errors:
+        worst = max((r for r in rows if "error_pct" in r), key=lambda r: abs(r["error_pct"]))
+        lines.append(f"\nmedian |error| {statistics.median(errors):.1f}%, worst {abs(worst['error_pct']):.1f}% "
+                     f"({worst['case']}), over {len(errors)} cases")  # fmt: skip
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of: {', '.join(CASES)}")
+    parser.add_argument("--steps", type=int, default=60, help="optimizer steps per fit (default 60)")
+    parser.add_argument("--cache", help="a step-time cache directory to keep (default: a fresh one)")
+    parser.add_argument("--write", action="store_true", help="write benchmarks/results/step-time-DATE.md")
+    args = parser.parse_args()
+    names = [n.strip() for n in args.cases.split(",") if n.strip()]
+    unknown = [n for n in names if n not in CASES]
+    if unknown:
+        parser.error(f"unknown case(s) {', '.join(unknown)}: pick from {', '.join(CASES)}")
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        env = {**os.environ, "LMLEDGER_CACHE_DIR": args.cache or str(work / "cache"),
+               "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")]))}  # fmt: skip
+        data = _data(work)
+        load_before = os.getloadavg()
+        rows = []
+        for name in names:
+            row = run_case(name, args.steps, data, work, env)
+            rows.append(row)
+            shown = f"{row['error_pct']:+.1f}%" if "error_pct" in row else f"failed: {row.get('error')}"
+            print(f"{name}: {shown}  ({row['wall_s']:.0f} s)  {row['line']}", flush=True)
+    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    load = os.getloadavg()
+    header = (
+        f"step time predicted beside measured, {when}, {platform.processor() or platform.machine()} "
+        f"({os.cpu_count()} CPUs); load average {load_before[0]:.2f} before, {load[0]:.2f} after; "
+        f"{args.steps} steps per fit"
+    )
+    text = header + "\n\n" + table(rows)
+    print("\n" + text)
+    if args.write:
+        out = REPO / "benchmarks/results" / f"step-time-{when[:10]}.md"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text + "\n")
+        print(f"written: {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
