@@ -63,7 +63,7 @@ from lmledger.callbacks.run import (
 )
 from lmledger.callbacks.settings import LedgerSettings
 from lmledger.callbacks.throughput import compile_speedup, resolve_peak
-from lmledger.callbacks.timing import TimeLedger
+from lmledger.callbacks.timing import TimeLedger, measured_time, predict_time
 from lmledger.errors import UserError
 from lmledger.ledger import moebounds, precision_table, sharded
 from lmledger.ledger.dryrun import NotTraced, StepLedger, largest_batch
@@ -135,6 +135,8 @@ class Ledger(pl.Callback):
         self._flops_per_batch_of_any_module: dict[str, int | None] | None = None
         self._val_shapes: set[tuple[int, ...]] = set()
         self._toy_flops: dict[tuple[int, int], dict[str, int]] = {}
+        self.step_time: object | None = None  # ledger.steptime StepTime or NoStepTime, before step 1
+        self._steady = [0.0, 0]  # seconds and batches of the throughput windows: the measured step
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._reset(1 if not pl_module.automatic_optimization else trainer.accumulate_grad_batches)
@@ -283,6 +285,9 @@ class Ledger(pl.Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if self.report is None:
             self._predict(trainer, pl_module, batch, batch_idx)
+        if self.step_time is None and self.timing is not None and self.report is not None:
+            self.step_time = predict_time(trainer, pl_module, self._dry, self.why_not_predicted, self.report,
+                                          self._accumulate, self.tokens, self.samples, self.timing)  # fmt: skip
         if self.measurement is not None and not self.measurement.done:
             self.measurement.batch_start(pl_module, torch_optimizers(trainer), batch, trainer.global_step)
         self._profiled_since = None
@@ -360,6 +365,8 @@ class Ledger(pl.Callback):
         window = self._window
         self._raise_measured_peak(trainer, window, now)
         rates = window.rates(now, self.peak.flops_per_s if self.peak else None, counts_tokens=self.tokens is not None)
+        self._steady[0] += now - window.start - window.paused
+        self._steady[1] += window.batches
         self._window = Window(start=now)  # the report's own cost falls in the next window
         if not rates:
             return
@@ -448,6 +455,8 @@ class Ledger(pl.Callback):
                     if line not in self.measurement.values:
                         self.measurement.why_missing.setdefault(line, "not measured (run too short)")
                 self._report_measured(trainer)
+        if self.report is not None:
+            measured_time(self.report, self.step_time, self._steady, self._accumulate, trainer.is_global_zero)
         if trainer.is_global_zero and self.report is not None:
             Console().print(self.report.table("ledger (summary)"))
         if self.timing is not None:

@@ -81,6 +81,8 @@ class Report:
     measured: Figures | None = None
     rates: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    # "step time" (seconds) and "tokens/s" or "samples/s": (predicted, measured), ledger/steptime beside the fit
+    times: dict[str, tuple[float | None, float | None]] = field(default_factory=dict)
 
     @property
     def primary(self) -> Figures | None:
@@ -113,7 +115,14 @@ class Report:
             else:
                 measured = show(self.measured.get(line))
             rows.append((LABELS.get(line, line), *cells, measured, _ratio(self.measured, primary, line)))
+        for name, (predicted, measured) in self.times.items():
+            show = (lambda s: f"{s * 1e3:.4g} ms") if name == "step time" else (lambda r: f"{r:.4g}")  # noqa: E731
+            cells = [show(predicted) if predicted is not None else "n/a", *([""] * (len(self.predicted) - 1))]
+            ratio = f"{measured / predicted:.3f}" if predicted and measured is not None else ""
+            rows.append((name, *cells[: len(self.predicted)], show(measured) if measured is not None else "", ratio))
         for name, value in self.rates.items():
+            if name in self.times:
+                continue
             text = f"{value:.2%}" if name in ("MFU", "HFU") else f"{value:.4g}"
             rows.append((name, *([""] * len(self.predicted)), text, ""))
         return rows
@@ -143,6 +152,7 @@ class Report:
                 "measured": self.measured.get(line) if self.measured else None,
             }
         out["rates"] = dict(self.rates)
+        out["times"] = {k: {"predicted": p, "measured": m} for k, (p, m) in self.times.items()}
         out["notes"] = list(self.notes)
         return out
 
