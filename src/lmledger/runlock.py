@@ -3,8 +3,9 @@
 The kernel drops a flock lock when its holder dies, however it dies (SIGKILL included).
 So a lock never goes stale. The file holds the holder's "PID@HOST", for the refusal's one line.
 The directory is locked too, so deleting the file lets no second writer in. Where the filesystem
-refuses a directory's flock (NFSv4 wants write access for an exclusive lock), the file alone
-excludes: `lost()` then sees a deleted or replaced file, and the holder stops before it writes.
+refuses a directory's flock (NFSv4 wants write access for an exclusive lock: EBADF, in Linux's
+fs/nfs/nfs4proc.c nfs4_proc_lock), the file alone excludes. `lost()` then sees a deleted or replaced
+file, and the holder stops before it writes.
 On NFS, Linux (2.6.12 and later) turns flock into a POSIX byte-range lock the server arbitrates.
 So the lock excludes writers on other machines too. The mount option `local_lock=flock`
 (or `local_lock=all`) makes it local to each client. Then it excludes only writers on the same
