@@ -39,7 +39,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from rich.console import Console
 
-from lmledger.callbacks import fsdp2, preflight, toy
+from lmledger.callbacks import cpukernels, fsdp2, preflight, toy
 from lmledger.callbacks.live import (
     ddp_arguments,
     dry_run_training_step,
@@ -469,6 +469,10 @@ class Ledger(pl.Callback):
             self.timing.on_exception(trainer, pl_module, exception)
         if isinstance(exception, torch.cuda.OutOfMemoryError) and self.report is not None:
             self._explain_oom(trainer, pl_module, exception)
+        line = cpukernels.missing_kernel_line(exception, str(trainer.precision))
+        if line is not None:  # `lmledger fit` prints it alone (exit 2); a traceback in library use ends with it
+            exception.ledger_line = line
+            exception.add_note(line)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if self.measurement is not None:

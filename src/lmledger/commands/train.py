@@ -106,6 +106,8 @@ def main(argv: list[str]) -> int:
     except UserError:
         raise
     except Exception as err:  # a disk that refused a run's file (NameTheEventFile names an event file)
+        if isinstance(err, RuntimeError) and getattr(err, "ledger_line", None):  # a CPU kernel (callbacks.cpukernels)
+            raise UserError(err.ledger_line) from err
         refused = disk_error(err)
         if refused is None or not refused.filename:
             raise

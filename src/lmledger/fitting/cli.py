@@ -336,6 +336,10 @@ def run_claimed(argv: list[str]) -> None:
         if hasattr(oom, "ledger_line"):  # the preflight's refusal, reported as a UserError by main
             undo_uncommitted_claims()
         raise
+    except Exception as err:
+        if isinstance(err, RuntimeError) and getattr(err, "ledger_line", None):  # a kernel this CPU lacks, in step 1
+            undo_uncommitted_claims()
+        raise
     finally:
         release_claims()
 
