@@ -394,7 +394,7 @@ def _submit(experiment: Experiment, out_dir: Path, points: list[Point], request:
             '"$SLURM_ARRAY_TASK_ID"',
             "",
         ])  # fmt: skip
-        atomic_write(path, script)
+        atomic_write(path, script.encode("utf-8", "surrogateescape"))  # a path's own bytes, even if not UTF-8
     except BaseException as err:
         _remove_made([path, record, frozen], made)
         if isinstance(err, UserError):
@@ -516,6 +516,9 @@ def ended_result(out_dir: Path, point: Point) -> PointResult:
     log = out_dir / "slurm" / "logs" / f"{job}_{index}.out"
     stderr = status_path(out_dir, point).parent / "stderr.log"
     slurm_text = _read(log)
+    # A requeued task appends to its log (--open-mode=append): read only its last start's part.
+    starts = [m.start() for m in re.finditer(r"^lmledger sweep: point ", slurm_text, re.M)]
+    slurm_text = slurm_text[starts[-1] :] if starts else slurm_text
     if cause := last_error_line(slurm_text) or (saved.get("status") == "running" and last_error_line(_read(stderr))):
         error = f"SLURM task {task} ended without a result: {cause} (the last error in {log})"
     elif slurm_text.strip():
