@@ -48,7 +48,7 @@ def _predict(spec: Run, device: str) -> dict:
     }
 
 
-def _measure(spec: Run, device: torch.device) -> dict:
+def _measure(spec: Run, device: torch.device, step_time: dict | None = None) -> dict:
     """ledger.predict.measure of the config's run on `device`, and the median time of a further step.
 
     Real training steps: FLOPs are counted once. Saved activations come from the first step, state
@@ -66,11 +66,11 @@ def _measure(spec: Run, device: torch.device) -> dict:
         "peak_phase": m.peak_phase,
         "autocast_weight_copies": m.autocast_weight_copies,
         "step_seconds": _step_seconds(m.step, device),
-        "time": _step_time(spec, device, m.step),
+        "time": _step_time(spec, device, m.step, (step_time or {}).get("seconds")),
     }
 
 
-def _step_time(spec: Run, device: torch.device, step) -> dict:
+def _step_time(spec: Run, device: torch.device, step, predicted: dict | None = None) -> dict:
     """The step-time table (docs/time.md).
 
     The roofline bound of the config's step on `device` (its dry run's ops), beside the mean of three
@@ -83,10 +83,10 @@ def _step_time(spec: Run, device: torch.device, step) -> dict:
         return torch.optim.AdamW(params, lr=1e-4, fused=spec.fused_optimizer)
 
     ops = roofline.toy_step_ops(spec.config, spec.batch_size, spec.seq_len, spec.precision, optimizer)
-    return _time_table(ops, spec.precision, device, step)
+    return _time_table(ops, spec.precision, device, step, predicted)
 
 
-def _time_table(ops, precision: str, device: torch.device, step) -> dict:
+def _time_table(ops, precision: str, device: torch.device, step, predicted: dict | None = None) -> dict:
     """The bound of `ops` (a dry run's OpSummary) on `device`, beside three profiled `step(phase)` calls."""
     from lmledger.ledger import profile, roofline
 
@@ -94,10 +94,12 @@ def _time_table(ops, precision: str, device: torch.device, step) -> dict:
     measured = profile.mean_breakdown([profile.profile_step(step, device) for _ in range(3)])
     model_flops = 3 * ops.flops_in("forward")  # = 6N + attention for ToyLM and Llama
     return {
-        "rows": {name: row.to_json() for name, row in roofline.time_rows(bound, measured, model_flops).items()},
+        "rows": {
+            name: row.to_json() for name, row in roofline.time_rows(bound, measured, model_flops, predicted).items()
+        },
         "roofline_mfu": bound.mfu(model_flops),
         "diagnosis": roofline.diagnosis(bound, measured, model_flops),
-        "table": roofline.format_table(bound, measured, model_flops),
+        "table": roofline.format_table(bound, measured, model_flops, predicted),
     }
 
 
@@ -160,10 +162,12 @@ def _mfu_conventions(spec: Run, seconds: float | None, device: torch.device) -> 
     }
 
 
-def account(spec: Run, do_measure: bool, argv: list[str] = ()) -> dict:
+def account(spec: Run, do_measure: bool, argv: list[str] = (), step_time: bool = False) -> dict:
+    """`step_time`: predict the step's time here too (ledger.steptime), under result["time"]["predicted"]."""
     device = local_device(spec.accelerator) if do_measure else predicted_device(spec.accelerator)
     predicted = _predict(spec, device.type)
-    measured = _measure(spec, device) if do_measure else None
+    step = _toy_predicted_time(spec, list(argv)) if step_time and spec.world_size == 1 and spec.config else None
+    measured = _measure(spec, device, step) if do_measure else None
     result = {
         "params": count_parameters(spec.config),
         "flops": {**predicted["flops"], "measured": measured["flops"]["measured"] if measured else None},
@@ -192,6 +196,8 @@ def account(spec: Run, do_measure: bool, argv: list[str] = ()) -> dict:
         "mfu_conventions": _mfu_conventions(spec, measured["step_seconds"] if measured else None, device),
         "time": measured["time"] if measured else None,
     }
+    if step is not None:  # the step time predicted here, before anything runs
+        result["time"] = {**(result["time"] or {}), "predicted": step}
     if traced_at_scale(spec):
         _add_per_rank(result, spec, argv)
     return result
@@ -267,12 +273,14 @@ def _module_step_fn(module, batch: object, precision: str):
     return step
 
 
-def account_any_model(argv: list[str], do_measure: bool) -> dict:
+def account_any_model(argv: list[str], do_measure: bool, step_time: bool = False) -> dict:
     """account for a config naming any LightningModule.
 
     The dry run, beside the real step with --measure. Both run on its data's first batch.
     No model FLOPs (6N + attention needs the architecture), so no MFU."""
     from lmledger.callbacks.live import samples_per_batch, tokens_per_batch
+    import copy
+
     from lmledger.fitting.cli import build_model_and_data, first_batch
     from lmledger.ledger import predict as ledger_predict
     from lmledger.ledger.fakecopy import map_tensors
@@ -292,9 +300,19 @@ def account_any_model(argv: list[str], do_measure: bool) -> dict:
         warnings.simplefilter("ignore")
         predicted = predict_run(run, batch)
         measured = ledger_predict.measure_module(module, batch, precision=precision) if do_measure else None
-        timing = None
+        timing = step = None
+        if step_time and predicted.dry is not None and predicted.dry.ops is not None:  # the step time predicted here
+            step = predicted_step_time(
+                predicted.dry.ops, ledger_predict.configured_optimizer(copy.deepcopy(module)), argv, precision, device,
+                tokens, samples, data.train_dataloader(),
+            )  # fmt: skip
+        elif step_time:
+            step = {"none": predicted.unmodelled, "line": f"no step-time prediction: {predicted.unmodelled}"}
         if do_measure and predicted.dry is not None and predicted.dry.ops is not None:
-            timing = _time_table(predicted.dry.ops, precision, device, _module_step_fn(module, batch, precision))
+            timing = _time_table(predicted.dry.ops, precision, device, _module_step_fn(module, batch, precision),
+                                 (step or {}).get("seconds"))  # fmt: skip
+        if step is not None:
+            timing = {**(timing or {}), "predicted": step}
     not_predicted = predicted.unmodelled
     p = None if not_predicted else predicted
 
@@ -444,6 +462,81 @@ def print_per_rank(scale: dict) -> None:
     cases = list(scale["cases"].values())
     rows = [("params", "params"), ("grads", "grads"), ("optimizer", "optimizer"), ("activations", "activations"),
             ("comm buffers (DDP buckets, FSDP2 gathers)", "comm_buffers"), ("peak", "peak")]  # fmt: skip
+
+
+# -- the predicted step time (ledger.steptime), before anything runs ------------------------------------
+
+
+def _trainer_time_settings(argv: list[str]) -> dict:
+    """What of a fit config's trainer the step-time prediction reads: accumulation, clipping, the loop's
+    progress bar, logger and logging cadence."""
+    from lmledger.fitting.cli import parse_fit_config
+
+    trainer = parse_fit_config(list(argv)).trainer
+    get = trainer.get if hasattr(trainer, "get") else lambda k, d=None: getattr(trainer, k, d)
+    clip = get("gradient_clip_val")
+    algorithm = str(get("gradient_clip_algorithm") or "norm")
+    return {
+        "accumulate": int(get("accumulate_grad_batches") or 1),
+        "clip": ("value" if "value" in algorithm else "norm", float(clip)) if clip else None,
+        "progress_bar": get("enable_progress_bar") is not False,
+        "logger": get("logger") not in (False, None) or get("logger") is None,
+        "log_every_n_steps": int(get("log_every_n_steps") or 50),
+    }
+
+
+def predicted_step_time(
+    ops, optimizer, argv: list[str], precision: str, device: torch.device, tokens: int | None, samples: int,
+    loader: object = None,
+) -> dict:  # fmt: skip
+    """StepTime.to_json() of a config's step on this machine (or {"none": why}), with its one line."""
+    from lmledger.callbacks.timing import lightning_loop_seconds
+    from lmledger.ledger.steptime import StepTime, data_wait, predict_step_time
+
+    settings = _trainer_time_settings(argv)
+    loop = lightning_loop_seconds(
+        progress_bar=settings["progress_bar"], logger=settings["logger"],
+        log_every_n_steps=settings["log_every_n_steps"],
+    )  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = predict_step_time(
+            ops, device, compute_dtype=compute_dtype_for_precision(precision), optimizer=optimizer,
+            clip=settings["clip"], loop_s=loop[0] if loop else None, loop_how=loop[1] if loop else "",
+            data=data_wait(loader) if loader is not None else None, tokens=tokens, samples=samples,
+            accumulate=settings["accumulate"],
+        )  # fmt: skip
+    if not isinstance(result, StepTime):
+        return {"none": result.reason, "line": f"no step-time prediction: {result.reason}"}
+    return {**result.to_json(), "line": result.line()}
+
+
+def _toy_predicted_time(spec: Run, argv: list[str]) -> dict:
+    """The ToyLM config's step time predicted here: its dry run on meta weights, its optimizer."""
+    from lmledger.ledger.dryrun import NotTraced, dry_run
+    from lmledger.model import ToyLM
+
+    accumulate = _trainer_time_settings(argv)["accumulate"]
+    with torch.device("meta"):
+        model = ToyLM(spec.config)
+    fused = spec.fused_optimizer
+
+    def optimizer(params):  # as ledger.predict.measure builds it
+        if spec.optimizer == "sgd":
+            return torch.optim.SGD(params, lr=1e-4, momentum=spec.momentum, fused=fused)
+        return torch.optim.AdamW(params, lr=1e-4, fused=fused)
+
+    batch = tuple(torch.empty(spec.batch_size, spec.seq_len, dtype=torch.long, device="meta") for _ in range(2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dry = dry_run(model, batch, step=lambda m, b: m(*b), optimizer=optimizer, precision=spec.precision,
+                      device="cpu", accumulate=accumulate)  # fmt: skip
+    if isinstance(dry, NotTraced):
+        return {"none": dry.reason, "line": f"no step-time prediction: {dry.reason}"}
+    return predicted_step_time(
+        dry.ops, optimizer(list(model.parameters())), argv, spec.precision, torch.device("cpu"),
+        spec.tokens_per_batch, spec.batch_size,
+    )  # fmt: skip
     if scale.get("capacity_bytes"):
         rows.append(("largest micro-batch per rank", "max_batch"))
     for label, key in rows:

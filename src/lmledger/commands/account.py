@@ -87,8 +87,16 @@ def _print_table(result: dict) -> None:
     _print_conventions(result["mfu_conventions"], run)
     if result.get("per_rank"):
         print_per_rank(result["per_rank"])
-    if result.get("time"):
-        print(result["time"]["table"])
+    _print_time(result)
+
+
+def _print_time(result: dict) -> None:
+    """The predicted step time line (and, with --measure, the step-time table with its predicted column)."""
+    time = result.get("time") or {}
+    if time.get("predicted"):
+        print(time["predicted"]["line"])
+    if time.get("table"):
+        print(time["table"])
 
 
 def _print_conventions(conv: dict, run: dict) -> None:
@@ -149,8 +157,7 @@ def _print_any_model_table(result: dict) -> None:
         measured_in = f"; measured peak (live tensor bytes) in: {measured_in}" if measured_in else ""
         print(f"predicted peak falls in: {run['peak_phase']}{measured_in}; on {run['device']}")
     print("no model FLOPs or MFU for a module that is not lmledger's ToyLM: HFU comes from a fit's perf/hfu")
-    if result.get("time"):
-        print(result["time"]["table"])
+    _print_time(result)
 
 
 def _account_command(*fit_args: str, measure: bool = False, json: bool = False) -> int:
@@ -171,7 +178,7 @@ def _account_command(*fit_args: str, measure: bool = False, json: bool = False) 
             print_any_model_at_scale(result)
         return 0
     if named_classes(rest):
-        result = account_any_model(rest, measure)
+        result = account_any_model(rest, measure, step_time=True)
         if json:
             print(dumps(result))
         else:
@@ -179,7 +186,7 @@ def _account_command(*fit_args: str, measure: bool = False, json: bool = False) 
         return 0
     if not any(a == "--config" or a.startswith("--config=") for a in rest):
         raise UserError("account needs --config FILE (e.g. configs/tiny.yaml) or --model CLASS_PATH")
-    result = account(load_run(rest), measure, rest)
+    result = account(load_run(rest), measure, rest, step_time=True)
     if json:
         print(dumps(result))
     else:
