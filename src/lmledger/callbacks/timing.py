@@ -51,6 +51,7 @@ __all__ = [
     "NO_STEP_TIME",
     "TimeLedger",
     "lightning_loop_seconds",
+    "loop_calibration_name",
     "measured_time",
     "predict_fit_step_time",
     "predict_time",
@@ -322,6 +323,12 @@ def _this_gpu(device: torch.device) -> str | None:
 # -- the predicted step time ---------------------------------------------------------------------------
 
 
+def loop_calibration_name(progress_bar: bool, logger: bool, log_every_n_steps: int, ledger: bool = True) -> str:
+    """The step-time cache's name for the loop calibration of these trainer settings."""
+    flags = f"bar={int(progress_bar)} logger={int(logger)} log_every={log_every_n_steps} ledger={int(ledger)}"
+    return f"lightning_loop {flags}"
+
+
 def lightning_loop_seconds(
     *, progress_bar: bool, logger: bool, log_every_n_steps: int, ledger: bool = True, cache=None
 ) -> tuple[float, str] | None:
@@ -332,10 +339,7 @@ def lightning_loop_seconds(
     from lmledger.ledger.steptime.cache import StepTimeCache
 
     cache = cache or StepTimeCache(torch.device("cpu"))
-    name = (
-        f"lightning_loop bar={int(progress_bar)} logger={int(logger)} log_every={log_every_n_steps} "
-        f"ledger={int(ledger)}"
-    )
+    name = loop_calibration_name(progress_bar, logger, log_every_n_steps, ledger)
     found = cache.calibration(name)
     if found is None:
         settings = {"progress_bar": progress_bar, "logger": logger, "log_every_n_steps": max(1, log_every_n_steps),

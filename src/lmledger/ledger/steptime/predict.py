@@ -42,6 +42,8 @@ class StepTime:
     replayed: int  # of those, priced by their own replay
     fallback: int  # priced at roofline bound / category efficiency
     fallback_s: float
+    optimizer_ops: int = 0  # ops of the optimizer step, priced whole by timing the real optimizer (0: replayed)
+    collectives: int = 0  # priced by the communication model
     fallback_ops: dict[str, int] = field(default_factory=dict)  # name -> count, with why_not below
     why_not: dict[str, str] = field(default_factory=dict)  # op name -> why it was not replayed
     benchmarked: int = 0  # op signatures timed by this prediction (0: all from the cache)
@@ -83,7 +85,8 @@ class StepTime:
         return {
             "total_s": self.total_s, "seconds": dict(self.seconds), "tokens_per_s": self.tokens_per_s,
             "samples_per_s": self.samples_per_s, "ops": self.ops, "replayed": self.replayed,
-            "fallback": self.fallback, "fallback_share": self.fallback_share, "fallback_ops": dict(self.fallback_ops),
+            "fallback": self.fallback, "fallback_share": self.fallback_share, "optimizer_ops": self.optimizer_ops,
+            "collectives": self.collectives, "fallback_ops": dict(self.fallback_ops),
             "benchmarked": self.benchmarked, "distinct": self.distinct, "accumulate": self.accumulate,
             "how": dict(self.how), "notes": list(self.notes),
         }  # fmt: skip
@@ -210,6 +213,8 @@ def predict_step_time(
         notes.append(cache.note)
     return StepTime(
         seconds=seconds, ops=len(ops.ops), replayed=len(replayed), fallback=len(unreplayed), fallback_s=fallback_s,
+        optimizer_ops=sum(1 for op in ops.ops if op.category == OPTIMIZER) if timed_optimizer is not None else 0,
+        collectives=len(comm_ops),
         fallback_ops=fallback_ops, why_not=why_not, benchmarked=replayer.benchmarked, distinct=distinct,
         accumulate=accumulate, tokens=tokens * accumulate if tokens else None, samples=samples * accumulate, how=how,
         notes=tuple(notes),
