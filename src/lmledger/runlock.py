@@ -160,6 +160,9 @@ class DirLock:
                 raise self._not_a_lock(err) from None
             info = os.fstat(fd)
             problem = None
+            if stat.S_ISREG(info.st_mode) and info.st_nlink == 0:
+                os.close(fd)  # unlinked by its holder between our open and our look: create it
+                continue
             if not stat.S_ISREG(info.st_mode):
                 problem = "is not a regular file"
             elif info.st_nlink != 1:
