@@ -24,6 +24,7 @@ __all__ = [
     "batches_that_stepped",
     "cli_value",
     "is_local_path",
+    "observe_child_ranks",
     "pin_logger_version",
     "save_last_checkpoint",
     "should_update_logs",
@@ -91,3 +92,28 @@ def cli_value(cli: LightningCLI, config: Any, key: str, default: Any = None) -> 
     """`key` of a LightningCLI config, under the running subcommand if there is one.
     Canary: test_cli_get_reads_under_the_subcommand."""
     return cli._get(config, key, default=default)
+
+
+def observe_child_ranks(on_start: Callable[[list], None], on_death: Callable[[list], bool]) -> None:
+    """Hooks on Lightning's _ChildProcessObserver, the thread its subprocess launcher (rank 0) starts to watch
+    local ranks 1..N-1: on_start(procs) when it starts; on_death(procs) when a child has failed, before the
+    observer SIGKILLs every rank, the launcher included, with nothing on screen (on_death returns False to let
+    the launcher end by itself). Canary: test_lightning_observer_kills_the_launcher_when_a_child_dies."""
+    from lightning.fabric.strategies.launchers import subprocess_script
+
+    base = subprocess_script._ChildProcessObserver
+    if getattr(base, "lmledger_hooked", False):
+        return
+
+    class Observer(base):
+        lmledger_hooked = True
+
+        def __init__(self, main_pid: int, child_processes: list, sleep_period: int = 5) -> None:
+            super().__init__(main_pid, child_processes, sleep_period)
+            on_start(child_processes)
+
+        def _terminate_all(self) -> None:
+            if on_death(self._child_processes):
+                super()._terminate_all()
+
+    subprocess_script._ChildProcessObserver = Observer

@@ -37,6 +37,7 @@ from lmledger.atomic import write_error
 from lmledger.errors import UserError
 from lmledger.fitting.checks import SUBCOMMANDS
 from lmledger.fitting.cli import run_claimed, slurm_tasks_per_node
+from lmledger.fitting.peers import PeerFailure
 from lmledger.fitting.resume import NothingToResume
 from lmledger.fitting.steps import disk_error
 from lmledger.preemption import slurm_line
@@ -80,6 +81,9 @@ def main(argv: list[str]) -> int:
     except NothingToResume as done:
         print(f"lmledger {subcommand}: {done}")
         return 0
+    except PeerFailure as failure:  # a rank never came, stopped answering or died (fitting.peers)
+        print(f"lmledger {subcommand}: {failure.line}", file=sys.stderr, flush=True)
+        return 1
     except SIGTERMException as stop:  # PreemptionCheckpoint's Preempted, or Lightning's own (DDP, set-up)
         saved = getattr(stop, "checkpoint", None)
         if saved and rank_zero_only.rank != 0:

@@ -57,6 +57,7 @@ from lmledger.fitting.checks import (
     refuse_empty_train_loader,
     refuse_several_optimizers,
 )
+from lmledger.fitting.peers import PeerFailure, PeerWatch, end_child_ranks, peer_failure_line, set_peer_timeout
 from lmledger.fitting.resume import (
     SPECIAL_CKPT_PATHS,
     checked_hyperparameters,
@@ -215,6 +216,8 @@ class FitCLI(LightningCLI):
             trainer.callbacks.append(PreemptionCheckpoint())
         else:  # validate saves nothing. A ModelCheckpoint there only warns that its directory differs.
             trainer.callbacks = [c for c in trainer.callbacks if not isinstance(c, ModelCheckpoint)]
+        set_peer_timeout(trainer.strategy)  # a rank that never comes or stops answering ends the run (fitting.peers)
+        trainer.callbacks.append(PeerWatch())
         trainer.callbacks.append(NameTheEventFile())
         return trainer
 
@@ -336,10 +339,16 @@ def run_claimed(argv: list[str]) -> None:
         if hasattr(oom, "ledger_line"):  # the preflight's refusal, reported as a UserError by main
             undo_uncommitted_claims()
         raise
-    except Exception as err:
+    except Exception as err:  # another rank never came, stopped answering or died: one line (fitting.peers)
         if isinstance(err, RuntimeError) and getattr(err, "ledger_line", None):  # a kernel this CPU lacks, in step 1
             undo_uncommitted_claims()
-        raise
+            raise
+        line = peer_failure_line(err)
+        if line is None:
+            raise
+        end_child_ranks()
+        undo_uncommitted_claims()  # a rendezvous that never completed trained nothing: it leaves nothing
+        raise PeerFailure(line) from None
     finally:
         release_claims()
 
