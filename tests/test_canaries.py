@@ -608,3 +608,45 @@ def test_strategy_registry_resolves_a_registered_name():
         StrategyRegistry.pop(name)
     with pytest.raises(ValueError, match="invalid strategy name"):  # what `strategy="fsdp2"` raised unregistered
         _trainer(strategy=name, devices=1)
+
+
+def test_dynamo_runs_a_frame_eager_for_good_under_a_dispatch_mode():
+    """callbacks/measure.py leaves step 1 of a compiled module unwatched: a compiled function first called under a
+    (non-infra) TorchDispatchMode, as the FLOP counter and the memory tracker are, is skipped by dynamo for good,
+    so the whole fit ran eager. Once compiled, calls under a mode run the compiled code and compile nothing new."""
+    from torch._dynamo.utils import counters
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Watch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    x = torch.randn(4, 4)
+    torch._dynamo.reset()
+    counters.clear()
+    watched_first = torch.compile(lambda t: (t * 2).sin(), backend="eager")
+    with Watch():
+        watched_first(x)
+    watched_first(x)
+    assert counters["stats"]["unique_graphs"] == 0  # eager, also outside the mode
+    compiled_first = torch.compile(lambda t: (t * 3).cos(), backend="eager")
+    compiled_first(x)
+    with Watch():
+        compiled_first(x)
+    assert counters["stats"]["unique_graphs"] == 1
+    torch._dynamo.reset()
+
+
+def test_compiled_objects_are_recognisable():
+    """callbacks/measure.compiled_parts finds compiled code by what torch.compile returns: an OptimizedModule
+    for a module, a function with `_torchdynamo_orig_callable` for a function, and `_compiled_call_impl` set on a
+    module compiled in place (`module.compile()`). None of them compiles anything until called."""
+    from torch import nn
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    linear = nn.Linear(2, 2)
+    assert type(torch.compile(linear)) is OptimizedModule and torch.compile(linear)._orig_mod is linear
+    assert callable(torch.compile(lambda t: t)._torchdynamo_orig_callable)
+    assert linear._compiled_call_impl is None
+    linear.compile()
+    assert linear._compiled_call_impl is not None

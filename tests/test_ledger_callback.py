@@ -368,3 +368,88 @@ def test_an_error_inside_a_profiled_step_is_the_one_raised(monkeypatch):
         fit(RaisesInAProfiledStep(), regression_loader(), [ledger], steps=5)
     assert ledger.timing._profiler is None and ledger.timing._record is None
     assert not torch._C._autograd._profiler_enabled()
+
+
+class CompiledSubmodule(Regressor):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.compile(self.net, backend="eager")  # dynamo only: no inductor build in a test
+
+
+def test_the_ledger_leaves_torch_compile_on(tmp_path):
+    """Issue 28 §5: the measurement's dispatch modes on step 1 made dynamo run the compiled submodule eager for
+    the whole fit (0 graphs). Now the fit compiles as it does without the Ledger; FLOPs and the peak are read off
+    the compiled step 2; the dry run's eager prediction says in one line what it does not cover."""
+    from torch._dynamo.utils import counters
+
+    trainers = []
+
+    def graphs(callbacks, logger=None) -> tuple[int, int]:
+        torch._dynamo.reset()
+        counters.clear()
+        torch.manual_seed(0)
+        trainers.append(fit(CompiledSubmodule(), regression_loader(), callbacks, logger, steps=4))
+        return counters["stats"]["unique_graphs"], counters["frames"]["ok"]
+
+    without = graphs([])
+    ledger = Ledger(warmup_steps=1)
+    assert graphs([ledger], tmp_path) == without and without[0] >= 1
+    assert ledger.compiled == ["net"]
+    assert any(n.startswith("torch.compile (net): the dry run predicts the eager step") for n in ledger.report.notes)
+    predicted, measured = ledger.predicted, ledger.measured
+    assert measured.flops_hardware == predicted.flops_hardware  # counted on the compiled (dynamo, eager) step 2
+    assert measured.peak == pytest.approx(predicted.peak, rel=0.03) and measured.params == predicted.params
+    assert measured.activations is None and measured.why_missing["activations"] == "n/a (compiled)"
+    scalars = read_scalars(trainers[-1].logger.log_dir)
+    assert scalars["ledger/check/misses"][-1][1] == 0 and ledger.check == []  # the self-check ran and passed
+
+
+class ReachesItsModelThroughAClosure(pl.LightningModule):
+    """Issue 28 §5: the model lives outside the LightningModule's attributes; training_step reaches it by name."""
+
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__()
+        self.__dict__["net"] = net  # not a submodule: the module holds no parameters
+        self.step = lambda x, y: F.mse_loss(net(x), y)  # the closure
+
+    def training_step(self, batch, batch_idx):
+        return self.step(*batch)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.net.parameters(), lr=1e-3)
+
+
+def test_the_ledger_checks_itself_and_names_a_closure(tmp_path, caplog):
+    """The dry run sees none of a closure's parameters: optimizer 0 and half the peak predicted (the issue's silent
+    miss), params 0 on both sides. The self-check says so, one line per line beyond tolerance (and one for what
+    the optimizer steps but the module does not hold), with the ratio and the cause, printed and logged."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 8))
+    ledger = Ledger(warmup_steps=1)
+    with caplog.at_level("INFO"):
+        trainer = fit(ReachesItsModelThroughAClosure(net), regression_loader(), [ledger], tmp_path)
+    held = sum(p.numel() * p.element_size() for p in net.parameters())
+    assert ledger.predicted.params == ledger.measured.params == 0 and ledger.predicted.optimizer == 0
+    first, *others = ledger.check
+    assert first.startswith(f"ledger check: params: the optimizer steps {format_bytes(held)} of parameters")
+    assert f"optimizer measured {ledger.measured.optimizer:,} vs predicted 0 (ratio inf" in others[0]
+    assert [line.split(" measured")[0] for line in others] == ["ledger check: optimizer", "ledger check: peak"]
+    for line in ledger.check:
+        assert "likely cause: training_step reaches its model through a closure" in line, line
+        assert "(params, grads, optimizer 0)" in line and "\n" not in line
+        assert [r.getMessage() for r in caplog.records].count(line) == 1  # printed once
+    scalars = read_scalars(trainer.logger.log_dir)
+    assert scalars["ledger/check/misses"][-1][1] == 3
+    assert scalars["ledger/check/ratio/peak"][-1][1] == pytest.approx(ledger.measured.peak / ledger.predicted.peak)
+
+
+def test_the_check_flags_each_line_beyond_its_tolerance():
+    from lmledger.ledger.report import TOLERANCE, Figures, Report, misses
+
+    predicted = Figures(params=100, grads=100, optimizer=0, activations=1000, peak=2000, flops_hardware=10)
+    measured = Figures(params=100, grads=0, optimizer=0, activations=1099, peak=2201, flops_hardware=11)
+    found = misses(Report({"dry run": predicted}, measured=measured))
+    assert [(m.line, m.ratio) for m in found] == [("grads", 0.0), ("peak", 1.1005), ("flops_hardware", 1.1)]
+    assert TOLERANCE["activations"] == 0.10  # 1099 / 1000 is within it
+    assert misses(Report({}, measured=measured)) == [] and misses(Report({"dry run": predicted})) == []
+    assert misses(Report({"dry run": Figures(grads=0)}, measured=Figures(grads=5)))[0].ratio == float("inf")

@@ -49,7 +49,7 @@ from lmledger.callbacks.live import (
     tokens_per_batch,
     toy_batch,
 )
-from lmledger.callbacks.measure import StepMeasurement
+from lmledger.callbacks.measure import StepMeasurement, compiled_parts
 from lmledger.callbacks.run import (
     is_logging_step,
     log_scalars,
@@ -70,12 +70,14 @@ from lmledger.ledger.dryrun import NotTraced, StepLedger, largest_batch
 from lmledger.ledger.fakecopy import batch_tensors
 from lmledger.ledger.gpus import Peak
 from lmledger.ledger.predict import lightning_step, resized
-from lmledger.ledger.report import Figures, Report, bar_chart, figures_of_step, markdown_table
+from lmledger.ledger.report import Figures, Miss, Report, bar_chart, figures_of_step, markdown_table, misses
 from lmledger.ledger.run import Run
 from lmledger.ledger.throughput import Window
 from lmledger.ledger.units import format_bytes, tera
 
 __all__ = ["Ledger"]
+
+LABELS_FOR_CHECK = {"flops_hardware": "hardware FLOPs per step", "autocast_weight_copies": "autocast weight copies"}
 
 # --------------------------------------------------------------------------------------------
 # The callback
@@ -121,6 +123,8 @@ class Ledger(pl.Callback):
         self.measurement: StepMeasurement | None = None
         self.timing: TimeLedger | None = None  # the time ledger (callbacks.timing), fed this pipeline's dry run
         self.why_not_predicted: str | None = None
+        self.compiled: list[str] = []  # where the module runs torch.compile'd code (measure.compiled_parts)
+        self.check: list[str] = []  # the self-check's lines: where measured and predicted differ, and why
         self.tokens: int | None = None
         self.samples = 0
         self.peak: Peak | None = None
@@ -140,6 +144,7 @@ class Ledger(pl.Callback):
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._reset(1 if not pl_module.automatic_optimization else trainer.accumulate_grad_batches)
+        self.compiled = compiled_parts(pl_module)
         self.run = run_from_trainer(trainer, pl_module) if is_toy_run(trainer, pl_module) else None
         if self.settings.time:
             # Profiled batches come after the warm-up and the two measured steps, which they would slow.
@@ -160,10 +165,13 @@ class Ledger(pl.Callback):
         if self.timing is not None:
             self.timing.on_train_start(trainer, pl_module)
         if self.settings.measure:
-            compiled = self.run is not None and self.run.compiled
+            # The toy LM compiled: its FLOPs are the closed forms'. Any other compiled module: step 1 compiles
+            # unwatched, then FLOPs and the peak are read off the compiled step 2 (measure.StepMeasurement).
+            toy_compiled = self.run is not None and self.run.compiled
+            compiled = toy_compiled or bool(self.compiled)
             self.measurement = StepMeasurement(
                 pl_module.device, accumulate=self._accumulate, manual=not pl_module.automatic_optimization,
-                count_flops=not compiled, activations=not compiled,
+                count_flops=not toy_compiled, activations=not compiled, compiled=compiled and not toy_compiled,
             )  # fmt: skip
 
     # -- the prediction (once per fit) ------------------------------------------------------------
@@ -192,6 +200,15 @@ class Ledger(pl.Callback):
             self._dry = dry
             predicted["dry run"] = figures_of_step(dry, flops_model=3 * dry.flops_forward)
             notes.append(f"dry run on fake tensors, peak during {dry.peak_phase}")
+            if self.compiled:  # the dry run runs compiled code eager (dryrun: set_stance force_eager)
+                shown = ", ".join(self.compiled[:3]) + (", ..." if len(self.compiled) > 3 else "")
+                line = (
+                    f"torch.compile ({shown}): the dry run predicts the eager step, which does not cover the "
+                    "compiled step's own saved activations and buffers (fused kernels); the fit runs compiled, "
+                    "and is measured so"
+                )
+                rank_zero_info(f"ledger: {line}")
+                notes.append(line)
         if worst is not None:
             predicted["worst routing"] = figures_of_step(worst, flops_model=3 * worst.flops_forward)
             notes.append(
@@ -442,10 +459,62 @@ class Ledger(pl.Callback):
             self.report.notes.append("measured peak: CUDA's max_memory_allocated")
         log_scalars(trainer, self.report.scalars("measured"))
         log_text(trainer, "ledger/table", self.report.markdown())
+        self._check_self(trainer)
         for writer in tensorboard_writers(trainer):
             writer.add_figure("memory/predicted_vs_measured", bar_chart(self.report), global_step=logging_step(trainer))
         if trainer.is_global_zero:
             Console().print(self.report.table("ledger (predicted beside measured)"))
+
+    def _check_self(self, trainer: pl.Trainer) -> None:
+        """The ledger checks itself on every measured run: one line per line beyond report.TOLERANCE, with
+        the ratio and the likely cause, printed and logged (ledger/check, ledger/check/*)."""
+        found = misses(self.report) if self.report.primary is not None else []
+        foreign = self._foreign_parameters(trainer)
+        if foreign and not any(m.line == "params" for m in found):  # both sides count 0: say it all the same
+            held = self.report.measured.params or 0
+            found.insert(0, Miss("params", held, held + foreign))
+        self.check = [self._check_line(m, foreign) for m in found]
+        for line in self.check:
+            rank_zero_info(line)
+        text = "  \n".join(self.check) if self.check else "every line within tolerance (ledger.report.TOLERANCE)"
+        log_text(trainer, "ledger/check", text)
+        scalars = {"ledger/check/misses": len(found)}
+        scalars.update({f"ledger/check/ratio/{m.line}": m.ratio for m in found if m.predicted})
+        log_scalars(trainer, scalars)
+
+    def _foreign_parameters(self, trainer: pl.Trainer) -> int:
+        """Bytes of the parameters the optimizers step that the LightningModule does not hold."""
+        if self._dry is None:  # measured only (DeepSpeed's optimizer steps flat copies, say): nothing to hold to
+            return 0
+        own = {id(p) for p in trainer.lightning_module.parameters()}
+        stepped = {id(p): p for o in torch_optimizers(trainer) for g in o.param_groups for p in g["params"]}
+        return sum(p.numel() * p.element_size() for key, p in stepped.items() if key not in own)
+
+    def _check_line(self, miss: Miss, foreign: int) -> str:
+        name = LABELS_FOR_CHECK.get(miss.line, miss.line)
+        ratio = f"{miss.ratio:.3g}" if miss.predicted else "inf (predicted 0)"
+        said = f"ledger check: {name} measured {miss.measured:,} vs predicted {miss.predicted:,} (ratio {ratio})"
+        if miss.line == "params" and foreign:
+            said = (f"ledger check: params: the optimizer steps {format_bytes(foreign)} of parameters the "
+                    f"LightningModule does not hold (the ledger counts {format_bytes(miss.predicted)})")  # fmt: skip
+        if foreign:
+            primary = self.report.primary
+            zero = [n for n in ("params", "grads", "optimizer") if primary is not None and primary.get(n) == 0]
+            cause = (
+                "training_step reaches its model through a closure, a global or a plain dict/list rather than "
+                f"an attribute of the LightningModule, so the ledger saw none of its parameters ({', '.join(zero)} "
+                "0): make the model an attribute (self.model = model)"
+            )
+        elif self.compiled and miss.line in ("activations", "peak", "autocast_weight_copies", "flops_hardware"):
+            cause = "torch.compile: the compiled step keeps other tensors than the eager step the dry run predicts"
+        elif self.run is not None and self.run.compiled:
+            cause = "torch.compile (model.compile): the compiled step keeps other tensors than the eager prediction"
+        elif miss.line == "flops_hardware":
+            cause = "the real step ran ops the fake step did not (a branch on a value, or kernels chosen at run time)"
+        else:
+            cause = ("something the dry run does not model (an allocator's rounding or cache, a library's workspace, "
+                     "a branch on a value): please report it with the ledger table")  # fmt: skip
+        return f"{said}: likely cause: {cause}"
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.measurement is not None:

@@ -35,7 +35,7 @@ from lmledger.ledger.memtrack import MemoryTracker
 from lmledger.ledger.report import Figures
 from lmledger.ledger.sharded import local_state_bytes
 
-__all__ = ["StepMeasurement"]
+__all__ = ["StepMeasurement", "compiled_parts"]
 
 
 class StepMeasurement:
@@ -49,13 +49,19 @@ class StepMeasurement:
                        meta copy.
         activations    measure saved activations. False under torch.compile: the compiled graph saves
                        a fused set the eager prediction does not describe.
+        compiled       the module runs torch.compile'd code (`compiled_parts`). Step 1 is then left
+                       alone: dynamo compiles on it, and under any dispatch mode (the FLOP counter, the
+                       memory tracker) it would run that code eager for good (canary
+                       test_dynamo_runs_a_frame_eager_for_good_under_a_dispatch_mode). The FLOPs are
+                       counted on step 2, on the compiled code, beside the peak.
     """
 
     def __init__(
         self, device: torch.device, *, accumulate: int = 1, manual: bool = False, count_flops: bool = True,
-        activations: bool = True,
+        activations: bool = True, compiled: bool = False,
     ) -> None:  # fmt: skip
         self.device = device
+        self.compiled = compiled
         self.accumulate = 1 if manual else accumulate
         self.manual = manual
         self.count_flops = count_flops
@@ -145,6 +151,8 @@ class StepMeasurement:
     # -- step 1 ---------------------------------------------------------------------------------
 
     def _open_step_one(self, module: torch.nn.Module) -> None:
+        if self.compiled:  # dynamo compiles this step: nothing may watch it (class docstring)
+            return
         if self.count_flops:
             self._counter = StepFlopCounter()
             self._counter.__enter__()
@@ -175,6 +183,9 @@ class StepMeasurement:
     def _open_step_two(self, module: torch.nn.Module, optimizers: list, batch: object) -> None:
         self._gc_was_enabled = gc.isenabled()
         gc.disable()
+        if self.compiled and self.count_flops:  # compiled on step 1: count the compiled code's FLOPs now
+            self._counter = StepFlopCounter()
+            self._counter.__enter__()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
             self._cuda_peak = True
@@ -196,6 +207,7 @@ class StepMeasurement:
         elif self._cuda_peak:
             torch.cuda.synchronize(self.device)
             self.values["peak"] = torch.cuda.max_memory_allocated(self.device)
+        self._stop_counter()  # compiled: opened at step 2, inside the tracker's mode (closed first, above)
         self._restore_gc()
 
     # -- helpers --------------------------------------------------------------------------------
@@ -230,6 +242,28 @@ class StepMeasurement:
         if self._gc_was_enabled:
             gc.enable()
         self._gc_was_enabled = False
+
+
+def compiled_parts(module: torch.nn.Module) -> list[str]:
+    """Where `module` runs torch.compile'd code: submodules compiled in place (`module.compile()`) or
+    wrapped (`torch.compile(submodule)`), and compiled callables kept as attributes (LitLM's `_forward`).
+
+    A compiled function reached some other way (a closure, a global) is not found."""
+    found = []
+    for name, sub in module.named_modules():
+        where = name or type(module).__name__
+        if getattr(sub, "_compiled_call_impl", None) is not None or _is_compiled(sub):
+            found.append(where)
+            continue
+        found += [f"{where}.{key}" for key, value in vars(sub).items() if key != "_modules" and _is_compiled(value)]
+    return found
+
+
+def _is_compiled(obj: object) -> bool:
+    """A torch.compile result: an OptimizedModule, or a function dynamo wraps."""
+    from torch._dynamo.eval_frame import OptimizedModule  # canary test_compiled_objects_are_recognisable
+
+    return isinstance(obj, OptimizedModule) or callable(getattr(obj, "_torchdynamo_orig_callable", None))
 
 
 def _is_sharded(module: torch.nn.Module) -> bool:
