@@ -98,11 +98,11 @@ def test_indices_replay_in_range(cache):
         torch.nn.functional.cross_entropy(logits, targets).backward()
     names = {op.name: op for op in recorder.records}
     generator = torch.Generator().manual_seed(0)
-    args, _ = rebuild(names["aten.embedding.default"], torch.device("cpu"), generator)
+    ((args, _),) = rebuild(names["aten.embedding.default"], torch.device("cpu"), generator)
     assert args[1].dtype == torch.long and 4 <= int(args[1].max()) < 256 and int(args[1].min()) >= 0
-    args, _ = rebuild(names["aten.embedding_dense_backward.default"], torch.device("cpu"), generator)
+    ((args, _),) = rebuild(names["aten.embedding_dense_backward.default"], torch.device("cpu"), generator)
     assert 4 <= int(args[1].max()) < 256
-    args, _ = rebuild(names["aten.nll_loss_forward.default"], torch.device("cpu"), generator)
+    ((args, _),) = rebuild(names["aten.nll_loss_forward.default"], torch.device("cpu"), generator)
     assert 8 <= int(args[1].max()) < 256  # class targets below the class count, not the smallest dimension
     replayer = Replayer(torch.device("cpu"))
     assert all(replayer.seconds(op) is not None for op in recorder.records), replayer.failed

@@ -107,6 +107,10 @@ class OpRecord:
     # What a replay needs (ledger/steptime): its arguments with each tensor as a TensorSpec, or why not.
     signature: tuple | None = None
     not_replayable: str = ""
+    # (storage id, bytes) of each tensor argument in signature order, and of each output: how far back each
+    # input was last touched, so a replay knows which inputs come from cache and which from memory
+    storages: tuple[tuple[int, int], ...] = ()
+    output_storages: tuple[tuple[int, int], ...] = ()
 
     @property
     def bytes(self) -> int:
@@ -212,6 +216,15 @@ def _touched_bytes(tensors: Iterator[torch.Tensor]) -> int:
     return sum(min(used, cap) for used, cap in per_storage.values())
 
 
+def _storage_of(t: torch.Tensor) -> tuple[int, int]:
+    """(an id of t's storage while it lives, the bytes t spans)."""
+    try:
+        key = t.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError):
+        key = id(t)
+    return key, t.numel() * t.element_size()
+
+
 def _tensors(tree: object) -> list[torch.Tensor]:
     """The tensors in an op's arguments or outputs.
 
@@ -288,6 +301,7 @@ class OpRecorder(TorchDispatchMode):
         formula = self.flop_registry.get(packet)
         flops = int(formula(*args, **kwargs, out_val=out)) if formula is not None else 0
         inputs = _tensors((args, kwargs))
+        storages = tuple(_storage_of(t) for t in inputs)
         # The compute dtype: the largest floating input's. SDPA's backward takes bf16 q, k, v and fp32 logsumexp.
         floats = [t for t in inputs if t.is_floating_point()]
         dtype = str(max(floats, key=lambda t: t.numel()).dtype).removeprefix("torch.") if floats else ""
@@ -315,4 +329,7 @@ class OpRecorder(TorchDispatchMode):
             signature = _frozen((signature_of(list(args)), signature_of(dict(kwargs))))
         except NotReplayable as err:
             why_not = str(err)
-        return OpRecord(name, self.phase, category, flops, read, written, dtype, shapes, signature, why_not)
+        outputs = tuple(_storage_of(t) for t in _tensors(out))
+        return OpRecord(
+            name, self.phase, category, flops, read, written, dtype, shapes, signature, why_not, storages, outputs
+        )

@@ -298,10 +298,10 @@ class TimeRow:
 def time_rows(
     bound: Roofline, measured: object | None, model_flops: float, predicted: Mapping[str, float] | None = None
 ) -> dict[str, TimeRow]:
-    """The table's rows by name: "ideal", "bound", "predicted", "measured", then one per category (LABELS).
+    """The table's rows by name: "ideal", "bound", "measured", then one per category (LABELS).
 
     `measured` is a profile.Breakdown, or None for the bound only. `predicted`: ledger/steptime's
-    seconds per category (StepTime.seconds), or None.
+    seconds per category (StepTime.seconds), or None; each category row's predicted_s.
     """
     wall = measured.wall_s if measured is not None else None
 
@@ -314,8 +314,6 @@ def time_rows(
         "ideal": row("ideal (model FLOPs at dense peak)", bound.ideal_seconds(model_flops), None),
         "bound": row("roofline bound", bound.seconds, None),
     }
-    if predicted is not None:
-        rows["predicted"] = row("predicted (ops replayed here)", None, None, sum(predicted.values()))
     rows["measured"] = row("measured", None, wall)
     for name, label in LABELS.items():
         b = bound.by_category[name].seconds if name in bound.by_category else None  # no op waits for data
@@ -380,7 +378,12 @@ def format_table(
         head,
         "-" * len(head),
     ]
-    for key, row in rows.items():
+    shown = dict(rows)
+    if predicted is not None:  # the predicted step, between the bound and the measured one
+        total = TimeRow("predicted (ops replayed here)", None, None, None, None, sum(predicted.values()))
+        shown = {k: v for k, v in rows.items() if k in ("ideal", "bound")} | {"predicted": total}
+        shown |= {k: v for k, v in rows.items() if k not in shown}
+    for key, row in shown.items():
         pcell = f" {ms(row.predicted_s):>10}" if predicted is not None else ""
         cells = f"{ms(row.bound_s):>10}{pcell} {ms(row.measured_s):>10} {pct(row.share):>7} {pct(row.efficiency):>15}"
         lines.append(f"{row.label:<34} {cells}")

@@ -25,7 +25,7 @@ import torch
 from lmledger.ledger.ops import ATTENTION, COMMUNICATION, MATMUL, OPTIMIZER, OTHER, OpRecord, OpSummary
 from lmledger.ledger.steptime import calibrate
 from lmledger.ledger.steptime.cache import StepTimeCache
-from lmledger.ledger.steptime.replay import Replayer, why_not_replayed
+from lmledger.ledger.steptime.replay import Replayer, cache_bytes, cold_inputs, live_bytes, why_not_replayed
 
 __all__ = ["CATEGORIES", "NoStepTime", "StepTime", "predict_step_time"]
 
@@ -135,19 +135,28 @@ def predict_step_time(
     cache = StepTimeCache(device, cache_path)
     notes = [cache.note] if cache.note else []
     replayer = Replayer(device, cache.ops)
-    overhead, overhead_how = calibrate.per_op_overhead(device, cache, replayer)
+    overhead, overhead_how = calibrate.per_op_overhead(device, cache, Replayer(device, cache.ops))
     timed_optimizer = calibrate.optimizer_seconds(optimizer, device, clip, cache)
     seconds = dict.fromkeys(CATEGORIES, 0.0)
     how: dict[str, str] = {}
     replayed, unreplayed, comm_ops = [], [], []
     per_op_ops = 0
-    for op in ops.ops:
+    llc = cache_bytes(device)
+    # In the step's order, data flowing op to op, where its live tensors fit in half the free memory;
+    # else each op alone, its cold inputs (read from memory in the step) from fresh copies.
+    in_sequence = live_bytes(list(ops.ops)) <= _free_memory(device) // 2
+    if in_sequence:
+        replayer.fill_sequence(list(ops.ops))
+        how["replay"] = "each op in the step's order, data flowing op to op; median of rounds after a warm-up"
+    else:
+        how["replay"] = "each op alone (the step's tensors exceed half the free memory), cold inputs from copies"
+    for op, cold in zip(ops.ops, cold_inputs(list(ops.ops), llc), strict=True):
         if op.category == OPTIMIZER and timed_optimizer is not None:
             continue
         if op.category == COMMUNICATION:
             comm_ops.append(op)
             continue
-        t = replayer.seconds(op)
+        t = replayer.in_sequence(op) if in_sequence else replayer.seconds(op, cold, llc)
         per_op_ops += 1
         if t is None:
             unreplayed.append(op)
@@ -219,6 +228,22 @@ def predict_step_time(
         accumulate=accumulate, tokens=tokens * accumulate if tokens else None, samples=samples * accumulate, how=how,
         notes=tuple(notes),
     )  # fmt: skip
+
+
+def _free_memory(device: torch.device) -> int:
+    """Bytes free on `device`: CUDA's free memory, or the RAM the OS reports available."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import os
+
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def _key(op: OpRecord) -> str:

@@ -8,6 +8,14 @@ below the smallest dimension of the op's tensors, which is a valid index into ea
 Each is called once or twice to warm up, then timed call by call until `budget_s` or `max_repeats`, and
 the median is its time: robust to a descheduled call on a busy machine.
 
+Where the data comes from matters as much as the kernel: an input the step last touched more than a
+last-level cache ago (a saved activation read in backward, a weight read once per pass) comes from
+memory, one written by the op before it from cache. `cold_inputs` reads that from the op sequence (each
+input's reuse distance: the bytes the step moved since it last touched that storage, against the
+cache's size from /sys, or the GPU's L2). A replay gives each cold input fresh copies, enough of them to
+outgrow the cache twice, and rotates through them, so each call reads it from memory; hot inputs stay
+one tensor, read from cache.
+
 Not replayed, so priced by the caller (ledger/steptime/predict.py): collectives, ops outside torch's own
 namespaces (a custom op's kernel may need real data or have side effects), ops whose arguments cannot be
 rebuilt, and ops whose replay raises. Every RNG stream is left as it was found. No Lightning import.
@@ -26,7 +34,18 @@ import torch
 
 from lmledger.ledger.ops import COMMUNICATION, OpRecord, TensorSpec
 
-__all__ = ["REPLAYED_NAMESPACES", "Replayer", "op_key", "rebuild", "untouched_rng", "why_not_replayed"]
+__all__ = [
+    "REPLAYED_NAMESPACES",
+    "Replayer",
+    "cache_bytes",
+    "cold_inputs",
+    "live_bytes",
+    "op_key",
+    "rebuild",
+    "sequence_seconds",
+    "untouched_rng",
+    "why_not_replayed",
+]
 
 # torch's own operator namespaces: their kernels read only shapes (and in-range indices) to run as they run.
 REPLAYED_NAMESPACES = frozenset({"aten", "prims", "quantized_decomposed"})
@@ -117,14 +136,20 @@ def _index_bounds(base: str, args: list, kwargs: dict) -> dict[int, int]:
     return bounds
 
 
-def rebuild(op: OpRecord, device: torch.device, generator: torch.Generator) -> tuple[list, dict]:
-    """The op's arguments on real tensors of its recorded layouts (module doc)."""
+def rebuild(
+    op: OpRecord, device: torch.device, generator: torch.Generator, cold: tuple[bool, ...] = (), copies: int = 1
+) -> list[tuple[list, dict]]:
+    """`copies` sets of the op's arguments on real tensors of its recorded layouts (module doc).
+
+    Inputs marked in `cold` (by position among the op's tensors) are fresh in each set; the rest shared.
+    """
     args_spec, kwargs_spec = (_thaw(part) for part in op.signature)
     base = op.name.split(".")[1]
     bounds = _index_bounds(base, args_spec, kwargs_spec)
     sizes = [d for spec in _specs((args_spec, kwargs_spec)) for d in spec.shape if d > 0]
     generic = min(sizes) if sizes else 1
     made: dict[int, torch.Tensor] = {}
+    position = {id(spec): i for i, spec in enumerate(_specs((args_spec, kwargs_spec)))}
 
     def tensor(spec: TensorSpec) -> torch.Tensor:
         dtype = getattr(torch, spec.dtype)
@@ -144,6 +169,9 @@ def rebuild(op: OpRecord, device: torch.device, generator: torch.Generator) -> t
 
     def build(tree: object) -> object:
         if isinstance(tree, TensorSpec):
+            index = position[id(tree)]
+            if index < len(cold) and cold[index]:
+                return tensor(tree)
             if id(tree) not in made:
                 made[id(tree)] = tensor(tree)
             return made[id(tree)]
@@ -157,7 +185,42 @@ def rebuild(op: OpRecord, device: torch.device, generator: torch.Generator) -> t
             return device
         return tree
 
-    return build(args_spec), build(kwargs_spec)
+    return [(build(args_spec), build(kwargs_spec)) for _ in range(max(1, copies))]
+
+
+def cache_bytes(device: torch.device) -> int:
+    """The last-level cache an op's inputs may sit in: a GPU's L2, a CPU's largest cache level (/sys)."""
+    if device.type == "cuda":
+        return int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 << 20))
+    best = 0
+    for index in range(8):
+        try:
+            text = open(f"/sys/devices/system/cpu/cpu0/cache/index{index}/size").read().strip()
+        except OSError:
+            continue
+        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+        best = max(best, int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text))
+    return best or 32 << 20  # none reported (not Linux): a server CPU's L3 is tens of MiB
+
+
+def cold_inputs(ops: list[OpRecord], cache: int) -> list[tuple[bool, ...]]:
+    """Per op, per tensor input: whether it was last touched more than `cache` bytes of traffic ago.
+
+    The step repeats, so an input first seen in it was last touched in the previous step: its distance
+    runs over the end and back (two passes over the ops).
+    """
+    touched, last = 0, {}
+    for op in ops:  # the previous step
+        for key, _ in (*op.storages, *op.output_storages):
+            last[key] = touched
+        touched += op.bytes
+    marks = []
+    for op in ops:
+        marks.append(tuple(touched - last.get(key, touched - 2 * cache - 1) > cache for key, _ in op.storages))
+        touched += op.bytes
+        for key, _ in (*op.storages, *op.output_storages):
+            last[key] = touched
+    return marks
 
 
 @contextmanager
@@ -211,6 +274,9 @@ def time_call(
     return statistics.median(samples), len(samples)
 
 
+_IN_SEQUENCE = " (in sequence)"
+
+
 class Replayer:
     """Times ops by replay, memoised in `times` (op_key -> seconds), which a cache fills and keeps.
 
@@ -225,11 +291,15 @@ class Replayer:
         self.benchmarked = 0
         self._seed = seed
 
-    def seconds(self, op: OpRecord) -> float | None:
-        """The op's replayed time, or None where it is not replayed (why_not_replayed, or its replay raised)."""
+    def seconds(self, op: OpRecord, cold: tuple[bool, ...] = (), cache: int = 32 << 20) -> float | None:
+        """The op's replayed time, or None where it is not replayed (why_not_replayed, or its replay raised).
+
+        `cold`: which tensor inputs come from memory (cold_inputs), each read from fresh copies.
+        """
         if why_not_replayed(op) is not None:
             return None
-        key = op_key(op)
+        cold = tuple(c for c in cold) if any(cold) else ()
+        key = op_key(op) + (" cold=" + "".join("1" if c else "0" for c in cold) if cold else "")
         if key in self.times:
             return self.times[key]
         if key in self.failed:
@@ -238,9 +308,18 @@ class Replayer:
         func = None
         try:
             func = _overload(op.name)
+            cold_bytes = sum(n for (_, n), c in zip(op.storages, cold, strict=False) if c)
+            copies = min(64, max(2, -(-2 * cache // max(1, cold_bytes)))) if cold_bytes else 1
+            copies = max(1, min(copies, (1 << 30) // max(1, cold_bytes))) if cold_bytes else 1
             with untouched_rng(self.device), torch.no_grad():
-                args, kwargs = rebuild(op, self.device, generator)
-                seconds, _ = time_call(lambda: func(*args, **kwargs), self.device)
+                sets = rebuild(op, self.device, generator, cold, copies)
+                turn = iter(range(1 << 62))
+
+                def call() -> object:
+                    args, kwargs = sets[next(turn) % len(sets)]
+                    return func(*args, **kwargs)
+
+                seconds, _ = time_call(call, self.device)
         except Exception as err:  # noqa: BLE001 - an op that will not run on made-up values is priced otherwise
             text = str(err).strip().splitlines()
             self.failed[key] = f"{type(err).__name__}: {text[0] if text else ''}"[:200]
@@ -248,3 +327,185 @@ class Replayer:
         self.benchmarked += 1
         self.times[key] = seconds
         return seconds
+
+    def fill_sequence(self, ops: list[OpRecord]) -> None:
+        """Time the step's ops in sequence (sequence_seconds) unless every replayable one is cached."""
+        keys = [op_key(op) + _IN_SEQUENCE if why_not_replayed(op) is None else None for op in ops]
+        if all(k is None or k in self.times for k in keys):
+            return
+        medians, failed = sequence_seconds(ops, self.device, seed=self._seed)
+        per_key: dict[str, list[float]] = {}
+        for i, (key, median) in enumerate(zip(keys, medians, strict=True)):
+            if key is None:
+                continue
+            if i in failed:
+                self.failed[key] = failed[i]
+            elif median is not None:
+                per_key.setdefault(key, []).append(median)
+        for key, values in per_key.items():
+            if key not in self.times:  # a cached time stands: a second prediction gives the same step
+                self.benchmarked += 1
+                self.times[key] = statistics.fmean(values)
+
+    def in_sequence(self, op: OpRecord) -> float | None:
+        """The op's time from fill_sequence (the mean over its occurrences), or None."""
+        if why_not_replayed(op) is not None:
+            return None
+        return self.times.get(op_key(op) + _IN_SEQUENCE)
+
+
+def _leaf_and_last_use(ops: list[OpRecord]) -> tuple[set[int], dict[int, int]]:
+    """Storages no op of the step writes as an output (parameters, the batch, optimizer state), and the
+    index of each storage's last use."""
+    produced, last = set(), {}
+    for i, op in enumerate(ops):
+        for key, _ in (*op.storages, *op.output_storages):
+            last[key] = i
+        produced.update(key for key, _ in op.output_storages)
+    leaves = {key for op in ops for key, _ in op.storages} - produced
+    return leaves, last
+
+
+def live_bytes(ops: list[OpRecord]) -> int:
+    """The most bytes a sequence replay holds at once: leaf storages plus produced ones until last use."""
+    leaves, last = _leaf_and_last_use(ops)
+    sizes: dict[int, int] = {}
+    for op in ops:
+        for key, n in (*op.storages, *op.output_storages):
+            sizes[key] = max(sizes.get(key, 0), n)
+    held, live = sum(sizes[k] for k in leaves), {}
+    peak = held
+    for i, op in enumerate(ops):
+        for key, n in op.output_storages:
+            if key not in leaves and key not in live:
+                live[key] = sizes[key]
+                held += sizes[key]
+        peak = max(peak, held)
+        for key in [k for k in live if last[k] <= i]:
+            held -= live.pop(key)
+    return peak
+
+
+def sequence_seconds(
+    ops: list[OpRecord], device: torch.device, *, rounds: int = 5, budget_s: float = 20.0, seed: int = 0
+) -> tuple[list[float | None], dict[int, str]]:
+    """Each op's median time replayed in the step's own order, data flowing from op to op (module doc).
+
+    The ops run in sequence, round after round (the first a warm-up), each reading the storages the ops
+    before it wrote, so each meets the cache, allocator and threads the step leaves it; storages no op
+    writes (parameters, the batch) persist across rounds, the rest are dropped after their last use.
+    Rounds stop at `rounds` or once `budget_s` is spent (at least two timed). Returns per op its median
+    (None where not replayed) and {index: why its replay raised}.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    funcs = []
+    for op in ops:
+        try:
+            funcs.append(_overload(op.name) if why_not_replayed(op) is None else None)
+        except AttributeError:
+            funcs.append(None)
+    leaves, last = _leaf_and_last_use(ops)
+    pool: dict[int, torch.UntypedStorage] = {}
+    samples: list[list[float]] = [[] for _ in ops]
+    failed: dict[int, str] = {}
+    clock = CLOCK
+    started = time.perf_counter()
+    with untouched_rng(device), torch.no_grad():
+        for round_ in range(rounds + 1):
+            for i, op in enumerate(ops):
+                func = funcs[i]
+                if func is None or i in failed:
+                    continue
+                try:
+                    args, kwargs = _bind(op, device, generator, pool)
+                    _sync(device)
+                    t0 = clock()
+                    out = func(*args, **kwargs)
+                    _sync(device)
+                    dt = clock() - t0
+                except Exception as err:  # noqa: BLE001 - priced otherwise
+                    text = str(err).strip().splitlines()
+                    failed[i] = f"{type(err).__name__}: {text[0] if text else ''}"[:200]
+                    continue
+                if round_:
+                    samples[i].append(dt)
+                for t, (key, _) in zip(_out_tensors(out), op.output_storages, strict=False):
+                    pool[key] = t.untyped_storage()
+                for key, _ in (*op.storages, *op.output_storages):
+                    if last.get(key) == i and key not in leaves:
+                        pool.pop(key, None)
+            spent = time.perf_counter() - started
+            if round_ >= 2 and spent > budget_s:
+                break
+    return [statistics.median(s) if s else None for s in samples], failed
+
+
+def _out_tensors(out: object) -> list[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (list, tuple)):
+        return [t for x in out for t in _out_tensors(x)]
+    return []
+
+
+def _bind(op: OpRecord, device: torch.device, generator: torch.Generator, pool: dict) -> tuple[list, dict]:
+    """The op's arguments on the pool's storages (by the recorded storage ids), new ones where missing."""
+    args_spec, kwargs_spec = (_thaw(part) for part in op.signature)
+    specs = list(_specs((args_spec, kwargs_spec)))
+    keys = {id(spec): key for spec, (key, _) in zip(specs, op.storages, strict=False)}
+    fresh: dict[int, torch.Tensor] = {}
+    missing = []
+    for spec in specs:
+        key = keys.get(id(spec))
+        dtype = getattr(torch, spec.dtype)
+        need = (spec.offset + sum((n - 1) * s for n, s in zip(spec.shape, spec.stride, strict=True)) + 1) * (
+            torch.empty((), dtype=dtype).element_size()
+        )
+        storage = pool.get(key)
+        if storage is None or storage.nbytes() < need or storage.device.type != device.type:
+            missing.append(spec)
+    if missing:  # made as a lone replay makes them (in-range integers), then kept in the pool
+        made = rebuild(op, device, generator)[0]
+        for spec, tensor in zip(_specs((args_spec, kwargs_spec)), _specs_values(made), strict=True):
+            if any(spec is m for m in missing):
+                key = keys.get(id(spec))
+                if key is not None:
+                    pool[key] = tensor.untyped_storage()
+                fresh[id(spec)] = tensor
+
+    def build(tree: object) -> object:
+        if isinstance(tree, TensorSpec):
+            if id(tree) in fresh:
+                return fresh[id(tree)]
+            storage = pool[keys[id(tree)]]
+            return torch.empty(0, dtype=getattr(torch, tree.dtype), device=device).set_(
+                storage, tree.offset, tree.shape, tree.stride
+            )
+        if isinstance(tree, list):
+            return [build(x) for x in tree]
+        if isinstance(tree, tuple):
+            return tuple(build(x) for x in tree)
+        if isinstance(tree, dict):
+            return {k: build(v) for k, v in tree.items()}
+        if isinstance(tree, torch.device):
+            return device
+        return tree
+
+    return build(args_spec), build(kwargs_spec)
+
+
+def _specs_values(made: tuple[list, dict]) -> list[torch.Tensor]:
+    found: list[torch.Tensor] = []
+
+    def walk(tree: object) -> None:
+        if isinstance(tree, torch.Tensor):
+            found.append(tree)
+        elif isinstance(tree, (list, tuple)):
+            for x in tree:
+                walk(x)
+        elif isinstance(tree, dict):
+            for x in tree.values():
+                walk(x)
+
+    walk(made)
+    return found
