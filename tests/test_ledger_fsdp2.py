@@ -216,14 +216,13 @@ def test_uneven_shards_predict_rank_0_which_holds_the_most(tmp_path):
     assert 1 - PEAK_TOLERANCE <= measured["peak"] / predicted["peak"] < 1
 
 
-def test_a_tensor_parallel_mesh_is_measured_only_with_one_line(tmp_path):
+def test_a_tensor_parallel_mesh_is_predicted_per_rank(tmp_path):
+    """Issue 30: a (1 x 2) mesh is predicted on a fake 2-D mesh. This module shards over data parallel only
+    (a mesh of one), so each rank holds it whole (tests/test_tensor_parallel.py has modules with TP plans)."""
     ranks = _run_plain("tensor_parallel", tmp_path)
-    assert len(ranks) == 2
-    for rank in ranks:
-        assert rank["predicted"] is None
-        assert "tensor_parallel_size 2" in rank["why_not_predicted"]
-        assert "tensor parallelism" in rank["why_not_predicted"]
-        assert rank["measured"]["params"] > 0  # still measured
+    _check_predicted_equals_measured(ranks)
+    whole = 4 * sum(p.numel() for p in Net().parameters())
+    assert [r["measured"]["params"] for r in ranks] == [whole, whole]
 
 
 # --------------------------------------------------------------------------------------------

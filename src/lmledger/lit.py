@@ -38,6 +38,25 @@ def total_norm(grads: list[torch.Tensor], device: torch.device, shard_group=None
     return squared.sqrt()
 
 
+def _by_mesh(tensors: list) -> dict[int, list]:
+    """Tensors grouped by their DTensor mesh (plain tensors and a param's grad by the same key)."""
+    groups: dict[int, list] = {}
+    for t in tensors:
+        mesh = getattr(t.grad if isinstance(t, torch.nn.Parameter) and t.grad is not None else t, "device_mesh", None)
+        groups.setdefault(id(mesh), []).append(t)
+    return groups
+
+
+def _norm_over_meshes(grads: list) -> torch.Tensor:
+    """The 2-norm of DTensor grads that live on different meshes (FSDP2 x TP and FSDP2 alone).
+
+    Each mesh's norm is reduced over its own ranks (full_tensor), then they are combined.
+    """
+    groups = _by_mesh(grads).values()
+    squares = [torch.nn.utils.get_total_norm(group).full_tensor().float().square() for group in groups]
+    return torch.stack(squares).sum().sqrt()
+
+
 def _set_fused(optimizer: torch.optim.Optimizer, fused: bool) -> None:
     """Switch a torch AdamW/SGD between its fused and foreach kernels, state included.
 
@@ -104,6 +123,8 @@ class LitLM(L.LightningModule):
         fp8: "torchao" swaps the eligible linears for torchao Float8Linear (lmledger.precision), before
             compile. Use it with trainer precision bf16-mixed or bf16-true. None = no fp8 here.
             (Transformer Engine fp8 is the trainer precision "transformer-engine".)
+        sequence_parallel: under tensor parallelism (ModelParallelStrategy's tensor_parallel_size > 1),
+            also split the norms and the residual stream along the sequence (ledger.tp.toy_tp_plan).
     """
 
     def __init__(
@@ -117,6 +138,7 @@ class LitLM(L.LightningModule):
         betas: tuple[float, float] = (0.9, 0.95),
         compile: bool | Literal["blocks"] = False,
         fp8: Literal["torchao"] | None = None,
+        sequence_parallel: bool = False,
     ) -> None:
         super().__init__()
         check_hyperparameters(lr, min_lr_ratio, warmup_steps, weight_decay, betas)
@@ -139,10 +161,12 @@ class LitLM(L.LightningModule):
         return self._forward(idx, targets)
 
     def configure_model(self) -> None:
-        """FSDP2 under Lightning's ModelParallelStrategy; nothing under any other strategy.
+        """FSDP2 (and TP) under Lightning's ModelParallelStrategy; nothing under any other strategy.
 
-        It fully_shards each transformer block, then the toy LM (ledger.sharded.shard_blocks). That is
-        over the mesh's data-parallel ranks.
+        With the mesh's tensor_parallel size > 1 it first applies the toy LM's TP plan over that
+        dimension (ledger.tp.toy_tp_plan: colwise q/k/v and SwiGLU's w1/w3, rowwise out and w2). Then it
+        fully_shards each transformer block, then the toy LM (ledger.sharded.shard_blocks), over the
+        mesh's data-parallel ranks.
         """
         from torch.distributed.fsdp import FSDPModule
 
@@ -153,11 +177,12 @@ class LitLM(L.LightningModule):
 
         mesh = self.device_mesh
         if mesh["tensor_parallel"].size() > 1:
-            raise ConfigError(
-                f"LitLM has no tensor-parallel plan, and ModelParallelStrategy's mesh is {tuple(mesh.shape)} "
-                f"(data x tensor parallel): set trainer.strategy.data_parallel_size {mesh.size()} and "
-                "tensor_parallel_size 1 (FSDP2 over every rank)"
-            )
+            if self.hparams.fp8 or self.hparams.compile:
+                what = "fp8" if self.hparams.fp8 else "compile"
+                raise ConfigError(f"LitLM's tensor-parallel plan is not run with model.{what}: set it off")
+            from lmledger.ledger.tp import toy_tp_plan
+
+            toy_tp_plan(self.model, mesh["tensor_parallel"], self.hparams.sequence_parallel)
         shard_blocks(self, mesh["data_parallel"], FSDPSettings())
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
@@ -196,6 +221,10 @@ class LitLM(L.LightningModule):
             shard_group = self._gradient_shard_group()
             if not grads and shard_group is None:
                 return None
+            meshes = {id(g.device_mesh): g.device_mesh for g in grads if hasattr(g, "device_mesh")}
+            if shard_group is None and len(meshes) > 1:  # TP: 2-D (dp x tp) grads beside dp-only ones
+                self._grad_norm = _norm_over_meshes(grads)
+                return self._grad_norm
             norm = total_norm(grads, self.device, shard_group)
             # FSDP2's DTensor grads give a DTensor of partial norms. full_tensor() reduces it over the mesh.
             self._grad_norm = norm.full_tensor() if callable(getattr(norm, "full_tensor", None)) else norm
@@ -232,7 +261,9 @@ class LitLM(L.LightningModule):
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         norm = self.gradient_norm()
         if params and norm is not None:
-            torch.nn.utils.clip_grads_with_norm_(params, gradient_clip_val, norm)
+            # torch's foreach multiply takes DTensors of one mesh: under TP, clip each mesh's grads apart.
+            for group in _by_mesh(params).values():
+                torch.nn.utils.clip_grads_with_norm_(group, gradient_clip_val, norm)
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         x, y = batch

@@ -96,7 +96,9 @@ class CausalSelfAttention(nn.Module):
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.context_length, cfg.rope_theta)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = rearrange(self.qkv(x), "b t (three h d) -> three b h t d", three=3, h=self.n_heads)
+        # Grouped per head, (q|k|v) within each: a column split of qkv (tensor parallel, ledger.tp) gives each
+        # rank whole heads, and a checkpoint the same layout at any TP size.
+        q, k, v = rearrange(self.qkv(x), "b t (h three d) -> three b h t d", three=3, h=self.n_heads)
         y = F.scaled_dot_product_attention(self.rope(q), self.rope(k), v, is_causal=True)
         return self.out(rearrange(y, "b h t d -> b t (h d)"))
 

@@ -1,8 +1,9 @@
 """`--trainer.strategy fsdp2`: FSDP2 over every rank, by name.
 
 Lightning's ModelParallelStrategy defaults to data parallel = nodes, tensor parallel = devices per
-node. So on one node its "auto" is all tensor parallel. FSDP2Strategy fixes tensor parallel at 1.
-Every rank shards the model, as `lmledger account --trainer.strategy fsdp2` predicts.
+node. So on one node its "auto" is all tensor parallel. FSDP2Strategy sets tensor parallel to 1 unless
+told otherwise (tensor_parallel_size), and the rest data-parallel. Every rank shards the model, as
+`lmledger account --trainer.strategy fsdp2` predicts.
 
 Importing this module registers "fsdp2" in Lightning's StrategyRegistry, as Lightning's own strategies
 register on import. So `Trainer(strategy="fsdp2")` works in Python too: `import lmledger` arranges this
@@ -19,15 +20,21 @@ FSDP2 = "fsdp2"
 
 
 class FSDP2Strategy(ModelParallelStrategy):
-    """ModelParallelStrategy with tensor parallel 1 and every rank data-parallel."""
+    """ModelParallelStrategy with tensor parallel 1 (by default) and every other rank data-parallel.
 
-    def __init__(self, **kwargs) -> None:
-        kwargs.setdefault("tensor_parallel_size", 1)
-        super().__init__(**kwargs)
+    With tensor_parallel_size T > 1 (`--trainer.strategy lmledger.strategies.FSDP2Strategy
+    --trainer.strategy.tensor_parallel_size T`), data parallel is auto: the world size over T. The module's
+    configure_model applies its TP plan over the mesh's "tensor_parallel" dimension, then FSDP2 over
+    "data_parallel" (LitLM has one: ledger.tp.toy_tp_plan).
+    """
+
+    def __init__(self, data_parallel_size="auto", tensor_parallel_size: int = 1, **kwargs) -> None:
+        super().__init__(data_parallel_size=data_parallel_size, tensor_parallel_size=tensor_parallel_size, **kwargs)
 
     def setup_environment(self) -> None:
-        if self._data_parallel_size == "auto" and self._tensor_parallel_size == 1:
-            self._data_parallel_size = self.num_nodes * self.num_processes
+        tensor = self._tensor_parallel_size
+        if self._data_parallel_size == "auto" and isinstance(tensor, int) and tensor >= 1:
+            self._data_parallel_size = self.num_nodes * self.num_processes // tensor
         super().setup_environment()
 
 

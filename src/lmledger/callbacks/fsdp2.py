@@ -16,8 +16,10 @@ micro-batch's backward (every manual_backward) reduce-scatters. The reason: its 
 is ParallelStrategy's, a no-op for an FSDPModule (canary in tests/test_fsdp2_accumulate.py). A step's
 own set_requires_gradient_sync runs on the fake copy too.
 
-Tensor parallelism (a mesh with tensor_parallel_size > 1) and a GPU run get one line each. They are
-measured only.
+Tensor parallelism (a mesh with tensor_parallel_size > 1) is predicted too: the fake mesh is then a
+2-D (data_parallel x tensor_parallel) one of fake groups beside the real ones, and configure_model's own
+TP plan runs on it (Lightning's TP-tutorial form: parallelize_module over device_mesh["tensor_parallel"],
+then fully_shard over device_mesh["data_parallel"]). A GPU run gets one line: it is measured only.
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ def unsharded_copy(trainer: pl.Trainer, pl_module: pl.LightningModule) -> nn.Mod
     return copy.deepcopy(pl_module, memo)
 
 
-def _mesh_sizes(trainer: pl.Trainer) -> tuple[int, int]:
+def mesh_sizes(trainer: pl.Trainer) -> tuple[int, int]:
     """(data-parallel, tensor-parallel) sizes of ModelParallelStrategy's mesh."""
     mesh = trainer.strategy.device_mesh
     return mesh["data_parallel"].size(), mesh["tensor_parallel"].size()
@@ -93,7 +95,7 @@ def _fsdp2_arguments(trainer: pl.Trainer, pl_module: pl.LightningModule, batch_i
 
     Among them:
 
-        world_size    the mesh's data-parallel size
+        world_size    the mesh's size: data parallel x tensor parallel
         fsdp          the module's configure_model, replayed
         optimizer     the same optimizers over the fake shards
         accumulate    micro-batches; each one's backward reduce-scatters, as Lightning runs FSDP2
@@ -101,21 +103,16 @@ def _fsdp2_arguments(trainer: pl.Trainer, pl_module: pl.LightningModule, batch_i
     """
     manual = not pl_module.automatic_optimization
     made = [_same_optimizer(o, pl_module) for o in torch_optimizers(trainer)]
+    data, tensor = mesh_sizes(trainer)
+    settings = sharded.FSDPSettings(shard=_replay_configure_model(trainer), tensor_parallel=tensor)
     return dict(
         step=lightning_step(batch_idx, trainer), optimizer=made if manual else (made[0] if made else None),
-        precision=str(trainer.precision), strategy="fsdp2", world_size=_mesh_sizes(trainer)[0],
-        fsdp=sharded.FSDPSettings(shard=_replay_configure_model(trainer)), device=pl_module.device,
-        accumulate=accumulate, manual=manual,
+        precision=str(trainer.precision), strategy="fsdp2", world_size=data * tensor, fsdp=settings,
+        device=pl_module.device, accumulate=accumulate, manual=manual,
     )  # fmt: skip
 
 
 def _not_modelled(trainer, pl_module, unsharded) -> str | None:
-    _, tensor_parallel = _mesh_sizes(trainer)
-    if tensor_parallel > 1:
-        return (
-            f"ModelParallelStrategy's mesh has tensor_parallel_size {tensor_parallel}: the dry run does not model "
-            "tensor parallelism yet"
-        )
     if pl_module.device.type != "cpu":  # ledger.sharded runs FSDP2 on a CPU mesh; not yet held to a GPU's peak
         return f"the FSDP2 dry run runs on a CPU mesh, not yet on {pl_module.device.type}"
     if unsharded is None:
@@ -152,7 +149,9 @@ def _replay_configure_model(trainer: pl.Trainer) -> Callable[[nn.Module, object]
 
     def shard(model: nn.Module, fake_mesh: object) -> None:
         model.trainer = trainer  # a deep copy drops its trainer; configure_model may read it
-        model._device_mesh = _fake_mesh_like(trainer.strategy.device_mesh, fake_mesh)
+        real = trainer.strategy.device_mesh
+        # Under TP the fake mesh is already (data_parallel x tensor_parallel), of fake groups.
+        model._device_mesh = fake_mesh if fake_mesh.ndim == 2 else _fake_mesh_like(real, fake_mesh)
         model.configure_model()
 
     return shard

@@ -142,6 +142,9 @@ class StepMeasurement:
         if self._counter is not None:
             self._counter.__exit__(None, None, None)
             self._counter = None
+        if getattr(self, "_local_flops", None) is not None:
+            self._local_flops.stop()
+            self._local_flops = None
         if self._tracker is not None:
             self._tracker.stop()
             self._tracker = None
@@ -154,6 +157,11 @@ class StepMeasurement:
         if self.compiled:  # dynamo compiles this step: nothing may watch it (class docstring)
             return
         if self.count_flops:
+            if _is_sharded(module):  # tensor parallel: a DTensor matmul costs this rank its local shards'
+                from lmledger.ledger.rankstate import local_flops
+
+                self._local_flops = local_flops()
+                self._local_flops.start()
             self._counter = StepFlopCounter()
             self._counter.__enter__()
         if self.measure_activations:
@@ -165,6 +173,9 @@ class StepMeasurement:
             self._counter.__exit__(None, None, None)
             self.values["flops_hardware"] = self._counter.get_total_flops()
             self._counter = None
+        if getattr(self, "_local_flops", None) is not None:
+            self._local_flops.stop()
+            self._local_flops = None
 
     def _close_step_one(self, module: torch.nn.Module, optimizers: list) -> None:
         self._stop_counter()

@@ -7,7 +7,8 @@ device the step runs on.
 
 Where fakes would not act as the real tensors do, these follow the real code:
 
-    RealOutputStorages        a reduced loss kept in an input-sized buffer; oneDNN's RNN workspace
+    RealOutputStorages        a reduced loss kept in an input-sized buffer; oneDNN's RNN workspace; a
+                              collective's wait_tensor returns its input
     PlaceholderScalars        a scalar a fake optimizer step reads from a tensor reads as 1
     eager_library_decisions   libraries that ask "am I traced?" take their eager branch
     _pin_kernel_choice        a fake optimizer runs the kernel (foreach or not) the real one would
@@ -221,6 +222,10 @@ def _pin_kernel_choice(optimizer: torch.optim.Optimizer, device: torch.device) -
             group["foreach"] = foreach_default
 
 
+_WAIT_TENSOR = getattr(getattr(torch.ops, "_c10d_functional", None), "wait_tensor", None)
+_WAIT_TENSOR = getattr(_WAIT_TENSOR, "default", None)
+
+
 class RealOutputStorages(TorchDispatchMode):
     """Give fake outputs the storage size the real kernels give them, where the two differ.
 
@@ -246,6 +251,8 @@ class RealOutputStorages(TorchDispatchMode):
         self._rnn_workspaces: dict[tuple, int] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is _WAIT_TENSOR:  # the real op returns its input; the fake one a new tensor
+            return args[0]
         out = func(*args, **(kwargs or {}))
         if func in self._REDUCED_INTO_INPUT_BUFFER and out.dim() == 0:
             shape = torch.broadcast_shapes(args[0].shape, args[1].shape)

@@ -29,11 +29,14 @@ from unittest import mock
 import torch
 from torch import nn
 
+from lmledger.errors import UserError
+from lmledger.ledger import tp
 from lmledger.ledger.dryrun import NotTraced, StepFn
 from lmledger.ledger.rankstate import FakeRun, ShardedLedger, sharded_ledger, sharded_tracking
 
 __all__ = [
     "DEFAULT_FSDP",
+    "TP_DIMS",
     "FSDPSettings",
     "fake_process_group",
     "fsdp2_shard_bytes",
@@ -57,23 +60,32 @@ class FSDPSettings:
         mp_policy     passed to fully_shard as it is
         shard_size    makes the mesh 2-D, (W / shard_size replicas, shard_size shards): hybrid
                       sharding (HSDP), as torchtitan's data_parallel_replicate/shard degrees do
+        tensor_parallel  makes the mesh 2-D, (W / tp data_parallel, tp tensor_parallel), as Lightning's
+                      ModelParallelStrategy names it. `shard(model, mesh)` then gets that mesh (a
+                      configure_model replayed); without one, `tp_plan(model, mesh["tensor_parallel"])`
+                      (default: ledger.tp's ToyLM plan) runs, then shard_blocks over "data_parallel"
+        sequence_parallel  the default ToyLM plan's option (ledger.tp.toy_tp_plan)
     """
 
     reshard_after_forward: bool = True
     shard: Callable[[nn.Module, object], None] | None = None
     mp_policy: object = None
     shard_size: int | None = None  # HSDP: shard within groups of this many ranks, replicate across them
+    tensor_parallel: int = 1
+    tp_plan: Callable[[nn.Module, object], None] | None = None
+    sequence_parallel: bool = False
 
 
 DEFAULT_FSDP = FSDPSettings()
 
 
 @contextmanager
-def fake_process_group(world_size: int, shard_size: int | None = None) -> Iterator[object]:
+def fake_process_group(world_size: int, shard_size: int | None = None, tensor_parallel: int = 1) -> Iterator[object]:
     """torch's fake process group of `world_size` ranks, and a CPU DeviceMesh over it.
 
-    This process is its rank 0. The mesh is 1-D; with shard_size, 2-D (replicate x shard). Both are
-    made outside any FakeTensorMode, and torn down on exit.
+    This process is its rank 0. The mesh is 1-D; with shard_size, 2-D (replicate x shard); with
+    tensor_parallel > 1, 2-D (data_parallel x tensor_parallel). All are made outside any
+    FakeTensorMode, and torn down on exit.
 
     Without a default group, it is the default one: init_process_group("fake"), as torchtitan's
     estimator does. It is destroyed after. The caller may already have a default group (Lightning's DDP
@@ -93,9 +105,13 @@ def fake_process_group(world_size: int, shard_size: int | None = None) -> Iterat
     if not dist.is_initialized():
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
         try:
-            yield make_mesh(init_device_mesh, world_size, shard_size)
+            yield make_mesh(init_device_mesh, world_size, shard_size, tensor_parallel)
         finally:
             dist.destroy_process_group()
+        return
+    if tensor_parallel > 1:
+        with _fake_2d_beside(world_size, tensor_parallel) as mesh:
+            yield mesh
         return
     if shard_size is not None and shard_size != world_size:
         raise _Unavailable("a 2-D (HSDP) mesh beside this process's own process group is not built yet")
@@ -114,14 +130,51 @@ def fake_process_group(world_size: int, shard_size: int | None = None) -> Iterat
         dist.destroy_process_group(group)
 
 
-def make_mesh(init_device_mesh: Callable, world_size: int, shard_size: int | None) -> object:
-    """A CPU mesh of `world_size` ranks: 1-D, or 2-D (replicate x shard) with a smaller shard_size."""
+def make_mesh(init_device_mesh: Callable, world_size: int, shard_size: int | None, tensor_parallel: int = 1) -> object:
+    """A CPU mesh of `world_size` ranks: 1-D, or 2-D (replicate x shard) with a smaller shard_size, or 2-D
+    (data_parallel x tensor_parallel) with tensor_parallel > 1."""
+    if tensor_parallel > 1:
+        return init_device_mesh("cpu", (world_size // tensor_parallel, tensor_parallel), mesh_dim_names=TP_DIMS)
     if shard_size is None or shard_size == world_size:
         return init_device_mesh("cpu", (world_size,))
     return init_device_mesh("cpu", (world_size // shard_size, shard_size), mesh_dim_names=("replicate", "shard"))
 
 
+TP_DIMS = ("data_parallel", "tensor_parallel")  # Lightning's ModelParallelStrategy's names
 _FAKE_GROUPS = [0]
+
+
+@contextmanager
+def _fake_2d_beside(world_size: int, tensor_parallel: int) -> Iterator[object]:
+    """A (data_parallel x tensor_parallel) mesh of fake groups beside this process's real default group.
+
+    This process sits at [0, 0] under its real global rank. The other ranks' numbers exist nowhere.
+    Only its own row (the tp group) and column (the dp group) are made: every collective it joins.
+    """
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    c10d = dist.distributed_c10d
+    dp = world_size // tensor_parallel
+    table = torch.arange(world_size).reshape(dp, tensor_parallel) + _NO_SUCH_RANK
+    table[0, 0] = dist.get_rank()
+    groups = []
+    try:
+        for ranks in (table[:, 0].tolist(), table[0, :].tolist()):
+            _FAKE_GROUPS[0] += 1
+            group, _ = c10d._new_process_group_helper(
+                len(ranks), 0, ranks, "fake", FakeStore(),
+                group_name=f"lmledger_fake_{os.getpid()}_{_FAKE_GROUPS[0]}", timeout=c10d.default_pg_timeout,
+            )  # fmt: skip
+            c10d._world.pg_group_ranks[group] = {g: i for i, g in enumerate(ranks)}
+            groups.append(group)
+        yield DeviceMesh.from_group(groups, "cpu", mesh=table, mesh_dim_names=TP_DIMS)
+    finally:
+        for group in groups:
+            dist.destroy_process_group(group)
+
+
 _NO_SUCH_RANK = 1 << 30
 
 
@@ -155,9 +208,18 @@ def shard_blocks(model: nn.Module, mesh: object, settings: FSDPSettings) -> None
 
 
 def shard_model(model: nn.Module, mesh: object, settings: FSDPSettings) -> None:
-    """Wrap `model` with fully_shard as `settings` say (their own `shard`, else shard_blocks)."""
+    """Wrap `model` with fully_shard as `settings` say (their own `shard`, else shard_blocks).
+
+    With tensor_parallel > 1 and no `shard`, the TP plan runs first (settings.tp_plan, else the ToyLM's).
+    """
     if settings.shard is not None:
         settings.shard(model, mesh)
+    elif settings.tensor_parallel > 1:
+        from lmledger.ledger import tp
+
+        plan = settings.tp_plan or (lambda m, tp_mesh: tp.toy_tp_plan(m, tp_mesh, settings.sequence_parallel))
+        plan(model, mesh[TP_DIMS[1]])
+        shard_blocks(model, mesh[TP_DIMS[0]], settings)
     else:
         shard_blocks(model, mesh, settings)
 
@@ -178,14 +240,25 @@ def predict_fsdp2(
     """One FSDP2 rank's steady-state step (module docstring); arguments as ledger.sharded.predict_sharded."""
     if device is not None and torch.device(device).type != "cpu":
         return NotTraced(f"the sharded dry run runs FSDP2 on a CPU mesh, not {device}: predict it for cpu")
-    size = settings.shard_size
+    size, tensor_parallel = settings.shard_size, settings.tensor_parallel
+    if not isinstance(tensor_parallel, int) or tensor_parallel < 1 or world_size % tensor_parallel:
+        raise UserError(
+            f"tensor_parallel_size {tensor_parallel} does not divide the {world_size} ranks: choose one that "
+            "divides devices x num_nodes"
+        )
+    if tensor_parallel > 1 and size is not None and size != world_size // tensor_parallel:
+        return NotTraced("hybrid sharding (HSDP) with tensor parallelism is not modelled yet: the run is measured only")
     if size is not None and (not isinstance(size, int) or size < 1 or world_size % size):
         return NotTraced(
             f"world size {world_size} does not divide into shard groups of {size} ranks (HSDP's mesh): "
             "the run is measured only"
         )
     try:
-        with fake_process_group(world_size, size) as device_mesh, _rank_chunks_only():
+        with (
+            fake_process_group(world_size, None if tensor_parallel > 1 else size, tensor_parallel) as device_mesh,
+            _rank_chunks_only(),
+            tp.meshes_outside_fake_mode(),
+        ):
             wrap = lambda model: shard_model(model, device_mesh, settings)  # noqa: E731
             fake = FakeRun(module, batch, step, optimizer, precision, device, wrap=wrap, manual=manual)
             if isinstance(fake.error, NotTraced):
@@ -198,7 +271,9 @@ def predict_fsdp2(
     except _Unavailable as err:
         return NotTraced(f"{err}: the run is measured only")
     comm = max((2 * u for u in units), default=0)
-    return sharded_ledger(result, "fsdp2", world_size, comm_buffers=comm, state=fake.state)
+    return sharded_ledger(
+        result, "fsdp2", world_size, comm_buffers=comm, state=fake.state, tensor_parallel=tensor_parallel
+    )
 
 
 class _RankChunks:

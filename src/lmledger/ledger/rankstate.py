@@ -27,9 +27,10 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_map
+from torch.utils.flop_counter import FlopCounterMode
 
 from lmledger.errors import UserError
-from lmledger.ledger import dryrun, fakecopy, manualopt
+from lmledger.ledger import dryrun, fakecopy, flops, manualopt
 from lmledger.ledger.ddp import Bucket
 from lmledger.ledger.dryrun import NotTraced, OptimizerSpec, StepLedger
 from lmledger.ledger.memtrack import MemoryTracker
@@ -37,6 +38,7 @@ from lmledger.ledger.memtrack import MemoryTracker
 __all__ = [
     "ShardedTracker",
     "following_resizes",
+    "local_flops",
     "NOT_MODELLED",
     "STATE_ONLY",
     "TRACED",
@@ -71,6 +73,8 @@ class ShardedLedger(StepLedger):
                        (The peak counts the buffers themselves as they are allocated.)
         peak_checked   False where the peak is the single-device step's with the sharded state
                        swapped in (DeepSpeed, FSDP1): not yet held to a measurement
+        tensor_parallel  the mesh's tensor-parallel size (1: data parallel only); world_size counts
+                       every rank, data_parallel x tensor_parallel
     """
 
     strategy: str = "ddp"
@@ -78,6 +82,7 @@ class ShardedLedger(StepLedger):
     buckets: tuple[Bucket, ...] = ()
     comm_buffers: int = 0
     peak_checked: bool = True
+    tensor_parallel: int = 1
 
 
 def sharded_ledger(result: StepLedger, strategy: str, world_size: int, *, state=None, **extra) -> ShardedLedger:
@@ -113,9 +118,15 @@ def strategy_name(strategy: str) -> str | NotTraced:
 
 
 def _local(t: object) -> object:
-    """A DTensor's local shard (what this rank allocates); anything else as it is."""
+    """A DTensor's local shard (what this rank allocates); a collective's AsyncCollectiveTensor its result
+    (a wrapper without storage of its own); anything else as it is."""
+    if not isinstance(t, torch.Tensor):
+        return t
     shard = getattr(t, "_local_tensor", None)
-    return shard if isinstance(t, torch.Tensor) and isinstance(shard, torch.Tensor) else t
+    if isinstance(shard, torch.Tensor):
+        return shard
+    elem = getattr(t, "elem", None)
+    return elem if type(t).__name__ == "AsyncCollectiveTensor" and isinstance(elem, torch.Tensor) else t
 
 
 def local_state_bytes(model: nn.Module, optimizer: object) -> dict[str, int]:
@@ -214,16 +225,67 @@ def following_resizes():
     return mock.patch.object(torch.UntypedStorage, "resize_", _resize_seen)
 
 
+_ORIGINAL_COUNT = FlopCounterMode._count_flops
+
+
+def _count_local_flops(self, func_packet, out, args, kwargs):
+    """FlopCounterMode's count on the local shards: a DTensor op (TP's matmuls) costs this rank its local op."""
+    local = lambda tree: tree_map(_local, tree)  # noqa: E731
+    _ORIGINAL_COUNT(self, func_packet, local(out), local(args), local(kwargs))
+    return out  # the op's own output (the original returns what it is given)
+
+
+def _count_local_without_decomposing(self, func, types, args=(), kwargs=None):
+    """ledger.flops' counter of a real step (StepFlopCounter's mode), on the local shards."""
+    out = func(*args, **(kwargs or {}))
+    packet = func._overloadpacket
+    if packet in self.counter.flop_registry:
+        local = lambda tree: tree_map(_local, tree)  # noqa: E731
+        count = self.counter.flop_registry[packet](*local(args), **local(kwargs or {}), out_val=local(out))
+        self.counter.flop_counts["Global"][packet] += count
+    return out
+
+
+class local_flops:  # noqa: N801  (used as a context manager, or start()/stop() across hooks)
+    """While open, the FLOP counters count a DTensor op (TP's matmuls) at its local shards' shapes.
+
+    FlopCounterMode sees a DTensor op before DTensor runs it, at the global shapes.
+    """
+
+    def __init__(self) -> None:
+        self._patches = [
+            mock.patch.object(FlopCounterMode, "_count_flops", _count_local_flops),
+            mock.patch.object(flops._CountWithoutDecomposing, "__torch_dispatch__", _count_local_without_decomposing),
+        ]
+
+    def start(self) -> None:
+        for patch in self._patches:
+            patch.start()
+
+    def stop(self) -> None:
+        for patch in self._patches:
+            patch.stop()
+
+    def __enter__(self) -> local_flops:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
 @contextmanager
 def sharded_tracking(extra: tuple[torch.Tensor, ...] = ()) -> Iterator[None]:
     """Make the dry run's (and measure's) MemoryTracker a ShardedTracker with `extra` storages.
 
-    It patches both the automatic step's tracker (dryrun) and the manual one's (manualopt).
+    It patches both the automatic step's tracker (dryrun) and the manual one's (manualopt). FLOPs are
+    counted on local shards too: FlopCounterMode sees a DTensor op at its global shapes.
     """
     tracker_type = type("_Tracker", (ShardedTracker,), {"extra": extra})
     with (
         mock.patch.object(dryrun, "MemoryTracker", tracker_type),
         mock.patch.object(manualopt, "MemoryTracker", tracker_type),
+        local_flops(),
         following_resizes(),
     ):
         yield

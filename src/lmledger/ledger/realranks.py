@@ -23,7 +23,7 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-from lmledger.ledger import dryrun, fakecopy, manualopt
+from lmledger.ledger import dryrun, fakecopy, manualopt, tp
 from lmledger.ledger.ddp import Bucket, DDPSettings
 from lmledger.ledger.dryrun import StepFn
 from lmledger.ledger.fsdp2 import DEFAULT_FSDP, FSDPSettings, fsdp_units, make_mesh, shard_model
@@ -117,7 +117,9 @@ def _measure_fsdp2(model, module, batch, step, optimizer, precision, fsdp, accum
     world = dist.get_world_size()
     dtype, autocast = fakecopy.precision_dtypes(precision)
     device = fakecopy.target_device(model, None)
-    shard_model(model, make_mesh(init_device_mesh, world, fsdp.shard_size), fsdp)
+    tensor_parallel = fsdp.tensor_parallel
+    with tp.meshes_outside_fake_mode():  # the same code path as the prediction's (a no-op without fake mode)
+        shard_model(model, make_mesh(init_device_mesh, world, fsdp.shard_size, tensor_parallel), fsdp)
     opts = made_optimizers(optimizer, module, list(model.parameters()))
     batch = fakecopy.cast_batch(batch, dtype)
     # As Lightning's ModelParallelStrategy runs it: every micro-batch's backward reduce-scatters (its
@@ -129,7 +131,10 @@ def _measure_fsdp2(model, module, batch, step, optimizer, precision, fsdp, accum
             result = dryrun.ledger_of_step(model, batch, step, opts[0], autocast, device, accumulate)
     state = local_state_bytes(model, opts)
     units = fsdp_units(model)
-    return sharded_ledger(dataclasses.replace(result, **state), "fsdp2", world, comm_buffers=max(units, default=0) * 2)
+    return sharded_ledger(
+        dataclasses.replace(result, **state), "fsdp2", world, comm_buffers=max(units, default=0) * 2,
+        tensor_parallel=tensor_parallel,
+    )  # fmt: skip
 
 
 def _hand_over_buffers(ddp_model: nn.Module, world: int) -> dict[int, torch.Tensor]:

@@ -1,0 +1,197 @@
+"""Tensor parallelism beside FSDP2 (issue 30): LitLM's TP plan trains as one process does, and one rank's
+step is predicted from one process on a fake (data_parallel x tensor_parallel) mesh, held to real gloo
+ranks. The real-rank tests are few and tiny (2 and 4 processes); they run in CI on 2 cores.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lmledger.errors import ConfigError, UserError
+from lmledger.ledger.sharded import FSDPSettings, measure_sharded, predict_sharded, run_ranks
+from lmledger.model import ModelConfig, ToyLM
+
+HERE = Path(__file__).resolve()
+STATE = ("params", "grads", "optimizer")
+ACTIVATIONS_TOLERANCE = 0.01  # issue 30: state exact, activations 1%, peak 3%
+PEAK_TOLERANCE = 0.03
+LINES = ("params", "grads", "optimizer", "activations", "peak", "flops_forward", "flops_backward", "comm_buffers")
+
+# Heads and the MLP divide by 2; vocabulary 64 divides too (sequence parallel splits the embedding by rows).
+CFG = ModelConfig(vocab_size=64, context_length=16, d_model=32, n_layers=2, n_heads=4, d_ff=64)
+STEPS = 4
+
+
+def _batch() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, CFG.vocab_size, (2, CFG.context_length), generator=g)
+    return x, torch.roll(x, -1, 1)
+
+
+def _adamw(params):
+    return torch.optim.AdamW(params, lr=1e-2)
+
+
+def _losses(model: torch.nn.Module) -> list[float]:
+    optimizer = _adamw(model.parameters())
+    x, y = _batch()
+    out = []
+    for _ in range(STEPS):
+        loss = model(x, y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        out.append(loss.item())
+    return out
+
+
+# (tensor parallel, sequence parallel, checkpointing, accumulate, precision): the matrix each rank measures
+CASES = {
+    2: [(2, False, False, 1, "32-true"), (2, True, True, 2, "bf16-mixed")],
+    4: [(2, False, True, 2, "bf16-mixed")],
+}
+
+
+def _figures(ledger) -> dict:
+    return {line: getattr(ledger, line) for line in LINES}
+
+
+def _rank(world: int) -> dict:
+    """One real rank: LitLM's plan trained (with and without sequence parallel), then the measured matrix."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lmledger.ledger.fsdp2 import TP_DIMS, shard_blocks
+    from lmledger.ledger.sharded import _with_checkpointed_blocks
+    from lmledger.ledger.tp import toy_tp_plan
+
+    losses = {}
+    for sequence_parallel in (False, True):
+        torch.manual_seed(0)
+        model = ToyLM(CFG)
+        mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=TP_DIMS)
+        toy_tp_plan(model, mesh["tensor_parallel"], sequence_parallel)
+        shard_blocks(model, mesh["data_parallel"], FSDPSettings())
+        losses[sequence_parallel] = _losses(model)
+    measured = []
+    for tp, sp, ac, accumulate, precision in CASES[world]:
+        torch.manual_seed(0)
+        kwargs = dict(optimizer=_adamw, precision=precision, strategy="fsdp2", accumulate=accumulate,
+                      fsdp=FSDPSettings(tensor_parallel=tp, sequence_parallel=sp))  # fmt: skip
+        module = ToyLM(CFG)
+        ledger = (
+            _with_checkpointed_blocks(lambda m, b, **k: measure_sharded(m, b, **k), module, _batch(), **kwargs)
+            if ac
+            else measure_sharded(module, _batch(), **kwargs)
+        )
+        measured.append(_figures(ledger))
+    return {"losses": losses, "measured": measured}
+
+
+def _predicted(world: int, case: tuple) -> dict:
+    tp, sp, ac, accumulate, precision = case
+    with torch.device("meta"):
+        model = ToyLM(CFG)
+    ledger = predict_sharded(
+        model, _batch(), optimizer=_adamw, precision=precision, strategy="fsdp2", world_size=world,
+        fsdp=FSDPSettings(tensor_parallel=tp, sequence_parallel=sp), activation_checkpointing=ac or None,
+        accumulate=accumulate,
+    )  # fmt: skip
+    assert ledger.tensor_parallel == tp and ledger.world_size == world
+    return _figures(ledger)
+
+
+@pytest.mark.parametrize("world", [2, 4], ids=["tp2", "dp2xtp2"])
+def test_tp_trains_as_one_process_and_is_predicted_per_rank(world):
+    torch.manual_seed(0)
+    reference = _losses(ToyLM(CFG))
+    ranks = run_ranks(_rank, world, world)
+    for rank in ranks:
+        for sequence_parallel, losses in rank["losses"].items():
+            assert losses == pytest.approx(reference, rel=1e-5), (sequence_parallel, losses, reference)
+        for case, measured in zip(CASES[world], rank["measured"], strict=True):
+            predicted = _predicted(world, case)
+            for line in (*STATE, "flops_forward", "flops_backward", "comm_buffers"):
+                assert predicted[line] == measured[line] > 0 or line == "comm_buffers", (case, line)
+            assert abs(measured["activations"] / predicted["activations"] - 1) <= ACTIVATIONS_TOLERANCE, case
+            assert abs(measured["peak"] / predicted["peak"] - 1) <= PEAK_TOLERANCE, (case, predicted, measured)
+
+
+def test_tp_divides_the_state_and_the_block_flops():
+    """Per rank at TP 2 over 4 ranks: every TP weight is half, FSDP halves the rest, the blocks' matmul FLOPs halve."""
+    from lmledger.ledger.dryrun import dry_run
+
+    with torch.device("meta"):
+        model = ToyLM(CFG)
+    one = dry_run(model, _batch(), optimizer=_adamw)
+    fsdp = predict_sharded(model, _batch(), optimizer=_adamw, strategy="fsdp2", world_size=2)
+    both = predict_sharded(model, _batch(), optimizer=_adamw, strategy="fsdp2", world_size=4,
+                           fsdp=FSDPSettings(tensor_parallel=2))  # fmt: skip
+    assert fsdp.params == one.params // 2
+    assert both.params < fsdp.params  # the blocks' matmuls are split twice
+    head = 2 * 2 * CFG.context_length * CFG.d_model * CFG.vocab_size  # the LM head's forward, replicated
+    assert both.flops_forward - head == pytest.approx((one.flops_forward - head) / 2, rel=0.02)
+
+
+# --------------------------------------------------------------------------------------------
+# Bad input, one line each
+# --------------------------------------------------------------------------------------------
+
+
+def test_heads_or_hidden_not_dividing_by_tp_are_one_line():
+    from lmledger.ledger.tp import check_tensor_parallel
+
+    with pytest.raises(ConfigError, match="n_heads 4 does not divide by tensor_parallel_size 3"):
+        check_tensor_parallel(4, 64, 3)
+    with pytest.raises(ConfigError, match="hidden size 65 does not divide"):
+        check_tensor_parallel(4, 65, 2)
+
+
+def test_a_plan_naming_a_missing_module_is_one_line():
+    from lmledger.ledger.tp import check_plan
+
+    model = ToyLM(CFG).blocks[0]
+    with pytest.raises(ConfigError, match="names 'attn.wq', which Block has no module of") as err:
+        check_plan(model, {"attn.qkv": None, "attn.wq": None})
+    assert "\n" not in str(err.value)
+    check_plan(model, {"attn.*": None, "mlp.w1": None})  # globs, as parallelize_module takes them
+
+
+def test_tp_not_dividing_the_ranks_is_one_line():
+    with torch.device("meta"):
+        model = ToyLM(CFG)
+    with pytest.raises(UserError, match="tensor_parallel_size 3 does not divide the 4 ranks"):
+        predict_sharded(model, _batch(), strategy="fsdp2", world_size=4, fsdp=FSDPSettings(tensor_parallel=3))
+
+
+# --------------------------------------------------------------------------------------------
+# A live fit: LitLM through `lmledger fit`, TP 2 on 2 gloo ranks, predicted beside measured per rank
+# --------------------------------------------------------------------------------------------
+
+TP2 = ["--trainer.strategy", "lmledger.strategies.FSDP2Strategy", "--trainer.strategy.tensor_parallel_size", "2"]
+
+
+def test_litlm_tp_fit_is_predicted_per_rank(workdir):
+    from test_ledger_fsdp2 import _check_predicted_equals_measured, _env, _ranks
+
+    from conftest import TINY_OVERRIDES
+
+    out = workdir / "dump"
+    out.mkdir()
+    cmd = [
+        sys.executable, "-m", "lmledger.cli", "fit", "--config", "configs/tiny.yaml", *TINY_OVERRIDES, *TP2,
+        "--trainer.devices", "2", "--trainer.max_steps", "3", "--trainer.limit_val_batches", "0",
+        "--ledger.warmup_steps", "1", "--trainer.callbacks+=test_ledger_fsdp2.DumpLedger",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=_env(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = _ranks(out)
+    _check_predicted_equals_measured(ranks)
+    for rank in ranks:
+        assert abs(rank["measured"]["activations"] / rank["predicted"]["activations"] - 1) <= ACTIVATIONS_TOLERANCE
+    print(json.dumps(ranks))
