@@ -376,7 +376,7 @@ def live_bytes(ops: list[OpRecord]) -> int:
     held, live = sum(sizes[k] for k in leaves), {}
     peak = held
     for i, op in enumerate(ops):
-        for key, n in op.output_storages:
+        for key, _ in op.output_storages:
             if key not in leaves and key not in live:
                 live[key] = sizes[key]
                 held += sizes[key]
