@@ -650,3 +650,35 @@ def test_compiled_objects_are_recognisable():
     assert linear._compiled_call_impl is None
     linear.compile()
     assert linear._compiled_call_impl is not None
+
+
+def test_canary_fsdp2_over_tp_needs_real_meshes_under_fake_mode():
+    """Issue 30: fully_shard over a TP-sharded module builds a (dp x tp) DeviceMesh (DeviceMesh._concatenate),
+    which under FakeTensorMode reads its rank table with nonzero and raises (torch 2.13). Building it with fake
+    mode suspended (ledger.tp.meshes_outside_fake_mode) makes the step run, with local shards of the TP x FSDP
+    size. When the first half stops failing, the workaround can go."""
+    import torch.distributed as dist
+    from torch import nn
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from lmledger.ledger.fsdp2 import fake_process_group
+    from lmledger.ledger.tp import meshes_outside_fake_mode
+
+    def step(workaround: bool):
+        with fake_process_group(16, tensor_parallel=4) as mesh, FakeTensorMode(allow_non_fake_inputs=True):
+            mlp = nn.Sequential(nn.Linear(64, 224), nn.ReLU(), nn.Linear(224, 64))
+            parallelize_module(mlp, mesh["tensor_parallel"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+            if workaround:
+                with meshes_outside_fake_mode():
+                    fully_shard(mlp, mesh=mesh["data_parallel"])
+            else:
+                fully_shard(mlp, mesh=mesh["data_parallel"])
+            mlp(torch.randn(2, 64)).sum().backward()
+            return tuple(mlp[0].weight._local_tensor.shape)
+
+    with pytest.raises(Exception, match="nonzero"):
+        step(workaround=False)
+    assert not dist.is_initialized()
+    assert step(workaround=True) == (224 // 4 // 4, 64)  # rows split by TP 4, then by FSDP's 4 ranks
