@@ -199,3 +199,24 @@ def test_account_prints_the_predicted_step_time_before_anything_runs(cache, work
         result["run"]["tokens_per_step"] / predicted["total_s"]
     )
     assert predicted["line"].startswith("step time predicted ")
+
+
+def test_plan_train_time_from_a_config(cache, workdir, capsys):
+    import yaml
+
+    from lmledger.callbacks.timing import loop_calibration_name
+
+    seeded = StepTimeCache(torch.device("cpu"))
+    seeded.set_calibration(loop_calibration_name(True, True, 10), 2e-3, "seeded by the test")
+    seeded.save()
+    config = yaml.safe_load(open("configs/tiny.yaml"))
+    config["model"]["config"].update(d_model=32, n_layers=1, n_heads=2, d_ff=64, context_length=32)
+    config["data"]["batch_size"] = 4
+    (workdir / "micro.yaml").write_text(yaml.safe_dump(config))
+    here = run_json(capsys, "plan", "train-time", "--config", "micro.yaml", "--tokens", "2B", "--json")
+    assert here["tokens_per_step"] == 4 * 32 and here["source"].startswith("predicted on this machine")
+    assert here["days"] == pytest.approx(2e9 / 128 * here["step_s"] / 86400)
+    gpu = run_json(
+        capsys, "plan", "train-time", "--config", "micro.yaml", "--tokens", "2B", "--gpu", "h100-sxm", "--json"
+    )
+    assert "upper bound on speed" in gpu["source"] and 0 < gpu["step_s"] < here["step_s"]

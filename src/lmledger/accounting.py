@@ -278,10 +278,10 @@ def account_any_model(argv: list[str], do_measure: bool, step_time: bool = False
 
     The dry run, beside the real step with --measure. Both run on its data's first batch.
     No model FLOPs (6N + attention needs the architecture), so no MFU."""
-    from lmledger.callbacks.live import samples_per_batch, tokens_per_batch
     import copy
 
     from lmledger.fitting.cli import build_model_and_data, first_batch
+    from lmledger.callbacks.live import samples_per_batch, tokens_per_batch
     from lmledger.ledger import predict as ledger_predict
     from lmledger.ledger.fakecopy import map_tensors
     from lmledger.ledger.run import Run
@@ -435,6 +435,37 @@ def any_model_at_scale(argv: list[str], capacity_bytes: int | None = None) -> di
             optimizer=ledger_predict.configured_optimizer(module), precision=precision,
             **_scale_settings(argv, strategy),
         )  # fmt: skip
+    if scale.get("capacity_bytes"):
+        rows.append(("largest micro-batch per rank", "max_batch"))
+    for label, key in rows:
+        cells = []
+        for case in cases:
+            value = case.get(key)
+            if case.get("not_predicted"):
+                cells.append("—")
+            elif key == "max_batch":
+                cells.append("—" if value is None else f"{value:,}")
+            else:
+                cells.append(format_bytes(value) + ("" if key != "peak" or case["peak_checked"] else " (unchecked)"))
+        table.add_row(label, *cells)
+    Console().print(table)
+    for label, case in scale["cases"].items():
+        if case.get("not_predicted"):
+            print(f"{label}: not predicted: {case['not_predicted']}")
+        elif case.get("max_batch") == 0:
+            print(f"{label}: does not fit: one sample per rank is over by {format_bytes(case['over_by_at_batch_1'])}")
+        elif not case["peak_checked"]:
+            print(f"{label}: the peak is the single-device step's with the sharded state swapped in, not yet held "
+                  "to a measurement (checked on a GPU when one is lent)")  # fmt: skip
+
+
+def print_any_model_at_scale(result: dict) -> None:
+    run = result["run"]
+    print(
+        f"{run['model']}: {result['params']:,} params, {run['batch_size']} samples per rank, {run['precision']}; "
+        "dry-run on the meta device with the CPU's kernels (a GPU's attention kernels may hold more or less)"
+    )
+    print_per_rank(result["per_rank"])
     return {
         "params": ledger_predict.parameter_count(module),
         "run": {
@@ -537,34 +568,52 @@ def _toy_predicted_time(spec: Run, argv: list[str]) -> dict:
         dry.ops, optimizer(list(model.parameters())), argv, spec.precision, torch.device("cpu"),
         spec.tokens_per_batch, spec.batch_size,
     )  # fmt: skip
-    if scale.get("capacity_bytes"):
-        rows.append(("largest micro-batch per rank", "max_batch"))
-    for label, key in rows:
-        cells = []
-        for case in cases:
-            value = case.get(key)
-            if case.get("not_predicted"):
-                cells.append("—")
-            elif key == "max_batch":
-                cells.append("—" if value is None else f"{value:,}")
-            else:
-                cells.append(format_bytes(value) + ("" if key != "peak" or case["peak_checked"] else " (unchecked)"))
-        table.add_row(label, *cells)
-    Console().print(table)
-    for label, case in scale["cases"].items():
-        if case.get("not_predicted"):
-            print(f"{label}: not predicted: {case['not_predicted']}")
-        elif case.get("max_batch") == 0:
-            print(f"{label}: does not fit: one sample per rank is over by {format_bytes(case['over_by_at_batch_1'])}")
-        elif not case["peak_checked"]:
-            print(f"{label}: the peak is the single-device step's with the sharded state swapped in, not yet held "
-                  "to a measurement (checked on a GPU when one is lent)")  # fmt: skip
 
 
-def print_any_model_at_scale(result: dict) -> None:
-    run = result["run"]
-    print(
-        f"{run['model']}: {result['params']:,} params, {run['batch_size']} samples per rank, {run['precision']}; "
-        "dry-run on the meta device with the CPU's kernels (a GPU's attention kernels may hold more or less)"
-    )
-    print_per_rank(result["per_rank"])
+def train_time_from_config(config: str, tokens: float, gpu: str | None = None) -> dict:
+    """`plan train-time --config FILE --tokens D [--gpu KEY]`: the time to train on D tokens.
+
+    Without a GPU: at the step time predicted on this machine (ledger.steptime). With one: at that GPU's
+    roofline bound of the same step (its datasheet peaks and bandwidth), the fastest it could run there,
+    so an upper bound on speed, until a GPU results file gives per-category efficiencies for it."""
+    from lmledger.errors import UserError
+    from lmledger.fitting.checks import named_classes
+    from lmledger.run_config import load_run
+
+    argv = ["--config", config]
+    if named_classes(argv):
+        if gpu is not None:
+            raise UserError("plan train-time --config --gpu prices lmledger's ToyLM configs; drop --gpu for this one")
+        result = account_any_model(argv, False, step_time=True)
+        predicted, per_step = result["time"]["predicted"], result["run"]["tokens_per_step"]
+        spec = None
+    else:
+        spec = load_run(argv)
+        if spec.world_size > 1:
+            raise UserError(
+                f"{config} runs on {spec.world_size} devices: plan train-time --config predicts one device's step; "
+                "fit it with the Ledger to see its step time"
+            )
+        predicted = _toy_predicted_time(spec, argv) if gpu is None else {}
+        per_step = spec.tokens_per_batch * _trainer_time_settings(argv)["accumulate"]
+    if "none" in predicted:
+        raise UserError(f"{config}: {predicted['line']}")
+    if not per_step:
+        raise UserError(f"{config}: its batches hold no token ids, so there is no tokens/s to plan with")
+    out = {"config": config, "tokens": tokens, "tokens_per_step": per_step, "gpu": gpu}
+    if gpu is None:
+        step_s, source = predicted["total_s"], f"predicted on this machine: {predicted['line']}"
+    else:
+        from lmledger.ledger.peak_flops import compute_dtype_for_precision
+        from lmledger.ledger.roofline import gpu_roofline, toy_step_ops
+
+        ops = toy_step_ops(spec.config, spec.batch_size, spec.seq_len, spec.precision)
+        bound = gpu_roofline(ops, compute_dtype_for_precision(spec.precision), gpu)
+        step_s = bound.seconds * _trainer_time_settings(argv)["accumulate"]
+        source = (
+            f"roofline bound on {bound.device} (datasheet peaks and bandwidth): an upper bound on speed, so the days "
+            "are a floor; no GPU results file gives this GPU's per-category efficiencies yet"
+        )
+    seconds = tokens / per_step * step_s
+    out.update(step_s=step_s, tokens_per_s=per_step / step_s, seconds=seconds, days=seconds / 86400, source=source)
+    return out

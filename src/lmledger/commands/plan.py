@@ -87,12 +87,13 @@ def _print_rows(title: str, rows: list[tuple[str, str]]) -> None:
 
 def _train_time_command(
     *,
-    params: Annotated[float, _count],
+    params: Annotated[float | None, _count] = None,
     tokens: Annotated[float, _count],
-    gpu: str,
+    gpu: str | None = None,
     num_gpus: Annotated[int, _gpu_count] = 1,
-    mfu: Annotated[float | str, _mfu],
+    mfu: Annotated[float | str | None, _mfu] = None,
     dtype: str = "bf16",
+    config: str | None = None,
     json: bool = False,
 ) -> None:
     """days to train N params on D tokens
@@ -105,7 +106,28 @@ def _train_time_command(
         mfu: model FLOPs utilization in (0, 1], e.g. 0.5; or roofline:CONFIG, the highest MFU that fit config's
             step can reach on --gpu (an upper bound, docs/time.md)
         dtype: whose dense peak applies: {PEAK_DTYPES} (default bf16)
+        config: a fit config: the time at its step time predicted on this machine (docs/time.md), or with
+            --gpu at that GPU's roofline bound of the step (an upper bound on speed); no --params or --mfu
     """
+    if config is not None:
+        if params is not None or mfu is not None:
+            raise UserError("plan train-time --config takes its step from the config: drop --params and --mfu")
+        from lmledger.accounting import train_time_from_config  # imports torch and Lightning
+
+        out = train_time_from_config(config, tokens, gpu)
+        if json:
+            print(dumps(out))
+            return
+        _print_rows(
+            "training time (tokens / tokens per step x step time)",
+            [("config", config), ("tokens", f"{tokens:.4g}"), ("tokens per step", f"{out['tokens_per_step']:,}"),
+             ("step", f"{out['step_s'] * 1e3:.4g} ms"), ("tokens/s", f"{out['tokens_per_s']:,.0f}"),
+             ("hours", f"{out['seconds'] / 3600:,.1f}"), ("days", f"{out['days']:,.2f}")],
+        )  # fmt: skip
+        print(out["source"])
+        return
+    if params is None or gpu is None or mfu is None:
+        raise UserError("plan train-time needs --params, --gpu and --mfu, or --config FILE (its predicted step)")
     mfu_line = advice = None
     if isinstance(mfu, str):
         from lmledger.planning import roofline_mfu  # imports torch: only for --mfu roofline:CONFIG

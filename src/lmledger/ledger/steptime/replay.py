@@ -23,6 +23,7 @@ rebuilt, and ops whose replay raises. Every RNG stream is left as it was found. 
 
 from __future__ import annotations
 
+import math
 import random
 import statistics
 import time
@@ -157,7 +158,10 @@ def rebuild(
             spec.storage_numel, spec.offset + sum((n - 1) * s for n, s in zip(spec.shape, spec.stride, strict=True)) + 1
         )
         if dtype.is_floating_point:
-            flat = torch.randn(numel, generator=generator, dtype=torch.float32).to(dtype)
+            # std 1/sqrt(fan-in) for a matrix, as weights start: values that flow through the step stay
+            # O(1), never overflowing into inf or underflowing into denormals (slow on x86), as the model's
+            scale = 1 / math.sqrt(spec.shape[-1]) if len(spec.shape) >= 2 and spec.shape[-1] > 0 else 1.0
+            flat = (torch.randn(numel, generator=generator, dtype=torch.float32) * scale).to(dtype)
         elif dtype.is_complex:
             flat = torch.randn(numel, generator=generator, dtype=dtype)
         elif dtype == torch.bool:
