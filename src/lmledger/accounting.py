@@ -278,10 +278,10 @@ def account_any_model(argv: list[str], do_measure: bool, step_time: bool = False
 
     The dry run, beside the real step with --measure. Both run on its data's first batch.
     No model FLOPs (6N + attention needs the architecture), so no MFU."""
+    from lmledger.callbacks.live import samples_per_batch, tokens_per_batch
     import copy
 
     from lmledger.fitting.cli import build_model_and_data, first_batch
-    from lmledger.callbacks.live import samples_per_batch, tokens_per_batch
     from lmledger.ledger import predict as ledger_predict
     from lmledger.ledger.fakecopy import map_tensors
     from lmledger.ledger.run import Run
@@ -435,37 +435,6 @@ def any_model_at_scale(argv: list[str], capacity_bytes: int | None = None) -> di
             optimizer=ledger_predict.configured_optimizer(module), precision=precision,
             **_scale_settings(argv, strategy),
         )  # fmt: skip
-    if scale.get("capacity_bytes"):
-        rows.append(("largest micro-batch per rank", "max_batch"))
-    for label, key in rows:
-        cells = []
-        for case in cases:
-            value = case.get(key)
-            if case.get("not_predicted"):
-                cells.append("—")
-            elif key == "max_batch":
-                cells.append("—" if value is None else f"{value:,}")
-            else:
-                cells.append(format_bytes(value) + ("" if key != "peak" or case["peak_checked"] else " (unchecked)"))
-        table.add_row(label, *cells)
-    Console().print(table)
-    for label, case in scale["cases"].items():
-        if case.get("not_predicted"):
-            print(f"{label}: not predicted: {case['not_predicted']}")
-        elif case.get("max_batch") == 0:
-            print(f"{label}: does not fit: one sample per rank is over by {format_bytes(case['over_by_at_batch_1'])}")
-        elif not case["peak_checked"]:
-            print(f"{label}: the peak is the single-device step's with the sharded state swapped in, not yet held "
-                  "to a measurement (checked on a GPU when one is lent)")  # fmt: skip
-
-
-def print_any_model_at_scale(result: dict) -> None:
-    run = result["run"]
-    print(
-        f"{run['model']}: {result['params']:,} params, {run['batch_size']} samples per rank, {run['precision']}; "
-        "dry-run on the meta device with the CPU's kernels (a GPU's attention kernels may hold more or less)"
-    )
-    print_per_rank(result["per_rank"])
     return {
         "params": ledger_predict.parameter_count(module),
         "run": {
@@ -568,6 +537,37 @@ def _toy_predicted_time(spec: Run, argv: list[str]) -> dict:
         dry.ops, optimizer(list(model.parameters())), argv, spec.precision, torch.device("cpu"),
         spec.tokens_per_batch, spec.batch_size,
     )  # fmt: skip
+    if scale.get("capacity_bytes"):
+        rows.append(("largest micro-batch per rank", "max_batch"))
+    for label, key in rows:
+        cells = []
+        for case in cases:
+            value = case.get(key)
+            if case.get("not_predicted"):
+                cells.append("—")
+            elif key == "max_batch":
+                cells.append("—" if value is None else f"{value:,}")
+            else:
+                cells.append(format_bytes(value) + ("" if key != "peak" or case["peak_checked"] else " (unchecked)"))
+        table.add_row(label, *cells)
+    Console().print(table)
+    for label, case in scale["cases"].items():
+        if case.get("not_predicted"):
+            print(f"{label}: not predicted: {case['not_predicted']}")
+        elif case.get("max_batch") == 0:
+            print(f"{label}: does not fit: one sample per rank is over by {format_bytes(case['over_by_at_batch_1'])}")
+        elif not case["peak_checked"]:
+            print(f"{label}: the peak is the single-device step's with the sharded state swapped in, not yet held "
+                  "to a measurement (checked on a GPU when one is lent)")  # fmt: skip
+
+
+def print_any_model_at_scale(result: dict) -> None:
+    run = result["run"]
+    print(
+        f"{run['model']}: {result['params']:,} params, {run['batch_size']} samples per rank, {run['precision']}; "
+        "dry-run on the meta device with the CPU's kernels (a GPU's attention kernels may hold more or less)"
+    )
+    print_per_rank(result["per_rank"])
 
 
 def train_time_from_config(config: str, tokens: float, gpu: str | None = None) -> dict:
