@@ -453,3 +453,25 @@ def test_the_check_flags_each_line_beyond_its_tolerance():
     assert TOLERANCE["activations"] == 0.10  # 1099 / 1000 is within it
     assert misses(Report({}, measured=measured)) == [] and misses(Report({"dry run": predicted})) == []
     assert misses(Report({"dry run": Figures(grads=0)}, measured=Figures(grads=5)))[0].ratio == float("inf")
+
+
+def test_compiled_parts_finds_where_a_module_runs_compiled_code():
+    from unittest import mock
+
+    from lmledger.callbacks.measure import compiled_parts
+    from lmledger.lit import LitLM
+    from lmledger.model import ModelConfig
+
+    class DecoratedForward(nn.Module):
+        @torch.compile
+        def forward(self, x):
+            return x
+
+    config = ModelConfig(vocab_size=64, context_length=8, d_model=16, n_layers=2, n_heads=2, d_ff=32)
+    assert compiled_parts(LitLM(config=config, compile=True)) == ["LitLM._forward"]  # kept in __dict__
+    assert compiled_parts(LitLM(config=config, compile="blocks")) == ["model.blocks.0", "model.blocks.1"]
+    assert compiled_parts(LitLM(config=config)) == [] and compiled_parts(CompiledSubmodule()) == ["net"]
+    assert compiled_parts(DecoratedForward()) == ["forward"]
+    holds_a_mock = nn.Linear(2, 2)
+    holds_a_mock.helper = mock.MagicMock()  # answers every attribute, _torchdynamo_orig_callable too
+    assert compiled_parts(holds_a_mock) == []

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import types
 
 import torch
 
@@ -257,10 +258,11 @@ class StepMeasurement:
 
 def compiled_parts(module: torch.nn.Module) -> list[str]:
     """Where `module` runs torch.compile'd code: submodules compiled in place (`module.compile()`) or
-    wrapped (`torch.compile(submodule)`), and compiled callables kept as attributes (LitLM's `_forward`).
+    wrapped (`torch.compile(submodule)`), compiled callables kept as attributes (LitLM's `_forward`), and
+    the module's own `forward` or `training_step` defined under `@torch.compile`.
 
     A compiled function reached some other way (a closure, a global) is not found."""
-    found = []
+    found = [name for name in ("forward", "training_step") if _is_compiled(getattr(type(module), name, None))]
     for name, sub in module.named_modules():
         where = name or type(module).__name__
         if getattr(sub, "_compiled_call_impl", None) is not None or _is_compiled(sub):
@@ -271,10 +273,14 @@ def compiled_parts(module: torch.nn.Module) -> list[str]:
 
 
 def _is_compiled(obj: object) -> bool:
-    """A torch.compile result: an OptimizedModule, or a function dynamo wraps."""
+    """A torch.compile result: an OptimizedModule, or a function dynamo wraps (a plain function, so that
+    an object answering every attribute, a Mock say, is not taken for one)."""
     from torch._dynamo.eval_frame import OptimizedModule  # canary test_compiled_objects_are_recognisable
 
-    return isinstance(obj, OptimizedModule) or callable(getattr(obj, "_torchdynamo_orig_callable", None))
+    if isinstance(obj, OptimizedModule):
+        return True
+    function = getattr(obj, "__func__", obj) if isinstance(obj, types.MethodType) else obj
+    return isinstance(function, types.FunctionType) and callable(vars(function).get("_torchdynamo_orig_callable"))
 
 
 def _is_sharded(module: torch.nn.Module) -> bool:
