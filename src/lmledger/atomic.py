@@ -3,7 +3,8 @@
 A kill at any moment leaves the previous file or the complete new one. A disk that refuses the write
 (full, read-only, over quota) becomes one `DiskWriteError` line saying what is intact.
 Temp files are named ".<final name>.<writer pid>.<12 hex>.tmp". So a later writer can tell a dead
-writer's leftovers (`remove_stale_temps`) from a live one's.
+writer's leftovers (`remove_stale_temps`) from a live one's. A directory (a sharded checkpoint) is put in
+place by `publish` the same way: staged whole beside the target, then swapped in by one rename.
 No torch, no Lightning: `prepare` and `plan` import this.
 """
 
@@ -24,8 +25,10 @@ __all__ = [
     "TEMP_NAME",
     "DiskWriteError",
     "atomic_write",
+    "exchange",
     "fsync_dir",
     "printable",
+    "publish",
     "remove_stale_temps",
     "stage",
     "temp_path",
@@ -34,7 +37,8 @@ __all__ = [
 
 
 # Names without the pid come from lmledger versions that did not record it; they go by age alone.
-TEMP_NAME = re.compile(r"\.(?P<name>.+?)\.(?:(?P<pid>\d+)\.)?[0-9a-f]{12}\.tmp")
+# ".old": a directory `publish` moved aside (only where the file system cannot swap two names in one rename).
+TEMP_NAME = re.compile(r"\.(?P<name>.+?)\.(?:(?P<pid>\d+)\.)?[0-9a-f]{12}\.(?P<kind>tmp|old)")
 STALE_TEMP_SECONDS = 24 * 3600  # a temp file whose writer we cannot see is stale after a day
 
 _Content = bytes | bytearray | memoryview | str | Callable[[IO[bytes]], object]
@@ -64,8 +68,8 @@ def write_error(err: OSError, path: Path, after: str | None = None) -> DiskWrite
     return DiskWriteError(f"{reason} while writing {printable(str(path))}; {after}")
 
 
-def temp_path(path: Path) -> Path:
-    return path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(6)}.tmp")
+def temp_path(path: Path, kind: str = "tmp") -> Path:
+    return path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(6)}.{kind}")
 
 
 def _pid_alive(pid: int) -> bool:
@@ -81,8 +85,8 @@ def _pid_alive(pid: int) -> bool:
 def remove_stale_temps(directory: Path, names: Iterable[str]) -> list[Path]:
     """Delete the temp files that killed writers of `names` left in `directory`.
 
-    Only names of our exact pattern go. And only when their writer's pid is dead on this machine,
-    or they are a day old."""
+    Only names of our exact pattern go (files, and the directories a sharded save staged). And only
+    when their writer's pid is dead on this machine, or they are a day old."""
     wanted = set(names)
     removed = []
     try:
@@ -92,8 +96,10 @@ def remove_stale_temps(directory: Path, names: Iterable[str]) -> list[Path]:
     now = time.time()
     for entry in entries:
         match = TEMP_NAME.fullmatch(entry.name)
-        if not match or match["name"] not in wanted or not entry.is_file(follow_symlinks=False):
+        if not match or match["name"] not in wanted or entry.is_symlink():
             continue
+        if match["kind"] == "old" and not os.path.lexists(os.path.join(directory, match["name"])):
+            continue  # moved aside by a publish cut short: the one whole copy until a new one is in place
         try:
             age = now - entry.stat(follow_symlinks=False).st_mtime
         except OSError:
@@ -101,11 +107,21 @@ def remove_stale_temps(directory: Path, names: Iterable[str]) -> list[Path]:
         pid = int(match["pid"]) if match["pid"] else None
         if age > STALE_TEMP_SECONDS or (pid is not None and pid != os.getpid() and not _pid_alive(pid)):
             try:
-                os.unlink(entry.path)
+                remove_path(Path(entry.path))
             except OSError:
                 continue
             removed.append(Path(entry.path))
     return removed
+
+
+def remove_path(path: Path) -> None:
+    """Delete a file, or a directory with everything in it (never following a symlink)."""
+    import shutil
+
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
 
 
 def fsync_dir(directory: Path) -> None:
@@ -182,6 +198,57 @@ def stage(path: Path, content: _Content) -> Path:
     return tmp
 
 
+_RENAME_EXCHANGE = 2  # linux/fs.h: renameat2() swaps the two names atomically
+_AT_FDCWD = -100
+
+
+def exchange(a: Path, b: Path) -> bool:
+    """Swap the names `a` and `b` in one atomic rename (Linux renameat2 RENAME_EXCHANGE).
+
+    False where this system or file system cannot (no renameat2, NFS, not Linux) or `b` does not exist."""
+    import ctypes
+    import errno
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.ENOENT, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV):
+        return False
+    raise OSError(code, os.strerror(code), str(b))
+
+
+def publish(staged: Path, path: Path) -> None:
+    """Put the whole `staged` (a file or a directory beside `path`) at `path`, replacing what is there.
+
+    A file over a file (or nothing) is one os.replace. Where either is a directory, the two names are
+    swapped atomically (`exchange`) and the old one deleted. Where the file system cannot swap, the old
+    one is first moved aside to ".NAME.PID.HEX.old": a kill in between leaves that whole copy, which
+    `lmledger.checkpointing.newest_checkpoint` reads. Nothing is ever written into the old one."""
+    if not (staged.is_dir() or path.is_dir()):
+        os.replace(staged, path)
+        fsync_dir(path.parent)
+        return
+    if exchange(staged, path):
+        fsync_dir(path.parent)
+        remove_path(staged)  # it holds the old one now
+        return
+    if not path.exists() and not path.is_symlink():
+        os.rename(staged, path)
+        fsync_dir(path.parent)
+        return
+    aside = temp_path(path, "old")
+    os.rename(path, aside)
+    fsync_dir(path.parent)
+    os.rename(staged, path)
+    fsync_dir(path.parent)
+    remove_path(aside)
+
+
 def atomic_write(path: str | os.PathLike, content: _Content) -> None:
     """Put `content` at `path` whole.
 
@@ -193,10 +260,9 @@ def atomic_write(path: str | os.PathLike, content: _Content) -> None:
         remove_stale_temps(path.parent, [path.name])
         tmp = stage(path, content)
         try:
-            os.replace(tmp, path)
+            publish(tmp, path)  # over a sharded checkpoint's directory too (a resume of it on one device)
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
-        fsync_dir(path.parent)
     except OSError as err:
         raise write_error(err, path) from None

@@ -4,8 +4,10 @@
     open_checkpoint,        a missing, corrupt or mismatched checkpoint -> one UserError line
     check_checkpoint_fits
     newest_checkpoint       the checkpoint of a run directory that `--ckpt_path last` means
+    save_sharded,           a sharded (FSDP2, torch.distributed.checkpoint) checkpoint directory: staged whole,
+    make_sharded_checkpoints_safe   then renamed into place; loaded weights-only, into any strategy
 
-A kill leaves the previous file or the complete new one. Never a torn one.
+A kill leaves the previous file (or directory) or the complete new one. Never a torn one.
 
 Beside it: lmledger.seeding (per-batch reseeding) and lmledger.preemption (save and stop on
 SIGTERM/SIGUSR1, SLURM requeue). And lmledger.rundir: a run directory of one's own, locked. It is
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import pickle
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -26,7 +29,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities import rank_zero_warn
 
-from lmledger.atomic import atomic_write
+from lmledger.atomic import TEMP_NAME, atomic_write, fsync_dir, publish, remove_path, remove_stale_temps, temp_path
 from lmledger.errors import UserError
 from lmledger.lightning_private import is_local_path
 from lmledger.model import ModelConfig
@@ -34,9 +37,13 @@ from lmledger.model import ModelConfig
 __all__ = [
     "AtomicCheckpointIO",
     "check_checkpoint_fits",
+    "is_sharded_checkpoint",
+    "load_sharded_in_full",
     "make_last_checkpoint_atomic",
+    "make_sharded_checkpoints_safe",
     "newest_checkpoint",
     "open_checkpoint",
+    "save_sharded",
 ]
 
 # Objects besides tensors and containers that our checkpoints may hold. A LitLM built in Python keeps
@@ -67,6 +74,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             # (canary test_remote_checkpoints_load_unsafely_by_default).
             safe = True if weights_only is None else weights_only
             return super().load_checkpoint(path, map_location=map_location or "cpu", weights_only=safe)
+        if Path(path).is_dir():  # a sharded checkpoint resumed by a strategy that does not shard (one device, DDP)
+            return load_sharded_in_full(path)
         if weights_only is False:
             # Only code asks for this, never the CLI. Say once that it unpickles arbitrary objects.
             rank_zero_warn(f"loading {path} with weights_only=False runs any code pickled into it")
@@ -97,6 +106,8 @@ def open_checkpoint(path: str | os.PathLike, map_location: Any = "cpu", mmap: bo
     With mmap=True it reads only the pickled structure: a cheap check. Tensors stay on disk until touched.
     """
     path = Path(path)
+    if path.is_dir():
+        return _open_sharded(path)
     if not path.is_file():
         raise UserError(f"checkpoint {path} does not exist; pass a .ckpt file written by `lmledger fit`")
     try:
@@ -152,7 +163,12 @@ def check_checkpoint_fits(path: str | os.PathLike, module: pl.LightningModule) -
 
 def _checkpoint_step(path: str | os.PathLike) -> int | None:
     """A checkpoint's recorded global_step (read through mmap: cheap); None if unreadable."""
+    path = Path(path)
     try:
+        if path.is_dir():  # sharded: the step is in Lightning's meta.pt beside the shards
+            if not is_sharded_checkpoint(path):
+                return None
+            path = path / SHARDED_META
         with torch.serialization.safe_globals(_SAFE_CHECKPOINT_GLOBALS):
             checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         return int(checkpoint["global_step"])
@@ -164,11 +180,322 @@ def newest_checkpoint(checkpoint_dir: str | os.PathLike) -> Path | None:
     """The checkpoint in `checkpoint_dir` that has trained furthest.
 
     That is the largest recorded global_step; among equals, the newest modification time. Candidates
-    are last.ckpt, last-v1.ckpt (after a moved run directory) and top-k files.
+    are last.ckpt, last-v1.ckpt (after a moved run directory) and top-k files, single files or sharded
+    directories alike. Also a whole one `lmledger.atomic.publish` had moved aside when a kill cut its
+    swap short (".last.ckpt.PID.HEX.old", only where the file system cannot swap names atomically). A
+    directory cut short while it was staged (".tmp") is never a candidate.
     """
     found = []
-    for path in Path(checkpoint_dir).glob("*.ckpt"):
-        if path.is_file():
+    directory = Path(checkpoint_dir)
+    candidates = list(directory.glob("*.ckpt"))
+    for aside in directory.glob(".*.old"):
+        match = TEMP_NAME.fullmatch(aside.name)
+        if match and match["kind"] == "old" and not (directory / match["name"]).exists():
+            candidates.append(aside)
+    for path in candidates:
+        if path.is_file() or is_sharded_checkpoint(path):
             step = _checkpoint_step(path)
             found.append((-1 if step is None else step, path.stat().st_mtime_ns, path))
     return max(found)[2] if found else None
+
+
+# ------------------------------------------------------------------------- sharded checkpoints
+# Lightning's ModelParallelStrategy (`--trainer.strategy fsdp2`) saves a directory: torch.distributed.checkpoint
+# (DCP) shards, one file per rank (__R_0.distcp), DCP's index (.metadata, written last by rank 0 once every rank
+# has written and fsynced its shard), and Lightning's meta.pt (everything but the model and optimizer state).
+
+SHARDED_INDEX = ".metadata"  # torch.distributed.checkpoint.filesystem's metadata file name
+SHARDED_META = "meta.pt"  # lightning.fabric.utilities.load._METADATA_FILENAME
+
+
+def is_sharded_checkpoint(path: str | os.PathLike) -> bool:
+    """A whole sharded checkpoint directory: its DCP index and Lightning's meta.pt are both there."""
+    path = Path(path)
+    return path.is_dir() and (path / SHARDED_INDEX).is_file() and (path / SHARDED_META).is_file()
+
+
+class _IndexUnpickler(pickle.Unpickler):
+    """DCP's .metadata is a plain pickle (torch reads it with pickle.load). Only its own classes may load."""
+
+    _ALLOWED = {
+        "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+        "torch.serialization": {"_get_layout"},
+        "torch": {"Size"},
+        "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path"},
+        "collections": {"OrderedDict"},
+    }
+
+    def find_class(self, module: str, name: str):
+        if module == "torch.distributed.checkpoint.metadata" or name in self._ALLOWED.get(module, ()):
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.memory_format)):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of a distributed checkpoint's index")
+
+
+def _sharded_reader(path: Path):
+    """torch's FileSystemReader, reading the index through _IndexUnpickler."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    class Reader(FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            with open(Path(self.path) / SHARDED_INDEX, "rb") as f:
+                metadata = _IndexUnpickler(f).load()
+            if getattr(metadata, "storage_meta", None) is not None:
+                metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return Reader(path)
+
+
+def _first_line(err: BaseException) -> str:
+    """The first sentence of an error: torch's run to paragraphs (and a CheckpointException to one per rank)."""
+    failures = getattr(err, "failures", None)  # torch.distributed.checkpoint's CheckpointException: per rank
+    if isinstance(failures, dict) and failures:
+        rank, wrapped = min(failures.items(), key=lambda item: item[0])
+        return f"rank {rank}: {_first_line(wrapped[0] if isinstance(wrapped, tuple) else wrapped)}"
+    text = str(err).strip()
+    return text.splitlines()[0].split(". ")[0][:300] if text else type(err).__name__
+
+
+def _sharded_damage(path: Path, err: BaseException) -> UserError:
+    reason = _first_line(err)
+    return UserError(
+        f"checkpoint {path} cannot be read ({reason}); pass a checkpoint written by `lmledger fit`, or an older "
+        "one of the run (checkpoints/*.ckpt)"
+    )
+
+
+def _read_sharded(path: Path, keys: set[str] | None = None) -> dict[str, Any]:
+    """Entries of a sharded checkpoint in full, in this process, with no process group.
+
+    Tensors become whole (unsharded) CPU tensors; the other values (the optimizer's param groups) load
+    weights-only, where torch's own planner would unpickle anything (weights_only=False in
+    DefaultLoadPlanner.load_bytes, torch 2.13). Private torch names: canary in tests/test_resume_matrix.py.
+    """
+    from torch.distributed.checkpoint._nested_dict import set_element
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    class WeightsOnly(_EmptyStateDictLoadPlanner):
+        def load_bytes(self, read_item, value) -> None:
+            with torch.serialization.safe_globals(_SAFE_CHECKPOINT_GLOBALS):
+                obj = torch.load(value, map_location="cpu", weights_only=True)
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+
+    state: dict[str, Any] = {}
+    _load_state_dict(state, storage_reader=_sharded_reader(path), planner=WeightsOnly(keys=keys), no_dist=True)
+    return state
+
+
+def _sharded_index(path: Path):
+    with open(path / SHARDED_INDEX, "rb") as f:
+        return _IndexUnpickler(f).load()
+
+
+def _open_sharded(path: Path) -> dict[str, Any]:
+    """A sharded checkpoint's meta.pt, with `state_dict` as meta tensors of the saved (global) shapes.
+
+    Cheap: no shard is read. The index and the non-tensor values are checked to hold nothing but data.
+    """
+    if not is_sharded_checkpoint(path):
+        inside = sorted(p.name for p in path.glob("*.ckpt"))
+        if inside:
+            hint = f" (it holds {', '.join(inside[:3])}{', ...' if len(inside) > 3 else ''})"
+            raise UserError(
+                f"--ckpt_path {path} is a directory{hint}; pass a checkpoint file in it, or `last` for the newest "
+                "checkpoint of this run's name"
+            )
+        missing = [name for name in (SHARDED_INDEX, SHARDED_META) if not (path / name).is_file()]
+        raise UserError(
+            f"checkpoint {path} is a directory without {' and '.join(missing)}: not a whole sharded checkpoint "
+            "(a save cut short, or not one of `lmledger fit`); pass a checkpoint file, or a directory a "
+            "--trainer.strategy fsdp2 run saved"
+        )
+    try:
+        index = _sharded_index(path)
+        groups = {k for k, v in index.state_dict_metadata.items() if type(v).__name__ == "BytesStorageMetadata"}
+        _read_sharded(path, keys=groups) if groups else None  # every pickled value must load weights-only
+        with torch.serialization.safe_globals(_SAFE_CHECKPOINT_GLOBALS):
+            checkpoint = torch.load(path / SHARDED_META, map_location="cpu", weights_only=True)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as err:  # CheckpointException (from the weights-only read) is a BaseException
+        if "Weights only load failed" in str(err) or isinstance(err, pickle.UnpicklingError):
+            raise UserError(
+                f"checkpoint {path} holds pickled objects other than tensors and plain containers, refused for "
+                "safety; pass a checkpoint written by `lmledger fit`"
+            ) from None
+        raise _sharded_damage(path, err) from None
+    if not isinstance(checkpoint, dict):
+        raise UserError(f"checkpoint {path} has no Lightning {SHARDED_META}: it is not a checkpoint of `lmledger fit`")
+    shapes = {}
+    for key, meta in index.state_dict_metadata.items():
+        if key.startswith("state_dict.") and hasattr(meta, "size"):
+            shapes[key.removeprefix("state_dict.")] = torch.empty(meta.size, dtype=meta.properties.dtype, device="meta")
+    if not shapes:
+        raise UserError(f"checkpoint {path} has no state_dict: it is not a Lightning checkpoint from `lmledger fit`")
+    return {**checkpoint, "state_dict": shapes}
+
+
+def _by_position(state: dict[str, Any]) -> dict[str, Any]:
+    """A DCP optimizer state keyed by parameter name -> torch's own form, keyed by position in the param groups."""
+    groups = state.get("param_groups", [])
+    position = {name: i for i, name in enumerate(name for group in groups for name in group["params"])}
+    return {
+        "state": {position[name]: value for name, value in state.get("state", {}).items()},
+        "param_groups": [{**group, "params": [position[n] for n in group["params"]]} for group in groups],
+    }
+
+
+def load_sharded_in_full(path: str | os.PathLike) -> dict[str, Any]:
+    """A sharded checkpoint as one Lightning checkpoint dict, for a strategy that does not shard.
+
+    The optimizer states are re-keyed from names to positions: each name's position in its saved param
+    groups, which are the optimizer's own groups in order (get_optimizer_state_dict keeps them).
+    """
+    path = Path(path)
+    checkpoint = _open_sharded(path)
+    try:
+        state = _read_sharded(path)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as err:  # CheckpointException is a BaseException
+        raise _sharded_damage(path, err) from None
+    checkpoint["state_dict"] = state.pop("state_dict")
+    optimizers = sorted((k for k in state if k.startswith("optimizer_")), key=lambda k: int(k.split("_")[1]))
+    checkpoint["optimizer_states"] = [_by_position(state[k]) for k in optimizers]
+    return checkpoint
+
+
+def _by_name(state: dict[str, Any], optimizer, module) -> dict[str, Any]:
+    """torch's optimizer state (keyed by position) -> keyed by parameter name, for set_optimizer_state_dict.
+
+    Lightning's own re-keying assumes the groups list the parameters in module order (FSDP's
+    rekey_optim_state_dict). LitLM's groups (decay, then no decay) do not: a single-file checkpoint
+    resumed under fsdp2 then fails with "The size of tensor a (48) must match the size of tensor b (32)".
+    """
+    names = {id(p): name for name, p in module.named_parameters()}
+    order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    saved = state.get("param_groups", [])
+    if [len(g["params"]) for g in saved] != [len(g["params"]) for g in optimizer.param_groups]:
+        raise UserError(
+            "the checkpoint's optimizer has other parameter groups than this run's "
+            f"({[len(g['params']) for g in saved]} parameters per group there, "
+            f"{[len(g['params']) for g in optimizer.param_groups]} here); resume with the run's own config"
+        )
+    flat = [i for g in saved for i in g["params"]]
+    name_of = dict(zip(flat, order, strict=True))
+    return {
+        "state": {name_of[i]: value for i, value in state.get("state", {}).items()},
+        "param_groups": [{**g, "params": [name_of[i] for i in g["params"]]} for g in saved],
+    }
+
+
+def _load_full_into_sharded(strategy, path: Path) -> dict[str, Any]:
+    """A single-file checkpoint into a sharded model and its optimizers: each rank keeps its own shard."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    checkpoint = open_checkpoint(path)
+    module = strategy.model
+    strict = getattr(strategy.lightning_module, "strict_loading", True)
+    set_model_state_dict(
+        module, checkpoint.pop("state_dict"), options=StateDictOptions(full_state_dict=True, strict=strict)
+    )
+    states = checkpoint.pop("optimizer_states", [])
+    for optimizer, state in zip(strategy.optimizers, states, strict=False):
+        set_optimizer_state_dict(
+            module, optimizer, _by_name(state, optimizer, module), options=StateDictOptions(full_state_dict=True)
+        )
+    return checkpoint
+
+
+def save_sharded(strategy, checkpoint: dict[str, Any], filepath) -> None:
+    """ModelParallelStrategy's distributed save, made atomic: a whole new directory, renamed into place.
+
+    Every rank writes its shard into one staging directory beside the target (".last.ckpt.PID.HEX.tmp",
+    PID rank 0's), never into the checkpoint in place (Lightning's own save overwrites its shards: torch warns
+    "Detected an existing checkpoint ... overwriting"). After a barrier rank 0 writes meta.pt, fsyncs, and
+    swaps the directory in (lmledger.atomic.publish); a last barrier keeps every rank from going on before.
+    """
+    from torch.distributed.checkpoint import save as dcp_save
+
+    path = Path(strategy.broadcast(str(filepath)))
+    staging = Path(strategy.broadcast(str(temp_path(path)) if strategy.is_global_zero else None))
+    if strategy.is_global_zero:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_temps(path.parent, [path.name])
+        staging.mkdir()
+    strategy.barrier("lmledger.save_sharded.staged")
+    state = {"state_dict": checkpoint.pop("state_dict")}
+    state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
+    try:
+        dcp_save(state, checkpoint_id=staging)  # collective; each rank writes and fsyncs its shard, rank 0 the index
+        if strategy.is_global_zero:
+            _write_synced(staging / SHARDED_META, lambda f: torch.save(checkpoint, f))
+            fsync_dir(staging)
+        strategy.barrier("lmledger.save_sharded.written")
+        if strategy.is_global_zero:
+            publish(staging, path)
+    except BaseException:
+        if strategy.is_global_zero:
+            remove_path(staging)
+        raise
+    strategy.barrier("lmledger.save_sharded.published")
+
+
+def _holds_shards(checkpoint: dict[str, Any]) -> bool:
+    """Whether a checkpoint dict holds DTensor shards (ModelParallelStrategy's save_distributed_checkpoint=True)."""
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(v, DTensor) for v in checkpoint.get("state_dict", {}).values())
+
+
+def _write_synced(path: Path, write) -> None:
+    with open(path, "xb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def make_sharded_checkpoints_safe(strategy) -> None:
+    """Route a ModelParallelStrategy's checkpoints through lmledger: atomic sharded saves (save_sharded),
+    weights-only loads, and single-file checkpoints loaded with the optimizer's own parameter order.
+
+    Set on the instance, so a plain ModelParallelStrategy (tensor parallel) gets it as FSDP2Strategy does.
+    """
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    if not isinstance(strategy, ModelParallelStrategy) or "save_checkpoint" in vars(strategy):
+        return
+    lightning_save, lightning_load = strategy.save_checkpoint, strategy.load_checkpoint
+
+    def save_checkpoint(checkpoint, filepath, storage_options=None) -> None:
+        if storage_options is not None or not is_local_path(filepath) or not _holds_shards(checkpoint):
+            return lightning_save(checkpoint, filepath, storage_options)  # save_distributed_checkpoint=False: a file
+        save_sharded(strategy, checkpoint, filepath)
+
+    def load_checkpoint(checkpoint_path, weights_only=None):
+        path = Path(strategy.broadcast(str(checkpoint_path)))
+        if not is_local_path(path):
+            return lightning_load(checkpoint_path, weights_only)
+        try:
+            if path.is_file():
+                return _load_full_into_sharded(strategy, path)
+            _open_sharded(path)  # nothing pickled but data, before torch's loader unpickles it (weights_only=False)
+            with torch.serialization.safe_globals(_SAFE_CHECKPOINT_GLOBALS):
+                return lightning_load(path, True)
+        except (UserError, KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as err:  # a damaged shard, a model it does not fit: torch's error, every rank alike
+            # (torch.distributed.checkpoint's CheckpointException, one per rank, is a BaseException.)
+            raise UserError(
+                f"checkpoint {path} cannot be loaded into this run ({_first_line(err)}); pass an older checkpoint "
+                "of the run, or start a fresh run without --ckpt_path"
+            ) from None
+
+    strategy.save_checkpoint, strategy.load_checkpoint = save_checkpoint, load_checkpoint

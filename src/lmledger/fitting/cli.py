@@ -40,6 +40,7 @@ from lmledger.checkpointing import (
     AtomicCheckpointIO,
     check_checkpoint_fits,
     make_last_checkpoint_atomic,
+    make_sharded_checkpoints_safe,
     open_checkpoint,
 )
 from lmledger.data import TokenDataModule
@@ -63,6 +64,7 @@ from lmledger.fitting.resume import (
     checked_hyperparameters,
     ckpt_path_form,
     free_name,
+    merge_sharded_hyperparameters,
     refuse_checkpoint_code,
     resolve_last,
     resume_run,
@@ -146,6 +148,7 @@ class FitCLI(LightningCLI):
         # parse would be reported as if the command line held it.
         try:
             super()._parse_ckpt_path()
+            merge_sharded_hyperparameters(self)  # Lightning merges only a file's
         except ArgumentError as err:
             ckpt = self.config[self.config.subcommand].get("ckpt_path")
             reason = " ".join(line.strip() for line in str(err).strip().splitlines())
@@ -211,6 +214,7 @@ class FitCLI(LightningCLI):
             raise ConfigError(" ".join(str(err).split())) from None
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # Lightning's default; a chosen plugin stays
             trainer.strategy.checkpoint_io = AtomicCheckpointIO()
+        make_sharded_checkpoints_safe(trainer.strategy)  # fsdp2's directories: atomic saves, weights-only loads
         make_last_checkpoint_atomic(trainer.callbacks)
         if self.subcommand == "fit":
             trainer.callbacks.append(PreemptionCheckpoint())

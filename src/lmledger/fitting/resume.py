@@ -3,7 +3,9 @@
     ckpt_path_form              values refused before anything is built (URLs, `best`, a directory, ...)
     checked_hyperparameters,    a checkpoint's hyperparameters hold no bad value and name no code
     refuse_checkpoint_code      the command line does not (LightningCLI merges them into the config)
-    resume_run                  `auto` and `last` resolved to a file of this run
+    resume_run                  `auto` and `last` resolved to a checkpoint of this run (a file, or a sharded
+                                directory an fsdp2 run saved)
+    merge_sharded_hyperparameters   a sharded checkpoint's hyperparameters build the model, as a file's do
 
 A resume is refused when its settings or data differ. A run that trained every step asked for
 raises `NothingToResume`.
@@ -19,7 +21,7 @@ from pathlib import Path
 
 from jsonargparse import Namespace
 
-from lmledger.checkpointing import newest_checkpoint, open_checkpoint
+from lmledger.checkpointing import is_sharded_checkpoint, newest_checkpoint, open_checkpoint
 from lmledger.data import TokenDataModule, load_meta
 from lmledger.errors import ConfigError, UserError
 from lmledger.lightning_private import is_local_path
@@ -34,6 +36,7 @@ __all__ = [
     "checked_hyperparameters",
     "ckpt_path_form",
     "free_name",
+    "merge_sharded_hyperparameters",
     "refuse_checkpoint_code",
     "resolve_last",
     "resume_run",
@@ -76,12 +79,25 @@ def ckpt_path_form(ckpt: str, subcommand: str, default_root_dir) -> None:
             "pass `last` or a checkpoint file (runs/NAME/version_N/checkpoints/*.ckpt)"
         )
     if ckpt not in SPECIAL_CKPT_PATHS + ("auto",) and Path(ckpt).is_dir():
-        inside = sorted(p.name for p in Path(ckpt).glob("*.ckpt"))
-        hint = f" (it holds {', '.join(inside[:3])}{', ...' if len(inside) > 3 else ''})" if inside else ""
-        raise UserError(
-            f"--ckpt_path {ckpt} is a directory{hint}; pass a checkpoint file in it, or `last` for the newest "
-            "checkpoint of this run's name"
-        )
+        open_checkpoint(ckpt, mmap=True)  # a sharded checkpoint (fsdp2) is a directory; any other: one line why not
+
+
+def merge_sharded_hyperparameters(cli) -> None:
+    """Build the model from a sharded --ckpt_path's hyperparameters, as LightningCLI does for a file.
+
+    (LightningCLI._parse_ckpt_path reads only a file: `Path(ckpt_path).is_file()`, Lightning 2.6.6.)
+    """
+    subcommand = cli.config.get("subcommand")
+    ckpt = cli.config[subcommand].get("ckpt_path") if subcommand else None
+    if not ckpt or ckpt in SPECIAL_CKPT_PATHS or not is_sharded_checkpoint(ckpt):
+        return
+    hparams = dict(open_checkpoint(ckpt, mmap=True).get("hyper_parameters") or {})
+    hparams.pop("_instantiator", None)
+    if not hparams:
+        return
+    if "_class_path" in hparams:
+        hparams = {"class_path": hparams.pop("_class_path"), "dict_kwargs": hparams}
+    cli.config = cli.parser.parse_object({subcommand: {"model": hparams}}, cli.config)
 
 
 def _find_last_checkpoint(save_dir: str, name: str) -> tuple[Path, int] | None:
