@@ -314,7 +314,10 @@ def test_measured_only_never_crashes_under_any_logger(logger, steps, tmp_path):
         events = EventAccumulator(trainer.logger.log_dir, size_guidance={"images": 0})
         events.Reload()
         assert "memory/predicted_vs_measured" in events.Tags()["images"]  # the chart, measured bars only
-        assert read_scalars(trainer.logger.log_dir)["memory/measured/params"][0][1] == ledger.measured.params
+        scalars = read_scalars(trainer.logger.log_dir)
+        assert scalars["memory/measured/params"][0][1] == ledger.measured.params
+        assert "ledger/check/misses" not in scalars and ledger.check == []  # nothing to check it against
+        assert "ledger/check/text_summary" in events.Tags()["tensors"]  # "nothing to check: not predicted (...)"
     elif logger == "csv":
         assert "memory/measured/params" in (Path(trainer.logger.log_dir) / "metrics.csv").read_text().splitlines()[0]
 

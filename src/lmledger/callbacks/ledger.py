@@ -468,7 +468,10 @@ class Ledger(pl.Callback):
     def _check_self(self, trainer: pl.Trainer) -> None:
         """The ledger checks itself on every measured run: one line per line beyond report.TOLERANCE, with
         the ratio and the likely cause, printed and logged (ledger/check, ledger/check/*)."""
-        found = misses(self.report) if self.report.primary is not None else []
+        if self.report.primary is None:  # measured only: nothing to hold the measurement to
+            log_text(trainer, "ledger/check", f"nothing to check: not predicted ({self.why_not_predicted})")
+            return
+        found = misses(self.report)
         foreign = self._foreign_parameters(trainer)
         if foreign and not any(m.line == "params" for m in found):  # both sides count 0: say it all the same
             held = self.report.measured.params or 0
