@@ -220,3 +220,28 @@ def test_plan_train_time_from_a_config(cache, workdir, capsys):
         capsys, "plan", "train-time", "--config", "micro.yaml", "--tokens", "2B", "--gpu", "h100-sxm", "--json"
     )
     assert "upper bound on speed" in gpu["source"] and 0 < gpu["step_s"] < here["step_s"]
+
+
+def test_sweep_plan_predicts_each_points_peak_and_step(cache, workdir, capsys):
+    from lmledger.callbacks.timing import loop_calibration_name
+    from lmledger.cli import main as lmledger
+
+    seeded = StepTimeCache(torch.device("cpu"))
+    seeded.set_calibration(loop_calibration_name(False, True, 1), 2e-3, "seeded by the test")
+    seeded.save()
+    fixed = dict(zip(MICRO_OVERRIDES[::2], MICRO_OVERRIDES[1::2], strict=True))
+    experiment = {
+        "name": "plan", "command": "fit", "configs": ["configs/tiny.yaml"],
+        "fixed": {k.removeprefix("--"): v for k, v in fixed.items()}, "grid": {"data.batch_size": [2, 8]},
+    }  # fmt: skip
+    (workdir / "plan.yaml").write_text(json.dumps(experiment))
+    capsys.readouterr()
+    assert lmledger(["sweep", "plan.yaml", "--plan"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    rows = {line.split()[0]: line.split() for line in out if line.startswith("batch_size=")}
+    assert len(rows) == 2, out
+    for point, row in rows.items():
+        batch = int(point.removeprefix("batch_size=").split("-")[0])
+        step_ms, rate = float(row[3]), float(row[4].replace(",", ""))
+        assert float(row[2]) > 0 and rate * step_ms / 1e3 == pytest.approx(batch * 32, rel=0.05)  # tokens per step
+    assert not list(workdir.glob("runs/sweeps/plan/points/*"))  # nothing ran

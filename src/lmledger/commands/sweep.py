@@ -19,7 +19,7 @@ from rich.table import Table
 from lmledger.commands.argparser import run_command
 from lmledger.errors import UserError
 from lmledger.sweep import Experiment, Point, PointResult, load_experiment, plan_sweep, run_sweep
-from lmledger.sweep.listing import DRY_RUN_COLUMNS, dry_run_rows, plain_table
+from lmledger.sweep.listing import DRY_RUN_COLUMNS, PLAN_COLUMNS, dry_run_rows, plain_table, plan_rows
 
 __all__ = ["main"]
 
@@ -53,6 +53,14 @@ def _dry_run_listing(experiment: Experiment, out_dir: Path) -> int:
         )
         return 2
     return 0
+
+
+def _plan_listing(experiment: Experiment) -> int:
+    """Each point's predicted peak and step time on this machine, before any runs (--plan)."""
+    rows, checked = plan_rows(experiment)
+    print(f"sweep {experiment.name}: {len(experiment.points)} points, predicted on this machine (nothing is run)")
+    print(plain_table(PLAN_COLUMNS, rows, left=2))
+    return 2 if checked.errors else 0
 
 
 def _run(experiment: Experiment, out_dir: Path, jobs: int) -> int:
@@ -144,6 +152,7 @@ def _run_slurm(experiment: Experiment, out_dir: Path, jobs: int | None, request)
 def _sweep(
     experiment: str,
     dry_run: bool = False,
+    plan: bool = False,
     jobs: int | None = None,
     out: str | None = None,
     launcher: Literal["local", "slurm"] = "local",
@@ -160,6 +169,7 @@ def _sweep(
     Args:
         experiment: an experiment YAML file, e.g. experiments/batch_memory.yaml
         dry_run: list the points with their predicted memory and FLOPs; run nothing
+        plan: list each point's predicted peak and step time on this machine (docs/time.md); run nothing
         jobs: points run at once (default 1; with slurm: the job array's throttle, default none)
         out: results directory (default runs/sweeps/<experiment name>)
         launcher: local: processes on this machine (default); slurm: one sbatch job array, a task per point
@@ -187,6 +197,8 @@ def _sweep(
     out_dir = Path(out) if out else Path("runs") / "sweeps" / loaded.name
     if dry_run:
         return _dry_run_listing(loaded, out_dir)
+    if plan:
+        return _plan_listing(loaded)
     if launcher == "slurm":
         try:
             return _run_slurm(loaded, out_dir, jobs, request)

@@ -13,7 +13,7 @@ from lmledger.sweep.check import CheckedPoints, check_points
 from lmledger.sweep.runner import check_out_dir, cuda_available, finished_result, resumable, running_pid
 from lmledger.sweep.spec import Experiment, Point
 
-__all__ = ["DRY_RUN_COLUMNS", "dry_run_rows", "plain_table"]
+__all__ = ["DRY_RUN_COLUMNS", "PLAN_COLUMNS", "dry_run_rows", "plain_table", "plan_rows"]
 
 
 DRY_RUN_COLUMNS = ("point", "command", "would", "params", "model FLOPs/step", "state MB", "activations MB", "peak MB")
@@ -52,6 +52,36 @@ def _cost_cells(spec) -> tuple[str, ...]:
     state = None if None in parts else sum(parts)
     cells = (state, memory["activations"], memory["peak"])
     return (f"{cost['params']:,}", f"{cost['flops']['model']:.4g}", *(format_mb(n, ",.2f", "") for n in cells))
+
+
+PLAN_COLUMNS = ("point", "command", "peak MB", "step ms", "tokens/s")
+
+
+def plan_rows(experiment: Experiment) -> tuple[list[tuple[str, ...]], CheckedPoints]:
+    """`sweep --plan`: each point's predicted peak and step time on this machine (ledger.steptime), before
+    any point runs. Points that are not a one-device toy-LM fit, or that fail their checks, say why."""
+    from lmledger.accounting import account
+    from lmledger.sweep.spec import fit_args
+
+    checked = check_points(experiment)
+    rows: list[tuple[str, ...]] = []
+    for point in experiment.points:
+        spec = checked.specs.get(point.id)
+        if point.id in checked.errors:
+            rows.append((point.id, point.subcommand, f"fail: {checked.errors[point.id]}", "", ""))
+            continue
+        if spec is None or point.subcommand not in ("fit", "account"):
+            rows.append((point.id, " ".join(point.command), "—", "—", "not a toy-LM fit: not planned"))
+            continue
+        cost = account(spec, False, fit_args(point), step_time=spec.world_size == 1)
+        peak = cost["memory"]["peak"]["predicted"]
+        predicted = (cost.get("time") or {}).get("predicted") or {}
+        if "total_s" in predicted:
+            step, rate = f"{predicted['total_s'] * 1e3:.4g}", f"{predicted['tokens_per_s'] or 0:,.0f}"
+        else:
+            step, rate = "—", predicted.get("none", f"per rank at world size {spec.world_size}: not predicted")
+        rows.append((point.id, point.subcommand, format_mb(peak, ",.2f", ""), step, rate))
+    return rows, checked
 
 
 def dry_run_rows(experiment: Experiment, out_dir: Path) -> tuple[list[tuple[str, ...]], CheckedPoints]:
