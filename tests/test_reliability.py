@@ -349,7 +349,7 @@ def test_data_too_short_for_the_context(workdir, small_data, capsys):
         (["--nonfinite.max_skips", "-1"], "nonfinite.max_skips must be >= 0"),
         (["--trainer.accelerator", "cpu", "--trainer.strategy", "fsdp", "--trainer.devices", "2"],
          "The strategy `fsdp` requires a GPU accelerator"),
-        (["--trainer.devices", "0"], "`Trainer(devices='0')` value is not a valid input"),
+        (["--trainer.devices", "0"], "--trainer.devices must be a count >= 1"),
         (["--trainer.devices", "-3"], "--trainer.devices must be a count >= 1"),
         (["--trainer.gradient_clip_val", "-1"], "--trainer.gradient_clip_val must be >= 0"),
         (["--trainer.accumulate_grad_batches", "0"], "--trainer.accumulate_grad_batches must be an integer >= 1"),

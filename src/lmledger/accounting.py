@@ -231,10 +231,11 @@ def _add_per_rank(result: dict, spec: Run, argv: list[str]) -> None:
 def per_rank(spec: Run, capacity_bytes: int | None = None, argv: list[str] = ()) -> dict:
     """ledger.atscale.run_at_scale with account's case names: checkpointing off and on.
 
-    The strategy's settings come from the fit arguments `argv` (_scale_settings)."""
+    The strategy's settings come from the fit arguments `argv` (_scale_settings; none without them)."""
     from lmledger.ledger.atscale import run_at_scale
 
-    return run_at_scale(spec, capacity_bytes, labels=AC_LABELS, **_scale_settings(list(argv), spec.strategy))
+    settings = _scale_settings(trainer_scale(argv)) if argv else {}
+    return run_at_scale(spec, capacity_bytes, labels=AC_LABELS, **settings)
 
 
 def _module_step_fn(module, batch: object, precision: str):
@@ -278,9 +279,9 @@ def account_any_model(argv: list[str], do_measure: bool, step_time: bool = False
 
     The dry run, beside the real step with --measure. Both run on its data's first batch.
     No model FLOPs (6N + attention needs the architecture), so no MFU."""
-    from lmledger.callbacks.live import samples_per_batch, tokens_per_batch
     import copy
 
+    from lmledger.callbacks.live import samples_per_batch, tokens_per_batch
     from lmledger.fitting.cli import build_model_and_data, first_batch
     from lmledger.ledger import predict as ledger_predict
     from lmledger.ledger.fakecopy import map_tensors
@@ -347,64 +348,31 @@ def account_any_model(argv: list[str], do_measure: bool, step_time: bool = False
     }
 
 
-def trainer_scale(argv: list[str]) -> tuple[int, str]:
-    """(world size, ledger strategy name) that a fit's arguments ask for.
+def trainer_scale(argv: list[str]):
+    """The devices, nodes and strategy (a run_config.TrainerScale) that a fit's arguments ask for.
 
-    World size is trainer.devices x num_nodes. Both it and trainer.strategy come from the --config
-    files, then the --trainer.* overrides. They are read before anything is built. So a model at scale
-    is built on the meta device."""
-    world_size, strategy, _ = _trainer_scale(argv)
-    return world_size, strategy
+    They are parsed as `lmledger fit` parses them and read by the function fit's checks use
+    (fitting.checks.resolve_strategy), so a value fit refuses is refused here in the same words. Nothing is
+    built: a model at scale is then built on the meta device."""
+    from lmledger.fitting.checks import resolve_strategy
+    from lmledger.fitting.cli import parse_fit_config
+
+    config = parse_fit_config(list(argv))
+    return resolve_strategy(config.trainer, config.model)
 
 
-def _scale_settings(argv: list[str], strategy: str) -> dict:
-    """The keyword arguments at_scale takes from the strategy's init_args.
+def _scale_settings(scale) -> dict:
+    """The keyword arguments at_scale takes from the strategy's init_args (a fitting.checks.TrainerScale's).
 
     DDP's bucket settings: DDPStrategy passes them through to torch's DDP.
     A ModelParallelStrategy with tensor_parallel_size > 1 is tensor parallel. The dry run does not model
     that. It says so in one line, and the run is measured only."""
     from lmledger.ledger.ddp import DDPSettings
 
-    init = _trainer_scale(argv)[2]
-    tensor_parallel = init.get("tensor_parallel_size", 1)
-    if strategy == "fsdp2" and isinstance(tensor_parallel, int) and tensor_parallel > 1:
+    tensor_parallel = getattr(scale, "tensor_parallel", 1)
+    if tensor_parallel > 1:
         return {"strategy": f"tensor_parallel (ModelParallelStrategy tensor_parallel_size={tensor_parallel})"}
-    return {"ddp": DDPSettings.from_kwargs(init)} if strategy == "ddp" else {}
-
-
-def _trainer_scale(argv: list[str]) -> tuple[int, str, dict]:
-    from types import SimpleNamespace
-
-    from lmledger.fitting.checks import config_files, read_config
-    from lmledger.run_config import config_strategy, config_world_size
-
-    trainer: dict = {}
-    for name in config_files(argv):
-        trainer.update((read_config(name) or {}).get("trainer") or {})
-    for i, arg in enumerate(argv):
-        for key in ("devices", "num_nodes", "strategy"):
-            flag = f"--trainer.{key}"
-            if arg == flag and i + 1 < len(argv):
-                trainer[key] = argv[i + 1]
-            elif arg.startswith(flag + "="):
-                trainer[key] = arg.split("=", 1)[1]
-    devices = trainer.get("devices", 1)
-    devices = int(devices) if isinstance(devices, str) and devices.strip().isdigit() else devices
-    nodes = trainer.get("num_nodes", 1)
-    nodes = int(nodes) if isinstance(nodes, str) and nodes.strip().isdigit() else nodes
-    strategy = trainer.get("strategy") or "auto"
-    if isinstance(strategy, str) and strategy.lstrip().startswith("{"):  # a class_path/init_args given inline
-        import yaml
-
-        try:
-            strategy = yaml.safe_load(strategy)
-        except yaml.YAMLError:
-            pass  # LightningCLI's parser reports it in its own words
-    init: dict = {}
-    if isinstance(strategy, dict):
-        init = dict(strategy.get("init_args") or {})
-        strategy = SimpleNamespace(class_path=strategy.get("class_path", ""), init_args=init)
-    return config_world_size(devices, nodes if isinstance(nodes, int) else 1), config_strategy(strategy), init
+    return {"ddp": DDPSettings.from_kwargs(scale.init_args)} if scale.strategy == "ddp" else {}
 
 
 def at_scale(world_size: int, strategy: str) -> bool:
@@ -421,7 +389,8 @@ def any_model_at_scale(argv: list[str], capacity_bytes: int | None = None) -> di
     from lmledger.ledger import atscale
     from lmledger.ledger import predict as ledger_predict
 
-    world_size, strategy = trainer_scale(argv)
+    scale = trainer_scale(argv)
+    world_size, strategy = scale.world_size, scale.strategy
     with torch.device("meta"):
         module, data, config = build_model_and_data(argv)
     batch = first_batch(data)
@@ -433,7 +402,7 @@ def any_model_at_scale(argv: list[str], capacity_bytes: int | None = None) -> di
             module, lambda size: ledger_predict.resized(batch, size), samples, strategy=strategy, world_size=world_size,
             capacity_bytes=capacity_bytes, step=ledger_predict.module_step,
             optimizer=ledger_predict.configured_optimizer(module), precision=precision,
-            **_scale_settings(argv, strategy),
+            **_scale_settings(scale),
         )  # fmt: skip
     return {
         "params": ledger_predict.parameter_count(module),
@@ -462,6 +431,37 @@ def print_per_rank(scale: dict) -> None:
     cases = list(scale["cases"].values())
     rows = [("params", "params"), ("grads", "grads"), ("optimizer", "optimizer"), ("activations", "activations"),
             ("comm buffers (DDP buckets, FSDP2 gathers)", "comm_buffers"), ("peak", "peak")]  # fmt: skip
+    if scale.get("capacity_bytes"):
+        rows.append(("largest micro-batch per rank", "max_batch"))
+    for label, key in rows:
+        cells = []
+        for case in cases:
+            value = case.get(key)
+            if case.get("not_predicted"):
+                cells.append("—")
+            elif key == "max_batch":
+                cells.append("—" if value is None else f"{value:,}")
+            else:
+                cells.append(format_bytes(value) + ("" if key != "peak" or case["peak_checked"] else " (unchecked)"))
+        table.add_row(label, *cells)
+    Console().print(table)
+    for label, case in scale["cases"].items():
+        if case.get("not_predicted"):
+            print(f"{label}: not predicted: {case['not_predicted']}")
+        elif case.get("max_batch") == 0:
+            print(f"{label}: does not fit: one sample per rank is over by {format_bytes(case['over_by_at_batch_1'])}")
+        elif not case["peak_checked"]:
+            print(f"{label}: the peak is the single-device step's with the sharded state swapped in, not yet held "
+                  "to a measurement (checked on a GPU when one is lent)")  # fmt: skip
+
+
+def print_any_model_at_scale(result: dict) -> None:
+    run = result["run"]
+    print(
+        f"{run['model']}: {result['params']:,} params, {run['batch_size']} samples per rank, {run['precision']}; "
+        "dry-run on the meta device with the CPU's kernels (a GPU's attention kernels may hold more or less)"
+    )
+    print_per_rank(result["per_rank"])
 
 
 # -- the predicted step time (ledger.steptime), before anything runs ------------------------------------
@@ -537,37 +537,6 @@ def _toy_predicted_time(spec: Run, argv: list[str]) -> dict:
         dry.ops, optimizer(list(model.parameters())), argv, spec.precision, torch.device("cpu"),
         spec.tokens_per_batch, spec.batch_size,
     )  # fmt: skip
-    if scale.get("capacity_bytes"):
-        rows.append(("largest micro-batch per rank", "max_batch"))
-    for label, key in rows:
-        cells = []
-        for case in cases:
-            value = case.get(key)
-            if case.get("not_predicted"):
-                cells.append("—")
-            elif key == "max_batch":
-                cells.append("—" if value is None else f"{value:,}")
-            else:
-                cells.append(format_bytes(value) + ("" if key != "peak" or case["peak_checked"] else " (unchecked)"))
-        table.add_row(label, *cells)
-    Console().print(table)
-    for label, case in scale["cases"].items():
-        if case.get("not_predicted"):
-            print(f"{label}: not predicted: {case['not_predicted']}")
-        elif case.get("max_batch") == 0:
-            print(f"{label}: does not fit: one sample per rank is over by {format_bytes(case['over_by_at_batch_1'])}")
-        elif not case["peak_checked"]:
-            print(f"{label}: the peak is the single-device step's with the sharded state swapped in, not yet held "
-                  "to a measurement (checked on a GPU when one is lent)")  # fmt: skip
-
-
-def print_any_model_at_scale(result: dict) -> None:
-    run = result["run"]
-    print(
-        f"{run['model']}: {result['params']:,} params, {run['batch_size']} samples per rank, {run['precision']}; "
-        "dry-run on the meta device with the CPU's kernels (a GPU's attention kernels may hold more or less)"
-    )
-    print_per_rank(result["per_rank"])
 
 
 def train_time_from_config(config: str, tokens: float, gpu: str | None = None) -> dict:

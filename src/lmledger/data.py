@@ -31,7 +31,16 @@ from lmledger.corpus import FORMAT_VERSION, META_FILE, SPLIT_FILES, TOKEN_DTYPES
 from lmledger.errors import UserError
 from lmledger.lightning_private import batches_fetched
 
-__all__ = ["TokenDataModule", "TokenFiles", "TrainBatches", "load_meta", "train_window_starts", "val_window_starts"]
+__all__ = [
+    "MAX_BATCH",
+    "TokenDataModule",
+    "TokenFiles",
+    "TrainBatches",
+    "check_data_values",
+    "load_meta",
+    "train_window_starts",
+    "val_window_starts",
+]
 
 
 _SPLITS = tuple(SPLIT_FILES)  # ("train", "val")
@@ -332,6 +341,27 @@ class _ResumingSampler(DistributedSampler):
 # ----------------------------------------------------------------------------------- data module
 
 
+# The most sequences or tokens per window a batch may ask for: 2**24, far beyond any device's memory (the
+# largest runs' global batches hold about 16M tokens, over thousands of devices).
+MAX_BATCH = 1 << 24
+
+
+def check_data_values(batch_size: int, context_length: int, num_workers: int = 0, seed: int = 0, val_batches=None):
+    """TokenDataModule's settings, refused in one line. `account` and `plan` check a config's with it too."""
+    for name, value, least in (
+        ("batch_size", batch_size, 1),
+        ("context_length", context_length, 1),
+        ("num_workers", num_workers, 0),
+        ("seed", seed, 0),
+    ):
+        if value < least:
+            raise UserError(f"data.{name} must be >= {least}, got {value}")
+        if name in ("batch_size", "context_length") and value > MAX_BATCH:
+            raise UserError(f"data.{name} {value} is beyond any device: at most {MAX_BATCH:,}")
+    if val_batches is not None and val_batches < 1:
+        raise UserError(f"data.val_batches must be >= 1 or null (all), got {val_batches}")
+
+
 class TokenDataModule(pl.LightningDataModule):
     """Random training windows and fixed validation windows from a directory written by `lmledger prepare`.
 
@@ -354,16 +384,7 @@ class TokenDataModule(pl.LightningDataModule):
         val_batches: int | None = None,
     ) -> None:
         super().__init__()
-        for name, value, least in (
-            ("batch_size", batch_size, 1),
-            ("context_length", context_length, 1),
-            ("num_workers", num_workers, 0),
-            ("seed", seed, 0),
-        ):
-            if value < least:
-                raise UserError(f"data.{name} must be >= {least}, got {value}")
-        if val_batches is not None and val_batches < 1:
-            raise UserError(f"data.val_batches must be >= 1 or null (all), got {val_batches}")
+        check_data_values(batch_size, context_length, num_workers, seed, val_batches)
         try:
             str(path).encode("utf-8")
         except UnicodeEncodeError:

@@ -25,6 +25,11 @@ from lmledger.errors import ConfigError
 __all__ = ["Block", "CausalSelfAttention", "ModelConfig", "RotaryEmbedding", "SwiGLU", "ToyLM", "count_parameters"]
 
 
+# The largest size of a model dimension, layer count or context: 2**24. Beyond any trained LM (Llama 3 405B:
+# d_model 16,384, d_ff 53,248, 126 layers, vocabulary 128,256; Llama 4 Scout's context: 10M tokens).
+MAX_SIZE = 1 << 24
+
+
 @dataclass(frozen=True)  # frozen: LitLM's default instance is shared
 class ModelConfig:
     vocab_size: int = 256
@@ -43,11 +48,16 @@ class ModelConfig:
         for name in ("vocab_size", "context_length", "d_model", "n_layers", "n_heads", "d_ff"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"model {name} must be positive, got {getattr(self, name)}")
+            if getattr(self, name) > MAX_SIZE:
+                raise ConfigError(f"model {name} {getattr(self, name)} is beyond any model: at most {MAX_SIZE:,}")
+        for name in ("rope_theta", "norm_eps"):
+            if not 0 < getattr(self, name) < math.inf:  # nan fails both comparisons
+                raise ConfigError(f"model {name} must be a finite number > 0, got {getattr(self, name)}")
         if self.d_model % self.n_heads:
             raise ConfigError(f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
         if self.head_dim % 2:
             raise ConfigError(f"head dim d_model/n_heads = {self.head_dim} must be even for RoPE")
-        if self.activation_checkpointing < 0:
+        if not 0 <= self.activation_checkpointing <= MAX_SIZE:
             raise ConfigError("activation_checkpointing must be >= 0 (0 = off, n = every n-th block)")
 
     @property

@@ -50,7 +50,8 @@ def max_batch_of(fit_args: list[str], capacity: int, gpu_key: str | None) -> tup
     from lmledger.fitting.checks import named_classes
 
     if named_classes(fit_args):
-        if at_scale(*trainer_scale(fit_args)):  # one rank's dry run at the world size (ledger.sharded)
+        scale = trainer_scale(fit_args)  # refuses what fit refuses, in its words
+        if at_scale(scale.world_size, scale.strategy):  # one rank's dry run at the world size (ledger.sharded)
             result = any_model_at_scale(fit_args, capacity)
             result.update(capacity_bytes=capacity, gpu=gpu_key)
             return "at scale", result, None

@@ -12,41 +12,27 @@ from __future__ import annotations
 from dataclasses import fields
 from pathlib import Path
 
-from lmledger.ledger.run import Run, sharding
+# The trainer's devices, nodes and strategy are read by fit's checks, whose reading this module shares.
+from lmledger.fitting.checks import (
+    MAX_WORLD_SIZE,
+    TrainerScale,
+    config_strategy,
+    refuse_tensor_parallel,
+    resolve_strategy,
+)
+from lmledger.ledger.run import Run
 from lmledger.model import ModelConfig
 from lmledger.precision import predicted_device, requested_precision
 
-__all__ = ["config_strategy", "config_world_size", "load_run", "run_from_config"]
-
-
-def config_world_size(devices, num_nodes) -> int:
-    if isinstance(devices, int) and devices > 0:
-        per_node = devices
-    elif isinstance(devices, (list, tuple)):
-        per_node = len(devices)
-    elif isinstance(devices, str) and devices.strip().isdigit() and int(devices) > 0:
-        per_node = int(devices)
-    else:
-        per_node = 1  # "auto" / -1: one device as far as this machine-independent ledger is concerned
-    return per_node * (num_nodes or 1)
-
-
-def config_strategy(strategy) -> str:
-    """The ledger.run.sharding name of a config's trainer.strategy.
-
-    The strategy is a registry name ("fsdp", "deepspeed_stage_2"), or a class_path with init_args
-    (FSDP's sharding_strategy, DeepSpeed's stage)."""
-    if isinstance(strategy, str):
-        return sharding(strategy)
-    name = getattr(strategy, "class_path", "") or ""
-    init = getattr(strategy, "init_args", None)
-    init = init.as_dict() if hasattr(init, "as_dict") else dict(init or {})
-    stage = init.get("stage", None)
-    return sharding(
-        name,
-        fsdp_sharding=init.get("sharding_strategy"),
-        deepspeed_stage=int(stage) if isinstance(stage, int) and not isinstance(stage, bool) else None,
-    )
+__all__ = [
+    "MAX_WORLD_SIZE",
+    "TrainerScale",
+    "config_strategy",
+    "load_run",
+    "refuse_tensor_parallel",
+    "resolve_strategy",
+    "run_from_config",
+]
 
 
 def load_run(argv: list[str]) -> Run:
@@ -58,6 +44,10 @@ def load_run(argv: list[str]) -> Run:
 
 def run_from_config(config) -> Run:
     """The Run of a parsed `fit` config (a jsonargparse Namespace, as parse_fit_config returns)."""
+    from lmledger.data import check_data_values  # TokenDataModule's own check, as fit builds it
+
+    data = config.data
+    check_data_values(data.batch_size, data.context_length, data.num_workers, data.seed, data.val_batches)
     model_fields = {f.name for f in fields(ModelConfig)}
     model_args = {k: v for k, v in vars(config.model.config).items() if k in model_fields}
     meta = Path(config.data.path) / "meta.json"
@@ -67,6 +57,7 @@ def run_from_config(config) -> Run:
 
         model_args["vocab_size"] = load_meta(config.data.path)["vocab_size"]
     trainer = config.trainer
+    scale = resolve_strategy(trainer, config.model)
     precision, weights_dtype = requested_precision(trainer)
     return Run(
         config=ModelConfig(**model_args),
@@ -75,8 +66,8 @@ def run_from_config(config) -> Run:
         precision=precision,
         weights_dtype=weights_dtype,
         optimizer=config.model.optimizer,
-        strategy=config_strategy(trainer.strategy),
-        world_size=config_world_size(trainer.devices, trainer.num_nodes),
+        strategy=scale.strategy,
+        world_size=scale.world_size,
         device=predicted_device(trainer.accelerator),
         fp8=config.model.get("fp8"),
         compiled=bool(config.model.get("compile")),

@@ -170,7 +170,8 @@ def _account_command(*fit_args: str, measure: bool = False, json: bool = False) 
     from lmledger.fitting.checks import named_classes
 
     rest = list(fit_args)
-    if named_classes(rest) and not measure and at_scale(*trainer_scale(rest)):
+    scale = trainer_scale(rest) if named_classes(rest) else None  # refuses what fit refuses, in its words
+    if scale is not None and not measure and at_scale(scale.world_size, scale.strategy):
         result = any_model_at_scale(rest)
         if json:
             print(dumps(result))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import math
 import re
 import types
 import typing
@@ -17,7 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from lmledger.errors import UserError
 
-__all__ = ["ArgumentParser", "add_function_arguments", "canonical_flags", "run_command"]
+__all__ = ["MAX_FLAG_COUNT", "ArgumentParser", "add_function_arguments", "canonical_flags", "run_command"]
 
 
 # A flag `lmledger fit` also takes keeps LightningCLI's spelling everywhere (what --help shows); the argparse
@@ -66,6 +67,39 @@ def _docstring(function: Callable) -> tuple[list[str], dict[str, tuple[str | Non
     return [p for p in paragraphs if p], params
 
 
+# The largest value a count flag takes (--jobs, --repeats, --vocab-size, --cpus-per-task): 2**31 - 1. Beyond
+# it no count of this kit means anything (token ids are stored in at most 32 bits, and 10**30 repeats never end).
+MAX_FLAG_COUNT = 2**31 - 1
+
+
+def _checked(kind: object, parse: Callable | None) -> Callable[[str], object]:
+    """A flag's value from its text, the same rules for every command (issue 28: bad values by construction).
+
+    An empty value is refused for every flag (`--out ""` would write into the working directory). An `int`
+    flag is a count from 1 to MAX_FLAG_COUNT, a `float` flag a finite number; an `Annotated` parser says
+    more, or otherwise, for its own flag."""
+
+    def convert(text: str) -> object:
+        if not text.strip():
+            raise argparse.ArgumentTypeError("an empty value: give one")
+        if parse is not None:
+            return parse(text)
+        if kind is int:
+            value = int(text)  # a ValueError reads "invalid int value: 'x'", argparse's words
+            if not 1 <= value <= MAX_FLAG_COUNT:
+                raise argparse.ArgumentTypeError(f"{text!r} is not a count between 1 and {MAX_FLAG_COUNT:,}")
+            return value
+        if kind is float:
+            value = float(text)
+            if not math.isfinite(value):
+                raise argparse.ArgumentTypeError(f"not a finite number: {text!r}")
+            return value
+        return text if kind in (str, object) or typing.get_origin(kind) is typing.Literal else kind(text)
+
+    convert.__name__ = getattr(parse, "__name__", getattr(kind, "__name__", "value"))  # argparse's "invalid X value"
+    return convert
+
+
 def _value_type(hint) -> tuple[object, bool]:
     """(the type of one value, whether the flag takes several) for a parameter's annotation."""
     args = [a for a in typing.get_args(hint) if a is not type(None)]
@@ -100,10 +134,10 @@ def add_function_arguments(parser: argparse.ArgumentParser, function: Callable) 
         options: dict = {"help": help_, "metavar": metavar}
         if kind is bool:
             options = {"help": help_, "action": "store_true"}
-        elif typing.get_origin(kind) is typing.Literal:
-            options["choices"] = typing.get_args(kind)
-        elif parse is not None or kind is not str:
-            options["type"] = parse or kind
+        else:
+            options["type"] = _checked(kind, parse)
+            if typing.get_origin(kind) is typing.Literal:
+                options["choices"] = typing.get_args(kind)
         if several:
             options["nargs"] = "+"
         if param.default is inspect.Parameter.empty and param.kind is not param.KEYWORD_ONLY:

@@ -161,7 +161,7 @@ class FitCLI(LightningCLI):
         config = self.config[self.subcommand]
         check_accelerator(config.trainer.get("accelerator"))
         check_trainer_config(config.trainer, fp8=config.model.get("fp8"))  # fp8/bf16 need library + hardware
-        check_trainer_values(config.trainer)
+        check_trainer_values(config.trainer, config.model)
         if self.subcommand == "fit":
             check_trains_something(config.trainer)
         self._resume, self._fresh = None, False
