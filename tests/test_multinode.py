@@ -120,6 +120,77 @@ def test_a_peer_lost_mid_run_ends_the_run_in_one_line_and_auto_resumes_exactly(w
     assert open_checkpoint(run / "checkpoints" / "last.ckpt")["global_step"] == STEPS
 
 
+class KillOnFirstAttempt(pl.Callback):
+    """Test-only: SIGKILL to global rank `rank` as step `at_step` starts, in torchrun's first attempt only."""
+
+    def __init__(self, rank: int, at_step: int) -> None:
+        self.rank, self.at_step = rank, at_step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        first = os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0"
+        if first and trainer.global_rank == self.rank and trainer.global_step == self.at_step:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_torchrun_restarts_a_killed_worker_and_it_resumes_its_run_bit_for_bit(workdir):
+    """Two torchrun agents on localhost (c10d rendezvous, --max-restarts 2), one worker each; rank 1 SIGKILLed at
+    step 5. torchrun restarts both workers; `--ckpt_path auto`, keyed to the run id, resumes version_0 at step 4,
+    and every step's loss equals an uninterrupted 2-rank run's, bit for bit (that one from Lightning's launcher:
+    the same two global ranks)."""
+    torchrun = Path(sys.executable).with_name("torchrun")
+    port = free_port()
+    kill = '{"class_path": "test_multinode.KillOnFirstAttempt", "init_args": {"rank": 1, "at_step": 5}}'
+    worker = fit("elastic", "--trainer.num_nodes", "2", "--trainer.devices", "1", "--ckpt_path", "auto",
+                 "--trainer.callbacks+=" + kill)[1:]  # fmt: skip
+    agents = [subprocess.Popen([torchrun, "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+                                "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "t31", "--max-restarts", "2",
+                                *worker], cwd=workdir, env=env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1"),
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+              for _ in range(2)]  # fmt: skip
+    try:
+        whole = subprocess.run(fit("whole", "--trainer.devices", "2", "--trainer.accelerator", "cpu"), cwd=workdir,
+                               capture_output=True, text=True, timeout=300, env=env())  # fmt: skip
+        assert whole.returncode == 0, whole.stderr[-3000:]
+        outs = [agent.communicate(timeout=400)[0] for agent in agents]
+    finally:
+        for agent in agents:
+            agent.kill()
+    assert [agent.returncode for agent in agents] == [0, 0], "\n".join(out[-2000:] for out in outs)
+    text = "\n".join(outs)
+    first_line = r"^lmledger fit: torchrun run t31 \(TORCHELASTIC_RUN_ID\), this node's restart (\d) of at most 2$"
+    firsts = re.findall(first_line, text, re.M)
+    # Rank 0 alone says it, once per start; the count is its node's agent's (counted only where a worker failed).
+    assert len(firsts) == 2 and firsts[0] == "0", text[-3000:]
+    assert "--ckpt_path auto: torchrun run t31 has no run under runs/elastic yet: starting fresh in " \
+        "runs/elastic/version_0" in text  # fmt: skip
+    assert "--ckpt_path auto: resuming runs/elastic/version_0 at step 4 from last.ckpt" in text
+    assert "warning: torchrun shares" not in text  # TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 was set
+    run = workdir / "runs" / "elastic" / "version_0"
+    assert sorted(p.name for p in run.parent.iterdir()) == ["version_0"]
+    assert (run / "slurm_job").read_text().strip() == "torchrun:t31"
+    first, again = curves(run)
+    reference = curves(workdir / "runs" / "whole" / "version_0")[0]
+    assert sorted(first["train/loss"]) == [0, 1, 2, 3, 4] and sorted(again["train/loss"]) == list(range(4, STEPS))
+    for piece in (first, again):
+        for tag, values in piece.items():
+            assert values == {s: reference[tag][s] for s in values}, tag  # exact float equality
+
+
+def test_torchrun_restarts_across_nodes_on_a_shared_store_are_warned_of():
+    from lmledger.preemption import elastic_line, elastic_restart_warning, run_key
+
+    env = {"TORCHELASTIC_RUN_ID": "j7", "TORCHELASTIC_RESTART_COUNT": "1", "TORCHELASTIC_MAX_RESTARTS": "2",
+           "TORCHELASTIC_USE_AGENT_STORE": "True", "GROUP_WORLD_SIZE": "2"}  # fmt: skip
+    assert run_key(env) == ("torchrun:j7", "torchrun run j7")
+    assert run_key({**env, "SLURM_JOB_ID": "812"}) == ("812", "SLURM job 812")  # srun inside an allocation: the job
+    assert elastic_line(env) == "torchrun run j7 (TORCHELASTIC_RUN_ID), this node's restart 1 of at most 2"
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in elastic_restart_warning(env)
+    for quiet in ({"TORCHELASTIC_USE_AGENT_STORE": "False"}, {"GROUP_WORLD_SIZE": "1"},
+                  {"TORCHELASTIC_MAX_RESTARTS": "0"}):  # fmt: skip
+        assert elastic_restart_warning({**env, **quiet}) is None
+    assert run_key({}) is None and elastic_line({}) is None
+
+
 def test_real_rendezvous_errors_read_as_one_line(monkeypatch):
     """The lines for torch's own errors, raised here by real TCPStores (1 s): a master nobody joins, a client
     whose master never comes."""

@@ -3,7 +3,8 @@
     PreemptionCheckpoint    SIGTERM or SIGUSR1 -> finish this step, save last.ckpt, stop (Preempted)
     noted_stop_signals      keeps a SIGUSR1 that comes while the run is built, for the first step boundary
 
-`slurm_job_key`, `slurm_line` and `_requeue_slurm_job` deal with the SLURM job this process runs in.
+`slurm_job_key`, `slurm_line` and `_requeue_slurm_job` deal with the SLURM job this process runs in;
+`run_key` and `elastic_line` with the SLURM job or torchrun run that restarts it.
 """
 
 from __future__ import annotations
@@ -21,7 +22,17 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lmledger.lightning_private import accumulating, save_last_checkpoint, take_received_sigterm
 
-__all__ = ["Preempted", "PreemptionCheckpoint", "noted_stop_signals", "slurm_job_key", "slurm_line"]
+__all__ = [
+    "Preempted",
+    "PreemptionCheckpoint",
+    "elastic_line",
+    "elastic_restart_warning",
+    "elastic_run_id",
+    "noted_stop_signals",
+    "run_key",
+    "slurm_job_key",
+    "slurm_line",
+]
 
 # ------------------------------------------------------------------------------------- SLURM
 
@@ -50,6 +61,69 @@ def slurm_line(env=None) -> str | None:
     array = env.get("SLURM_ARRAY_JOB_ID")
     task = f" (array task {env.get('SLURM_ARRAY_TASK_ID')} of job {array})" if array else ""
     return f"SLURM job {job}{task}, restart {env.get('SLURM_RESTART_COUNT') or 0}"
+
+
+def elastic_run_id(env=None) -> str | None:
+    """torchrun's run id (TORCHELASTIC_RUN_ID: its --rdzv-id), the same for every restart of its workers.
+
+    None outside torchrun. torchrun's default id is "none", shared by every torchrun not given one.
+    """
+    env = os.environ if env is None else env
+    return env.get("TORCHELASTIC_RUN_ID") or None
+
+
+def run_key(env=None) -> tuple[str, str] | None:
+    """What keys `--ckpt_path auto` to this run across restarts: (key, words), or None outside a launcher.
+
+    A SLURM job (slurm_job_key): ("812", "SLURM job 812"). Under torchrun: ("torchrun:ID", "torchrun run ID").
+    The key is written in the version directory's slurm_job file; the prefix keeps the two apart.
+    """
+    job = slurm_job_key(env)
+    if job is not None:
+        return job, f"SLURM job {job}"
+    run = elastic_run_id(env)
+    if run is not None:
+        return f"torchrun:{run}", f"torchrun run {run}"
+    return None
+
+
+def elastic_line(env=None) -> str | None:
+    """A torchrun worker's first line: "torchrun run ID (TORCHELASTIC_RUN_ID), this node's restart 1 of at most 2".
+
+    The count is the node's agent's: an agent whose workers did not fail restarts them uncounted.
+    """
+    env = os.environ if env is None else env
+    run = elastic_run_id(env)
+    if run is None:
+        return None
+    most = env.get("TORCHELASTIC_MAX_RESTARTS")
+    restarts = f"this node's restart {env.get('TORCHELASTIC_RESTART_COUNT') or 0}" + (
+        f" of at most {most}" if most else ""
+    )
+    shared = "; torchrun's default --rdzv-id, which every torchrun without one shares" if run == "none" else ""
+    return f"torchrun run {run} (TORCHELASTIC_RUN_ID{shared}), {restarts}"
+
+
+def elastic_restart_warning(env=None) -> str | None:
+    """A line when torchrun's restarts across nodes will hang: None when they will not.
+
+    torch 2.13's c10d rendezvous shares its agent's TCPStore with the workers
+    (TORCHELASTIC_USE_AGENT_STORE=True). The store outlives a restart and keeps the dead attempt's gloo/NCCL
+    addresses. Agents count restarts each for their own, so the attempts cannot be told apart, and the
+    restarted ranks dial the dead ones (pytorch/pytorch#135712; measured here 2026-12-01: rank 0 waited
+    6 minutes, with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 it resumed in seconds).
+    """
+    env = os.environ if env is None else env
+    nodes = env.get("GROUP_WORLD_SIZE") or "1"
+    if elastic_run_id(env) is None or env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    if (env.get("TORCHELASTIC_MAX_RESTARTS") or "0") == "0" or nodes == "1":
+        return None
+    return (
+        f"warning: torchrun shares its rendezvous store with the workers of these {nodes} nodes, and a restart "
+        "then hangs on the dead attempt's addresses (pytorch/pytorch#135712): launch torchrun with "
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment"
+    )
 
 
 def _slurm_job_state(job: str) -> str | None:

@@ -73,7 +73,7 @@ from lmledger.fitting.steps import NameTheEventFile, StepChecks
 from lmledger.lightning_private import cli_value, is_local_path, pin_logger_version
 from lmledger.lit import LitLM
 from lmledger.precision import check_trainer_config, trainer_precision_kwargs
-from lmledger.preemption import PreemptionCheckpoint, noted_stop_signals, slurm_job_key, slurm_line
+from lmledger.preemption import PreemptionCheckpoint, noted_stop_signals, run_key, slurm_line
 from lmledger.rundir import RunClaim, claim_version_dir, release_claims, undo_uncommitted_claims
 from lmledger.seeding import StepSeeder
 from lmledger.strategies import register as register_strategies
@@ -250,8 +250,8 @@ class FitCLI(LightningCLI):
                 if self._claim.version_dir is not None:
                     continue  # one lock per process: the first logger's directory is the run's
                 self._claim.claim(Path(logger.log_dir), bool(claimed) or not Path(logger.log_dir).exists(), parents)
-                if slurm_job_key() and self.subcommand == "fit":
-                    self._claim.mark_slurm_job(slurm_job_key())
+                if run_key() and self.subcommand == "fit":  # the SLURM job or torchrun run: auto finds it again
+                    self._claim.mark_slurm_job(run_key()[0])
         run = self._claim.version_dir
         for callback in self.trainer.callbacks:
             # The config name was chosen before the lock was held. A run that ended meanwhile may have taken it.

@@ -26,7 +26,7 @@ from lmledger.data import TokenDataModule, load_meta
 from lmledger.errors import ConfigError, UserError
 from lmledger.lightning_private import is_local_path
 from lmledger.lit import LitLM, check_hyperparameters
-from lmledger.preemption import slurm_job_key
+from lmledger.preemption import run_key
 from lmledger.rundir import slurm_job_version, versions
 
 __all__ = [
@@ -138,7 +138,8 @@ def _resolve_auto(config) -> tuple[Path | None, int | None, str]:
     """--ckpt_path auto: (checkpoint, version, what happens in words).
 
     Under SLURM, "this run" is the version directory this job or array task trains in. Its slurm_job
-    file says so. A requeued job resumes it; another job never does. Elsewhere, it is the newest
+    file says so. A requeued job resumes it; another job never does. Under torchrun, the same for its run
+    id (preemption.run_key): a restart of its workers resumes it. Elsewhere, it is the newest
     version with a checkpoint: a pod restarted, a script run again. With no checkpoint: (None, the job's version or
     None for a new one, the reason).
     """
@@ -149,18 +150,19 @@ def _resolve_auto(config) -> tuple[Path | None, int | None, str]:
             "with another logger pass --ckpt_path FILE"
         )
     root, init = found
-    job = slurm_job_key()
-    if job is None:
+    keyed = run_key()
+    if keyed is None:
         last = _find_last_checkpoint(init.save_dir, init.get("name") or "lightning_logs")
         if last is None:
             return None, None, f"no checkpoint under {root} yet: starting fresh"
         return last[0], last[1], ""
+    job, who = keyed
     version = slurm_job_version(root, job)
     if version is None:
-        return None, None, f"SLURM job {job} has no run under {root} yet: starting fresh"
+        return None, None, f"{who} has no run under {root} yet: starting fresh"
     ckpt = newest_checkpoint(root / f"version_{version}" / "checkpoints")
     if ckpt is None:
-        why = f"SLURM job {job} stopped in {root}/version_{version} before its first checkpoint: starting over"
+        why = f"{who} stopped in {root}/version_{version} before its first checkpoint: starting over"
         return None, version, why
     return ckpt, version, ""
 
