@@ -611,9 +611,9 @@ def test_strategy_registry_resolves_a_registered_name():
 
 
 def test_dynamo_runs_a_frame_eager_for_good_under_a_dispatch_mode():
-    """callbacks/measure.py leaves step 1 of a compiled module unwatched: a compiled function first called under a
-    (non-infra) TorchDispatchMode, as the FLOP counter and the memory tracker are, is skipped by dynamo for good,
-    so the whole fit ran eager. Once compiled, calls under a mode run the compiled code and compile nothing new."""
+    """The FLOP counter and the memory tracker are TorchDispatchModes (ledger.flops, ledger.memtrack): a compiled
+    function called under such a mode, before or after it compiled, is skipped by dynamo for good, so a whole fit
+    with the Ledger ran eager. A mode whose ignore_compile_internals() is True leaves it compiled."""
     from torch._dynamo.utils import counters
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -629,11 +629,30 @@ def test_dynamo_runs_a_frame_eager_for_good_under_a_dispatch_mode():
         watched_first(x)
     watched_first(x)
     assert counters["stats"]["unique_graphs"] == 0  # eager, also outside the mode
-    compiled_first = torch.compile(lambda t: (t * 3).cos(), backend="eager")
+    calls = []
+
+    def counting(gm, inputs):  # a backend that counts the compiled graph's runs
+        return lambda *args: calls.append(1) or gm.forward(*args)
+
+    compiled_first = torch.compile(lambda t: (t * 3).cos(), backend=counting)
     compiled_first(x)
     with Watch():
-        compiled_first(x)
-    assert counters["stats"]["unique_graphs"] == 1
+        compiled_first(x)  # skipped: eager again, and for good
+    compiled_first(x)
+    assert counters["stats"]["unique_graphs"] == 1 and len(calls) == 1
+
+    class Ignores(Watch):  # what ledger.flops and ledger.memtrack's modes declare
+        @classmethod
+        def ignore_compile_internals(cls) -> bool:
+            return True
+
+    calls.clear()
+    under_a_mode = torch.compile(lambda t: (t * 4).tan(), backend=counting)
+    with Ignores():
+        under_a_mode(x)  # compiled under the mode
+        under_a_mode(x)
+    under_a_mode(x)
+    assert len(calls) == 3
     torch._dynamo.reset()
 
 

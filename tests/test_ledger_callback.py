@@ -373,30 +373,41 @@ def test_an_error_inside_a_profiled_step_is_the_one_raised(monkeypatch):
     assert not torch._C._autograd._profiler_enabled()
 
 
+GRAPH_RUNS: list[int] = []
+
+
+def counting_backend(gm, inputs):
+    """dynamo's graph run as it is (no inductor build in a test), counted each time it runs."""
+    return lambda *args: GRAPH_RUNS.append(1) or gm.forward(*args)
+
+
 class CompiledSubmodule(Regressor):
     def __init__(self) -> None:
         super().__init__()
-        self.net = torch.compile(self.net, backend="eager")  # dynamo only: no inductor build in a test
+        self.net = torch.compile(self.net, backend=counting_backend)
 
 
 def test_the_ledger_leaves_torch_compile_on(tmp_path):
-    """Issue 28 §5: the measurement's dispatch modes on step 1 made dynamo run the compiled submodule eager for
-    the whole fit (0 graphs). Now the fit compiles as it does without the Ledger; FLOPs and the peak are read off
-    the compiled step 2; the dry run's eager prediction says in one line what it does not cover."""
+    """Issue 28 §5: the measurement's dispatch modes made dynamo run the compiled submodule eager for the whole
+    fit (0 graphs; compiled first, it ran once, then eager from the measured step 2 on). Now the fit compiles and
+    runs compiled as it does without the Ledger; FLOPs and the peak are read off the compiled step 2; the dry
+    run's eager prediction says in one line what it does not cover."""
     from torch._dynamo.utils import counters
 
     trainers = []
 
-    def graphs(callbacks, logger=None) -> tuple[int, int]:
+    def graphs(callbacks, logger=None) -> tuple[int, int, int]:
         torch._dynamo.reset()
         counters.clear()
+        GRAPH_RUNS.clear()
         torch.manual_seed(0)
         trainers.append(fit(CompiledSubmodule(), regression_loader(), callbacks, logger, steps=4))
-        return counters["stats"]["unique_graphs"], counters["frames"]["ok"]
+        return counters["stats"]["unique_graphs"], counters["frames"]["ok"], len(GRAPH_RUNS)
 
     without = graphs([])
     ledger = Ledger(warmup_steps=1)
-    assert graphs([ledger], tmp_path) == without and without[0] >= 1
+    # The same graphs, and the compiled graph runs on every step (4), the measured steps 1 and 2 included.
+    assert graphs([ledger], tmp_path) == without and without[0] >= 1 and without[2] == 4
     assert ledger.compiled == ["net"]
     assert any(n.startswith("torch.compile (net): the dry run predicts the eager step") for n in ledger.report.notes)
     predicted, measured = ledger.predicted, ledger.measured

@@ -51,10 +51,11 @@ class StepMeasurement:
         activations    measure saved activations. False under torch.compile: the compiled graph saves
                        a fused set the eager prediction does not describe.
         compiled       the module runs torch.compile'd code (`compiled_parts`). Step 1 is then left
-                       alone: dynamo compiles on it, and under any dispatch mode (the FLOP counter, the
-                       memory tracker) it would run that code eager for good (canary
-                       test_dynamo_runs_a_frame_eager_for_good_under_a_dispatch_mode). The FLOPs are
-                       counted on step 2, on the compiled code, beside the peak.
+                       alone: dynamo compiles on it, as it would without the Ledger. The FLOPs are
+                       counted on step 2, on the compiled code, beside the peak. Both counters are
+                       dispatch modes that let compiled code run compiled (ignore_compile_internals):
+                       by default dynamo runs a frame met under a mode eager for good (canary
+                       test_dynamo_runs_a_frame_eager_for_good_under_a_dispatch_mode).
     """
 
     def __init__(

@@ -381,6 +381,13 @@ class _CountWithoutDecomposing(TorchDispatchMode):
         super().__init__()
         self.counter = counter
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """Let torch.compile'd code run compiled under the count (its runtime's ops are counted): by default
+        dynamo runs a frame met under a dispatch mode eager for good (canary
+        test_dynamo_runs_a_frame_eager_for_good_under_a_dispatch_mode)."""
+        return True
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         packet = func._overloadpacket

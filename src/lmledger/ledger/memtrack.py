@@ -42,6 +42,11 @@ class _Dispatch(TorchDispatchMode):
         super().__init__()
         self.tracker = tracker
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """Let torch.compile'd code run compiled while tracked (ledger.flops._CountWithoutDecomposing says why)."""
+        return True
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
