@@ -6,6 +6,7 @@ ranks. The real-rank tests are few and tiny (2 and 4 processes); they run in CI 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -169,6 +170,29 @@ def test_tp_not_dividing_the_ranks_is_one_line():
         predict_sharded(model, _batch(), strategy="fsdp2", world_size=4, fsdp=FSDPSettings(tensor_parallel=3))
 
 
+def _trainer(devices: int, strategy) -> dict:
+    return {"accelerator": "cpu", "devices": devices, "num_nodes": 1, "strategy": strategy}
+
+
+def _fsdp2(**init_args):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(class_path="lmledger.strategies.FSDP2Strategy", init_args=init_args)
+
+
+def test_the_strategy_takes_tp_and_refuses_what_it_cannot_run_in_one_line():
+    from lmledger.run_config import resolve_strategy
+
+    scale = resolve_strategy(_trainer(8, _fsdp2(tensor_parallel_size=4)))
+    assert (scale.strategy, scale.world_size, scale.tensor_parallel) == ("fsdp2", 8, 4)
+    assert resolve_strategy(_trainer(8, _fsdp2())).tensor_parallel == 1  # fsdp2's default: every rank data-parallel
+    with pytest.raises(ConfigError, match="tensor_parallel_size 3 does not divide --trainer.devices 8") as err:
+        resolve_strategy(_trainer(8, _fsdp2(tensor_parallel_size=3)))
+    with pytest.raises(ConfigError, match="pipeline parallelism is not supported") as pipe:
+        resolve_strategy(_trainer(8, "pipeline_parallel"))
+    assert "\n" not in str(err.value) + str(pipe.value)
+
+
 # --------------------------------------------------------------------------------------------
 # A live fit: LitLM through `lmledger fit`, TP 2 on 2 gloo ranks, predicted beside measured per rank
 # --------------------------------------------------------------------------------------------
@@ -195,3 +219,52 @@ def test_litlm_tp_fit_is_predicted_per_rank(workdir):
     for rank in ranks:
         assert abs(rank["measured"]["activations"] / rank["predicted"]["activations"] - 1) <= ACTIVATIONS_TOLERANCE
     print(json.dumps(ranks))
+
+
+# --------------------------------------------------------------------------------------------
+# A user's module in Lightning's TP-tutorial form (examples/tensor_parallel.py), under Ledger()
+# --------------------------------------------------------------------------------------------
+
+
+def _tutorial_fit() -> None:
+    """One rank of a 2-rank TP 2 fit of the tutorial's FeedForwardTP, with the Ledger (run as a script)."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.strategies import ModelParallelStrategy
+    from test_ledger_fsdp2 import DumpLedger
+
+    from examples.tensor_parallel import FeedForwardTP
+    from lmledger.callbacks import Ledger
+
+    torch.set_num_threads(1)
+    pl.seed_everything(0, verbose=False)
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(64, 32, generator=g), torch.randn(64, 32, generator=g))
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, max_steps=3, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+        strategy=ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=2),
+        callbacks=[Ledger(warmup_steps=1), DumpLedger()],
+    )  # fmt: skip
+    trainer.fit(FeedForwardTP(), torch.utils.data.DataLoader(data, batch_size=8))
+
+
+def test_a_tp_tutorial_module_is_predicted_per_rank(tmp_path):
+    from test_ledger_fsdp2 import _check_predicted_equals_measured, _env, _ranks
+
+    env = _env(tmp_path)
+    env["PYTHONPATH"] = os.pathsep.join((str(HERE.parents[1]), env["PYTHONPATH"]))  # examples/
+    proc = subprocess.run(
+        [sys.executable, str(HERE), "tutorial"], capture_output=True, text=True, timeout=400, env=env, cwd=tmp_path
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = _ranks(tmp_path)
+    _check_predicted_equals_measured(ranks)
+    whole = 4 * 3 * 32 * 64  # w1, w2, w3 in fp32: each rank holds half of each
+    for rank in ranks:
+        assert rank["measured"]["params"] == whole // 2
+        assert abs(rank["measured"]["activations"] / rank["predicted"]["activations"] - 1) <= ACTIVATIONS_TOLERANCE
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(HERE.parent))
+    _tutorial_fit()

@@ -16,6 +16,7 @@ from lightning.pytorch.strategies import FSDPStrategy
 from torchmetrics.aggregation import MeanMetric
 
 from lmledger.errors import ConfigError
+from lmledger.ledger.tp import by_mesh, norm_over_meshes
 from lmledger.lightning_private import should_update_logs
 from lmledger.model import ModelConfig, ToyLM
 from lmledger.precision import apply_fp8
@@ -36,25 +37,6 @@ def total_norm(grads: list[torch.Tensor], device: torch.device, shard_group=None
     squared = local.float().square()
     torch.distributed.all_reduce(squared, group=shard_group)
     return squared.sqrt()
-
-
-def _by_mesh(tensors: list) -> dict[int, list]:
-    """Tensors grouped by their DTensor mesh (plain tensors and a param's grad by the same key)."""
-    groups: dict[int, list] = {}
-    for t in tensors:
-        mesh = getattr(t.grad if isinstance(t, torch.nn.Parameter) and t.grad is not None else t, "device_mesh", None)
-        groups.setdefault(id(mesh), []).append(t)
-    return groups
-
-
-def _norm_over_meshes(grads: list) -> torch.Tensor:
-    """The 2-norm of DTensor grads that live on different meshes (FSDP2 x TP and FSDP2 alone).
-
-    Each mesh's norm is reduced over its own ranks (full_tensor), then they are combined.
-    """
-    groups = _by_mesh(grads).values()
-    squares = [torch.nn.utils.get_total_norm(group).full_tensor().float().square() for group in groups]
-    return torch.stack(squares).sum().sqrt()
 
 
 def _set_fused(optimizer: torch.optim.Optimizer, fused: bool) -> None:
@@ -223,7 +205,7 @@ class LitLM(L.LightningModule):
                 return None
             meshes = {id(g.device_mesh): g.device_mesh for g in grads if hasattr(g, "device_mesh")}
             if shard_group is None and len(meshes) > 1:  # TP: 2-D (dp x tp) grads beside dp-only ones
-                self._grad_norm = _norm_over_meshes(grads)
+                self._grad_norm = norm_over_meshes(grads)
                 return self._grad_norm
             norm = total_norm(grads, self.device, shard_group)
             # FSDP2's DTensor grads give a DTensor of partial norms. full_tensor() reduces it over the mesh.
@@ -262,7 +244,7 @@ class LitLM(L.LightningModule):
         norm = self.gradient_norm()
         if params and norm is not None:
             # torch's foreach multiply takes DTensors of one mesh: under TP, clip each mesh's grads apart.
-            for group in _by_mesh(params).values():
+            for group in by_mesh(params).values():
                 torch.nn.utils.clip_grads_with_norm_(group, gradient_clip_val, norm)
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:

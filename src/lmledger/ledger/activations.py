@@ -243,6 +243,12 @@ class SavedActivations:
     by_module: dict[str, int] = field(default_factory=dict)
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (autograd saves a DTensor op's DTensors; untyped_storage() is their global size)."""
+    shard = getattr(t, "_local_tensor", None)
+    return shard if isinstance(shard, torch.Tensor) else t
+
+
 @contextmanager
 def measure_saved_activations(model: nn.Module) -> Iterator[SavedActivations]:
     """Record every tensor autograd saves while the block runs: forward inside, backward after.
@@ -256,14 +262,14 @@ def measure_saved_activations(model: nn.Module) -> Iterator[SavedActivations]:
     backward. That is what activation_bytes predicts.
     """
     result = SavedActivations()
-    own = {storage_key(t) for t in (*model.parameters(), *model.buffers())}
+    own = {storage_key(_local(t)) for t in (*model.parameters(), *model.buffers())}
     params = {id(p) for p in model.parameters()}
     seen: dict[int, torch.Tensor] = {}
     running = [""]
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        key = storage_key(t)
-        nbytes = t.untyped_storage().nbytes()
+        key = storage_key(_local(t))
+        nbytes = _local(t).untyped_storage().nbytes()
         if key in own or key in seen or nbytes == 0:
             return t
         seen[key] = t

@@ -107,8 +107,8 @@ def at_scale(
                 # Not even one sample fits: by how much the smallest step is over.
                 case["over_by_at_batch_1"] = found.over.peak - capacity_bytes if found.size == 0 else None
         cases[label] = case
-    return {"strategy": name, "world_size": world_size, "batch_size": batch_size, "capacity_bytes": capacity_bytes,
-            "cases": cases}  # fmt: skip
+    return {"strategy": name, "world_size": world_size, "tensor_parallel": fsdp.tensor_parallel,
+            "batch_size": batch_size, "capacity_bytes": capacity_bytes, "cases": cases}  # fmt: skip
 
 
 def run_at_scale(

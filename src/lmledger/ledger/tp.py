@@ -25,17 +25,54 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from unittest import mock
 
+import torch
 from torch import nn
 
 from lmledger.errors import ConfigError
 
 __all__ = [
     "apply_plan",
+    "by_mesh",
+    "clip_grad_norm_",
+    "norm_over_meshes",
     "check_plan",
     "check_tensor_parallel",
     "meshes_outside_fake_mode",
+    "replay_configure_model",
     "toy_tp_plan",
 ]
+
+
+def by_mesh(tensors: list) -> dict[int, list]:
+    """Tensors grouped by their DTensor mesh (plain tensors and a param's grad by the same key)."""
+    groups: dict[int, list] = {}
+    for t in tensors:
+        mesh = getattr(t.grad if isinstance(t, torch.nn.Parameter) and t.grad is not None else t, "device_mesh", None)
+        groups.setdefault(id(mesh), []).append(t)
+    return groups
+
+
+def norm_over_meshes(grads: list) -> torch.Tensor:
+    """The 2-norm of DTensor grads that live on different meshes (FSDP2 x TP and FSDP2 alone).
+
+    Each mesh's norm is reduced over its own ranks (full_tensor), then they are combined.
+    """
+    groups = by_mesh(grads).values()
+    norms = [torch.nn.utils.get_total_norm(group) for group in groups]
+    squares = [(n.full_tensor() if hasattr(n, "full_tensor") else n).float().square() for n in norms]
+    return torch.stack(squares).sum().sqrt()
+
+
+def clip_grad_norm_(parameters: list, max_norm: float) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_ for parameters on several meshes (FSDP2 x TP); returns the norm.
+
+    torch's own stacks the per-tensor norms, and DTensor refuses a stack across meshes.
+    """
+    params = [p for p in parameters if p.grad is not None]
+    norm = norm_over_meshes([p.grad for p in params])
+    for group in by_mesh(params).values():
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm)
+    return norm
 
 
 def check_tensor_parallel(n_heads: int, hidden: int, tensor_parallel: int, d_model: int | None = None) -> None:
@@ -130,6 +167,16 @@ def apply_plan(module: nn.Module, tp_mesh: object, plan: dict) -> None:
     parallelize_module(module, tp_mesh, plan)
 
 
+def replay_configure_model(module: nn.Module, mesh: object) -> None:
+    """FSDPSettings.shard for a LightningModule: its own configure_model, with `mesh` as its device_mesh.
+
+    Lightning's ModelParallelStrategy sets `_device_mesh` before calling configure_model, and
+    LightningModule.device_mesh reads it (canary in tests/test_ledger_fsdp2.py). This sets it the same way.
+    """
+    module._device_mesh = mesh
+    module.configure_model()
+
+
 @contextmanager
 def meshes_outside_fake_mode() -> Iterator[None]:
     """DeviceMesh._concatenate (FSDP2's mesh of dp x tp) runs with FakeTensorMode suspended.
@@ -148,3 +195,47 @@ def meshes_outside_fake_mode() -> Iterator[None]:
 
     with mock.patch.object(DeviceMesh, "_concatenate", staticmethod(concatenate)):
         yield
+
+
+# --------------------------------------------------------------------------------------------
+# Megatron-LM's closed forms, beside the dry run (docs/scale.md)
+# --------------------------------------------------------------------------------------------
+
+
+def megatron_memory(
+    *, layers: int, hidden: int, heads: int, ffn: int, vocab: int, seq: int, micro_batch: int, tp: int,
+    sequence_parallel: bool, selective_recompute: bool = True, query_groups: int | None = None,
+    untied: bool = True, distributed_optimizer: bool = False, data_parallel: int = 1,
+) -> dict[str, float]:  # fmt: skip
+    """One rank's weights + optimizer and activation bytes by Megatron-LM's closed forms, for its GPT.
+
+    Our own code of the formulas Megatron-LM's theoretical_memory_usage.py evaluates (read 2026-12-01):
+      weights and optimizer  18 bytes a parameter (fp16 weight, fp32 main grad, fp32 master weight and two Adam
+                             moments), or 6 + 12 / dp with the distributed optimizer, on the most loaded TP shard
+                             (the layers and both embeddings over tp)
+      activations per layer  Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
+                             Models"), Table 2, 16-bit: s b h (10 + 24 / t + 5 a s / (h t)) with TP alone,
+                             s b h (34 / t + 5 a s / (h t)) with sequence parallel; selective recompute drops the
+                             5 a s / (h t) attention-score term. Megatron writes 34 as 18 + 4 ffn / h (its 4h MLP: 34)
+      the rest               8 s b (the input ids), s b h (the embedding's dropout mask), 4 s b h (1 + v / h) (the
+                             LM head's input and the fp32 logits of the loss), all over t
+    Megatron itself reports these only with sequence parallel and selective recompute; the other rows of
+    Table 2 are given here for the side by side. Its GPT is not lmledger's toy LM (a GeLU MLP with biases,
+    LayerNorm and dropout), so where the two differ the shapes differ too.
+    """
+    h, s, b, a, t = hidden, seq, micro_batch, heads, tp
+    groups = query_groups or heads
+    per_layer_params = 2 * h * h * (1 + groups / heads) + 2 * h * ffn + 4 * h + ffn + 2 * h  # qkv+o, MLP, biases, norms
+    layer_params = layers * per_layer_params
+    embedding = h * vocab
+    shard = (layer_params + embedding * (2 if untied else 1)) / t
+    per_param = 6 + 12 / data_parallel if distributed_optimizer else 18
+    mlp = 4 * ffn / h - 16  # 0 for Megatron's 4h MLP: its 34 is 18 + 4 ffn / h
+    if sequence_parallel:
+        per_layer = s * b * h * ((34 + mlp) / t)
+    else:
+        per_layer = s * b * h * (10 + (24 + mlp) / t)
+    if not selective_recompute:
+        per_layer += 5 * a * s * s * b / t
+    rest = (8 * s * b + s * b * h + 4 * s * b * h * (1 + vocab / h)) / t
+    return {"weights_and_optimizer": shard * per_param, "activations": layers * per_layer + rest}
