@@ -157,8 +157,9 @@ class TermRank1(pl.Callback):
 def test_srun_two_ranks_train_ddp_and_stop_together(workdir, slurm_cluster):
     ddp = ["--trainer.strategy", "ddp", "--trainer.devices", "2", "--trainer.accelerator", "cpu",
            "--trainer.max_steps", "6", "--ledger.warmup_steps", "1"]  # fmt: skip
-    srun = ["srun", "--ntasks", "2", "--cpus-per-task", "1", "--chdir", str(workdir), sys.executable, "-m",
-            "lmledger.cli"]  # fmt: skip
+    # One node: the session's cluster has two, and two tasks spread over them would be two nodes of one rank each.
+    srun = ["srun", "--nodes", "1", "--ntasks", "2", "--cpus-per-task", "1", "--chdir", str(workdir), sys.executable,
+            "-m", "lmledger.cli"]  # fmt: skip
     term = '{"class_path": "test_slurm.TermRank1", "init_args": {"at_step": 2}}'
     stopped = subprocess.run([*srun, *fit_args("ddp", *ddp, "--trainer.callbacks+=" + term)], capture_output=True,
                              text=True, env=job_env(), timeout=300)  # fmt: skip
@@ -176,6 +177,75 @@ def test_srun_two_ranks_train_ddp_and_stop_together(workdir, slurm_cluster):
         assert scalars[f"memory/measured/{part}"][-1][1] == scalars[f"memory/predicted/{part}"][-1][1]
     per_device, total = scalars["perf/tokens_per_sec"][-1][1], scalars["perf/tokens_per_sec_total"][-1][1]
     assert abs(total - 2 * per_device) <= 1e-6 * total
+
+
+class WritePid(pl.Callback):
+    """Test-only: each rank of a SLURM job writes its pid to rank<N>.pid in the working directory as training
+    starts."""
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        if os.environ.get("SLURM_JOB_ID"):
+            Path(f"rank{trainer.global_rank}.pid").write_text(str(os.getpid()))
+
+
+def test_a_two_node_job_stopped_on_one_node_and_requeued_continues_its_run_bit_for_bit(workdir, slurm_two_nodes):
+    """`sbatch --nodes 2` of `srun lmledger fit --trainer.num_nodes 2` (DDP over gloo, one rank a node, the ledger
+    on): SIGUSR1 to node n2's task alone (as `--signal` sends it; scancel cannot pick one task), then `scontrol
+    requeue`. Both ranks save at one step each time, the job requeues and resumes version_0, each step is logged
+    once, and the curve equals an uninterrupted 2-rank run's bit for bit. The ledger is per rank on rank 0."""
+    throttle = '{"class_path": "test_resume.Throttle", "init_args": {"after_step": 0, "seconds": 0.5}}'
+    two = ["--trainer.num_nodes", "2", "--trainer.devices", "1", "--trainer.strategy", "ddp",
+           "--trainer.accelerator", "cpu", "--ledger.warmup_steps", "1"]  # fmt: skip
+    pids = '{"class_path": "test_slurm.WritePid"}'
+    args = fit_args("nodes", *two, "--trainer.callbacks+=" + throttle, "--trainer.callbacks+=" + pids,
+                    "--ckpt_path", "auto")  # fmt: skip
+    log = workdir / "job.log"
+    script = workdir / "job.sh"
+    script.write_text(
+        "#!/bin/bash\n#SBATCH --nodes=2\n#SBATCH --ntasks-per-node=1\n#SBATCH --cpus-per-task=1\n"
+        f"#SBATCH --output={log}\n#SBATCH --open-mode=append\n#SBATCH --chdir={workdir}\n"
+        f"exec srun {shlex.quote(sys.executable)} -m lmledger.cli {shlex.join(args)}\n"
+    )
+    job = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, env=job_env(),
+                         check=True).stdout.strip()  # fmt: skip
+    try:
+        run = workdir / "runs" / "nodes" / "version_0"
+        ckpt = run / "checkpoints" / "last.ckpt"
+        wait_for(lambda: checkpoint_step(ckpt) >= 2, "the first checkpoint", log=log)
+        os.kill(int((workdir / "rank1.pid").read_text()), signal.SIGUSR1)  # node n2's task alone
+        release(job)
+        wait_for(lambda: "restart 1" in log.read_text(), "the requeued job's first line", log=log)
+        first = checkpoint_step(ckpt)
+        wait_for(lambda: checkpoint_step(ckpt) > first, "a checkpoint of the resumed run", log=log)
+        subprocess.run(["scontrol", "requeue", job], check=True)
+        release(job)
+        # The uninterrupted reference, as the last piece trains.
+        whole = subprocess.run([sys.executable, "-m", "lmledger.cli", *fit_args("whole", "--trainer.devices", "2",
+                                "--trainer.strategy", "ddp", "--trainer.accelerator", "cpu")], cwd=workdir,
+                               env=job_env(), capture_output=True, text=True, timeout=300)  # fmt: skip
+        assert whole.returncode == 0, whole.stderr[-3000:]
+        wait_for(lambda: squeue_state(job) == "", "the job to finish", timeout=240, log=log)
+    finally:
+        subprocess.run(["scancel", job], capture_output=True)
+    text = log.read_text()
+    starts = re.findall(rf"^lmledger fit: SLURM job {job}, restart (\d)$", text, re.M)
+    assert starts == ["0", "1", "2"], text[-3000:]  # rank 0 alone says it
+    saved = re.findall(r"^lmledger fit: preempted at step (\d+): saved \S+; resume with --ckpt_path last; (.*)$", text,
+                       re.M)  # fmt: skip
+    assert len(saved) == 2 and f"job {job} requeued" in saved[0][1], text[-3000:]  # one line per stop, from rank 0
+    assert text.count("--ckpt_path auto: resuming runs/nodes/version_0 at step") == 2, text[-3000:]
+    assert "MEMBER: 2/2" in text and sorted(p.name for p in run.parent.iterdir()) == ["version_0"]
+    pieces, reference = curves(run), {t: dict(v) for t, v in read_scalars(workdir / "runs/whole/version_0").items()}
+    assert len(pieces) == 3
+    for tag in TAGS:
+        steps = sorted(s for piece in pieces for s in piece[tag])
+        assert steps == list(range(STEPS)), (tag, steps)  # every step logged once
+        for piece in pieces:
+            assert piece[tag] == {s: reference[tag][s] for s in piece[tag]}, tag  # exact float equality
+    scalars = read_scalars(run)
+    for part in ("params", "grads", "optimizer"):  # DDP replicates the state: per rank, measured = predicted
+        assert scalars[f"memory/measured/{part}"][-1][1] == scalars[f"memory/predicted/{part}"][-1][1]
+    assert len(list((run / "checkpoints").glob("*.ckpt"))) == 1  # written once, by rank 0
 
 
 def experiment(workdir: Path, name: str, more: dict | None = None) -> Path:
