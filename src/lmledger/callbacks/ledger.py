@@ -510,6 +510,9 @@ class Ledger(pl.Callback):
             )
         elif self.compiled and miss.line in ("activations", "peak", "autocast_weight_copies", "flops_hardware"):
             cause = "torch.compile: the compiled step keeps other tensors than the eager step the dry run predicts"
+            if miss.line == "peak" and self.measurement is not None and self.measurement.device.type == "cpu":
+                cause += (" (on a CPU the live-tensor tracker does not see the buffers inductor allocates below "
+                          "the dispatcher, so a compiled peak may read low)")  # fmt: skip
         elif self.run is not None and self.run.compiled:
             cause = "torch.compile (model.compile): the compiled step keeps other tensors than the eager prediction"
         elif miss.line == "flops_hardware":
