@@ -85,4 +85,4 @@ class T5Seq2Seq(_HFModule):
     def loss(self, batch) -> torch.Tensor:
         inputs, targets = batch
         half = inputs.shape[1] // 2
-        return self.model(input_ids=inputs[:, :half], labels=targets[:, half:]).loss
+        return self.model(input_ids=inputs[:, :half].contiguous(), labels=targets[:, half:].contiguous()).loss
