@@ -32,6 +32,8 @@ from lmledger.model import ModelConfig
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = ["--config", "configs/tiny.yaml"]
+# A fit that took a bad value would train one step, not 600 (a failing case ends fast).
+ONE_STEP = ["--trainer.max_steps", "1", "--trainer.limit_val_batches", "0", "--trainer.enable_progress_bar", "false"]
 
 # A bad value of each kind, per type of value (issue 28: zero, negative, huge, NaN, a string, an empty string,
 # an enum's typo). A string flag gets the empty string; a choice gets a typo of its first choice as well.
@@ -260,10 +262,10 @@ def _is_parser_level(flag: str, label: str) -> bool:
 def test_fit_account_and_plan_refuse_a_bad_fit_value_in_the_same_words(here, capfd, index, flag, label, extra):
     if _is_parser_level(flag, label):
         words = COMMANDS[index % 3]
-        line = _refused(capfd, here, [*words, *TINY, *extra])
+        line = _refused(capfd, here, [*words, *TINY, *(ONE_STEP if words == ["fit"] else []), *extra])
         assert line.startswith(f"lmledger {words[0]}: error: ") and flag in line, line
         return
-    said = _refused(capfd, here, ["fit", *TINY, *extra]).removeprefix("lmledger fit: error: ")
+    said = _refused(capfd, here, ["fit", *TINY, *ONE_STEP, *extra]).removeprefix("lmledger fit: error: ")
     words = list(PLANNING.values())[index % 2]
     line = _refused(capfd, here, [*words, *TINY, *extra])
     assert line == f"lmledger {words[0]}: error: {said}", (line, said)
@@ -277,7 +279,7 @@ TP_INLINE = ["--trainer.strategy", '{"class_path": "ModelParallelStrategy", "ini
 def test_a_tensor_parallel_strategy_fit_refuses_is_refused_by_planning_in_its_words(here, capfd, extra):
     """Both forms of ModelParallelStrategy(tensor_parallel_size 2) on one device: fit refuses them; account predicted
     "fsdp2 over 2 ranks" for the long form and "not modelled" for the inline one."""
-    said = _refused(capfd, here, ["fit", *TINY, *extra]).removeprefix("lmledger fit: error: ")
+    said = _refused(capfd, here, ["fit", *TINY, *ONE_STEP, *extra]).removeprefix("lmledger fit: error: ")
     assert "tensor_parallel_size 2" in said
     for words in PLANNING.values():
         assert _refused(capfd, here, [*words, *TINY, *extra]) == f"lmledger {words[0]}: error: {said}"
@@ -314,7 +316,7 @@ def test_good_values_next_to_the_bad_ones_are_answered(here, capsys):
 SUBPROCESS_CASES = [
     ["account", *TINY, "--trainer.devices", "1000000000", "--trainer.strategy", "fsdp2"],
     ["plan", "max-batch", *TINY, "--gpu", "h100-sxm", "--trainer.strategy", "fsdp3"],
-    ["fit", *TINY, "--trainer.devices", "2.5"],
+    ["fit", *TINY, *ONE_STEP, "--trainer.devices", "2.5"],
     ["plan", "train-time", "--params", "nan", "--tokens", "1e12", "--gpu", "h100-sxm", "--mfu", "0.5"],
 ]
 
