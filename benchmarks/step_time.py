@@ -59,6 +59,27 @@ def _data(work: Path) -> Path:
     return out
 
 
+# A multi-rank fit takes its collectives' and Lightning loop's calibrations from the cache only (one
+# rank's minutes in a calibration would time out the others' first collective), so they are made here
+# first, at the thread count its ranks run with (Lightning gives each of W ranks cores / W threads).
+_PREWARM = """
+import os, torch
+torch.set_num_threads(max(1, os.cpu_count() // {world}))
+from lmledger.callbacks.timing import lightning_loop_seconds
+from lmledger.ledger.steptime.cache import StepTimeCache
+from lmledger.ledger.steptime.calibrate import collective_model
+cache = StepTimeCache(torch.device("cpu"))
+collective_model({world}, cache)
+cache.save()
+lightning_loop_seconds(progress_bar=False, logger=True, log_every_n_steps=10)
+"""
+
+
+def prewarm(world: int, env: dict) -> None:
+    code = _PREWARM.format(world=world)
+    subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, check=True, capture_output=True, timeout=600)
+
+
 def run_case(name: str, steps: int, data: Path, work: Path, env: dict) -> dict:
     args = CASES[name]
     toy = args[1] == TOY
@@ -119,6 +140,8 @@ def main() -> int:
         load_before = os.getloadavg()
         rows = []
         for name in names:
+            if "--trainer.devices" in CASES[name]:
+                prewarm(int(CASES[name][CASES[name].index("--trainer.devices") + 1]), env)
             row = run_case(name, args.steps, data, work, env)
             rows.append(row)
             shown = f"{row['error_pct']:+.1f}%" if "error_pct" in row else f"failed: {row.get('error')}"

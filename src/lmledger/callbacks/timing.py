@@ -330,17 +330,26 @@ def loop_calibration_name(progress_bar: bool, logger: bool, log_every_n_steps: i
 
 
 def lightning_loop_seconds(
-    *, progress_bar: bool, logger: bool, log_every_n_steps: int, ledger: bool = True, cache=None
+    *,
+    progress_bar: bool,
+    logger: bool,
+    log_every_n_steps: int,
+    ledger: bool = True,
+    cache=None,
+    measure: bool = True,
 ) -> tuple[float, str] | None:
     """(seconds, how) Lightning's loop costs per batch with these settings, measured once per machine.
 
-    None where the probe could not run (it says nothing then; the prediction notes the loop is missing).
+    None where the probe could not run, or is not cached and `measure` is off (a multi-rank fit: one
+    rank's minutes in the probe would time out the others' first collective); the prediction notes it.
     """
     from lmledger.ledger.steptime.cache import StepTimeCache
 
     cache = cache or StepTimeCache(torch.device("cpu"))
     name = loop_calibration_name(progress_bar, logger, log_every_n_steps, ledger)
     found = cache.calibration(name)
+    if found is None and not measure:
+        return None
     if found is None:
         settings = {"progress_bar": progress_bar, "logger": logger, "log_every_n_steps": max(1, log_every_n_steps),
                     "ledger": ledger, "steps": 120, "threads": torch.get_num_threads()}  # fmt: skip
@@ -387,9 +396,10 @@ def predict_fit_step_time(
     if trainer.gradient_clip_val:
         algorithm = str(trainer.gradient_clip_algorithm or "norm").lower().split(".")[-1]
         clip = ("value" if "value" in algorithm else "norm", float(trainer.gradient_clip_val))
+    alone = trainer.world_size == 1  # several ranks wait for each other: no subprocess calibration there
     loop = lightning_loop_seconds(
         progress_bar=trainer.progress_bar_callback is not None, logger=bool(trainer.loggers),
-        log_every_n_steps=int(trainer.log_every_n_steps or 50),
+        log_every_n_steps=int(trainer.log_every_n_steps or 50), measure=alone,
     )  # fmt: skip
     loader = trainer.train_dataloader
     data = data_wait(loader) if isinstance(loader, torch.utils.data.DataLoader) else None
@@ -400,7 +410,7 @@ def predict_fit_step_time(
             ops, pl_module.device, compute_dtype=compute_dtype_for_precision(str(trainer.precision)),
             optimizer=optimizers[0] if optimizers else None, clip=clip, loop_s=loop[0] if loop else None,
             loop_how=loop[1] if loop else "", data=data, world_size=trainer.world_size, backend=str(backend),
-            tokens=tokens, samples=samples, accumulate=accumulate,
+            tokens=tokens, samples=samples, accumulate=accumulate, calibrate_collectives=alone,
         )  # fmt: skip
 
 

@@ -216,16 +216,23 @@ INTERCONNECTS = {
 _PROBE_SIZES = (1 << 12, 1 << 16, 1 << 20, 1 << 24)  # bytes: 4 KiB .. 16 MiB
 
 
-def collective_model(world_size: int, cache: StepTimeCache, backend: str = "gloo") -> CollectiveModel:
+def collective_model(
+    world_size: int, cache: StepTimeCache, backend: str = "gloo", measure: bool = True
+) -> CollectiveModel:
     """The all-reduce alpha-beta on `world_size` real gloo ranks here (module doc), cached per machine.
 
     Other backends (nccl) cannot be timed on this machine without its GPUs: the NVLink table, labelled.
+    `measure=False` (inside a multi-rank fit, where one rank's extra minutes would time out the others'
+    first collective) takes the table where nothing is cached.
     """
     if backend != "gloo":
         alpha, beta, source = INTERCONNECTS["nvlink4"]
         return CollectiveModel(alpha, beta, f"table, not measured: {source}")
     name = f"gloo_allreduce_w{world_size}"
     found = cache.calibration(name)
+    if found is None and not measure:
+        alpha, beta, source = INTERCONNECTS["nvlink4"]
+        return CollectiveModel(alpha, beta, f"table, not measured (calibrated by one process only): {source}")
     if found is None:
         value = _time_gloo(world_size)
         if value is None:

@@ -122,6 +122,7 @@ def predict_step_time(
     samples: int = 0,
     accumulate: int = 1,
     cache_path: Path | None = None,
+    calibrate_collectives: bool = True,
 ) -> StepTime | NoStepTime:
     """The predicted step (module doc) of a dry run's `ops` on `device`.
 
@@ -198,7 +199,7 @@ def predict_step_time(
         seconds[OPTIMIZER] += overhead * sum(1 for op in ops.ops if op.category == OPTIMIZER)
         how[OPTIMIZER] = "its recorded ops replayed, with the per-op overhead"
     if comm_ops:
-        model = calibrate.collective_model(world_size, cache, backend)
+        model = calibrate.collective_model(world_size, cache, backend, measure=calibrate_collectives)
         seconds[COMMUNICATION] = sum(model.seconds(_collective_bytes(op, world_size)) for op in comm_ops)
         how[COMMUNICATION] = (
             f"{len(comm_ops)} collectives, alpha {model.alpha_s * 1e6:.3g} us + bytes at {model.bytes_per_s / 1e9:.3g} "
@@ -209,7 +210,10 @@ def predict_step_time(
     how[HOST] = f"{per_op_ops} ops x {overhead * 1e6:.3g} us per op ({overhead_how})"
     how[HOST] += f" + Lightning's loop {loop_s * 1e3:.3g} ms x {accumulate} batches ({loop_how})" if loop_s else ""
     if loop_s is None:
-        notes.append("Lightning's loop not counted (no loop calibration given)")
+        notes.append(
+            "Lightning's loop not counted: not calibrated on this machine yet (a one-device fit or "
+            "`lmledger account` calibrates it)"
+        )
     if data is not None:
         per_batch_step = (compute + seconds[HOST] + seconds[OPTIMIZER] / accumulate) / accumulate
         seconds[DATA_WAIT] = data.wait(per_batch_step) * accumulate
