@@ -30,6 +30,9 @@ class FSDP2Strategy(ModelParallelStrategy):
 
     def __init__(self, data_parallel_size="auto", tensor_parallel_size: int = 1, **kwargs) -> None:
         super().__init__(data_parallel_size=data_parallel_size, tensor_parallel_size=tensor_parallel_size, **kwargs)
+        from lmledger.checkpointing import make_sharded_checkpoints_safe  # lazily: this module loads in an import hook
+
+        make_sharded_checkpoints_safe(self)  # atomic sharded saves, weights-only loads, in Python's Trainer too
 
     def setup_environment(self) -> None:
         tensor = self._tensor_parallel_size
