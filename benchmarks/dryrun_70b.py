@@ -45,13 +45,10 @@ def resident_bytes() -> int:
 
 
 def llama_tp_plan(model, tp_mesh) -> None:
-    """examples/tensor_parallel.py's plan on every decoder layer of a LlamaForCausalLM."""
-    from torch.distributed.tensor.parallel import parallelize_module
+    """examples/tensor_parallel.py's plan on a LlamaForCausalLM."""
+    from examples.tensor_parallel import parallelize_llama
 
-    from examples.tensor_parallel import llama_plan
-
-    for layer in model.model.layers:
-        parallelize_module(layer, tp_mesh, llama_plan())
+    parallelize_llama(model, tp_mesh)
 
 
 def one(shape: dict, seq: int, batch: int, world: int, tensor_parallel: int, checkpointing: bool) -> dict:

@@ -6,7 +6,8 @@ module tensor-parallelises itself over `self.device_mesh["tensor_parallel"]`, th
 strategy's shape and predicts each rank's step (ledger.tp, callbacks/fsdp2.py); nothing here is lmledger's.
 
     LlamaTP      Hugging Face LlamaForCausalLM with the usual Llama plan: colwise q/k/v and the MLP's gate
-                 and up projections, rowwise o_proj and down_proj (transformers' own base_model_tp_plan).
+                 and up projections, rowwise o_proj and down_proj (transformers' own base_model_tp_plan);
+                 the embedding split by vocabulary rows, the LM head by vocabulary columns.
                  Grouped-query attention needs the KV heads to divide by the TP size.
     FeedForwardTP  Lightning's TP tutorial's module: a SwiGLU feed-forward (w1, w2, w3), colwise w1 and w3,
                  rowwise w2, trained on random regression data.
@@ -29,6 +30,7 @@ LLAMA_ROWWISE = ("self_attn.o_proj", "mlp.down_proj")
 
 
 def llama_plan() -> dict:
+    """Each decoder layer's plan."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     return {
@@ -37,14 +39,39 @@ def llama_plan() -> dict:
     }
 
 
+def llama_outer_plan() -> dict:
+    """The embedding split by vocabulary rows and the LM head by vocabulary columns, both gathered after
+    (torchtitan's, without sequence parallel or loss_parallel)."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    return {
+        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),
+        "lm_head": ColwiseParallel(output_layouts=Replicate()),
+    }
+
+
+def parallelize_llama(model: nn.Module, tp_mesh: object) -> None:
+    """The plan on a LlamaForCausalLM: every decoder layer, then the embedding and the LM head."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from lmledger.ledger.tp import check_plan
+
+    for layer in model.model.layers:
+        check_plan(layer, llama_plan())
+        parallelize_module(layer, tp_mesh, llama_plan())
+    outer = llama_outer_plan()
+    check_plan(model, outer)
+    parallelize_module(model, tp_mesh, outer)
+
+
 class LlamaTP(LlamaLM):
     """LlamaLM with a tensor-parallel plan and FSDP2, in configure_model."""
 
     def configure_model(self) -> None:
         from torch.distributed.fsdp import FSDPModule, fully_shard
-        from torch.distributed.tensor.parallel import parallelize_module
 
-        from lmledger.ledger.tp import check_plan, check_tensor_parallel
+        from lmledger.ledger.tp import check_tensor_parallel
 
         if isinstance(self.model, FSDPModule):
             return  # sharded already
@@ -59,10 +86,7 @@ class LlamaTP(LlamaLM):
                     f"num_kv_heads {config.num_key_value_heads} does not divide by tensor_parallel_size "
                     f"{tp_mesh.size()}: choose a tensor_parallel_size that divides the KV heads"
                 )
-            plan = llama_plan()
-            for layer in layers:
-                check_plan(layer, plan)
-                parallelize_module(layer, tp_mesh, plan)
+            parallelize_llama(self.model, tp_mesh)
         for layer in layers:
             fully_shard(layer, mesh=dp_mesh)
         fully_shard(self.model, mesh=dp_mesh)
