@@ -194,7 +194,7 @@ def test_account_prints_the_predicted_step_time_before_anything_runs(cache, work
     from lmledger.callbacks.timing import loop_calibration_name
 
     seeded = StepTimeCache(torch.device("cpu"))  # the loop probe would start a Trainer in a subprocess
-    seeded.set_calibration(loop_calibration_name(False, True, 1), 2e-3, "seeded by the test")
+    seeded.set_calibration(loop_calibration_name(False, True), {"base_s": 2e-3, "per_log_s": 0.0}, "seeded by the test")
     seeded.save()
     result = run_json(capsys, "account", "--config", "configs/tiny.yaml", *MICRO_OVERRIDES, "--json")
     predicted = result["time"]["predicted"]
@@ -211,7 +211,7 @@ def test_plan_train_time_from_a_config(cache, workdir, capsys):
     from lmledger.callbacks.timing import loop_calibration_name
 
     seeded = StepTimeCache(torch.device("cpu"))
-    seeded.set_calibration(loop_calibration_name(True, True, 10), 2e-3, "seeded by the test")
+    seeded.set_calibration(loop_calibration_name(True, True), {"base_s": 2e-3, "per_log_s": 0.0}, "seeded by the test")
     seeded.save()
     config = yaml.safe_load(open("configs/tiny.yaml"))
     config["model"]["config"].update(d_model=32, n_layers=1, n_heads=2, d_ff=64, context_length=32)
@@ -231,7 +231,7 @@ def test_sweep_plan_predicts_each_points_peak_and_step(cache, workdir, capsys):
     from lmledger.cli import main as lmledger
 
     seeded = StepTimeCache(torch.device("cpu"))
-    seeded.set_calibration(loop_calibration_name(False, True, 1), 2e-3, "seeded by the test")
+    seeded.set_calibration(loop_calibration_name(False, True), {"base_s": 2e-3, "per_log_s": 0.0}, "seeded by the test")
     seeded.save()
     fixed = dict(zip(MICRO_OVERRIDES[::2], MICRO_OVERRIDES[1::2], strict=True))
     experiment = {

@@ -21,8 +21,10 @@ __all__ = ["main"]
 def main(settings: dict) -> dict:
     """In a process of its own: an empty training_step through Trainer.fit, beside the same step bare.
 
-    Lightning's loop per batch = the fit's mean batch-to-batch time (after a warm-up) minus the bare
-    step's median and the probe loader's own fetch time; both arms run the same one-parameter module.
+    Two fits: logging every batch, and never. Lightning's loop per batch = the unlogged fit's mean
+    batch-to-batch time (after a warm-up) minus the bare step's median and the probe loader's own fetch
+    time; a log costs the logged fit's mean minus the unlogged one's. Both arms run the same
+    one-parameter module.
     """
     import tempfile
 
@@ -33,7 +35,7 @@ def main(settings: dict) -> dict:
 
     os.environ[NO_STEP_TIME] = "1"
     torch.set_num_threads(settings["threads"])
-    steps, warmup = settings["steps"], 20
+    steps, warmup = settings["steps"], 10
 
     class Empty(lpl.LightningModule):
         def __init__(self) -> None:
@@ -47,28 +49,33 @@ def main(settings: dict) -> dict:
             return torch.optim.SGD(self.parameters(), lr=0.0)
 
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.ones(steps + 8, 1)), batch_size=1)
-    stamps: list[float] = []
 
-    class Stamp(lpl.Callback):
-        def on_train_batch_start(self, *args) -> None:
-            stamps.append(time.perf_counter())
+    def fit_gap(log_every: int) -> float:
+        stamps: list[float] = []
 
-    with tempfile.TemporaryDirectory() as tmp:
-        callbacks = [Stamp()]
-        if settings["ledger"]:
-            callbacks.append(Ledger(settings=LedgerSettings(time=False, measure=True)))
-        logger = lpl.loggers.TensorBoardLogger(tmp, name="probe") if settings["logger"] else False
-        trainer = lpl.Trainer(
-            accelerator="cpu", devices=1, max_steps=steps, logger=logger, callbacks=callbacks,
-            enable_progress_bar=settings["progress_bar"], enable_checkpointing=False, enable_model_summary=False,
-            log_every_n_steps=settings["log_every_n_steps"], num_sanity_val_steps=0, limit_val_batches=0,
-        )  # fmt: skip
-        import warnings
+        class Stamp(lpl.Callback):
+            def on_train_batch_start(self, *args) -> None:
+                stamps.append(time.perf_counter())
 
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            trainer.fit(Empty(), data)
-    gaps = [b - a for a, b in zip(stamps[warmup:], stamps[warmup + 1 :], strict=False)]
+        with tempfile.TemporaryDirectory() as tmp:
+            callbacks = [Stamp()]
+            if settings["ledger"]:
+                callbacks.append(Ledger(settings=LedgerSettings(time=False, measure=True)))
+            logger = lpl.loggers.TensorBoardLogger(tmp, name="probe") if settings["logger"] else False
+            trainer = lpl.Trainer(
+                accelerator="cpu", devices=1, max_steps=steps, logger=logger, callbacks=callbacks,
+                enable_progress_bar=settings["progress_bar"], enable_checkpointing=False,
+                enable_model_summary=False, log_every_n_steps=log_every, num_sanity_val_steps=0, limit_val_batches=0,
+            )  # fmt: skip
+            import warnings
+
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                trainer.fit(Empty(), data)
+        gaps = [b - a for a, b in zip(stamps[warmup:], stamps[warmup + 1 :], strict=False)]
+        return statistics.fmean(gaps)
+
+    logged, unlogged = fit_gap(1), fit_gap(10 * steps)
     module = Empty()
     optimizer = module.configure_optimizers()
     batch = next(iter(data))
@@ -87,4 +94,4 @@ def main(settings: dict) -> dict:
     bare_s = time_call(bare, torch.device("cpu"), budget_s=0.05, max_repeats=101)[0]
     it = iter(data)
     fetch_s = time_call(lambda: next(it), torch.device("cpu"), budget_s=0.01, max_repeats=5)[0]
-    return {"fit_s": statistics.fmean(gaps), "bare_s": bare_s, "fetch_s": fetch_s, "steps": len(gaps)}
+    return {"logged_s": logged, "unlogged_s": unlogged, "bare_s": bare_s, "fetch_s": fetch_s, "steps": steps}

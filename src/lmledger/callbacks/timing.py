@@ -323,10 +323,10 @@ def _this_gpu(device: torch.device) -> str | None:
 # -- the predicted step time ---------------------------------------------------------------------------
 
 
-def loop_calibration_name(progress_bar: bool, logger: bool, log_every_n_steps: int, ledger: bool = True) -> str:
-    """The step-time cache's name for the loop calibration of these trainer settings."""
-    flags = f"bar={int(progress_bar)} logger={int(logger)} log_every={log_every_n_steps} ledger={int(ledger)}"
-    return f"lightning_loop {flags}"
+def loop_calibration_name(progress_bar: bool, logger: bool, ledger: bool = True) -> str:
+    """The step-time cache's name for the loop calibration of these trainer settings; its value is
+    {"base_s": the loop per batch, "per_log_s": what a logging step adds}."""
+    return f"lightning_loop bar={int(progress_bar)} logger={int(logger)} ledger={int(ledger)}"
 
 
 def lightning_loop_seconds(
@@ -346,13 +346,13 @@ def lightning_loop_seconds(
     from lmledger.ledger.steptime.cache import StepTimeCache
 
     cache = cache or StepTimeCache(torch.device("cpu"))
-    name = loop_calibration_name(progress_bar, logger, log_every_n_steps, ledger)
+    name = loop_calibration_name(progress_bar, logger, ledger)
     found = cache.calibration(name)
     if found is None and not measure:
         return None
     if found is None:
-        settings = {"progress_bar": progress_bar, "logger": logger, "log_every_n_steps": max(1, log_every_n_steps),
-                    "ledger": ledger, "steps": 120, "threads": torch.get_num_threads()}  # fmt: skip
+        settings = {"progress_bar": progress_bar, "logger": logger, "ledger": ledger, "steps": 60,
+                    "threads": torch.get_num_threads()}  # fmt: skip
         code = f"import json; from lmledger.callbacks.loopprobe import main; print(json.dumps(main({settings!r})))"
         try:
             done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
@@ -363,14 +363,21 @@ def lightning_loop_seconds(
             measured = None
         if not measured:
             return None
-        value = max(0.0, measured["fit_s"] - measured["bare_s"] - measured["fetch_s"])
+        value = {
+            "base_s": max(0.0, measured["unlogged_s"] - measured["bare_s"] - measured["fetch_s"]),
+            "per_log_s": max(0.0, measured["logged_s"] - measured["unlogged_s"]),
+        }
         cache.set_calibration(
-            name, value, "an empty training_step through Trainer.fit (mean batch-to-batch after 20 batches) minus "
-            "the same step bare (median) and its loader's fetch", **measured,
+            name, value, "an empty training_step through Trainer.fit, logging every batch and never (mean "
+            "batch-to-batch after 10 batches), minus the same step bare (median) and its loader's fetch", **measured,
         )  # fmt: skip
         cache.save()
         found = cache.calibration(name)
-    return float(found["value"]), f"empty training_step through Trainer.fit, measured {found['measured_at'][:10]}"
+    value = found["value"]
+    if not isinstance(value, dict) or not all(isinstance(value.get(k), (int, float)) for k in ("base_s", "per_log_s")):
+        return None
+    per_batch = value["base_s"] + value["per_log_s"] / max(1, log_every_n_steps)
+    return per_batch, f"empty training_step through Trainer.fit, measured {found['measured_at'][:10]}"
 
 
 def predict_fit_step_time(

@@ -27,7 +27,10 @@ from lmledger.ledger.cpu import cache_dir, cpu_info
 __all__ = ["STEP_TIMES_FILE", "StepTimeCache", "machine_key", "now"]
 
 STEP_TIMES_FILE = "step-times.json"
-METHOD = "median of timed calls after a warm-up, each op replayed alone on real tensors of its recorded layout"
+METHOD = (
+    "ops replayed on real tensors of their recorded layouts: in the step's order, data flowing op to op, the "
+    "median of rounds after a warm-up (keys ending '(in sequence)'), or alone, the median of calls"
+)
 
 
 def now() -> str:
