@@ -265,3 +265,20 @@ def test_lightning_observer_kills_the_launcher_when_a_child_dies():
         assert stand_in.wait(timeout=30) == -signal.SIGKILL
     finally:
         stand_in.kill()
+
+
+def test_the_interconnect_table_and_the_users_own_rate():
+    from lmledger.errors import UserError
+    from lmledger.ledger.interconnect import INTERCONNECTS, resolve_interconnect
+
+    # One direction per GPU: a datasheet's both-directions NVLink figure halved; a port's Gb/s over 8.
+    assert resolve_interconnect("nvlink4").bytes_per_s == 900e9 / 2
+    assert resolve_interconnect("IB-NDR").bytes_per_s == 400e9 / 8 == resolve_interconnect("400Gb/s").bytes_per_s
+    assert resolve_interconnect("1.8TB/s").bytes_per_s == 1.8e12
+    assert all(link.source and link.scope in ("intra-node", "inter-node") for link in INTERCONNECTS.values())
+    for bad in ("nvlink9", "50 MB/s", "", "0GB/s", "-5GB/s"):
+        with pytest.raises(UserError) as refused:
+            resolve_interconnect(bad)
+        assert "\n" not in str(refused.value)
+    with pytest.raises(UserError, match="is intra-node, not inter-node"):
+        resolve_interconnect("nvlink4", scope="inter-node")

@@ -246,6 +246,19 @@ def test_a_two_node_job_stopped_on_one_node_and_requeued_continues_its_run_bit_f
     for part in ("params", "grads", "optimizer"):  # DDP replicates the state: per rank, measured = predicted
         assert scalars[f"memory/measured/{part}"][-1][1] == scalars[f"memory/predicted/{part}"][-1][1]
     assert len(list((run / "checkpoints").glob("*.ckpt"))) == 1  # written once, by rank 0
+    # The per-rank record beside the checkpoints: every rank's lines; rank 0's are TensorBoard's.
+    from lmledger.callbacks.ranks import read_rank_records, worst_rank
+
+    records = read_rank_records(run)
+    assert sorted(records) == [0, 1] and [records[r]["node"] for r in (0, 1)] == [0, 1]
+    assert all(record["step"] == STEPS and record["num_nodes"] == 2 for record in records.values())
+    for record in records.values():
+        for part in ("params", "grads", "optimizer"):
+            line = record["ledger"][part]
+            assert line["measured"] == line["predicted"]["dry run"] > 0, (record["rank"], part, line)
+    for part in ("params", "grads", "optimizer", "peak"):
+        assert records[0]["ledger"][part]["measured"] == scalars[f"memory/measured/{part}"][-1][1], part
+    assert worst_rank(records, "peak") in (0, 1)
 
 
 def experiment(workdir: Path, name: str, more: dict | None = None) -> Path:

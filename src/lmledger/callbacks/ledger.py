@@ -50,6 +50,7 @@ from lmledger.callbacks.live import (
     toy_batch,
 )
 from lmledger.callbacks.measure import StepMeasurement, compiled_parts
+from lmledger.callbacks.ranks import write_rank_record
 from lmledger.callbacks.run import (
     is_logging_step,
     log_scalars,
@@ -459,6 +460,7 @@ class Ledger(pl.Callback):
             self.report.notes.append("measured peak: CUDA's max_memory_allocated")
         log_scalars(trainer, self.report.scalars("measured"))
         log_text(trainer, "ledger/table", self.report.markdown())
+        write_rank_record(trainer, self.report)  # every rank's lines: the loggers keep rank 0's (callbacks/ranks.py)
         self._check_self(trainer)
         for writer in tensorboard_writers(trainer):
             writer.add_figure("memory/predicted_vs_measured", bar_chart(self.report), global_step=logging_step(trainer))
@@ -532,6 +534,7 @@ class Ledger(pl.Callback):
                 self._report_measured(trainer)
         if self.report is not None:
             measured_time(self.report, self.step_time, self._steady, self._accumulate, trainer.is_global_zero)
+            write_rank_record(trainer, self.report)
         if trainer.is_global_zero and self.report is not None:
             Console().print(self.report.table("ledger (summary)"))
         if self.timing is not None:
