@@ -197,3 +197,31 @@ def test_fit_reads_the_alias_as_its_own_flag(capsys):
     assert lmledger(["fit", "--config", "configs/tiny.yaml", "--device-memory-gb", "abc"]) == 2
     err = capsys.readouterr().err
     assert "--ledger.device_memory_gb abc: expected a float or null" in err and "device-memory-gb" not in err
+
+
+def test_every_flag_refuses_an_empty_value_an_int_is_a_count_and_a_float_finite():
+    """Issue 28 §4: the rules every signature-built flag gets (tests/test_bad_values.py runs them on each command)."""
+
+    def command(path: str, n: int = 1, x: float = 0.5, mode: Literal["a", "b"] = "a") -> int:
+        """A command."""
+        return 0
+
+    parser = ArgumentParser(prog="lmledger example")
+    add_function_arguments(parser, command)
+    assert vars(parser.parse_args(["p", "--n", "2147483647", "--x", "-0.25"])) == {
+        "path": "p", "n": 2**31 - 1, "x": -0.25, "mode": "a",
+    }  # fmt: skip
+    for argv, message in (
+        ([""], "argument path: an empty value: give one"),
+        (["p", "--mode", ""], "argument --mode: an empty value"),
+        (["p", "--n", " "], "argument --n: an empty value"),
+        (["p", "--n", "0"], "argument --n: '0' is not a count between 1 and 2,147,483,647"),
+        (["p", "--n", "2147483648"], "argument --n: '2147483648' is not a count between 1"),
+        (["p", "--n", "1.5"], "argument --n: invalid int value: '1.5'"),
+        (["p", "--x", "nan"], "argument --x: not a finite number: 'nan'"),
+        (["p", "--x", "1e400"], "argument --x: not a finite number: '1e400'"),
+        (["p", "--x", "abc"], "argument --x: invalid float value: 'abc'"),
+    ):
+        with pytest.raises(UserError) as err:
+            parser.parse_args(argv)
+        assert str(err.value).startswith(message) and "\n" not in str(err.value), str(err.value)
