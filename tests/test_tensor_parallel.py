@@ -139,6 +139,25 @@ def test_tp_divides_the_state_and_the_block_flops():
     assert both.flops_forward - head == pytest.approx((one.flops_forward - head) / 2, rel=0.02)
 
 
+def test_megatron_closed_forms_follow_korthikanti_table_2():
+    """Our code of Megatron-LM's formulas: per layer 34 s b h / t with sequence parallel, s b h (10 + 24 / t)
+    without (equal at t = 1), plus 5 a s^2 b / t without selective recompute; 18 bytes a parameter."""
+    from lmledger.ledger.tp import megatron_memory
+
+    shape = dict(layers=1, hidden=4096, heads=32, ffn=4 * 4096, vocab=51200, seq=2048, micro_batch=1)
+    rest = lambda t: (8 * 2048 + 2048 * 4096 + 4 * 2048 * 4096 * (1 + 51200 / 4096)) / t  # noqa: E731
+    sbh = 2048 * 4096
+    for t in (1, 8):
+        sp = megatron_memory(**shape, tp=t, sequence_parallel=True)["activations"] - rest(t)
+        tp = megatron_memory(**shape, tp=t, sequence_parallel=False)["activations"] - rest(t)
+        assert sp == pytest.approx(34 * sbh / t) and tp == pytest.approx(sbh * (10 + 24 / t))
+    full = megatron_memory(**shape, tp=8, sequence_parallel=True, selective_recompute=False)["activations"]
+    assert full - rest(8) == pytest.approx(34 * sbh / 8 + 5 * 32 * 2048 * 2048 / 8)
+    weights = megatron_memory(**shape, tp=1, sequence_parallel=True)["weights_and_optimizer"]
+    params = 12 * 4096**2 + 4 * 4096 + 2 * 4096 + 2 * 4096 * 51200  # Megatron's count: a layer, final norm, embeddings
+    assert weights == pytest.approx(18 * params)
+
+
 # --------------------------------------------------------------------------------------------
 # Bad input, one line each
 # --------------------------------------------------------------------------------------------

@@ -225,8 +225,9 @@ def megatron_memory(
     """
     h, s, b, a, t = hidden, seq, micro_batch, heads, tp
     groups = query_groups or heads
-    per_layer_params = 2 * h * h * (1 + groups / heads) + 2 * h * ffn + 4 * h + ffn + 2 * h  # qkv+o, MLP, biases, norms
-    layer_params = layers * per_layer_params
+    # Megatron's own count: attention 2h^2 (1 + groups / heads), MLP 2 h ffn, 4h of norms and biases a layer,
+    # the final norm's 2h once
+    layer_params = layers * (2 * h * h * (1 + groups / heads) + 2 * h * ffn + 4 * h) + 2 * h
     embedding = h * vocab
     shard = (layer_params + embedding * (2 if untied else 1)) / t
     per_param = 6 + 12 / data_parallel if distributed_optimizer else 18
