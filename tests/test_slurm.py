@@ -261,6 +261,39 @@ def test_a_two_node_job_stopped_on_one_node_and_requeued_continues_its_run_bit_f
     assert worst_rank(records, "peak") in (0, 1)
 
 
+def test_a_two_node_fsdp2_job_is_predicted_per_rank_and_saves_one_sharded_checkpoint(workdir, slurm_two_nodes):
+    """`sbatch --nodes 2` of `srun lmledger fit --trainer.num_nodes 2 --trainer.strategy fsdp2`, the ledger on: each
+    rank's record holds half the state, measured equal to predicted; rank 0's is TensorBoard's; one sharded
+    checkpoint (a shard per rank), one run directory."""
+    args = fit_args("shards", "--trainer.num_nodes", "2", "--trainer.devices", "1", "--trainer.strategy", "fsdp2",
+                    "--trainer.accelerator", "cpu", "--trainer.max_steps", "6",
+                    "--ledger.warmup_steps", "1")  # fmt: skip
+    log = workdir / "job.log"
+    script = workdir / "job.sh"
+    script.write_text(
+        "#!/bin/bash\n#SBATCH --nodes=2\n#SBATCH --ntasks-per-node=1\n#SBATCH --cpus-per-task=1\n"
+        f"#SBATCH --output={log}\n#SBATCH --chdir={workdir}\n"
+        f"exec srun {shlex.quote(sys.executable)} -m lmledger.cli {shlex.join(args)}\n"
+    )
+    done = subprocess.run(["sbatch", "--wait", str(script)], capture_output=True, text=True, env=job_env(),
+                          timeout=400)  # fmt: skip
+    assert done.returncode == 0, log.read_text()[-3000:] if log.exists() else done.stderr
+    from lmledger.callbacks.ranks import read_rank_records
+
+    run = workdir / "runs" / "shards" / "version_0"
+    records, scalars = read_rank_records(run), read_scalars(run)
+    assert sorted(records) == [0, 1] and sorted(p.name for p in run.parent.iterdir()) == ["version_0"]
+    for record in records.values():
+        for part in ("params", "grads", "optimizer"):
+            line = record["ledger"][part]
+            assert line["measured"] == line["predicted"]["dry run"] > 0, (record["rank"], part, line)
+    for part in ("params", "grads", "optimizer", "peak"):
+        assert records[0]["ledger"][part]["measured"] == scalars[f"memory/measured/{part}"][-1][1], part
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["last.ckpt"]
+    assert sorted(p.name for p in (run / "checkpoints" / "last.ckpt").glob("*.distcp")) == ["__0_0.distcp",
+                                                                                           "__1_0.distcp"]  # fmt: skip
+
+
 def experiment(workdir: Path, name: str, more: dict | None = None) -> Path:
     path = workdir / f"{name}.yaml"
     fixed = {"trainer.max_steps": 2, "trainer.limit_val_batches": 0, "trainer.log_every_n_steps": 1,
