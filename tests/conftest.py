@@ -123,6 +123,10 @@ SUBPROCESS_WARNINGS_HIDDEN = (
     "ignore:Be aware that when using `ckpt_path`:UserWarning",  # trainer/call.py: resuming or validating a checkpoint
 )
 os.environ.setdefault("PYTHONWARNINGS", ",".join(SUBPROCESS_WARNINGS_HIDDEN))
+# The Ledger's step-time prediction (ledger/steptime) replays each new model's ops several times before
+# step 1: over the suite's hundreds of small fits that is minutes. tests/test_step_time.py turns it on
+# where it is the subject; `lmledger account`, `plan` and `sweep --plan` predict regardless.
+os.environ.setdefault("LMLEDGER_NO_STEP_TIME", "1")
 
 
 SLURM_TOOLS = ("munged", "slurmctld", "slurmd", "sbatch", "squeue", "scontrol", "scancel", "srun")

@@ -33,6 +33,7 @@ SMALL = ModelConfig(vocab_size=256, context_length=16, d_model=16, n_layers=1, n
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
     monkeypatch.setenv("LMLEDGER_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("LMLEDGER_NO_STEP_TIME", raising=False)  # conftest turns it off for the other tests
     return tmp_path / "cache" / STEP_TIMES_FILE
 
 
@@ -249,3 +250,49 @@ def test_sweep_plan_predicts_each_points_peak_and_step(cache, workdir, capsys):
         step_ms, rate = float(row[3]), float(row[4].replace(",", ""))
         assert float(row[2]) > 0 and rate * step_ms / 1e3 == pytest.approx(batch * 32, rel=0.05)  # tokens per step
     assert not list(workdir.glob("runs/sweeps/plan/points/*"))  # nothing ran
+
+
+def test_a_fit_trains_the_same_with_the_prediction_on_or_off(cache):
+    import lightning.pytorch as pl
+
+    from lmledger.callbacks import Ledger
+    from lmledger.callbacks.settings import LedgerSettings
+    from lmledger.callbacks.timing import loop_calibration_name
+
+    seeded = StepTimeCache(torch.device("cpu"))
+    seeded.set_calibration(loop_calibration_name(False, False), {"base_s": 1e-3, "per_log_s": 0.0}, "seeded")
+    seeded.save()
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model, self.seen = ToyLM(SMALL), []
+
+        def on_train_batch_start(self, batch, batch_idx):  # the real batch (the dry run calls training_step)
+            self.seen.append(batch[0][:, 0].tolist())
+
+        def training_step(self, batch, batch_idx):
+            return self.model(*batch) + 0 * torch.rand(())  # draws from torch's RNG every step
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    def run(predict: bool):
+        torch.manual_seed(0)
+        random.seed(0)
+        np.random.seed(0)
+        tokens = torch.randint(0, 256, (32, 17))
+        loader = torch.utils.data.DataLoader(
+            torch.utils.data.TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=4, shuffle=True
+        )
+        module, ledger = Module(), Ledger(settings=LedgerSettings(warmup_steps=1, time=predict, measure=False))
+        pl.Trainer(max_steps=4, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                   enable_model_summary=False, callbacks=[ledger]).fit(module, loader)  # fmt: skip
+        return module, ledger, torch.get_rng_state(), random.random(), np.random.rand()
+
+    on, ledger, *after_on = run(True)
+    off, _, *after_off = run(False)
+    assert isinstance(ledger.step_time, StepTime) and ledger.report.times["step time"][0] > 0
+    assert on.seen == off.seen  # data order
+    assert all(torch.equal(a, b) for a, b in zip(on.state_dict().values(), off.state_dict().values(), strict=True))
+    assert torch.equal(after_on[0], after_off[0]) and after_on[1:] == after_off[1:]

@@ -490,7 +490,12 @@ def predicted_step_time(
     loader: object = None,
 ) -> dict:  # fmt: skip
     """StepTime.to_json() of a config's step on this machine (or {"none": why}), with its one line."""
-    from lmledger.callbacks.timing import lightning_loop_seconds
+    import os
+
+    from lmledger.callbacks.timing import NO_STEP_TIME, lightning_loop_seconds
+
+    if os.environ.get(NO_STEP_TIME):
+        return {"none": f"off ({NO_STEP_TIME} is set)", "line": f"no step-time prediction: {NO_STEP_TIME} is set"}
     from lmledger.ledger.steptime import StepTime, data_wait, predict_step_time
 
     settings = _trainer_time_settings(argv)
@@ -513,7 +518,13 @@ def predicted_step_time(
 
 def _toy_predicted_time(spec: Run, argv: list[str]) -> dict:
     """The ToyLM config's step time predicted here: its dry run on meta weights, its optimizer."""
+    import os
+
+    from lmledger.callbacks.timing import NO_STEP_TIME
     from lmledger.ledger.dryrun import NotTraced, dry_run
+
+    if os.environ.get(NO_STEP_TIME):
+        return {"none": f"off ({NO_STEP_TIME} is set)", "line": f"no step-time prediction: {NO_STEP_TIME} is set"}
     from lmledger.model import ToyLM
 
     accumulate = _trainer_time_settings(argv)["accumulate"]

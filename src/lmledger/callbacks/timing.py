@@ -39,7 +39,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from matplotlib.figure import Figure
 
-from lmledger.callbacks.run import log_scalars, log_text, synchronize, tensorboard_writers
+from lmledger.callbacks.run import log_scalars, log_text, synchronize, tensorboard_writers, untouched_rng
 from lmledger.errors import ConfigError
 from lmledger.ledger import profile as ledger_profile
 from lmledger.ledger.dryrun import NotTraced, StepLedger
@@ -151,7 +151,9 @@ class TimeLedger(pl.Callback):
         dtype = compute_dtype_for_precision(str(trainer.precision))
         try:
             ops = with_ddp_allreduce(prediction.ops, prediction)  # a DDP rank's buckets, if the prediction has them
-            self.bound = device_roofline(ops, dtype, pl_module.device, self.interconnect)
+            # A peak or bandwidth not yet cached is measured now (random matmuls): not from the run's RNG.
+            with untouched_rng(pl_module.device):
+                self.bound = device_roofline(ops, dtype, pl_module.device, self.interconnect)
         except ValueError as err:
             self.why_no_bound = str(err)
             return
