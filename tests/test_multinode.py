@@ -87,8 +87,8 @@ def test_a_node_that_never_comes_ends_the_rendezvous_in_one_line(workdir):
 def test_a_peer_lost_mid_run_ends_the_run_in_one_line_and_auto_resumes_exactly(workdir, signum):
     """Rank 1 SIGKILLed (its sockets close: rank 0's next collective fails at once) or SIGSTOPped (it stops
     answering: rank 0's collective waits BOUND s) as step 5 starts. Rank 0 says which rank, at which step, and
-    that last.ckpt (step 4) is intact; `--ckpt_path auto` then resumes version_0 from it, and the step it redoes
-    logs the very loss the lost run logged."""
+    that last.ckpt (step 4) is intact; after the kill, `--ckpt_path auto` resumes version_0 from it, and the step
+    it redoes logs the very loss the lost run logged."""
     stop = f'{{"class_path": "test_multinode.Stop", "init_args": {{"rank": 1, "at_step": 5, "signum": {int(signum)}}}}}'
     ddp = ["--trainer.devices", "2", "--trainer.accelerator", "cpu"]
     done = subprocess.run(fit("lost", *ddp, "--trainer.callbacks+=" + stop), cwd=workdir, capture_output=True,
@@ -108,6 +108,8 @@ def test_a_peer_lost_mid_run_ends_the_run_in_one_line_and_auto_resumes_exactly(w
     assert "Traceback" not in done.stderr
     run = workdir / "runs" / "lost" / "version_0"
     assert open_checkpoint(run / "checkpoints" / "last.ckpt")["global_step"] == 4
+    if signum == signal.SIGSTOP:
+        return  # the resume is the killed case's: the checkpoint left is the same
     resumed = subprocess.run(fit("lost", *ddp, "--ckpt_path", "auto"), cwd=workdir, capture_output=True, text=True,
                              timeout=300, env=env())  # fmt: skip
     assert resumed.returncode == 0, resumed.stderr[-3000:]
