@@ -57,7 +57,8 @@ def parallelize_llama(model: nn.Module, tp_mesh: object) -> None:
 
     from lmledger.ledger.tp import check_plan
 
-    for layer in model.model.layers:
+    for wrapped in model.model.layers:
+        layer = getattr(wrapped, "_checkpoint_wrapped_module", wrapped)  # torch's checkpoint_wrapper, if any
         check_plan(layer, llama_plan())
         parallelize_module(layer, tp_mesh, llama_plan())
     outer = llama_outer_plan()
