@@ -1,5 +1,6 @@
 """ledger.run: one description of a run, the same whether built from a config (run_config) or from a live
-Lightning strategy (callbacks.run), and ledger.predict.predict, the prediction `fit` and `account` show for the toy LM."""
+Lightning strategy (callbacks.run), and ledger.predict.predict, the prediction `fit` and `account` show for the
+toy LM."""
 
 from __future__ import annotations
 

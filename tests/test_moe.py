@@ -330,9 +330,7 @@ def test_grouped_mm_flop_formula_counts_what_the_eager_experts_count():
     totals = {}
     for implementation in ("eager", "grouped_mm"):
         model = _mixtral(0, implementation, intermediate=64)
-        counter = FlopCounterMode(
-            display=False, custom_mapping={**CPU_SDPA_FLOP_FORMULAS, **GROUPED_MM_FLOP_FORMULAS}
-        )
+        counter = FlopCounterMode(display=False, custom_mapping={**CPU_SDPA_FLOP_FORMULAS, **GROUPED_MM_FLOP_FORMULAS})
         with counter:
             model(input_ids=inputs[:2, :16], use_cache=False).logits.float().square().mean().backward()
         totals[implementation] = counter.get_flop_counts()["Global"]

@@ -19,7 +19,8 @@
 Counted per rank, on the local shards (ledger.rankstate). The measured twin is ledger.realranks. There
 `measure_sharded` runs inside a real process group, and `run_ranks` starts W gloo processes on this CPU.
 Planning at scale is ledger.atscale (`at_scale`, `run_at_scale`, `toy_inputs`), which imports this module.
-This module is the entry point of one rank's step: callers import the DDP, FSDP2 and rank-state names from here. Pure torch: no Lightning import.
+This module is the entry point of one rank's step: callers import the DDP, FSDP2 and rank-state names from
+here. Pure torch: no Lightning import.
 """
 
 from __future__ import annotations
