@@ -361,17 +361,21 @@ def trainer_scale(argv: list[str]):
     return resolve_strategy(config.trainer, config.model)
 
 
-def _scale_settings(scale) -> dict:
-    """The keyword arguments at_scale takes from the strategy's init_args (a fitting.checks.TrainerScale's).
+def _scale_settings(scale, module=None) -> dict:
+    """The keyword arguments at_scale takes from the strategy's init_args (a run_config.TrainerScale's).
 
     DDP's bucket settings: DDPStrategy passes them through to torch's DDP.
-    A ModelParallelStrategy with tensor_parallel_size > 1 is tensor parallel. The dry run does not model
-    that. It says so in one line, and the run is measured only."""
+    A ModelParallelStrategy with tensor_parallel_size > 1 is FSDP2 x TP on a (data_parallel x tensor_parallel)
+    mesh (ledger.tp): the toy LM's own plan, or a module's configure_model replayed on the fake mesh."""
     from lmledger.ledger.ddp import DDPSettings
 
     tensor_parallel = getattr(scale, "tensor_parallel", 1)
     if tensor_parallel > 1:
-        return {"strategy": f"tensor_parallel (ModelParallelStrategy tensor_parallel_size={tensor_parallel})"}
+        from lmledger.ledger.fsdp2 import FSDPSettings
+        from lmledger.ledger.tp import replay_configure_model
+
+        shard = replay_configure_model if module is not None and hasattr(module, "configure_model") else None
+        return {"fsdp": FSDPSettings(tensor_parallel=tensor_parallel, shard=shard)}
     return {"ddp": DDPSettings.from_kwargs(scale.init_args)} if scale.strategy == "ddp" else {}
 
 
@@ -402,7 +406,7 @@ def any_model_at_scale(argv: list[str], capacity_bytes: int | None = None) -> di
             module, lambda size: ledger_predict.resized(batch, size), samples, strategy=strategy, world_size=world_size,
             capacity_bytes=capacity_bytes, step=ledger_predict.module_step,
             optimizer=ledger_predict.configured_optimizer(module), precision=precision,
-            **_scale_settings(scale),
+            **_scale_settings(scale, module),
         )  # fmt: skip
     return {
         "params": ledger_predict.parameter_count(module),
@@ -424,7 +428,11 @@ def print_per_rank(scale: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"per rank: {scale['strategy']} over {scale['world_size']} ranks, batch {scale['batch_size']}")
+    tp = scale.get("tensor_parallel", 1)
+    shape = f" (data parallel {scale['world_size'] // tp} x tensor parallel {tp})" if tp > 1 else ""
+    table = Table(
+        title=f"per rank: {scale['strategy']} over {scale['world_size']} ranks{shape}, batch {scale['batch_size']}"
+    )
     table.add_column("")
     for label in scale["cases"]:
         table.add_column(label, justify="right")
