@@ -27,6 +27,7 @@ LINES = ("params", "grads", "optimizer", "activations", "peak", "flops_forward",
 # Heads and the MLP divide by 2; vocabulary 64 divides too (sequence parallel splits the embedding by rows).
 CFG = ModelConfig(vocab_size=64, context_length=16, d_model=32, n_layers=2, n_heads=4, d_ff=64)
 STEPS = 4
+TP2 = ["--trainer.strategy", "lmledger.strategies.FSDP2Strategy", "--trainer.strategy.tensor_parallel_size", "2"]
 
 
 def _batch() -> tuple[torch.Tensor, torch.Tensor]:
@@ -212,11 +213,25 @@ def test_the_strategy_takes_tp_and_refuses_what_it_cannot_run_in_one_line():
     assert "\n" not in str(err.value) + str(pipe.value)
 
 
+def test_account_takes_the_2d_shape(workdir, capsys):
+    """`lmledger account` with tensor_parallel_size: one rank of a (2 x 2) mesh, state below FSDP2 over 2 ranks."""
+    from conftest import run_json
+
+    def per_rank(*strategy: str) -> dict:
+        config = ["--config", "configs/tiny.yaml", "--trainer.devices", "4" if len(strategy) > 2 else "2"]
+        return run_json(capsys, "account", *config, *strategy, "--json")["per_rank"]
+
+    both = per_rank(*TP2)
+    fsdp = per_rank("--trainer.strategy", "fsdp2")
+    assert (both["tensor_parallel"], both["world_size"], fsdp["tensor_parallel"]) == (2, 4, 1)
+    for label, case in both["cases"].items():
+        assert case["not_predicted"] is None, label
+        assert 0 < case["params"] < fsdp["cases"][label]["params"]  # the blocks split by TP, then by FSDP
+
+
 # --------------------------------------------------------------------------------------------
 # A live fit: LitLM through `lmledger fit`, TP 2 on 2 gloo ranks, predicted beside measured per rank
 # --------------------------------------------------------------------------------------------
-
-TP2 = ["--trainer.strategy", "lmledger.strategies.FSDP2Strategy", "--trainer.strategy.tensor_parallel_size", "2"]
 
 
 def test_litlm_tp_fit_is_predicted_per_rank(workdir):
