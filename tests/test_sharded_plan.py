@@ -49,7 +49,7 @@ def test_plan_max_batch_per_rank_under_fsdp2(workdir, capsys):
     assert torch.distributed.is_available() and not torch.distributed.is_initialized()
 
 
-def test_strategy_settings_reach_the_dry_run_and_tensor_parallel_is_one_line(workdir, capsys):
+def test_strategy_settings_reach_the_dry_run_and_tensor_parallel_is_predicted(workdir, capsys):
     ddp = '{"class_path": "lightning.pytorch.strategies.DDPStrategy", "init_args": {"bucket_cap_mb": 0.05}}'
     small = run_json(capsys, "account", *TINY, "--trainer.devices", "2", "--trainer.strategy", ddp, "--json")
     default = run_json(capsys, "account", *TINY, "--trainer.devices", "2", "--trainer.strategy", "ddp", "--json")
@@ -58,10 +58,10 @@ def test_strategy_settings_reach_the_dry_run_and_tensor_parallel_is_one_line(wor
     tp = '{"class_path": "lightning.pytorch.strategies.ModelParallelStrategy", "init_args": '
     tp += '{"tensor_parallel_size": 2}}'
     result = run_json(capsys, "account", *TINY, "--trainer.devices", "2", "--trainer.strategy", tp, "--json")
+    assert result["per_rank"]["tensor_parallel"] == 2  # issue 30: one rank of a (1 x 2) mesh, predicted
     for case in result["per_rank"]["cases"].values():
-        assert "tensor parallelism" in case["not_predicted"] and "measured only" in case["not_predicted"]
-        assert "\n" not in case["not_predicted"]
-    assert result["memory"]["peak"]["predicted"] is not None  # the closed forms still answer
+        assert case["not_predicted"] is None and case["params"] > 0
+    assert result["memory"]["peak"]["predicted"] is not None
 
 
 def test_nodes_multiply_the_world_size(workdir, capsys):
