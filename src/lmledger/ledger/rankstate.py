@@ -100,6 +100,11 @@ def strategy_name(strategy: str) -> str | NotTraced:
     """
     name = str(strategy).lower().removesuffix("strategy").strip("_")
     for key, what in NOT_MODELLED.items():
+        if name.startswith(key) and what == "tensor parallelism":  # it is FSDP2's, with a 2-D mesh
+            return NotTraced(
+                f"{strategy}: tensor parallelism is predicted as strategy 'fsdp2' with "
+                "FSDPSettings(tensor_parallel=T); as named, the run is measured only"
+            )
         if name.startswith(key):
             return NotTraced(f"the dry run does not model {what} ({strategy}) yet: the run is measured only")
     if name in ("ddp", "auto", "single_device", "ddp_spawn", "ddp_fork", "ddp_notebook"):
