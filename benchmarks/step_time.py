@@ -80,7 +80,7 @@ def prewarm(world: int, env: dict) -> None:
     subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, check=True, capture_output=True, timeout=600)
 
 
-def run_case(name: str, steps: int, data: Path, work: Path, env: dict) -> dict:
+def run_case(name: str, steps: int, data: Path, work: Path, env: dict, logs: Path | None = None) -> dict:
     args = CASES[name]
     toy = args[1] == TOY
     command = [
@@ -92,6 +92,9 @@ def run_case(name: str, steps: int, data: Path, work: Path, env: dict) -> dict:
     started = time.perf_counter()
     done = subprocess.run(command, capture_output=True, text=True, cwd=REPO, env=env, timeout=900)
     text = done.stdout + done.stderr
+    if logs is not None:
+        logs.mkdir(parents=True, exist_ok=True)
+        (logs / f"{name}.log").write_text(text)
     found = _LINE.search(text)
     row = {"case": name, "wall_s": time.perf_counter() - started, "rc": done.returncode}
     predicted_line = _PREDICTED.search(text)
@@ -127,6 +130,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=60, help="optimizer steps per fit (default 60)")
     parser.add_argument("--cache", help="a step-time cache directory to keep (default: a fresh one)")
     parser.add_argument("--write", action="store_true", help="write benchmarks/results/step-time-DATE.md")
+    parser.add_argument("--logs", help="keep each case's fit output in this directory (its step-time table)")
     args = parser.parse_args()
     names = [n.strip() for n in args.cases.split(",") if n.strip()]
     unknown = [n for n in names if n not in CASES]
@@ -142,7 +146,7 @@ def main() -> int:
         for name in names:
             if "--trainer.devices" in CASES[name]:
                 prewarm(int(CASES[name][CASES[name].index("--trainer.devices") + 1]), env)
-            row = run_case(name, args.steps, data, work, env)
+            row = run_case(name, args.steps, data, work, env, Path(args.logs) if args.logs else None)
             rows.append(row)
             shown = f"{row['error_pct']:+.1f}%" if "error_pct" in row else f"failed: {row.get('error')}"
             print(f"{name}: {shown}  ({row['wall_s']:.0f} s)  {row['line']}", flush=True)

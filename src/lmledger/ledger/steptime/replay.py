@@ -407,7 +407,7 @@ def live_bytes(ops: list[OpRecord]) -> int:
 
 
 def sequence_seconds(
-    ops: list[OpRecord], device: torch.device, *, rounds: int = 5, budget_s: float = 20.0, seed: int = 0
+    ops: list[OpRecord], device: torch.device, *, rounds: int = 5, budget_s: float = 6.0, seed: int = 0
 ) -> tuple[list[float | None], dict[int, str]]:
     """Each op's median time replayed in the step's own order, data flowing from op to op (module doc).
 
