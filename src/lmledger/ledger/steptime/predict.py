@@ -135,7 +135,8 @@ def predict_step_time(
     device = torch.device(device)
     cache = StepTimeCache(device, cache_path)
     notes = [cache.note] if cache.note else []
-    replayer = Replayer(device, cache.ops)
+    free = _free_memory(device)
+    replayer = Replayer(device, cache.ops, max_bytes=free // 2)
     overhead, overhead_how = calibrate.per_op_overhead(device, cache, Replayer(device, cache.ops))
     timed_optimizer = calibrate.optimizer_seconds(optimizer, device, clip, cache)
     seconds = dict.fromkeys(CATEGORIES, 0.0)
@@ -145,7 +146,7 @@ def predict_step_time(
     llc = cache_bytes(device)
     # In the step's order, data flowing op to op, where its live tensors fit in half the free memory;
     # else each op alone, its cold inputs (read from memory in the step) from fresh copies.
-    in_sequence = live_bytes(list(ops.ops)) <= _free_memory(device) // 2
+    in_sequence = live_bytes(list(ops.ops)) <= free // 2
     if in_sequence:
         replayer.fill_sequence(list(ops.ops))
         how["replay"] = "each op in the step's order, data flowing op to op; median of rounds after a warm-up"

@@ -295,8 +295,11 @@ class Replayer:
     `failed` maps op_key -> why its replay raised.
     """
 
-    def __init__(self, device: torch.device, times: dict[str, float] | None = None, seed: int = 0) -> None:
+    def __init__(
+        self, device: torch.device, times: dict[str, float] | None = None, seed: int = 0, max_bytes: int = 1 << 62
+    ) -> None:
         self.device = device
+        self.max_bytes = max_bytes  # an op whose tensors would take more is not replayed (priced otherwise)
         self.times = times if times is not None else {}
         self.failed: dict[str, str] = {}
         self.benchmarked = 0
@@ -319,13 +322,18 @@ class Replayer:
             return self.times[key]
         if key in self.failed:
             return None
+        size = sum(s.storage_numel * torch.empty((), dtype=getattr(torch, s.dtype)).element_size()
+                   for s in _specs(_thaw(op.signature)))  # fmt: skip
+        if 2 * size > self.max_bytes:  # its inputs, outputs of about their size, and cold copies
+            self.failed[key] = f"too large to replay here ({size / 1e9:.3g} GB of inputs)"
+            return None
         generator = torch.Generator().manual_seed(self._seed)
         func = None
         try:
             func = _overload(op.name)
             cold_bytes = sum(n for (_, n), c in zip(op.storages, cold, strict=False) if c)
             copies = min(64, max(2, -(-2 * cache // max(1, cold_bytes)))) if cold_bytes else 1
-            copies = max(1, min(copies, (1 << 30) // max(1, cold_bytes))) if cold_bytes else 1
+            copies = max(1, min(copies, min(1 << 30, self.max_bytes // 4) // max(1, cold_bytes))) if cold_bytes else 1
             with untouched_rng(self.device), torch.no_grad():
                 sets = rebuild(op, self.device, generator, cold, copies)
                 turn = iter(range(1 << 62))
