@@ -533,8 +533,14 @@ def _toy_predicted_time(spec: Run, argv: list[str]) -> dict:
 
     if os.environ.get(NO_STEP_TIME):
         return {"none": f"off ({NO_STEP_TIME} is set)", "line": f"no step-time prediction: {NO_STEP_TIME} is set"}
+    from lmledger.ledger.steptime.predict import free_memory
     from lmledger.model import ToyLM
 
+    needs = 16 * count_parameters(spec.config)  # params, grads and AdamW's two moments in fp32, before activations
+    if needs > free_memory(torch.device("cpu")):
+        why = (f"its training state alone ({format_bytes(needs)}) exceeds this machine's free memory, so its ops "
+               "cannot run here; `plan train-time --config FILE --gpu NAME` gives a GPU's roofline bound")  # fmt: skip
+        return {"none": why, "line": f"no step-time prediction: {why}"}
     accumulate = _trainer_time_settings(argv)["accumulate"]
     with torch.device("meta"):
         model = ToyLM(spec.config)

@@ -27,7 +27,7 @@ from lmledger.ledger.steptime import calibrate
 from lmledger.ledger.steptime.cache import StepTimeCache
 from lmledger.ledger.steptime.replay import Replayer, cache_bytes, cold_inputs, live_bytes, why_not_replayed
 
-__all__ = ["CATEGORIES", "NoStepTime", "StepTime", "predict_step_time"]
+__all__ = ["CATEGORIES", "NoStepTime", "StepTime", "free_memory", "predict_step_time"]
 
 DATA_WAIT, HOST = "data_wait", "host"
 CATEGORIES = (MATMUL, ATTENTION, OTHER, OPTIMIZER, COMMUNICATION, DATA_WAIT, HOST)
@@ -135,7 +135,7 @@ def predict_step_time(
     device = torch.device(device)
     cache = StepTimeCache(device, cache_path)
     notes = [cache.note] if cache.note else []
-    free = _free_memory(device)
+    free = free_memory(device)
     replayer = Replayer(device, cache.ops, max_bytes=free // 2)
     overhead, overhead_how = calibrate.per_op_overhead(device, cache, Replayer(device, cache.ops))
     timed_optimizer = calibrate.optimizer_seconds(optimizer, device, clip, cache)
@@ -235,7 +235,7 @@ def predict_step_time(
     )  # fmt: skip
 
 
-def _free_memory(device: torch.device) -> int:
+def free_memory(device: torch.device) -> int:
     """Bytes free on `device`: CUDA's free memory, or the RAM the OS reports available."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
