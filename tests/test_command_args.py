@@ -21,10 +21,20 @@ FLAGS = {
     ("dtypes",): {"--help", "--json"},
     ("bench", "matmul"): {"--help", "--dtypes", "--sizes", "--repeats", "--device", "--plot", "--json"},
     ("prepare",): {"--help", "--source", "--tokenizer", "--vocab-size", "--out", "--overwrite", "--val-fraction"},
-    ("sweep",): {"--help", "--dry-run", "--jobs", "--out", "--launcher", *SLURM_FLAGS},
+    ("sweep",): {"--help", "--dry-run", "--plan", "--jobs", "--out", "--launcher", *SLURM_FLAGS},
     # account and plan max-batch also name the fit arguments they pass through (--config, --a.b overrides)
     ("account",): {"--help", "--config", "--model", "--data", "--a", "--measure", "--json"},
-    ("plan", "train-time"): {"--help", "--params", "--tokens", "--gpu", "--num-gpus", "--mfu", "--dtype", "--json"},
+    ("plan", "train-time"): {
+        "--help",
+        "--params",
+        "--config",
+        "--tokens",
+        "--gpu",
+        "--num-gpus",
+        "--mfu",
+        "--dtype",
+        "--json",
+    },
     ("plan", "max-params"): {"--help", "--gpu", "--num-gpus", "--precision", "--optimizer", "--json"},
     # --ledger.device_memory_gb (read as "--ledger"), the fit's spelling, and its alias --device-memory-gb
     ("plan", "max-batch"): {"--help", "--gpu", "--ledger", "--device-memory-gb", "--json", "--config", "--a"},
@@ -55,7 +65,7 @@ def test_placeholders_and_quoted_constants_reach_the_help(capsys):
     assert "--resolve NAME" in help_text(capsys, "gpus") and "--plot PNG" in help_text(capsys, "bench", "matmul")
     sweep = help_text(capsys, "sweep")
     sweep = " ".join(sweep.split())
-    usage = (r"usage: lmledger sweep \[-h\] \[--dry-run\] \[--jobs JOBS\] \[--out OUT\] \[--launcher {local,slurm}\] "
+    usage = (r"usage: lmledger sweep \[-h\] \[--dry-run\] \[--plan\] \[--jobs JOBS\] \[--out OUT\] \[--launcher {local,slurm}\] "
              r"\[--partition P\] \[--time T\] \[--cpus-per-task C\] \[--mem M\] \[--gres G\] experiment")  # fmt: skip
     assert re.search(usage, sweep)
 

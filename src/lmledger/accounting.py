@@ -166,7 +166,10 @@ def account(spec: Run, do_measure: bool, argv: list[str] = (), step_time: bool =
     """`step_time`: predict the step's time here too (ledger.steptime), under result["time"]["predicted"]."""
     device = local_device(spec.accelerator) if do_measure else predicted_device(spec.accelerator)
     predicted = _predict(spec, device.type)
-    step = _toy_predicted_time(spec, list(argv)) if step_time and spec.world_size == 1 and spec.config else None
+    step = None
+    if step_time and spec.world_size == 1 and spec.config:
+        elsewhere = predicted_device(spec.accelerator) != local_device(spec.accelerator)
+        step = _not_here(spec.accelerator) if elsewhere else _toy_predicted_time(spec, list(argv))
     measured = _measure(spec, device, step) if do_measure else None
     result = {
         "params": count_parameters(spec.config),
@@ -302,7 +305,9 @@ def account_any_model(argv: list[str], do_measure: bool, step_time: bool = False
         predicted = predict_run(run, batch)
         measured = ledger_predict.measure_module(module, batch, precision=precision) if do_measure else None
         timing = step = None
-        if step_time and predicted.dry is not None and predicted.dry.ops is not None:  # the step time predicted here
+        if step_time and predicted_device(config.trainer.get("accelerator")) != device:
+            step = _not_here(config.trainer.get("accelerator"))
+        elif step_time and predicted.dry is not None and predicted.dry.ops is not None:  # the step time predicted here
             step = predicted_step_time(
                 predicted.dry.ops, ledger_predict.configured_optimizer(copy.deepcopy(module)), argv, precision, device,
                 tokens, samples, data.train_dataloader(),
@@ -522,6 +527,13 @@ def predicted_step_time(
     if not isinstance(result, StepTime):
         return {"none": result.reason, "line": f"no step-time prediction: {result.reason}"}
     return {**result.to_json(), "line": result.line()}
+
+
+def _not_here(accelerator: object) -> dict:
+    """No step time for a config whose device this machine lacks: timing its ops here would answer for
+    another machine (and replay a GPU-sized step on this CPU)."""
+    why = f"the config runs on {accelerator}, which this machine lacks (plan train-time --gpu gives its roofline bound)"
+    return {"none": why, "line": f"no step-time prediction: {why}"}
 
 
 def _toy_predicted_time(spec: Run, argv: list[str]) -> dict:

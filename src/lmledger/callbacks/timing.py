@@ -58,7 +58,7 @@ __all__ = [
 ]
 
 # Set in the loop probe's own process, so its Ledger does not predict (and probe) in turn.
-NO_STEP_TIME = "LMLEDGERNO_STEP_TIME"
+NO_STEP_TIME = "LMLEDGER_NO_STEP_TIME"
 
 
 class TimeLedger(pl.Callback):

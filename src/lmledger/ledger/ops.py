@@ -108,9 +108,10 @@ class OpRecord:
     signature: tuple | None = None
     not_replayable: str = ""
     # (storage id, bytes) of each tensor argument in signature order, and of each output: how far back each
-    # input was last touched, so a replay knows which inputs come from cache and which from memory
-    storages: tuple[tuple[int, int], ...] = ()
-    output_storages: tuple[tuple[int, int], ...] = ()
+    # input was last touched, so a replay knows which inputs come from cache and which from memory. The ids
+    # differ from run to run, so two records of the same op compare equal without them.
+    storages: tuple[tuple[int, int], ...] = field(default=(), compare=False)
+    output_storages: tuple[tuple[int, int], ...] = field(default=(), compare=False)
     # FlopCounterMode decomposes ops its formulas do not price (silu_backward into sigmoid, mul, ...); the
     # real step runs the op's own kernel. The first op of such a decomposition carries the op itself
     # (`composite`, a record of its name, signature and storages), the rest `in_composite`: a replay times

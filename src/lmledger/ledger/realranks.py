@@ -25,7 +25,7 @@ from torch import nn
 
 from lmledger.ledger import dryrun, fakecopy, manualopt, tp
 from lmledger.ledger.ddp import Bucket, DDPSettings
-from lmledger.ledger.dryrun import StepFn
+from lmledger.ledger.dryrun import StepFn, StepLedger
 from lmledger.ledger.fsdp2 import DEFAULT_FSDP, FSDPSettings, fsdp_units, make_mesh, shard_model
 from lmledger.ledger.rankstate import (
     ShardedLedger,
@@ -293,7 +293,22 @@ def _rank_main(rank: int, world_size: int, tmp: str, target: Callable, args: tup
     store = dist.FileStore(os.path.join(tmp, "store"), world_size)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
     try:
-        result = target(*args)
+        result = _without_ops(target(*args))
         torch.save(result, os.path.join(tmp, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
+
+
+def _without_ops(result: object) -> object:
+    """`result` with every StepLedger's op list dropped: a real rank's ops hold what its collectives were
+    called with (process groups), which cannot be pickled back to the parent, and no caller reads them."""
+    if isinstance(result, StepLedger):
+        return dataclasses.replace(result, ops=None)
+    if dataclasses.is_dataclass(result) and not isinstance(result, type):
+        changes = {f.name: _without_ops(getattr(result, f.name)) for f in dataclasses.fields(result) if f.init}
+        return dataclasses.replace(result, **changes)
+    if isinstance(result, dict):
+        return {k: _without_ops(v) for k, v in result.items()}
+    if isinstance(result, (list, tuple)) and not hasattr(result, "_fields"):
+        return type(result)(_without_ops(v) for v in result)
+    return result
