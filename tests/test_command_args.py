@@ -65,8 +65,8 @@ def test_placeholders_and_quoted_constants_reach_the_help(capsys):
     assert "--resolve NAME" in help_text(capsys, "gpus") and "--plot PNG" in help_text(capsys, "bench", "matmul")
     sweep = help_text(capsys, "sweep")
     sweep = " ".join(sweep.split())
-    usage = (r"usage: lmledger sweep \[-h\] \[--dry-run\] \[--plan\] \[--jobs JOBS\] \[--out OUT\] \[--launcher {local,slurm}\] "
-             r"\[--partition P\] \[--time T\] \[--cpus-per-task C\] \[--mem M\] \[--gres G\] experiment")  # fmt: skip
+    usage = (r"usage: lmledger sweep \[-h\] \[--dry-run\] \[--plan\] \[--jobs JOBS\] \[--out OUT\] "
+             r"\[--launcher {local,slurm}\] \[--partition P\] \[--time T\] \[--cpus-per-task C\] \[--mem M\] \[--gres G\] experiment")  # fmt: skip
     assert re.search(usage, sweep)
 
 
