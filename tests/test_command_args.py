@@ -66,7 +66,8 @@ def test_placeholders_and_quoted_constants_reach_the_help(capsys):
     sweep = help_text(capsys, "sweep")
     sweep = " ".join(sweep.split())
     usage = (r"usage: lmledger sweep \[-h\] \[--dry-run\] \[--plan\] \[--jobs JOBS\] \[--out OUT\] "
-             r"\[--launcher {local,slurm}\] \[--partition P\] \[--time T\] \[--cpus-per-task C\] \[--mem M\] \[--gres G\] experiment")  # fmt: skip
+             r"\[--launcher {local,slurm}\] \[--partition P\] \[--time T\] \[--cpus-per-task C\] \[--mem M\] "
+             r"\[--gres G\] experiment")  # fmt: skip
     assert re.search(usage, sweep)
 
 
