@@ -11,12 +11,9 @@ them if none comes.
 
 from __future__ import annotations
 
-import contextlib
-import random
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 
 import lightning.pytorch as pl
-import numpy as np
 import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.plugins.precision import TransformerEnginePrecision
@@ -26,6 +23,7 @@ from lmledger import lightning_private
 from lmledger.errors import UserError
 from lmledger.ledger.precision_table import PRECISIONS
 from lmledger.ledger.run import Run, sharding
+from lmledger.ledger.steptime.replay import untouched_rng  # the one RNG guard, re-exported for the callbacks
 from lmledger.model import ToyLM
 
 __all__ = [
@@ -163,19 +161,3 @@ def synchronize(device: torch.device) -> None:
     """Wait for queued kernels, so a host clock read afterwards covers them."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-@contextlib.contextmanager
-def untouched_rng(device: torch.device) -> Iterator[None]:
-    """Run a measurement without moving any global RNG stream a training step may draw from.
-
-    Those are torch's (CPU and the run's CUDA device), Python's `random`, and numpy's legacy global
-    generator."""
-    devices = [device] if device.type == "cuda" else []
-    python_state, numpy_state = random.getstate(), np.random.get_state()
-    try:
-        with torch.random.fork_rng(devices=devices):
-            yield
-    finally:
-        random.setstate(python_state)
-        np.random.set_state(numpy_state)
