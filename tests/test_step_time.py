@@ -285,7 +285,7 @@ def test_a_fit_trains_the_same_with_the_prediction_on_or_off(cache):
         loader = torch.utils.data.DataLoader(
             torch.utils.data.TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=4, shuffle=True
         )
-        module, ledger = Module(), Ledger(settings=LedgerSettings(warmup_steps=1, time=predict, measure=False))
+        module, ledger = Module(), Ledger(settings=LedgerSettings(warmup_steps=1, time=predict))
         pl.Trainer(max_steps=4, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
                    enable_model_summary=False, callbacks=[ledger]).fit(module, loader)  # fmt: skip
         return module, ledger, torch.get_rng_state(), random.random(), np.random.rand()
@@ -296,3 +296,7 @@ def test_a_fit_trains_the_same_with_the_prediction_on_or_off(cache):
     assert on.seen == off.seen  # data order
     assert all(torch.equal(a, b) for a, b in zip(on.state_dict().values(), off.state_dict().values(), strict=True))
     assert torch.equal(after_on[0], after_off[0]) and after_on[1:] == after_off[1:]
+    # The cache was empty: the time ledger's CPU peak and bandwidth probes ran their matmuls before step 1,
+    # not inside the measured step's FLOP counter (they once made it read 50x the step).
+    assert (cache.parent / "cpu-bandwidth.json").exists()
+    assert ledger.measured.flops_hardware == ledger.predicted.flops_hardware > 0

@@ -306,6 +306,8 @@ class Ledger(pl.Callback):
         if self.step_time is None and self.timing is not None and self.report is not None:
             self.step_time = predict_time(trainer, pl_module, self._dry, self.why_not_predicted, self.report,
                                           self._accumulate, self.tokens, self.samples, self.timing)  # fmt: skip
+        if self.timing is not None:
+            self.timing.prepare(trainer, pl_module, batch, batch_idx)  # its probes before the FLOP counter opens
         if self.measurement is not None and not self.measurement.done:
             self.measurement.batch_start(pl_module, torch_optimizers(trainer), batch, trainer.global_step)
         self._profiled_since = None

@@ -172,10 +172,16 @@ class TimeLedger(pl.Callback):
             self.prediction, self._own_prediction = None, False
             self.bound = self.model_flops = self.why_no_bound = None
 
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        now = time.perf_counter()
+    def prepare(self, trainer, pl_module, batch, batch_idx) -> None:
+        """The bound, made before the first step opens: its peak and bandwidth probes run random matmuls,
+        which a measuring FLOP counter open around step 1 would count as the step's (the Ledger calls this
+        before its measurement starts)."""
         if self.bound is None and self.why_no_bound is None:
             self._predict(trainer, pl_module, batch, batch_idx)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        now = time.perf_counter()
+        self.prepare(trainer, pl_module, batch, batch_idx)
         if not self.is_profiling_step(self._batches) or not trainer.is_global_zero or self.why_not_profiled:
             return
         if torch._C._autograd._profiler_enabled():  # canary test_one_profiler_at_a_time_is_visible
