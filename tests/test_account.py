@@ -27,31 +27,31 @@ def test_account_measure_matches_prediction(workdir, capsys, precision):
 
     assert result["params"] == count_parameters(load_run(["--config", "configs/tiny.yaml", *SMALL]).config)
     flops = result["flops"]
-    assert abs(flops["hardware"] - flops["measured"]) <= 0.005 * flops["measured"]
-    assert flops["model"] < flops["hardware"]  # the attention backward's score recompute
-    memory = result["memory"]
+    assert abs(flops["hardware_per_step"] - flops["measured_per_step"]) <= 0.005 * flops["measured_per_step"]
+    assert flops["model_per_step"] < flops["hardware_per_step"]  # the attention backward's score recompute
+    predicted, measured = result["memory"]["predicted"], result["memory"]["measured"]
     for row in ("params", "grads", "optimizer"):
-        assert memory[row]["predicted"] == memory[row]["measured"], row
-    acts = memory["activations"]
-    assert abs(acts["predicted"] - acts["measured"]) <= 0.03 * acts["measured"]
+        assert predicted[row] == measured[row], row
+    assert abs(predicted["activations"] - measured["activations"]) <= 0.03 * measured["activations"]
     # CPU: live tensor bytes over a steady step (ledger.memtrack), where the prediction says
-    peak = memory["peak"]
-    assert abs(peak["predicted"] - peak["measured"]) <= 0.02 * peak["measured"]
+    assert abs(predicted["peak"] - measured["peak"]) <= 0.02 * measured["peak"]
     assert result["run"]["measured_peak_phase"] == {"embedding backward": "backward"}.get(
         result["run"]["peak_phase"], result["run"]["peak_phase"]
     )
-    state_bytes = sum(memory[row]["measured"] for row in ("params", "grads", "optimizer"))
+    state_bytes = sum(measured[row] for row in ("params", "grads", "optimizer"))
     bytes_per_param = state_bytes / result["params"]
     assert bytes_per_param == pytest.approx(8 if precision == "bf16-true" else 16)
+    assert result["state_bytes_per_param"]["measured"] == pytest.approx(bytes_per_param)
 
 
 def test_account_without_measure_sizes_a_3b_config_instantly(workdir, capsys):
     result = run_json(capsys, "account", "--config", "configs/cs336-2.7b.yaml", "--json")
     assert result["params"] > 3e9
-    assert result["flops"]["measured"] is None
-    assert all(row["measured"] is None for row in result["memory"].values())
+    assert result["flops"]["measured_per_step"] is None and result["sources"]["measured"] is None
+    assert all(value is None for value in result["memory"]["measured"].values())
     # 6N per token is most of the model FLOPs of a 3B model at ctx 1024
-    assert 6 * result["params"] * 4 * 1024 < result["flops"]["model"] < 1.1 * 6 * result["params"] * 4 * 1024
+    n = result["params"]
+    assert 6 * n * 4 * 1024 < result["flops"]["model_per_step"] < 1.1 * 6 * n * 4 * 1024
 
 
 def test_plan_max_batch_is_the_largest_that_fits(workdir, capsys):
@@ -100,14 +100,14 @@ def test_account_follows_deepspeed_for_a_deepspeed_strategy(workdir, capsys, sta
     )  # fmt: skip
     assert result["run"]["strategy"] == f"deepspeed_stage_{stage}" and result["run"]["world_size"] == 8
     n = result["params"]
-    state = sum(result["memory"][row]["predicted"] for row in ("params", "grads", "optimizer"))
+    state = sum(result["memory"]["predicted"][row] for row in ("params", "grads", "optimizer"))
     # DeepSpeed's estimators: 2N + 18N/8 (ZeRO-2), 18N/8 + 4 x the largest layer (ZeRO-3: the
     # 10,000 x 1,600 embedding, above the 6,400 x 1,600 MLP matrices); its bf16 mode has no
     # autocast, so no weight copies
     largest = 10_000 * 1_600 if stage == 3 else 0
     expected = (2 * n if stage == 2 else 0) + 18 * -(-n // 8) + 4 * largest
     assert state == expected
-    assert result["autocast_weight_copies"]["predicted"] == 0
+    assert result["memory"]["predicted"]["autocast_weight_copies"] == 0
 
 
 def test_account_measures_a_checkpointed_bf16_mixed_step_as_lightning_runs_it(workdir, capsys):
@@ -116,7 +116,7 @@ def test_account_measures_a_checkpointed_bf16_mixed_step_as_lightning_runs_it(wo
         capsys, "account", "--config", "configs/tiny.yaml", *SMALL, "--trainer.precision", "bf16-mixed",
         "--model.config.activation_checkpointing", "1", "--measure", "--json",
     )  # fmt: skip
-    peak = result["memory"]["peak"]
+    peak = {source: rows["peak"] for source, rows in result["memory"].items()}
     assert abs(peak["predicted"] - peak["measured"]) <= 0.02 * peak["measured"]
 
 
@@ -138,13 +138,15 @@ def examples_importable(monkeypatch):
 def test_account_of_an_hf_config_puts_the_dry_run_beside_the_real_step(workdir, capsys, examples_importable):
     result = run_json(capsys, "account", *HF_LLAMA, "--data.init_args.batch_size", "3", "--measure", "--json")
     assert result["run"]["model"] == "examples.hf_lm.LlamaLM" and result["run"]["tokens_per_step"] == 3 * 32
-    assert result["flops"]["model"] is None and result["flops"]["hardware"] == result["flops"]["measured"]
-    memory = result["memory"]
+    flops = result["flops"]
+    assert flops["model_per_step"] is None and flops["hardware_per_step"] == flops["measured_per_step"]
+    predicted, measured = result["memory"]["predicted"], result["memory"]["measured"]
+    assert result["sources"] == {"predicted": "dry run", "measured": "measured"}
     for row in ("params", "grads", "optimizer"):
-        assert memory[row]["predicted"] == memory[row]["measured"] > 0, row
-    assert memory["activations"]["predicted"] == pytest.approx(memory["activations"]["measured"], rel=0.01)
-    assert memory["peak"]["predicted"] == pytest.approx(memory["peak"]["measured"], rel=0.03)
-    assert result["params"] * 4 == memory["params"]["predicted"]  # fp32, no tied weights in Llama
+        assert predicted[row] == measured[row] > 0, row
+    assert predicted["activations"] == pytest.approx(measured["activations"], rel=0.01)
+    assert predicted["peak"] == pytest.approx(measured["peak"], rel=0.03)
+    assert result["params"] * 4 == predicted["params"]  # fp32, no tied weights in Llama
 
 
 @pytest.mark.parametrize("flag", ["--ledger.device_memory_gb", "--device-memory-gb"])

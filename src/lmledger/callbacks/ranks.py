@@ -5,7 +5,7 @@ Each rank writes its own file beside the run's `checkpoints/` (the ModelCheckpoi
 Lightning resolves on rank 0 and broadcasts, so every rank knows it without a collective here). With
 several nodes and no shared filesystem, each node's disk holds its own ranks' files.
 
-    write_rank_record   this rank's Report as JSON (atomic), with its rank, node and step
+    write_rank_record   this rank's Report in the one JSON shape (atomic), with its rank, node and step
     read_rank_records   {rank: record} of a run directory; worst_rank picks the rank with the largest line
 """
 
@@ -17,9 +17,9 @@ from pathlib import Path
 import lightning.pytorch as pl
 
 from lmledger.atomic import atomic_write
-from lmledger.ledger.report import Report
+from lmledger.ledger.report import RUN_KEYS, Report
 
-__all__ = ["RANKS_DIR", "read_rank_records", "record_path", "worst_rank", "write_rank_record"]
+__all__ = ["RANKS_DIR", "read_rank_records", "record_path", "run_facts", "worst_rank", "write_rank_record"]
 
 RANKS_DIR = "ranks"
 
@@ -34,21 +34,54 @@ def record_path(trainer: pl.Trainer) -> Path | None:
 
 
 def write_rank_record(trainer: pl.Trainer, report: Report) -> Path | None:
-    """Write this rank's ledger (predicted and measured, every line) beside the checkpoints; its path."""
+    """Write this rank's ledger (predicted and measured, every line) beside the checkpoints; its path.
+
+    The record is the one JSON shape (Report.to_json, docs/commands.md), as `account --json` prints it, with
+    the rank's place added: "rank", "node", "num_nodes", "step"."""
     path = record_path(trainer)
     if path is None:
         return None
     record = {
+        **report.to_json(run_facts(trainer, report), _parameter_count(trainer)),
         "rank": trainer.global_rank,
         "node": trainer.node_rank,
-        "world_size": trainer.world_size,
         "num_nodes": trainer.num_nodes,
         "step": trainer.global_step,
-        "ledger": report.to_json(),
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(path, json.dumps(record, indent=1, default=str) + "\n")
     return path
+
+
+def run_facts(trainer: pl.Trainer, report: Report) -> dict[str, object]:
+    """The record's "run": the facts `account --json` gives under the same keys (docs/commands.md).
+
+    The batch comes from the Ledger that holds `report` (its tokens and samples per batch)."""
+    module = trainer.lightning_module
+    ledger = next((c for c in trainer.callbacks if getattr(c, "report", None) is report), None)
+    run = getattr(ledger, "run", None)  # a ledger.run.Run for lmledger's ToyLM, else None
+    tokens, samples = getattr(ledger, "tokens", None), getattr(ledger, "samples", None) or None
+    measured = report.measured
+    facts = {
+        "model": f"{type(module).__module__}.{type(module).__qualname__}",
+        "batch_size": samples,
+        "seq_len": getattr(run, "seq_len", None) or (tokens // samples if tokens and samples else None),
+        "tokens_per_step": tokens,
+        "precision": str(trainer.precision),
+        "optimizer": getattr(run, "optimizer", None),
+        "strategy": type(trainer.strategy).__name__,
+        "world_size": trainer.world_size,
+        "device": module.device.type,
+        "peak_phase": report.primary.peak_phase if report.primary else None,
+        "measured_peak_phase": measured.peak_phase if measured else None,
+        "not_predicted": getattr(ledger, "why_not_predicted", None) if report.primary is None else None,
+    }
+    return {key: facts[key] for key in RUN_KEYS}
+
+
+def _parameter_count(trainer: pl.Trainer) -> int:
+    """The module's parameters, the whole model's (an FSDP2 shard is a DTensor, whose numel is the global one)."""
+    return sum(p.numel() for p in trainer.lightning_module.parameters())
 
 
 def read_rank_records(run_dir: str | Path) -> dict[int, dict]:
@@ -62,6 +95,12 @@ def read_rank_records(run_dir: str | Path) -> dict[int, dict]:
 
 def worst_rank(records: dict[int, dict], line: str = "peak") -> int | None:
     """The rank whose measured `line` (bytes or FLOPs) is largest; None when no rank measured it."""
-    measured = {r: rec["ledger"].get(line, {}).get("measured") for r, rec in records.items()}
-    measured = {r: v for r, v in measured.items() if isinstance(v, (int, float))}
-    return max(measured, key=lambda r: (measured[r], -r)) if measured else None
+
+    def measured(record: dict):  # the one JSON shape: memory/measured/<line>, flops/measured_per_step
+        if line.startswith("flops"):
+            return record.get("flops", {}).get("measured_per_step")
+        return record.get("memory", {}).get("measured", {}).get(line)
+
+    values = {r: measured(rec) for r, rec in records.items()}
+    values = {r: v for r, v in values.items() if isinstance(v, (int, float))}
+    return max(values, key=lambda r: (values[r], -r)) if values else None

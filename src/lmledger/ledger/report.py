@@ -2,8 +2,11 @@
 
 `Figures` is one source's reading of one optimizer step on one device. The source is the dry run,
 the toy LM's closed forms, or the real step. `Report` holds the predictors' Figures beside the
-measured ones. It renders them three ways: a rich table, a JSON object and TensorBoard scalars (one
-tag per line and source). Every ratio divides the measurement by the first predictor.
+measured ones: the one row representation every mode fills (`lmledger account` in each of its modes,
+`fit`'s Ledger and its per-rank record). It renders them three ways, each from the same rows: a table
+(`render`: rich for the terminal, or markdown), a JSON object (`to_json`: the one shape, SCHEMA, whose
+paths are the TensorBoard tags) and TensorBoard scalars (one tag per line and source). Every ratio
+divides the measurement by the first predictor.
 """
 
 from __future__ import annotations
@@ -14,18 +17,24 @@ from dataclasses import dataclass, field
 
 from rich.table import Table
 
-from lmledger.ledger.units import MB, format_bytes, format_count
+from lmledger.ledger.units import MB, ROW_LABELS, ROWS, format_bytes, format_count
 
 __all__ = [
-    "BYTE_LINES", "FLOP_LINES", "LINES", "TOLERANCE", "Figures", "Miss", "Report", "bar_chart", "figures_of_step",
-    "markdown_table", "misses",
+    "BYTE_LINES", "FLOP_LINES", "LINES", "RUN_KEYS", "SCHEMA", "TOLERANCE", "Figures", "Miss", "Report", "bar_chart",
+    "figures_of_step", "markdown_table", "misses", "render", "source_slug",
 ]  # fmt: skip
 
-# The lines of every ledger table, in order: bytes per device, then FLOPs per optimizer step.
-BYTE_LINES = ("params", "grads", "optimizer", "activations", "autocast_weight_copies", "peak")
-FLOP_LINES = ("flops_hardware", "flops_model")
-LINES = (*BYTE_LINES, *FLOP_LINES)
-LABELS = {"flops_hardware": "FLOPs/step (hardware)", "flops_model": "FLOPs/step (model)"}
+# The lines of every ledger table, in order (units.ROWS, the one list): bytes per device, then FLOPs per step.
+LINES = ROWS
+FLOP_LINES = tuple(line for line in LINES if line.startswith("flops_"))
+BYTE_LINES = tuple(line for line in LINES if line not in FLOP_LINES)
+LABELS = ROW_LABELS
+
+# The version of the one JSON shape (Report.to_json, docs/commands.md "The JSON shape"): a reader checks it.
+SCHEMA = 1
+# The facts under its "run", in every mode (account's, fit's rank record); None where a mode does not know one.
+RUN_KEYS = ("model", "batch_size", "seq_len", "tokens_per_step", "precision", "optimizer", "strategy", "world_size",
+            "device", "peak_phase", "measured_peak_phase", "not_predicted")  # fmt: skip
 
 # How far a measurement may sit from the first prediction, |measured/predicted - 1|, before the ledger says so.
 # State and FLOPs come out exact in the tests (test_ledger_callback, test_dryrun), activations within 1%, the
@@ -142,47 +151,68 @@ class Report:
         return ["", *self.predicted, "measured", f"measured/{first}"]
 
     def table(self, title: str) -> Table:
-        table = Table(title=title, title_justify="left")
-        for column in self.header():
-            table.add_column(column, justify="right" if column else "left")
-        for row in self.rows():
-            table.add_row(*row)
-        table.caption = "; ".join(self.notes)
-        return table
+        return render(self.header(), self.rows(), title=title, caption="; ".join(self.notes))
 
     def markdown(self) -> str:
-        return markdown_table(self.header(), [list(r) for r in self.rows()]) + "\n\n" + "; ".join(self.notes)
+        return render(self.header(), self.rows(), markdown=True) + "\n\n" + "; ".join(self.notes)
 
-    def to_json(self) -> dict[str, object]:
-        """{line: {"predicted": {source: value}, "measured": value}} plus "rates" and "notes"."""
-        out: dict[str, object] = {}
-        for line in LINES:
-            out[line] = {
-                "predicted": {source: f.get(line) for source, f in self.predicted.items()},
-                "measured": self.measured.get(line) if self.measured else None,
-            }
-        out["rates"] = dict(self.rates)
-        out["times"] = {k: {"predicted": p, "measured": m} for k, (p, m) in self.times.items()}
-        out["notes"] = list(self.notes)
-        return out
+    def slugs(self) -> dict[str, str]:
+        """{JSON and TensorBoard key: source name}: "predicted" is the first predictor, "measured" the step."""
+        out = {source_slug(name, i == 0): name for i, name in enumerate(self.predicted)}
+        return {**out, "measured": "measured"} if self.measured is not None else out
+
+    def to_json(self, run: Mapping[str, object] | None = None, params: int | None = None) -> dict[str, object]:
+        """The one JSON shape (SCHEMA; docs/commands.md): every mode fills these keys, extra modes add keys.
+
+        {"schema", "run", "params", "sources": {key: source}, "memory": {key: {byte line: bytes}},
+        "flops": {"model_per_step", "hardware_per_step", "measured_per_step", "<key>_per_step"},
+        "state_bytes_per_param": {"predicted", "measured"}, "why_missing": {key: {line: why}}, "notes"}.
+        A value's path is its TensorBoard tag (memory/predicted/peak), so sweeps read either without a
+        translation. "predicted" and "measured" are always there (null figures where that source has none)."""
+        slugs = {"predicted": None, **self.slugs()}
+        slugs.setdefault("measured", None)
+        figures = {slug: (self.measured if slug == "measured" else self.predicted.get(name)) for slug, name in
+                   slugs.items()}  # fmt: skip
+        primary = figures["predicted"]
+        flops = {
+            "model_per_step": primary.flops_model if primary else None,
+            "hardware_per_step": primary.flops_hardware if primary else None,
+            "measured_per_step": figures["measured"].flops_hardware if figures["measured"] else None,
+        }
+        for slug, f in figures.items():
+            if slug not in ("predicted", "measured"):
+                flops[f"{slug}_per_step"] = f.flops_hardware
+        return {
+            "schema": SCHEMA,
+            "run": dict(run or {}),
+            "params": params,
+            "sources": slugs,
+            "memory": {slug: {line: f.get(line) if f else None for line in BYTE_LINES} for slug, f in figures.items()},
+            "flops": flops,
+            "state_bytes_per_param": {slug: _state_per_param(figures[slug], params) for slug in ("predicted",
+                                                                                                 "measured")},
+            "why_missing": {slug: dict(f.why_missing) for slug, f in figures.items() if f and f.why_missing},
+            "notes": list(self.notes),
+            "rates": dict(self.rates),
+            "times": {k: {"predicted": p, "measured": m} for k, (p, m) in self.times.items()},
+        }  # fmt: skip
 
     def scalars(self, which: str = "all") -> dict[str, float]:
-        """TensorBoard tags. `which`: "predicted", "measured" or "all".
+        """TensorBoard tags. `which`: "predicted", "measured" or "all". The same keys as to_json's paths.
 
         memory/{predicted,closed_form,measured}/<line> (bytes), flops/{hardware,model,closed_form,measured}_per_step.
         """
         sources: dict[str, Figures] = {}
         if which in ("predicted", "all"):
-            sources.update(self.predicted)
+            sources.update({source_slug(n, i == 0): f for i, (n, f) in enumerate(self.predicted.items())})
         if which in ("measured", "all") and self.measured is not None:
             sources["measured"] = self.measured
         tags: dict[str, float] = {}
-        for source, f in sources.items():
-            slug = _SOURCE_TAGS.get(source, source.replace(" ", "_"))
+        for slug, f in sources.items():
             for line in BYTE_LINES:
                 if f.get(line) is not None:
                     tags[f"memory/{slug}/{line}"] = f.get(line)
-            if source == "measured":
+            if slug == "measured":
                 if f.flops_hardware is not None:
                     tags["flops/measured_per_step"] = f.flops_hardware
             elif slug == "predicted":
@@ -195,6 +225,33 @@ class Report:
             elif f.flops_hardware is not None:
                 tags[f"flops/{slug}_per_step"] = f.flops_hardware
         return tags
+
+
+def source_slug(name: str, first: bool = False) -> str:
+    """A source's key in JSON and TensorBoard: the first predictor is "predicted"; "closed form" -> closed_form."""
+    return "predicted" if first else _SOURCE_TAGS.get(name, name.replace(" ", "_"))
+
+
+def _state_per_param(figures: Figures | None, params: int | None) -> float | None:
+    """Bytes of params, grads and optimizer state per parameter (16 for fp32 AdamW), or None."""
+    state = [figures.get(n) for n in ("params", "grads", "optimizer")] if figures else [None]
+    return sum(state) / params if params and all(v is not None for v in state) else None
+
+
+def render(header: list[str], rows: list[tuple[str, ...]], *, title: str = "", caption: str = "",
+           markdown: bool = False) -> Table | str:  # fmt: skip
+    """The one table renderer: a rich Table for the terminal, or markdown text (TensorBoard, docs).
+
+    The first column is the label, left-aligned; the others are figures, right-aligned."""
+    if markdown:
+        return markdown_table(header, [list(r) for r in rows])
+    table = Table(title=title or None, title_justify="left")
+    for i, column in enumerate(header):
+        table.add_column(column, justify="right" if i else "left")
+    for row in rows:
+        table.add_row(*row)
+    table.caption = caption or None
+    return table
 
 
 def _cell(figures: Figures, line: str, show) -> str:

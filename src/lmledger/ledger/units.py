@@ -13,6 +13,8 @@ __all__ = [
     "MB",
     "MEMORY_COMPONENTS",
     "MEMORY_ROWS",
+    "ROWS",
+    "ROW_LABELS",
     "STATE_COMPONENTS",
     "TERA",
     "format_bytes",
@@ -30,6 +32,15 @@ _COUNT_UNITS = (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3))
 STATE_COMPONENTS = ("params", "grads", "optimizer")  # held between steps
 MEMORY_COMPONENTS = (*STATE_COMPONENTS, "activations")
 MEMORY_ROWS = (*MEMORY_COMPONENTS, "peak")
+
+# Every ledger row, in the order every table lists them, with its label: the one list (ledger.report renders it,
+# its JSON names it). Bytes per device (autocast's weight casts sit in the peak, beside activations), then FLOPs
+# per optimizer step: hardware (what the kernels do, recompute included) and model (6N + attention, MFU's).
+ROW_LABELS = {
+    **{row: row for row in MEMORY_COMPONENTS}, "autocast_weight_copies": "autocast_weight_copies", "peak": "peak",
+    "flops_hardware": "FLOPs/step (hardware)", "flops_model": "FLOPs/step (model)",
+}  # fmt: skip
+ROWS = tuple(ROW_LABELS)
 
 
 def format_bytes(nbytes: float | None) -> str:

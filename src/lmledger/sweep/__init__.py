@@ -11,7 +11,7 @@ Each module imports only the ones before it, in this order:
 """
 
 from lmledger.sweep.check import CheckedPoints, bad_points_error, check_points
-from lmledger.sweep.collect import DEFAULT_METRICS, PointResult, account_metrics, flatten, json_path, read_tensorboard
+from lmledger.sweep.collect import DEFAULT_METRICS, PointResult, flatten, json_path, read_tensorboard
 from lmledger.sweep.report import results_markdown, write_results
 from lmledger.sweep.runner import (
     SweepPlan,
@@ -34,7 +34,6 @@ __all__ = [
     "Point",
     "PointResult",
     "SweepPlan",
-    "account_metrics",
     "bad_points_error",
     "check_out_dir",
     "check_points",
