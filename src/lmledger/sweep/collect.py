@@ -1,7 +1,9 @@
 """A point's metrics, and the PointResult that holds them.
 
 Metrics are the scalars of its TensorBoard run, or the JSON object a command printed.
-Both go under one set of names: the TensorBoard tags `fit` logs.
+Both go under one set of names: the TensorBoard tags `fit` logs. `account --json` and fit's per-rank
+record are the one JSON shape (ledger.report.Report.to_json), whose paths are those tags
+(memory/predicted/peak), so `flatten` reads them with no translation.
 """
 
 from __future__ import annotations
@@ -13,13 +15,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lmledger.ledger.units import MEMORY_ROWS, STATE_COMPONENTS
+from lmledger.ledger.units import MEMORY_ROWS
 from lmledger.sweep.spec import Experiment, Point
 
 __all__ = [
     "DEFAULT_METRICS",
     "PointResult",
-    "account_metrics",
     "flatten",
     "json_path",
     "metric_columns",
@@ -102,22 +103,6 @@ def json_path(obj, path: str):
         else:
             return None
     return None if isinstance(obj, (dict, list)) else obj
-
-
-def account_metrics(result: dict) -> dict[str, object]:
-    """`account --json` under the TensorBoard tag names `fit` logs. So both feed the same columns."""
-    metrics = flatten(result)
-    for row, pair in result.get("memory", {}).items():
-        for kind in ("predicted", "measured"):
-            metrics[f"memory/{kind}/{row}"] = pair.get(kind)
-    for kind in ("model", "hardware", "measured"):
-        metrics[f"flops/{kind}_per_step"] = result.get("flops", {}).get(kind)
-    params = result.get("params")
-    for kind in ("predicted", "measured"):
-        state = [metrics.get(f"memory/{kind}/{row}") for row in STATE_COMPONENTS]
-        if params and all(v is not None for v in state):
-            metrics[f"state_bytes_per_param/{kind}"] = sum(state) / params
-    return metrics
 
 
 def read_tensorboard(run_dir: Path) -> dict[str, float]:
