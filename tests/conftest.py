@@ -116,6 +116,17 @@ def read_scalars(run_dir: Path | str) -> dict[str, list[tuple[int, float]]]:
     return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
+def event_files(run_dir: Path | str) -> list[Path]:
+    """A run directory's TensorBoard event files, oldest first, by the wall time of each one's first event. The
+    name's timestamp is whole seconds: two writers opened in one second tie there, and then come in directory order."""
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    def opened(path: Path) -> float:
+        return next(iter(EventFileLoader(str(path)).Load())).wall_time  # the file_version event, written at open
+
+    return sorted(Path(run_dir).glob("events.out.tfevents.*"), key=opened)
+
+
 # Subprocesses (the CLI as users run it) show every warning but these two, which Lightning prints on the tests'
 # tiny runs. PYTHONWARNINGS matches a message's start, literally; UserWarning covers PossibleUserWarning.
 SUBPROCESS_WARNINGS_HIDDEN = (

@@ -14,7 +14,7 @@ import lightning.pytorch as pl
 import pytest
 from test_resume import MAX_STEPS, TAGS, fit_args, fit_process
 
-from conftest import read_scalars
+from conftest import event_files, read_scalars
 from lmledger.checkpointing import open_checkpoint
 from lmledger.cli import main as lmledger
 
@@ -40,7 +40,7 @@ def self_term(step: int) -> str:
 
 def curves(run_dir) -> list[dict[str, dict[int, float]]]:
     """Per event file of a run directory, oldest first: {tag: {step: value}}."""
-    files = sorted(run_dir.glob("events.out.tfevents.*"), key=lambda p: int(p.name.split(".")[3]))
+    files = event_files(run_dir)
     return [{tag: dict(points) for tag, points in read_scalars(f).items() if tag in TAGS} for f in files]
 
 

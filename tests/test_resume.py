@@ -17,7 +17,7 @@ import lightning.pytorch as pl
 import pytest
 import yaml
 
-from conftest import MICRO_OVERRIDES, read_scalars
+from conftest import MICRO_OVERRIDES, event_files, read_scalars
 from lmledger.checkpointing import open_checkpoint
 from lmledger.cli import main as lmledger
 
@@ -127,7 +127,7 @@ def test_same_seed_same_curve_and_the_saved_config_reproduces_a_run(workdir):
 
 def curve(run_dir: Path) -> list[dict[int, float]]:
     """train/loss per event file of a run directory, oldest first."""
-    files = sorted(run_dir.glob("events.out.tfevents.*"), key=lambda p: int(p.name.split(".")[3]))
+    files = event_files(run_dir)
     return [dict(read_scalars(f).get("train/loss", [])) for f in files]
 
 
