@@ -431,17 +431,13 @@ def any_model_at_scale(argv: list[str], capacity_bytes: int | None = None) -> di
 def print_per_rank(scale: dict) -> None:
     """The per-rank table of a run at scale: state, buffers and peak per checkpointing case."""
     from rich.console import Console
-    from rich.table import Table
+
+    from lmledger.ledger.report import render
 
     tp = scale.get("tensor_parallel", 1)
     shape = f" (data parallel {scale['world_size'] // tp} x tensor parallel {tp})" if tp > 1 else ""
-    table = Table(
-        title=f"per rank: {scale['strategy']} over {scale['world_size']} ranks{shape}, batch {scale['batch_size']}"
-    )
-    table.add_column("")
-    for label in scale["cases"]:
-        table.add_column(label, justify="right")
-    cases = list(scale["cases"].values())
+    title = f"per rank: {scale['strategy']} over {scale['world_size']} ranks{shape}, batch {scale['batch_size']}"
+    cases, table = list(scale["cases"].values()), []
     rows = [("params", "params"), ("grads", "grads"), ("optimizer", "optimizer"), ("activations", "activations"),
             ("comm buffers (DDP buckets, FSDP2 gathers)", "comm_buffers"), ("peak", "peak")]  # fmt: skip
     if scale.get("capacity_bytes"):
@@ -456,8 +452,8 @@ def print_per_rank(scale: dict) -> None:
                 cells.append("—" if value is None else f"{value:,}")
             else:
                 cells.append(format_bytes(value) + ("" if key != "peak" or case["peak_checked"] else " (unchecked)"))
-        table.add_row(label, *cells)
-    Console().print(table)
+        table.append((label, *cells))
+    Console().print(render(["", *scale["cases"]], table, title=title))  # the one renderer, as the ledger's
     for label, case in scale["cases"].items():
         if case.get("not_predicted"):
             print(f"{label}: not predicted: {case['not_predicted']}")
