@@ -219,3 +219,39 @@ def test_reading_a_fit_config_prints_no_seed_line():
     assert proc.returncode == 0, proc.stderr
     assert "Seed set" not in proc.stderr + proc.stdout
     assert json.loads(proc.stdout)["max_batch"] > 0
+
+
+def test_the_three_largest_batch_callers_are_the_one_search():
+    """Issue 33 §2: max_batch, dryrun.largest_batch and sharded.largest_batch_sharded all answer as
+    largest_within does, and as a brute force over every size does, on a tiny model's dry-run peaks."""
+    import torch
+    from torch import nn
+
+    from lmledger.ledger.dryrun import dry_run, largest_batch
+    from lmledger.ledger.planner import largest_within
+    from lmledger.ledger.sharded import largest_batch_sharded, predict_sharded
+
+    class Mlp(nn.Linear):
+        def forward(self, x):
+            return super().forward(x).square().mean()
+
+    model, limit = Mlp(32, 32), 9
+
+    def batch_for(size: int) -> torch.Tensor:
+        return torch.empty(size, 32, device="meta")
+
+    single = {b: dry_run(model, batch_for(b), device="cpu").peak for b in range(1, limit + 1)}
+    ddp = {b: predict_sharded(model, batch_for(b), strategy="ddp", world_size=2).peak for b in range(1, limit + 1)}
+    assert all(single[b] < single[b + 1] for b in range(1, limit)) and ddp[1] > single[1]  # buckets
+    for peaks, search in (
+        (single, lambda cap: largest_batch(model, batch_for, cap, device="cpu", limit=limit)),
+        (ddp, lambda cap: largest_batch_sharded(model, batch_for, cap, limit=limit, strategy="ddp", world_size=2)),
+    ):
+        for capacity in (peaks[1] - 1, peaks[1], (peaks[4] + peaks[5]) // 2, peaks[limit]):
+            expected = max((b for b in peaks if peaks[b] <= capacity), default=0)
+            found = search(capacity)
+            assert found.size == expected == max_batch(peaks.__getitem__, capacity, limit=limit), capacity
+            over = expected + 1 if expected < limit else None
+            assert largest_within(peaks.__getitem__, capacity, limit) == (expected, over)
+            assert (found.fits.peak if expected else 0) <= capacity
+            assert found.over is None if expected == limit else found.over.peak > capacity

@@ -76,13 +76,9 @@ def _step_time(spec: Run, device: torch.device, step, predicted: dict | None = N
     The roofline bound of the config's step on `device` (its dry run's ops), beside the mean of three
     profiled real steps."""
     from lmledger.ledger import roofline
+    from lmledger.ledger.predict import toy_optimizer
 
-    def optimizer(params):  # as ledger.predict.measure builds it
-        if spec.optimizer == "sgd":
-            return torch.optim.SGD(params, lr=1e-4, momentum=spec.momentum, fused=spec.fused_optimizer)
-        return torch.optim.AdamW(params, lr=1e-4, fused=spec.fused_optimizer)
-
-    ops = roofline.toy_step_ops(spec.config, spec.batch_size, spec.seq_len, spec.precision, optimizer)
+    ops = roofline.toy_step_ops(spec.config, spec.batch_size, spec.seq_len, spec.precision, toy_optimizer(spec))
     return _time_table(ops, spec.precision, device, step, predicted)
 
 
@@ -244,34 +240,19 @@ def per_rank(spec: Run, capacity_bytes: int | None = None, argv: list[str] = ())
 def _module_step_fn(module, batch: object, precision: str):
     """`step(phase)`: one training step of a copy of `module` on `batch`, as Lightning runs it.
 
-    Precision as its plugin does it, the module's own optimizer, zero_grad, backward, step.
-    Two untimed steps run first."""
+    dryrun.training_step: precision as its plugin does it, the module's own optimizer, zero_grad,
+    backward, step. Two untimed steps run first."""
     import copy
-    from contextlib import nullcontext
 
-    from lmledger.ledger import precision_table
-    from lmledger.ledger.fakecopy import map_tensors
+    from lmledger.ledger.dryrun import training_step
+    from lmledger.ledger.fakecopy import precision_dtypes
     from lmledger.ledger.predict import configured_optimizer, module_step
 
-    row = precision_table.precision(precision)
     real = copy.deepcopy(module)
-    if row.convert_dtype is not None:
-        real.to(row.convert_dtype)
-        batch = map_tensors(lambda t: t.to(row.convert_dtype) if t.is_floating_point() else t, batch)
-    optimizer = configured_optimizer(real)
-    device_type = next(real.parameters()).device.type
-
-    def step(phase=lambda name: None) -> None:
-        context = torch.autocast(device_type, row.autocast_dtype, cache_enabled=False) if row.autocast_dtype else None
-        with context or nullcontext():
-            loss = module_step(real, batch)
-        (optimizer or real).zero_grad(set_to_none=True)
-        loss.backward()
-        phase("optimizer step")
-        if optimizer is not None:
-            optimizer.step()
-
-    real.train()
+    dtype, _ = precision_dtypes(precision)
+    if dtype is not None:
+        real.to(dtype)
+    step = training_step(real, batch, step=module_step, optimizer=configured_optimizer(real), precision=precision)
     step()
     step()
     return step
@@ -541,6 +522,7 @@ def _toy_predicted_time(spec: Run, argv: list[str]) -> dict:
 
     if os.environ.get(NO_STEP_TIME):
         return {"none": f"off ({NO_STEP_TIME} is set)", "line": f"no step-time prediction: {NO_STEP_TIME} is set"}
+    from lmledger.ledger.predict import toy_optimizer, toy_step
     from lmledger.ledger.steptime.predict import free_memory
     from lmledger.model import ToyLM
 
@@ -552,17 +534,12 @@ def _toy_predicted_time(spec: Run, argv: list[str]) -> dict:
     accumulate = _trainer_time_settings(argv)["accumulate"]
     with torch.device("meta"):
         model = ToyLM(spec.config)
-    fused = spec.fused_optimizer
-
-    def optimizer(params):  # as ledger.predict.measure builds it
-        if spec.optimizer == "sgd":
-            return torch.optim.SGD(params, lr=1e-4, momentum=spec.momentum, fused=fused)
-        return torch.optim.AdamW(params, lr=1e-4, fused=fused)
+    optimizer = toy_optimizer(spec)
 
     batch = tuple(torch.empty(spec.batch_size, spec.seq_len, dtype=torch.long, device="meta") for _ in range(2))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        dry = dry_run(model, batch, step=lambda m, b: m(*b), optimizer=optimizer, precision=spec.precision,
+        dry = dry_run(model, batch, step=toy_step, optimizer=optimizer, precision=spec.precision,
                       device="cpu", accumulate=accumulate)  # fmt: skip
     if isinstance(dry, NotTraced):
         return {"none": dry.reason, "line": f"no step-time prediction: {dry.reason}"}

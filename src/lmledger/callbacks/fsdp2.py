@@ -39,7 +39,7 @@ from lmledger.ledger import sharded
 from lmledger.ledger.dryrun import NotTraced, StepLedger
 from lmledger.ledger.predict import lightning_step
 
-__all__ = ["largest_batch", "predict", "unsharded_copy"]
+__all__ = ["predict", "unsharded_copy"]
 
 # Data a module may hold, not state: the copy shares them (deepcopy would read them whole).
 _SHARED = (torch.utils.data.Dataset, torch.utils.data.DataLoader)
@@ -175,16 +175,3 @@ def _fake_mesh_like(real: object, fake_mesh: object) -> object:
             [group, real[names[1]].get_group()], "cpu", mesh=torch.tensor(ranks).reshape(len(ranks), 1),
             mesh_dim_names=names,
         )  # fmt: skip
-
-
-def largest_batch(trainer, pl_module, unsharded, batch_for, capacity_bytes: int, limit: int) -> object:
-    """The largest per-rank batch whose predicted FSDP2 peak fits (ledger.sharded.largest_batch_sharded).
-
-    At the trainer's accumulation, as the Ledger counts it: 1 under manual optimization.
-    """
-    accumulate = trainer.accumulate_grad_batches if pl_module.automatic_optimization else 1
-    with untouched_rng(pl_module.device), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return sharded.largest_batch_sharded(
-            unsharded, batch_for, capacity_bytes, limit=limit, **_fsdp2_arguments(trainer, pl_module, 0, accumulate)
-        )

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-import warnings
 
 import lightning.pytorch as pl
 import torch
@@ -41,10 +40,9 @@ from rich.console import Console
 
 from lmledger.callbacks import cpukernels, fsdp2, preflight, toy
 from lmledger.callbacks.live import (
-    ddp_arguments,
     dry_run_training_step,
     is_toy_run,
-    replicated_ranks,
+    largest_training_batch,
     samples_per_batch,
     tokens_per_batch,
     toy_batch,
@@ -66,11 +64,11 @@ from lmledger.callbacks.settings import LedgerSettings
 from lmledger.callbacks.throughput import compile_speedup, resolve_peak
 from lmledger.callbacks.timing import TimeLedger, measured_time, predict_time
 from lmledger.errors import UserError
-from lmledger.ledger import moebounds, precision_table, sharded
-from lmledger.ledger.dryrun import NotTraced, StepLedger, largest_batch
+from lmledger.ledger import moebounds, precision_table
+from lmledger.ledger.dryrun import NotTraced, StepLedger
 from lmledger.ledger.fakecopy import batch_tensors
 from lmledger.ledger.gpus import Peak
-from lmledger.ledger.predict import lightning_step, resized
+from lmledger.ledger.predict import resized
 from lmledger.ledger.report import Figures, Miss, Report, bar_chart, figures_of_step, markdown_table, misses
 from lmledger.ledger.run import Run
 from lmledger.ledger.throughput import Window
@@ -268,26 +266,9 @@ class Ledger(pl.Callback):
         def batch_for(size: int) -> object:
             return toy_batch(self.run, size) if self.run is not None else resized(batch, size)
 
-        if self._unsharded is not None:  # FSDP2: per rank, on the module as it was before configure_model
-            found = fsdp2.largest_batch(
-                trainer, pl_module, self._unsharded, batch_for, capacity.bytes, max(1, now)
-            ) if self._dry is not None else None  # fmt: skip
-        elif replicated_ranks(trainer) > 1:  # DDP: per rank, with the gradient buckets
-            with untouched_rng(pl_module.device), warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                found = sharded.largest_batch_sharded(
-                    pl_module, batch_for, capacity.bytes, limit=max(1, now),
-                    **ddp_arguments(trainer, pl_module, 0, self._accumulate),
-                ) if self._dry is not None else None  # fmt: skip
-        else:
-            with untouched_rng(pl_module.device), warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                found = largest_batch(
-                    pl_module, batch_for, capacity.bytes, step=lightning_step(0, trainer),
-                    optimizer=torch_optimizers(trainer)[0] if trainer.optimizers else None, share=(trainer,),
-                    precision=str(trainer.precision), device=pl_module.device, limit=max(1, now),
-                    accumulate=self._accumulate,
-                ) if self._dry is not None and pl_module.automatic_optimization else None  # fmt: skip
+        found = largest_training_batch(  # per rank under DDP and FSDP2, as the dry run above
+            trainer, pl_module, batch_for, capacity.bytes, max(1, now), self._accumulate, self._unsharded
+        ) if self._dry is not None else None  # fmt: skip
         if found is None or isinstance(found, NotTraced):
             return "lower the batch size, checkpoint activations or set ledger.device_memory_gb"
         if found.size == 0:

@@ -13,6 +13,7 @@ Other sharded strategies get one line saying why, and are measured only.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 
 import lightning.pytorch as pl
 import torch
@@ -23,7 +24,7 @@ from lmledger.callbacks.run import torch_optimizers, untouched_rng
 from lmledger.errors import UserError
 from lmledger.ledger import moebounds, sharded
 from lmledger.ledger.ddp import DDPSettings
-from lmledger.ledger.dryrun import NotTraced, StepLedger
+from lmledger.ledger.dryrun import LargestBatch, NotTraced, StepLedger, search_batch
 from lmledger.ledger.fakecopy import batch_tensors
 from lmledger.ledger.predict import lightning_step
 from lmledger.ledger.run import Run
@@ -33,6 +34,7 @@ __all__ = [
     "ddp_arguments",
     "dry_run_training_step",
     "is_toy_run",
+    "largest_training_batch",
     "replicated_ranks",
     "samples_per_batch",
     "tokens_per_batch",
@@ -107,24 +109,64 @@ def dry_run_training_step(
     why = _not_modelled(trainer, pl_module)
     if why is not None:
         return NotTraced(why)
-    if isinstance(trainer.strategy, ModelParallelStrategy):  # configure_model sharded pl_module: callbacks.fsdp2
-        return fsdp2.predict(trainer, pl_module, unsharded, batch, batch_idx, accumulate)
-    optimizers = torch_optimizers(trainer)
-    manual = not pl_module.automatic_optimization
+    predict = _rank_step(trainer, pl_module, batch_idx, accumulate, unsharded)
     with untouched_rng(pl_module.device), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            if replicated_ranks(trainer) > 1:  # DDP: one rank's step with its gradient buckets (ledger.ddp_dryrun)
-                arguments = ddp_arguments(trainer, pl_module, batch_idx, accumulate)
-                return sharded.predict_sharded(pl_module, batch, **arguments)
-            return moebounds.predict(
-                pl_module, batch, step=lightning_step(batch_idx, trainer),
-                optimizer=optimizers if manual else (optimizers[0] if optimizers else None),
-                precision=str(trainer.precision), device=pl_module.device, share=(trainer,),
-                accumulate=accumulate, manual=manual,
-            )  # fmt: skip
+            return predict(batch)
         except UserError as err:
             return NotTraced(str(err))
+
+
+def largest_training_batch(
+    trainer: pl.Trainer, pl_module: pl.LightningModule, batch_for: Callable[[int], object], capacity_bytes: int,
+    limit: int, accumulate: int = 1, unsharded: torch.nn.Module | None = None,
+) -> LargestBatch | NotTraced:  # fmt: skip
+    """The largest batch b <= limit whose dry-run peak fits `capacity_bytes` (dryrun.search_batch).
+
+    Each probe is the dry run dry_run_training_step makes, of `batch_for(b)`: per rank under DDP and FSDP2,
+    worst routing's peak where routing decides a shape (the memory check holds that one).
+    """
+    why = _not_modelled(trainer, pl_module)
+    if why is not None:
+        return NotTraced(why)
+    predict = _rank_step(trainer, pl_module, 0, accumulate, unsharded)
+
+    def bound(batch: object) -> StepLedger | NotTraced:
+        result = predict(batch)
+        return result.worst if isinstance(result, moebounds.MoEBounds) else result
+
+    with untouched_rng(pl_module.device), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            return search_batch(bound, batch_for, capacity_bytes, limit)
+        except UserError as err:
+            return NotTraced(str(err))
+
+
+def _rank_step(
+    trainer: pl.Trainer, pl_module: pl.LightningModule, batch_idx: int, accumulate: int,
+    unsharded: torch.nn.Module | None,
+) -> Callable[[object], StepLedger | moebounds.MoEBounds | NotTraced]:  # fmt: skip
+    """`predict(batch)`: one rank's dry run under this trainer's strategy, the one place it is told apart.
+
+    FSDP2 (ModelParallelStrategy): the unsharded copy's step (callbacks.fsdp2). DDP: one rank's step with
+    its gradient buckets (ledger.ddp_dryrun). One device: the module's step, both routings where top-k
+    routing decides a shape (ledger.moebounds).
+    """
+    if isinstance(trainer.strategy, ModelParallelStrategy):  # configure_model sharded pl_module: callbacks.fsdp2
+        return lambda batch: fsdp2.predict(trainer, pl_module, unsharded, batch, batch_idx, accumulate)
+    if replicated_ranks(trainer) > 1:
+        arguments = ddp_arguments(trainer, pl_module, batch_idx, accumulate)
+        return lambda batch: sharded.predict_sharded(pl_module, batch, **arguments)
+    optimizers = torch_optimizers(trainer)
+    manual = not pl_module.automatic_optimization
+    arguments = dict(
+        step=lightning_step(batch_idx, trainer),
+        optimizer=optimizers if manual else (optimizers[0] if optimizers else None), precision=str(trainer.precision),
+        device=pl_module.device, share=(trainer,), accumulate=accumulate, manual=manual,
+    )  # fmt: skip
+    return lambda batch: moebounds.predict(pl_module, batch, **arguments)
 
 
 def ddp_arguments(trainer: pl.Trainer, pl_module: pl.LightningModule, batch_idx: int, accumulate: int) -> dict:

@@ -16,6 +16,7 @@ from lmledger.errors import UserError
 from lmledger.ledger.ddp import DDPSettings
 from lmledger.ledger.dryrun import NotTraced, OptimizerSpec, StepFn
 from lmledger.ledger.fsdp2 import DEFAULT_FSDP, FSDPSettings
+from lmledger.ledger.predict import toy_optimizer
 from lmledger.ledger.sharded import largest_batch_sharded, predict_sharded
 
 __all__ = ["at_scale", "run_at_scale", "run_strategy", "toy_inputs"]
@@ -32,7 +33,7 @@ def toy_inputs(run) -> tuple[nn.Module, Callable[[int], object], OptimizerSpec]:
     """A ledger.run.Run of lmledger's ToyLM, as the dry run takes it.
 
     The model is on the meta device, so nothing is allocated. Its activation checkpointing is off: at_scale
-    adds it. The batch is a meta batch of b windows. The optimizer is LitLM's, as a factory.
+    adds it. The batch is a meta batch of b windows. The optimizer is LitLM's (predict.toy_optimizer).
     """
     from lmledger.model import ToyLM
 
@@ -43,19 +44,7 @@ def toy_inputs(run) -> tuple[nn.Module, Callable[[int], object], OptimizerSpec]:
         ids = torch.empty((size, run.seq_len), dtype=torch.long, device="meta")
         return ids, ids.clone()
 
-    fused = bool(run.fused_optimizer)
-    if run.optimizer in ("adamw", "adam"):
-        kind = torch.optim.AdamW if run.optimizer == "adamw" else torch.optim.Adam
-
-        def optimizer(params):
-            return kind(params, lr=1e-4, fused=fused)
-    elif run.optimizer == "sgd":
-
-        def optimizer(params):
-            return torch.optim.SGD(params, lr=1e-4, momentum=run.momentum, fused=fused)
-    else:
-        optimizer = None
-    return model, batch_for, optimizer
+    return model, batch_for, toy_optimizer(run)
 
 
 def at_scale(

@@ -57,6 +57,7 @@ from lmledger.ledger.flops import flop_counter
 from lmledger.ledger.memory import measure_state_bytes, unique_storage_bytes
 from lmledger.ledger.memtrack import MemoryTracker
 from lmledger.ledger.ops import OpRecorder
+from lmledger.ledger.planner import largest_within
 from lmledger.ledger.steptypes import (
     PHASES,
     LargestBatch,
@@ -84,6 +85,7 @@ __all__ = [
     "no_cyclic_gc",
     "one_line",
     "phases",
+    "search_batch",
     "why",
 ]
 
@@ -179,42 +181,43 @@ def largest_batch(
 ) -> LargestBatch | NotTraced:
     """The largest batch size b <= limit whose predicted peak is at most capacity_bytes.
 
-    `batch_for(b)` makes a batch of b samples (meta tensors will do). Sizes double until one does not fit,
-    then bisect. Each probe is a dry run, so nothing is allocated. The search relies on the peak growing
-    with the batch.
+    `batch_for(b)` makes a batch of b samples (meta tensors will do). The search is planner.largest_within;
+    each probe is a dry run, so nothing is allocated. It relies on the peak growing with the batch.
+    """
+
+    def run(batch: object) -> StepLedger | NotTraced:
+        return dry_run(model, batch, step=step, optimizer=optimizer, precision=precision, device=device,
+                       accumulate=accumulate, share=share)  # fmt: skip
+
+    return search_batch(run, batch_for, capacity_bytes, limit)
+
+
+def search_batch(
+    predict: Callable[[object], StepLedger | NotTraced],
+    batch_for: Callable[[int], object],
+    capacity_bytes: int,
+    limit: int,
+) -> LargestBatch | NotTraced:
+    """The largest b <= limit whose `predict(batch_for(b))` peak fits, by planner.largest_within.
+
+    `predict` is one device's dry run (largest_batch) or one rank's (sharded.largest_batch_sharded).
     """
     if capacity_bytes <= 0 or limit < 1:
         raise UserError(f"capacity_bytes and limit must be positive, got {capacity_bytes} and {limit}")
     ledgers: dict[int, StepLedger] = {}
 
-    def fits(size: int) -> bool | NotTraced:
-        result = dry_run(
-            model, batch_for(size), step=step, optimizer=optimizer, precision=precision, device=device,
-            accumulate=accumulate, share=share,
-        )  # fmt: skip
+    def peak(size: int) -> int | NotTraced:
+        result = predict(batch_for(size))
         if isinstance(result, NotTraced):
             return result
         ledgers[size] = result
-        return result.peak <= capacity_bytes
+        return result.peak
 
-    low, high = 0, 1  # low fits (0 trivially), high is the next size to try
-    while True:
-        verdict = fits(high)
-        if isinstance(verdict, NotTraced):
-            return verdict
-        if not verdict:
-            break
-        low = high
-        if high == limit:
-            return LargestBatch(limit, ledgers[limit], None)
-        high = min(2 * high, limit)
-    while high - low > 1:  # low fits, high does not
-        middle = (low + high) // 2
-        verdict = fits(middle)
-        if isinstance(verdict, NotTraced):
-            return verdict
-        low, high = (middle, high) if verdict else (low, middle)
-    return LargestBatch(low, ledgers.get(low), ledgers[high])
+    found = largest_within(peak, capacity_bytes, limit)
+    if isinstance(found, NotTraced):
+        return found
+    size, over = found
+    return LargestBatch(size, ledgers.get(size), ledgers.get(over))
 
 
 def measure_step(
@@ -239,6 +242,35 @@ def measure_step(
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         optimizer = optimizer(list(model.parameters()))
     return ledger_of_step(model, cast_batch(batch, dtype), step, optimizer, autocast, device, accumulate)
+
+
+def training_step(
+    model: nn.Module,
+    batch: object,
+    *,
+    step: StepFn | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    precision: str | int = "32-true",
+) -> Callable[..., None]:
+    """`run(phase)`: one more real training step of `model`, as measure_step runs it, to time or profile.
+
+    The forward under the precision's autocast, zero_grad, backward, the optimizer step, each after
+    `phase(name)`. The model is as measure_step left it (a *-true precision's dtype already).
+    """
+    dtype, autocast = precision_dtypes(precision)
+    device = target_device(model, None)
+    batch, step = cast_batch(batch, dtype), step or default_step
+
+    def run(phase: Callable[[str], None] = lambda name: None) -> None:
+        phase("forward")
+        loss, _ = _forward(model, batch, step, autocast, device)
+        phase("backward")
+        _backward(model, loss, optimizer)
+        del loss
+        phase("optimizer step")
+        _optimizer_step(optimizer)
+
+    return run
 
 
 # --------------------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ __all__ = [
     "TrainTime",
     "bytes_per_param",
     "device_capacity",
+    "largest_within",
     "max_batch",
     "max_params",
     "train_time",
@@ -166,27 +167,76 @@ def max_params(
     return MaxParams(spec.key, int(num_gpus), precision, optimizer, capacity, per_param, int(capacity // per_param))
 
 
+def largest_within(cost: Callable[[int], object], capacity: int, limit: int) -> tuple[int, int | None] | object:
+    """(the largest b in [1, limit] with cost(b) <= capacity, the smallest b above it that is over).
+
+    The one largest-batch search: max_batch, dryrun.largest_batch and sharded.largest_batch_sharded call it.
+    (0, 1) when not even b = 1 fits; (limit, None) when `limit` fits. `cost` (bytes, a peak) must not decrease
+    with b. It may return a non-number instead (a NotTraced): the search stops and returns that. Each size is
+    asked once. Sizes 1 and 2 give a line; its crossing of the capacity is the first guess. From there the
+    distance doubles outward until one size fits and the next does not, then bisection: a handful of calls
+    on a linear cost, O(log b) on any other.
+    """
+    costs: dict[int, object] = {}
+
+    def over(size: int) -> bool | object:  # True / False, or the value that stops the search
+        if size not in costs:
+            costs[size] = cost(size)
+        value = costs[size]
+        return bool(value > capacity) if isinstance(value, (int, float)) else value
+
+    first = over(1)
+    if first is not False:
+        return (0, 1) if first is True else first
+    if limit == 1:
+        return 1, None
+    second = over(2)
+    if second not in (True, False):
+        return second
+    slope = max(costs[2] - costs[1], 1)
+    guess = 1 if second else max(1, min(limit, 1 + int((capacity - costs[1]) // slope)))
+    bracket = _bracket(over, guess, limit)
+    if not isinstance(bracket, tuple):
+        return bracket
+    low, high = bracket
+    while high is not None and high - low > 1:  # low fits, high is over
+        middle = (low + high) // 2
+        verdict = over(middle)
+        if verdict not in (True, False):
+            return verdict
+        low, high = (low, middle) if verdict else (middle, high)
+    return low, high
+
+
+def _bracket(over: Callable[[int], object], guess: int, limit: int) -> tuple[int, int | None] | object:
+    """(low, high) around `guess`: low fits, high is over (None when even `limit` fits); over(1) is False."""
+    verdict, step = over(guess), 1
+    if verdict not in (True, False):
+        return verdict
+    if not verdict:
+        low = guess
+        while low < limit:
+            high = min(low + step, limit)
+            verdict = over(high)
+            if verdict is not False:
+                return (low, high) if verdict is True else verdict
+            low, step = high, 2 * step
+        return limit, None
+    high = guess
+    while True:
+        low = max(high - step, 1)
+        verdict = over(low)
+        if verdict is not True:
+            return (low, high) if verdict is False else verdict
+        high, step = low, 2 * step
+
+
 def max_batch(bytes_for_batch: Callable[[int], int], capacity_bytes: int, *, limit: int = 2**31) -> int:
     """The largest batch b >= 1 with bytes_for_batch(b) <= capacity_bytes; 0 if not even b = 1 fits.
 
-    `bytes_for_batch` must not decrease with b. Doubling finds a batch that does not fit; bisection
-    finds the boundary: O(log b) calls. Stops at `limit` when memory never runs out.
+    `bytes_for_batch` must not decrease with b (largest_within). Stops at `limit` when memory never runs out.
     """
-    if bytes_for_batch(1) > capacity_bytes:
-        return 0
-    fits = 1
-    while fits < limit and bytes_for_batch(min(2 * fits, limit)) <= capacity_bytes:
-        fits = min(2 * fits, limit)
-    if fits == limit:
-        return limit
-    too_big = min(2 * fits, limit)  # invariant: fits fits, too_big does not
-    while too_big - fits > 1:
-        mid = (fits + too_big) // 2
-        if bytes_for_batch(mid) <= capacity_bytes:
-            fits = mid
-        else:
-            too_big = mid
-    return fits
+    return largest_within(bytes_for_batch, capacity_bytes, limit)[0]
 
 
 def device_capacity(gpu: str | None, device_memory_gb: float | None) -> tuple[int, str, str | None]:

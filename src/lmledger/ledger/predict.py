@@ -8,7 +8,8 @@ the module's training step (ledger.dryrun). It runs on fake tensors of `batch`'s
 A LightningModule is used by duck typing only (no Lightning import). Its `training_step(batch,
 batch_idx)` is the step. Its `configure_optimizers()` gives the optimizer. Lightning's automatic
 optimization runs them so. `measure_module`, the dry run's twin, runs the same two steps on real tensors
-(dryrun.measure_step).
+(dryrun.measure_step); `measure(run)`, account --measure's, runs them on the run's ToyLM with its one
+optimizer (`toy_optimizer`), the same bytes fit's Ledger measures (tests/test_account_measure.py).
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 from collections.abc import Callable, Mapping
-from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -36,9 +36,9 @@ from lmledger.ledger.dryrun import (
     largest_batch,
     loss_of,
     measure_step,
+    training_step,
 )
 from lmledger.ledger.fakecopy import batch_tensors, map_tensors
-from lmledger.ledger.memtrack import track_peak
 from lmledger.ledger.run import Run
 from lmledger.model import ToyLM, count_parameters
 
@@ -54,6 +54,8 @@ __all__ = [
     "parameter_count",
     "predict",
     "resized",
+    "toy_optimizer",
+    "toy_step",
 ]
 
 
@@ -142,67 +144,57 @@ class Measurement:
     step: Callable[[], None]
 
 
-def measure(run: Run) -> Measurement:
-    """Build the run's ToyLM for real on run.device and run training steps.
+def toy_optimizer(run: Run) -> Callable[[list], torch.optim.Optimizer] | None:
+    """The optimizer of a Run of lmledger's ToyLM, as a factory `params -> optimizer`; None for "none".
 
-    FLOPs are counted once. Saved activations come from the first step; state after the optimizer has
-    stepped. The peak is over a second, steady step. On CUDA it is the allocator's. Elsewhere it is
-    live tensor bytes (ledger.memtrack), with the phase it fell in.
+    LitLM's kind, fused flag and SGD momentum (lmledger.lit.configure_optimizers). Its learning rate, betas
+    and weight-decay groups change no byte of the state, so one group at lr 1e-4 stands for them. The one
+    copy: the dry runs (atscale.toy_inputs), `measure` and account's step-time tables take it from here.
+    """
+    kinds = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
+    if run.optimizer == "none":
+        return None
+    if run.optimizer not in kinds:
+        raise UserError(f"unknown optimizer {run.optimizer!r}: use adamw or sgd")
+    kind, extra = kinds[run.optimizer], {"momentum": run.momentum} if run.optimizer == "sgd" else {}
+
+    def make(params: list) -> torch.optim.Optimizer:
+        return kind(params, lr=1e-4, fused=run.fused_optimizer, **extra)
+
+    return make
+
+
+def toy_step(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """The ToyLM's training step on (inputs, targets): its loss, as LitLM.training_step computes it."""
+    return model(*batch)
+
+
+def measure(run: Run) -> Measurement:
+    """The run's ToyLM built for real on run.device: the dry run's measured twin (dryrun.measure_step).
+
+    Two training steps in Lightning's order, as `lmledger fit`'s Ledger measures them: FLOPs, saved
+    activations and state from the first, the peak (live tensor bytes, ledger.memtrack, with its phase)
+    over the second, steady one. On CUDA the peak is the allocator's over a third step, as fit's is.
     """
     if run.precision not in _MEASURABLE:
         raise UserError(f"--measure supports precisions {', '.join(_MEASURABLE)}, not {run.precision}")
     if run.world_size > 1 or run.strategy != "ddp":
         raise UserError("--measure runs one process; measure a sharded or multi-device config with `lmledger fit`")
     torch.manual_seed(0)
-    row = precision_table.precision(run.precision)
     model = ToyLM(run.config).to(run.device)
-    if row.convert_dtype is not None:
-        model = model.to(row.convert_dtype)
-    model.train()
-    if run.optimizer == "adamw":
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=run.fused_optimizer)  # as LitLM
-    elif run.optimizer == "sgd":
-        optimizer = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=run.momentum, fused=run.fused_optimizer)
-    else:
-        raise UserError(f"unknown optimizer {run.optimizer!r}")
-    autocast_dtype = row.autocast_dtype
-
-    def autocast():
-        # As Lightning's precision plugin runs it: no weight cache (a cast lives while backward needs it).
-        return torch.autocast(run.device.type, autocast_dtype, cache_enabled=False) if autocast_dtype else nullcontext()
-
-    x = torch.randint(0, run.config.vocab_size, (run.batch_size, run.seq_len), device=run.device)
-    y = torch.randint(0, run.config.vocab_size, (run.batch_size, run.seq_len), device=run.device)
-    counted = ledger_flops.measure_flops(model, x, y, training=True, autocast_dtype=autocast_dtype)
-
-    with ledger_activations.measure_saved_activations(model) as saved:
-        with autocast():
-            loss = model(x, y)
-    loss.backward()
-    optimizer.step()
-    state = ledger_memory.measure_state_bytes(model, optimizer)
-
-    def step(phase=lambda name: None) -> None:
-        # Lightning's order: forward, zero_grad, backward, step. Last step's grads live through forward.
-        phase("forward")
-        with autocast():
-            loss = model(x, y)
-        phase("zero_grad")
-        optimizer.zero_grad(set_to_none=True)
-        phase("backward")
-        loss.backward()
-        phase("optimizer step")
-        optimizer.step()
-
+    make = toy_optimizer(run)
+    optimizer = make(list(model.parameters())) if make is not None else None
+    shape = (run.batch_size, run.seq_len)
+    batch = tuple(torch.randint(0, run.config.vocab_size, shape, device=run.device) for _ in range(2))
+    measured = measure_step(model, batch, step=toy_step, optimizer=optimizer, precision=run.precision)
+    step = training_step(model, batch, step=toy_step, optimizer=optimizer, precision=run.precision)
+    peak, peak_phase = measured.peak, measured.peak_phase
     if run.device.type == "cuda":
         peak, peak_phase = ledger_peak.measure_peak_cuda(step, run.device), None
-    else:
-        with track_peak(model, optimizer, x, y) as tracker:
-            step(tracker.phase)
-        peak, peak_phase = tracker.peak_bytes, tracker.peak_phase
     return Measurement(
-        flops=counted.total, **state, activations=saved.activations,
-        autocast_weight_copies=saved.autocast_weight_copies, peak=peak, peak_phase=peak_phase, step=step,
+        flops=measured.flops, params=measured.params, grads=measured.grads, optimizer=measured.optimizer,
+        activations=measured.activations, autocast_weight_copies=measured.autocast_weight_copies, peak=peak,
+        peak_phase=peak_phase, step=step,
     )  # fmt: skip
 
 

@@ -37,7 +37,7 @@ from lmledger.ledger import dryrun
 from lmledger.ledger import memory as ledger_memory
 from lmledger.ledger.ddp import DDPSettings
 from lmledger.ledger.ddp_dryrun import predict_ddp
-from lmledger.ledger.dryrun import LargestBatch, NotTraced, OptimizerSpec, StepFn, StepLedger
+from lmledger.ledger.dryrun import LargestBatch, NotTraced, OptimizerSpec, StepFn
 from lmledger.ledger.fsdp2 import (  # noqa: F401  (the entry point's names)
     DEFAULT_FSDP,
     FSDPSettings,
@@ -191,77 +191,9 @@ def largest_batch_sharded(
 ) -> LargestBatch | NotTraced:
     """The largest per-rank micro-batch b <= limit whose predict_sharded peak is at most capacity_bytes.
 
-    The kwargs are passed on to predict_sharded. Sizes double until one does not fit, then bisect (as
-    dryrun.largest_batch).
+    The kwargs are passed on to predict_sharded. The search is dryrun.largest_batch's (dryrun.search_batch).
     """
-    if capacity_bytes <= 0 or limit < 1:
-        raise UserError(f"capacity_bytes and limit must be positive, got {capacity_bytes} and {limit}")
-    ledgers: dict[int, StepLedger] = {}
-
-    def fits(size: int) -> bool | NotTraced:
-        result = predict_sharded(module, batch_for(size), **kwargs)
-        if isinstance(result, NotTraced):
-            return result
-        ledgers[size] = result
-        return result.peak <= capacity_bytes
-
-    # The peak grows about linearly with the batch: sizes 1 and 2 give the line, its crossing of the
-    # capacity the first guess; from there the distance doubles until one size fits and the next does not,
-    # then bisects. A handful of dry runs, where doubling from 1 takes two per power of two.
-    first = fits(1)
-    if isinstance(first, NotTraced) or not first:
-        return first if isinstance(first, NotTraced) else LargestBatch(0, None, ledgers[1])
-    if limit == 1:
-        return LargestBatch(1, ledgers[1], None)
-    second = fits(2)
-    if isinstance(second, NotTraced):
-        return second
-    slope = max(ledgers[2].peak - ledgers[1].peak, 1)
-    guess = max(1, min(limit, 1 + (capacity_bytes - ledgers[1].peak) // slope)) if second else 1
-    low, high = _bracket(fits, guess, limit, ledgers, capacity_bytes)
-    if isinstance(low, NotTraced):
-        return low
-    if high is None:
-        return LargestBatch(limit, ledgers[limit], None)
-    while high - low > 1:
-        middle = (low + high) // 2
-        verdict = fits(middle)
-        if isinstance(verdict, NotTraced):
-            return verdict
-        low, high = (middle, high) if verdict else (low, middle)
-    return LargestBatch(low, ledgers.get(low), ledgers[high])
-
-
-def _bracket(fits, guess: int, limit: int, ledgers: dict, capacity: int):
-    """(low, high) from `guess` outward: a size that fits and one that does not.
-
-    The second is None when even `limit` fits.
-    """
-    known = lambda size: ledgers[size].peak <= capacity if size in ledgers else fits(size)  # noqa: E731
-    verdict = known(guess)
-    if isinstance(verdict, NotTraced):
-        return verdict, None
-    step = 1
-    if verdict:
-        low = guess
-        while low < limit:
-            high = min(low + step, limit)
-            verdict = known(high)
-            if isinstance(verdict, NotTraced):
-                return verdict, None
-            if not verdict:
-                return low, high
-            low, step = high, 2 * step
-        return limit, None
-    high = guess
-    while True:
-        low = max(high - step, 1)
-        verdict = known(low)
-        if isinstance(verdict, NotTraced):
-            return verdict, None
-        if verdict:
-            return low, high
-        high, step = low, 2 * step
+    return dryrun.search_batch(lambda b: predict_sharded(module, b, **kwargs), batch_for, capacity_bytes, limit)
 
 
 # --------------------------------------------------------------------------------------------

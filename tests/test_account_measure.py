@@ -1,0 +1,34 @@
+"""`account --measure` and `fit` measure one step the same way (issue 33 §2): account runs the dry run's
+measured twin (dryrun.measure_step) on the config's ToyLM, the fit's Ledger reads the Lightning step."""
+
+from pathlib import Path
+
+import pytest
+
+from conftest import MICRO_OVERRIDES, read_scalars, run_json
+from lmledger.cli import main as lmledger
+from lmledger.ledger.units import MEMORY_ROWS
+
+
+def _measured(result: dict, group: str, row: str) -> float:
+    """A measured figure of account's JSON, in the shape of issue 33 §1 (memory.measured.<row>) or before it."""
+    figures = result[group]
+    if "measured" in figures and isinstance(figures["measured"], dict):
+        return figures["measured"][row]
+    return figures[row]["measured"] if group == "memory" else figures.get(f"{row}_per_step", figures.get(row))
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_account_measure_and_fit_show_the_same_measured_bytes(workdir, capsys, precision):
+    config = ["--config", "configs/tiny.yaml", *MICRO_OVERRIDES, "--trainer.precision", precision]
+    account = run_json(capsys, "account", *config, "--measure", "--json")
+    fit = [*config, "--trainer.max_steps", "2", "--trainer.logger.init_args.save_dir", "runs"]
+    assert lmledger(["fit", *fit, "--trainer.callbacks", "[]"]) == 0
+    scalars = read_scalars(next(Path("runs").rglob("events.out.tfevents.*")).parent)
+    measured = account["memory"]["measured"]
+    for row in MEMORY_ROWS[:-1]:  # params, grads, optimizer, activations: bytes, exact
+        assert measured[row] > 0 and scalars[f"memory/measured/{row}"][-1][1] == measured[row], row
+    # The peak: the fit's real Lightning step also keeps LitLM's loss (`_last_loss`), its grad norm and the
+    # logged scalars through the step, 4 bytes each (8-16 B here); the model's own step is the same.
+    assert 0 <= scalars["memory/measured/peak"][-1][1] - measured["peak"] <= 32
+    assert scalars["flops/measured_per_step"][-1][1] == pytest.approx(account["flops"]["measured_per_step"], rel=1e-6)
