@@ -192,6 +192,7 @@ def test_fits_rank_record_has_the_one_shape_and_its_paths_are_the_tensorboard_ta
     seq = next(iter(loader))[0].shape[1]
     assert_one_shape(record)
     assert record["rank"] == 0 and record["run"]["world_size"] == 1 and record["step"] == 3
+    assert record["run"]["strategy"] == "ddp"  # as account names a one-device run (ledger.run.sharding)
     assert record["params"] == sum(p.numel() for p in module.parameters())
     assert record["run"]["tokens_per_step"] == 4 * seq and record["run"]["batch_size"] == 4
     metrics = flatten(record)
@@ -202,3 +203,22 @@ def test_fits_rank_record_has_the_one_shape_and_its_paths_are_the_tensorboard_ta
         assert list(record["sources"]) == ["predicted", "worst_routing", "measured"]
         assert record["memory"]["worst_routing"]["peak"] > record["memory"]["predicted"]["peak"]
         assert record["flops"]["worst_routing_per_step"] >= record["flops"]["hardware_per_step"]
+
+
+def test_a_measured_only_report_and_one_before_its_measurement_keep_the_shape():
+    """A module the dry run cannot trace (no predictor) and a report before step 2 (no measurement): the same keys."""
+    from lmledger.ledger.report import Figures, Report
+
+    module = TinyLM()
+    n = sum(p.numel() for p in module.parameters())
+    state = Figures(params=4 * n, grads=4 * n, optimizer=8 * n, flops_hardware=6 * n)
+    run = dict.fromkeys(RUN_KEYS) | {"model": "TinyLM", "world_size": 1}
+    measured_only = Report({}, measured=state, notes=["not predicted, measured only: a reason"]).to_json(run, n)
+    before = Report({"dry run": state}, notes=["per device"]).to_json(run, n)
+    for doc in (measured_only, before):
+        assert_one_shape(doc)
+    assert measured_only["sources"] == {"predicted": None, "measured": "measured"}
+    assert measured_only["memory"]["predicted"] == dict.fromkeys(BYTE_LINES)
+    assert measured_only["state_bytes_per_param"] == {"predicted": None, "measured": 16.0}
+    assert before["sources"] == {"predicted": "dry run", "measured": None}
+    assert before["flops"] == {"model_per_step": None, "hardware_per_step": 6 * n, "measured_per_step": None}
