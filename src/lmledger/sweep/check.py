@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from lmledger.errors import UserError
 from lmledger.sweep.spec import CONFIG_COMMANDS, Experiment, config_args, fit_args, format_value, override_flags
@@ -15,6 +15,9 @@ __all__ = ["CheckedPoints", "bad_points_error", "check_points"]
 class CheckedPoints:
     specs: dict[str, object]  # point id -> its Run (fit, validate and account points)
     errors: dict[str, str]  # point id -> the one line its arguments give
+    # point id -> (nodes, ranks per node) its trainer asks for (fit and validate points, any model): the SLURM
+    # launcher's --nodes and --ntasks-per-node
+    shapes: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
 def check_points(experiment: Experiment) -> CheckedPoints:
@@ -28,12 +31,14 @@ def check_points(experiment: Experiment) -> CheckedPoints:
     Other commands (plan, bench, gpus) are checked when they run: they fail in a second.
     """
     from lmledger.fitting.cli import parse_fit_config
-    from lmledger.run_config import run_from_config
+    from lmledger.run_config import resolve_strategy, run_from_config
 
     def spec_of(config):
         # A config naming any LightningModule parses but has no closed forms to list (its dry run needs the
-        # module built): checked, not predicted.
-        return _ANY_MODEL if "class_path" in config.model else run_from_config(config)
+        # module built): checked, not predicted. Either has a shape: its nodes and ranks per node.
+        scale = resolve_strategy(config.trainer, config.model)
+        run = _ANY_MODEL if "class_path" in config.model else run_from_config(config)
+        return run, (scale.num_nodes, scale.devices)
 
     def parse(args: list[str]):
         try:
@@ -46,6 +51,7 @@ def check_points(experiment: Experiment) -> CheckedPoints:
     confirmed_bad: dict[tuple[tuple[str, ...], str, str], str] = {}
     specs: dict[str, object] = {}
     errors: dict[str, str] = {}
+    shapes: dict[str, tuple[int, int]] = {}
     # Parsing a config seeds the RNG, and Lightning says so once per parse: noise in a listing.
     seed_log = logging.getLogger("lightning.fabric.utilities.seed")
     level = seed_log.level
@@ -84,11 +90,13 @@ def check_points(experiment: Experiment) -> CheckedPoints:
                     confirmed_bad[failed_alone] = str(values[failed_alone])
             if isinstance(spec, Exception):
                 errors[point.id] = str(spec)
-            elif spec is not _ANY_MODEL:
-                specs[point.id] = spec
+                continue
+            run, shapes[point.id] = spec
+            if run is not _ANY_MODEL:
+                specs[point.id] = run
     finally:
         seed_log.setLevel(level)
-    return CheckedPoints(specs, errors)
+    return CheckedPoints(specs, errors, shapes)
 
 
 _ANY_MODEL = object()  # check_points: a point whose model is a class_path (no Run)

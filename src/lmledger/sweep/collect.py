@@ -12,7 +12,7 @@ import math
 import re
 import statistics
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from lmledger.ledger.units import MEMORY_ROWS
@@ -20,12 +20,15 @@ from lmledger.sweep.spec import Experiment, Point
 
 __all__ = [
     "DEFAULT_METRICS",
+    "RANK_COLUMNS",
     "PointResult",
     "flatten",
     "json_path",
     "metric_columns",
     "newest_run_dir",
+    "rank_tags",
     "read_tensorboard",
+    "with_ranks",
 ]
 
 
@@ -141,3 +144,62 @@ def metric_columns(experiment: Experiment, results: Iterable[PointResult]) -> li
     if experiment.x and experiment.x not in experiment.swept_keys:
         columns.append(experiment.x)
     return list(dict.fromkeys(columns))
+
+
+# ------------------------------------------------------------------------------------- per-rank records
+
+# A point on several ranks: whose ledger lines its memory/ and flops/ columns are, and how many rank records were
+# read (each node's disk holds its own ranks' records: without a shared filesystem, fewer than the world size).
+RANK_COLUMNS = ("rank", "ranks")
+
+
+def rank_tags(record: dict) -> tuple[dict[str, float], int | None]:
+    """A per-rank record (callbacks/ranks.py) as the TensorBoard tags `fit` logs, and the run's world size.
+
+    The one reader of the record's shape (ledger.report's JSON, whose paths are the tags): a change of it
+    changes this function only."""
+    tags = flatten({"memory": record.get("memory") or {}, "flops": record.get("flops") or {}})
+    world = (record.get("run") or {}).get("world_size")
+    numbers = {k: v for k, v in tags.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    return numbers, world if isinstance(world, int) else None
+
+
+def _worst(tags: dict[int, dict[str, float]]) -> int:
+    """The rank with the largest measured peak (the predicted one where no rank measured it); the lowest on a tie."""
+    for kind in ("measured", "predicted"):
+        peaks = {r: t[f"memory/{kind}/peak"] for r, t in tags.items() if f"memory/{kind}/peak" in t}
+        if peaks:
+            return max(peaks, key=lambda r: (peaks[r], -r))
+    return min(tags)
+
+
+def with_ranks(experiment: Experiment, results: Iterable[PointResult]) -> list[PointResult]:
+    """The results, each point on several ranks marked with whose ledger lines its columns hold.
+
+    experiment.ranks "rank0": TensorBoard's lines, rank 0's (Lightning's loggers write on rank 0 only).
+    "worst": the lines of the rank whose peak is largest, from its version_N/ranks/rank<R>.json, in place of
+    every memory/ and flops/ metric. Records are read when the table is written, so a finished sweep's table
+    changes with the option without running anything again."""
+    out = []
+    for result in results:
+        ranks_dir = Path(result.run_dir) / "ranks" if result.run_dir else None
+        if result.status != "done" or ranks_dir is None or not ranks_dir.is_dir():
+            out.append(result)
+            continue
+        from lmledger.callbacks.ranks import read_rank_records  # Lightning: only for a run with rank records
+
+        tags, worlds = {}, set()
+        for rank, record in read_rank_records(ranks_dir.parent).items():
+            tags[rank], world = rank_tags(record)
+            worlds.add(world)
+        world = max((w for w in worlds if w), default=len(tags))
+        if not tags or world <= 1:
+            out.append(result)
+            continue
+        metrics = {**result.metrics, "rank": 0, "ranks": len(tags)}
+        if experiment.ranks == "worst":
+            rank = _worst(tags)
+            metrics = {k: v for k, v in metrics.items() if not k.startswith(("memory/", "flops/"))}
+            metrics.update(tags[rank], rank=rank)
+        out.append(replace(result, metrics=metrics))
+    return out

@@ -1,6 +1,7 @@
 """A sweep's results: results.csv, results.md, then the plots.
 
 results.csv has every column, raw. results.md has human units, each prediction beside its measured twin.
+A point on several ranks has a `rank` column: whose lines its ledger columns are (the experiment's `ranks`).
 """
 
 from __future__ import annotations
@@ -12,14 +13,16 @@ from pathlib import Path
 from lmledger.atomic import atomic_write
 from lmledger.ledger.report import markdown_table
 from lmledger.ledger.units import MB
-from lmledger.sweep.collect import PointResult, metric_columns
+from lmledger.sweep.collect import RANK_COLUMNS, PointResult, metric_columns, with_ranks
 from lmledger.sweep.spec import Experiment, short_key, slug_value
 
 __all__ = ["results_markdown", "write_results"]
 
 
 def _table_columns(experiment: Experiment, results: list[PointResult]) -> list[str]:
-    return ["point", "status", *experiment.swept_keys, *metric_columns(experiment, results), "seconds", "error"]
+    ranks = RANK_COLUMNS if any("rank" in r.metrics for r in results) else ()
+    columns = ["point", "status", *experiment.swept_keys, *ranks, *metric_columns(experiment, results), "seconds"]
+    return list(dict.fromkeys([*columns, "error"]))
 
 
 def _result_row(result: PointResult, columns: list[str]) -> dict[str, object]:
@@ -35,6 +38,7 @@ def _result_row(result: PointResult, columns: list[str]) -> dict[str, object]:
 
 
 def write_results(experiment: Experiment, results: list[PointResult], out_dir: Path) -> list[Path]:
+    results = with_ranks(experiment, results)  # each multi-rank point's lines: rank 0's, or the worst rank's
     columns = _table_columns(experiment, results)
     rows = [_result_row(r, columns) for r in results]
     buffer = io.StringIO()

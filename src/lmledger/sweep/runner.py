@@ -311,8 +311,13 @@ def point_main(argv: list[str], run_command: Callable[[list[str]], int]) -> int:
     """The process of one point: `python -m lmledger.sweep point PARENT_PID LMLEDGER_ARGS...`.
 
     `run_command` is the lmledger command line's main. The entry point passes it: commands sit above sweeps.
+    A point on several devices is this command line again in each rank Lightning starts (its subprocess
+    launcher sets LOCAL_RANK >= 1 in theirs): such a rank dies with rank 0, its parent, not with the sweep.
     """
-    _die_with_parent(int(argv[0]))
+    parent = int(argv[0])
+    if int(os.environ.get("LOCAL_RANK") or 0) > 0:
+        parent = os.getppid()
+    _die_with_parent(parent)
     return run_command(argv[1:])
 
 

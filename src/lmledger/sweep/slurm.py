@@ -6,9 +6,18 @@ already a command line. It reads job states from `sacct`, which a cluster withou
 (our CI's does).
 
 Before anything is queued, each point's predicted peak is held against what the job asks for.
-(The prediction is the one `--dry-run` lists.) CPU jobs: `--mem`. `--gres=gpu:TYPE:N`: the GPU's memory.
+(The prediction is the one `--plan` and `lmledger account` give: per rank at the point's world size,
+num_nodes x devices, from the per-rank dry run where account uses it, ledger.sharded.) CPU jobs: `--mem`,
+which is per node, so a node's ranks each need theirs. `--gres=gpu:TYPE:N`: the GPU's memory, per rank.
 A point that cannot fit is refused in one line. Without `--mem`, the largest point's need sets it
 (_need_bytes).
+
+A point whose trainer asks for several nodes (`trainer.num_nodes: 2`) cannot share an array with one-node
+points: an array's tasks all ask for the same resources. Points are queued as one array per shape. A
+multi-node array asks `--nodes N --ntasks-per-node D` (D = trainer.devices) and `srun`s the task, one
+process a rank, as Lightning's SLURM environment expects; rank 0 keeps the point's status and logs, rank R
+its own points/<id>/rank<R>.stdout.log and .stderr.log. A one-node point runs as before: one task, and
+Lightning starts its devices' ranks itself.
 
 out_dir/slurm/ holds each submission. array-N.sh is the batch script. tasks-N.json maps task index ->
 point and its command line. experiment-N.yaml is the experiment file as submitted: the tasks read it,
@@ -48,6 +57,7 @@ from pathlib import Path
 
 from lmledger.atomic import atomic_write
 from lmledger.errors import UserError
+from lmledger.ledger.units import format_bytes
 from lmledger.sweep.check import check_points
 from lmledger.sweep.collect import PointResult
 from lmledger.sweep.report import write_results
@@ -61,7 +71,7 @@ from lmledger.sweep.runner import (
     saved_status,
     status_path,
 )
-from lmledger.sweep.spec import Experiment, Point, cli_args, load_experiment
+from lmledger.sweep.spec import TRAINING_COMMANDS, Experiment, Point, cli_args, fit_args, load_experiment
 
 __all__ = ["SlurmRequest", "ended_result", "in_queue", "require_slurm", "run_slurm_sweep", "task_main"]
 
@@ -223,57 +233,120 @@ def _need_bytes(peak: float) -> int:
 
 
 def _gb(n: float) -> str:
+    """A memory request, as sizes the cluster is asked for (a peak is format_bytes: 4 digits, any size)."""
     return f"{n / 1e9:,.2f} GB"
 
 
-def _predicted_peaks(experiment: Experiment, points: list[Point]) -> dict[str, float]:
-    """Point id -> predicted peak bytes per rank, for points predictable without building."""
+@dataclass(frozen=True)
+class _Shape:
+    """Where a point's ranks run: `nodes` nodes of `per_node` ranks (trainer.num_nodes, trainer.devices)."""
+
+    nodes: int = 1
+    per_node: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.per_node
+
+    def words(self) -> str:
+        """ "2 nodes x 1 rank" for the refusals; "" for one rank."""
+        if self.world_size == 1:
+            return ""
+        ranks = f"{self.per_node} rank{'s' if self.per_node > 1 else ''}"
+        return f"{self.nodes} node{'s' if self.nodes > 1 else ''} x {ranks}"
+
+
+@dataclass(frozen=True)
+class _Group:
+    """The points of one array: a shape, the --mem (MiB) each of its nodes asks for, and the points."""
+
+    nodes: int  # > 1: --nodes, --ntasks-per-node and srun
+    per_node: int
+    mem_mib: int | None
+    points: tuple[Point, ...]
+
+
+def _fit_check(experiment: Experiment, points: list[Point]) -> tuple[dict[str, float], dict[str, _Shape]]:
+    """Point id -> predicted peak bytes per rank at the point's shape (for points predictable without
+    building), and point id -> its shape (every config-reading point; the rest run as one rank).
+
+    The peak is what `lmledger account` (and `sweep --plan`) predicts for the point's arguments: at world size
+    num_nodes x devices, one rank's dry run (ledger.sharded) where account traces the strategy (DDP over
+    several ranks, FSDP2), else the closed forms."""
+    from lmledger.accounting import account, traced_at_scale
     from lmledger.ledger.predict import predict
 
-    specs = check_points(replace(experiment, points=tuple(points))).specs
-    peaks = {}
+    checked = check_points(replace(experiment, points=tuple(points)))
+    peaks, shapes = {}, {}
     for point in points:
-        spec = specs.get(point.id)
-        if spec is not None:
-            peak = predict(spec).peak  # what `lmledger account` shows for it
-            if peak is not None:
-                peaks[point.id] = float(peak)
-    return peaks
+        shapes[point.id] = _Shape(*checked.shapes.get(point.id, (1, 1)))
+        spec = checked.specs.get(point.id)
+        if spec is None:
+            continue
+        if traced_at_scale(spec):
+            peak = account(spec, False, fit_args(point))["memory"]["peak"]["predicted"]
+        else:
+            peak = predict(spec).peak  # the closed forms: what account shows for it, in milliseconds
+        if peak is not None:
+            peaks[point.id] = float(peak)
+    return peaks, shapes
 
 
-def _memory_request(experiment: Experiment, points: list[Point], request: SlurmRequest) -> int | None:
-    """The --mem (MiB) to ask for, after holding every point's predicted peak against the request.
+def _per_rank(point: Point, shapes: dict[str, _Shape], each: str = "per rank") -> str:
+    """ " per rank (2 nodes x 1 rank)" for a point on several ranks, else "" (" per GPU" for each="per GPU")."""
+    words = shapes[point.id].words()
+    return f" {each} ({words})" if words else f" {each}" if each != "per rank" else ""
+
+
+def _memory_request(experiment: Experiment, points: list[Point], request: SlurmRequest) -> list[_Group]:
+    """The arrays to queue: the points grouped by shape, each group with the --mem (MiB) its nodes ask for,
+    after holding every point's predicted peak per rank, at its shape, against the request.
 
     A point that cannot fit is refused in one line, before anything is queued."""
-    peaks = _predicted_peaks(experiment, points)
+    peaks, shapes = _fit_check(experiment, points)
+
+    def node_need(point: Point) -> int:  # --mem is per node: each of its ranks needs its own process and peak
+        return shapes[point.id].per_node * _need_bytes(peaks[point.id])
+
     gpu = _gres_gpu(request.gres)
-    if gpu is not None:
-        kind, _ = gpu
-        if kind is None:
-            return None if request.mem is None else max(1, _parse_mem(request.mem) // _MIB)
-        spec = _gres_gpu_spec(kind)
+    asked = None if request.mem is None else _parse_mem(request.mem)
+    if gpu is not None and gpu[0] is not None:
+        spec = _gres_gpu_spec(gpu[0])
         for point in points:
             if peaks.get(point.id, 0) > spec.memory_bytes:
+                peak = format_bytes(peaks[point.id])
                 raise UserError(
-                    f"point {point.id}: predicted peak {_gb(peaks[point.id])} per GPU does not fit the "
-                    f"{_gb(spec.memory_bytes)} of a {spec.name} (--gres {request.gres}); nothing was queued: shrink "
-                    "the point or ask for a larger GPU"
+                    f"point {point.id}: predicted peak {peak}{_per_rank(point, shapes, 'per GPU')} "
+                    f"does not fit the {_gb(spec.memory_bytes)} of a {spec.name} (--gres {request.gres}); nothing "
+                    "was queued: shrink the point or ask for a larger GPU"
                 )
-        return None if request.mem is None else max(1, _parse_mem(request.mem) // _MIB)
-    if request.mem is not None:
-        asked = _parse_mem(request.mem)
+    elif gpu is None and asked is not None:
         for point in points:
-            if point.id in peaks and _need_bytes(peaks[point.id]) > asked:
+            if point.id in peaks and node_need(point) > asked:
+                per_node = shapes[point.id].per_node
+                ranks = f", x {per_node} ranks a node: {_gb(node_need(point))}" if per_node > 1 else ""
                 raise UserError(
-                    f"point {point.id}: predicted peak {_gb(peaks[point.id])} (+{_PEAK_MARGIN - 1:.0%} and "
-                    f"{_gb(_PROCESS_BYTES)} for the process: {_gb(_need_bytes(peaks[point.id]))}) does not fit "
-                    f"--mem {request.mem} ({_gb(asked)}); nothing was queued: ask for more, or leave --mem out "
-                    "and the prediction sets it"
+                    f"point {point.id}: predicted peak {format_bytes(peaks[point.id])}{_per_rank(point, shapes)} "
+                    f"(+{_PEAK_MARGIN - 1:.0%} and {_gb(_PROCESS_BYTES)} for the process: "
+                    f"{_gb(_need_bytes(peaks[point.id]))}{ranks}) does not fit --mem {request.mem} ({_gb(asked)}); "
+                    "nothing was queued: ask for more, or leave --mem out and the prediction sets it"
                 )
-        return max(1, asked // _MIB)
-    if not peaks:
-        return None  # nothing predicted: the cluster's default
-    return math.ceil(max(_need_bytes(p) for p in peaks.values()) / _MIB)
+    by_shape: dict[tuple[int, int], list[Point]] = {}
+    for point in points:
+        shape = shapes[point.id]
+        # Several nodes: one SLURM task a rank (srun). One node: one task; Lightning starts the ranks itself.
+        many = shape.nodes > 1 and point.subcommand in TRAINING_COMMANDS
+        by_shape.setdefault((shape.nodes, shape.per_node) if many else (1, 1), []).append(point)
+    groups = []
+    for (nodes, per_node), members in sorted(by_shape.items()):
+        if asked is not None:
+            mem = max(1, asked // _MIB)
+        elif gpu is not None or not any(p.id in peaks for p in members):
+            mem = None  # a GPU job, or nothing predicted: the cluster's default
+        else:
+            mem = math.ceil(max(node_need(p) for p in members if p.id in peaks) / _MIB)
+        groups.append(_Group(nodes, per_node, mem, tuple(members)))
+    return groups
 
 
 # ------------------------------------------------------------------------------------- the queue
@@ -351,8 +424,11 @@ def _freeze_experiment(experiment: Experiment, points: list[Point], frozen: Path
 
 
 def _submit(experiment: Experiment, out_dir: Path, points: list[Point], request: SlurmRequest, jobs: int,
-           mem_mib: int | None) -> str:  # fmt: skip
+           mem_mib: int | None, nodes: int = 1, per_node: int = 1) -> str:  # fmt: skip
     """sbatch one array over `points`; returns its job id. Each point's status.json says "queued" in task i.
+
+    nodes > 1: each task asks for `nodes` nodes of `per_node` tasks, and the batch shell srun's the point's
+    task_main once a rank.
 
     A refusal (sbatch's, or a failed write) removes every file and folder this call made, and raises
     _NothingQueued."""
@@ -379,6 +455,17 @@ def _submit(experiment: Experiment, out_dir: Path, points: list[Point], request:
             "out_dir": str(out_dir.resolve()), "tasks": tasks,
         }, indent=1) + "\n")  # fmt: skip
         throttle = f"%{jobs}" if jobs else ""
+        task = (f"{shlex.quote(sys.executable)} -m lmledger.sweep slurm-task {shlex.quote(str(record.resolve()))} "
+                '"$SLURM_ARRAY_TASK_ID"')  # fmt: skip
+        if nodes > 1:
+            shape = [f"#SBATCH --nodes={nodes}", f"#SBATCH --ntasks-per-node={per_node}"]
+            # srun starts a task_main a rank (SLURM_PROCID); --kill-on-bad-exit: a rank that dies ends the others,
+            # so none is left waiting in a collective. exec: SLURM's signals reach srun, which passes them on.
+            run = [f"exec srun --kill-on-bad-exit=1 {task}"]
+        else:
+            shape = []
+            run = ["# exec: the task is the batch shell, so SLURM's signals (SIGTERM, --signal=B:USR1) reach it",
+                   f"exec {task}"]  # fmt: skip
         script = "\n".join([
             "#!/bin/bash",
             directive("job-name", f"lmledger-{experiment.name}"),
@@ -386,12 +473,11 @@ def _submit(experiment: Experiment, out_dir: Path, points: list[Point], request:
             directive("output", output),
             "#SBATCH --open-mode=append",  # a requeued task adds to its log
             "#SBATCH --requeue",
+            *shape,
             *request.sbatch_lines(mem_mib),
             # The shell, not a directive, changes directory: a shell-quoted path may hold any character.
             f"cd -- {shlex.quote(str(Path.cwd()))} || exit 1",
-            "# exec: the task is the batch shell, so SLURM's signals (SIGTERM, --signal=B:USR1) reach it",
-            f"exec {shlex.quote(sys.executable)} -m lmledger.sweep slurm-task {shlex.quote(str(record.resolve()))} "
-            '"$SLURM_ARRAY_TASK_ID"',
+            *run,
             "",
         ])  # fmt: skip
         atomic_write(path, script.encode("utf-8", "surrogateescape"))  # a path's own bytes, even if not UTF-8
@@ -443,21 +529,30 @@ def run_slurm_sweep(
     plan = plan_sweep(experiment, out_dir) if plan is None else plan
     queued = in_queue(out_dir, plan.pending)
     to_submit = [p for p in plan.pending if p.id not in queued]
-    mem_mib = _memory_request(experiment, to_submit, request) if to_submit else None
+    groups = _memory_request(experiment, to_submit, request) if to_submit else []  # every refusal before any sbatch
     if to_submit:
         output_pattern((out_dir / "slurm" / "logs").resolve())  # a path no #SBATCH line can carry: before any write
     made = _missing_dirs(out_dir)
     claimed = claim_out_dir(experiment, out_dir)
     results = dict(plan.results)
-    if to_submit:
+    submitted: list[str] = []
+    for group in groups:
         try:
-            job = _submit(experiment, out_dir, to_submit, request, jobs, mem_mib)
-        except _NothingQueued:
+            job = _submit(experiment, out_dir, list(group.points), request, jobs, group.mem_mib, group.nodes,
+                          group.per_node)  # fmt: skip
+        except _NothingQueued as refused:
+            if submitted:  # the arrays queued before it stay queued: the same command later queues only the rest
+                raise UserError(
+                    f"{refused} (the array of {len(group.points)} point(s) on {group.nodes} nodes); "
+                    f"job array(s) {', '.join(submitted)} of this sweep stay queued: fix it and run the same "
+                    "command again, which queues only the rest"
+                ) from None
             # A refusal leaves nothing: the sweep's record if this call wrote it, and the folders it made.
             _remove_made([out_dir / SWEEP_RECORD] if claimed else [], made)
             raise
+        submitted.append(job)
         if on_submit:
-            on_submit(job, len(to_submit), mem_mib)
+            on_submit(job, len(group.points), group.mem_mib)
     if on_done:
         for point in experiment.points:
             if point.id in results:
@@ -532,6 +627,25 @@ def ended_result(out_dir: Path, point: Point) -> PointResult:
 # ------------------------------------------------------------------------------------- inside a task
 
 
+def _other_rank(record: dict, task: dict, rank: int, restart: int, run_command: Callable[[list[str]], int]) -> int:
+    """Rank `rank` > 0 of a multi-node point: it runs the same command line and writes no status (rank 0 keeps
+    it). Its output goes to points/<id>/rank<R>.stdout.log and rank<R>.stderr.log."""
+    logs = status_path(Path(record["out_dir"]), task["point"]).parent
+    logs.mkdir(parents=True, exist_ok=True)
+    mode = "a" if restart else "w"
+    with open(logs / f"rank{rank}.stdout.log", mode) as out, open(logs / f"rank{rank}.stderr.log", mode) as err:
+        sys.stdout.flush(), sys.stderr.flush()
+        os.dup2(out.fileno(), 1), os.dup2(err.fileno(), 2)
+        sys.stdout = os.fdopen(1, "w", buffering=1, closefd=False)
+        sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
+        try:
+            code = run_command(task["argv"])
+        except SystemExit as stop:
+            code = stop.code if isinstance(stop.code, int) else 1
+        sys.stdout.flush(), sys.stderr.flush()
+    return code
+
+
 def task_main(argv: list[str], run_command: Callable[[list[str]], int]) -> int:
     """`python -m lmledger.sweep slurm-task TASKS.json INDEX`: one point, as the SLURM task runs it.
 
@@ -543,6 +657,9 @@ def task_main(argv: list[str], run_command: Callable[[list[str]], int]) -> int:
     args = task["argv"]
     key = f"{os.environ.get('SLURM_ARRAY_JOB_ID')}_{os.environ.get('SLURM_ARRAY_TASK_ID')}"
     restart = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
+    rank = int(os.environ.get("SLURM_PROCID") or 0)  # a multi-node point's srun: one task_main a rank
+    if rank > 0:
+        return _other_rank(record, task, rank, restart, run_command)
     try:
         experiment = load_experiment(record["experiment"])
         point = next((p for p in experiment.points if p.id == task["point"]), None)

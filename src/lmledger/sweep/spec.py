@@ -15,6 +15,8 @@ An experiment file (experiments/*.yaml; docs/sweeps.md has the full story):
     metrics: [train/loss, val/loss]   # default: the command's collect.DEFAULT_METRICS
     x: trainer.precision              # the swept variable on the plots (default: the first grid key)
     requires: gpu                     # every point needs a CUDA GPU
+    ranks: worst                      # a point on several ranks: the table shows the rank with the largest
+                                      # peak (its ranks/rank<R>.json), and names it; default rank0
 
 Override keys are the dotted names `lmledger fit` takes (`model.config.d_model`). For the other
 commands they are flag names (`num-gpus`). Each becomes `--key value`.
@@ -43,6 +45,7 @@ from lmledger.errors import UserError
 __all__ = [
     "CONFIG_COMMANDS",
     "MAX_POINTS",
+    "RANK_CHOICES",
     "TRAINING_COMMANDS",
     "Experiment",
     "Point",
@@ -56,7 +59,11 @@ __all__ = [
     "slug_value",
 ]
 
-_TOP_LEVEL_KEYS = ("name", "description", "command", "configs", "fixed", "grid", "points", "metrics", "x", "requires")
+_TOP_LEVEL_KEYS = ("name", "description", "command", "configs", "fixed", "grid", "points", "metrics", "x", "requires",
+                   "ranks")  # fmt: skip
+# Whose ledger lines a point on several ranks shows in the results (collect.with_ranks): rank 0's, as TensorBoard
+# holds them, or those of the rank with the largest peak, read from the run's per-rank records.
+RANK_CHOICES = ("rank0", "worst")
 _POINT_ONLY_KEYS = ("command", "requires")  # allowed in `points` entries, not as grid keys
 TRAINING_COMMANDS = ("fit", "validate")  # metrics come from the run's TensorBoard events
 _JSON_COMMANDS = ("account", "plan", "gpus", "bench")  # metrics come from the one JSON object on stdout
@@ -102,6 +109,7 @@ class Experiment:
     x: str | None
     swept_keys: tuple[str, ...]  # each override key that varies between points, in order of appearance
     grid_keys: tuple[str, ...]
+    ranks: str = "rank0"  # one of RANK_CHOICES
 
 
 def _fail(source: Path, message: str) -> UserError:
@@ -218,7 +226,12 @@ def load_experiment(path: str | Path) -> Experiment:
     description = raw.get("description", "")
     if not isinstance(description, str):
         raise _fail(source, "description must be a string")
-    return Experiment(name, source, description.strip(), tuple(built), metrics, x, tuple(swept_keys), grid_keys)
+    ranks = raw.get("ranks", "rank0")
+    if ranks not in RANK_CHOICES:
+        raise _fail(
+            source, f"ranks must be {' or '.join(RANK_CHOICES)} (whose ledger lines the table shows), got {ranks!r}"
+        )
+    return Experiment(name, source, description.strip(), tuple(built), metrics, x, tuple(swept_keys), grid_keys, ranks)
 
 
 def _read_mapping(source: Path) -> dict:
