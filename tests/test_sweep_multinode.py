@@ -216,6 +216,18 @@ def test_a_bad_ranks_value_is_one_line(workdir, capsys):
                                   "the table shows), got 'max'"], said  # fmt: skip
 
 
+def test_the_local_launcher_refuses_a_two_node_point_before_anything_runs(workdir, capsys):
+    """Node 0 alone would wait at the rendezvous for a node never started: one line, nothing run or written."""
+    spec = write_experiment(workdir / "local.yaml", MICRO, [{"trainer.devices": 1}, shape(2, 1)])
+    code, said = sweep(capsys, str(spec), "--out", "o")
+    assert code == 2 and len(said) == 1, said
+    line = (r"lmledger sweep: error: point num_nodes=2_devices=1-\w+ asks for 2 nodes \(trainer\.num_nodes\), and the "
+            r"local launcher runs each point on this machine alone: use --launcher slurm, which queues it on that many "
+            r"nodes; nothing was run")  # fmt: skip
+    assert re.fullmatch(line, said[0]), said
+    assert not (workdir / "o").exists()
+
+
 def test_a_sweep_with_a_two_node_point_runs_both_points_under_slurm(workdir, slurm_two_nodes):
     """On the 2-node test cluster: a 1-rank point and a 2-node DDP point (1 rank a node, gloo), 6 steps each.
     Both run and complete; the 2-node point ran as --nodes 2 with a rank on each node, its rank records exist

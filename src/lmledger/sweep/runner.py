@@ -23,7 +23,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, as_completed
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from lmledger.atomic import atomic_write, write_error
@@ -363,6 +363,7 @@ class SweepPlan:
 
     results: dict[str, PointResult]
     pending: list[Point]
+    shapes: dict[str, tuple[int, int]] = field(default_factory=dict)  # point id -> (nodes, ranks per node)
 
 
 def plan_sweep(experiment: Experiment, out_dir: Path) -> SweepPlan:
@@ -383,10 +384,10 @@ def plan_sweep(experiment: Experiment, out_dir: Path) -> SweepPlan:
             results[point.id] = done
         else:
             pending.append(point)
-    errors = check_points(replace(experiment, points=tuple(pending))).errors
-    if errors:
-        raise bad_points_error(experiment, errors)
-    return SweepPlan(results, pending)
+    checked = check_points(replace(experiment, points=tuple(pending)))
+    if checked.errors:
+        raise bad_points_error(experiment, checked.errors)
+    return SweepPlan(results, pending, checked.shapes)
 
 
 def run_sweep(
@@ -406,6 +407,14 @@ def run_sweep(
         raise UserError(f"--jobs must be >= 1, got {jobs}")
     plan = plan_sweep(experiment, out_dir) if plan is None else plan
     results, pending = dict(plan.results), plan.pending
+    for point in pending:
+        nodes = plan.shapes.get(point.id, (1, 1))[0]
+        if nodes > 1 and point.subcommand in TRAINING_COMMANDS:
+            # Node 0 alone would wait at the rendezvous for nodes that are never started.
+            raise UserError(
+                f"point {point.id} asks for {nodes} nodes (trainer.num_nodes), and the local launcher runs each point "
+                "on this machine alone: use --launcher slurm, which queues it on that many nodes; nothing was run"
+            )
     claim_out_dir(experiment, out_dir)
     if on_done:
         for point in experiment.points:
