@@ -57,6 +57,8 @@ def run_facts(trainer: pl.Trainer, report: Report) -> dict[str, object]:
     """The record's "run": the facts `account --json` gives under the same keys (docs/commands.md).
 
     The batch comes from the Ledger that holds `report` (its tokens and samples per batch)."""
+    from lmledger.callbacks.run import _strategy_name  # the ledger.run.sharding name, as `account` prints it
+
     module = trainer.lightning_module
     ledger = next((c for c in trainer.callbacks if getattr(c, "report", None) is report), None)
     run = getattr(ledger, "run", None)  # a ledger.run.Run for lmledger's ToyLM, else None
@@ -69,7 +71,7 @@ def run_facts(trainer: pl.Trainer, report: Report) -> dict[str, object]:
         "tokens_per_step": tokens,
         "precision": str(trainer.precision),
         "optimizer": getattr(run, "optimizer", None),
-        "strategy": type(trainer.strategy).__name__,
+        "strategy": getattr(run, "strategy", None) or _strategy_name(trainer.strategy),  # account's names: ddp, fsdp2
         "world_size": trainer.world_size,
         "device": module.device.type,
         "peak_phase": report.primary.peak_phase if report.primary else None,
