@@ -32,3 +32,19 @@ def test_account_measure_and_fit_show_the_same_measured_bytes(workdir, capsys, p
     # logged scalars through the step, 4 bytes each (8-16 B here); the model's own step is the same.
     assert 0 <= scalars["memory/measured/peak"][-1][1] - measured["peak"] <= 32
     assert scalars["flops/measured_per_step"][-1][1] == pytest.approx(account["flops"]["measured_per_step"], rel=1e-6)
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-true"])
+def test_the_toy_dry_run_is_account_measures_twin_byte_for_byte(precision):
+    """predict.toy_dry_run (the dry run account can show as its main column, issue 33 §2) predicts exactly
+    what predict.measure (account --measure) then measures: every byte line, its phase and the FLOPs."""
+    from lmledger.ledger.predict import measure, toy_dry_run
+    from lmledger.ledger.run import Run
+    from lmledger.model import ModelConfig
+
+    config = ModelConfig(vocab_size=256, context_length=16, d_model=32, n_layers=1, n_heads=2, d_ff=64)
+    run = Run(config, batch_size=2, seq_len=16, precision=precision)
+    dry, real = toy_dry_run(run), measure(run)
+    for row in ("params", "grads", "optimizer", "activations", "autocast_weight_copies", "peak", "peak_phase"):
+        assert getattr(dry, row) == getattr(real, row), row
+    assert dry.flops == real.flops > 0 and dry.peak > dry.params + dry.grads + dry.optimizer

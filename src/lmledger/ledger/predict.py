@@ -54,6 +54,7 @@ __all__ = [
     "parameter_count",
     "predict",
     "resized",
+    "toy_dry_run",
     "toy_optimizer",
     "toy_step",
 ]
@@ -167,6 +168,23 @@ def toy_optimizer(run: Run) -> Callable[[list], torch.optim.Optimizer] | None:
 def toy_step(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """The ToyLM's training step on (inputs, targets): its loss, as LitLM.training_step computes it."""
     return model(*batch)
+
+
+def toy_dry_run(run: Run, accumulate: int = 1) -> StepLedger | NotTraced:
+    """The dry run of a Run of lmledger's ToyLM as configured (its checkpointing too), on meta weights.
+
+    `measure(run)` is its measured twin, byte for byte (tests/test_account_measure.py). Fit's Ledger
+    dry-runs LitLM's training_step, which also keeps its loss (4 B more). A device this machine lacks, or a
+    precision the dry run does not cover, is a NotTraced with the reason.
+    """
+    with torch.device("meta"):
+        model = ToyLM(run.config)
+    batch = tuple(torch.empty(run.batch_size, run.seq_len, dtype=torch.long, device="meta") for _ in range(2))
+    try:
+        return dry_run(model, batch, step=toy_step, optimizer=toy_optimizer(run), precision=run.precision,
+                       device=run.device, accumulate=accumulate)  # fmt: skip
+    except UserError as err:
+        return NotTraced(str(err))
 
 
 def measure(run: Run) -> Measurement:
