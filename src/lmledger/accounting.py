@@ -518,11 +518,11 @@ def _toy_predicted_time(spec: Run, argv: list[str]) -> dict:
     import os
 
     from lmledger.callbacks.timing import NO_STEP_TIME
-    from lmledger.ledger.dryrun import NotTraced, dry_run
+    from lmledger.ledger.dryrun import NotTraced
 
     if os.environ.get(NO_STEP_TIME):
         return {"none": f"off ({NO_STEP_TIME} is set)", "line": f"no step-time prediction: {NO_STEP_TIME} is set"}
-    from lmledger.ledger.predict import toy_optimizer, toy_step
+    from lmledger.ledger.predict import toy_dry_run, toy_optimizer
     from lmledger.ledger.steptime.predict import free_memory
     from lmledger.model import ToyLM
 
@@ -532,19 +532,16 @@ def _toy_predicted_time(spec: Run, argv: list[str]) -> dict:
                "cannot run here; `plan train-time --config FILE --gpu NAME` gives a GPU's roofline bound")  # fmt: skip
         return {"none": why, "line": f"no step-time prediction: {why}"}
     accumulate = _trainer_time_settings(argv)["accumulate"]
-    with torch.device("meta"):
-        model = ToyLM(spec.config)
-    optimizer = toy_optimizer(spec)
-
-    batch = tuple(torch.empty(spec.batch_size, spec.seq_len, dtype=torch.long, device="meta") for _ in range(2))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        dry = dry_run(model, batch, step=toy_step, optimizer=optimizer, precision=spec.precision,
-                      device="cpu", accumulate=accumulate)  # fmt: skip
+        dry = toy_dry_run(dataclasses.replace(spec, device=torch.device("cpu")), accumulate)
     if isinstance(dry, NotTraced):
         return {"none": dry.reason, "line": f"no step-time prediction: {dry.reason}"}
+    with torch.device("meta"):  # the optimizer the ops were priced with, over meta weights
+        model = ToyLM(spec.config)
+    optimizer = toy_optimizer(spec)(list(model.parameters()))
     return predicted_step_time(
-        dry.ops, optimizer(list(model.parameters())), argv, spec.precision, torch.device("cpu"),
+        dry.ops, optimizer, argv, spec.precision, torch.device("cpu"),
         spec.tokens_per_batch, spec.batch_size,
     )  # fmt: skip
 
