@@ -3,10 +3,11 @@ Ledger() (callbacks.fsdp2) and held to what each of 2 real gloo ranks on this CP
 `lmledger fit`, and a plain-PyTorch module with its own configure_model. A tensor-parallel mesh is measured
 only, with one line. LitLM's gradient norm and clipping under FSDP2 equal a single process's on the same data.
 
-Each fit is a few steps of a tiny model. The 2-rank fits are started as scripts (this file run as one:
-`python tests/test_ledger_fsdp2.py plain|tensor_parallel OUT`), since Lightning's launcher for
-ModelParallelStrategy starts rank 1 by running the same command again; each rank writes its Ledger's figures
-to OUT/rank{R}.json (DumpLedger)."""
+Each fit is a few steps of a tiny model. The plain module's 2-rank fits are started as a script (this file run
+as one: `python tests/test_ledger_fsdp2.py OUT`), since Lightning's launcher for ModelParallelStrategy starts
+rank 1 by running the same command again. The script fits every case of PLAIN_CASES in turn, in one launch (the
+later fits reuse its two ranks and process group: one start-up, not three); each rank writes its Ledger's
+figures to OUT/CASE/rank{R}.json (DumpLedger)."""
 
 from __future__ import annotations
 
@@ -185,28 +186,40 @@ def _plain_fit(case: str) -> None:
     trainer.fit(PlainFSDP2(width), torch.utils.data.DataLoader(data, batch_size=8))
 
 
-def _run_plain(case: str, tmp_path: Path) -> list[dict]:
+PLAIN_CASES = ("plain", "uneven", "tensor_parallel")
+
+
+def _plain_fits(out: Path) -> None:
+    """Both ranks' script: every case's fit in turn, each dumping to OUT/CASE (rank 0 starts rank 1 at the first)."""
+    for case in PLAIN_CASES:
+        (out / case).mkdir(exist_ok=True)  # both ranks make it
+        os.environ["LEDGER_DUMP"] = str(out / case)
+        _plain_fit(case)
+
+
+@pytest.fixture(scope="module")
+def plain_ranks(tmp_path_factory) -> dict[str, list[dict]]:
+    out = tmp_path_factory.mktemp("plain")
     proc = subprocess.run(
-        [sys.executable, str(HERE), case, str(tmp_path)], capture_output=True, text=True, timeout=300,
-        env=_env(tmp_path), cwd=tmp_path,
+        [sys.executable, str(HERE), str(out)], capture_output=True, text=True, timeout=300, env=_env(out), cwd=out,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return _ranks(tmp_path)
+    return {case: _ranks(out / case) for case in PLAIN_CASES}
 
 
-def test_plain_module_with_its_own_configure_model_is_predicted_per_rank(tmp_path):
-    ranks = _run_plain("plain", tmp_path)
+def test_plain_module_with_its_own_configure_model_is_predicted_per_rank(plain_ranks):
+    ranks = plain_ranks["plain"]
     _check_predicted_equals_measured(ranks)
     whole = 4 * sum(p.numel() for p in Net().parameters())
     assert [r["measured"]["params"] for r in ranks] == [whole // 2, whole // 2]
     assert ranks[0]["measured"]["optimizer"] == 2 * ranks[0]["measured"]["params"]  # Adam: two moments
 
 
-def test_uneven_shards_predict_rank_0_which_holds_the_most(tmp_path):
+def test_uneven_shards_predict_rank_0_which_holds_the_most(plain_ranks):
     """The fake process group's rank is 0, so every rank is given rank 0's step. Where a first dimension does not
     divide by W, FSDP2 pads each rank's parameter and gradient shard to one size (equal on every rank), while
     Adam's moments follow the unpadded shard: the last rank holds less, and its peak is below the prediction."""
-    ranks = _run_plain("uneven", tmp_path)
+    ranks = plain_ranks["uneven"]
     _check_predicted_equals_measured(ranks[:1])
     last = ranks[1]
     predicted, measured = last["predicted"], last["measured"]
@@ -216,10 +229,10 @@ def test_uneven_shards_predict_rank_0_which_holds_the_most(tmp_path):
     assert 1 - PEAK_TOLERANCE <= measured["peak"] / predicted["peak"] < 1
 
 
-def test_a_tensor_parallel_mesh_is_predicted_per_rank(tmp_path):
+def test_a_tensor_parallel_mesh_is_predicted_per_rank(plain_ranks):
     """Issue 30: a (1 x 2) mesh is predicted on a fake 2-D mesh. This module shards over data parallel only
     (a mesh of one), so each rank holds it whole (tests/test_tensor_parallel.py has modules with TP plans)."""
-    ranks = _run_plain("tensor_parallel", tmp_path)
+    ranks = plain_ranks["tensor_parallel"]
     _check_predicted_equals_measured(ranks)
     whole = 4 * sum(p.numel() for p in Net().parameters())
     assert [r["measured"]["params"] for r in ranks] == [whole, whole]
@@ -321,4 +334,4 @@ def test_canary_device_mesh_reads_the_module_attribute():
 
 
 if __name__ == "__main__":
-    _plain_fit(sys.argv[1])
+    _plain_fits(Path(sys.argv[1]))
