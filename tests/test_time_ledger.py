@@ -180,6 +180,7 @@ def test_a_beaten_bound_names_the_figure_that_is_too_low():
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_ddp_buckets_are_all_reduced_in_the_bound(world):
+    from lmledger.ledger.interconnect import collective_kind, wire_bytes
     from lmledger.ledger.roofline import with_ddp_allreduce
     from lmledger.ledger.sharded import predict_sharded
 
@@ -192,8 +193,10 @@ def test_ddp_buckets_are_all_reduced_in_the_bound(world):
     ops = with_ddp_allreduce(ledger.ops, ledger)
     comm = ops.by_category["communication"]
     assert comm.ops == len(ledger.buckets)
-    # A ring all-reduce sends 2(W-1)/W of each bucket; the buckets hold one copy of the grads.
-    assert comm.bytes == pytest.approx(2 * (world - 1) / world * ledger.grads, rel=1e-6)
+    # The buckets hold one copy of the grads; a ring all-reduce sends 2(W-1)/W of each.
+    assert comm.bytes == ledger.grads
+    sent = sum(wire_bytes(collective_kind(op.name), op.bytes, op.group_size) for op in ops.ops[-comm.ops :])
+    assert sent == pytest.approx(2 * (world - 1) / world * ledger.grads, rel=1e-6)
     assert ops.flops == ledger.ops.flops
 
 
@@ -288,7 +291,8 @@ def test_data_wait_is_the_time_spent_in_the_loader(sleep):
     wait = statistics.median(s.seconds[ledger_profile.DATA_WAIT] for s in ledger.samples)
     share = statistics.median(s.share(ledger_profile.DATA_WAIT) for s in ledger.samples)
     if sleep:
-        assert wait == pytest.approx(sleep, rel=0.2)
+        # At least the sleep; above it only by the loader's own work, which a loaded machine stretches.
+        assert 0.95 * sleep <= wait <= sleep + 0.1
     else:
         assert share < 0.05
 

@@ -233,7 +233,7 @@ def per_rank(spec: Run, capacity_bytes: int | None = None, argv: list[str] = ())
     The strategy's settings come from the fit arguments `argv` (_scale_settings; none without them)."""
     from lmledger.ledger.atscale import run_at_scale
 
-    settings = _scale_settings(trainer_scale(argv)) if argv else {}
+    settings = {**_scale_settings(trainer_scale(argv)), "links": scale_links(argv)} if argv else {}
     return run_at_scale(spec, capacity_bytes, labels=AC_LABELS, **settings)
 
 
@@ -347,6 +347,21 @@ def trainer_scale(argv: list[str]):
     return resolve_strategy(config.trainer, config.model)
 
 
+def scale_links(argv: list[str]):
+    """The links a run at scale's collectives cross (ledger.interconnect.Links): --ledger.intra_node and
+    --ledger.inter_node where given, else an H100 node's (NVLink 4, NDR), split at --trainer.devices a node.
+    None for a CPU run on one machine (gloo's collectives there are memory copies)."""
+    from lmledger.fitting.cli import parse_fit_config
+    from lmledger.ledger.interconnect import links_for
+
+    config = parse_fit_config(list(argv))
+    scale = trainer_scale(argv)
+    intra, inter = config.get("ledger.intra_node"), config.get("ledger.inter_node")
+    if str(config.get("trainer.accelerator") or "auto") == "cpu" and scale.num_nodes == 1 and not (intra or inter):
+        return None
+    return links_for(None, intra, inter, scale.devices, scale.num_nodes)
+
+
 def _scale_settings(scale, module=None) -> dict:
     """The keyword arguments at_scale takes from the strategy's init_args (a run_config.TrainerScale's).
 
@@ -391,7 +406,7 @@ def any_model_at_scale(argv: list[str], capacity_bytes: int | None = None) -> di
         scale = atscale.at_scale(
             module, lambda size: ledger_predict.resized(batch, size), samples, strategy=strategy, world_size=world_size,
             capacity_bytes=capacity_bytes, step=ledger_predict.module_step,
-            optimizer=ledger_predict.configured_optimizer(module), precision=precision,
+            optimizer=ledger_predict.configured_optimizer(module), precision=precision, links=scale_links(argv),
             **_scale_settings(scale, module),
         )  # fmt: skip
     return {
@@ -423,18 +438,31 @@ def print_per_rank(scale: dict) -> None:
             ("comm buffers (DDP buckets, FSDP2 gathers)", "comm_buffers"), ("peak", "peak")]  # fmt: skip
     if scale.get("capacity_bytes"):
         rows.append(("largest micro-batch per rank", "max_batch"))
+    links = next((c["communication"]["links"] for c in cases if c.get("communication")), None)
+    if links:
+        rows += [(f"collectives per step in a node ({links['intra_node']['name']})", "intra-node"),
+                 (f"collectives per step between nodes ({links['inter_node']['name']})", "inter-node")]  # fmt: skip
     for label, key in rows:
         cells = []
         for case in cases:
             value = case.get(key)
             if case.get("not_predicted"):
                 cells.append("—")
+            elif key in ("intra-node", "inter-node"):
+                spent = [r for r in (case.get("communication") or {}).get("by_link", {}).values() if r["scope"] == key]
+                cells.append(f"{sum(r['seconds'] for r in spent) * 1e3:.4g} ms" if spent else "—")
             elif key == "max_batch":
                 cells.append("—" if value is None else f"{value:,}")
             else:
                 cells.append(format_bytes(value) + ("" if key != "peak" or case["peak_checked"] else " (unchecked)"))
         table.append((label, *cells))
     Console().print(render(["", *scale["cases"]], table, title=title))  # the one renderer, as the ledger's
+    if links:
+        intra, inter = links["intra_node"], links["inter_node"]
+        print(f"collectives: {links['num_nodes']} node(s) of {links['gpus_per_node']} ranks; in a node {intra['name']} "
+              f"at {intra['bytes_per_s'] / 1e9:.4g} GB/s, between nodes {inter['name']} at "
+              f"{inter['bytes_per_s'] / 1e9:.4g} GB/s one way (--ledger.intra_node / --ledger.inter_node set them); "
+              "a ring's bytes at line rate, none overlapped with compute")  # fmt: skip
     for label, case in scale["cases"].items():
         if case.get("not_predicted"):
             print(f"{label}: not predicted: {case['not_predicted']}")

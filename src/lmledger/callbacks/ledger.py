@@ -149,8 +149,9 @@ class Ledger(pl.Callback):
             # Profiled batches come after the warm-up and the two measured steps, which they would slow.
             measured = 2 * self._accumulate if self.settings.measure else 0
             self.timing = TimeLedger(
-                warmup_steps=max(self.settings.warmup_steps, measured), every_n_steps=self.settings.profile_every
-            )
+                warmup_steps=max(self.settings.warmup_steps, measured), every_n_steps=self.settings.profile_every,
+                intra_node=self.settings.intra_node, inter_node=self.settings.inter_node,
+            )  # fmt: skip
         fp8 = self.run.fp8 if self.run is not None else None
         with untouched_rng(pl_module.device):
             self.peak, line = resolve_peak(str(trainer.precision), pl_module.device, fp8)

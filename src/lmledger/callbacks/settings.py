@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from lmledger.errors import ConfigError
+from lmledger.errors import ConfigError, UserError
 
 __all__ = ["LedgerSettings"]
 
@@ -24,6 +24,9 @@ class LedgerSettings:
         profile_every: the time ledger profiles two training batches after the warm-up and the measured
             steps, then one every this many (0: those two only); see docs/time.md.
         time: keep the time ledger (the roofline bound beside profiled steps; false: none).
+        intra_node: the link a GPU run's collectives cross inside a node (a key of ledger.interconnect's
+            table such as nvlink4, or a rate such as 450GB/s); default the GPU's usual one (docs/time.md).
+        inter_node: the link between nodes (ib-ndr, roce-400, 400Gb/s, ...); default the GPU's usual NIC.
     """
 
     enabled: bool = True
@@ -32,8 +35,19 @@ class LedgerSettings:
     measure: bool = True
     profile_every: int = 500
     time: bool = True
+    intra_node: str | None = None
+    inter_node: str | None = None
 
     def __post_init__(self) -> None:
+        from lmledger.ledger.interconnect import resolve_interconnect
+
+        for name, scope in (("intra_node", "intra-node"), ("inter_node", "inter-node")):
+            value = getattr(self, name)
+            if value is not None:
+                try:
+                    resolve_interconnect(str(value), scope)
+                except UserError as err:
+                    raise ConfigError(f"ledger.{name}: {err}") from None
         gb = self.device_memory_gb
         if gb is not None:
             if isinstance(gb, bool) or not isinstance(gb, (int, float)):

@@ -43,6 +43,8 @@ from lmledger.callbacks.run import log_scalars, log_text, synchronize, tensorboa
 from lmledger.errors import ConfigError
 from lmledger.ledger import profile as ledger_profile
 from lmledger.ledger.dryrun import NotTraced, StepLedger
+from lmledger.ledger.gpus import find_gpu
+from lmledger.ledger.interconnect import Links, links_for, resolve_interconnect
 from lmledger.ledger.peak_flops import compute_dtype_for_precision
 from lmledger.ledger.roofline import LABELS, Roofline, device_roofline, format_table, with_ddp_allreduce
 from lmledger.ledger.shapes import advice_text
@@ -55,6 +57,7 @@ __all__ = [
     "measured_time",
     "predict_fit_step_time",
     "predict_time",
+    "run_links",
 ]
 
 # Set in the loop probe's own process, so its Ledger does not predict (and probe) in turn.
@@ -73,8 +76,12 @@ class TimeLedger(pl.Callback):
         print_table: print the step-time table and diagnosis at fit end
         gpu: the GPU (a `lmledger gpus` key) whose tensor cores the shape advice is for; default this
             run's GPU, none on a CPU
-        interconnect_gb_per_s: the bandwidth collectives move bytes at (GB/s, 1e9 bytes), e.g. 450 for
-            H100 NVLink 4 one way; default: memory bandwidth (a lower bound on their time)
+        interconnect_gb_per_s: one bandwidth every collective moves bytes at (GB/s, 1e9 bytes), e.g. 450
+            for H100 NVLink 4 one way
+        intra_node, inter_node: the links collectives cross inside a node and between nodes (a key of
+            ledger.interconnect's table or a rate, "nvlink4", "400Gb/s"): TP's inside, DDP's and FSDP's
+            between nodes once the run spans them. Default on a GPU: its usual links (interconnect.
+            default_links); on a CPU: memory copies at its bandwidth (gloo's ranks on one machine)
     """
 
     def __init__(
@@ -86,6 +93,8 @@ class TimeLedger(pl.Callback):
         print_table: bool = True,
         gpu: str | None = None,
         interconnect_gb_per_s: float | None = None,
+        intra_node: str | None = None,
+        inter_node: str | None = None,
     ) -> None:
         if warmup_steps < 0 or profile_steps < 0 or every_n_steps < 0:
             raise ConfigError(
@@ -99,6 +108,10 @@ class TimeLedger(pl.Callback):
         if interconnect_gb_per_s is not None and not interconnect_gb_per_s > 0:
             raise ConfigError(f"TimeLedger interconnect_gb_per_s must be positive, got {interconnect_gb_per_s}")
         self.interconnect = interconnect_gb_per_s * 1e9 if interconnect_gb_per_s else None
+        for spec, scope in ((intra_node, "intra-node"), (inter_node, "inter-node")):
+            if spec is not None:
+                resolve_interconnect(spec, scope)  # a bad key or rate: one line now, not at step 1
+        self.intra_node, self.inter_node = intra_node, inter_node
         self.bound: Roofline | None = None
         self.model_flops: float | None = None
         self.samples: list[ledger_profile.Breakdown] = []
@@ -153,7 +166,8 @@ class TimeLedger(pl.Callback):
             ops = with_ddp_allreduce(prediction.ops, prediction)  # a DDP rank's buckets, if the prediction has them
             # A peak or bandwidth not yet cached is measured now (random matmuls): not from the run's RNG.
             with untouched_rng(pl_module.device):
-                self.bound = device_roofline(ops, dtype, pl_module.device, self.interconnect)
+                links = run_links(trainer, pl_module.device, self.intra_node, self.inter_node)
+                self.bound = device_roofline(ops, dtype, pl_module.device, self.interconnect, links)
         except ValueError as err:
             self.why_no_bound = str(err)
             return
@@ -388,6 +402,16 @@ def lightning_loop_seconds(
     return per_batch, f"empty training_step through Trainer.fit, measured {found['measured_at'][:10]}"
 
 
+def run_links(trainer: pl.Trainer, device: torch.device, intra: str | None, inter: str | None) -> Links | None:
+    """The links this fit's collectives cross: on a GPU (or where the user names one), its node's links split at
+    the trainer's devices per node (ledger.interconnect.links_for); None on a CPU (memory copies)."""
+    if device.type != "cuda" and intra is None and inter is None:
+        return None
+    spec = find_gpu(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+    per_node = max(1, int(getattr(trainer, "num_devices", 1) or 1))
+    return links_for(spec.key if spec else None, intra, inter, per_node, max(1, int(trainer.num_nodes or 1)))
+
+
 def predict_fit_step_time(
     trainer: pl.Trainer,
     pl_module: pl.LightningModule,
@@ -396,8 +420,11 @@ def predict_fit_step_time(
     accumulate: int = 1,
     tokens: int | None = None,
     samples: int = 0,
+    intra: str | None = None,
+    inter: str | None = None,
 ):
-    """The predicted step (ledger.steptime.StepTime or NoStepTime) of this fit, from its dry run."""
+    """The predicted step (ledger.steptime.StepTime or NoStepTime) of this fit, from its dry run; `intra` and
+    `inter` as TimeLedger's intra_node and inter_node."""
     from lmledger.callbacks.run import torch_optimizers
     from lmledger.callbacks.run import untouched_rng as fit_rng
     from lmledger.ledger.steptime import NoStepTime, data_wait, predict_step_time
@@ -426,6 +453,7 @@ def predict_fit_step_time(
             optimizer=optimizers[0] if optimizers else None, clip=clip, loop_s=loop[0] if loop else None,
             loop_how=loop[1] if loop else "", data=data, world_size=trainer.world_size, backend=str(backend),
             tokens=tokens, samples=samples, accumulate=accumulate, calibrate_collectives=alone,
+            links=run_links(trainer, pl_module.device, intra, inter),
         )  # fmt: skip
 
 
@@ -439,8 +467,9 @@ def predict_time(trainer, pl_module, dry, why_not, report, accumulate, tokens, s
     else:
         try:
             result = predict_fit_step_time(
-                trainer, pl_module, dry, accumulate=accumulate, tokens=tokens, samples=samples
-            )
+                trainer, pl_module, dry, accumulate=accumulate, tokens=tokens, samples=samples,
+                intra=timing.intra_node, inter=timing.inter_node,
+            )  # fmt: skip
         except Exception as err:  # noqa: BLE001 - a prediction must never stop the fit
             text = str(err).strip().splitlines()
             result = NoStepTime(f"{type(err).__name__}: {text[0] if text else ''}")

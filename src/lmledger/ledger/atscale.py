@@ -16,7 +16,9 @@ from lmledger.errors import UserError
 from lmledger.ledger.ddp import DDPSettings
 from lmledger.ledger.dryrun import NotTraced, OptimizerSpec, StepFn
 from lmledger.ledger.fsdp2 import DEFAULT_FSDP, FSDPSettings
+from lmledger.ledger.interconnect import Links, communication
 from lmledger.ledger.predict import toy_optimizer
+from lmledger.ledger.roofline import with_ddp_allreduce
 from lmledger.ledger.sharded import largest_batch_sharded, predict_sharded
 
 __all__ = ["at_scale", "run_at_scale", "run_strategy", "toy_inputs"]
@@ -61,12 +63,13 @@ def at_scale(
     ddp: DDPSettings = _DEFAULT_DDP,
     fsdp: FSDPSettings = DEFAULT_FSDP,
     labels: tuple[str, str] = ("as configured", "every block checkpointed"),
+    links: Links | None = None,
 ) -> dict:
     """One rank's ledger at `batch_size` per rank and, given a capacity, its largest micro-batch.
 
     Both come with the model as it is (labels[0]) and with every block checkpointed (labels[1]). The result
     is a JSON-ready dict. A case the dry run cannot model carries `not_predicted` (one line) instead of
-    numbers.
+    numbers. Given `links`, each case prices its collectives on them too (interconnect.communication).
     """
     name = run_strategy(strategy)
     cases = {}
@@ -85,6 +88,7 @@ def at_scale(
             "activations": ledger.activations, "peak": ledger.peak, "peak_phase": ledger.peak_phase,
             "comm_buffers": ledger.comm_buffers, "buckets": len(ledger.buckets),
             "peak_checked": ledger.peak_checked, "not_predicted": None,
+            "communication": links and communication(with_ddp_allreduce(ledger.ops, ledger), links, world_size),
         }  # fmt: skip
         if capacity_bytes is not None:
             found = largest_batch_sharded(module, batch_for, capacity_bytes, limit=1 << 12, **kwargs)

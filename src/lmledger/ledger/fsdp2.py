@@ -267,6 +267,7 @@ def predict_fsdp2(
                 result = fake.ledger(accumulate=accumulate)
             if isinstance(result, NotTraced):
                 return result
+            result = _name_groups(result, device_mesh)
             units = fsdp_units(fake.model)
     except _Unavailable as err:
         return NotTraced(f"{err}: the run is measured only")
@@ -274,6 +275,20 @@ def predict_fsdp2(
     return sharded_ledger(
         result, "fsdp2", world_size, comm_buffers=comm, state=fake.state, tensor_parallel=tensor_parallel
     )
+
+
+def _name_groups(result, mesh: object):
+    """`result` with each collective's group named by its mesh dimension ("data_parallel", "tensor_parallel",
+    HSDP's "replicate"/"shard"): what says which link it crosses (ledger/interconnect.links_for)."""
+    import dataclasses
+
+    from lmledger.ledger.ops import OpSummary
+
+    names = {mesh.get_group(dim).group_name: dim for dim in (mesh.mesh_dim_names or ())}
+    if mesh.ndim == 1:
+        names[mesh.get_group().group_name] = "data_parallel"
+    ops = [dataclasses.replace(op, group=names.get(op.group, op.group)) if op.group else op for op in result.ops.ops]
+    return dataclasses.replace(result, ops=OpSummary.of(ops))
 
 
 class _RankChunks:

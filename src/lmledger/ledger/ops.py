@@ -118,10 +118,38 @@ class OpRecord:
     # the composite in their place.
     composite: OpRecord | None = None
     in_composite: bool = False
+    # A collective's process group: its name (a mesh dimension's, "tensor_parallel", once the sharded dry run
+    # names it) and size; what the time ledger needs to price it on the link it crosses (ledger/interconnect).
+    group: str = field(default="", compare=False)
+    group_size: int = 0
 
     @property
     def bytes(self) -> int:
         return self.bytes_read + self.bytes_written
+
+
+def _group_of(args: tuple) -> tuple[str, int]:
+    """(name, size) of the process group a collective's arguments name: c10d's ops take the ProcessGroup,
+    the functional ones (_c10d_functional, what DTensor runs) its registered name."""
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        return "", 0
+    for arg in args:
+        if isinstance(arg, torch.ScriptObject):  # c10d's ops see the group boxed
+            try:
+                arg = dist.ProcessGroup.unbox(arg)
+            except (RuntimeError, TypeError):
+                continue  # another boxed argument (the ReduceOp)
+        if isinstance(arg, dist.ProcessGroup):
+            return arg.group_name, arg.size()
+        if isinstance(arg, str):
+            try:
+                group = dist.distributed_c10d._resolve_process_group(arg)
+            except (KeyError, RuntimeError, ValueError):
+                continue
+            return group.group_name, group.size()
+    return "", 0
 
 
 @dataclass(frozen=True)
@@ -383,6 +411,8 @@ class OpRecorder(TorchDispatchMode):
         except NotReplayable as err:
             why_not = str(err)
         outputs = tuple(_storage_of(t) for t in _tensors(out))
+        group, group_size = _group_of(args) if category == COMMUNICATION else ("", 0)
         return OpRecord(
-            name, self.phase, category, flops, read, written, dtype, shapes, signature, why_not, storages, outputs
-        )
+            name, self.phase, category, flops, read, written, dtype, shapes, signature, why_not, storages, outputs,
+            group=group, group_size=group_size,
+        )  # fmt: skip

@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from lmledger.ledger.interconnect import Interconnect, Links, collective_seconds, default_links
 from lmledger.ledger.ops import CATEGORIES, COMMUNICATION, OpRecord, OpSummary
 from lmledger.ledger.units import tera
 
@@ -97,12 +98,13 @@ class Roofline:
 
 
 def _op_bound(
-    op: OpRecord, peak_for: Callable[[str], float], bandwidth: float, interconnect: float | None = None
+    op: OpRecord, peak_for: Callable[[str], float], bandwidth: float, links: Links, world_size: int
 ) -> tuple[float, float]:
-    """(compute seconds, memory seconds) of one op; its bound is the larger."""
+    """(compute seconds, memory or link seconds) of one op; its bound is the larger."""
+    if op.category == COMMUNICATION:
+        return 0.0, collective_seconds(op, links, world_size)[0]
     compute = op.flops / peak_for(op.dtype) if op.flops else 0.0
-    per_s = interconnect if (op.category == COMMUNICATION and interconnect) else bandwidth
-    return compute, op.bytes / per_s
+    return compute, op.bytes / bandwidth
 
 
 def roofline(
@@ -113,13 +115,16 @@ def roofline(
     *,
     device: str = "",
     interconnect_bytes_per_s: float | None = None,
+    links: Links | None = None,
     peak_source: str = "",
     bandwidth_source: str = "",
 ) -> Roofline:
     """The bound of the step's `ops` on a device with dense `peaks` {"fp32": FLOP/s, ...} and bandwidth.
 
     `compute_dtype` is the precision's matmul dtype. Its peak serves ideal and MFU. It also serves ops
-    whose dtype has no peak: integer ops, or a dtype the device lacks.
+    whose dtype has no peak: integer ops, or a dtype the device lacks. Collectives cross `links` (each on
+    its group's, ledger.interconnect), or one link of `interconnect_bytes_per_s`, or, given neither, run
+    as memory copies at the device's bandwidth (gloo's ranks on one CPU).
     """
     if not peaks.get(compute_dtype):
         raise ValueError(f"no {compute_dtype} peak given")
@@ -130,9 +135,13 @@ def roofline(
     def peak_for(dtype: str) -> float:
         return float(peaks.get(peak_dtype(dtype, compute_dtype)) or fallback)
 
+    if links is None:
+        rate = interconnect_bytes_per_s or bandwidth_bytes_per_s
+        links = Links.one(Interconnect("one link", rate, "user", "given", latency_s=0.0))
+    world = max((op.group_size for op in ops.ops), default=1) or 1
     rows: dict[str, list[float]] = {c: [0.0, 0.0, 0.0, 0, 0, 0, 0] for c in CATEGORIES}
     for op in ops.ops:
-        compute, memory = _op_bound(op, peak_for, bandwidth_bytes_per_s, interconnect_bytes_per_s)
+        compute, memory = _op_bound(op, peak_for, bandwidth_bytes_per_s, links, world)
         row = rows[op.category]
         row[0] += max(compute, memory)
         row[1] += compute
@@ -153,17 +162,21 @@ def roofline(
 
 
 def device_roofline(
-    ops: OpSummary, compute_dtype: str, device: object, interconnect_bytes_per_s: float | None = None
+    ops: OpSummary,
+    compute_dtype: str,
+    device: object,
+    interconnect_bytes_per_s: float | None = None,
+    links: Links | None = None,
 ) -> Roofline:
     """The bound on a live device (torch.device, "cpu", "cuda").
 
-    Peaks come from peak_flops.peak_flops, bandwidth from bandwidth.memory_bandwidth. Collectives run at
-    `interconnect_bytes_per_s` where given.
+    Peaks come from peak_flops.peak_flops, bandwidth from bandwidth.memory_bandwidth. Collectives cross
+    `links`, or one link of `interconnect_bytes_per_s`, where given (roofline()).
     """
     peaks, sources, bandwidth = _device_figures(compute_dtype, device)
     name = str(getattr(device, "type", device))
     return roofline(
-        ops, peaks, compute_dtype, bandwidth.bytes_per_s, device=name,
+        ops, peaks, compute_dtype, bandwidth.bytes_per_s, device=name, links=links,
         interconnect_bytes_per_s=interconnect_bytes_per_s, peak_source=sources.get(compute_dtype, ""),
         bandwidth_source=bandwidth.detail or bandwidth.source,
     )  # fmt: skip
@@ -196,13 +209,16 @@ def op_bounds(ops: list[OpRecord], compute_dtype: str, device: object) -> list[f
     def peak_for(dtype: str) -> float:
         return float(peaks.get(peak_dtype(dtype, compute_dtype)) or fallback)
 
-    return [max(_op_bound(op, peak_for, bandwidth.bytes_per_s)) for op in ops]
+    memory = Links.one(Interconnect("memory", bandwidth.bytes_per_s, "user", "copies", latency_s=0.0))
+    world = max((op.group_size for op in ops), default=1) or 1
+    return [max(_op_bound(op, peak_for, bandwidth.bytes_per_s, memory, world)) for op in ops]
 
 
-def gpu_roofline(ops: OpSummary, compute_dtype: str, gpu: str) -> Roofline:
+def gpu_roofline(ops: OpSummary, compute_dtype: str, gpu: str, links: Links | None = None) -> Roofline:
     """The bound on a GPU from its datasheet alone (gpus.GPUS), for planning on a machine without it.
 
-    The ops come from a dry run on this machine. The GPU's kernels may make other temporaries.
+    The ops come from a dry run on this machine. The GPU's kernels may make other temporaries. Collectives
+    cross `links` (default: interconnect.default_links, the GPU's NVLink in a node and NDR between nodes).
     """
     from lmledger.ledger.gpus import datasheet_peak, require_gpu
 
@@ -216,7 +232,7 @@ def gpu_roofline(ops: OpSummary, compute_dtype: str, gpu: str) -> Roofline:
 
         raise UserError(f"{spec.name} has no dense {compute_dtype} peak in the table: pick another dtype or GPU")
     return roofline(
-        ops, peaks, compute_dtype, spec.bandwidth_bytes_per_s, device=spec.key,
+        ops, peaks, compute_dtype, spec.bandwidth_bytes_per_s, device=spec.key, links=links or default_links(spec.key),
         peak_source=f"datasheet {spec.name}", bandwidth_source=f"datasheet {spec.name}",
     )  # fmt: skip
 
@@ -226,15 +242,14 @@ def with_ddp_allreduce(ops: OpSummary, prediction: object) -> OpSummary:
 
     For a per-rank prediction with buckets (ledger.sharded.ShardedLedger at world size W > 1) that
     records no collective itself. The dry run emulates DDP's Reducer, so its all-reduces are not among
-    the ops. A ring all-reduce sends 2(W-1)/W of the buffer from each rank (nccl-tests PERFORMANCE.md:
-    busBw = algBw x 2(n-1)/n).
+    the ops. Each record holds its bucket; ledger.interconnect prices the ring's 2(W-1)/W of it.
     """
     buckets, world = getattr(prediction, "buckets", ()), getattr(prediction, "world_size", 1)
     if not buckets or world <= 1 or ops.by_category.get(COMMUNICATION, None) and ops.by_category[COMMUNICATION].ops:
         return ops
     extra = [
-        OpRecord("c10d.allreduce_ (DDP bucket, predicted)", "backward", COMMUNICATION, 0, 0,
-                 2 * (world - 1) * bucket.nbytes // world, bucket.dtype)
+        OpRecord("c10d.allreduce_ (DDP bucket, predicted)", "backward", COMMUNICATION, 0, bucket.nbytes, 0,
+                 bucket.dtype, group="world", group_size=world)
         for bucket in buckets
     ]  # fmt: skip
     return OpSummary.of([*ops.ops, *extra])

@@ -27,12 +27,12 @@ from dataclasses import dataclass
 
 import torch
 
+from lmledger.ledger.interconnect import Interconnect, Links, default_links, wire_bytes
 from lmledger.ledger.ops import OpRecorder
 from lmledger.ledger.steptime.cache import StepTimeCache
 from lmledger.ledger.steptime.replay import Replayer, time_call, untouched_rng, why_not_replayed
 
 __all__ = [
-    "CollectiveModel",
     "DataWait",
     "collective_model",
     "data_wait",
@@ -191,60 +191,41 @@ def data_wait(loader: object, batches: int = 3) -> DataWait | None:
     return DataWait(statistics.median(times), workers, how + (f", {workers} workers prefetching" if workers else ""))
 
 
-@dataclass(frozen=True)
-class CollectiveModel:
-    """alpha + bytes / beta per collective, and where the figures come from."""
-
-    alpha_s: float
-    bytes_per_s: float
-    source: str  # "measured: gloo, W ranks on this machine" or "table: <interconnect> (<citation>)"
-
-    def seconds(self, nbytes: int) -> float:
-        return self.alpha_s + nbytes / self.bytes_per_s
-
-
-# alpha-beta figures for GPU interconnects where no group of that backend can be timed here. Bandwidth is
-# per direction; latency is a typical small-message figure.
-INTERCONNECTS = {
-    # NVIDIA, "NVLink and NVSwitch" (H100: NVLink 4, 900 GB/s total = 450 GB/s per direction); ~10 us
-    # small-message all-reduce latency from nccl-tests on DGX H100 (NVIDIA, nccl-tests PERFORMANCE.md).
-    "nvlink4": (10e-6, 450e9, "NVLink 4 (H100), 450 GB/s per direction: NVIDIA NVLink datasheet"),
-    # NVIDIA ConnectX-7, 400 Gb/s NDR InfiniBand = 50 GB/s per port; ~20 us across nodes.
-    "ib-ndr": (20e-6, 50e9, "InfiniBand NDR 400 Gb/s per port: NVIDIA ConnectX-7 datasheet"),
-}
-
 _PROBE_SIZES = (1 << 12, 1 << 16, 1 << 20, 1 << 24)  # bytes: 4 KiB .. 16 MiB
 
 
 def collective_model(
-    world_size: int, cache: StepTimeCache, backend: str = "gloo", measure: bool = True
-) -> CollectiveModel:
-    """The all-reduce alpha-beta on `world_size` real gloo ranks here (module doc), cached per machine.
+    world_size: int, cache: StepTimeCache, backend: str = "gloo", measure: bool = True, links: Links | None = None
+) -> tuple[Links, str]:
+    """(the links a step's collectives cross, where they come from): the all-reduce alpha-beta on `world_size`
+    real gloo ranks here (module doc), cached per machine, as one link.
 
-    Other backends (nccl) cannot be timed on this machine without its GPUs: the NVLink table, labelled.
-    `measure=False` (inside a multi-rank fit, where one rank's extra minutes would time out the others'
-    first collective) takes the table where nothing is cached.
+    Other backends (nccl) cannot be timed on this machine without its GPUs: `links`, or an H100 node's (the
+    interconnect table's NVLink 4 and NDR), labelled as not measured. `measure=False` (inside a multi-rank
+    fit, where one rank's extra minutes would time out the others' first collective) takes the table where
+    nothing is cached.
     """
+    table = links or default_links("h100")
+    said = f"table, not measured: {table.intra.name} in a node, {table.inter.name} between nodes"
     if backend != "gloo":
-        alpha, beta, source = INTERCONNECTS["nvlink4"]
-        return CollectiveModel(alpha, beta, f"table, not measured: {source}")
+        return table, said
     name = f"gloo_allreduce_w{world_size}"
     found = cache.calibration(name)
     if found is None and not measure:
-        alpha, beta, source = INTERCONNECTS["nvlink4"]
-        return CollectiveModel(alpha, beta, f"table, not measured (calibrated by one process only): {source}")
+        return table, said + " (gloo's collectives are calibrated by a one-process fit or `lmledger account`)"
     if found is None:
         value = _time_gloo(world_size)
         if value is None:
-            alpha, beta, source = INTERCONNECTS["nvlink4"]
-            return CollectiveModel(alpha, beta, f"table, not measured (gloo ranks would not start): {source}")
+            return table, said + " (gloo ranks would not start here)"
         how = f"all_reduce on {world_size} gloo ranks here, {_PROBE_SIZES[0]}..{_PROBE_SIZES[-1]} bytes, median of 5"
         cache.set_calibration(name, value, how + "; least squares alpha + n/beta")
         found = cache.calibration(name)
     value = found["value"]
-    return CollectiveModel(
-        value["alpha_s"], value["bytes_per_s"], f"measured {found['measured_at'][:10]}: gloo, {world_size} ranks here"
-    )
+    # The fit is of an all-reduce's buffer; a ring sends 2(W-1)/W of it, so the link's own rate is that much more.
+    rate = value["bytes_per_s"] * wire_bytes("all_reduce", 1, world_size) if world_size > 1 else value["bytes_per_s"]
+    source = f"measured {found['measured_at'][:10]}: gloo, {world_size} ranks here"
+    link = Interconnect(f"gloo ({world_size} ranks)", rate, "user", source, latency_s=value["alpha_s"])
+    return Links.one(link), source
 
 
 def _time_gloo(world_size: int) -> dict | None:

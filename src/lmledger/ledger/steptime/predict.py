@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from lmledger.ledger.interconnect import Links, collective_seconds
 from lmledger.ledger.ops import ATTENTION, COMMUNICATION, MATMUL, OPTIMIZER, OTHER, OpRecord, OpSummary
 from lmledger.ledger.steptime import calibrate
 from lmledger.ledger.steptime.cache import StepTimeCache
@@ -99,11 +100,11 @@ class NoStepTime:
     reason: str
 
 
-def _collective_bytes(op: OpRecord, world: int) -> int:
-    """The buffer a collective reduces or gathers: a predicted DDP bucket record carries 2(W-1)/W of it."""
-    if "DDP bucket" in op.name and world > 1:
-        return op.bytes * world // (2 * (world - 1))
-    return max(op.bytes_read, op.bytes_written)
+def _links_line(links: Links) -> str:
+    """The link(s) collectives were priced on, for the `how` line."""
+    said = [f"{link.name}: {link.alpha_s * 1e6:.3g} us + bytes at {link.bytes_per_s / 1e9:.3g} GB/s"
+            for link in dict.fromkeys((links.intra, links.inter))]  # fmt: skip
+    return "; ".join(said)
 
 
 def predict_step_time(
@@ -123,6 +124,7 @@ def predict_step_time(
     accumulate: int = 1,
     cache_path: Path | None = None,
     calibrate_collectives: bool = True,
+    links: Links | None = None,
 ) -> StepTime | NoStepTime:
     """The predicted step (module doc) of a dry run's `ops` on `device`.
 
@@ -131,6 +133,7 @@ def predict_step_time(
     loop_s      Lightning's loop per batch, measured (callbacks/timing.py); None: not counted, and said
     data        the loader's batch time (calibrate.data_wait); None: no wait
     tokens, samples   per micro-batch; the step's are `accumulate` times as many
+    links       what a backend that cannot be timed here (nccl) crosses (ledger.interconnect); default an H100 node's
     """
     device = torch.device(device)
     cache = StepTimeCache(device, cache_path)
@@ -200,12 +203,12 @@ def predict_step_time(
         seconds[OPTIMIZER] += overhead * sum(1 for op in ops.ops if op.category == OPTIMIZER)
         how[OPTIMIZER] = "its recorded ops replayed, with the per-op overhead"
     if comm_ops:
-        model = calibrate.collective_model(world_size, cache, backend, measure=calibrate_collectives)
-        seconds[COMMUNICATION] = sum(model.seconds(_collective_bytes(op, world_size)) for op in comm_ops)
+        crossed, source = calibrate.collective_model(world_size, cache, backend, calibrate_collectives, links)
+        seconds[COMMUNICATION] = sum(collective_seconds(op, crossed, world_size)[0] for op in comm_ops)
         how[COMMUNICATION] = (
-            f"{len(comm_ops)} collectives, alpha {model.alpha_s * 1e6:.3g} us + bytes at {model.bytes_per_s / 1e9:.3g} "
-            f"GB/s ({model.source}); none overlapped with compute"
+            f"{len(comm_ops)} collectives, {_links_line(crossed)} ({source}); none overlapped with compute"
         )
+
     compute = sum(seconds[c] for c in (MATMUL, ATTENTION, OTHER))
     seconds[HOST] = overhead * per_op_ops + (loop_s or 0.0) * accumulate
     how[HOST] = f"{per_op_ops} ops x {overhead * 1e6:.3g} us per op ({overhead_how})"
