@@ -31,6 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # examples/ (the Llama TP plan)
 
 from benchmarks.dryrun_8b import H100_BYTES, adamw, llama, step  # noqa: E402
+from lmledger.ledger.interconnect import communication, default_links  # noqa: E402
 from lmledger.ledger.sharded import FSDPSettings, predict_sharded  # noqa: E402
 
 LLAMA3_70B = dict(
@@ -63,11 +64,13 @@ def one(shape: dict, seq: int, batch: int, world: int, tensor_parallel: int, che
     took = time.perf_counter() - start
     if not hasattr(ledger, "peak"):
         return {"not_traced": ledger.reason, "seconds": took}
+    # 8 ranks a node on NVLink 4, NDR between nodes (an H100 cluster's links, ledger.interconnect)
+    comm = communication(ledger.ops, default_links("h100-sxm", 8, world // 8), world)
     return {
         "params": ledger.params, "grads": ledger.grads, "optimizer": ledger.optimizer,
         "activations": ledger.activations, "comm_buffers": ledger.comm_buffers, "peak": ledger.peak,
         "peak_phase": ledger.peak_phase, "flops": ledger.flops_forward + ledger.flops_backward,
-        "seconds": took, "resident": resident_bytes(),
+        "seconds": took, "resident": resident_bytes(), "communication": comm,
     }  # fmt: skip
 
 
@@ -106,6 +109,10 @@ def main() -> None:
             f"{case.get('max_batch')}; {b1['seconds']:.1f} s, {b1['resident'] / 1e9:.2f} GB resident",
             flush=True,
         )
+        links = b1["communication"]["by_link"]
+        print("  collectives per step (b=1): " + ", ".join(
+            f"{row['seconds'] * 1e3:.1f} ms on {name} ({row['collectives']} ops, {row['bytes_sent'] / 1e9:.2f} GB sent)"
+            for name, row in links.items()) + "; at line rate, none overlapped", flush=True)  # fmt: skip
     wide = one(shape, seq, 1, 512, 8, True)
     results["FSDP2 x TP 8, checkpointing on, W=512"] = {"b1": wide}
     print(f"W=512, TP 8, checkpointing on: peak {wide.get('peak', 0) / 1e9:.2f} GB; {wide['seconds']:.1f} s, "
