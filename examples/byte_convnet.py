@@ -8,10 +8,11 @@ token windows.
 
 from __future__ import annotations
 
-import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from examples._common import TokenWindowModule, next_token_loss
 
 
 class CausalConvBlock(nn.Module):
@@ -31,7 +32,7 @@ class CausalConvBlock(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
-class ByteConvNet(pl.LightningModule):
+class ByteConvNet(TokenWindowModule):
     """Next-byte prediction with a stack of causal convolution blocks."""
 
     def __init__(
@@ -46,6 +47,7 @@ class ByteConvNet(pl.LightningModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
+        self.lr, self.weight_decay = lr, weight_decay
         self.embed = nn.Embedding(vocab_size, width)
         self.blocks = nn.Sequential(*(CausalConvBlock(width, kernel_size, expansion) for _ in range(num_layers)))
         self.norm = nn.LayerNorm(width)
@@ -56,18 +58,7 @@ class ByteConvNet(pl.LightningModule):
 
     def loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         inputs, targets = batch
-        return F.cross_entropy(self(inputs).flatten(0, 1).float(), targets.flatten())
+        return next_token_loss(self(inputs), targets)
 
-    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
-        loss = self.loss(batch)
-        self.log("train/loss", loss, prog_bar=True)
-        return loss
-
-    def validation_step(self, batch, batch_idx: int) -> None:
-        self.log("val/loss", self.loss(batch), prog_bar=True)
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        decay = [p for p in self.parameters() if p.ndim >= 2 and p is not self.embed.weight]
-        rest = [p for p in self.parameters() if not (p.ndim >= 2 and p is not self.embed.weight)]
-        groups = [{"params": decay, "weight_decay": self.hparams.weight_decay}, {"params": rest, "weight_decay": 0.0}]
-        return torch.optim.AdamW(groups, lr=self.hparams.lr)
+    def decays(self, param: nn.Parameter) -> bool:
+        return param.ndim >= 2 and param is not self.embed.weight  # the embedding, like norms, is not decayed

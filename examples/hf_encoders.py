@@ -9,31 +9,16 @@ predicts their step time beside the measured one.
 
 from __future__ import annotations
 
-import lightning.pytorch as pl
 import torch
 from torch import nn
 
+from examples._common import TokenWindowModule
 
-class _HFModule(pl.LightningModule):
+
+class _HFModule(TokenWindowModule):
     def __init__(self, lr: float, weight_decay: float) -> None:
         super().__init__()
         self.lr, self.weight_decay = lr, weight_decay
-
-    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
-        loss = self.loss(batch)
-        self.log("train/loss", loss, prog_bar=True)
-        return loss
-
-    def validation_step(self, batch, batch_idx: int) -> None:
-        self.log("val/loss", self.loss(batch), prog_bar=True)
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        params = [p for p in self.parameters() if p.requires_grad]
-        groups = [
-            {"params": [p for p in params if p.ndim >= 2], "weight_decay": self.weight_decay},
-            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
-        ]
-        return torch.optim.AdamW(groups, lr=self.lr)
 
 
 class BertMLM(_HFModule):

@@ -8,15 +8,14 @@ matrices (embeddings included), not to norms' gains and biases.
 
 from __future__ import annotations
 
-import lightning.pytorch as pl
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from examples._common import TokenWindowModule, next_token_loss
 from lmledger.errors import ConfigError
 
 
-class HFCausalLM(pl.LightningModule):
+class HFCausalLM(TokenWindowModule):
     """A `transformers` causal LM trained on (inputs, targets) token windows; subclasses build the model."""
 
     def __init__(self, lr: float = 3e-3, weight_decay: float = 0.1, activation_checkpointing: int = 0) -> None:
@@ -41,41 +40,17 @@ class HFCausalLM(pl.LightningModule):
     def loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         inputs, targets = batch
         logits = self.model(input_ids=inputs, use_cache=False).logits
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-
-    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
-        loss = self.loss(batch)
-        self.log("train/loss", loss, prog_bar=True)
-        return loss
-
-    def validation_step(self, batch, batch_idx: int) -> None:
-        self.log("val/loss", self.loss(batch), prog_bar=True)
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        params = [p for p in self.parameters() if p.requires_grad]
-        groups = [
-            {"params": [p for p in params if p.ndim >= 2], "weight_decay": self.weight_decay},
-            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
-        ]
-        return torch.optim.AdamW(groups, lr=self.lr)
+        return next_token_loss(logits, targets)
 
 
 class LlamaLM(HFCausalLM):
     """LlamaForCausalLM: RMSNorm, RoPE, SwiGLU, grouped-query attention, untied LM head."""
 
     def __init__(
-        self,
-        vocab_size: int = 256,
-        context_length: int = 128,
-        hidden_size: int = 128,
-        num_layers: int = 4,
-        num_heads: int = 4,
-        num_kv_heads: int = 2,
-        intermediate_size: int = 384,
-        lr: float = 3e-3,
-        weight_decay: float = 0.1,
-        activation_checkpointing: int = 0,
-    ) -> None:
+        self, vocab_size: int = 256, context_length: int = 128, hidden_size: int = 128, num_layers: int = 4,
+        num_heads: int = 4, num_kv_heads: int = 2, intermediate_size: int = 384, lr: float = 3e-3,
+        weight_decay: float = 0.1, activation_checkpointing: int = 0,
+    ) -> None:  # fmt: skip
         self.hf_config = _llama_config(
             vocab_size, context_length, hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size
         )
@@ -92,31 +67,18 @@ class GPT2LM(HFCausalLM):
     """GPT2LMHeadModel: LayerNorm, learned positions, GELU MLP (4x), tied LM head, biases."""
 
     def __init__(
-        self,
-        vocab_size: int = 256,
-        context_length: int = 128,
-        hidden_size: int = 128,
-        num_layers: int = 4,
-        num_heads: int = 4,
-        dropout: float = 0.0,
-        lr: float = 3e-3,
-        weight_decay: float = 0.1,
+        self, vocab_size: int = 256, context_length: int = 128, hidden_size: int = 128, num_layers: int = 4,
+        num_heads: int = 4, dropout: float = 0.0, lr: float = 3e-3, weight_decay: float = 0.1,
         activation_checkpointing: int = 0,
-    ) -> None:
+    ) -> None:  # fmt: skip
         from transformers import GPT2Config
 
+        # bos/eos 0: GPT-2's own ids (50256) lie outside a byte vocabulary
         self.hf_config = GPT2Config(
-            vocab_size=vocab_size,
-            n_positions=context_length,
-            n_embd=hidden_size,
-            n_layer=num_layers,
-            n_head=num_heads,
-            resid_pdrop=dropout,
-            embd_pdrop=dropout,
-            attn_pdrop=dropout,
-            bos_token_id=0,  # GPT-2's own ids (50256) lie outside a byte vocabulary
+            vocab_size=vocab_size, n_positions=context_length, n_embd=hidden_size, n_layer=num_layers,
+            n_head=num_heads, resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout, bos_token_id=0,
             eos_token_id=0,
-        )
+        )  # fmt: skip
         super().__init__(lr, weight_decay, activation_checkpointing)
         self.save_hyperparameters()
 
@@ -130,14 +92,7 @@ def _llama_config(vocab, context, hidden, layers, heads, kv_heads, intermediate)
     from transformers import LlamaConfig
 
     return LlamaConfig(
-        vocab_size=vocab,
-        max_position_embeddings=context,
-        hidden_size=hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        intermediate_size=intermediate,
-        bos_token_id=0,
-        eos_token_id=0,
-        pad_token_id=None,
-    )
+        vocab_size=vocab, max_position_embeddings=context, hidden_size=hidden, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, intermediate_size=intermediate, bos_token_id=0,
+        eos_token_id=0, pad_token_id=None,
+    )  # fmt: skip
