@@ -22,7 +22,8 @@ from lmledger.ledger.dryrun import dry_run
 from lmledger.ledger.ops import OPTIMIZER, OpRecorder, OpSummary
 from lmledger.ledger.steptime import CATEGORIES, NoStepTime, StepTime, data_wait, predict_step_time
 from lmledger.ledger.steptime.cache import STEP_TIMES_FILE, StepTimeCache
-from lmledger.ledger.steptime.replay import Replayer, rebuild, why_not_replayed
+from lmledger.ledger.steptime.replay import Replayer, why_not_replayed
+from lmledger.ledger.steptime.tensors import rebuild
 from lmledger.model import ModelConfig, ToyLM
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -1,10 +1,6 @@
 """Each distinct op of a dry run, replayed on real tensors on this device and timed.
 
-An op's signature (ledger/ops.py: its overload, and its arguments with each tensor as a TensorSpec of
-shape, stride, offset, dtype and storage size) is rebuilt on real tensors: floating values from a normal
-distribution, integers in range for what they index (embedding ids below the table's rows, class targets
-below the class count, gather/scatter/index positions below their dimension; any other integer tensor
-below the smallest dimension of the op's tensors, which is a valid index into each), booleans at random.
+An op's signature is rebuilt on real tensors of its recorded layouts (ledger/steptime/tensors.py).
 Each is called once or twice to warm up, then timed call by call until `budget_s` or `max_repeats`, and
 the median is its time: robust to a descheduled call on a busy machine.
 
@@ -23,7 +19,6 @@ rebuilt, and ops whose replay raises. Every RNG stream is left as it was found. 
 
 from __future__ import annotations
 
-import math
 import random
 import statistics
 import time
@@ -34,6 +29,7 @@ import numpy as np
 import torch
 
 from lmledger.ledger.ops import COMMUNICATION, OpRecord, TensorSpec
+from lmledger.ledger.steptime.tensors import bind, leaves_of, rebuild, thaw
 
 __all__ = [
     "REPLAYED_NAMESPACES",
@@ -42,7 +38,6 @@ __all__ = [
     "cold_inputs",
     "live_bytes",
     "op_key",
-    "rebuild",
     "sequence_seconds",
     "untouched_rng",
     "why_not_replayed",
@@ -50,12 +45,6 @@ __all__ = [
 
 # torch's own operator namespaces: their kernels read only shapes (and in-range indices) to run as they run.
 REPLAYED_NAMESPACES = frozenset({"aten", "prims", "quantized_decomposed"})
-
-_INDEXED_BY_FIRST_ARG_DIM = frozenset(
-    {"gather", "scatter", "scatter_", "scatter_add", "scatter_add_", "scatter_reduce", "scatter_reduce_",
-     "index_select", "index_add", "index_add_", "index_copy", "index_copy_", "index_fill", "index_fill_",
-     "take_along_dim"}
-)  # fmt: skip
 
 
 def op_key(op: OpRecord) -> str:
@@ -96,107 +85,6 @@ def _overload(name: str):
     """torch.ops.<ns>.<op>.<overload> from "aten.mm.default"."""
     namespace, op, overload = name.split(".")
     return getattr(getattr(getattr(torch.ops, namespace), op), overload)
-
-
-def _thaw(tree: object) -> object:
-    if isinstance(tree, tuple) and len(tree) == 2 and tree[0] == "__list__":
-        return [_thaw(x) for x in tree[1]]
-    if isinstance(tree, tuple) and len(tree) == 2 and tree[0] == "__dict__":
-        return {k: _thaw(v) for k, v in tree[1]}
-    if isinstance(tree, tuple):
-        return tuple(_thaw(x) for x in tree)
-    return tree
-
-
-def _specs(tree: object) -> Iterator[TensorSpec]:
-    if isinstance(tree, TensorSpec):
-        yield tree
-    elif isinstance(tree, (list, tuple)):
-        for x in tree:
-            yield from _specs(x)
-    elif isinstance(tree, dict):
-        for x in tree.values():
-            yield from _specs(x)
-
-
-def _index_bounds(base: str, args: list, kwargs: dict) -> dict[int, int]:
-    """{id(TensorSpec): exclusive upper bound} for the integer inputs whose values index something."""
-    bounds: dict[int, int] = {}
-    first = args[0] if args and isinstance(args[0], TensorSpec) else None
-    if base == "embedding" and len(args) > 1 and first is not None:
-        bounds[id(args[1])] = first.shape[0]
-    elif base == "embedding_dense_backward" and len(args) > 2 and isinstance(args[2], int):
-        bounds[id(args[1])] = args[2]
-    elif base.startswith("nll_loss") and base.endswith("backward") and len(args) > 2:
-        logits = args[1]
-        bounds[id(args[2])] = logits.shape[1] if len(logits.shape) > 1 else logits.shape[0]
-    elif base.startswith("nll_loss") and len(args) > 1 and first is not None:
-        bounds[id(args[1])] = first.shape[1] if len(first.shape) > 1 else first.shape[0]
-    elif base in _INDEXED_BY_FIRST_ARG_DIM and first is not None and len(args) > 2:
-        dim = args[1] if isinstance(args[1], int) else 0
-        index = args[2] if isinstance(args[2], TensorSpec) else kwargs.get("index")
-        if isinstance(index, TensorSpec) and first.shape:
-            bounds[id(index)] = first.shape[dim % len(first.shape)]
-    elif base in ("index", "index_put", "index_put_", "_index_put_impl_", "_unsafe_index") and first is not None:
-        for axis, index in enumerate(args[1] if len(args) > 1 and isinstance(args[1], (list, tuple)) else ()):
-            if isinstance(index, TensorSpec) and axis < len(first.shape):
-                bounds[id(index)] = first.shape[axis]
-    return bounds
-
-
-def rebuild(
-    op: OpRecord, device: torch.device, generator: torch.Generator, cold: tuple[bool, ...] = (), copies: int = 1
-) -> list[tuple[list, dict]]:
-    """`copies` sets of the op's arguments on real tensors of its recorded layouts (module doc).
-
-    Inputs marked in `cold` (by position among the op's tensors) are fresh in each set; the rest shared.
-    """
-    args_spec, kwargs_spec = (_thaw(part) for part in op.signature)
-    base = op.name.split(".")[1]
-    bounds = _index_bounds(base, args_spec, kwargs_spec)
-    sizes = [d for spec in _specs((args_spec, kwargs_spec)) for d in spec.shape if d > 0]
-    generic = min(sizes) if sizes else 1
-    made: dict[int, torch.Tensor] = {}
-    position = {id(spec): i for i, spec in enumerate(_specs((args_spec, kwargs_spec)))}
-
-    def tensor(spec: TensorSpec) -> torch.Tensor:
-        dtype = getattr(torch, spec.dtype)
-        numel = max(
-            spec.storage_numel, spec.offset + sum((n - 1) * s for n, s in zip(spec.shape, spec.stride, strict=True)) + 1
-        )
-        if dtype.is_floating_point:
-            # std 1/sqrt(fan-in) for a matrix, as weights start: values that flow through the step stay
-            # O(1), never overflowing into inf or underflowing into denormals (slow on x86), as the model's
-            scale = 1 / math.sqrt(spec.shape[-1]) if len(spec.shape) >= 2 and spec.shape[-1] > 0 else 1.0
-            flat = (torch.randn(numel, generator=generator, dtype=torch.float32) * scale).to(dtype)
-        elif dtype.is_complex:
-            flat = torch.randn(numel, generator=generator, dtype=dtype)
-        elif dtype == torch.bool:
-            flat = torch.randint(0, 2, (numel,), generator=generator).bool()
-        else:
-            high = max(1, min(bounds.get(id(spec), generic), int(torch.iinfo(dtype).max)))
-            flat = torch.randint(0, high, (numel,), generator=generator, dtype=torch.int64).to(dtype)
-        return flat.to(device).as_strided(spec.shape, spec.stride, spec.offset)
-
-    def build(tree: object) -> object:
-        if isinstance(tree, TensorSpec):
-            index = position[id(tree)]
-            if index < len(cold) and cold[index]:
-                return tensor(tree)
-            if id(tree) not in made:
-                made[id(tree)] = tensor(tree)
-            return made[id(tree)]
-        if isinstance(tree, list):
-            return [build(x) for x in tree]
-        if isinstance(tree, tuple):
-            return tuple(build(x) for x in tree)
-        if isinstance(tree, dict):
-            return {k: build(v) for k, v in tree.items()}
-        if isinstance(tree, torch.device):
-            return device
-        return tree
-
-    return [(build(args_spec), build(kwargs_spec)) for _ in range(max(1, copies))]
 
 
 def cache_bytes(device: torch.device) -> int:
@@ -323,7 +211,7 @@ class Replayer:
         if key in self.failed:
             return None
         size = sum(s.storage_numel * torch.empty((), dtype=getattr(torch, s.dtype)).element_size()
-                   for s in _specs(_thaw(op.signature)))  # fmt: skip
+                   for s in leaves_of(thaw(op.signature)))  # fmt: skip
         if 2 * size > self.max_bytes:  # its inputs, outputs of about their size, and cold copies
             self.failed[key] = f"too large to replay here ({size / 1e9:.3g} GB of inputs)"
             return None
@@ -448,7 +336,7 @@ def sequence_seconds(
                 if func is None or i in failed:
                     continue
                 try:
-                    args, kwargs = _bind(op, device, generator, pool)
+                    args, kwargs = bind(op, device, generator, pool)
                     _sync(device)
                     t0 = clock()
                     out = func(*args, **kwargs)
@@ -460,7 +348,7 @@ def sequence_seconds(
                     continue
                 if round_:
                     samples[i].append(dt)
-                for t, (key, _) in zip(_out_tensors(out), op.output_storages, strict=False):
+                for t, (key, _) in zip(leaves_of(out, torch.Tensor), op.output_storages, strict=False):
                     pool[key] = t.untyped_storage()
                 for key, _ in (*op.storages, *op.output_storages):
                     if last.get(key) == i and key not in leaves:
@@ -469,74 +357,3 @@ def sequence_seconds(
             if round_ >= 2 and spent > budget_s:
                 break
     return [statistics.median(s) if s else None for s in samples], failed
-
-
-def _out_tensors(out: object) -> list[torch.Tensor]:
-    if isinstance(out, torch.Tensor):
-        return [out]
-    if isinstance(out, (list, tuple)):
-        return [t for x in out for t in _out_tensors(x)]
-    return []
-
-
-def _bind(op: OpRecord, device: torch.device, generator: torch.Generator, pool: dict) -> tuple[list, dict]:
-    """The op's arguments on the pool's storages (by the recorded storage ids), new ones where missing."""
-    args_spec, kwargs_spec = (_thaw(part) for part in op.signature)
-    specs = list(_specs((args_spec, kwargs_spec)))
-    keys = {id(spec): key for spec, (key, _) in zip(specs, op.storages, strict=False)}
-    fresh: dict[int, torch.Tensor] = {}
-    missing = []
-    for spec in specs:
-        key = keys.get(id(spec))
-        dtype = getattr(torch, spec.dtype)
-        need = (spec.offset + sum((n - 1) * s for n, s in zip(spec.shape, spec.stride, strict=True)) + 1) * (
-            torch.empty((), dtype=dtype).element_size()
-        )
-        storage = pool.get(key)
-        if storage is None or storage.nbytes() < need or storage.device.type != device.type:
-            missing.append(spec)
-    if missing:  # made as a lone replay makes them (in-range integers), then kept in the pool
-        made = rebuild(op, device, generator)[0]
-        for spec, tensor in zip(_specs((args_spec, kwargs_spec)), _specs_values(made), strict=True):
-            if any(spec is m for m in missing):
-                key = keys.get(id(spec))
-                if key is not None:
-                    pool[key] = tensor.untyped_storage()
-                fresh[id(spec)] = tensor
-
-    def build(tree: object) -> object:
-        if isinstance(tree, TensorSpec):
-            if id(tree) in fresh:
-                return fresh[id(tree)]
-            storage = pool[keys[id(tree)]]
-            return torch.empty(0, dtype=getattr(torch, tree.dtype), device=device).set_(
-                storage, tree.offset, tree.shape, tree.stride
-            )
-        if isinstance(tree, list):
-            return [build(x) for x in tree]
-        if isinstance(tree, tuple):
-            return tuple(build(x) for x in tree)
-        if isinstance(tree, dict):
-            return {k: build(v) for k, v in tree.items()}
-        if isinstance(tree, torch.device):
-            return device
-        return tree
-
-    return build(args_spec), build(kwargs_spec)
-
-
-def _specs_values(made: tuple[list, dict]) -> list[torch.Tensor]:
-    found: list[torch.Tensor] = []
-
-    def walk(tree: object) -> None:
-        if isinstance(tree, torch.Tensor):
-            found.append(tree)
-        elif isinstance(tree, (list, tuple)):
-            for x in tree:
-                walk(x)
-        elif isinstance(tree, dict):
-            for x in tree.values():
-                walk(x)
-
-    walk(made)
-    return found
