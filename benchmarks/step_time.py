@@ -65,7 +65,7 @@ def _data(work: Path) -> Path:
 _PREWARM = """
 import os, torch
 torch.set_num_threads(max(1, os.cpu_count() // {world}))
-from lmledger.callbacks.timing import lightning_loop_seconds
+from lmledger.callbacks.steptime import lightning_loop_seconds
 from lmledger.ledger.steptime.cache import StepTimeCache
 from lmledger.ledger.steptime.calibrate import collective_model
 cache = StepTimeCache(torch.device("cpu"))

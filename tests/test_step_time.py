@@ -193,7 +193,7 @@ def test_prediction_leaves_rng_weights_and_data_order_alone(cache):
 
 
 def test_account_prints_the_predicted_step_time_before_anything_runs(cache, workdir, capsys):
-    from lmledger.callbacks.timing import loop_calibration_name
+    from lmledger.callbacks.steptime import loop_calibration_name
 
     seeded = StepTimeCache(torch.device("cpu"))  # the loop probe would start a Trainer in a subprocess
     seeded.set_calibration(loop_calibration_name(False, True), {"base_s": 2e-3, "per_log_s": 0.0}, "seeded by the test")
@@ -210,7 +210,7 @@ def test_account_prints_the_predicted_step_time_before_anything_runs(cache, work
 def test_plan_train_time_from_a_config(cache, workdir, capsys):
     import yaml
 
-    from lmledger.callbacks.timing import loop_calibration_name
+    from lmledger.callbacks.steptime import loop_calibration_name
 
     seeded = StepTimeCache(torch.device("cpu"))
     seeded.set_calibration(loop_calibration_name(True, True), {"base_s": 2e-3, "per_log_s": 0.0}, "seeded by the test")
@@ -229,7 +229,7 @@ def test_plan_train_time_from_a_config(cache, workdir, capsys):
 
 
 def test_sweep_plan_predicts_each_points_peak_and_step(cache, workdir, capsys):
-    from lmledger.callbacks.timing import loop_calibration_name
+    from lmledger.callbacks.steptime import loop_calibration_name
     from lmledger.cli import main as lmledger
 
     seeded = StepTimeCache(torch.device("cpu"))
@@ -258,7 +258,7 @@ def test_a_fit_trains_the_same_with_the_prediction_on_or_off(cache):
 
     from lmledger.callbacks import Ledger
     from lmledger.callbacks.settings import LedgerSettings
-    from lmledger.callbacks.timing import loop_calibration_name
+    from lmledger.callbacks.steptime import loop_calibration_name
 
     seeded = StepTimeCache(torch.device("cpu"))
     seeded.set_calibration(loop_calibration_name(False, False), {"base_s": 1e-3, "per_log_s": 0.0}, "seeded")

@@ -50,8 +50,9 @@ from lmledger.callbacks.run import (
     untouched_rng,
 )
 from lmledger.callbacks.settings import LedgerSettings
+from lmledger.callbacks.steptime import measured_time, predict_time
 from lmledger.callbacks.throughput import compile_speedup, resolve_peak
-from lmledger.callbacks.timing import TimeLedger, measured_time, predict_time
+from lmledger.callbacks.timing import TimeLedger
 from lmledger.errors import UserError
 from lmledger.ledger.dryrun import StepLedger
 from lmledger.ledger.fakecopy import batch_tensors

@@ -1,4 +1,4 @@
-"""Lightning's loop per batch, measured: run by callbacks/timing.lightning_loop_seconds in a process of its own.
+"""Lightning's loop per batch, measured: run by callbacks/steptime.lightning_loop_seconds in a process of its own.
 
 An empty training_step through Trainer.fit (with the Ledger, as `lmledger fit` runs it, its own step-time
 prediction off), beside the same step run bare; the difference is what Lightning's loop, hooks and
@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from lmledger.callbacks.timing import NO_STEP_TIME
+from lmledger.callbacks.steptime import NO_STEP_TIME
 
 __all__ = ["main"]
 

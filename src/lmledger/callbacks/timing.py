@@ -16,11 +16,8 @@ It logs, per profiled step:
 At fit end it logs a stacked bar chart (time/breakdown) and the step-time table as text (time/table).
 It prints the table and its one-line diagnosis.
 
-Before step 1 it also predicts the step's time (ledger/steptime): each op of the dry run replayed here,
-the optimizer, data wait and communication calibrated, and Lightning's own loop per batch, which needs
-Lightning and so is measured here (`lightning_loop_seconds`): an empty training_step through Trainer.fit,
-in a process of its own, cached per machine with the step-time cache. It logs time/predicted/<category>
-once, and the table gets a `predicted` column.
+Before step 1 the Ledger also predicts the step's time (callbacks/steptime.py over ledger/steptime) and
+hands it here as `step_time`: it logs time/predicted/<category> once, and the table gets a `predicted` column.
 
 A profiled step runs slower: the profiler has its own cost. `is_profiling_step(n)` says which training
 batches are profiled (0-based, counted over the fit). So a throughput window can leave them out.
@@ -28,10 +25,6 @@ batches are profiled (0-based, counted over the fit). So a throughput window can
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import time
 
 import lightning.pytorch as pl
@@ -40,28 +33,17 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from matplotlib.figure import Figure
 
 from lmledger.callbacks.run import log_scalars, log_text, synchronize, tensorboard_writers, untouched_rng
+from lmledger.callbacks.steptime import run_links
 from lmledger.errors import ConfigError
 from lmledger.ledger import profile as ledger_profile
 from lmledger.ledger.dryrun import NotTraced, StepLedger
 from lmledger.ledger.gpus import find_gpu
-from lmledger.ledger.interconnect import Links, links_for, resolve_interconnect
+from lmledger.ledger.interconnect import resolve_interconnect
 from lmledger.ledger.peak_flops import compute_dtype_for_precision
 from lmledger.ledger.roofline import LABELS, Roofline, device_roofline, format_table, with_ddp_allreduce
 from lmledger.ledger.shapes import advice_text
 
-__all__ = [
-    "NO_STEP_TIME",
-    "TimeLedger",
-    "lightning_loop_seconds",
-    "loop_calibration_name",
-    "measured_time",
-    "predict_fit_step_time",
-    "predict_time",
-    "run_links",
-]
-
-# Set in the loop probe's own process, so its Ledger does not predict (and probe) in turn.
-NO_STEP_TIME = "LMLEDGER_NO_STEP_TIME"
+__all__ = ["TimeLedger"]
 
 
 class TimeLedger(pl.Callback):
@@ -336,175 +318,6 @@ def _this_gpu(device: torch.device) -> str | None:
     """The GPUS key of a CUDA device. None for a CPU or an unlisted GPU."""
     if device.type != "cuda":
         return None
-    from lmledger.ledger.gpus import find_gpu
 
     spec = find_gpu(torch.cuda.get_device_name(device))
     return spec.key if spec is not None else None
-
-
-# -- the predicted step time ---------------------------------------------------------------------------
-
-
-def loop_calibration_name(progress_bar: bool, logger: bool, ledger: bool = True) -> str:
-    """The step-time cache's name for the loop calibration of these trainer settings; its value is
-    {"base_s": the loop per batch, "per_log_s": what a logging step adds}."""
-    return f"lightning_loop bar={int(progress_bar)} logger={int(logger)} ledger={int(ledger)}"
-
-
-def lightning_loop_seconds(
-    *,
-    progress_bar: bool,
-    logger: bool,
-    log_every_n_steps: int,
-    ledger: bool = True,
-    cache=None,
-    measure: bool = True,
-) -> tuple[float, str] | None:
-    """(seconds, how) Lightning's loop costs per batch with these settings, measured once per machine.
-
-    None where the probe could not run, or is not cached and `measure` is off (a multi-rank fit: one
-    rank's minutes in the probe would time out the others' first collective); the prediction notes it.
-    """
-    from lmledger.ledger.steptime.cache import StepTimeCache
-
-    cache = cache or StepTimeCache(torch.device("cpu"))
-    name = loop_calibration_name(progress_bar, logger, ledger)
-    found = cache.calibration(name)
-    if found is None and not measure:
-        return None
-    if found is None:
-        settings = {"progress_bar": progress_bar, "logger": logger, "ledger": ledger, "steps": 60,
-                    "threads": torch.get_num_threads()}  # fmt: skip
-        code = f"import json; from lmledger.callbacks.loopprobe import main; print(json.dumps(main({settings!r})))"
-        try:
-            done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                                  env={**os.environ, NO_STEP_TIME: "1"})  # fmt: skip
-            lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-            measured = json.loads(lines[-1]) if done.returncode == 0 and lines else None
-        except (OSError, subprocess.TimeoutExpired, ValueError):
-            measured = None
-        if not measured:
-            return None
-        value = {
-            "base_s": max(0.0, measured["unlogged_s"] - measured["bare_s"] - measured["fetch_s"]),
-            "per_log_s": max(0.0, measured["logged_s"] - measured["unlogged_s"]),
-        }
-        cache.set_calibration(
-            name, value, "an empty training_step through Trainer.fit, logging every batch and never (mean "
-            "batch-to-batch after 10 batches), minus the same step bare (median) and its loader's fetch", **measured,
-        )  # fmt: skip
-        cache.save()
-        found = cache.calibration(name)
-    value = found["value"]
-    if not isinstance(value, dict) or not all(isinstance(value.get(k), (int, float)) for k in ("base_s", "per_log_s")):
-        return None
-    per_batch = value["base_s"] + value["per_log_s"] / max(1, log_every_n_steps)
-    return per_batch, f"empty training_step through Trainer.fit, measured {found['measured_at'][:10]}"
-
-
-def run_links(trainer: pl.Trainer, device: torch.device, intra: str | None, inter: str | None) -> Links | None:
-    """The links this fit's collectives cross: on a GPU (or where the user names one), its node's links split at
-    the trainer's devices per node (ledger.interconnect.links_for); None on a CPU (memory copies)."""
-    if device.type != "cuda" and intra is None and inter is None:
-        return None
-    spec = find_gpu(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
-    per_node = max(1, int(getattr(trainer, "num_devices", 1) or 1))
-    return links_for(spec.key if spec else None, intra, inter, per_node, max(1, int(trainer.num_nodes or 1)))
-
-
-def predict_fit_step_time(
-    trainer: pl.Trainer,
-    pl_module: pl.LightningModule,
-    prediction: StepLedger,
-    *,
-    accumulate: int = 1,
-    tokens: int | None = None,
-    samples: int = 0,
-    intra: str | None = None,
-    inter: str | None = None,
-):
-    """The predicted step (ledger.steptime.StepTime or NoStepTime) of this fit, from its dry run; `intra` and
-    `inter` as TimeLedger's intra_node and inter_node."""
-    from lmledger.callbacks.run import torch_optimizers
-    from lmledger.callbacks.run import untouched_rng as fit_rng
-    from lmledger.ledger.steptime import NoStepTime, data_wait, predict_step_time
-
-    if os.environ.get(NO_STEP_TIME):
-        return NoStepTime("step-time prediction off in this process")
-    if prediction.ops is None:
-        return NoStepTime("the dry run holds no op records")
-    optimizers = torch_optimizers(trainer) if pl_module.automatic_optimization else []
-    clip = None
-    if trainer.gradient_clip_val:
-        algorithm = str(trainer.gradient_clip_algorithm or "norm").lower().split(".")[-1]
-        clip = ("value" if "value" in algorithm else "norm", float(trainer.gradient_clip_val))
-    alone = trainer.world_size == 1  # several ranks wait for each other: no subprocess calibration there
-    loop = lightning_loop_seconds(
-        progress_bar=trainer.progress_bar_callback is not None, logger=bool(trainer.loggers),
-        log_every_n_steps=int(trainer.log_every_n_steps or 50), measure=alone,
-    )  # fmt: skip
-    loader = trainer.train_dataloader
-    data = data_wait(loader) if isinstance(loader, torch.utils.data.DataLoader) else None
-    backend = getattr(trainer.strategy, "_process_group_backend", None) or "gloo"
-    ops = with_ddp_allreduce(prediction.ops, prediction)
-    with fit_rng(pl_module.device):
-        return predict_step_time(
-            ops, pl_module.device, compute_dtype=compute_dtype_for_precision(str(trainer.precision)),
-            optimizer=optimizers[0] if optimizers else None, clip=clip, loop_s=loop[0] if loop else None,
-            loop_how=loop[1] if loop else "", data=data, world_size=trainer.world_size, backend=str(backend),
-            tokens=tokens, samples=samples, accumulate=accumulate, calibrate_collectives=alone,
-            links=run_links(trainer, pl_module.device, intra, inter),
-        )  # fmt: skip
-
-
-def predict_time(trainer, pl_module, dry, why_not, report, accumulate, tokens, samples, timing):
-    """The Ledger's step-time prediction before step 1: its report's `step time` and rate rows, the
-    time/predicted/<category> tags, one printed line, and the time ledger's `predicted` column."""
-    from lmledger.ledger.steptime import NoStepTime, StepTime
-
-    if dry is None:
-        result = NoStepTime(f"no dry run ({why_not})")
-    else:
-        try:
-            result = predict_fit_step_time(
-                trainer, pl_module, dry, accumulate=accumulate, tokens=tokens, samples=samples,
-                intra=timing.intra_node, inter=timing.inter_node,
-            )  # fmt: skip
-        except Exception as err:  # noqa: BLE001 - a prediction must never stop the fit
-            text = str(err).strip().splitlines()
-            result = NoStepTime(f"{type(err).__name__}: {text[0] if text else ''}")
-    timing.step_time = result
-    if isinstance(result, StepTime):
-        report.times["step time"] = (result.total_s, None)
-        rate = "tokens/s" if result.tokens_per_s else "samples/s"
-        report.times[rate] = (result.tokens_per_s or result.samples_per_s, None)
-        metrics = {f"time/predicted/{name}": seconds for name, seconds in result.seconds.items()}
-        metrics["time/predicted/total"] = result.total_s
-        log_scalars(trainer, metrics, step=trainer.global_step)
-        line = "ledger: " + result.line()
-        for note in result.notes:
-            line += f"\nledger: {note}"
-    else:
-        line = f"ledger: no step-time prediction: {result.reason}"
-    if trainer.is_global_zero and not os.environ.get(NO_STEP_TIME):
-        rank_zero_info(line)
-    return result
-
-
-def measured_time(report, step_time, steady: list, accumulate: int, show: bool) -> None:
-    """The measured step (the throughput windows' mean, per optimizer step) beside the predicted one."""
-    from lmledger.ledger.steptime import StepTime
-
-    seconds, batches = steady
-    if not isinstance(step_time, StepTime) or batches == 0 or seconds <= 0:
-        return
-    measured = seconds / batches * accumulate
-    report.times["step time"] = (step_time.total_s, measured)
-    for rate, per_step in (("tokens/s", step_time.tokens), ("samples/s", step_time.samples)):
-        if rate in report.times and per_step:
-            report.times[rate] = (report.times[rate][0], per_step / measured)
-    if show:
-        rank_zero_info(
-            f"step {step_time.total_s * 1e3:.4g} ms predicted, {measured * 1e3:.4g} ms measured "
-            f"(measured/predicted {measured / step_time.total_s:.3f}; over {batches} batches)"
-        )

@@ -10,7 +10,7 @@
     collectives       all-reduce on real gloo ranks on this machine (processes of their own, never the
                       run's group), at sizes from 4 KiB to 16 MiB: latency and bandwidth fitted (alpha-beta)
 
-The Lightning loop's cost per step needs Lightning, so it is measured in callbacks/timing.py and passed in.
+The Lightning loop's cost per step needs Lightning, so it is measured in callbacks/steptime.py and passed in.
 No Lightning import.
 """
 

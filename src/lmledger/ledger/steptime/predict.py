@@ -130,7 +130,7 @@ def predict_step_time(
 
     optimizer   the run's optimizer (its class, groups and hyperparameters; tensors are never touched)
     clip        ("norm" | "value", threshold): Lightning's gradient clipping, or None
-    loop_s      Lightning's loop per batch, measured (callbacks/timing.py); None: not counted, and said
+    loop_s      Lightning's loop per batch, measured (callbacks/steptime.py); None: not counted, and said
     data        the loader's batch time (calibrate.data_wait); None: no wait
     tokens, samples   per micro-batch; the step's are `accumulate` times as many
     links       what a backend that cannot be timed here (nccl) crosses (ledger.interconnect); default an H100 node's
