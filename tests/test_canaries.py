@@ -431,11 +431,11 @@ def test_grouped_mm_meta_kernel_refuses_what_the_cpu_kernel_runs():
 
 
 def test_flop_counter_decomposes_what_it_cannot_count():
-    """ledger.flops.StepFlopCounter: FlopCounterMode runs an op without a FLOP formula through its
+    """ledger.flopcounter.StepFlopCounter: FlopCounterMode runs an op without a FLOP formula through its
     decomposition (func.decompose()), so inside it a real step computes other bits than outside."""
     import torch.utils.flop_counter as flop_counter_module
 
-    from lmledger.ledger.flops import StepFlopCounter
+    from lmledger.ledger.flopcounter import StepFlopCounter
 
     source = inspect.getsource(flop_counter_module._FlopCounterMode.__torch_dispatch__)
     assert "func.decompose(" in source

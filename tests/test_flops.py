@@ -9,11 +9,11 @@ import torch
 from torch.utils.checkpoint import set_checkpoint_early_stop
 
 from lmledger.errors import UserError
+from lmledger.ledger.flopcounter import flop_counter
 from lmledger.ledger.flops import (
     COMPONENTS,
     MFU_CONVENTIONS,
     analytic_flops,
-    flop_counter,
     flops_per_token_by_convention,
     matmul_parameters,
     measure_flops,
@@ -318,7 +318,7 @@ def test_6n_is_the_counted_matmuls_and_palm_adds_the_counted_attention(name, tra
 def test_causal_entries_are_what_sdpa_keeps(shape):
     # With zero queries and keys every kept score is equal, so with V = I the output is the attention
     # matrix itself, positive exactly where the causal mask keeps an entry.
-    from lmledger.ledger.flops import _causal_entries
+    from lmledger.ledger.flopcounter import _causal_entries
 
     s_q, s_k = shape
     probe = torch.nn.functional.scaled_dot_product_attention(

@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from lmledger.errors import UserError
 from lmledger.ledger import moe, moebounds
 from lmledger.ledger.dryrun import NotTraced, StepLedger, dry_run, measure_step
-from lmledger.ledger.flops import CPU_SDPA_FLOP_FORMULAS, GROUPED_MM_FLOP_FORMULAS
+from lmledger.ledger.flopcounter import CPU_SDPA_FLOP_FORMULAS, GROUPED_MM_FLOP_FORMULAS
 
 VOCAB = 32
 

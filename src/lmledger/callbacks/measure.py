@@ -5,7 +5,7 @@ One step here is one optimizer step. Under automatic optimization it is `accumul
 optimizers itself. Everything opens at a batch's start (`batch_start`). It closes at a batch's end or
 on an exception:
 
-    step 1   FLOPs (flops.StepFlopCounter, over every micro-batch). The saved activations of the
+    step 1   FLOPs (flopcounter.StepFlopCounter, over every micro-batch). The saved activations of the
              first micro-batch's forward: saved-tensor hooks, closed at backward so nothing is held
              longer than the step holds it. Then params, grads and optimizer state, once the
              optimizer stepped.
@@ -30,7 +30,7 @@ import torch
 from lmledger.ledger.activations import measure_saved_activations
 from lmledger.ledger.dryrun import phases
 from lmledger.ledger.fakecopy import batch_tensors
-from lmledger.ledger.flops import StepFlopCounter
+from lmledger.ledger.flopcounter import StepFlopCounter
 from lmledger.ledger.memory import measure_state_bytes
 from lmledger.ledger.memtrack import MemoryTracker
 from lmledger.ledger.report import Figures

@@ -53,7 +53,7 @@ from lmledger.ledger.fakecopy import (
     precision_dtypes,
     target_device,
 )
-from lmledger.ledger.flops import flop_counter
+from lmledger.ledger.flopcounter import flop_counter
 from lmledger.ledger.memory import measure_state_bytes, unique_storage_bytes
 from lmledger.ledger.memtrack import MemoryTracker
 from lmledger.ledger.ops import OpRecorder

@@ -18,7 +18,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from lmledger.ledger.activations import measure_saved_activations
 from lmledger.ledger.fakecopy import PlaceholderScalars, batch_tensors
-from lmledger.ledger.flops import flop_counter
+from lmledger.ledger.flopcounter import flop_counter
 from lmledger.ledger.memory import measure_state_bytes, unique_storage_bytes
 from lmledger.ledger.memtrack import MemoryTracker
 from lmledger.ledger.steptypes import PHASES, StepFn, StepLedger, no_cyclic_gc

@@ -44,7 +44,7 @@ class _Dispatch(TorchDispatchMode):
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
-        """Let torch.compile'd code run compiled while tracked (ledger.flops._CountWithoutDecomposing says why)."""
+        """Let torch.compile'd code run compiled while tracked (flopcounter._CountWithoutDecomposing says why)."""
         return True
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):

@@ -30,7 +30,7 @@ from torch.utils._pytree import tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
 from lmledger.errors import UserError
-from lmledger.ledger import dryrun, fakecopy, flops, manualopt
+from lmledger.ledger import dryrun, fakecopy, flopcounter, manualopt
 from lmledger.ledger.ddp import Bucket
 from lmledger.ledger.dryrun import NotTraced, OptimizerSpec, StepLedger
 from lmledger.ledger.memtrack import MemoryTracker
@@ -241,7 +241,7 @@ def _count_local_flops(self, func_packet, out, args, kwargs):
 
 
 def _count_local_without_decomposing(self, func, types, args=(), kwargs=None):
-    """ledger.flops' counter of a real step (StepFlopCounter's mode), on the local shards."""
+    """ledger.flopcounter's counter of a real step (StepFlopCounter's mode), on the local shards."""
     out = func(*args, **(kwargs or {}))
     packet = func._overloadpacket
     if packet in self.counter.flop_registry:
@@ -260,7 +260,9 @@ class local_flops:  # noqa: N801  (used as a context manager, or start()/stop() 
     def __init__(self) -> None:
         self._patches = [
             mock.patch.object(FlopCounterMode, "_count_flops", _count_local_flops),
-            mock.patch.object(flops._CountWithoutDecomposing, "__torch_dispatch__", _count_local_without_decomposing),
+            mock.patch.object(
+                flopcounter._CountWithoutDecomposing, "__torch_dispatch__", _count_local_without_decomposing
+            ),
         ]
 
     def start(self) -> None:
