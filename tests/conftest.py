@@ -88,6 +88,16 @@ def workdir(tmp_path, stdlib_data, monkeypatch) -> Path:
     return tmp_path
 
 
+@pytest.fixture(scope="session")
+def plain_fsdp2_ranks(tmp_path_factory) -> dict[str, list[dict]]:
+    """The 2-rank FSDP2 fits of a plain module (test_ledger_fsdp2's cases, test_fsdp2_accumulate's manual step),
+    all in one launch: {case: each rank's Ledger figures}. Imported here, when first asked for, so neither test
+    module makes the other (nor the ranks they spawn) import Lightning."""
+    from test_ledger_fsdp2 import launch_plain_fits
+
+    return launch_plain_fits(tmp_path_factory.mktemp("plain"))
+
+
 @contextlib.contextmanager
 def file_size_limit(limit: int) -> Iterator[None]:
     """RLIMIT_FSIZE for this process: writes past `limit` bytes fail with EFBIG (SIGXFSZ ignored)."""
@@ -98,6 +108,11 @@ def file_size_limit(limit: int) -> Iterator[None]:
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, old_limit)
         signal.signal(signal.SIGXFSZ, old_handler)
+
+
+def figures_of(doc: dict, source: str) -> dict:
+    """One source's byte lines of the one JSON shape ({line: {source: bytes}}): {line: bytes}."""
+    return {line: (by_source or {}).get(source) for line, by_source in doc["memory"].items()}
 
 
 def run_json(capsys, *argv: str) -> dict:

@@ -7,8 +7,9 @@ last: its block_backward_sync is ParallelStrategy's, which acts only on a Distri
 DTensor grad (FSDP2's foreach_reduce), and every manual_backward does the same. The fake copy runs torch's
 own fully_shard, so the dry run follows that, and a step's own set_requires_gradient_sync(False) too.
 
-The live fits are started as scripts (this file run as one: `python tests/test_fsdp2_accumulate.py manual
-OUT`), since Lightning's launcher for ModelParallelStrategy starts rank 1 by running the same command again."""
+The manual-optimization fit runs in test_ledger_fsdp2's one 2-rank launch of its plain-module fits (a script,
+since Lightning's launcher for ModelParallelStrategy starts rank 1 by running the same command again). This
+module imports no Lightning at its top, so the ranks run_ranks spawns, which import it, start without it."""
 
 from __future__ import annotations
 
@@ -18,7 +19,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import lightning.pytorch as pl
 import pytest
 import torch
 from rank_toy import adamw as _adamw
@@ -149,38 +149,14 @@ def test_canary_model_parallel_keeps_fsdp2_gradient_sync_on():
 # --------------------------------------------------------------------------------------------
 
 
-class SyncProbe(pl.Callback):
-    """After every backward: whether each FSDP2 unit reduces its grads and every sharded grad is set (as it is
-    after a reduce-scatter; under no sync it would stay None until the last micro-batch). To
-    $LEDGER_DUMP/sync{R}.json at fit end."""
-
-    def __init__(self) -> None:
-        self.seen: list[list[bool]] = []
-
-    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        groups = [
-            group
-            for module in pl_module.modules()
-            if callable(getattr(module, "_get_fsdp_state", None))
-            for group in module._get_fsdp_state()._fsdp_param_groups
-        ]
-        grads_set = all(p.grad is not None for p in pl_module.parameters())
-        self.seen.append([bool(groups) and all(g.reduce_grads for g in groups), grads_set])
-
-    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        out = Path(os.environ["LEDGER_DUMP"]) / f"sync{trainer.global_rank}.json"
-        out.write_text(json.dumps(self.seen))
-
-
 def _env(out: Path) -> dict[str, str]:
     path = os.pathsep.join(p for p in (str(HERE.parent), os.environ.get("PYTHONPATH")) if p)
     return {**os.environ, "OMP_NUM_THREADS": "1", "LEDGER_DUMP": str(out), "PYTHONPATH": path}
 
 
-def _check_ranks(out: Path, tolerance: float = PEAK_TOLERANCE) -> list[dict]:
+def _check_ranks(ranks: list[dict], tolerance: float = PEAK_TOLERANCE) -> list[dict]:
     from test_ledger_fsdp2 import STATE
 
-    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     for rank in ranks:
         assert rank["why_not_predicted"] is None, rank
         predicted, measured = rank["predicted"], rank["measured"]
@@ -200,11 +176,11 @@ def test_litlm_fsdp2_fit_with_accumulation_is_predicted_per_rank(workdir):
         "--trainer.strategy", "fsdp2", "--trainer.devices", "2", "--trainer.accumulate_grad_batches", "2",
         "--trainer.max_steps", "3", "--trainer.log_every_n_steps", "2", "--trainer.limit_val_batches", "0",
         "--ledger.warmup_steps", "1",
-        "--trainer.callbacks+=test_ledger_fsdp2.DumpLedger", "--trainer.callbacks+=test_fsdp2_accumulate.SyncProbe",
+        "--trainer.callbacks+=test_ledger_fsdp2.DumpLedger", "--trainer.callbacks+=test_ledger_fsdp2.SyncProbe",
     ]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=_env(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    _check_ranks(out)
+    _check_ranks([json.loads((out / f"rank{r}.json").read_text()) for r in range(2)])
     for rank in range(2):  # on the real ranks: every micro-batch's backward reduced, its sharded grads set
         seen = json.loads((out / f"sync{rank}.json").read_text())
         assert len(seen) == 6 and all(reduced and grads_set for reduced, grads_set in seen), seen
@@ -212,6 +188,7 @@ def test_litlm_fsdp2_fit_with_accumulation_is_predicted_per_rank(workdir):
 
 def _manual_fit() -> None:
     """One rank of a 2-rank fit of a plain module with manual optimization under ModelParallelStrategy."""
+    import lightning.pytorch as pl
     from lightning.pytorch.strategies import ModelParallelStrategy
     from test_ledger_fsdp2 import DumpLedger, PlainFSDP2
 
@@ -243,17 +220,10 @@ def _manual_fit() -> None:
     trainer.fit(Manual(), torch.utils.data.DataLoader(data, batch_size=8))
 
 
-def test_a_manual_fsdp2_fit_is_predicted_per_rank(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, str(HERE), "manual", str(tmp_path)], capture_output=True, text=True, timeout=300,
-        env=_env(tmp_path), cwd=tmp_path,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
+def test_a_manual_fsdp2_fit_is_predicted_per_rank(plain_fsdp2_ranks):
     # A 128 kB module: in about one run in three a rank measures one more 6 kB buffer at its peak (+4.9%,
     # 134,028 B against 127,772 B, seen 2026-12-01). It varies between identical runs, so it is timing,
     # likely gloo finishing a collective on its own thread; which buffer is not traced yet.
-    _check_ranks(tmp_path, tolerance=0.05)
+    from test_ledger_fsdp2 import case_ranks
 
-
-if __name__ == "__main__":
-    _manual_fit()
+    _check_ranks(case_ranks(plain_fsdp2_ranks, "manual"), tolerance=0.05)
