@@ -37,8 +37,9 @@ prepare: $(DATA)/meta.json
 demo: setup $(DATA)/meta.json
 	$(BIN)/lmledger fit --config configs/tiny.yaml
 
+# --durations=40: the slowest forty in every run's output, so the suite's budget (15 min on 2 cores) is watched.
 test: setup-dev
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=40
 
 lint: setup-dev
 	$(BIN)/ruff check src tests benchmarks examples
