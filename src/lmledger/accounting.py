@@ -510,7 +510,7 @@ def predicted_step_time(
     """StepTime.to_json() of a config's step on this machine (or {"none": why}), with its one line."""
     import os
 
-    from lmledger.callbacks.timing import NO_STEP_TIME, lightning_loop_seconds
+    from lmledger.callbacks.steptime import NO_STEP_TIME, lightning_loop_seconds
 
     if os.environ.get(NO_STEP_TIME):
         return {"none": f"off ({NO_STEP_TIME} is set)", "line": f"no step-time prediction: {NO_STEP_TIME} is set"}
@@ -545,7 +545,7 @@ def _toy_predicted_time(spec: Run, argv: list[str]) -> dict:
     """The ToyLM config's step time predicted here: its dry run on meta weights, its optimizer."""
     import os
 
-    from lmledger.callbacks.timing import NO_STEP_TIME
+    from lmledger.callbacks.steptime import NO_STEP_TIME
     from lmledger.ledger.dryrun import NotTraced
 
     if os.environ.get(NO_STEP_TIME):
