@@ -89,10 +89,11 @@ def workdir(tmp_path, stdlib_data, monkeypatch) -> Path:
 
 
 @pytest.fixture(scope="session")
-def plain_fsdp2_ranks(tmp_path_factory) -> dict[str, list[dict]]:
+def plain_fsdp2_ranks(tmp_path_factory) -> dict[str, list[dict] | str]:
     """The 2-rank FSDP2 fits of a plain module (test_ledger_fsdp2's cases, test_fsdp2_accumulate's manual step),
-    all in one launch: {case: each rank's Ledger figures}. Imported here, when first asked for, so neither test
-    module makes the other (nor the ranks they spawn) import Lightning."""
+    all in one launch: {case: each rank's Ledger figures, or why not (test_ledger_fsdp2.case_ranks)}. Imported
+    here, when first asked for, so neither test module makes the other (nor the ranks they spawn) import
+    Lightning."""
     from test_ledger_fsdp2 import launch_plain_fits
 
     return launch_plain_fits(tmp_path_factory.mktemp("plain"))
