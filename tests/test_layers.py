@@ -25,7 +25,8 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "lmledger"
 LAYERS = {
     "model": 0, "errors": 0, "atomic": 0,
     "ledger": 1,
-    "corpus": 2, "lit": 2, "data": 2, "precision": 2, "checkpointing": 2, "lightning_private": 2, "runlock": 2,
+    "corpus": 2, "lit": 2, "data": 2, "precision": 2, "checkpointing": 2, "modelparallel_checkpoints": 2,
+    "lightning_private": 2, "runlock": 2,
     "bench": 2, "seeding": 2, "preemption": 2, "rundir": 2, "strategies": 2,
     "callbacks": 3,
     "fitting": 4, "run_config": 4, "accounting": 4, "planning": 4,

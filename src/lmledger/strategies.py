@@ -30,7 +30,8 @@ class FSDP2Strategy(ModelParallelStrategy):
 
     def __init__(self, data_parallel_size="auto", tensor_parallel_size: int = 1, **kwargs) -> None:
         super().__init__(data_parallel_size=data_parallel_size, tensor_parallel_size=tensor_parallel_size, **kwargs)
-        from lmledger.checkpointing import make_sharded_checkpoints_safe  # lazily: this module loads in an import hook
+        # Lazily: this module loads in an import hook.
+        from lmledger.modelparallel_checkpoints import make_sharded_checkpoints_safe
 
         make_sharded_checkpoints_safe(self)  # atomic sharded saves, weights-only loads, in Python's Trainer too
 

@@ -40,7 +40,6 @@ from lmledger.checkpointing import (
     AtomicCheckpointIO,
     check_checkpoint_fits,
     make_last_checkpoint_atomic,
-    make_sharded_checkpoints_safe,
     open_checkpoint,
 )
 from lmledger.data import TokenDataModule
@@ -72,6 +71,7 @@ from lmledger.fitting.resume import (
 from lmledger.fitting.steps import NameTheEventFile, StepChecks
 from lmledger.lightning_private import cli_value, is_local_path, pin_logger_version
 from lmledger.lit import LitLM
+from lmledger.modelparallel_checkpoints import make_sharded_checkpoints_safe
 from lmledger.precision import check_trainer_config, trainer_precision_kwargs
 from lmledger.preemption import PreemptionCheckpoint, noted_stop_signals, run_key, slurm_line
 from lmledger.rundir import RunClaim, claim_version_dir, release_claims, undo_uncommitted_claims
