@@ -39,12 +39,18 @@ def _count(text: str) -> float:
     return value
 
 
+def _parsed(text: str, kind: type, example: str) -> float | int:
+    """`text` as a float or int, else argparse's one line naming the kind and an example."""
+    try:
+        return kind(text)
+    except ValueError:
+        what = "a whole number" if kind is int else "a number"
+        raise argparse.ArgumentTypeError(f"not {what}: {text!r} (e.g. {example})") from None
+
+
 def _fraction(text: str) -> float:
     """A finite number (the MFU); its range is checked by the planner."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r} (e.g. 0.5)") from None
+    value = _parsed(text, float, "0.5")
     if not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"not a finite number: {text!r} (e.g. 0.5)")
     return value
@@ -67,10 +73,7 @@ def _positive_gb(text: str) -> float:
 
 
 def _gpu_count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r} (e.g. 8)") from None
+    value = _parsed(text, int, "8")
     if not 1 <= value <= MAX_GPUS:
         raise argparse.ArgumentTypeError(f"{text!r} is not between 1 and {MAX_GPUS:,}")
     return value
