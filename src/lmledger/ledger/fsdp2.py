@@ -284,6 +284,8 @@ def _name_groups(result, mesh: object):
 
     from lmledger.ledger.ops import OpSummary
 
+    if result.ops is None:  # a dry run without its op list (manual optimization's)
+        return result
     names = {mesh.get_group(dim).group_name: dim for dim in (mesh.mesh_dim_names or ())}
     if mesh.ndim == 1:
         names[mesh.get_group().group_name] = "data_parallel"
