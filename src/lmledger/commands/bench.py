@@ -6,11 +6,11 @@ from json import dumps
 from pathlib import Path
 
 import torch
-from rich.console import Console
 from rich.table import Table
 
 from lmledger.bench import DEFAULT_DTYPES, DEFAULT_SIZES, MatmulBench, bench_matmul, plot_mfu
 from lmledger.commands.argparser import run_command
+from lmledger.commands.terminal import console
 from lmledger.errors import UserError
 from lmledger.ledger.gpus import dtype_name
 from lmledger.ledger.units import tera
@@ -88,9 +88,7 @@ def _matmul(
     if json:
         print(dumps({**bench.to_json(), "plot": None if png is None else str(png)}))
     else:
-        console = Console()
-        # Piped output has no terminal width to respect: keep the notes whole rather than cut at 80.
-        (console if console.is_terminal else Console(width=160)).print(_table(bench))
+        console().print(_table(bench))  # piped: the notes whole rather than cut at 80
         if png is not None:
             print(f"wrote {png}")
     return 0

@@ -4,18 +4,12 @@ from __future__ import annotations
 
 from json import dumps
 
-from rich.console import Console
 from rich.table import Table
 
 from lmledger.commands.argparser import run_command
+from lmledger.commands.terminal import console
 
 __all__ = ["main"]
-
-
-def _console() -> Console:
-    # Piped output has no terminal width to respect: keep the whole table rather than cut it at 80.
-    console = Console()
-    return console if console.is_terminal else Console(width=160)
 
 
 def _num(value: float | None) -> str:
@@ -82,9 +76,9 @@ def _dtypes(json: bool = False) -> int:
         result = {"dtypes": [row.to_json() for row in rows], "demonstrations": demo}
         print(dumps(jsonable(result), allow_nan=False))
         return 0
-    console = _console()
-    console.print(_formats_table(rows))
-    console.print(_casts_table(demo))
+    out = console()
+    out.print(_formats_table(rows))
+    out.print(_casts_table(demo))
     return 0
 
 

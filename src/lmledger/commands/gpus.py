@@ -4,20 +4,14 @@ from __future__ import annotations
 
 from json import dumps
 
-from rich.console import Console
 from rich.table import Table
 
 from lmledger.commands.argparser import run_command
+from lmledger.commands.terminal import console
 from lmledger.ledger.gpus import DTYPES, GPUS, GpuSpec, require_gpu
 from lmledger.ledger.units import GB, format_bytes, tera
 
 __all__ = ["main"]
-
-
-def _console() -> Console:
-    # Piped output has no terminal width to respect: keep the whole table rather than cut it at 80.
-    console = Console()
-    return console if console.is_terminal else Console(width=160)
 
 
 def _tera(value: float | None) -> str:
@@ -70,13 +64,13 @@ def _gpus(resolve: str | None = None, json: bool = False) -> int:
         if json:
             print(dumps(spec.to_json()))
         else:
-            _console().print(_entry_table(spec, f"{resolve} -> {spec.key}"))
+            console().print(_entry_table(spec, f"{resolve} -> {spec.key}"))
         return 0
     if json:
         print(dumps({key: spec.to_json() for key, spec in GPUS.items()}))
     else:
         title = "GPU peaks (dense) — lmledger gpus --resolve NAME for one entry"
-        _console().print(_table(list(GPUS.values()), title))
+        console().print(_table(list(GPUS.values()), title))
     return 0
 
 

@@ -17,6 +17,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from lmledger.commands.argparser import run_command
+from lmledger.commands.terminal import console
 from lmledger.errors import UserError
 from lmledger.sweep import Experiment, Point, PointResult, load_experiment, plan_sweep, run_sweep
 from lmledger.sweep.listing import DRY_RUN_COLUMNS, PLAN_COLUMNS, dry_run_rows, plain_table, plan_rows
@@ -39,8 +40,7 @@ def _dry_run_listing(experiment: Experiment, out_dir: Path) -> int:
             table.add_column(column, justify="left" if i < 3 else "right")
         for row in rows:
             table.add_row(*row)
-        console = Console()
-        (console if console.is_terminal else Console(width=200)).print(table)
+        console(piped_width=200).print(table)
     else:
         print(title)
         print(plain_table(DRY_RUN_COLUMNS, rows, left=3))
@@ -183,7 +183,7 @@ def _sweep(
     """
     if jobs is not None and jobs < 1:
         raise UserError(f"--jobs must be >= 1, got {jobs}")
-    from lmledger.sweep.slurm import SlurmRequest
+    from lmledger.sweep.slurmscript import SlurmRequest
 
     request = SlurmRequest(partition, time, cpus_per_task, mem, gres)
     given = [f"--{f.replace('_', '-')}" for f in ("partition", "time", "cpus_per_task", "mem", "gres")
