@@ -317,8 +317,8 @@ def test_the_report_renders_the_same_figures_as_json_and_scalars():
     data = json.loads(json.dumps(report.to_json()))
     scalars = report.scalars()
     for line in ("params", "grads", "optimizer", "activations", "peak"):  # a tag is its figure's JSON path
-        assert data["memory"]["predicted"][line] == report.predicted["dry run"].get(line)
-        assert data["memory"]["measured"][line] == ledger.measured.get(line) == scalars[f"memory/measured/{line}"]
-        assert scalars[f"memory/predicted/{line}"] == data["memory"]["predicted"][line]
-    assert data["flops"]["measured_per_step"] == scalars["flops/measured_per_step"]
-    assert scalars["flops/model_per_step"] == data["flops"]["model_per_step"]
+        assert data["memory"][line]["predicted"] == report.predicted["dry run"].get(line)
+        assert data["memory"][line]["measured"] == ledger.measured.get(line) == scalars[f"memory/measured/{line}"]
+        assert scalars[f"memory/predicted/{line}"] == data["memory"][line]["predicted"]
+    assert data["flops"]["measured"] == scalars["flops/measured_per_step"]
+    assert scalars["flops/model_per_step"] == data["flops"]["model"]

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from conftest import run_json
-from lmledger.sweep import flatten
+from lmledger.sweep.collect import output_tags
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "experiments" / "results" / "batch_memory" / "results.csv"
@@ -26,7 +26,7 @@ def test_batch_memory_reference_matches_todays_predictions(workdir, capsys):
     stale = []
     for row in rows:
         overrides = [arg for key in GRID for arg in (f"--{key}", row[key])]
-        predicted = flatten(run_json(capsys, "account", "--config", "configs/tiny.yaml", *overrides, "--json"))
+        predicted = output_tags(run_json(capsys, "account", "--config", "configs/tiny.yaml", *overrides, "--json"))
         stale += [
             f"{row['point']} {col}: committed {row[col]}, predicted {predicted[col]}"
             for col in PREDICTED

@@ -258,7 +258,7 @@ def test_a_two_node_job_stopped_on_one_node_and_requeued_continues_its_run_bit_f
             memory = record["memory"]
             assert memory["measured"][part] == memory["predicted"][part] > 0, (record["rank"], part, memory)
     for part in ("params", "grads", "optimizer", "peak"):
-        assert records[0]["memory"]["measured"][part] == scalars[f"memory/measured/{part}"][-1][1], part
+        assert records[0]["memory"][part]["measured"] == scalars[f"memory/measured/{part}"][-1][1], part
     assert worst_rank(records, "peak") in (0, 1)
 
 
@@ -290,7 +290,7 @@ def test_a_two_node_fsdp2_job_is_predicted_per_rank_and_saves_one_sharded_checkp
             memory = record["memory"]
             assert memory["measured"][part] == memory["predicted"][part] > 0, (record["rank"], part, memory)
     for part in ("params", "grads", "optimizer", "peak"):
-        assert records[0]["memory"]["measured"][part] == scalars[f"memory/measured/{part}"][-1][1], part
+        assert records[0]["memory"][part]["measured"] == scalars[f"memory/measured/{part}"][-1][1], part
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["last.ckpt"]
     assert sorted(p.name for p in (run / "checkpoints" / "last.ckpt").glob("*.distcp")) == ["__0_0.distcp",
                                                                                            "__1_0.distcp"]  # fmt: skip

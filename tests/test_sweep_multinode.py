@@ -90,11 +90,11 @@ def per_rank_peak(nodes: int, devices: int) -> int:
         assert lmledger([*args, "--json"]) == 0
     result = json.loads(out.getvalue())
     assert result["run"]["world_size"] == nodes * devices
-    return result["memory"]["predicted"]["peak"]
+    return result["memory"]["peak"]["predicted"]
 
 
 def need(peak: float) -> int:
-    """A rank's --mem need for a predicted peak (sweep/slurm.py: +25% and 2 GiB for the process)."""
+    """A rank's --mem need for a predicted peak (sweep/slurmfit.py: +25% and 2 GiB for the process)."""
     return math.ceil(peak * 1.25) + (2 << 30)
 
 
@@ -193,7 +193,7 @@ def test_the_table_shows_rank_0_by_default_and_the_worst_rank_on_request(workdir
     path = run / "ranks" / "rank1.json"
     record = json.loads(path.read_text())
     higher = 2 * max(peaks.values())
-    record["memory"]["measured"]["peak"] = higher
+    record["memory"]["peak"]["measured"] = higher
     path.write_text(json.dumps(record))
     row = worst_row()
     assert row["rank"] == "1" and float(row["memory/measured/peak"]) == higher

@@ -98,10 +98,10 @@ def read_rank_records(run_dir: str | Path) -> dict[int, dict]:
 def worst_rank(records: dict[int, dict], line: str = "peak") -> int | None:
     """The rank whose measured `line` (bytes or FLOPs) is largest; None when no rank measured it."""
 
-    def measured(record: dict):  # the one JSON shape: memory/measured/<line>, flops/measured_per_step
+    def measured(record: dict):  # the one JSON shape: memory.<line>.measured, flops.measured
         if line.startswith("flops"):
-            return record.get("flops", {}).get("measured_per_step")
-        return record.get("memory", {}).get("measured", {}).get(line)
+            return record.get("flops", {}).get("measured")
+        return (record.get("memory", {}).get(line) or {}).get("measured")
 
     values = {r: measured(rec) for r, rec in records.items()}
     values = {r: v for r, v in values.items() if isinstance(v, (int, float))}

@@ -21,7 +21,7 @@ from lmledger.ledger.units import MB, ROW_LABELS, ROWS, format_bytes, format_cou
 
 __all__ = [
     "BYTE_LINES", "FLOP_LINES", "LINES", "RUN_KEYS", "SCHEMA", "TOLERANCE", "Figures", "Miss", "Report", "bar_chart",
-    "figures_of_step", "markdown_table", "misses", "render", "source_slug",
+    "figures_of_step", "ledger_tags", "markdown_table", "misses", "render", "source_slug",
 ]  # fmt: skip
 
 # The lines of every ledger table, in order (units.ROWS, the one list): bytes per device, then FLOPs per step.
@@ -162,32 +162,32 @@ class Report:
         return {**out, "measured": "measured"} if self.measured is not None else out
 
     def to_json(self, run: Mapping[str, object] | None = None, params: int | None = None) -> dict[str, object]:
-        """The one JSON shape (SCHEMA; docs/commands.md): every mode fills these keys, extra modes add keys.
+        """The one JSON shape (SCHEMA; shared/DESIGN.md, docs/commands.md): every mode fills these keys, extra
+        modes add keys.
 
-        {"schema", "run", "params", "sources": {key: source}, "memory": {key: {byte line: bytes}},
-        "flops": {"model_per_step", "hardware_per_step", "measured_per_step", "<key>_per_step"},
-        "state_bytes_per_param": {"predicted", "measured"}, "why_missing": {key: {line: why}}, "notes"}.
-        A value's path is its TensorBoard tag (memory/predicted/peak), so sweeps read either without a
-        translation. "predicted" and "measured" are always there (null figures where that source has none)."""
+        {"schema", "run", "params", "sources": {key: source}, "memory": {byte line: {key: bytes}},
+        "flops": {"model", "hardware", "measured", "<key>"} per step, "state_bytes_per_param": {"predicted",
+        "measured"}, "why_missing": {key: {line: why}}, "notes", "rates", "times"}. "predicted" and "measured"
+        are always there (null where that source has none). ledger_tags gives a figure's TensorBoard tag."""
         slugs = {"predicted": None, **self.slugs()}
         slugs.setdefault("measured", None)
         figures = {slug: (self.measured if slug == "measured" else self.predicted.get(name)) for slug, name in
                    slugs.items()}  # fmt: skip
         primary = figures["predicted"]
         flops = {
-            "model_per_step": primary.flops_model if primary else None,
-            "hardware_per_step": primary.flops_hardware if primary else None,
-            "measured_per_step": figures["measured"].flops_hardware if figures["measured"] else None,
+            "model": primary.flops_model if primary else None,
+            "hardware": primary.flops_hardware if primary else None,
+            "measured": figures["measured"].flops_hardware if figures["measured"] else None,
         }
         for slug, f in figures.items():
             if slug not in ("predicted", "measured"):
-                flops[f"{slug}_per_step"] = f.flops_hardware
+                flops[slug] = f.flops_hardware
         return {
             "schema": SCHEMA,
             "run": dict(run or {}),
             "params": params,
             "sources": slugs,
-            "memory": {slug: {line: f.get(line) if f else None for line in BYTE_LINES} for slug, f in figures.items()},
+            "memory": {line: {slug: f.get(line) if f else None for slug, f in figures.items()} for line in BYTE_LINES},
             "flops": flops,
             "state_bytes_per_param": {slug: _state_per_param(figures[slug], params) for slug in ("predicted",
                                                                                                  "measured")},
@@ -225,6 +225,20 @@ class Report:
             elif f.flops_hardware is not None:
                 tags[f"flops/{slug}_per_step"] = f.flops_hardware
         return tags
+
+
+def ledger_tags(doc: Mapping[str, object]) -> dict[str, float]:
+    """The TensorBoard tags of the one JSON shape's figures (Report.scalars' names): memory.<line>.<key> is
+    memory/<key>/<line>, flops.<kind> is flops/<kind>_per_step. Null figures have no tag."""
+    tags: dict[str, float] = {}
+    for line, by_source in (doc.get("memory") or {}).items():
+        for slug, value in (by_source or {}).items():
+            if value is not None:
+                tags[f"memory/{slug}/{line}"] = value
+    for kind, value in (doc.get("flops") or {}).items():
+        if value is not None:
+            tags[f"flops/{kind}_per_step"] = value
+    return tags
 
 
 def source_slug(name: str, first: bool = False) -> str:

@@ -2,8 +2,8 @@
 
 Metrics are the scalars of its TensorBoard run, or the JSON object a command printed.
 Both go under one set of names: the TensorBoard tags `fit` logs. `account --json` and fit's per-rank
-record are the one JSON shape (ledger.report.Report.to_json), whose paths are those tags
-(memory/predicted/peak), so `flatten` reads them with no translation.
+record are the one JSON shape (ledger.report.Report.to_json); ledger.report.ledger_tags names its figures by
+their tags (memory.peak.predicted is memory/predicted/peak), the one translation (output_tags).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from lmledger.ledger.report import ledger_tags
 from lmledger.ledger.units import MEMORY_ROWS
 from lmledger.sweep.spec import Experiment, Point
 
@@ -23,6 +24,7 @@ __all__ = [
     "RANK_COLUMNS",
     "PointResult",
     "flatten",
+    "output_tags",
     "json_path",
     "metric_columns",
     "newest_run_dir",
@@ -96,6 +98,15 @@ def flatten(obj, prefix: str = "") -> dict[str, object]:
     return flat
 
 
+def output_tags(output: object) -> dict[str, object]:
+    """A command's JSON object as metric names: the one ledger shape's figures by their TensorBoard tags
+    (ledger.report.ledger_tags), every other value by its path."""
+    if isinstance(output, dict) and "schema" in output and isinstance(output.get("memory"), dict):
+        rest = {k: v for k, v in output.items() if k not in ("memory", "flops")}
+        return {**flatten(rest), **ledger_tags(output)}
+    return flatten(output)
+
+
 def json_path(obj, path: str):
     """The value at "a/b/-1/c" in a JSON object, or None. List items go by index, negative from the end."""
     for part in path.split("/"):
@@ -158,7 +169,7 @@ def rank_tags(record: dict) -> tuple[dict[str, float], int | None]:
 
     The one reader of the record's shape (ledger.report's JSON, whose paths are the tags): a change of it
     changes this function only."""
-    tags = flatten({"memory": record.get("memory") or {}, "flops": record.get("flops") or {}})
+    tags = ledger_tags(record)
     world = (record.get("run") or {}).get("world_size")
     numbers = {k: v for k, v in tags.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
     return numbers, world if isinstance(world, int) else None

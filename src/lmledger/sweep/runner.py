@@ -29,7 +29,7 @@ from pathlib import Path
 from lmledger.atomic import atomic_write, write_error
 from lmledger.errors import UserError
 from lmledger.sweep.check import bad_points_error, check_points
-from lmledger.sweep.collect import PointResult, flatten, newest_run_dir, read_tensorboard
+from lmledger.sweep.collect import PointResult, newest_run_dir, output_tags, read_tensorboard
 from lmledger.sweep.report import write_results
 from lmledger.sweep.spec import TRAINING_COMMANDS, Experiment, Point, cli_args
 
@@ -281,7 +281,7 @@ def point_outcome(point: Point, out_dir: Path, code: int, seconds: float | None,
         except ValueError:
             status, error = "failed", "printed no JSON object on stdout (see its stdout.log)"
         else:
-            metrics = flatten(output)  # account's JSON paths are fit's TensorBoard tags (the one shape)
+            metrics = output_tags(output)  # account's figures under fit's TensorBoard tags
     return PointResult(
         point, status, metrics, error, seconds, str(run_dir) if run_dir else None, argv=args, output=output
     )
