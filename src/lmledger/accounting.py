@@ -340,7 +340,7 @@ def trainer_scale(argv: list[str]):
     They are parsed as `lmledger fit` parses them and read by the function fit's checks use
     (fitting.checks.resolve_strategy), so a value fit refuses is refused here in the same words. Nothing is
     built: a model at scale is then built on the meta device."""
-    from lmledger.fitting.checks import resolve_strategy
+    from lmledger.fitting.trainerscale import resolve_strategy
     from lmledger.fitting.cli import parse_fit_config
 
     config = parse_fit_config(list(argv))

@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import fields
 from pathlib import Path
 
-# The trainer's devices, nodes and strategy are read by fit's checks, whose reading this module shares.
-from lmledger.fitting.checks import (
+# The trainer's devices, nodes and strategy are read as fit's checks read them, in one place this module shares.
+from lmledger.fitting.trainerscale import (
     MAX_WORLD_SIZE,
     TrainerScale,
     config_strategy,
