@@ -21,6 +21,10 @@ One pipeline serves lmledger's LitLM and any other module:
                 `flops/{hardware,model,closed_form,measured}_per_step`, `perf/*`), the text
                 `ledger/table` and the chart `memory/predicted_vs_measured`.
 
+This class holds the hooks and the fit's state; each hook hands its work to a part: the prediction and the
+fit check to callbacks.ledgerpredict, throughput to callbacks.ledgerrates, the measured table and the
+self-check to callbacks.ledgercheck, the step time to callbacks.steptime and callbacks.timing.
+
 Under DDP and FSDP2 the prediction is per rank (callbacks.live, callbacks.fsdp2).
 A module the dry run cannot trace gets one line saying why, and is measured only.
 
