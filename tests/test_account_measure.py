@@ -5,33 +5,36 @@ from pathlib import Path
 
 import pytest
 
-from conftest import MICRO_OVERRIDES, read_scalars, run_json
+from conftest import MICRO_OVERRIDES, figures_of, read_scalars, run_json
 from lmledger.cli import main as lmledger
 from lmledger.ledger.units import MEMORY_ROWS
 
 
-def _measured(result: dict, group: str, row: str) -> float:
-    """A measured figure of account's JSON, in the shape of issue 33 §1 (memory.measured.<row>) or before it."""
-    figures = result[group]
-    if "measured" in figures and isinstance(figures["measured"], dict):
-        return figures["measured"][row]
-    return figures[row]["measured"] if group == "memory" else figures.get(f"{row}_per_step", figures.get(row))
-
-
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
-def test_account_measure_and_fit_show_the_same_measured_bytes(workdir, capsys, precision):
+def test_account_and_fit_show_the_same_predicted_and_measured_bytes(workdir, capsys, precision):
+    """account's columns are fit's (issue 33 §2): the dry run first, the closed forms beside it, the measured step."""
     config = ["--config", "configs/tiny.yaml", *MICRO_OVERRIDES, "--trainer.precision", precision]
     account = run_json(capsys, "account", *config, "--measure", "--json")
     fit = [*config, "--trainer.max_steps", "2", "--trainer.logger.init_args.save_dir", "runs"]
     assert lmledger(["fit", *fit, "--trainer.callbacks", "[]"]) == 0
     scalars = read_scalars(next(Path("runs").rglob("events.out.tfevents.*")).parent)
-    measured = account["memory"]["measured"]
+    measured = figures_of(account, "measured")
     for row in MEMORY_ROWS[:-1]:  # params, grads, optimizer, activations: bytes, exact
         assert measured[row] > 0 and scalars[f"memory/measured/{row}"][-1][1] == measured[row], row
     # The peak: the fit's real Lightning step also keeps LitLM's loss (`_last_loss`), its grad norm and the
     # logged scalars through the step, 4 bytes each (8-16 B here); the model's own step is the same.
     assert 0 <= scalars["memory/measured/peak"][-1][1] - measured["peak"] <= 32
-    assert scalars["flops/measured_per_step"][-1][1] == pytest.approx(account["flops"]["measured_per_step"], rel=1e-6)
+    assert scalars["flops/measured_per_step"][-1][1] == pytest.approx(account["flops"]["measured"], rel=1e-6)
+    # Before step 1: fit's dry run of LitLM's step and its closed forms, at fit start; the same rows, the
+    # same FLOPs. The dry-run peak differs only by what LitLM's step keeps (its loss, 4 B).
+    assert account["sources"]["predicted"] == "dry run" and account["sources"]["closed_form"] == "closed form"
+    for source in ("predicted", "closed_form"):
+        figures = figures_of(account, source)
+        for row in MEMORY_ROWS[:-1]:
+            assert scalars[f"memory/{source}/{row}"][0][1] == figures[row], (source, row)
+        assert 0 <= scalars[f"memory/{source}/peak"][0][1] - figures["peak"] <= 32, source
+    for kind in ("hardware", "model", "closed_form"):
+        assert scalars[f"flops/{kind}_per_step"][0][1] == account["flops"][kind], kind
 
 
 @pytest.mark.parametrize("precision", ["32-true", "bf16-true"])

@@ -1,8 +1,8 @@
 """One JSON shape (issue 33 §1) for `account --json` in every mode and for fit's per-rank record.
 
 Every mode fills the same keys with the same types; a mode only adds keys (per_rank, time, mfu_conventions,
-a further predictor such as MoE's worst routing). A figure's JSON path is its TensorBoard tag, so a sweep
-reads either with `flatten` alone. docs/commands.md "The JSON shape" documents it.
+a further predictor such as MoE's worst routing). Its figures read as fit's TensorBoard tags through one
+translation (ledger.report.ledger_tags), which a sweep uses. docs/commands.md "The JSON shape" documents it.
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from conftest import MICRO_OVERRIDES, lmledger
+from conftest import MICRO_OVERRIDES, figures_of, lmledger
 from lmledger.callbacks import Ledger
 from lmledger.ledger.report import BYTE_LINES, RUN_KEYS, SCHEMA
-from lmledger.sweep import flatten
+from lmledger.sweep.collect import output_tags
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = ["--config", "configs/tiny.yaml", *MICRO_OVERRIDES]
@@ -31,7 +31,7 @@ TINY = ["--config", "configs/tiny.yaml", *MICRO_OVERRIDES]
 REQUIRED = {"schema": int, "run": dict, "params": int, "sources": dict, "memory": dict, "flops": dict,
             "state_bytes_per_param": dict, "why_missing": dict, "notes": list, "rates": dict,
             "times": dict}  # fmt: skip
-FLOP_KEYS = ("model_per_step", "hardware_per_step", "measured_per_step")
+FLOP_KEYS = ("model", "hardware", "measured")
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -45,15 +45,15 @@ def assert_one_shape(doc: dict) -> None:
     assert set(RUN_KEYS) <= set(doc["run"]), set(RUN_KEYS) - set(doc["run"])
     assert isinstance(doc["run"]["world_size"], int) and isinstance(doc["run"]["model"], str)
     assert list(doc["sources"])[:1] == ["predicted"] and "measured" in doc["sources"]
-    assert set(doc["memory"]) == set(doc["sources"])  # one memory block per source, in the sources' order
-    for source, rows in doc["memory"].items():
-        assert list(rows) == list(BYTE_LINES), source
-        assert all(v is None or isinstance(v, int) for v in rows.values()), (source, rows)
+    assert list(doc["memory"]) == list(BYTE_LINES)  # every byte line, each with every source in their order
+    for line, by_source in doc["memory"].items():
+        assert list(by_source) == list(doc["sources"]), line
+        assert all(v is None or isinstance(v, int) for v in by_source.values()), (line, by_source)
     assert set(FLOP_KEYS) <= set(doc["flops"])
     assert all(v is None or isinstance(v, int) for v in doc["flops"].values()), doc["flops"]
     assert set(doc["state_bytes_per_param"]) == {"predicted", "measured"}
     assert all(isinstance(n, str) for n in doc["notes"]) and doc["notes"]
-    measured = doc["memory"]["measured"]
+    measured = figures_of(doc, "measured")
     assert (doc["sources"]["measured"] is None) == all(v is None for v in measured.values())
 
 
@@ -104,12 +104,12 @@ def account_docs(stdlib_data, tmp_path_factory) -> dict[str, dict]:
 def test_account_json_has_the_one_shape_in_every_mode(account_docs, mode):
     doc = account_docs[mode]
     assert_one_shape(doc)
-    assert doc["memory"]["predicted"]["peak"] > doc["memory"]["predicted"]["params"] > 0
+    assert doc["memory"]["peak"]["predicted"] > doc["memory"]["params"]["predicted"] > 0
     assert doc["run"]["world_size"] == (2 if "2" in mode else 1)
-    # the sweep columns are the JSON's paths, as fit's TensorBoard tags: no translation
-    metrics = flatten(doc)
-    assert metrics["memory/predicted/peak"] == doc["memory"]["predicted"]["peak"]
-    assert metrics["flops/hardware_per_step"] == doc["flops"]["hardware_per_step"]
+    # the sweep's columns: fit's TensorBoard tags, through the one translation (ledger.report.ledger_tags)
+    metrics = output_tags(doc)
+    assert metrics["memory/predicted/peak"] == doc["memory"]["peak"]["predicted"]
+    assert metrics["flops/hardware_per_step"] == doc["flops"]["hardware"]
 
 
 def test_every_mode_fills_the_same_keys_and_modes_only_add(account_docs):
@@ -117,30 +117,41 @@ def test_every_mode_fills_the_same_keys_and_modes_only_add(account_docs):
     for mode, doc in account_docs.items():
         assert set(REQUIRED) <= set(doc), mode
         assert set(doc) - set(one) <= {"per_rank", "time", "mfu_conventions"}, (mode, set(doc) - set(one))
-        assert list(doc["memory"]["predicted"]) == list(one["memory"]["predicted"]), mode
+        assert list(figures_of(doc, "predicted")) == list(figures_of(one, "predicted")), mode
 
 
 def test_per_rank_rows_are_the_configured_case(account_docs):
     """The issue's bug: at scale the rows moved under per_rank.cases; now they stay at memory.predicted."""
     ddp, fsdp2, one = account_docs["ddp 2"], account_docs["fsdp2 2"], account_docs["one device"]
     off = ddp["per_rank"]["cases"]["checkpointing off"]
-    assert ddp["memory"]["predicted"]["peak"] == off["peak"] > one["memory"]["predicted"]["peak"]  # DDP's buckets
-    assert ddp["sources"]["predicted"] == "dry run" and one["sources"]["predicted"] == "closed form"
-    whole = one["memory"]["predicted"]["params"]
-    assert whole / 2 <= fsdp2["memory"]["predicted"]["params"] < whole / 2 * 1.1  # FSDP2's dim-0 shards
+    assert ddp["memory"]["peak"]["predicted"] == off["peak"] > one["memory"]["peak"]["predicted"]  # DDP's buckets
+    # the dry run is the main column in every mode, the toy LM's closed forms beside it (issue 33 §2)
+    for doc in (one, ddp, fsdp2):
+        assert doc["sources"]["predicted"] == "dry run" and doc["sources"]["closed_form"] == "closed form"
+        assert doc["memory"]["params"]["closed_form"] == doc["memory"]["params"]["predicted"]
+        # one micro-batch of the same shape per rank: the same FLOPs, counted by the dry run, at scale too
+        assert doc["flops"]["hardware"] == pytest.approx(doc["flops"]["closed_form"], rel=0.005)
+        assert 0 < doc["flops"]["model"] < doc["flops"]["hardware"]
+    # one device: the closed forms' peak (plus the dry run's buffers and batch) is fit's "closed form" column
+    assert (
+        abs(one["memory"]["peak"]["closed_form"] - one["memory"]["peak"]["predicted"])
+        <= 0.01 * one["memory"]["peak"]["predicted"]
+    )
+    whole = one["memory"]["params"]["predicted"]
+    assert whole / 2 <= fsdp2["memory"]["params"]["predicted"] < whole / 2 * 1.1  # FSDP2's dim-0 shards
     anywhere = account_docs["any model, ddp 2"]
-    assert anywhere["memory"]["predicted"]["peak"] == anywhere["per_rank"]["cases"]["as configured"]["peak"]
-    assert anywhere["memory"]["predicted"]["params"] == account_docs["any model"]["memory"]["predicted"]["params"]
+    assert anywhere["memory"]["peak"]["predicted"] == anywhere["per_rank"]["cases"]["as configured"]["peak"]
+    assert anywhere["memory"]["params"]["predicted"] == account_docs["any model"]["memory"]["params"]["predicted"]
 
 
 def test_measured_fills_the_same_keys_beside_the_prediction(account_docs):
     doc = account_docs["measured"]
-    predicted, measured = doc["memory"]["predicted"], doc["memory"]["measured"]
+    predicted, measured = figures_of(doc, "predicted"), figures_of(doc, "measured")
     assert doc["sources"]["measured"] == "measured"
     for row in ("params", "grads", "optimizer"):
         assert measured[row] == predicted[row], row
     assert abs(measured["peak"] - predicted["peak"]) <= 0.03 * measured["peak"]
-    assert doc["flops"]["measured_per_step"] == pytest.approx(doc["flops"]["hardware_per_step"], rel=0.005)
+    assert doc["flops"]["measured"] == pytest.approx(doc["flops"]["hardware"], rel=0.005)
     assert doc["state_bytes_per_param"]["measured"] == pytest.approx(16)  # fp32 AdamW
     assert account_docs["one device"]["state_bytes_per_param"]["measured"] is None
 
@@ -195,14 +206,14 @@ def test_fits_rank_record_has_the_one_shape_and_its_paths_are_the_tensorboard_ta
     assert record["run"]["strategy"] == "ddp"  # as account names a one-device run (ledger.run.sharding)
     assert record["params"] == sum(p.numel() for p in module.parameters())
     assert record["run"]["tokens_per_step"] == 4 * seq and record["run"]["batch_size"] == 4
-    metrics = flatten(record)
+    metrics = output_tags(record)
     scalars = ledger.report.scalars()
     assert scalars and all(metrics[tag] == value for tag, value in scalars.items()), scalars
-    assert record["memory"]["measured"]["peak"] is not None
+    assert record["memory"]["peak"]["measured"] is not None
     if model == "mixture of experts":  # a further predictor only adds its key
         assert list(record["sources"]) == ["predicted", "worst_routing", "measured"]
-        assert record["memory"]["worst_routing"]["peak"] > record["memory"]["predicted"]["peak"]
-        assert record["flops"]["worst_routing_per_step"] >= record["flops"]["hardware_per_step"]
+        assert record["memory"]["peak"]["worst_routing"] > record["memory"]["peak"]["predicted"]
+        assert record["flops"]["worst_routing"] >= record["flops"]["hardware"]
 
 
 def test_a_measured_only_report_and_one_before_its_measurement_keep_the_shape():
@@ -218,7 +229,7 @@ def test_a_measured_only_report_and_one_before_its_measurement_keep_the_shape():
     for doc in (measured_only, before):
         assert_one_shape(doc)
     assert measured_only["sources"] == {"predicted": None, "measured": "measured"}
-    assert measured_only["memory"]["predicted"] == dict.fromkeys(BYTE_LINES)
+    assert figures_of(measured_only, "predicted") == dict.fromkeys(BYTE_LINES)
     assert measured_only["state_bytes_per_param"] == {"predicted": None, "measured": 16.0}
     assert before["sources"] == {"predicted": "dry run", "measured": None}
-    assert before["flops"] == {"model_per_step": None, "hardware_per_step": 6 * n, "measured_per_step": None}
+    assert before["flops"] == {"model": None, "hardware": 6 * n, "measured": None}

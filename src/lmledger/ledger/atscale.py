@@ -87,6 +87,7 @@ def at_scale(
             "params": ledger.params, "grads": ledger.grads, "optimizer": ledger.optimizer,
             "activations": ledger.activations, "peak": ledger.peak, "peak_phase": ledger.peak_phase,
             "comm_buffers": ledger.comm_buffers, "buckets": len(ledger.buckets),
+            "flops_forward": ledger.flops_forward, "flops_backward": ledger.flops_backward,
             "peak_checked": ledger.peak_checked, "not_predicted": None,
             "communication": links and communication(with_ddp_allreduce(ledger.ops, ledger), links, world_size),
         }  # fmt: skip

@@ -187,8 +187,11 @@ def toy_dry_run(run: Run, accumulate: int = 1) -> StepLedger | NotTraced:
         return NotTraced(str(err))
 
 
-def measure(run: Run) -> Measurement:
+def measure(run: Run, accumulate: int = 1) -> Measurement:
     """The run's ToyLM built for real on run.device: the dry run's measured twin (dryrun.measure_step).
+
+    `accumulate` micro-batches per optimizer step, as `toy_dry_run(run, accumulate)` takes them; `step`
+    (timed by account) is one micro-batch's.
 
     Two training steps in Lightning's order, as `lmledger fit`'s Ledger measures them: FLOPs, saved
     activations and state from the first, the peak (live tensor bytes, ledger.memtrack, with its phase)
@@ -204,7 +207,8 @@ def measure(run: Run) -> Measurement:
     optimizer = make(list(model.parameters())) if make is not None else None
     shape = (run.batch_size, run.seq_len)
     batch = tuple(torch.randint(0, run.config.vocab_size, shape, device=run.device) for _ in range(2))
-    measured = measure_step(model, batch, step=toy_step, optimizer=optimizer, precision=run.precision)
+    measured = measure_step(model, batch, step=toy_step, optimizer=optimizer, precision=run.precision,
+                            accumulate=accumulate)
     step = training_step(model, batch, step=toy_step, optimizer=optimizer, precision=run.precision)
     peak, peak_phase = measured.peak, measured.peak_phase
     if run.device.type == "cuda":

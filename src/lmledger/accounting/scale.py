@@ -1,0 +1,219 @@
+"""One rank of a fit config at its world size and strategy: per-rank dry runs (ledger.atscale, ledger.sharded).
+
+`per_rank(spec)`: the toy LM's checkpointing cases; `any_model_at_scale(argv)`: any LightningModule's.
+`trainer_scale` and `scale_links` read the devices, nodes, strategy and links as `fit` reads them.
+`print_per_rank` renders a per-rank table through ledger.report.render.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from lmledger.ledger.report import Figures
+from lmledger.ledger.run import Run
+from lmledger.ledger.units import MEMORY_ROWS, format_bytes
+
+__all__ = [
+    "AC_LABELS", "add_per_rank", "any_model_at_scale", "at_scale", "case_figures", "per_rank",
+    "print_any_model_at_scale", "print_per_rank", "scale_links", "traced_at_scale", "trainer_scale",
+]  # fmt: skip
+
+
+AC_LABELS = ("checkpointing off", "checkpointing on")
+
+
+def traced_at_scale(spec: Run) -> bool:
+    """Whether a ToyLM run's per-rank dry run (ledger.sharded) says more than the closed forms.
+
+    It does for DDP over several ranks (its buckets) and for FSDP2 (its gathered blocks).
+    ZeRO, FSDP1 and DeepSpeed keep the closed forms. Their state bytes are what the dry run would give."""
+    return (spec.strategy in ("ddp", "auto", "single_device") and spec.world_size > 1) or spec.strategy == "fsdp2"
+
+
+def add_per_rank(result: dict, spec: Run, argv: list[str]) -> None:
+    """Set result["per_rank"]: one rank's dry run at the config's world size and strategy.
+
+    Where it traces the strategy (DDP's buckets, FSDP2's gathered blocks are in it) its case for the config's
+    checkpointing (every block, or none) becomes the main predictor, "dry run", bytes and FLOPs; the closed
+    forms stay beside it. The predictor is recorded in result["predictors"], the main one first."""
+    result["per_rank"] = per_rank(spec, argv=argv)
+    if spec.config.activation_checkpointing in (0, 1):
+        case = result["per_rank"]["cases"][AC_LABELS[spec.config.activation_checkpointing]]
+        if case.get("not_predicted") is None and case["peak_checked"]:
+            result["predictors"] = {"dry run": case_figures(case), **result["predictors"]}
+
+
+def case_figures(case: dict, model_flops: bool = True) -> Figures:
+    """A per-rank case (ledger.atscale.at_scale) as one source's Figures: its bytes, and its FLOPs (the
+    hardware's, forward and backward; with `model_flops`, the model's as the fit's dry run counts them,
+    3 x the forward; account gives none for a module that is not the toy LM, as on one device)."""
+    why = case.get("not_predicted")
+    if why:
+        return Figures(why_missing=dict.fromkeys((*MEMORY_ROWS, "flops_hardware"), why))
+    forward, backward = case.get("flops_forward"), case.get("flops_backward")
+    return Figures(**{row: case.get(row) for row in MEMORY_ROWS}, peak_phase=case.get("peak_phase"),
+                   flops_hardware=None if forward is None else forward + backward,
+                   flops_model=None if forward is None or not model_flops else 3 * forward)  # fmt: skip
+
+
+def per_rank(spec: Run, capacity_bytes: int | None = None, argv: list[str] = ()) -> dict:
+    """ledger.atscale.run_at_scale with account's case names: checkpointing off and on.
+
+    The strategy's settings come from the fit arguments `argv` (_scale_settings; none without them)."""
+    from lmledger.ledger.atscale import run_at_scale
+
+    settings = {**_scale_settings(trainer_scale(argv)), "links": scale_links(argv)} if argv else {}
+    return run_at_scale(spec, capacity_bytes, labels=AC_LABELS, **settings)
+
+
+def trainer_scale(argv: list[str]):
+    """The devices, nodes and strategy (a run_config.TrainerScale) that a fit's arguments ask for.
+
+    They are parsed as `lmledger fit` parses them and read by the function fit's checks use
+    (fitting.trainerscale.resolve_strategy), so a value fit refuses is refused here in the same words. Nothing is
+    built: a model at scale is then built on the meta device."""
+    from lmledger.fitting.cli import parse_fit_config
+    from lmledger.fitting.trainerscale import resolve_strategy
+
+    config = parse_fit_config(list(argv))
+    return resolve_strategy(config.trainer, config.model)
+
+
+def scale_links(argv: list[str]):
+    """The links a run at scale's collectives cross (ledger.interconnect.Links): --ledger.intra_node and
+    --ledger.inter_node where given, else an H100 node's (NVLink 4, NDR), split at --trainer.devices a node.
+    None for a CPU run on one machine (gloo's collectives there are memory copies)."""
+    from lmledger.fitting.cli import parse_fit_config
+    from lmledger.ledger.interconnect import links_for
+
+    config = parse_fit_config(list(argv))
+    scale = trainer_scale(argv)
+    intra, inter = config.get("ledger.intra_node"), config.get("ledger.inter_node")
+    if str(config.get("trainer.accelerator") or "auto") == "cpu" and scale.num_nodes == 1 and not (intra or inter):
+        return None
+    return links_for(None, intra, inter, scale.devices, scale.num_nodes)
+
+
+def _scale_settings(scale, module=None) -> dict:
+    """The keyword arguments at_scale takes from the strategy's init_args (a run_config.TrainerScale's).
+
+    DDP's bucket settings: DDPStrategy passes them through to torch's DDP.
+    A ModelParallelStrategy with tensor_parallel_size > 1 is FSDP2 x TP on a (data_parallel x tensor_parallel)
+    mesh (ledger.tp): the toy LM's own plan, or a module's configure_model replayed on the fake mesh."""
+    from lmledger.ledger.ddp import DDPSettings
+
+    tensor_parallel = getattr(scale, "tensor_parallel", 1)
+    if tensor_parallel > 1:
+        from lmledger.ledger.fsdp2 import FSDPSettings
+        from lmledger.ledger.tp import replay_configure_model
+
+        shard = replay_configure_model if module is not None and hasattr(module, "configure_model") else None
+        return {"fsdp": FSDPSettings(tensor_parallel=tensor_parallel, shard=shard)}
+    return {"ddp": DDPSettings.from_kwargs(scale.init_args)} if scale.strategy == "ddp" else {}
+
+
+def at_scale(world_size: int, strategy: str) -> bool:
+    return world_size > 1 or strategy not in ("ddp", "auto", "single_device")
+
+
+def any_model_at_scale(argv: list[str], capacity_bytes: int | None = None) -> dict:
+    """One rank's dry run of any LightningModule, at the arguments' world size and strategy.
+
+    Cases: as configured, and every block checkpointed (ledger.sharded). The module is built on the
+    meta device, so an 8B model costs no memory. The batch is shaped like its data's first batch."""
+    from lmledger.callbacks.live import samples_per_batch, tokens_per_batch
+    from lmledger.fitting.cli import build_model_and_data, first_batch
+    from lmledger.ledger import atscale
+    from lmledger.ledger import predict as ledger_predict
+
+    scale = trainer_scale(argv)
+    world_size, strategy = scale.world_size, scale.strategy
+    with torch.device("meta"):
+        module, data, config = build_model_and_data(argv)
+    batch = first_batch(data)
+    precision = str(config.trainer.get("precision") or "32-true")
+    samples = samples_per_batch(batch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        scale = atscale.at_scale(
+            module, lambda size: ledger_predict.resized(batch, size), samples, strategy=strategy, world_size=world_size,
+            capacity_bytes=capacity_bytes, step=ledger_predict.module_step,
+            optimizer=ledger_predict.configured_optimizer(module), precision=precision, links=scale_links(argv),
+            **_scale_settings(scale, module),
+        )  # fmt: skip
+    return {
+        "params": ledger_predict.parameter_count(module),
+        "run": {
+            "model": config.model.class_path,
+            "batch_size": samples,
+            "tokens_per_step": tokens_per_batch(module, batch),
+            "precision": precision,
+            "strategy": strategy,
+            "world_size": world_size,
+            "device": "cpu",
+        },
+        "per_rank": scale,
+        # the main predictor: the case as the module is configured (its first), bytes and FLOPs per rank
+        "predictors": {"dry run": case_figures(next(iter(scale["cases"].values())), model_flops=False)},
+        "measured": None,
+    }
+
+
+def print_per_rank(scale: dict) -> None:
+    """The per-rank table of a run at scale: state, buffers and peak per checkpointing case."""
+    from rich.console import Console
+
+    from lmledger.ledger.report import render
+
+    tp = scale.get("tensor_parallel", 1)
+    shape = f" (data parallel {scale['world_size'] // tp} x tensor parallel {tp})" if tp > 1 else ""
+    title = f"per rank: {scale['strategy']} over {scale['world_size']} ranks{shape}, batch {scale['batch_size']}"
+    cases, table = list(scale["cases"].values()), []
+    rows = [("params", "params"), ("grads", "grads"), ("optimizer", "optimizer"), ("activations", "activations"),
+            ("comm buffers (DDP buckets, FSDP2 gathers)", "comm_buffers"), ("peak", "peak")]  # fmt: skip
+    if scale.get("capacity_bytes"):
+        rows.append(("largest micro-batch per rank", "max_batch"))
+    links = next((c["communication"]["links"] for c in cases if c.get("communication")), None)
+    if links:
+        rows += [(f"collectives per step in a node ({links['intra_node']['name']})", "intra-node"),
+                 (f"collectives per step between nodes ({links['inter_node']['name']})", "inter-node")]  # fmt: skip
+    for label, key in rows:
+        cells = []
+        for case in cases:
+            value = case.get(key)
+            if case.get("not_predicted"):
+                cells.append("—")
+            elif key in ("intra-node", "inter-node"):
+                spent = [r for r in (case.get("communication") or {}).get("by_link", {}).values() if r["scope"] == key]
+                cells.append(f"{sum(r['seconds'] for r in spent) * 1e3:.4g} ms" if spent else "—")
+            elif key == "max_batch":
+                cells.append("—" if value is None else f"{value:,}")
+            else:
+                cells.append(format_bytes(value) + ("" if key != "peak" or case["peak_checked"] else " (unchecked)"))
+        table.append((label, *cells))
+    Console().print(render(["", *scale["cases"]], table, title=title))  # the one renderer, as the ledger's
+    if links:
+        intra, inter = links["intra_node"], links["inter_node"]
+        print(f"collectives: {links['num_nodes']} node(s) of {links['gpus_per_node']} ranks; in a node {intra['name']} "
+              f"at {intra['bytes_per_s'] / 1e9:.4g} GB/s, between nodes {inter['name']} at "
+              f"{inter['bytes_per_s'] / 1e9:.4g} GB/s one way (--ledger.intra_node / --ledger.inter_node set them); "
+              "a ring's bytes at line rate, none overlapped with compute")  # fmt: skip
+    for label, case in scale["cases"].items():
+        if case.get("not_predicted"):
+            print(f"{label}: not predicted: {case['not_predicted']}")
+        elif case.get("max_batch") == 0:
+            print(f"{label}: does not fit: one sample per rank is over by {format_bytes(case['over_by_at_batch_1'])}")
+        elif not case["peak_checked"]:
+            print(f"{label}: the peak is the single-device step's with the sharded state swapped in, not yet held "
+                  "to a measurement (checked on a GPU when one is lent)")  # fmt: skip
+
+
+def print_any_model_at_scale(result: dict) -> None:
+    run = result["run"]
+    print(
+        f"{run['model']}: {result['params']:,} params, {run['batch_size']} samples per rank, {run['precision']}; "
+        "dry-run on the meta device with the CPU's kernels (a GPU's attention kernels may hold more or less)"
+    )
+    print_per_rank(result["per_rank"])

@@ -1,0 +1,112 @@
+"""The step time predicted before anything runs (ledger.steptime), for account, sweep --plan and plan train-time.
+
+`predicted_step_time(ops, ...)`: a dry run's ops priced on this machine, with the trainer's loop, clipping
+and data wait. `toy_predicted_time(spec, argv)`: the toy LM's, from its dry run. Each is StepTime.to_json()
+with its one line, or {"none": why, "line": ...}.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import torch
+
+from lmledger.ledger.peak_flops import compute_dtype_for_precision
+from lmledger.ledger.run import Run
+from lmledger.ledger.units import format_bytes
+from lmledger.model import count_parameters
+
+__all__ = ["not_here", "predicted_step_time", "toy_predicted_time", "trainer_time_settings"]
+
+
+def trainer_time_settings(argv: list[str]) -> dict:
+    """What of a fit config's trainer the step-time prediction reads: accumulation, clipping, the loop's
+    progress bar, logger and logging cadence."""
+    from lmledger.fitting.cli import parse_fit_config
+
+    trainer = parse_fit_config(list(argv)).trainer
+    get = trainer.get if hasattr(trainer, "get") else lambda k, d=None: getattr(trainer, k, d)
+    clip = get("gradient_clip_val")
+    algorithm = str(get("gradient_clip_algorithm") or "norm")
+    return {
+        "accumulate": int(get("accumulate_grad_batches") or 1),
+        "clip": ("value" if "value" in algorithm else "norm", float(clip)) if clip else None,
+        "progress_bar": get("enable_progress_bar") is not False,
+        "logger": get("logger") not in (False, None) or get("logger") is None,
+        "log_every_n_steps": int(get("log_every_n_steps") or 50),
+    }
+
+
+def predicted_step_time(
+    ops, optimizer, argv: list[str], precision: str, device: torch.device, tokens: int | None, samples: int,
+    loader: object = None,
+) -> dict:  # fmt: skip
+    """StepTime.to_json() of a config's step on this machine (or {"none": why}), with its one line."""
+    import os
+
+    from lmledger.callbacks.steptime import NO_STEP_TIME, lightning_loop_seconds
+
+    if os.environ.get(NO_STEP_TIME):
+        return {"none": f"off ({NO_STEP_TIME} is set)", "line": f"no step-time prediction: {NO_STEP_TIME} is set"}
+    from lmledger.ledger.steptime import StepTime, data_wait, predict_step_time
+
+    settings = trainer_time_settings(argv)
+    loop = lightning_loop_seconds(
+        progress_bar=settings["progress_bar"], logger=settings["logger"],
+        log_every_n_steps=settings["log_every_n_steps"],
+    )  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = predict_step_time(
+            ops, device, compute_dtype=compute_dtype_for_precision(precision), optimizer=optimizer,
+            clip=settings["clip"], loop_s=loop[0] if loop else None, loop_how=loop[1] if loop else "",
+            data=data_wait(loader) if loader is not None else None, tokens=tokens, samples=samples,
+            accumulate=settings["accumulate"],
+        )  # fmt: skip
+    if not isinstance(result, StepTime):
+        return {"none": result.reason, "line": f"no step-time prediction: {result.reason}"}
+    return {**result.to_json(), "line": result.line()}
+
+
+def not_here(accelerator: object) -> dict:
+    """No step time for a config whose device this machine lacks: timing its ops here would answer for
+    another machine (and replay a GPU-sized step on this CPU)."""
+    why = f"the config runs on {accelerator}, which this machine lacks (plan train-time --gpu gives its roofline bound)"
+    return {"none": why, "line": f"no step-time prediction: {why}"}
+
+
+def toy_predicted_time(spec: Run, argv: list[str], dry: object = None) -> dict:
+    """The ToyLM config's step time predicted here: its dry run on meta weights, its optimizer.
+
+    `dry`: that dry run on this CPU if the caller has it (account's main column), else it is run here."""
+    import os
+
+    from lmledger.callbacks.steptime import NO_STEP_TIME
+    from lmledger.ledger.dryrun import NotTraced
+
+    if os.environ.get(NO_STEP_TIME):
+        return {"none": f"off ({NO_STEP_TIME} is set)", "line": f"no step-time prediction: {NO_STEP_TIME} is set"}
+    from lmledger.ledger.predict import toy_dry_run, toy_optimizer
+    from lmledger.ledger.steptime.predict import free_memory
+    from lmledger.model import ToyLM
+
+    needs = 16 * count_parameters(spec.config)  # params, grads and AdamW's two moments in fp32, before activations
+    if needs > free_memory(torch.device("cpu")):
+        why = (f"its training state alone ({format_bytes(needs)}) exceeds this machine's free memory, so its ops "
+               "cannot run here; `plan train-time --config FILE --gpu NAME` gives a GPU's roofline bound")  # fmt: skip
+        return {"none": why, "line": f"no step-time prediction: {why}"}
+    if dry is None:
+        accumulate = trainer_time_settings(argv)["accumulate"]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dry = toy_dry_run(dataclasses.replace(spec, device=torch.device("cpu")), accumulate)
+    if isinstance(dry, NotTraced):
+        return {"none": dry.reason, "line": f"no step-time prediction: {dry.reason}"}
+    with torch.device("meta"):  # the optimizer the ops were priced with, over meta weights
+        model = ToyLM(spec.config)
+    optimizer = toy_optimizer(spec)(list(model.parameters()))
+    return predicted_step_time(
+        dry.ops, optimizer, argv, spec.precision, torch.device("cpu"),
+        spec.tokens_per_batch, spec.batch_size,
+    )  # fmt: skip
