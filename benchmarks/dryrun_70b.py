@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import sys
 import time
 import warnings
@@ -30,6 +29,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # examples/ (the Llama TP plan)
 
+from _common import resident_bytes  # noqa: E402
+
 from benchmarks.dryrun_8b import H100_BYTES, adamw, llama, step  # noqa: E402
 from lmledger.ledger.interconnect import communication, default_links  # noqa: E402
 from lmledger.ledger.sharded import FSDPSettings, predict_sharded  # noqa: E402
@@ -38,11 +39,6 @@ LLAMA3_70B = dict(
     vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
     num_attention_heads=64, num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0,
 )  # fmt: skip
-
-
-def resident_bytes() -> int:
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return rss if sys.platform == "darwin" else rss * 1024
 
 
 def llama_tp_plan(model, tp_mesh) -> None:

@@ -17,14 +17,13 @@ Run it on an otherwise idle machine: on a shared one the seconds measure the nei
 from __future__ import annotations
 
 import argparse
-import resource
-import sys
 import time
 import warnings
 
 import torch
-import torch.nn.functional as F
+from _common import resident_bytes
 
+from lmledger.hf import causal_lm_loss, checkpoint_layers
 from lmledger.ledger.sharded import FSDPSettings, predict_sharded
 
 H100_BYTES = 80e9  # H100 SXM, 80 GB (NVIDIA datasheet; ledger.gpus' h100-sxm)
@@ -35,11 +34,6 @@ LLAMA3_8B = dict(
 )  # fmt: skip
 
 
-def resident_bytes() -> int:
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return rss if sys.platform == "darwin" else rss * 1024
-
-
 def llama(shape: dict, checkpointing: bool):
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -47,14 +41,11 @@ def llama(shape: dict, checkpointing: bool):
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     if checkpointing:
-        _checkpoint_layers(model)
+        checkpoint_layers(model)
     return model
 
 
-def step(model, batch):
-    inputs, targets = batch
-    logits = model(input_ids=inputs, use_cache=False).logits
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+step = causal_lm_loss  # the causal LM step on (inputs, targets) windows
 
 
 def adamw(params):
@@ -107,15 +98,6 @@ def main() -> None:
     worst = max(seconds.values(), default=0.0)
     print(f"slowest dry run {worst:.1f} s (goal < {SECONDS_GOAL:.0f} s); "
           f"peak resident {resident_bytes() / 1e9:.2f} GB (goal < {RESIDENT_GOAL / 1e9:.0f} GB)")  # fmt: skip
-
-
-def _checkpoint_layers(model) -> None:
-    """Non-reentrant checkpointing of every decoder layer (transformers' newer name, else the older one)."""
-    enable = getattr(model, "activation_checkpointing_enable", None)
-    if enable is not None:
-        enable({"use_reentrant": False})
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 if __name__ == "__main__":

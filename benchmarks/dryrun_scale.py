@@ -18,12 +18,11 @@ from __future__ import annotations
 
 import argparse
 import logging
-import resource
-import sys
 import time
 import warnings
 
 import torch
+from _common import resident_bytes
 
 from lmledger.ledger.dryrun import NotTraced, dry_run
 from lmledger.ledger.peak import peak_bytes
@@ -32,12 +31,6 @@ from lmledger.run_config import load_run
 
 SECONDS_GOAL = 60.0
 RESIDENT_GOAL = 1e9  # bytes
-
-
-def resident_bytes() -> int:
-    """The process's peak resident set so far (ru_maxrss: kilobytes on Linux, bytes on macOS)."""
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return rss if sys.platform == "darwin" else rss * 1024
 
 
 def main() -> None:

@@ -36,10 +36,10 @@ from pathlib import Path
 import lightning as L
 import torch
 import yaml
+from _common import prepared_corpus
 from lightning.pytorch.loggers import TensorBoardLogger
 
 from lmledger.callbacks import Ledger, LedgerSettings, ledger_callbacks
-from lmledger.cli import main as lmledger
 from lmledger.data import TokenDataModule
 from lmledger.lit import LitLM
 from lmledger.model import ModelConfig
@@ -93,15 +93,6 @@ def _clocked(hook, timer: StepTimes):
             timer.hook_seconds += time.perf_counter() - start
 
     return clocked
-
-
-def prepared_data(path: str, scratch: Path) -> str:
-    if (Path(path) / "meta.json").is_file():
-        return path
-    out = scratch / "stdlib"
-    if lmledger(["prepare", "--out", str(out)]) != 0:
-        raise SystemExit(f"could not prepare a corpus in {out}")
-    return str(out)
 
 
 def _any_model(model_cfg: dict, data_cfg: dict, data: str) -> tuple[L.LightningModule, TokenDataModule]:
@@ -177,7 +168,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch:
         data_cfg = config.get("data", {})
         data_path = data_cfg.get("init_args", data_cfg).get("path", "data/stdlib")
-        data = prepared_data(args.data or data_path, Path(scratch))
+        data = prepared_corpus(args.data or data_path, Path(scratch))
         times: dict[bool, list[float]] = {False: [], True: []}
         hook_times: list[float] = []
         cpu_times: dict[bool, list[float]] = {False: [], True: []}

@@ -26,9 +26,9 @@ import dataclasses
 import warnings
 
 import torch
-import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from lmledger.hf import causal_lm_loss, checkpoint_layers
 from lmledger.ledger import dryrun, fakecopy
 from lmledger.ledger.realranks import measure_sharded, run_ranks
 from lmledger.ledger.sharded import FSDPSettings, fake_process_group, predict_sharded, shard_blocks
@@ -47,12 +47,6 @@ def adamw(params):
     return torch.optim.AdamW(params, lr=1e-3)
 
 
-def llama_step(model, batch):
-    inputs, targets = batch
-    logits = model(input_ids=inputs, use_cache=False).logits
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-
-
 def build(kind: str, ac: int):
     torch.manual_seed(0)
     if kind == "toy":
@@ -65,8 +59,8 @@ def build(kind: str, ac: int):
     )  # fmt: skip
     model = LlamaForCausalLM(config)
     if ac:
-        _checkpoint_layers(model)
-    return model, llama_step
+        checkpoint_layers(model)
+    return model, causal_lm_loss
 
 
 def measured(cases) -> list[tuple[int, int]]:
@@ -139,15 +133,6 @@ def main() -> None:
                   f"{theirs:>12,} {e_peer:>+8.2%} {peer_real / truth - 1:>+13.2%}")  # fmt: skip
     print(f"largest error: ours {worst['ours']:.2%}, peer {worst['peer']:.2%} (goal: ours <= 3% and never worse: "
           f"{'met' if worst['ours'] <= 0.03 and ours_never_worse else 'NOT met'})")  # fmt: skip
-
-
-def _checkpoint_layers(model) -> None:
-    """Non-reentrant checkpointing of every decoder layer (transformers' newer name, else the older one)."""
-    enable = getattr(model, "activation_checkpointing_enable", None)
-    if enable is not None:
-        enable({"use_reentrant": False})
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 if __name__ == "__main__":

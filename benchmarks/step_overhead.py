@@ -36,6 +36,7 @@ from pathlib import Path
 import lightning as L
 import torch
 import yaml
+from _common import prepared_corpus
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -216,17 +217,6 @@ def lmledger_fit(
     return list(StepClock.ends)
 
 
-def prepared(path: str, scratch: Path) -> str:
-    from lmledger.cli import main as lmledger
-
-    if (Path(path) / "meta.json").is_file():
-        return path
-    out = scratch / "stdlib"
-    if lmledger(["prepare", "--out", str(out)]) != 0:
-        raise SystemExit(f"could not prepare a corpus in {out}")
-    return str(out)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default=str(REPO / "configs" / "tiny.yaml"))
@@ -255,7 +245,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         scratch = Path(tmp)
-        data = prepared(args.data or config.get("data", {}).get("path", "data/stdlib"), scratch)
+        data = prepared_corpus(args.data or config.get("data", {}).get("path", "data/stdlib"), scratch)
         if args.paired:
             ratios = paired(config, args.config, data, args.steps, scratch / "paired")
             if len(ratios) < 2:

@@ -11,8 +11,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from examples._common import TokenWindowModule, next_token_loss
+from examples._common import TokenWindowModule
 from lmledger.errors import ConfigError
+from lmledger.hf import causal_lm_loss, checkpoint_layers
 
 
 class HFCausalLM(TokenWindowModule):
@@ -24,23 +25,14 @@ class HFCausalLM(TokenWindowModule):
             raise ConfigError("activation_checkpointing must be >= 0 (0 = off, n = every n-th layer)")
         self.lr, self.weight_decay = lr, weight_decay
         self.model = self.build()
-        if activation_checkpointing:
-            # Recompute every n-th decoder layer in backward (non-reentrant torch.utils.checkpoint).
-            kwargs = {"use_reentrant": False}
-            if hasattr(self.model, "activation_checkpointing_enable"):  # newer transformers (5.24 has it)
-                self.model.activation_checkpointing_enable(kwargs, every_n_layers=activation_checkpointing)
-            elif activation_checkpointing == 1:
-                self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-            else:
-                raise ConfigError("checkpointing every n-th layer needs a newer transformers: use 0 or 1")
+        if activation_checkpointing:  # recompute every n-th decoder layer in backward
+            checkpoint_layers(self.model, activation_checkpointing)
 
     def build(self) -> nn.Module:
         raise NotImplementedError
 
     def loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        inputs, targets = batch
-        logits = self.model(input_ids=inputs, use_cache=False).logits
-        return next_token_loss(logits, targets)
+        return causal_lm_loss(self.model, batch)
 
 
 class LlamaLM(HFCausalLM):

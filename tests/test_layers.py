@@ -23,7 +23,7 @@ import pytest
 SRC = Path(__file__).resolve().parents[1] / "src" / "lmledger"
 
 LAYERS = {
-    "model": 0, "errors": 0, "atomic": 0,
+    "model": 0, "errors": 0, "atomic": 0, "hf": 0,
     "ledger": 1,
     "corpus": 2, "lit": 2, "data": 2, "precision": 2, "checkpointing": 2, "modelparallel_checkpoints": 2,
     "lightning_private": 2, "runlock": 2,

@@ -17,6 +17,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lmledger.errors import UserError
+from lmledger.hf import causal_lm_loss
 from lmledger.ledger import moe, moebounds
 from lmledger.ledger.dryrun import NotTraced, StepLedger, dry_run, measure_step
 from lmledger.ledger.flopcounter import CPU_SDPA_FLOP_FORMULAS, GROUPED_MM_FLOP_FORMULAS
@@ -127,10 +128,7 @@ def _mixtral(seed: int, implementation: str, intermediate: int = 256) -> nn.Modu
     return transformers.MixtralForCausalLM(config)
 
 
-def _mixtral_step(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    inputs, targets = batch
-    logits = model(input_ids=inputs, use_cache=False).logits
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+_mixtral_step = causal_lm_loss  # the causal LM step on (inputs, targets) windows
 
 
 def _assert_random_routing_within(bounds: moebounds.MoEBounds, make, batch, step=None, precision="32-true") -> None:

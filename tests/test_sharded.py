@@ -10,9 +10,9 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from lmledger.hf import causal_lm_loss, checkpoint_layers
 from lmledger.ledger import fsdp2
 from lmledger.ledger.dryrun import NotTraced
 from lmledger.ledger.realranks import measure_sharded, run_ranks
@@ -34,12 +34,6 @@ def _adamw(params):
     return torch.optim.AdamW(params, lr=1e-3)
 
 
-def _llama_step(model, batch):
-    inputs, targets = batch
-    logits = model(input_ids=inputs, use_cache=False).logits
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-
-
 def _model(kind: str, ac: int):
     torch.manual_seed(0)
     if kind == "toy":
@@ -52,8 +46,8 @@ def _model(kind: str, ac: int):
     )  # fmt: skip
     model = LlamaForCausalLM(config)
     if ac:
-        _checkpoint_layers(model)
-    return model, _llama_step
+        checkpoint_layers(model)
+    return model, causal_lm_loss
 
 
 def _measure(cases) -> list:
@@ -225,15 +219,6 @@ def test_rank_chunks_are_torchs_chunks():
         for i in range(n):
             expected = real[i] if i < len(real) else real[0].new_empty(0)
             assert torch.equal(lazy[i], expected) and lazy[i].shape == expected.shape
-
-
-def _checkpoint_layers(model) -> None:
-    """Non-reentrant checkpointing of every decoder layer (transformers' newer name, else the older one)."""
-    enable = getattr(model, "activation_checkpointing_enable", None)
-    if enable is not None:
-        enable({"use_reentrant": False})
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def _measure_hsdp(shard_size: int):
