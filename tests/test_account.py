@@ -167,3 +167,23 @@ def test_plan_max_batch_of_an_hf_model_fits_under_the_cap_measured(workdir, caps
     for size, fits in ((best, True), (best + 1, False)):
         measured = measure(module, (inputs[:size], targets[:size]))
         assert (measured.peak <= capacity_gb * 1e9) == fits, (size, measured.peak)
+
+
+def test_account_predicts_and_measures_every_micro_batch_of_an_accumulated_step(workdir):
+    """accumulate_grad_batches 2, as fit's Ledger takes it: the dry run (the main column) and the real step both
+    run two micro-batches, so FLOPs double; activations stay one micro-batch's; the closed forms have no peak."""
+    from lmledger.accounting import account
+
+    one_argv = ["--config", "configs/tiny.yaml", *SMALL]
+    two_argv = [*one_argv, "--trainer.accumulate_grad_batches", "2"]
+    one = account(load_run(one_argv), False, one_argv)
+    two = account(load_run(two_argv), True, two_argv)
+    assert list(two["predictors"]) == ["dry run", "closed form"] and two["accumulate"] == 2
+    dry, closed, measured = two["predictors"]["dry run"], two["predictors"]["closed form"], two["measured"]
+    assert dry.flops_hardware == 2 * one["flops"]["hardware"] and closed.flops_hardware == dry.flops_hardware
+    assert dry.activations == one["memory"]["activations"]["predicted"]
+    assert closed.peak is None and "micro-batch" in closed.why_missing["peak"]
+    assert measured.flops_hardware == pytest.approx(dry.flops_hardware, rel=0.005)
+    for row in ("params", "grads", "optimizer"):
+        assert measured.get(row) == dry.get(row), row
+    assert measured.peak == pytest.approx(dry.peak, rel=0.02)
