@@ -64,7 +64,7 @@ def _predictors(spec: Run, device: torch.device, accumulate: int) -> tuple[dict[
     return {"dry run": figures_of_step(traced, flops_model=3 * traced.flops_forward), "closed form": closed}, dry
 
 
-def _measure(spec: Run, device: torch.device, accumulate: int, step_time: dict | None = None) -> dict:
+def _measure(spec: Run, device: torch.device, accumulate: int, step_time: dict | None = None, ops=None) -> dict:
     """ledger.predict.measure of the config's run on `device`, and the median time of a further step.
 
     Real training steps: FLOPs are counted once. Saved activations come from the first step, state
@@ -76,7 +76,7 @@ def _measure(spec: Run, device: torch.device, accumulate: int, step_time: dict |
     return {
         "figures": figures,
         "step_seconds": _step_seconds(m.step, device),
-        "time": _step_time(spec, device, m.step, (step_time or {}).get("seconds")),
+        "time": _step_time(spec, device, m.step, (step_time or {}).get("seconds"), ops),
     }
 
 
@@ -94,15 +94,16 @@ def main_rows(result: dict) -> None:
     result["run"]["peak_phase"] = main and main.peak_phase
 
 
-def _step_time(spec: Run, device: torch.device, step, predicted: dict | None = None) -> dict:
+def _step_time(spec: Run, device: torch.device, step, predicted: dict | None = None, ops=None) -> dict:
     """The step-time table (docs/time.md).
 
-    The roofline bound of the config's step on `device` (its dry run's ops), beside the mean of three
-    profiled real steps."""
+    The roofline bound of the config's step on `device` (its dry run's ops: `ops` where the main column's
+    dry run of one micro-batch on this CPU has them), beside the mean of three profiled real steps."""
     from lmledger.ledger import roofline
     from lmledger.ledger.predict import toy_optimizer
 
-    ops = roofline.toy_step_ops(spec.config, spec.batch_size, spec.seq_len, spec.precision, toy_optimizer(spec))
+    if ops is None:
+        ops = roofline.toy_step_ops(spec.config, spec.batch_size, spec.seq_len, spec.precision, toy_optimizer(spec))
     return _time_table(ops, spec.precision, device, step, predicted)
 
 
@@ -188,11 +189,12 @@ def account(spec: Run, do_measure: bool, argv: list[str] = (), step_time: bool =
     accumulate = trainer_time_settings(list(argv))["accumulate"] if argv else 1
     predictors, dry = _predictors(spec, device, accumulate)
     step = None
+    here = dry if device.type == "cpu" and dry is not None else None  # the same dry run prices the time
     if step_time and spec.world_size == 1 and spec.config:
         elsewhere = predicted_device(spec.accelerator) != local_device(spec.accelerator)
-        here = dry if device.type == "cpu" and dry is not None else None  # the same dry run prices the time
         step = not_here(spec.accelerator) if elsewhere else toy_predicted_time(spec, list(argv), here)
-    measured = _measure(spec, device, accumulate, step) if do_measure else None
+    one_step_ops = here.ops if here is not None and not isinstance(here, NotTraced) and accumulate == 1 else None
+    measured = _measure(spec, device, accumulate, step, one_step_ops) if do_measure else None
     result = {
         "params": count_parameters(spec.config),
         "predictors": predictors,
