@@ -38,6 +38,7 @@ from lmledger.errors import UserError
 from lmledger.ledger import sharded
 from lmledger.ledger.dryrun import NotTraced, StepLedger
 from lmledger.ledger.predict import lightning_step
+from lmledger.ledger.rankstate import optimizer_factory
 
 __all__ = ["predict", "unsharded_copy"]
 
@@ -121,23 +122,16 @@ def _not_modelled(trainer, pl_module, unsharded) -> str | None:
 
 
 def _same_optimizer(optimizer: torch.optim.Optimizer, pl_module: nn.Module) -> Callable:
-    """A factory making `optimizer`'s kind over the fake copy's sharded parameters.
+    """A factory making `optimizer`'s kind over the fake copy's sharded parameters (rankstate.optimizer_factory).
 
     Each group's parameters are found by position in the module: configure_model keeps the order. Each
-    group keeps its hyperparameters.
+    group keeps its hyperparameters. An optimizer over tensors outside the module is refused.
     """
     position = {id(p): i for i, p in enumerate(pl_module.parameters())}
     unknown = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in position]
     if unknown:
         raise UserError("the optimizer holds tensors that are not the module's parameters: FSDP2 is measured only")
-    groups = [([position[id(p)] for p in g["params"]], {k: v for k, v in g.items() if k != "params"})
-              for g in optimizer.param_groups]  # fmt: skip
-    kind = type(optimizer)
-
-    def make(params: list[nn.Parameter]) -> torch.optim.Optimizer:
-        return kind([{"params": [params[i] for i in ix], **options} for ix, options in groups])
-
-    return make
+    return optimizer_factory(optimizer, pl_module)
 
 
 def _replay_configure_model(trainer: pl.Trainer) -> Callable[[nn.Module, object], None]:

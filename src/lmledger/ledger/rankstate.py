@@ -46,6 +46,7 @@ __all__ = [
     "ShardedLedger",
     "local_state_bytes",
     "made_optimizers",
+    "optimizer_factory",
     "sharded_ledger",
     "sharded_tracking",
     "strategy_name",
@@ -333,7 +334,7 @@ class FakeRun:
             with self.mode:
                 if wrap is not None:
                     wrap(self.model)
-                made = [_optimizer_factory(o, module) if wrap is not None else o for o in configured]
+                made = [optimizer_factory(o, module) if wrap is not None else o for o in configured]
                 self.optimizers = [fakecopy.fake_optimizer(o, self.model, memo, self.target) for o in made]
         except UserError:
             raise
@@ -366,7 +367,7 @@ class FakeRun:
         return dataclasses.replace(result, **self.state)
 
 
-def _optimizer_factory(optimizer: OptimizerSpec, module: nn.Module) -> OptimizerSpec:
+def optimizer_factory(optimizer: OptimizerSpec, module: nn.Module) -> OptimizerSpec:
     """An optimizer over the real module becomes a factory: the same kind over the sharded parameters.
 
     It takes its first group's hyperparameters. Per-group settings follow by position.
@@ -388,5 +389,5 @@ def _optimizer_factory(optimizer: OptimizerSpec, module: nn.Module) -> Optimizer
 def made_optimizers(optimizer: object, module: nn.Module, params: list[nn.Parameter]) -> list:
     """The run's optimizers over `params` (a copy's). `optimizer` is one spec, None, or a list (manual)."""
     specs = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
-    made = [_optimizer_factory(spec, module) for spec in specs]
+    made = [optimizer_factory(spec, module) for spec in specs]
     return [spec(params) if spec is not None else None for spec in made]
