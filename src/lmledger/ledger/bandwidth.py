@@ -16,16 +16,12 @@ from __future__ import annotations
 
 import datetime
 import functools
-import json
 import time
-import warnings
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from lmledger.atomic import DiskWriteError, atomic_write
-from lmledger.ledger.cpu import cache_dir, cpu_info
+from lmledger.ledger.cpu import cache_dir, cpu_info, load_cache, save_cache
 from lmledger.ledger.gpus import find_gpu, resolve
 
 __all__ = ["Bandwidth", "measured_cpu_bandwidth", "memory_bandwidth"]
@@ -110,7 +106,7 @@ def measured_cpu_bandwidth(*, tries: int = _CPU_TRIES, refresh: bool = False) ->
     cache_dir()/cpu-bandwidth.json with when and how. `refresh` measures again and keeps the faster.
     """
     path = cache_dir() / _CPU_BANDWIDTH_FILE
-    entries = _load(path)
+    entries = load_cache(path, "CPU bandwidth")
     key = _cache_key()
     entry = entries.get(key)
     valid = isinstance(entry, dict) and all(
@@ -141,7 +137,7 @@ def measured_cpu_bandwidth(*, tries: int = _CPU_TRIES, refresh: bool = False) ->
         if valid and entries[key]["bytes_per_s"] > entry["bytes_per_s"]:
             entry = entries[key]  # a busy machine only makes copies slower: the faster one stands
         entries[key] = entry
-        _save(path, entries)
+        save_cache(path, entries, "CPU bandwidth")
     detail = (
         f"measured {str(entry.get('measured_at', '?'))[:10]}: best copy rate (cache-resident), "
         f"{entry['dram_bytes_per_s'] / 1e9:.3g} GB/s from DRAM (cache: {path})"
@@ -154,21 +150,3 @@ def _measured_device_bandwidth(device: str) -> Bandwidth:
     rates = _copy_rates(torch.device(device), 2)
     best = max(rates.values())
     return Bandwidth(best, "measured", f"best copy rate on {device}, this process", rates[_SIZES[-1]])
-
-
-def _load(path: Path) -> dict:
-    try:
-        entries = json.loads(path.read_text())
-    except FileNotFoundError:
-        return {}
-    except (OSError, ValueError) as err:
-        warnings.warn(f"ignoring unreadable CPU bandwidth cache {path} ({err}); measuring again", stacklevel=3)
-        return {}
-    return entries if isinstance(entries, dict) else {}
-
-
-def _save(path: Path, entries: dict) -> None:
-    try:
-        atomic_write(path, json.dumps(entries, indent=1, sort_keys=True) + "\n")
-    except DiskWriteError as err:
-        warnings.warn(f"could not cache the measured CPU bandwidth ({err})", stacklevel=3)

@@ -33,7 +33,9 @@ __all__ = [
     "cpu_info",
     "cpu_peak",
     "cpu_spec_peak",
+    "load_cache",
     "measured_cpu_peak",
+    "save_cache",
 ]
 
 
@@ -210,22 +212,27 @@ def _cpu_cache_key(dtype: str) -> str:
     return f"{info.model} | {info.logical_cpus} cpus | torch {torch.__version__} | {threads} threads | {dtype}"
 
 
-def _load_cpu_peaks(path: Path) -> dict:
+def load_cache(path: Path, what: str) -> dict:
+    """The JSON object a machine cache file holds; {} when there is none, or, warned, when it is unreadable.
+
+    The warning (naming `what`, e.g. "CPU peak") points at the caller's caller: the code that asked.
+    """
     try:
         entries = json.loads(path.read_text())
     except FileNotFoundError:
         return {}
     except (OSError, ValueError) as err:
-        warnings.warn(f"ignoring unreadable CPU peak cache {path} ({err}); measuring again", stacklevel=3)
+        warnings.warn(f"ignoring unreadable {what} cache {path} ({err}); measuring again", stacklevel=3)
         return {}
     return entries if isinstance(entries, dict) else {}
 
 
-def _save_cpu_peaks(path: Path, entries: dict) -> None:
+def save_cache(path: Path, entries: dict, what: str) -> None:
+    """Write a machine cache file atomically; a disk that refuses it is a warning, not an error."""
     try:
         atomic_write(path, json.dumps(entries, indent=1, sort_keys=True) + "\n")
     except DiskWriteError as err:
-        warnings.warn(f"could not cache the measured CPU peak ({err})", stacklevel=3)
+        warnings.warn(f"could not cache the measured {what} ({err})", stacklevel=3)
 
 
 def measured_cpu_peak(dtype: str, *, tries: int = CPU_MEASURE_TRIES, refresh: bool = False) -> Peak:
@@ -236,7 +243,7 @@ def measured_cpu_peak(dtype: str, *, tries: int = CPU_MEASURE_TRIES, refresh: bo
     """
     dtype = dtype_name(dtype)
     path = cache_dir() / CPU_PEAKS_FILE
-    entries = _load_cpu_peaks(path)
+    entries = load_cache(path, "CPU peak")
     key = _cpu_cache_key(dtype)
     entry = entries.get(key)
     valid = isinstance(entry, dict) and isinstance(entry.get("flops_per_s"), (int, float)) and entry["flops_per_s"] > 0
@@ -248,7 +255,7 @@ def measured_cpu_peak(dtype: str, *, tries: int = CPU_MEASURE_TRIES, refresh: bo
             "method": "best rate of square matmuls, sizes 64 to 2048 doubling, fastest of 5 repeats each",
         }
         entries[key] = entry
-        _save_cpu_peaks(path, entries)
+        save_cache(path, entries, "CPU peak")
     detail = f"measured {str(entry.get('measured_at', '?'))[:10]}, best of {entry.get('tries', '?')} (cache: {path})"
     return Peak(float(entry["flops_per_s"]), "measured", dtype, detail)
 
