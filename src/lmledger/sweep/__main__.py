@@ -16,7 +16,7 @@ if __name__ == "__main__":
 
         sys.exit(point_main(sys.argv[2:], main))
     if sys.argv[1:2] == ["slurm-task"] and len(sys.argv) == 4:
-        from lmledger.sweep.slurm import task_main
+        from lmledger.sweep.slurmtask import task_main
 
         sys.exit(task_main(sys.argv[2:], main))
     sys.exit(
