@@ -207,8 +207,9 @@ def measure(run: Run, accumulate: int = 1) -> Measurement:
     optimizer = make(list(model.parameters())) if make is not None else None
     shape = (run.batch_size, run.seq_len)
     batch = tuple(torch.randint(0, run.config.vocab_size, shape, device=run.device) for _ in range(2))
-    measured = measure_step(model, batch, step=toy_step, optimizer=optimizer, precision=run.precision,
-                            accumulate=accumulate)
+    measured = measure_step(
+        model, batch, step=toy_step, optimizer=optimizer, precision=run.precision, accumulate=accumulate
+    )
     step = training_step(model, batch, step=toy_step, optimizer=optimizer, precision=run.precision)
     peak, peak_phase = measured.peak, measured.peak_phase
     if run.device.type == "cuda":
