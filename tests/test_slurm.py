@@ -252,11 +252,11 @@ def test_a_two_node_job_stopped_on_one_node_and_requeued_continues_its_run_bit_f
     records = read_rank_records(run)
     assert sorted(records) == [0, 1] and [records[r]["node"] for r in (0, 1)] == [0, 1]
     assert all(record["step"] == STEPS and record["num_nodes"] == 2 for record in records.values())
-    for record in records.values():  # the one JSON shape (docs/commands.md): its paths are the TensorBoard tags
+    for record in records.values():  # the one JSON shape (docs/commands.md): memory.<line>.<source>
         assert record["sources"]["predicted"] == "dry run"
         for part in ("params", "grads", "optimizer"):
-            memory = record["memory"]
-            assert memory["measured"][part] == memory["predicted"][part] > 0, (record["rank"], part, memory)
+            memory = record["memory"][part]
+            assert memory["measured"] == memory["predicted"] > 0, (record["rank"], part, memory)
     for part in ("params", "grads", "optimizer", "peak"):
         assert records[0]["memory"][part]["measured"] == scalars[f"memory/measured/{part}"][-1][1], part
     assert worst_rank(records, "peak") in (0, 1)
@@ -284,11 +284,11 @@ def test_a_two_node_fsdp2_job_is_predicted_per_rank_and_saves_one_sharded_checkp
     run = workdir / "runs" / "shards" / "version_0"
     records, scalars = read_rank_records(run), read_scalars(run)
     assert sorted(records) == [0, 1] and sorted(p.name for p in run.parent.iterdir()) == ["version_0"]
-    for record in records.values():  # the one JSON shape (docs/commands.md): its paths are the TensorBoard tags
+    for record in records.values():  # the one JSON shape (docs/commands.md): memory.<line>.<source>
         assert record["sources"]["predicted"] == "dry run"
         for part in ("params", "grads", "optimizer"):
-            memory = record["memory"]
-            assert memory["measured"][part] == memory["predicted"][part] > 0, (record["rank"], part, memory)
+            memory = record["memory"][part]
+            assert memory["measured"] == memory["predicted"] > 0, (record["rank"], part, memory)
     for part in ("params", "grads", "optimizer", "peak"):
         assert records[0]["memory"][part]["measured"] == scalars[f"memory/measured/{part}"][-1][1], part
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["last.ckpt"]
