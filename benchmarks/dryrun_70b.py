@@ -1,7 +1,7 @@
 """Planning Llama-3-70B on 64 x H100-80GB at 8,192 tokens: FSDP2 alone and FSDP2 x TP 8, per rank, in one process.
 
 The model is transformers' LlamaForCausalLM of Llama-3-70B's shape (Meta's config.json: vocab 128,256, hidden
-8,192, 80 layers, 64 heads / 8 KV heads, MLP 28,672) on the meta device. ledger.sharded.predict_sharded
+8,192, 80 layers, 64 heads / 8 KV heads, MLP 28,672) on the meta device. ledger.sharding.sharded.predict_sharded
 dry-runs one rank's step (bf16-mixed, AdamW) over torch's fake process group: FSDP2 alone over 64 ranks, and
 FSDP2 over 8 data-parallel ranks x tensor parallel 8 (examples/tensor_parallel.py's Llama plan: colwise q/k/v,
 gate, up; rowwise o_proj, down_proj), each with and without every layer checkpointed. For each it prints the
@@ -32,8 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # examples/ (the L
 from _common import resident_bytes  # noqa: E402
 
 from benchmarks.dryrun_8b import H100_BYTES, adamw, llama, step  # noqa: E402
-from lmledger.ledger.interconnect import communication, default_links  # noqa: E402
-from lmledger.ledger.sharded import FSDPSettings, predict_sharded  # noqa: E402
+from lmledger.ledger.hardware.interconnect import communication, default_links  # noqa: E402
+from lmledger.ledger.sharding.sharded import FSDPSettings, predict_sharded  # noqa: E402
 
 LLAMA3_70B = dict(
     vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
@@ -60,7 +60,7 @@ def one(shape: dict, seq: int, batch: int, world: int, tensor_parallel: int, che
     took = time.perf_counter() - start
     if not hasattr(ledger, "peak"):
         return {"not_traced": ledger.reason, "seconds": took}
-    # 8 ranks a node on NVLink 4, NDR between nodes (an H100 cluster's links, ledger.interconnect)
+    # 8 ranks a node on NVLink 4, NDR between nodes (an H100 cluster's links, ledger.hardware.interconnect)
     comm = communication(ledger.ops, default_links("h100-sxm", 8, world // 8), world)
     return {
         "params": ledger.params, "grads": ledger.grads, "optimizer": ledger.optimizer,

@@ -1,8 +1,8 @@
-"""What planning at scale costs: a Llama-3-8B-shaped model's per-rank dry run, FSDP2 and DDP, on this machine.
+"""What sizing at scale costs: a Llama-3-8B-shaped model's per-rank dry run, FSDP2 and DDP, on this machine.
 
 The model is transformers' LlamaForCausalLM built from a LlamaConfig of Llama-3-8B's shape (vocab 128,256,
 hidden 4,096, 32 layers, 32 heads / 8 KV heads, MLP 14,336; Meta's published config.json) on the meta
-device: no weights, no download. ledger.sharded.predict_sharded dry-runs one rank's training step (bf16-mixed,
+device: no weights, no download. ledger.sharding.sharded.predict_sharded dry-runs one rank's training step (bf16-mixed,
 AdamW) at world size W over torch's fake process group. Printed per run: wall seconds, the process's peak
 resident memory (ru_maxrss: Python, torch, transformers and the dry run), the rank's peak against an H100's
 80 GB, and for DDP by how much it does not fit. Goals: under 60 s and under 2 GB resident on a
@@ -24,9 +24,9 @@ import torch
 from _common import resident_bytes
 
 from lmledger.hf import causal_lm_loss, checkpoint_layers
-from lmledger.ledger.sharded import FSDPSettings, predict_sharded
+from lmledger.ledger.sharding.sharded import FSDPSettings, predict_sharded
 
-H100_BYTES = 80e9  # H100 SXM, 80 GB (NVIDIA datasheet; ledger.gpus' h100-sxm)
+H100_BYTES = 80e9  # H100 SXM, 80 GB (NVIDIA datasheet; ledger.hardware.gpus' h100-sxm)
 SECONDS_GOAL, RESIDENT_GOAL, FLAT_GOAL = 60.0, 2e9, 1.5
 LLAMA3_8B = dict(
     vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,

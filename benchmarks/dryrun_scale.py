@@ -1,11 +1,11 @@
 """What a dry run costs at scale: seconds and resident memory of dry-running a config's ToyLM on this machine.
 
 The model is built on the meta device (no memory), the batch is meta tensors of the config's shape, and
-lmledger.ledger.dryrun.dry_run runs two training steps on fake tensors with the config's precision and
+lmledger.ledger.dryrun.engine.dry_run runs two training steps on fake tensors with the config's precision and
 optimizer (AdamW, fused as LitLM picks it). Printed: wall seconds of the dry run, the process's peak
 resident memory (resource.getrusage ru_maxrss, the whole process: Python, torch and the dry run), each
 over its goal (under 60 s and under 1 GB for configs/cs336-2.7b.yaml on a 2-core CPU), and the
-dry run's peak beside the closed form's (ledger.peak.peak_bytes) as a sanity check.
+dry run's peak beside the closed form's (ledger.closedform.peak.peak_bytes) as a sanity check.
 
     python benchmarks/dryrun_scale.py [--config configs/cs336-2.7b.yaml] [--device cpu]
     python benchmarks/dryrun_scale.py --quick     # configs/tiny.yaml: checks the script runs
@@ -24,8 +24,8 @@ import warnings
 import torch
 from _common import resident_bytes
 
-from lmledger.ledger.dryrun import NotTraced, dry_run
-from lmledger.ledger.peak import peak_bytes
+from lmledger.ledger.closedform.peak import peak_bytes
+from lmledger.ledger.dryrun.engine import NotTraced, dry_run
 from lmledger.model import ToyLM, count_parameters
 from lmledger.run_config import load_run
 

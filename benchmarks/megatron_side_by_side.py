@@ -1,7 +1,7 @@
 """Megatron-LM's closed forms beside the dry run, per rank under tensor parallelism (issue 30).
 
 (a) Megatron's own GPT shape (8 layers, hidden 4,096, 32 heads, MLP 16,384, vocab 51,200, 2,048 tokens, micro-batch
-    1, TP 8 on 8 ranks), sequence parallel off and on: ledger.tp.megatron_memory (our code of Megatron's
+    1, TP 8 on 8 ranks), sequence parallel off and on: ledger.sharding.tp.megatron_memory (our code of Megatron's
     theoretical_memory_usage.py formulas, Korthikanti et al. 2022 Table 2) beside the dry run of lmledger's toy LM
     at that shape (a SwiGLU MLP of width 16,384, RMSNorm, no biases or dropout, flash SDPA), bf16-mixed AdamW.
 (b) Which one a real run agrees with: the toy LM at TP 2 on 2 real gloo ranks of this CPU (bf16-mixed), its
@@ -22,8 +22,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lmledger.ledger.sharded import FSDPSettings, measure_sharded, predict_sharded, run_ranks  # noqa: E402
-from lmledger.ledger.tp import megatron_memory  # noqa: E402
+from lmledger.ledger.sharding.sharded import FSDPSettings, measure_sharded, predict_sharded, spawn_gloo_ranks  # noqa: E402
+from lmledger.ledger.sharding.tp import megatron_memory  # noqa: E402
 from lmledger.model import ModelConfig, ToyLM  # noqa: E402
 
 GPT = ModelConfig(vocab_size=51200, context_length=2048, d_model=4096, n_layers=8, n_heads=32, d_ff=16384)
@@ -81,7 +81,7 @@ def main() -> None:
                   f"{state / 1e9:.3f} GB | {m['activations'] / 1e9:.3f} GB | "
                   f"{o.activations / 1e9:.3f} GB |")  # fmt: skip
     for sp in (False, True):
-        measured = run_ranks(_measured, 2, sp)
+        measured = spawn_gloo_ranks(_measured, 2, sp)
         m, o = megatron(TOY, 2, sp, 4), ours(TOY, 2, 2, sp, 4)
         print(f"| toy 2 x 64, TP 2, SP {'on' if sp else 'off'}, batch 4 x 128 | | | {m['activations'] / 1e6:.3f} MB "
               f"| {o.activations / 1e6:.3f} MB; measured rank 0 / 1: "

@@ -3,12 +3,13 @@
 
 For each model (lmledger's toy LM and a tiny Hugging Face Llama, activation checkpointing off and on):
 
-    ours      ledger.sharded.predict_sharded(strategy="fsdp2", world_size=W): one process, fake process group
+    ours      ledger.sharding.sharded.predict_sharded(strategy="fsdp2", world_size=W): one process, fake process group
     peer      torch.distributed._tools.fsdp2_mem_tracker.FSDPMemTracker over the same fully_shard'ed model on
               fake tensors and the same fake process group, two iterations, the second's peak (torchtitan's
               scripts/estimate/estimation.py does the same)
-    measured  W real gloo processes (ledger.realranks.run_ranks), each training two steps of the real model
-              under fully_shard, rank 0's peak of live tensor bytes (ledger.realranks.measure_sharded)
+    measured  W real gloo processes (ledger.sharding.realranks.spawn_gloo_ranks), each training two steps of the real
+    model
+              under fully_shard, rank 0's peak of live tensor bytes (ledger.sharding.realranks.measure_sharded)
 
 Printed: each peak, ours and the peer's error against the measurement, and (an independent measurement of
 the same real steps) FSDPMemTracker run over real tensors on rank 0, against the measurement. Goal (issue
@@ -29,9 +30,10 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from lmledger.hf import causal_lm_loss, checkpoint_layers
-from lmledger.ledger import dryrun, fakecopy
-from lmledger.ledger.realranks import measure_sharded, run_ranks
-from lmledger.ledger.sharded import FSDPSettings, fake_process_group, predict_sharded, shard_blocks
+from lmledger.ledger.dryrun import engine as dryrun
+from lmledger.ledger.dryrun import fakecopy
+from lmledger.ledger.sharding.realranks import measure_sharded, spawn_gloo_ranks
+from lmledger.ledger.sharding.sharded import FSDPSettings, fake_process_group, predict_sharded, shard_blocks
 from lmledger.model import ModelConfig, ToyLM
 
 TOY = ModelConfig(vocab_size=256, context_length=64, d_model=128, n_layers=4, n_heads=4, d_ff=384)
@@ -120,7 +122,7 @@ def main() -> None:
     worst = {"ours": 0.0, "peer": 0.0}
     ours_never_worse = True
     for world in worlds:
-        real = run_ranks(measured, world, cases)[0]
+        real = spawn_gloo_ranks(measured, world, cases)[0]
         for (kind, ac), (truth, peer_real) in zip(cases, real, strict=True):
             model, step = build(kind, ac)
             ours = predict_sharded(model, batch(), step=step, optimizer=adamw, strategy="fsdp2", world_size=world)

@@ -9,7 +9,7 @@ inside the fit is paused out of its clock. The fit runs through `lmledger.cli.ma
 with the ledger on, as a user runs it (checkpoints as configured, the time ledger's sampled profiled
 steps included; --time-ledger adds an arm without them).
 
-With --explain, one more step of each arm is profiled (ledger/profile.py) and their breakdowns are
+With --explain, one more step of each arm is profiled (ledger/timing/profile.py) and their breakdowns are
 printed side by side: the ops take the same time in both, so the difference lands in "host overhead /
 idle" (Lightning's loop, logging, the LR schedule, the per-step checks), which is where the gap is.
 
@@ -83,7 +83,7 @@ def bare_loop(config: dict, data: str, steps: int, explain: bool = False) -> tup
         ends.append(time.perf_counter())
     breakdown = None
     if explain:
-        from lmledger.ledger.profile import profile_step
+        from lmledger.ledger.timing.profile import profile_step
 
         breakdown = profile_step(step, torch.device("cpu"))
     return ends, breakdown
@@ -295,8 +295,8 @@ def main() -> None:
 
 def explain(config: dict, data: str, args, scratch: Path) -> None:
     """One profiled step of each arm, side by side (ms per step)."""
-    from lmledger.ledger.profile import MEASURED
-    from lmledger.ledger.roofline import LABELS
+    from lmledger.ledger.timing.profile import MEASURED
+    from lmledger.ledger.timing.roofline import LABELS
 
     _, bare = bare_loop(config, data, max(args.skip, 5), explain=True)
     with time_ledgers() as captured:

@@ -3,7 +3,7 @@ enough steps to be steady, reading the line the Ledger prints at fit end:
 
     step 85.2 ms predicted, 83.1 ms measured (measured/predicted 0.975; over 40 batches)
 
-Predicted: before step 1, from the dry run's ops replayed here (ledger/steptime). Measured: the mean
+Predicted: before step 1, from the dry run's ops replayed here (ledger/timing/steptime). Measured: the mean
 per optimizer step of the fit's throughput windows (warm-up, profiled steps and validation left out).
 It prints predicted, measured and error per case, then the median and worst |error|. The step-time cache
 is a fresh one per run of this script (shared by its cases), so the figures are this machine's now.
@@ -66,8 +66,8 @@ _PREWARM = """
 import os, torch
 torch.set_num_threads(max(1, os.cpu_count() // {world}))
 from lmledger.callbacks.steptime import lightning_loop_seconds
-from lmledger.ledger.steptime.cache import StepTimeCache
-from lmledger.ledger.steptime.calibrate import collective_model
+from lmledger.ledger.timing.steptime.cache import StepTimeCache
+from lmledger.ledger.timing.steptime.calibrate import collective_model
 cache = StepTimeCache(torch.device("cpu"))
 collective_model({world}, cache)
 cache.save()

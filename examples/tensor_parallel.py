@@ -3,7 +3,7 @@
 Run under Lightning's ModelParallelStrategy (or lmledger's FSDP2Strategy with tensor_parallel_size), the
 module tensor-parallelises itself over `self.device_mesh["tensor_parallel"]`, then fully_shards over
 `self.device_mesh["data_parallel"]`. The Ledger() replays this same configure_model on a fake mesh of the
-strategy's shape and predicts each rank's step (ledger.tp, callbacks/fsdp2.py); nothing here is lmledger's.
+strategy's shape and predicts each rank's step (ledger.sharding.tp, callbacks/fsdp2.py); nothing here is lmledger's.
 
     LlamaTP      Hugging Face LlamaForCausalLM with the usual Llama plan: colwise q/k/v and the MLP's gate
                  and up projections, rowwise o_proj and down_proj (transformers' own base_model_tp_plan);
@@ -55,7 +55,7 @@ def parallelize_llama(model: nn.Module, tp_mesh: object) -> None:
     """The plan on a LlamaForCausalLM: every decoder layer, then the embedding and the LM head."""
     from torch.distributed.tensor.parallel import parallelize_module
 
-    from lmledger.ledger.tp import check_plan
+    from lmledger.ledger.sharding.tp import check_plan
 
     for wrapped in model.model.layers:
         layer = getattr(wrapped, "_checkpoint_wrapped_module", wrapped)  # torch's checkpoint_wrapper, if any
@@ -72,7 +72,7 @@ class LlamaTP(LlamaLM):
     def configure_model(self) -> None:
         from torch.distributed.fsdp import FSDPModule, fully_shard
 
-        from lmledger.ledger.tp import check_tensor_parallel
+        from lmledger.ledger.sharding.tp import check_tensor_parallel
 
         if isinstance(self.model, FSDPModule):
             return  # sharded already
@@ -96,7 +96,7 @@ class LlamaTP(LlamaLM):
         # Under TP the grads live on two meshes (dp x tp, and dp alone for the norms and embeddings): torch's
         # clip_grad_norm_ stacks their norms, which DTensor refuses across meshes.
         if gradient_clip_val and gradient_clip_algorithm != "value" and self.device_mesh["tensor_parallel"].size() > 1:
-            from lmledger.ledger.tp import clip_grad_norm_
+            from lmledger.ledger.sharding.tp import clip_grad_norm_
 
             clip_grad_norm_(list(self.parameters()), gradient_clip_val)
             return

@@ -8,6 +8,7 @@ import json
 import os
 import resource
 import signal
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,6 +16,13 @@ import pytest
 import torch
 
 from lmledger.cli import main as lmledger
+
+# The test folders mirror src/ (tests/ledger/, tests/callbacks/, ...) and name each other's modules: `from
+# test_resume import fit_args`, `test_preemption.SelfTerm` as a --trainer.callbacks class path in a fit the
+# test starts. Every test folder is importable here and in every process a test starts (PYTHONPATH).
+TEST_DIRS = sorted({str(p.parent) for p in Path(__file__).resolve().parent.rglob("test_*.py")})
+sys.path[:0] = [d for d in TEST_DIRS if d not in sys.path]
+os.environ["PYTHONPATH"] = os.pathsep.join([*TEST_DIRS, *filter(None, [os.environ.get("PYTHONPATH")])])
 
 # A model small enough that a CLI fit takes a few seconds on 2 cores.
 TINY_OVERRIDES = [
@@ -150,8 +158,8 @@ SUBPROCESS_WARNINGS_HIDDEN = (
     "ignore:Be aware that when using `ckpt_path`:UserWarning",  # trainer/call.py: resuming or validating a checkpoint
 )
 os.environ.setdefault("PYTHONWARNINGS", ",".join(SUBPROCESS_WARNINGS_HIDDEN))
-# The Ledger's step-time prediction (ledger/steptime) replays each new model's ops several times before
-# step 1: over the suite's hundreds of small fits that is minutes. tests/test_step_time.py turns it on
+# The Ledger's step-time prediction (ledger/timing/steptime) replays each new model's ops several times before
+# step 1: over the suite's hundreds of small fits that is minutes. tests/ledger/test_step_time.py turns it on
 # where it is the subject; `lmledger account`, `plan` and `sweep --plan` predict regardless.
 os.environ.setdefault("LMLEDGER_NO_STEP_TIME", "1")
 

@@ -229,7 +229,7 @@ def test_transformer_engine_unties_tied_weights(monkeypatch):
 
 
 def test_throughput_monitor_syncs_every_batch(monkeypatch):
-    """callbacks/throughput.py: why lmledger times its own windows instead of using ThroughputMonitor."""
+    """callbacks/peak_flops.py: why lmledger times its own windows instead of using ThroughputMonitor."""
     synced = []
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: synced.append(1))
     monitor = ThroughputMonitor(batch_size_fn=lambda batch: 1)
@@ -247,7 +247,7 @@ def test_throughput_monitor_syncs_every_batch(monkeypatch):
 
 
 def test_lightning_resolves_no_peak_for_nvidia_h200(monkeypatch):
-    """ledger/gpus.py keeps its own table: Lightning maps "NVIDIA H200" to no peak."""
+    """ledger/hardware/gpus.py keeps its own table: Lightning maps "NVIDIA H200" to no peak."""
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -306,7 +306,7 @@ def test_lightning_pytree_uses_the_deprecated_leafspec():
 
 
 def test_cpu_flash_attention_has_no_flop_formula():
-    """ledger/flops.py registers torch's SDPA formulas for the CPU flash-attention ops."""
+    """ledger/closedform/flops.py registers torch's SDPA formulas for the CPU flash-attention ops."""
     from torch.utils.flop_counter import FlopCounterMode
 
     aten = torch.ops.aten
@@ -337,7 +337,8 @@ def test_fused_optimizers_skip_the_step_when_found_inf_is_set(make):
 
 
 def test_foreach_supported_devices_helper_exists():
-    """ledger/peak.py and ledger/fakecopy.py ask torch which devices run foreach kernels (private helpers)."""
+    """ledger/closedform/peak.py and ledger/dryrun/fakecopy.py ask torch which devices run foreach kernels (private
+    helpers)."""
     from torch.optim.optimizer import _get_foreach_kernels_supported_devices as from_optimizer
     from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices as from_utils
 
@@ -354,7 +355,7 @@ def test_lightning_fsdp_refuses_clipping_by_norm():
 
 
 def test_lightning_zeroes_grads_after_the_forward():
-    """ledger.peak.peak_bytes: the previous step's grads are still alive at the end of forward."""
+    """ledger.closedform.peak.peak_bytes: the previous step's grads are still alive at the end of forward."""
     from lightning.pytorch.loops.optimization.automatic import Closure, ClosureResult
 
     order = []
@@ -368,7 +369,7 @@ def test_lightning_zeroes_grads_after_the_forward():
 
 
 def test_lightning_autocast_keeps_no_weight_cache():
-    """ledger.peak.peak_bytes and the dry run: a weight copy lives only while backward needs it."""
+    """ledger.closedform.peak.peak_bytes and the dry run: a weight copy lives only while backward needs it."""
     from lightning.pytorch.plugins.precision import MixedPrecision
 
     assert MixedPrecision("bf16-mixed", "cpu").autocast_context_manager()._cache_enabled is False
@@ -389,7 +390,7 @@ def test_mean_metric_without_nan_check_drops_the_weights():
 
 
 def test_a_storage_keeps_one_python_object_that_dies_with_it():
-    """ledger.memtrack sees a storage freed when its Python object is finalized."""
+    """ledger.count.memtrack sees a storage freed when its Python object is finalized."""
     import weakref
 
     tensor = torch.empty(10)
@@ -407,14 +408,14 @@ def test_a_storage_keeps_one_python_object_that_dies_with_it():
 
 
 def test_grouped_mm_meta_kernel_refuses_what_the_cpu_kernel_runs():
-    """ledger.moe answers torch._grouped_mm on fake CPU tensors itself: transformers 5.x runs MoE
+    """ledger.dryrun.moe answers torch._grouped_mm on fake CPU tensors itself: transformers 5.x runs MoE
     experts through it by default ("grouped_mm", integrations/moe.py), the CPU kernel takes float32,
     but the meta kernel (torch/_meta_registrations.py, _meta_grouped_mm_common) checks the CUDA
     kernel's bf16-only rule, so a fake float32 CPU step stops there. moe._grouped_mm_shape gives the
     CPU kernel's shapes, which this holds for the forward and both gradients' layouts."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from lmledger.ledger.moe import _grouped_mm_shape
+    from lmledger.ledger.dryrun.moe import _grouped_mm_shape
 
     transformers = pytest.importorskip("transformers")
     config = transformers.MixtralConfig(hidden_size=16, intermediate_size=8, num_hidden_layers=1,
@@ -431,11 +432,11 @@ def test_grouped_mm_meta_kernel_refuses_what_the_cpu_kernel_runs():
 
 
 def test_flop_counter_decomposes_what_it_cannot_count():
-    """ledger.flopcounter.StepFlopCounter: FlopCounterMode runs an op without a FLOP formula through its
+    """ledger.count.flopcounter.StepFlopCounter: FlopCounterMode runs an op without a FLOP formula through its
     decomposition (func.decompose()), so inside it a real step computes other bits than outside."""
     import torch.utils.flop_counter as flop_counter_module
 
-    from lmledger.ledger.flopcounter import StepFlopCounter
+    from lmledger.ledger.count.flopcounter import StepFlopCounter
 
     source = inspect.getsource(flop_counter_module._FlopCounterMode.__torch_dispatch__)
     assert "func.decompose(" in source
@@ -458,7 +459,7 @@ def test_flop_counter_decomposes_what_it_cannot_count():
     assert not all(torch.equal(a, b) for a, b in zip(counted, plain, strict=True))
 
 
-# ------------------------------------------------------------------- issue 23 §4 (commands/train.py, atomic.py)
+# ------------------------------------------------------------------- issue 23 §4 (commands/fit.py, atomic.py)
 
 
 class RefusesToBuild(torch.nn.Module):
@@ -511,7 +512,7 @@ def test_torch_save_turns_a_ctrl_c_in_a_write_into_a_runtime_error():
 
 
 def test_tensorboard_writer_thread_reraises_its_error(tmp_path):
-    """commands.train._quiet_event_writer: TensorBoard's event writer fails in a thread of its own (a class
+    """commands.fit._quiet_event_writer: TensorBoard's event writer fails in a thread of its own (a class
     from the tensorboard package), which reaches threading.excepthook, and the same OSError is raised again
     in the writing thread at its next write, so hiding the thread's traceback hides no error."""
     import errno
@@ -537,8 +538,9 @@ def test_tensorboard_writer_thread_reraises_its_error(tmp_path):
 
 
 def test_optimizer_step_record_encloses_its_closure():
-    """ledger/profile.py: torch.optim wraps every step() in a record_function named "Optimizer.step#<class>.step",
-    and a closure passed to step() runs inside it, so under Lightning (next canary) forward and backward
+    """ledger/timing/profile.py: torch.optim wraps every step() in a record_function named
+    "Optimizer.step#<class>.step", and a closure passed to step() runs inside it, so under Lightning (next canary)
+    forward and backward
     are inside that record too; the time ledger's optimizer window starts at its own marker instead."""
     weight = torch.nn.Parameter(torch.ones(4, 4))
     optimizer = torch.optim.AdamW([weight])
@@ -611,8 +613,9 @@ def test_strategy_registry_resolves_a_registered_name():
 
 
 def test_dynamo_runs_a_frame_eager_for_good_under_a_dispatch_mode():
-    """The FLOP counter and the memory tracker are TorchDispatchModes (ledger.flops, ledger.memtrack): a compiled
-    function called under such a mode, before or after it compiled, is skipped by dynamo for good, so a whole fit
+    """The FLOP counter and the memory tracker are TorchDispatchModes (ledger.closedform.flops, ledger.count.memtrack):
+    a compiled function called under such a mode, before or after it compiled, is skipped by dynamo for good, so a whole
+    fit
     with the Ledger ran eager. A mode whose ignore_compile_internals() is True leaves it compiled."""
     from torch._dynamo.utils import counters
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -641,7 +644,7 @@ def test_dynamo_runs_a_frame_eager_for_good_under_a_dispatch_mode():
     compiled_first(x)
     assert counters["stats"]["unique_graphs"] == 1 and len(calls) == 1
 
-    class Ignores(Watch):  # what ledger.flops and ledger.memtrack's modes declare
+    class Ignores(Watch):  # what ledger.closedform.flops and ledger.count.memtrack's modes declare
         @classmethod
         def ignore_compile_internals(cls) -> bool:
             return True
@@ -674,7 +677,7 @@ def test_compiled_objects_are_recognisable():
 def test_canary_fsdp2_over_tp_needs_real_meshes_under_fake_mode():
     """Issue 30: fully_shard over a TP-sharded module builds a (dp x tp) DeviceMesh (DeviceMesh._concatenate),
     which under FakeTensorMode reads its rank table with nonzero and raises (torch 2.13). Building it with fake
-    mode suspended (ledger.tp.meshes_outside_fake_mode) makes the step run, with local shards of the TP x FSDP
+    mode suspended (ledger.sharding.tp.meshes_outside_fake_mode) makes the step run, with local shards of the TP x FSDP
     size. When the first half stops failing, the workaround can go."""
     import torch.distributed as dist
     from torch import nn
@@ -682,8 +685,8 @@ def test_canary_fsdp2_over_tp_needs_real_meshes_under_fake_mode():
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    from lmledger.ledger.fsdp2 import fake_process_group
-    from lmledger.ledger.tp import meshes_outside_fake_mode
+    from lmledger.ledger.sharding.fsdp2 import fake_process_group
+    from lmledger.ledger.sharding.tp import meshes_outside_fake_mode
 
     def step(workaround: bool):
         with fake_process_group(16, tensor_parallel=4) as mesh, FakeTensorMode(allow_non_fake_inputs=True):

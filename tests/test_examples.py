@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import read_scalars
-from lmledger.ledger.dryrun import StepLedger, dry_run, largest_batch, measure_step
+from lmledger.ledger.dryrun.engine import StepLedger, dry_run, largest_batch, measure_step
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `examples` lives at the repository root
 
@@ -79,10 +79,11 @@ def test_hf_dry_run_matches_the_real_step(arch, precision, checkpointing):
 
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
 def test_hf_llama_flops_are_6n_plus_attention(attention):
-    """Model FLOPs as in ledger/flops.py (PaLM appendix B): 6 N_matmul + 12 L H Q T per token, from the config.
+    """Model FLOPs as in ledger/closedform/flops.py (PaLM appendix B): 6 N_matmul + 12 L H Q T per token, from the
+    config.
 
     Hardware FLOPs add what the kernels redo: SDPA's fused backward recomputes the scores, one
-    2 B L H Q T^2 more (ledger/flops.py); eager attention (matmul, softmax, matmul) redoes nothing."""
+    2 B L H Q T^2 more (ledger/closedform/flops.py); eager attention (matmul, softmax, matmul) redoes nothing."""
     cls, sizes = hf_examples()["llama"]
     module = cls(**sizes)
     module.model.config._attn_implementation = attention

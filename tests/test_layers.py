@@ -36,7 +36,7 @@ LAYERS = {
 
 
 def _unit(module: str) -> str:
-    """lmledger.ledger.dryrun -> ledger; lmledger.cli -> cli; an entry point (`python -m`) -> cli."""
+    """lmledger.ledger.dryrun.engine -> ledger; lmledger.cli -> cli; an entry point (`python -m`) -> cli."""
     parts = module.split(".")
     if parts[-1] == "__main__":
         return "cli"

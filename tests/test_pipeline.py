@@ -17,8 +17,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lmledger.callbacks import Ledger
 from lmledger.errors import UserError
-from lmledger.ledger.dryrun import dry_run
-from lmledger.ledger.flops import analytic_flops
+from lmledger.ledger.closedform.flops import analytic_flops
+from lmledger.ledger.dryrun.engine import dry_run
 from lmledger.model import ModelConfig, ToyLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `examples` lives at the repository root
@@ -273,7 +273,7 @@ def test_the_dry_run_of_a_manual_step_leaves_the_real_module_alone():
 
 
 class MoELM(pl.LightningModule):
-    """tests/test_moe.py's plain top-k MoE layer as a LightningModule."""
+    """tests/ledger/test_moe.py's plain top-k MoE layer as a LightningModule."""
 
     def __init__(self) -> None:
         super().__init__()

@@ -390,7 +390,7 @@ def test_a_rerun_does_not_resubmit_a_queued_point_and_a_vanished_task_is_failed(
     """A point whose task is still in the queue is not submitted again; one whose task left the queue without
     writing a status (killed by SLURM) is reported failed, naming its log."""
     from lmledger.sweep import load_experiment
-    from lmledger.sweep.runner import status_path
+    from lmledger.sweep.launch import status_path
     from lmledger.sweep.slurm import ended_result, in_queue
 
     points = load_experiment(experiment(workdir, "held")).points

@@ -1,7 +1,7 @@
 """Matmul benchmark: achieved FLOP/s and MFU per dtype and size, against the dense peak.
 
 The peak is the datasheet figure on a listed GPU. Elsewhere (the CPU, an unlisted GPU) it is measured.
-Every result says which. Timing itself lives in lmledger.ledger.matmul.time_matmul: warm-up, rotated
+Every result says which. Timing itself lives in lmledger.ledger.hardware.matmul.time_matmul: warm-up, rotated
 inputs, CUDA events, median. The measured peaks use it too.
 """
 
@@ -12,9 +12,9 @@ from pathlib import Path
 
 import torch
 
-from lmledger.ledger.gpus import Peak, find_gpu
-from lmledger.ledger.matmul import matmul_flops, time_matmul, unsupported_reason
-from lmledger.ledger.peak_flops import NoPeak, peak_flops
+from lmledger.ledger.hardware.gpus import PeakFlops, find_gpu
+from lmledger.ledger.hardware.matmul import matmul_flops, time_matmul, unsupported_reason
+from lmledger.ledger.hardware.peak_flops import NoPeakFlops, peak_flops
 from lmledger.ledger.units import tera
 
 __all__ = ["DEFAULT_DTYPES", "DEFAULT_SIZES", "MatmulBench", "bench_matmul", "plot_mfu"]
@@ -32,7 +32,7 @@ class _MatmulResult:
     dtype: str
     size: int  # m = n = k
     seconds: float | None  # median of the repeats; None when the dtype did not run
-    peak: Peak | None
+    peak: PeakFlops | None
     note: str | None = None  # why it did not run
 
     @property
@@ -95,7 +95,7 @@ def _bench_dtype(dtype: str, sizes: list[int], device: torch.device, repeats: in
         return [_MatmulResult(dtype, size, None, None, f"unsupported: {reason}") for size in sizes]
     # "fp32" here means true fp32 (time_matmul runs it at precision "highest"), so its peak is fp32's.
     peak = peak_flops(dtype, device, float32_matmul_precision="highest")
-    peak = None if isinstance(peak, NoPeak) else peak  # none left: unsupported dtypes returned above
+    peak = None if isinstance(peak, NoPeakFlops) else peak  # none left: unsupported dtypes returned above
     results = []
     for size in sizes:
         try:

@@ -269,7 +269,7 @@ def _read_sharded(path: Path, keys: set[str] | None = None) -> dict[str, Any]:
 
     Tensors become whole (unsharded) CPU tensors; the other values (the optimizer's param groups) load
     weights-only, where torch's own planner would unpickle anything (weights_only=False in
-    DefaultLoadPlanner.load_bytes, torch 2.13). Private torch names: canary in tests/test_resume_matrix.py.
+    DefaultLoadPlanner.load_bytes, torch 2.13). Private torch names: canary in tests/fitting/test_resume_matrix.py.
     """
     from torch.distributed.checkpoint._nested_dict import set_element
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner

@@ -23,8 +23,8 @@ VERB_COMMANDS = ("fit", "validate")
 # spelling (`--ledger.device_memory_gb`) before LightningCLI or argparse reads it.
 _FIT_ARGUMENT_COMMANDS = ("fit", "validate", "account", "plan")
 COMMANDS = {
-    "fit": ("train", "train a model (LightningCLI)"),
-    "validate": ("train", "evaluate a model on the validation split (LightningCLI)"),
+    "fit": ("fit", "train a model (LightningCLI)"),
+    "validate": ("fit", "evaluate a model on the validation split (LightningCLI)"),
     "prepare": ("prepare", "tokenize a corpus into train.bin / val.bin / meta.json"),
     "account": ("account", "one training step of a config, on paper and measured"),
     "plan": ("plan", "napkin math: training time, largest model, largest batch"),

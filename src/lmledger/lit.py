@@ -16,7 +16,7 @@ from lightning.pytorch.strategies import FSDPStrategy
 from torchmetrics.aggregation import MeanMetric
 
 from lmledger.errors import ConfigError
-from lmledger.ledger.tp import by_mesh, norm_over_meshes
+from lmledger.ledger.sharding.tp import by_mesh, norm_over_meshes
 from lmledger.lightning_private import should_update_logs
 from lmledger.model import ModelConfig, ToyLM
 from lmledger.precision import apply_fp8
@@ -106,7 +106,7 @@ class LitLM(L.LightningModule):
             compile. Use it with trainer precision bf16-mixed or bf16-true. None = no fp8 here.
             (Transformer Engine fp8 is the trainer precision "transformer-engine".)
         sequence_parallel: under tensor parallelism (ModelParallelStrategy's tensor_parallel_size > 1),
-            also split the norms and the residual stream along the sequence (ledger.tp.toy_tp_plan).
+            also split the norms and the residual stream along the sequence (ledger.sharding.tp.toy_tp_plan).
     """
 
     def __init__(
@@ -146,8 +146,8 @@ class LitLM(L.LightningModule):
         """FSDP2 (and TP) under Lightning's ModelParallelStrategy; nothing under any other strategy.
 
         With the mesh's tensor_parallel size > 1 it first applies the toy LM's TP plan over that
-        dimension (ledger.tp.toy_tp_plan: colwise q/k/v and SwiGLU's w1/w3, rowwise out and w2). Then it
-        fully_shards each transformer block, then the toy LM (ledger.sharded.shard_blocks), over the
+        dimension (ledger.sharding.tp.toy_tp_plan: colwise q/k/v and SwiGLU's w1/w3, rowwise out and w2). Then it
+        fully_shards each transformer block, then the toy LM (ledger.sharding.sharded.shard_blocks), over the
         mesh's data-parallel ranks.
         """
         from torch.distributed.fsdp import FSDPModule
@@ -155,14 +155,14 @@ class LitLM(L.LightningModule):
         strategy = self._trainer.strategy if self._trainer is not None else None
         if not isinstance(strategy, L.pytorch.strategies.ModelParallelStrategy) or isinstance(self.model, FSDPModule):
             return  # not FSDP2, or sharded already (a second fit on the same module)
-        from lmledger.ledger.sharded import FSDPSettings, shard_blocks
+        from lmledger.ledger.sharding.sharded import FSDPSettings, shard_blocks
 
         mesh = self.device_mesh
         if mesh["tensor_parallel"].size() > 1:
             if self.hparams.fp8 or self.hparams.compile:
                 what = "fp8" if self.hparams.fp8 else "compile"
                 raise ConfigError(f"LitLM's tensor-parallel plan is not run with model.{what}: set it off")
-            from lmledger.ledger.tp import toy_tp_plan
+            from lmledger.ledger.sharding.tp import toy_tp_plan
 
             toy_tp_plan(self.model, mesh["tensor_parallel"], self.hparams.sequence_parallel)
         shard_blocks(self, mesh["data_parallel"], FSDPSettings())
@@ -260,7 +260,7 @@ class LitLM(L.LightningModule):
 
     def _fused_optimizer(self) -> bool:
         # The live plugin decides: a DeepSpeed or custom plugin may differ from its name. For Lightning's
-        # own plugins this is ledger.precision_table' Row.fused_optimizer (tests/test_precisions.py).
+        # own plugins this is ledger.precision_table' Row.fused_optimizer (tests/ledger/test_precision_table.py).
         return getattr(self.trainer.precision_plugin, "scaler", None) is None
 
     def on_train_start(self) -> None:

@@ -106,7 +106,7 @@ class CausalSelfAttention(nn.Module):
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.context_length, cfg.rope_theta)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Grouped per head, (q|k|v) within each: a column split of qkv (tensor parallel, ledger.tp) gives each
+        # Grouped per head, (q|k|v) within each: a column split of qkv (tensor parallel, ledger.sharding.tp) gives each
         # rank whole heads, and a checkpoint the same layout at any TP size.
         q, k, v = rearrange(self.qkv(x), "b t (h three d) -> three b h t d", three=3, h=self.n_heads)
         y = F.scaled_dot_product_attention(self.rope(q), self.rope(k), v, is_causal=True)

@@ -1,7 +1,7 @@
 """What a fit config can reach before it runs: its largest batch under a memory cap, its roofline MFU.
 
 `lmledger plan max-batch` and `train-time --mfu roofline:CONFIG` print these.
-A ToyLM config is sized by ledger.predict's closed forms. (ledger.planner.max_batch searches the batch.)
+A ToyLM config is sized by ledger.predict's closed forms. (ledger.closedform.napkin.max_batch searches the batch.)
 A run at scale is sized by one rank's dry run (lmledger.accounting.per_rank).
 Any LightningModule is sized by dry runs of its training_step (ledger.predict.max_batch_module).
 """
@@ -13,7 +13,7 @@ import warnings
 
 from lmledger.accounting import AC_LABELS, any_model_at_scale, at_scale, per_rank, traced_at_scale, trainer_scale
 from lmledger.errors import UserError
-from lmledger.ledger.gpus import dtype_name
+from lmledger.ledger.hardware.gpus import dtype_name
 from lmledger.precision import local_device, predicted_device
 
 __all__ = ["max_batch_of", "roofline_mfu"]
@@ -24,8 +24,8 @@ def roofline_mfu(config: str, gpu: str, dtype: str) -> tuple[float, str, str]:
 
     The step's dry run (here, on this CPU) is priced at the GPU's datasheet peaks and bandwidth.
     See docs/time.md."""
-    from lmledger.ledger.roofline import gpu_roofline, toy_step_ops
-    from lmledger.ledger.shapes import advice_text
+    from lmledger.ledger.timing.roofline import gpu_roofline, toy_step_ops
+    from lmledger.ledger.timing.shapes import advice_text
     from lmledger.run_config import load_run
 
     spec = load_run(["--config", config])
@@ -51,7 +51,7 @@ def max_batch_of(fit_args: list[str], capacity: int, gpu_key: str | None) -> tup
 
     if named_classes(fit_args):
         scale = trainer_scale(fit_args)  # refuses what fit refuses, in its words
-        if at_scale(scale.world_size, scale.strategy):  # one rank's dry run at the world size (ledger.sharded)
+        if at_scale(scale.world_size, scale.strategy):  # one rank's dry run at the world size (ledger.sharding.sharded)
             result = any_model_at_scale(fit_args, capacity)
             result.update(capacity_bytes=capacity, gpu=gpu_key)
             return "at scale", result, None
@@ -65,7 +65,7 @@ def _max_batch_of_config(fit_args: list[str], capacity: int, gpu_key: str | None
     """plan's JSON for a ToyLM config, and its Run.
 
     The batch is the largest whose predicted peak fits in `capacity` bytes per device."""
-    from lmledger.ledger.planner import max_batch
+    from lmledger.ledger.closedform.napkin import max_batch
     from lmledger.ledger.predict import predict
     from lmledger.run_config import load_run
 
@@ -96,7 +96,7 @@ def _max_batch_of_config(fit_args: list[str], capacity: int, gpu_key: str | None
 def _per_rank_batch(result: dict, spec, capacity: int, fit_args: list[str]) -> None:
     """Set result["per_rank"]: the largest micro-batch per rank, checkpointing off and on.
 
-    It comes from one rank's dry run (ledger.sharded) at the config's world size and strategy.
+    It comes from one rank's dry run (ledger.sharding.sharded) at the config's world size and strategy.
     The config's own case (every block checkpointed, or none) then answers max_batch."""
     result["per_rank"] = per_rank(spec, capacity, fit_args)
     if spec.config.activation_checkpointing not in (0, 1):
@@ -118,8 +118,8 @@ def _max_batch_any_model(fit_args: list[str], capacity: int, gpu_key: str | None
     then bisects (ledger.predict.max_batch_module)."""
     from lmledger.fitting.cli import build_model_and_data, first_batch
     from lmledger.ledger import predict as ledger_predict
-    from lmledger.ledger.dryrun import NotTraced
-    from lmledger.ledger.fakecopy import batch_tensors
+    from lmledger.ledger.dryrun.engine import NotTraced
+    from lmledger.ledger.dryrun.fakecopy import batch_tensors
 
     module, data, config = build_model_and_data(fit_args)
     precision = str(config.trainer.get("precision") or "32-true")

@@ -184,7 +184,7 @@ def requested_precision(trainer: Any) -> tuple[str, torch.dtype | None]:
 
     The section is mapping-like: precision, plugins. The weights dtype is that of a Transformer
     Engine plugin in `plugins`, else None. These are the two arguments that
-    lmledger.ledger.memory.state_bytes takes."""
+    lmledger.ledger.closedform.memory.state_bytes takes."""
     precision = trainer.get("precision")
     te_plugins = [spec for spec in _as_list(trainer.get("plugins")) if _names_te_plugin(spec)]
     if not te_plugins:

@@ -25,7 +25,7 @@ class FSDP2Strategy(ModelParallelStrategy):
     With tensor_parallel_size T > 1 (`--trainer.strategy lmledger.strategies.FSDP2Strategy
     --trainer.strategy.tensor_parallel_size T`), data parallel is auto: the world size over T. The module's
     configure_model applies its TP plan over the mesh's "tensor_parallel" dimension, then FSDP2 over
-    "data_parallel" (LitLM has one: ledger.tp.toy_tp_plan).
+    "data_parallel" (LitLM has one: ledger.sharding.tp.toy_tp_plan).
     """
 
     def __init__(self, data_parallel_size="auto", tensor_parallel_size: int = 1, **kwargs) -> None:

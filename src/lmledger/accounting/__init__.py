@@ -3,8 +3,8 @@
 `lmledger account` prints it; `plan max-batch`, `plan train-time --config` and `sweep --dry-run` reuse it.
     step.py       one device: the toy LM's dry run (the main column) beside its closed forms, or any
                   LightningModule's dry run; with --measure the real step, MFU and the step-time table
-    scale.py      one rank at the config's world size and strategy (ledger.atscale), its table
-    steptime.py   the step time predicted before anything runs (ledger.steptime)
+    scale.py      one rank at the config's world size and strategy (ledger.sharding.atscale), its table
+    steptime.py   the step time predicted before anything runs (ledger.timing.steptime)
     traintime.py  `plan train-time --config`: the days to train at that step time
     reporting.py  a result as the one Report, the table and the JSON shape (docs/commands.md)
 """

@@ -1,4 +1,5 @@
-"""One rank of a fit config at its world size and strategy: per-rank dry runs (ledger.atscale, ledger.sharded).
+"""One rank of a fit config at its world size and strategy: per-rank dry runs (ledger.sharding.atscale,
+ledger.sharding.sharded).
 
 `per_rank(spec)`: the toy LM's checkpointing cases; `any_model_at_scale(argv)`: any LightningModule's.
 `trainer_scale` and `scale_links` read the devices, nodes, strategy and links as `fit` reads them.
@@ -25,7 +26,7 @@ AC_LABELS = ("checkpointing off", "checkpointing on")
 
 
 def traced_at_scale(spec: Run) -> bool:
-    """Whether a ToyLM run's per-rank dry run (ledger.sharded) says more than the closed forms.
+    """Whether a ToyLM run's per-rank dry run (ledger.sharding.sharded) says more than the closed forms.
 
     It does for DDP over several ranks (its buckets) and for FSDP2 (its gathered blocks).
     ZeRO, FSDP1 and DeepSpeed keep the closed forms. Their state bytes are what the dry run would give."""
@@ -46,7 +47,7 @@ def add_per_rank(result: dict, spec: Run, argv: list[str]) -> None:
 
 
 def case_figures(case: dict, model_flops: bool = True) -> Figures:
-    """A per-rank case (ledger.atscale.at_scale) as one source's Figures: its bytes, and its FLOPs (the
+    """A per-rank case (ledger.sharding.atscale.at_scale) as one source's Figures: its bytes, and its FLOPs (the
     hardware's, forward and backward; with `model_flops`, the model's as the fit's dry run counts them,
     3 x the forward; account gives none for a module that is not the toy LM, as on one device)."""
     why = case.get("not_predicted")
@@ -59,13 +60,13 @@ def case_figures(case: dict, model_flops: bool = True) -> Figures:
 
 
 def per_rank(spec: Run, capacity_bytes: int | None = None, argv: list[str] = ()) -> dict:
-    """ledger.atscale.run_at_scale with account's case names: checkpointing off and on.
+    """ledger.sharding.atscale.toy_at_scale with account's case names: checkpointing off and on.
 
     The strategy's settings come from the fit arguments `argv` (_scale_settings; none without them)."""
-    from lmledger.ledger.atscale import run_at_scale
+    from lmledger.ledger.sharding.atscale import toy_at_scale
 
     settings = {**_scale_settings(trainer_scale(argv)), "links": scale_links(argv)} if argv else {}
-    return run_at_scale(spec, capacity_bytes, labels=AC_LABELS, **settings)
+    return toy_at_scale(spec, capacity_bytes, labels=AC_LABELS, **settings)
 
 
 def trainer_scale(argv: list[str]):
@@ -82,11 +83,11 @@ def trainer_scale(argv: list[str]):
 
 
 def scale_links(argv: list[str]):
-    """The links a run at scale's collectives cross (ledger.interconnect.Links): --ledger.intra_node and
+    """The links a run at scale's collectives cross (ledger.hardware.interconnect.Links): --ledger.intra_node and
     --ledger.inter_node where given, else an H100 node's (NVLink 4, NDR), split at --trainer.devices a node.
     None for a CPU run on one machine (gloo's collectives there are memory copies)."""
     from lmledger.fitting.cli import parse_fit_config
-    from lmledger.ledger.interconnect import links_for
+    from lmledger.ledger.hardware.interconnect import links_for
 
     config = parse_fit_config(list(argv))
     scale = trainer_scale(argv)
@@ -101,13 +102,13 @@ def _scale_settings(scale, module=None) -> dict:
 
     DDP's bucket settings: DDPStrategy passes them through to torch's DDP.
     A ModelParallelStrategy with tensor_parallel_size > 1 is FSDP2 x TP on a (data_parallel x tensor_parallel)
-    mesh (ledger.tp): the toy LM's own plan, or a module's configure_model replayed on the fake mesh."""
-    from lmledger.ledger.ddp import DDPSettings
+    mesh (ledger.sharding.tp): the toy LM's own plan, or a module's configure_model replayed on the fake mesh."""
+    from lmledger.ledger.sharding.ddp import DDPSettings
 
     tensor_parallel = getattr(scale, "tensor_parallel", 1)
     if tensor_parallel > 1:
-        from lmledger.ledger.fsdp2 import FSDPSettings
-        from lmledger.ledger.tp import replay_configure_model
+        from lmledger.ledger.sharding.fsdp2 import FSDPSettings
+        from lmledger.ledger.sharding.tp import replay_configure_model
 
         shard = replay_configure_model if module is not None and hasattr(module, "configure_model") else None
         return {"fsdp": FSDPSettings(tensor_parallel=tensor_parallel, shard=shard)}
@@ -121,12 +122,12 @@ def at_scale(world_size: int, strategy: str) -> bool:
 def any_model_at_scale(argv: list[str], capacity_bytes: int | None = None) -> dict:
     """One rank's dry run of any LightningModule, at the arguments' world size and strategy.
 
-    Cases: as configured, and every block checkpointed (ledger.sharded). The module is built on the
+    Cases: as configured, and every block checkpointed (ledger.sharding.sharded). The module is built on the
     meta device, so an 8B model costs no memory. The batch is shaped like its data's first batch."""
-    from lmledger.callbacks.live import samples_per_batch, tokens_per_batch
+    from lmledger.callbacks.dryrun import samples_per_batch, tokens_per_batch
     from lmledger.fitting.cli import build_model_and_data, first_batch
-    from lmledger.ledger import atscale
     from lmledger.ledger import predict as ledger_predict
+    from lmledger.ledger.sharding import atscale
 
     scale = trainer_scale(argv)
     world_size, strategy = scale.world_size, scale.strategy

@@ -3,7 +3,7 @@
 `lmledger account` prints it. `plan max-batch` and `sweep --dry-run` reuse it.
 `account(spec)`: a ToyLM config. Its main prediction is the dry run of the toy LM as configured
 (ledger.predict.toy_dry_run, what `fit`'s Ledger shows first), with the lecture's closed forms beside it
-(callbacks.toy.closed_form, fit's second column). At scale, one rank's dry run (accounting.scale).
+(callbacks.closedform.closed_form, fit's second column). At scale, one rank's dry run (accounting.scale).
 `account_any_model(argv)`: any LightningModule, by its dry run.
 Each result names its predictors in order (result["predictors"]: {source: ledger.report.Figures}, the
 main one first) and holds the measured Figures; accounting.reporting turns it into the one Report.
@@ -18,10 +18,10 @@ import torch
 
 from lmledger.accounting.scale import add_per_rank, traced_at_scale
 from lmledger.accounting.steptime import not_here, predicted_step_time, toy_predicted_time, trainer_time_settings
-from lmledger.ledger import flops as ledger_flops
-from lmledger.ledger.dryrun import NotTraced
-from lmledger.ledger.gpus import Peak
-from lmledger.ledger.peak_flops import NoPeak, compute_dtype_for_precision, peak_flops
+from lmledger.ledger.closedform import flops as ledger_flops
+from lmledger.ledger.dryrun.engine import NotTraced
+from lmledger.ledger.hardware.gpus import PeakFlops
+from lmledger.ledger.hardware.peak_flops import NoPeakFlops, compute_dtype_for_precision, peak_flops
 from lmledger.ledger.predict import measure as measure_run
 from lmledger.ledger.predict import predict as predict_run
 from lmledger.ledger.predict import toy_dry_run
@@ -47,7 +47,7 @@ def _predictors(spec: Run, device: torch.device, accumulate: int) -> tuple[dict[
 
     The dry run is what fit's Ledger predicts for the same config (LitLM's step also keeps its 4-byte loss);
     the closed forms are fit's "closed form" column (their peak plus the dry run's buffers and batch)."""
-    from lmledger.callbacks.toy import closed_form
+    from lmledger.callbacks.closedform import closed_form
 
     run = dataclasses.replace(spec, device=device)
     dry = None
@@ -99,8 +99,8 @@ def _step_time(spec: Run, device: torch.device, step, predicted: dict | None = N
 
     The roofline bound of the config's step on `device` (its dry run's ops: `ops` where the main column's
     dry run of one micro-batch on this CPU has them), beside the mean of three profiled real steps."""
-    from lmledger.ledger import roofline
     from lmledger.ledger.predict import toy_optimizer
+    from lmledger.ledger.timing import roofline
 
     if ops is None:
         ops = roofline.toy_step_ops(spec.config, spec.batch_size, spec.seq_len, spec.precision, toy_optimizer(spec))
@@ -109,7 +109,7 @@ def _step_time(spec: Run, device: torch.device, step, predicted: dict | None = N
 
 def _time_table(ops, precision: str, device: torch.device, step, predicted: dict | None = None) -> dict:
     """The bound of `ops` (a dry run's OpSummary) on `device`, beside three profiled `step(phase)` calls."""
-    from lmledger.ledger import profile, roofline
+    from lmledger.ledger.timing import profile, roofline
 
     bound = roofline.device_roofline(ops, compute_dtype_for_precision(precision), device)
     measured = profile.mean_breakdown([profile.profile_step(step, device) for _ in range(3)])
@@ -130,7 +130,7 @@ _NANOGPT_PEAK = 312e12
 
 def _step_seconds(step, device: torch.device) -> float:
     """Median seconds of a training step, after one untimed step. The throughput callback's timer."""
-    from lmledger.callbacks.throughput import forward_backward_seconds
+    from lmledger.callbacks.peak_flops import forward_backward_seconds
 
     return forward_backward_seconds(step, device, eager=False, repeats=3)
 
@@ -145,7 +145,7 @@ def _mfu_conventions(spec: Run, seconds: float | None, device: torch.device) -> 
     if seconds is not None:
         dtype = compute_dtype_for_precision(spec.precision)
         peak = peak_flops(dtype, device)
-        if isinstance(peak, NoPeak):
+        if isinstance(peak, NoPeakFlops):
             peak, peak_line = None, peak.reason
         else:
             source = peak.source.removeprefix("datasheet:")
@@ -154,7 +154,7 @@ def _mfu_conventions(spec: Run, seconds: float | None, device: torch.device) -> 
             peak_line = f"{tera(peak.flops_per_s):.4g} TFLOP/s dense {peak.dtype} ({where})"
             achieved = per_token["hfu"] * spec.tokens_per_batch / seconds
             if peak.source == "measured" and achieved > peak.flops_per_s:
-                peak = Peak(achieved, "measured", peak.dtype)
+                peak = PeakFlops(achieved, "measured", peak.dtype)
                 peak_line += f", raised to the step's own {tera(achieved):.4g} TFLOP/s, which beat it"
 
     def mfu(n: int) -> float | None:
@@ -184,7 +184,7 @@ def _mfu_conventions(spec: Run, seconds: float | None, device: torch.device) -> 
 
 
 def account(spec: Run, do_measure: bool, argv: list[str] = (), step_time: bool = False) -> dict:
-    """`step_time`: predict the step's time here too (ledger.steptime), under result["time"]["predicted"]."""
+    """`step_time`: predict the step's time here too (ledger.timing.steptime), under result["time"]["predicted"]."""
     device = local_device(spec.accelerator) if do_measure else predicted_device(spec.accelerator)
     accumulate = trainer_time_settings(list(argv))["accumulate"] if argv else 1
     predictors, dry = _predictors(spec, device, accumulate)
@@ -232,8 +232,8 @@ def _module_step_fn(module, batch: object, precision: str):
     backward, step. Two untimed steps run first."""
     import copy
 
-    from lmledger.ledger.dryrun import training_step
-    from lmledger.ledger.fakecopy import precision_dtypes
+    from lmledger.ledger.dryrun.engine import training_step
+    from lmledger.ledger.dryrun.fakecopy import precision_dtypes
     from lmledger.ledger.predict import configured_optimizer, module_step
 
     real = copy.deepcopy(module)
@@ -253,10 +253,10 @@ def account_any_model(argv: list[str], do_measure: bool, step_time: bool = False
     No model FLOPs (6N + attention needs the architecture), so no MFU."""
     import copy
 
-    from lmledger.callbacks.live import samples_per_batch, tokens_per_batch
+    from lmledger.callbacks.dryrun import samples_per_batch, tokens_per_batch
     from lmledger.fitting.cli import build_model_and_data, first_batch
     from lmledger.ledger import predict as ledger_predict
-    from lmledger.ledger.fakecopy import map_tensors
+    from lmledger.ledger.dryrun.fakecopy import map_tensors
     from lmledger.ledger.run import Run
 
     module, data, config = build_model_and_data(argv)

@@ -1,4 +1,4 @@
-"""The step time predicted before anything runs (ledger.steptime), for account, sweep --plan and plan train-time.
+"""The step time predicted before anything runs (ledger.timing.steptime), for account, sweep --plan and plan train-time.
 
 `predicted_step_time(ops, ...)`: a dry run's ops priced on this machine, with the trainer's loop, clipping
 and data wait. `toy_predicted_time(spec, argv)`: the toy LM's, from its dry run. Each is StepTime.to_json()
@@ -12,7 +12,7 @@ import warnings
 
 import torch
 
-from lmledger.ledger.peak_flops import compute_dtype_for_precision
+from lmledger.ledger.hardware.peak_flops import compute_dtype_for_precision
 from lmledger.ledger.run import Run
 from lmledger.ledger.units import format_bytes
 from lmledger.model import count_parameters
@@ -49,7 +49,7 @@ def predicted_step_time(
 
     if os.environ.get(NO_STEP_TIME):
         return {"none": f"off ({NO_STEP_TIME} is set)", "line": f"no step-time prediction: {NO_STEP_TIME} is set"}
-    from lmledger.ledger.steptime import StepTime, data_wait, predict_step_time
+    from lmledger.ledger.timing.steptime import StepTime, data_wait, predict_step_time
 
     settings = trainer_time_settings(argv)
     loop = lightning_loop_seconds(
@@ -83,12 +83,12 @@ def toy_predicted_time(spec: Run, argv: list[str], dry: object = None) -> dict:
     import os
 
     from lmledger.callbacks.steptime import NO_STEP_TIME
-    from lmledger.ledger.dryrun import NotTraced
+    from lmledger.ledger.dryrun.engine import NotTraced
 
     if os.environ.get(NO_STEP_TIME):
         return {"none": f"off ({NO_STEP_TIME} is set)", "line": f"no step-time prediction: {NO_STEP_TIME} is set"}
     from lmledger.ledger.predict import toy_dry_run, toy_optimizer
-    from lmledger.ledger.steptime.predict import free_memory
+    from lmledger.ledger.timing.steptime.predict import free_memory
     from lmledger.model import ToyLM
 
     needs = 16 * count_parameters(spec.config)  # params, grads and AdamW's two moments in fp32, before activations

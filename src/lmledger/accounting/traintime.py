@@ -11,7 +11,7 @@ __all__ = ["train_time_from_config"]
 def train_time_from_config(config: str, tokens: float, gpu: str | None = None) -> dict:
     """`plan train-time --config FILE --tokens D [--gpu KEY]`: the time to train on D tokens.
 
-    Without a GPU: at the step time predicted on this machine (ledger.steptime). With one: at that GPU's
+    Without a GPU: at the step time predicted on this machine (ledger.timing.steptime). With one: at that GPU's
     roofline bound of the same step (its datasheet peaks and bandwidth), the fastest it could run there,
     so an upper bound on speed, until a GPU results file gives per-category efficiencies for it."""
     from lmledger.errors import UserError
@@ -42,8 +42,8 @@ def train_time_from_config(config: str, tokens: float, gpu: str | None = None) -
     if gpu is None:
         step_s, source = predicted["total_s"], f"predicted on this machine: {predicted['line']}"
     else:
-        from lmledger.ledger.peak_flops import compute_dtype_for_precision
-        from lmledger.ledger.roofline import gpu_roofline, toy_step_ops
+        from lmledger.ledger.hardware.peak_flops import compute_dtype_for_precision
+        from lmledger.ledger.timing.roofline import gpu_roofline, toy_step_ops
 
         ops = toy_step_ops(spec.config, spec.batch_size, spec.seq_len, spec.precision)
         bound = gpu_roofline(ops, compute_dtype_for_precision(spec.precision), gpu)

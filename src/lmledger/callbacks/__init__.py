@@ -6,15 +6,15 @@
     NonFiniteGuard    drops a step whose gradients are not finite (nonfinite.py)
 
 The rest are the Ledger's parts:
-    live.py        what the dry run is given for a live module: its batch, one rank's step (one device, DDP)
+    dryrun.py      what the dry run is given for a live module: its batch, one rank's step (one device, DDP)
     fsdp2.py       the same under FSDP2, on a meta copy kept at setup
     measure.py     the measured twin of the dry run
     timing.py      the time ledger (TimeLedger), fed the same dry run
-    toy.py         the toy LM's closed forms and cards
+    closedform.py  the toy LM's closed forms and cards
     preflight.py   what a device holds
-    throughput.py  the peak, compile speedup
+    peak_flops.py  the peak, compile speedup
     progress.py    plain progress lines off a terminal
-    run.py         reading the live Trainer, writing to loggers
+    trainer_io.py  reading the live Trainer, writing to loggers
 The callbacks never change what is trained. Counting runs on fake or meta copies.
 Measurement only observes. The RNG streams are left as they were found.
 """

@@ -1,11 +1,11 @@
 """The live FSDP2 fit's prediction: Lightning's ModelParallelStrategy, `fully_shard` in configure_model.
 
 Lightning calls callbacks' `setup` before the module's `configure_model` (canary in
-tests/test_ledger_fsdp2.py). So at setup the Ledger keeps `unsharded_copy`. In it, every parameter,
+tests/callbacks/test_ledger_fsdp2.py). So at setup the Ledger keeps `unsharded_copy`. In it, every parameter,
 buffer and tensor attribute is on the meta device. It uses no memory.
 
-At the first batch, `predict` dry-runs one rank's step on it. It calls ledger.sharded.predict_sharded
-at the mesh's data-parallel size, with:
+At the first batch, `predict_fsdp2_rank` dry-runs one rank's step on it. It calls
+ledger.sharding.sharded.predict_sharded at the mesh's data-parallel size, with:
 
     FSDP2       the module's own configure_model, replayed on the fake copy. Its mesh spans torch's
                 fake process group (beside the real one), with the strategy's dimension names.
@@ -13,7 +13,7 @@ at the mesh's data-parallel size, with:
 
 Gradient accumulation and manual optimization are predicted as Lightning runs them here. Every
 micro-batch's backward (every manual_backward) reduce-scatters. The reason: its block_backward_sync
-is ParallelStrategy's, a no-op for an FSDPModule (canary in tests/test_fsdp2_accumulate.py). A step's
+is ParallelStrategy's, a no-op for an FSDPModule (canary in tests/ledger/test_fsdp2_accumulate.py). A step's
 own set_requires_gradient_sync runs on the fake copy too.
 
 Tensor parallelism (a mesh with tensor_parallel_size > 1) is predicted too: the fake mesh is then a
@@ -33,14 +33,14 @@ import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 
-from lmledger.callbacks.run import torch_optimizers, untouched_rng
+from lmledger.callbacks.trainer_io import torch_optimizers, untouched_rng
 from lmledger.errors import UserError
-from lmledger.ledger import sharded
-from lmledger.ledger.dryrun import NotTraced, StepLedger
+from lmledger.ledger.dryrun.engine import NotTraced, StepLedger
 from lmledger.ledger.predict import lightning_step
-from lmledger.ledger.rankstate import optimizer_factory
+from lmledger.ledger.sharding import sharded
+from lmledger.ledger.sharding.rankstate import optimizer_factory
 
-__all__ = ["predict", "unsharded_copy"]
+__all__ = ["predict_fsdp2_rank", "unsharded_copy"]
 
 # Data a module may hold, not state: the copy shares them (deepcopy would read them whole).
 _SHARED = (torch.utils.data.Dataset, torch.utils.data.DataLoader)
@@ -74,7 +74,7 @@ def mesh_sizes(trainer: pl.Trainer) -> tuple[int, int]:
     return mesh["data_parallel"].size(), mesh["tensor_parallel"].size()
 
 
-def predict(
+def predict_fsdp2_rank(
     trainer: pl.Trainer, pl_module: pl.LightningModule, unsharded: nn.Module | None, batch: object, batch_idx: int,
     accumulate: int = 1,
 ) -> StepLedger | NotTraced:  # fmt: skip
@@ -114,7 +114,7 @@ def _fsdp2_arguments(trainer: pl.Trainer, pl_module: pl.LightningModule, batch_i
 
 
 def _not_modelled(trainer, pl_module, unsharded) -> str | None:
-    if pl_module.device.type != "cpu":  # ledger.sharded runs FSDP2 on a CPU mesh; not yet held to a GPU's peak
+    if pl_module.device.type != "cpu":  # ledger.sharding.sharded runs FSDP2 on a CPU mesh; not yet held to a GPU's peak
         return f"the FSDP2 dry run runs on a CPU mesh, not yet on {pl_module.device.type}"
     if unsharded is None:
         return "the Ledger joined after configure_model had sharded the module: no unsharded copy to dry-run"
@@ -138,7 +138,7 @@ def _replay_configure_model(trainer: pl.Trainer) -> Callable[[nn.Module, object]
     """FSDPSettings.shard for predict_sharded: the fake copy's own configure_model.
 
     Its `device_mesh` has the strategy's shape and dimension names, over the fake process group.
-    (LightningModule.device_mesh reads `_device_mesh`: canary in tests/test_ledger_fsdp2.py.)
+    (LightningModule.device_mesh reads `_device_mesh`: canary in tests/callbacks/test_ledger_fsdp2.py.)
     """
 
     def shard(model: nn.Module, fake_mesh: object) -> None:

@@ -4,17 +4,17 @@
 
 One pipeline serves lmledger's LitLM and any other module:
 
-    predicted   once per fit, before step 1 (callbacks.live). A dry run (ledger.dryrun) runs the
+    predicted   once per fit, before step 1 (callbacks.dryrun). A dry run (ledger.dryrun.engine) runs the
                 module's own training_step on fake tensors of the first batch's shapes. It uses the
                 module's optimizer, the trainer's precision and its gradient accumulation. It gives
                 params, grads, optimizer state, saved activations, peak, hardware FLOPs, and model
                 FLOPs as 3 x the forward's (docs/mfu.md). A LitLM also gets the toy LM's closed
-                forms as a second predictor (callbacks.toy), at fit start.
+                forms as a second predictor (callbacks.closedform), at fit start.
     checked     a predicted peak over what the device holds stops the run before step 1
                 (callbacks.preflight)
     measured    on the real steps (callbacks.measure): state, saved activations and FLOPs over
                 optimizer step 1, the peak over step 2. Throughput after the warm-up
-                (ledger.throughput).
+                (ledger.timing.throughput).
     reported    as one ledger.report.Report: a rich table at fit start, first measurement and end.
                 The same goes to JSON (`report.to_json()`), TensorBoard scalars
                 (`memory/{predicted,closed_form,measured}/*`,
@@ -25,7 +25,7 @@ This class holds the hooks and the fit's state; each hook hands its work to a pa
 fit check to callbacks.ledgerpredict, throughput to callbacks.ledgerrates, the measured table and the
 self-check to callbacks.ledgercheck, the step time to callbacks.steptime and callbacks.timing.
 
-Under DDP and FSDP2 the prediction is per rank (callbacks.live, callbacks.fsdp2).
+Under DDP and FSDP2 the prediction is per rank (callbacks.dryrun, callbacks.fsdp2).
 A module the dry run cannot trace gets one line saying why, and is measured only.
 
 The callbacks never change what is trained. The dry run works on a fake copy. Measurement only
@@ -40,11 +40,16 @@ import lightning.pytorch as pl
 import torch
 from rich.console import Console
 
-from lmledger.callbacks import cpukernels, fsdp2, ledgercheck, ledgerpredict, ledgerrates, toy
-from lmledger.callbacks.live import is_toy_run, toy_batch
+from lmledger.callbacks import closedform as toy
+from lmledger.callbacks import cpukernels, fsdp2, ledgercheck, ledgerpredict, ledgerrates
+from lmledger.callbacks.dryrun import is_toy_run, toy_batch
 from lmledger.callbacks.measure import StepMeasurement, compiled_parts
+from lmledger.callbacks.peak_flops import compile_speedup, resolve_peak
 from lmledger.callbacks.ranks import write_rank_record
-from lmledger.callbacks.run import (
+from lmledger.callbacks.settings import LedgerSettings
+from lmledger.callbacks.steptime import measured_time, predict_time
+from lmledger.callbacks.timing import TimeLedger
+from lmledger.callbacks.trainer_io import (
     is_logging_step,
     log_scalars,
     log_text,
@@ -53,17 +58,13 @@ from lmledger.callbacks.run import (
     torch_optimizers,
     untouched_rng,
 )
-from lmledger.callbacks.settings import LedgerSettings
-from lmledger.callbacks.steptime import measured_time, predict_time
-from lmledger.callbacks.throughput import compile_speedup, resolve_peak
-from lmledger.callbacks.timing import TimeLedger
 from lmledger.errors import UserError
-from lmledger.ledger.dryrun import StepLedger
-from lmledger.ledger.fakecopy import batch_tensors
-from lmledger.ledger.gpus import Peak
+from lmledger.ledger.dryrun.engine import StepLedger
+from lmledger.ledger.dryrun.fakecopy import batch_tensors
+from lmledger.ledger.hardware.gpus import PeakFlops
 from lmledger.ledger.report import Figures, Report
 from lmledger.ledger.run import Run
-from lmledger.ledger.throughput import Window
+from lmledger.ledger.timing.throughput import Window
 from lmledger.ledger.units import MEMORY_ROWS
 
 __all__ = ["Ledger"]
@@ -116,7 +117,7 @@ class Ledger(pl.Callback):
         self.check: list[str] = []  # the self-check's lines: where measured and predicted differ, and why
         self.tokens: int | None = None
         self.samples = 0
-        self.peak: Peak | None = None
+        self.peak_flops: PeakFlops | None = None
         self._accumulate = accumulate
         self._batches = 0
         self._dry: StepLedger | None = None
@@ -128,7 +129,7 @@ class Ledger(pl.Callback):
         self._flops_per_batch_of_any_module: dict[str, int | None] | None = None
         self._val_shapes: set[tuple[int, ...]] = set()
         self._toy_flops: dict[tuple[int, int], dict[str, int]] = {}
-        self.step_time: object | None = None  # ledger.steptime StepTime or NoStepTime, before step 1
+        self.step_time: object | None = None  # ledger.timing.steptime StepTime or NoStepTime, before step 1
         self._steady = [0.0, 0]  # seconds and batches of the throughput windows: the measured step
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -144,7 +145,7 @@ class Ledger(pl.Callback):
             )  # fmt: skip
         fp8 = self.run.fp8 if self.run is not None else None
         with untouched_rng(pl_module.device):
-            self.peak, line = resolve_peak(str(trainer.precision), pl_module.device, fp8)
+            self.peak_flops, line = resolve_peak(str(trainer.precision), pl_module.device, fp8)
         log_text(trainer, "perf/peak", line)
         if self.run is not None:  # the toy LM's batch shape is known before the first batch
             ledgerpredict.predict(self, trainer, pl_module, toy_batch(self.run), 0)

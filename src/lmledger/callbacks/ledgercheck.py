@@ -13,7 +13,7 @@ from rich.console import Console
 
 from lmledger.callbacks import preflight
 from lmledger.callbacks.ranks import write_rank_record
-from lmledger.callbacks.run import log_scalars, log_text, logging_step, tensorboard_writers, torch_optimizers
+from lmledger.callbacks.trainer_io import log_scalars, log_text, logging_step, tensorboard_writers, torch_optimizers
 from lmledger.ledger.report import Miss, bar_chart, misses
 from lmledger.ledger.units import STATE_COMPONENTS, format_bytes
 

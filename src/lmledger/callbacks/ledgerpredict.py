@@ -10,18 +10,20 @@ import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from rich.console import Console
 
-from lmledger.callbacks import preflight, toy
-from lmledger.callbacks.live import (
+from lmledger.callbacks import closedform as toy
+from lmledger.callbacks import preflight
+from lmledger.callbacks.dryrun import (
     dry_run_training_step,
     largest_training_batch,
     samples_per_batch,
     tokens_per_batch,
     toy_batch,
 )
-from lmledger.callbacks.run import log_scalars, log_text
+from lmledger.callbacks.trainer_io import log_scalars, log_text
 from lmledger.errors import UserError
-from lmledger.ledger import moebounds, precision_table
-from lmledger.ledger.dryrun import NotTraced, StepLedger
+from lmledger.ledger import precision_table
+from lmledger.ledger.dryrun import moebounds
+from lmledger.ledger.dryrun.engine import NotTraced, StepLedger
 from lmledger.ledger.predict import resized
 from lmledger.ledger.report import Figures, Report, figures_of_step, markdown_table
 

@@ -1,4 +1,4 @@
-"""The Ledger's throughput figures: tokens, samples and FLOPs per batch into a ledger.throughput.Window,
+"""The Ledger's throughput figures: tokens, samples and FLOPs per batch into a ledger.timing.throughput.Window,
 logged as perf/* at logging steps, and the measured peak raised when training beats it.
 
 Each function takes the callbacks.ledger.Ledger whose window, peak and report it reads and updates; its
@@ -13,11 +13,11 @@ import time
 import lightning.pytorch as pl
 import torch
 
-from lmledger.callbacks import toy
-from lmledger.callbacks.run import log_scalars, log_text, synchronize
-from lmledger.ledger.fakecopy import batch_tensors
-from lmledger.ledger.gpus import Peak
-from lmledger.ledger.throughput import Window
+from lmledger.callbacks import closedform as toy
+from lmledger.callbacks.trainer_io import log_scalars, log_text, synchronize
+from lmledger.ledger.dryrun.fakecopy import batch_tensors
+from lmledger.ledger.hardware.gpus import PeakFlops
+from lmledger.ledger.timing.throughput import Window
 from lmledger.ledger.units import tera
 
 __all__ = ["batch_tokens", "flops_per_batch", "log_throughput", "raise_measured_peak", "show_rates"]
@@ -56,7 +56,9 @@ def log_throughput(ledger, trainer: pl.Trainer, pl_module: pl.LightningModule) -
     now = time.perf_counter()
     window = ledger._window
     raise_measured_peak(ledger, trainer, window, now)
-    rates = window.rates(now, ledger.peak.flops_per_s if ledger.peak else None, counts_tokens=ledger.tokens is not None)
+    rates = window.rates(
+        now, ledger.peak_flops.flops_per_s if ledger.peak_flops else None, counts_tokens=ledger.tokens is not None
+    )
     ledger._steady[0] += now - window.start - window.paused
     ledger._steady[1] += window.batches
     ledger._window = Window(start=now)  # the report's own cost falls in the next window
@@ -91,13 +93,13 @@ def raise_measured_peak(ledger, trainer: pl.Trainer, window: Window, now: float)
     """
     seconds = now - window.start - window.paused
     achieved = window.flops.get("hardware", 0) / seconds if seconds > 0 else 0.0
-    if ledger.peak is None or ledger.peak.source != "measured" or achieved <= ledger.peak.flops_per_s:
+    if ledger.peak_flops is None or ledger.peak_flops.source != "measured" or achieved <= ledger.peak_flops.flops_per_s:
         return
-    before = ledger.peak.flops_per_s
-    ledger.peak = Peak(achieved, "measured", ledger.peak.dtype)
+    before = ledger.peak_flops.flops_per_s
+    ledger.peak_flops = PeakFlops(achieved, "measured", ledger.peak_flops.dtype)
     log_text(
         trainer,
         "perf/peak",
-        f"{tera(achieved):.4g} TFLOP/s {ledger.peak.dtype}: raised at step {trainer.global_step} from the "
+        f"{tera(achieved):.4g} TFLOP/s {ledger.peak_flops.dtype}: raised at step {trainer.global_step} from the "
         f"fit-start measurement ({tera(before):.4g} TFLOP/s), which training beat",
     )

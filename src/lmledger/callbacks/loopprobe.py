@@ -89,7 +89,7 @@ def main(settings: dict) -> dict:
     def fetch() -> None:
         next(iter(data))
 
-    from lmledger.ledger.steptime.replay import time_call
+    from lmledger.ledger.timing.steptime.replay import time_call
 
     bare_s = time_call(bare, torch.device("cpu"), budget_s=0.05, max_repeats=101)[0]
     it = iter(data)

@@ -11,7 +11,7 @@ on an exception:
              optimizer stepped.
     step 2   the peak, in the steady state (optimizer state exists). CUDA: max_memory_allocated,
              stats reset at its start, read after its optimizer step. Elsewhere: the live tensor
-             bytes ledger.memtrack counts, with the phase it fell in. Python's cycle collector is off
+             bytes ledger.count.memtrack counts, with the phase it fell in. Python's cycle collector is off
              for the step, as in the dry run. So what a step leaves in reference cycles is freed at
              the same point.
 
@@ -27,14 +27,14 @@ import types
 
 import torch
 
-from lmledger.ledger.activations import measure_saved_activations
-from lmledger.ledger.dryrun import phases
-from lmledger.ledger.fakecopy import batch_tensors
-from lmledger.ledger.flopcounter import StepFlopCounter
-from lmledger.ledger.memory import measure_state_bytes
-from lmledger.ledger.memtrack import MemoryTracker
+from lmledger.ledger.closedform.activations import measure_saved_activations
+from lmledger.ledger.closedform.memory import measure_state_bytes
+from lmledger.ledger.count.flopcounter import StepFlopCounter
+from lmledger.ledger.count.memtrack import MemoryTracker
+from lmledger.ledger.dryrun.engine import phases
+from lmledger.ledger.dryrun.fakecopy import batch_tensors
 from lmledger.ledger.report import Figures
-from lmledger.ledger.sharded import local_state_bytes
+from lmledger.ledger.sharding.sharded import local_state_bytes
 
 __all__ = ["StepMeasurement", "compiled_parts"]
 
@@ -160,7 +160,7 @@ class StepMeasurement:
             return
         if self.count_flops:
             if _is_sharded(module):  # tensor parallel: a DTensor matmul costs this rank its local shards'
-                from lmledger.ledger.rankstate import local_flops
+                from lmledger.ledger.sharding.rankstate import local_flops
 
                 self._local_flops = local_flops()
                 self._local_flops.start()
@@ -226,12 +226,12 @@ class StepMeasurement:
     # -- helpers --------------------------------------------------------------------------------
 
     def _local_shard_tracker(self) -> MemoryTracker:
-        """ledger.sharded's tracker, the one its measured twin uses.
+        """ledger.sharding.sharded's tracker, the one its measured twin uses.
 
         DTensors count by their local shard. The storages FSDP2 resizes outside any operator (its
         unsharded parameters) are followed while it runs.
         """
-        from lmledger.ledger.rankstate import ShardedTracker, following_resizes
+        from lmledger.ledger.sharding.rankstate import ShardedTracker, following_resizes
 
         self._resizes = contextlib.ExitStack()
         self._resizes.enter_context(following_resizes())

@@ -192,7 +192,7 @@ def _gradient_norm(pl_module: pl.LightningModule, optimizer) -> torch.Tensor | N
         return shared()
     grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
     if len({id(getattr(g, "device_mesh", None)) for g in grads}) > 1:  # FSDP2 x TP: DTensors on two meshes
-        from lmledger.ledger.tp import norm_over_meshes
+        from lmledger.ledger.sharding.tp import norm_over_meshes
 
         return norm_over_meshes(grads)
     return torch.nn.utils.get_total_norm(grads) if grads else None

@@ -57,7 +57,7 @@ def run_facts(trainer: pl.Trainer, report: Report) -> dict[str, object]:
     """The record's "run": the facts `account --json` gives under the same keys (docs/commands.md).
 
     The batch comes from the Ledger that holds `report` (its tokens and samples per batch)."""
-    from lmledger.callbacks.run import _strategy_name  # the ledger.run.sharding name, as `account` prints it
+    from lmledger.callbacks.trainer_io import _strategy_name  # the ledger.run.sharding name, as `account` prints it
 
     module = trainer.lightning_module
     ledger = next((c for c in trainer.callbacks if getattr(c, "report", None) is report), None)

@@ -24,7 +24,7 @@ class LedgerSettings:
         profile_every: the time ledger profiles two training batches after the warm-up and the measured
             steps, then one every this many (0: those two only); see docs/time.md.
         time: keep the time ledger (the roofline bound beside profiled steps; false: none).
-        intra_node: the link a GPU run's collectives cross inside a node (a key of ledger.interconnect's
+        intra_node: the link a GPU run's collectives cross inside a node (a key of ledger.hardware.interconnect's
             table such as nvlink4, or a rate such as 450GB/s); default the GPU's usual one (docs/time.md).
         inter_node: the link between nodes (ib-ndr, roce-400, 400Gb/s, ...); default the GPU's usual NIC.
     """
@@ -39,7 +39,7 @@ class LedgerSettings:
     inter_node: str | None = None
 
     def __post_init__(self) -> None:
-        from lmledger.ledger.interconnect import resolve_interconnect
+        from lmledger.ledger.hardware.interconnect import resolve_interconnect
 
         for name, scope in (("intra_node", "intra-node"), ("inter_node", "inter-node")):
             value = getattr(self, name)

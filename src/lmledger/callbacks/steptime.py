@@ -1,6 +1,6 @@
 """The Ledger's step-time prediction before step 1, and the measured step beside it at fit end.
 
-predict_fit_step_time prices this fit's dry run on this device (ledger.steptime: each op replayed, the optimizer,
+predict_fit_step_time prices this fit's dry run on this device (ledger.timing.steptime: each op replayed, the optimizer,
 data wait and collectives calibrated, priced on the links they cross: run_links). Lightning's own loop per batch
 needs Lightning, so it is measured here (lightning_loop_seconds): an empty training_step through Trainer.fit, in a
 process of its own (callbacks.loopprobe), cached per machine with the step-time cache. predict_time is the
@@ -19,12 +19,12 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 
-from lmledger.callbacks.run import log_scalars
-from lmledger.ledger.dryrun import StepLedger
-from lmledger.ledger.gpus import find_gpu
-from lmledger.ledger.interconnect import Links, links_for
-from lmledger.ledger.peak_flops import compute_dtype_for_precision
-from lmledger.ledger.roofline import with_ddp_allreduce
+from lmledger.callbacks.trainer_io import log_scalars
+from lmledger.ledger.dryrun.engine import StepLedger
+from lmledger.ledger.hardware.gpus import find_gpu
+from lmledger.ledger.hardware.interconnect import Links, links_for
+from lmledger.ledger.hardware.peak_flops import compute_dtype_for_precision
+from lmledger.ledger.timing.roofline import with_ddp_allreduce
 
 __all__ = [
     "NO_STEP_TIME",
@@ -60,7 +60,7 @@ def lightning_loop_seconds(
     None where the probe could not run, or is not cached and `measure` is off (a multi-rank fit: one
     rank's minutes in the probe would time out the others' first collective); the prediction notes it.
     """
-    from lmledger.ledger.steptime.cache import StepTimeCache
+    from lmledger.ledger.timing.steptime.cache import StepTimeCache
 
     cache = cache or StepTimeCache(torch.device("cpu"))
     name = loop_calibration_name(progress_bar, logger, ledger)
@@ -99,7 +99,7 @@ def lightning_loop_seconds(
 
 def run_links(trainer: pl.Trainer, device: torch.device, intra: str | None, inter: str | None) -> Links | None:
     """The links this fit's collectives cross: on a GPU (or where the user names one), its node's links split at
-    the trainer's devices per node (ledger.interconnect.links_for); None on a CPU (memory copies)."""
+    the trainer's devices per node (ledger.hardware.interconnect.links_for); None on a CPU (memory copies)."""
     if device.type != "cuda" and intra is None and inter is None:
         return None
     spec = find_gpu(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
@@ -118,11 +118,11 @@ def predict_fit_step_time(
     intra: str | None = None,
     inter: str | None = None,
 ):
-    """The predicted step (ledger.steptime.StepTime or NoStepTime) of this fit, from its dry run; `intra` and
+    """The predicted step (ledger.timing.steptime.StepTime or NoStepTime) of this fit, from its dry run; `intra` and
     `inter` as TimeLedger's intra_node and inter_node."""
-    from lmledger.callbacks.run import torch_optimizers
-    from lmledger.callbacks.run import untouched_rng as fit_rng
-    from lmledger.ledger.steptime import NoStepTime, data_wait, predict_step_time
+    from lmledger.callbacks.trainer_io import torch_optimizers
+    from lmledger.callbacks.trainer_io import untouched_rng as fit_rng
+    from lmledger.ledger.timing.steptime import NoStepTime, data_wait, predict_step_time
 
     if os.environ.get(NO_STEP_TIME):
         return NoStepTime("step-time prediction off in this process")
@@ -155,7 +155,7 @@ def predict_fit_step_time(
 def predict_time(trainer, pl_module, dry, why_not, report, accumulate, tokens, samples, timing):
     """The Ledger's step-time prediction before step 1: its report's `step time` and rate rows, the
     time/predicted/<category> tags, one printed line, and the time ledger's `predicted` column."""
-    from lmledger.ledger.steptime import NoStepTime, StepTime
+    from lmledger.ledger.timing.steptime import NoStepTime, StepTime
 
     if dry is None:
         result = NoStepTime(f"no dry run ({why_not})")
@@ -188,7 +188,7 @@ def predict_time(trainer, pl_module, dry, why_not, report, accumulate, tokens, s
 
 def measured_time(report, step_time, steady: list, accumulate: int, show: bool) -> None:
     """The measured step (the throughput windows' mean, per optimizer step) beside the predicted one."""
-    from lmledger.ledger.steptime import StepTime
+    from lmledger.ledger.timing.steptime import StepTime
 
     seconds, batches = steady
     if not isinstance(step_time, StepTime) or batches == 0 or seconds <= 0:

@@ -2,11 +2,11 @@
 
     Trainer(callbacks=[TimeLedger()])
 
-Before step 1 it takes the dry run's ops (ledger/ops.py), or those of the `prediction` it is given.
-It prices them on this device (ledger/roofline.py).
+Before step 1 it takes the dry run's ops (ledger/count/ops.py), or those of the `prediction` it is given.
+It prices them on this device (ledger/timing/roofline.py).
 Then it profiles a few sampled steps with torch.profiler, never every step. That is `profile_steps`
 steps after `warmup_steps`, then one every `every_n_steps`. Their op events go into the same
-categories (ledger/profile.py). Two more categories join them. One is the data wait between
+categories (ledger/timing/profile.py). Two more categories join them. One is the data wait between
 on_train_batch_end and the next on_train_batch_start (as the throughput callback measures it).
 The other is host overhead / idle.
 
@@ -16,7 +16,7 @@ It logs, per profiled step:
 At fit end it logs a stacked bar chart (time/breakdown) and the step-time table as text (time/table).
 It prints the table and its one-line diagnosis.
 
-Before step 1 the Ledger also predicts the step's time (callbacks/steptime.py over ledger/steptime) and
+Before step 1 the Ledger also predicts the step's time (callbacks/steptime.py over ledger/timing/steptime) and
 hands it here as `step_time`: it logs time/predicted/<category> once, and the table gets a `predicted` column.
 
 A profiled step runs slower: the profiler has its own cost. `is_profiling_step(n)` says which training
@@ -32,16 +32,16 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from matplotlib.figure import Figure
 
-from lmledger.callbacks.run import log_scalars, log_text, synchronize, tensorboard_writers, untouched_rng
 from lmledger.callbacks.steptime import run_links
+from lmledger.callbacks.trainer_io import log_scalars, log_text, synchronize, tensorboard_writers, untouched_rng
 from lmledger.errors import ConfigError
-from lmledger.ledger import profile as ledger_profile
-from lmledger.ledger.dryrun import NotTraced, StepLedger
-from lmledger.ledger.gpus import find_gpu
-from lmledger.ledger.interconnect import resolve_interconnect
-from lmledger.ledger.peak_flops import compute_dtype_for_precision
-from lmledger.ledger.roofline import LABELS, Roofline, device_roofline, format_table, with_ddp_allreduce
-from lmledger.ledger.shapes import advice_text
+from lmledger.ledger.dryrun.engine import NotTraced, StepLedger
+from lmledger.ledger.hardware.gpus import find_gpu
+from lmledger.ledger.hardware.interconnect import resolve_interconnect
+from lmledger.ledger.hardware.peak_flops import compute_dtype_for_precision
+from lmledger.ledger.timing import profile as ledger_profile
+from lmledger.ledger.timing.roofline import LABELS, Roofline, device_roofline, format_table, with_ddp_allreduce
+from lmledger.ledger.timing.shapes import advice_text
 
 __all__ = ["TimeLedger"]
 
@@ -61,7 +61,7 @@ class TimeLedger(pl.Callback):
         interconnect_gb_per_s: one bandwidth every collective moves bytes at (GB/s, 1e9 bytes), e.g. 450
             for H100 NVLink 4 one way
         intra_node, inter_node: the links collectives cross inside a node and between nodes (a key of
-            ledger.interconnect's table or a rate, "nvlink4", "400Gb/s"): TP's inside, DDP's and FSDP's
+            ledger.hardware.interconnect's table or a rate, "nvlink4", "400Gb/s"): TP's inside, DDP's and FSDP's
             between nodes once the run spans them. Default on a GPU: its usual links (interconnect.
             default_links); on a CPU: memory copies at its bandwidth (gloo's ranks on one machine)
     """
@@ -98,7 +98,7 @@ class TimeLedger(pl.Callback):
         self.model_flops: float | None = None
         self.samples: list[ledger_profile.Breakdown] = []
         self.why_no_bound: str | None = None
-        self.step_time = None  # the predicted step (ledger.steptime.StepTime), set by the Ledger before step 1
+        self.step_time = None  # the predicted step (ledger.timing.steptime.StepTime), set by the Ledger before step 1
         self.skipped = 0  # sampled steps not profiled: another profiler was recording
         self.why_not_profiled: str | None = None  # the profiler could not run: no step is profiled this fit
         self._own_prediction = False
@@ -132,7 +132,7 @@ class TimeLedger(pl.Callback):
             return
         prediction = self.prediction
         if prediction is None:
-            from lmledger.callbacks.live import dry_run_training_step
+            from lmledger.callbacks.dryrun import dry_run_training_step
 
             result = dry_run_training_step(trainer, pl_module, batch, batch_idx)
             if isinstance(result, NotTraced):

@@ -12,7 +12,7 @@ from lmledger.bench import DEFAULT_DTYPES, DEFAULT_SIZES, MatmulBench, bench_mat
 from lmledger.commands.argparser import run_command
 from lmledger.commands.terminal import console
 from lmledger.errors import UserError
-from lmledger.ledger.gpus import dtype_name
+from lmledger.ledger.hardware.gpus import dtype_name
 from lmledger.ledger.units import tera
 from lmledger.precision import local_device
 

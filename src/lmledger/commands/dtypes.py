@@ -69,7 +69,7 @@ def _dtypes(json: bool = False) -> int:
     Args:
         json: print one JSON object
     """
-    from lmledger.ledger.dtypes import demonstrations, format_table, jsonable
+    from lmledger.ledger.hardware.dtypes import demonstrations, format_table, jsonable
 
     rows, demo = format_table(), demonstrations()
     if json:

@@ -8,7 +8,7 @@ from rich.table import Table
 
 from lmledger.commands.argparser import run_command
 from lmledger.commands.terminal import console
-from lmledger.ledger.gpus import DTYPES, GPUS, GpuSpec, require_gpu
+from lmledger.ledger.hardware.gpus import DTYPES, GPUS, GpuSpec, require_gpu
 from lmledger.ledger.units import GB, format_bytes, tera
 
 __all__ = ["main"]

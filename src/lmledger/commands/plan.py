@@ -1,4 +1,4 @@
-"""`lmledger plan train-time|max-params|max-batch ...`: napkin math from lmledger.ledger.planner."""
+"""`lmledger plan train-time|max-params|max-batch ...`: napkin math from lmledger.ledger.closedform.napkin."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from rich.table import Table
 
 from lmledger.commands.argparser import run_command
 from lmledger.errors import UserError
-from lmledger.ledger.gpus import DTYPES
-from lmledger.ledger.planner import MAX_COUNT, MAX_GPUS, device_capacity, max_params, train_time
+from lmledger.ledger.closedform.napkin import MAX_COUNT, MAX_GPUS, device_capacity, max_params, train_time
+from lmledger.ledger.hardware.gpus import DTYPES
 from lmledger.ledger.units import GB, tera
 
 __all__ = ["PEAK_DTYPES", "main"]

@@ -7,5 +7,5 @@
                 parse_fit_config / build_model_and_data / first_batch for account, plan and sweeps
     steps.py    checks on the first real step (StepChecks); naming the event file on a full disk
 
-The thin command over them is commands/train.py.
+The thin command over them is commands/fit.py.
 """

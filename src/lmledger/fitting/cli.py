@@ -1,6 +1,6 @@
 """FitCLI: LightningCLI over LitLM and TokenDataModule, or any LightningModule, with the kit's defaults.
 
-It is what `lmledger fit|validate` runs; commands/train.py says what the user sees. It adds the Ledger
+It is what `lmledger fit|validate` runs; commands/fit.py says what the user sees. It adds the Ledger
 callback, atomic checkpoints, the NaN/Inf guard and per-batch reseeding. Also the save-and-stop on
 SIGTERM/SIGUSR1 and the run lock. Every check of fitting.checks and fitting.resume runs before
 anything is claimed.

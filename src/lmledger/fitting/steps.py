@@ -9,7 +9,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.loggers import TensorBoardLogger
 
 from lmledger.errors import UserError
-from lmledger.ledger.fakecopy import batch_tensors
+from lmledger.ledger.dryrun.fakecopy import batch_tensors
 
 __all__ = ["NameTheEventFile", "StepChecks", "disk_error"]
 

@@ -35,7 +35,8 @@ class TrainerScale:
     num_nodes: int
     strategy: str  # the ledger.run.sharding name
     init_args: dict = field(default_factory=dict)  # the strategy's init_args (class_path form), else {}
-    tensor_parallel: int = 1  # ModelParallelStrategy's tensor_parallel_size (ledger.tp); data parallel is the rest
+    # ModelParallelStrategy's tensor_parallel_size (ledger.sharding.tp); data parallel is the rest
+    tensor_parallel: int = 1
 
     @property
     def world_size(self) -> int:

@@ -4,7 +4,7 @@ Every other module reads these facts here.
 
     param/grad/state_bytes  bytes per element of a parameter, its gradient and one optimizer state tensor
                             (torch creates AdamW's m, v and SGD's momentum like the parameter)
-    compute_dtype           the ledger.gpus dtype whose dense peak MFU is measured against
+    compute_dtype           the ledger.hardware.gpus dtype whose dense peak MFU is measured against
     autocast                torch.autocast's dtype (MixedPrecision), None when autocast does not run
     convert_to              the dtype the plugin converts the module to (DoublePrecision, HalfPrecision,
                             TransformerEnginePrecision's weights), None when the module stays fp32
@@ -17,7 +17,7 @@ Every other module reads these facts here.
 
 Dtypes are torch attribute names ("bfloat16"). So importing this module imports neither torch nor
 Lightning: `lmledger plan` answers without them. `Row.autocast_dtype` and `Row.convert_dtype` give
-torch dtypes. tests/test_precisions.py holds each row against Lightning's plugins and torch.
+torch dtypes. tests/ledger/test_precision_table.py holds each row against Lightning's plugins and torch.
 """
 
 from __future__ import annotations

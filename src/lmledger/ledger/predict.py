@@ -1,15 +1,15 @@
 """One prediction of a training step, before anything runs: `predict(run, batch=...)`.
 
-For lmledger's ToyLM (run.config set) it is the lecture's closed forms (ledger.memory, activations,
-peak, flops). The fit tables (callbacks.toy.closed_form), the preflight guard, account, plan max-batch
+For lmledger's ToyLM (run.config set) it is the lecture's closed forms (ledger.closedform.memory, activations,
+peak, flops). The fit tables (callbacks.closedform.closed_form), the preflight guard, account, plan max-batch
 and the sweeps' dry run all show it. For any other module (run.module, no config) it is a dry run of
-the module's training step (ledger.dryrun). It runs on fake tensors of `batch`'s shapes.
+the module's training step (ledger.dryrun.engine). It runs on fake tensors of `batch`'s shapes.
 
 A LightningModule is used by duck typing only (no Lightning import). Its `training_step(batch,
 batch_idx)` is the step. Its `configure_optimizers()` gives the optimizer. Lightning's automatic
 optimization runs them so. `measure_module`, the dry run's twin, runs the same two steps on real tensors
 (dryrun.measure_step); `measure(run)`, account --measure's, runs them on the run's ToyLM with its one
-optimizer (`toy_optimizer`), the same bytes fit's Ledger measures (tests/test_account_measure.py).
+optimizer (`toy_optimizer`), the same bytes fit's Ledger measures (tests/commands/test_account_measure.py).
 """
 
 from __future__ import annotations
@@ -23,12 +23,12 @@ import torch
 from torch import nn
 
 from lmledger.errors import UserError
-from lmledger.ledger import activations as ledger_activations
-from lmledger.ledger import flops as ledger_flops
-from lmledger.ledger import memory as ledger_memory
-from lmledger.ledger import peak as ledger_peak
 from lmledger.ledger import precision_table
-from lmledger.ledger.dryrun import (
+from lmledger.ledger.closedform import activations as ledger_activations
+from lmledger.ledger.closedform import flops as ledger_flops
+from lmledger.ledger.closedform import memory as ledger_memory
+from lmledger.ledger.closedform import peak as ledger_peak
+from lmledger.ledger.dryrun.engine import (
     LargestBatch,
     NotTraced,
     StepLedger,
@@ -38,7 +38,7 @@ from lmledger.ledger.dryrun import (
     measure_step,
     training_step,
 )
-from lmledger.ledger.fakecopy import batch_tensors, map_tensors
+from lmledger.ledger.dryrun.fakecopy import batch_tensors, map_tensors
 from lmledger.ledger.run import Run
 from lmledger.model import ToyLM, count_parameters
 
@@ -65,7 +65,7 @@ class Prediction:
     """Bytes per device and FLOPs of one training step of a run, predicted.
 
     Activations and peak are None where the run has no model; `unmodelled` says why. The precision or
-    device may be one ledger.activations does not cover. Or the dry run cannot trace the module. Only
+    device may be one ledger.closedform.activations does not cover. Or the dry run cannot trace the module. Only
     ToyLM has flops_model (6N + attention, what MFU divides). For any other module, `dry` is the dry
     run's whole ledger.
     """
@@ -173,7 +173,7 @@ def toy_step(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torc
 def toy_dry_run(run: Run, accumulate: int = 1) -> StepLedger | NotTraced:
     """The dry run of a Run of lmledger's ToyLM as configured (its checkpointing too), on meta weights.
 
-    `measure(run)` is its measured twin, byte for byte (tests/test_account_measure.py). Fit's Ledger
+    `measure(run)` is its measured twin, byte for byte (tests/commands/test_account_measure.py). Fit's Ledger
     dry-runs LitLM's training_step, which also keeps its loss (4 B more). A device this machine lacks, or a
     precision the dry run does not cover, is a NotTraced with the reason.
     """
@@ -194,7 +194,7 @@ def measure(run: Run, accumulate: int = 1) -> Measurement:
     (timed by account) is one micro-batch's.
 
     Two training steps in Lightning's order, as `lmledger fit`'s Ledger measures them: FLOPs, saved
-    activations and state from the first, the peak (live tensor bytes, ledger.memtrack, with its phase)
+    activations and state from the first, the peak (live tensor bytes, ledger.count.memtrack, with its phase)
     over the second, steady one. On CUDA the peak is the allocator's over a third step, as fit's is.
     """
     if run.precision not in _MEASURABLE:

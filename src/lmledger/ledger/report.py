@@ -100,7 +100,7 @@ class Report:
     measured: Figures | None = None
     rates: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
-    # "step time" (seconds) and "tokens/s" or "samples/s": (predicted, measured), ledger/steptime beside the fit
+    # "step time" (seconds) and "tokens/s" or "samples/s": (predicted, measured), ledger/timing/steptime beside the fit
     times: dict[str, tuple[float | None, float | None]] = field(default_factory=dict)
 
     @property

@@ -1,6 +1,6 @@
 """One description of a training run, per device: the facts every ledger figure depends on.
 
-It is built at the edges and nowhere else. The callbacks build it from a live Trainer (callbacks/run.py).
+It is built at the edges and nowhere else. The callbacks build it from a live Trainer (callbacks/trainer_io.py).
 Account, plan and sweep build it from a `lmledger fit` config (run_config.py). Both name the strategy
 through `sharding`, so a run has one strategy name either way. Pure: torch and the toy LM's config only,
 no Lightning.
@@ -28,11 +28,11 @@ class Run:
         module           the eager module of a live run (never a torch.compile wrapper), else None
         precision        Lightning's name: "32-true", "bf16-mixed", "transformer-engine", ...
         weights_dtype    a Transformer Engine plugin's weights dtype, else None
-        optimizer        a ledger.memory optimizer name: "adamw", "sgd" or "none"
+        optimizer        a ledger.closedform.memory optimizer name: "adamw", "sgd" or "none"
         momentum         SGD's momentum (0 keeps no state); LitLM's SGD uses 0.9
         fused_optimizer  torch's fused kernels (no foreach temporaries in the step); LitLM's choice,
                          except under fp16's GradScaler
-        strategy         a ledger.memory strategy name (`sharding`): ddp, fsdp (FSDP1), fsdp2, zero2,
+        strategy         a ledger.closedform.memory strategy name (`sharding`): ddp, fsdp (FSDP1), fsdp2, zero2,
                          deepspeed_stage_N
         compiled / fp8   LitLM's compile and fp8 switches
         accelerator, data_path, vocab_from_data
@@ -78,7 +78,7 @@ _DEEPSPEED_DEFAULT_STAGE = 2
 
 
 def sharding(name: str, *, fsdp_sharding: str | None = None, deepspeed_stage: int | None = None) -> str:
-    """The ledger.memory strategy name of a Lightning strategy.
+    """The ledger.closedform.memory strategy name of a Lightning strategy.
 
     `name` is a registry or class name ("fsdp", "deepspeed_stage_3_offload", "FSDPStrategy", ...).
     `fsdp_sharding` is a torch.distributed.fsdp.ShardingStrategy name; `deepspeed_stage` a ZeRO stage.
@@ -93,7 +93,7 @@ def sharding(name: str, *, fsdp_sharding: str | None = None, deepspeed_stage: in
             deepspeed_stage = int(digits) if digits.isdigit() else _DEEPSPEED_DEFAULT_STAGE
         return f"deepspeed_stage_{deepspeed_stage}" if deepspeed_stage else "ddp"
     if name in ("modelparallel", "model_parallel", "fsdp2"):
-        return "fsdp2"  # torch's fully_shard: per-parameter DTensor shards, dry-run by ledger.sharded
+        return "fsdp2"  # torch's fully_shard: per-parameter DTensor shards, dry-run by ledger.sharding.sharded
     if name.startswith("fsdp"):
         # SHARD_GRAD_OP keeps whole params (ZeRO-2). NO_SHARD is DDP.
         # FULL_SHARD and the hybrids shard all three within a shard group.

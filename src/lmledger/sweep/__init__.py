@@ -7,14 +7,13 @@ Each module imports only the ones before it, in this order:
     check    arguments parsed before anything runs
     plots
     report   results.csv/md, then the plots (loaded only to draw them)
-    runner   processes, locks, statuses
+    launch   processes, locks, statuses
 """
 
 from lmledger.sweep.check import CheckedPoints, bad_points_error, check_points
 from lmledger.sweep.collect import DEFAULT_METRICS, PointResult, flatten, json_path, read_tensorboard
-from lmledger.sweep.report import results_markdown, write_results
-from lmledger.sweep.runner import (
-    SweepPlan,
+from lmledger.sweep.launch import (
+    SweepWork,
     check_out_dir,
     cuda_available,
     finished_result,
@@ -24,6 +23,7 @@ from lmledger.sweep.runner import (
     run_sweep,
     running_pid,
 )
+from lmledger.sweep.report import results_markdown, write_results
 from lmledger.sweep.spec import MAX_POINTS, Experiment, Point, cli_args, fit_args, load_experiment
 
 __all__ = [
@@ -33,7 +33,7 @@ __all__ = [
     "Experiment",
     "Point",
     "PointResult",
-    "SweepPlan",
+    "SweepWork",
     "bad_points_error",
     "check_out_dir",
     "check_points",

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from lmledger.ledger.units import format_mb
 from lmledger.sweep.check import CheckedPoints, check_points
-from lmledger.sweep.runner import check_out_dir, cuda_available, finished_result, resumable, running_pid
+from lmledger.sweep.launch import check_out_dir, cuda_available, finished_result, resumable, running_pid
 from lmledger.sweep.spec import Experiment, Point
 
 __all__ = ["DRY_RUN_COLUMNS", "PLAN_COLUMNS", "dry_run_rows", "plain_table", "plan_rows"]
@@ -58,7 +58,7 @@ PLAN_COLUMNS = ("point", "command", "peak MB", "step ms", "tokens/s")
 
 
 def plan_rows(experiment: Experiment) -> tuple[list[tuple[str, ...]], CheckedPoints]:
-    """`sweep --plan`: each point's predicted peak and step time on this machine (ledger.steptime), before
+    """`sweep --plan`: each point's predicted peak and step time on this machine (ledger.timing.steptime), before
     any point runs. Points that are not a one-device toy-LM fit, or that fail their checks, say why."""
     from lmledger.accounting import account
     from lmledger.sweep.spec import fit_args

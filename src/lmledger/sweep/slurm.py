@@ -7,7 +7,7 @@ already a command line. It reads job states from `sacct`, which a cluster withou
 
 Before anything is queued, each point's predicted peak is held against what the job asks for.
 (The prediction is the one `--plan` and `lmledger account` give: per rank at the point's world size,
-num_nodes x devices, from the per-rank dry run where account uses it, ledger.sharded.) CPU jobs: `--mem`,
+num_nodes x devices, from the per-rank dry run where account uses it, ledger.sharding.sharded.) CPU jobs: `--mem`,
 which is per node, so a node's ranks each need theirs. `--gres=gpu:TYPE:N`: the GPU's memory, per rank.
 A point that cannot fit is refused in one line. Without `--mem`, the largest point's need sets it
 (sweep.slurmfit, the fit check).
@@ -58,16 +58,16 @@ from pathlib import Path
 from lmledger.atomic import atomic_write
 from lmledger.errors import UserError
 from lmledger.sweep.collect import PointResult
-from lmledger.sweep.report import write_results
-from lmledger.sweep.runner import (
+from lmledger.sweep.launch import (
     SWEEP_RECORD,
-    SweepPlan,
+    SweepWork,
     claim_out_dir,
     plan_sweep,
     resumable,
     saved_status,
     status_path,
 )
+from lmledger.sweep.report import write_results
 from lmledger.sweep.slurmfit import memory_request
 from lmledger.sweep.slurmscript import SlurmRequest, directive, output_pattern
 from lmledger.sweep.spec import Experiment, Point, cli_args, load_experiment
@@ -261,7 +261,7 @@ def run_slurm_sweep(
     jobs: int = 0,
     on_done: Callable[[PointResult], None] | None = None,
     on_submit: Callable[[str, int, int | None], None] | None = None,
-    plan: SweepPlan | None = None,
+    plan: SweepWork | None = None,
     poll_s: float = _POLL_S,
 ) -> list[PointResult]:
     """Submit the points neither done nor queued as one array, and wait for them. One result per point.

@@ -1,7 +1,7 @@
 """Each point's predicted peak held against what its SLURM job asks for, before anything is queued.
 
 The prediction is the one `--plan` and `lmledger account` give: per rank at the point's world size,
-num_nodes x devices, from the per-rank dry run where account uses it (ledger.sharded). CPU jobs: `--mem`,
+num_nodes x devices, from the per-rank dry run where account uses it (ledger.sharding.sharded). CPU jobs: `--mem`,
 which is per node, so a node's ranks each need theirs. `--gres=gpu:TYPE:N`: the GPU's memory, per rank.
 A point that cannot fit is refused in one line. Without `--mem`, the largest point's need sets it
 (_need_bytes). memory_request groups the points into one array per shape (nodes x ranks a node).
@@ -59,7 +59,7 @@ def _gres_gpu_spec(kind: str):
     Clusters name types their own way (`h100`, `a100`). A key of `lmledger gpus` is taken as it is.
     A prefix of several keys means the one with the least memory. (h100: the 80 GB SXM/PCIe, not the
     94 GB NVL.) So a point is never sent to a GPU it may not fit."""
-    from lmledger.ledger.gpus import GPUS
+    from lmledger.ledger.hardware.gpus import GPUS
 
     name = kind.lower().replace("_", "-")
     if name in GPUS:
@@ -117,7 +117,7 @@ def _fit_check(experiment: Experiment, points: list[Point]) -> tuple[dict[str, f
     building), and point id -> its shape (every config-reading point; the rest run as one rank).
 
     The peak is what `lmledger account` (and `sweep --plan`) predicts for the point's arguments: at world size
-    num_nodes x devices, one rank's dry run (ledger.sharded) where account traces the strategy (DDP over
+    num_nodes x devices, one rank's dry run (ledger.sharding.sharded) where account traces the strategy (DDP over
     several ranks, FSDP2), else the closed forms."""
     from lmledger.accounting import account, traced_at_scale
     from lmledger.ledger.predict import predict

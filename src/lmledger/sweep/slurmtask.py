@@ -16,7 +16,7 @@ from pathlib import Path
 
 from lmledger.atomic import atomic_write
 from lmledger.errors import UserError
-from lmledger.sweep.runner import point_outcome, status_path
+from lmledger.sweep.launch import point_outcome, status_path
 from lmledger.sweep.spec import load_experiment
 
 __all__ = ["task_main"]

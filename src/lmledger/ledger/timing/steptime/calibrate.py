@@ -1,0 +1,292 @@
+"""What replaying ops one by one cannot see, each measured once per machine with a small experiment.
+
+    per-op overhead   autograd's and the dispatcher's cost per op beyond its kernel: a chain of tiny ops
+                      with backward, timed whole, minus the replayed time of the ops it ran, per op
+    optimizer step    the run's optimizer class and hyperparameters stepping real tensors of its
+                      parameters' shapes (foreach/fused kernels and Python as they really run), with
+                      the run's gradient clipping before it; per run, not cached (it is quick)
+    data wait         the user's own dataset: the first batches' items fetched and collated, timed;
+                      with loader workers the prefetch overlaps the step (predict.py)
+    collectives       all-reduce on real gloo ranks on this machine (processes of their own, never the
+                      run's group), at sizes from 4 KiB to 16 MiB: latency and bandwidth fitted (alpha-beta)
+
+The Lightning loop's cost per step needs Lightning, so it is measured in callbacks/steptime.py and passed in.
+No Lightning import.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+
+from lmledger.ledger.count.ops import OpRecorder
+from lmledger.ledger.hardware.interconnect import Interconnect, Links, default_links, wire_bytes
+from lmledger.ledger.timing.steptime.cache import StepTimeCache
+from lmledger.ledger.timing.steptime.replay import Replayer, time_call, untouched_rng, why_not_replayed
+
+__all__ = [
+    "DataWait",
+    "collective_model",
+    "data_wait",
+    "optimizer_seconds",
+    "per_op_overhead",
+]
+
+_CHAIN_LINKS = 24
+
+
+def per_op_overhead(device: torch.device, cache: StepTimeCache, replayer: Replayer) -> tuple[float, str]:
+    """(seconds per op, how): the per-op cost a replay does not see (module doc), cached per machine."""
+    found = cache.calibration("per_op_overhead")
+    if found is not None:
+        return float(found["value"]), f"measured {found['measured_at'][:10]} (cache)"
+    with untouched_rng(device):
+        generator = torch.Generator().manual_seed(0)
+        x = torch.randn(16, generator=generator).to(device).requires_grad_()
+        w = torch.randn(16, generator=generator).to(device).requires_grad_()
+
+        def chain() -> None:
+            y = x
+            for _ in range(_CHAIN_LINKS):
+                y = torch.tanh(y * w + 0.5).view(4, 4).reshape(16)
+            y.sum().backward()
+            x.grad = w.grad = None
+
+        recorder = OpRecorder({})
+        with recorder:
+            chain()
+        ops = recorder.records
+        kernels = 0.0
+        for op in ops:
+            seconds = replayer.seconds(op) if why_not_replayed(op) is None else None
+            kernels += seconds or 0.0
+        walls = [time_call(chain, device, budget_s=0.05, max_repeats=41)[0] for _ in range(3)]
+    overhead = max(0.0, (min(walls) - kernels) / max(1, len(ops)))
+    method = (
+        f"a chain of {len(ops)} tiny ops with backward ({_CHAIN_LINKS} x tanh(y * w + 0.5) and views), timed whole "
+        "(best of 3 medians), minus the replayed time of its ops, per op"
+    )
+    cache.set_calibration("per_op_overhead", overhead, method, ops=len(ops), wall_s=min(walls), kernels_s=kernels)
+    return overhead, "measured now"
+
+
+def optimizer_seconds(
+    optimizer: torch.optim.Optimizer | None,
+    device: torch.device,
+    clip: tuple[str, float] | None = None,
+    cache: StepTimeCache | None = None,
+    max_bytes: int = 2 << 30,
+) -> tuple[float, str] | None:
+    """Median seconds of the run's optimizer step on real tensors of its parameters' shapes.
+
+    With `clip` ("norm" or "value", the threshold) the clipping Lightning does before it. None where
+    the optimizer cannot be rebuilt, or its parameters and state would take over `max_bytes`. Cached
+    per optimizer class, hyperparameters, parameter shapes and clipping.
+    """
+    if optimizer is None:
+        return None
+    shapes = [(tuple(p.shape), p.dtype) for g in optimizer.param_groups for p in g["params"]]
+    hyper = [sorted((k, repr(v)) for k, v in g.items() if k != "params") for g in optimizer.param_groups]
+    digest = hashlib.sha256(repr((type(optimizer).__qualname__, hyper, shapes, clip)).encode()).hexdigest()[:16]
+    name = f"optimizer {type(optimizer).__name__} {digest}"
+    found = cache.calibration(name) if cache is not None else None
+    if found is not None:
+        return float(found["value"]), f"{found['how']} ({found['measured_at'][:10]}, cache)"
+    timed = _time_optimizer(optimizer, shapes, device, clip, max_bytes)
+    if timed is not None and cache is not None:
+        cache.set_calibration(name, timed[0], "the run's optimizer on real tensors of its parameters' shapes",
+                              how=timed[1])  # fmt: skip
+    return timed
+
+
+def _time_optimizer(optimizer, shapes, device, clip, max_bytes) -> tuple[float, str] | None:
+    total = sum(torch.Size(s).numel() * torch.empty((), dtype=d).element_size() for s, d in shapes)
+    if 4 * total > max_bytes:
+        return None
+    with untouched_rng(device), torch.no_grad():
+        generator = torch.Generator().manual_seed(0)
+        groups, params = [], []
+        for group in optimizer.param_groups:
+            tensors = []
+            for p in group["params"]:
+                t = torch.randn(tuple(p.shape), generator=generator).to(device=device, dtype=p.dtype)
+                t.grad = torch.randn(tuple(p.shape), generator=generator).to(device=device, dtype=p.dtype) * 1e-3
+                tensors.append(t)
+            params += tensors
+            groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": tensors})
+        try:
+            real = type(optimizer)(groups)
+        except Exception:  # noqa: BLE001 - an optimizer whose constructor wants more than its groups
+            return None
+
+        def step() -> None:
+            if clip is not None and clip[0] == "norm":
+                torch.nn.utils.clip_grad_norm_(params, clip[1])
+            elif clip is not None:
+                torch.nn.utils.clip_grad_value_(params, clip[1])
+            real.step()
+
+        try:
+            step()  # the first step makes the state
+            seconds, repeats = time_call(step, device, budget_s=0.1, max_repeats=31, min_repeats=5)
+        except Exception:  # noqa: BLE001
+            return None
+    what = f"{type(optimizer).__name__} on real tensors of its {len(params)} parameters' shapes"
+    if clip is not None:
+        what += f", clip_grad_{clip[0]} first"
+    return seconds, f"{what}: median of {repeats} steps"
+
+
+@dataclass(frozen=True)
+class DataWait:
+    """The time to make one batch in the loading process, and how many workers make them."""
+
+    per_batch_s: float
+    workers: int
+    how: str
+
+    def wait(self, step_s: float) -> float:
+        """The wait per step: the whole batch in the training process; with workers, what prefetch leaves."""
+        if self.workers == 0:
+            return self.per_batch_s
+        return max(0.0, self.per_batch_s / self.workers - step_s)
+
+
+def data_wait(loader: object, batches: int = 3) -> DataWait | None:
+    """Time the first `batches` batches of a map-style DataLoader's own dataset, sampler and collate.
+
+    Its sampler is iterated under untouched RNG and its items are read by index, so the loader the run
+    iterates is unchanged (data order, RNG). None for an iterable dataset or anything else.
+    """
+    dataset = getattr(loader, "dataset", None)
+    if dataset is None or isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__getitem__"):
+        return None
+    collate = getattr(loader, "collate_fn", None) or (lambda x: x)
+    batch_sampler, sampler = getattr(loader, "batch_sampler", None), getattr(loader, "sampler", None)
+    try:
+        with untouched_rng(torch.device("cpu")):
+            source = batch_sampler if batch_sampler is not None else sampler
+            it = iter(source)
+            index_lists = [next(it) for _ in range(batches)]
+        times = []
+        for indices in index_lists:
+            started = time.perf_counter()
+            if batch_sampler is not None:
+                collate([dataset[i] for i in indices])
+            else:
+                collate(dataset[indices])
+            times.append(time.perf_counter() - started)
+    except Exception:  # noqa: BLE001 - a dataset that will not be read out of order
+        return None
+    workers = int(getattr(loader, "num_workers", 0) or 0)
+    how = f"median of the first {batches} batches read and collated here"
+    return DataWait(statistics.median(times), workers, how + (f", {workers} workers prefetching" if workers else ""))
+
+
+_PROBE_SIZES = (1 << 12, 1 << 16, 1 << 20, 1 << 24)  # bytes: 4 KiB .. 16 MiB
+
+
+def collective_model(
+    world_size: int, cache: StepTimeCache, backend: str = "gloo", measure: bool = True, links: Links | None = None
+) -> tuple[Links, str]:
+    """(the links a step's collectives cross, where they come from): the all-reduce alpha-beta on `world_size`
+    real gloo ranks here (module doc), cached per machine, as one link.
+
+    Other backends (nccl) cannot be timed on this machine without its GPUs: `links`, or an H100 node's (the
+    interconnect table's NVLink 4 and NDR), labelled as not measured. `measure=False` (inside a multi-rank
+    fit, where one rank's extra minutes would time out the others' first collective) takes the table where
+    nothing is cached.
+    """
+    table = links or default_links("h100")
+    said = f"table, not measured: {table.intra.name} in a node, {table.inter.name} between nodes"
+    if backend != "gloo":
+        return table, said
+    name = f"gloo_allreduce_w{world_size}"
+    found = cache.calibration(name)
+    if found is None and not measure:
+        return table, said + " (gloo's collectives are calibrated by a one-process fit or `lmledger account`)"
+    if found is None:
+        value = _time_gloo(world_size)
+        if value is None:
+            return table, said + " (gloo ranks would not start here)"
+        how = f"all_reduce on {world_size} gloo ranks here, {_PROBE_SIZES[0]}..{_PROBE_SIZES[-1]} bytes, median of 5"
+        cache.set_calibration(name, value, how + "; least squares alpha + n/beta")
+        found = cache.calibration(name)
+    value = found["value"]
+    # The fit is of an all-reduce's buffer; a ring sends 2(W-1)/W of it, so the link's own rate is that much more.
+    rate = value["bytes_per_s"] * wire_bytes("all_reduce", 1, world_size) if world_size > 1 else value["bytes_per_s"]
+    source = f"measured {found['measured_at'][:10]}: gloo, {world_size} ranks here"
+    link = Interconnect(f"gloo ({world_size} ranks)", rate, "user", source, latency_s=value["alpha_s"])
+    return Links.one(link), source
+
+
+def _time_gloo(world_size: int) -> dict | None:
+    """Spawn `world_size` gloo ranks in a process of their own and fit their all-reduce times."""
+    code = (
+        "import sys, json; from lmledger.ledger.timing.steptime.calibrate import _gloo_main; "
+        f"print(json.dumps(_gloo_main({world_size})))"
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    try:
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+        lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+        times = json.loads(lines[-1]) if done.returncode == 0 and lines else None
+    except (OSError, subprocess.TimeoutExpired, ValueError):
+        return None
+    if not times:
+        return None
+    sizes = [float(s) for s in times]
+    seconds = [times[s] for s in times]
+    n = len(sizes)
+    mean_x, mean_y = sum(sizes) / n, sum(seconds) / n
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(sizes, seconds, strict=True)) / sum(
+        (x - mean_x) ** 2 for x in sizes
+    )
+    slope = max(slope, 1e-15)
+    alpha = max(0.0, mean_y - slope * mean_x)
+    return {"alpha_s": alpha, "bytes_per_s": 1.0 / slope, "times": times}
+
+
+def _gloo_main(world_size: int) -> dict[str, float]:
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    queue = mp.get_context("spawn").SimpleQueue()
+    mp.start_processes(_gloo_rank, args=(world_size, port, queue), nprocs=world_size, start_method="spawn")
+    return queue.get()
+
+
+def _gloo_rank(rank: int, world_size: int, port: int, queue) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    try:
+        out = {}
+        for size in _PROBE_SIZES:
+            t = torch.ones(size // 4)
+            for _ in range(2):
+                dist.all_reduce(t)
+            samples = []
+            for _ in range(5):
+                dist.barrier()
+                started = time.perf_counter()
+                dist.all_reduce(t)
+                samples.append(time.perf_counter() - started)
+            out[str(size)] = statistics.median(samples)
+        if rank == 0:
+            queue.put(out)
+    finally:
+        dist.destroy_process_group()

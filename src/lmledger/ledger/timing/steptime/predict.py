@@ -1,0 +1,261 @@
+"""The predicted seconds of one training (optimizer) step, per category, before step 1.
+
+    matmul, attention, other   each op of the dry run (ledger/count/ops.py) replayed on this device (replay.py):
+                               the micro-batches' forward and backward, recompute and autocast casts included
+    optimizer                  the run's optimizer stepping real tensors of its parameters (calibrate.py),
+                               gradient clipping before it; else its recorded ops replayed
+    communication              DDP's buckets and FSDP2's collectives at their sizes, by an alpha-beta model
+                               measured on gloo ranks here, or a labelled interconnect table
+    data_wait                  the user's loader's batch time, less what worker prefetch overlaps
+    host                       per-op overhead (autograd, dispatcher) x ops + Lightning's loop per batch
+
+Ops that cannot be replayed are priced at their roofline bound divided by the efficiency (bound / replayed
+time) the replayed ops of their category reached; they are counted, with their share. The categories sum
+to `total_s` by construction. A step of k micro-batches is k forward/backward passes, k loop iterations
+and data waits, and one optimizer step. No Lightning import.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from lmledger.ledger.count.ops import ATTENTION, COMMUNICATION, MATMUL, OPTIMIZER, OTHER, OpRecord, OpSummary
+from lmledger.ledger.hardware.interconnect import Links, collective_seconds
+from lmledger.ledger.timing.steptime import calibrate
+from lmledger.ledger.timing.steptime.cache import StepTimeCache
+from lmledger.ledger.timing.steptime.replay import Replayer, cache_bytes, cold_inputs, live_bytes, why_not_replayed
+
+__all__ = ["CATEGORIES", "NoStepTime", "StepTime", "free_memory", "predict_step_time"]
+
+DATA_WAIT, HOST = "data_wait", "host"
+CATEGORIES = (MATMUL, ATTENTION, OTHER, OPTIMIZER, COMMUNICATION, DATA_WAIT, HOST)
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """One optimizer step's predicted seconds per category (CATEGORIES), and how each was found."""
+
+    seconds: dict[str, float]
+    ops: int  # op records of the step
+    replayed: int  # of those, priced by their own replay
+    fallback: int  # priced at roofline bound / category efficiency
+    fallback_s: float
+    optimizer_ops: int = 0  # ops of the optimizer step, priced whole by timing the real optimizer (0: replayed)
+    collectives: int = 0  # priced by the communication model
+    fallback_ops: dict[str, int] = field(default_factory=dict)  # name -> count, with why_not below
+    why_not: dict[str, str] = field(default_factory=dict)  # op name -> why it was not replayed
+    benchmarked: int = 0  # op signatures timed by this prediction (0: all from the cache)
+    distinct: int = 0  # distinct op signatures of the step
+    accumulate: int = 1
+    tokens: int | None = None  # per optimizer step (all micro-batches), None when the batch has no token ids
+    samples: int = 0
+    how: dict[str, str] = field(default_factory=dict)  # category -> what it rests on
+    notes: tuple[str, ...] = ()
+
+    @property
+    def total_s(self) -> float:
+        return sum(self.seconds.values())
+
+    @property
+    def fallback_share(self) -> float:
+        return self.fallback_s / self.total_s if self.total_s > 0 else 0.0
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        return self.tokens / self.total_s if self.tokens and self.total_s > 0 else None
+
+    @property
+    def samples_per_s(self) -> float | None:
+        return self.samples / self.total_s if self.samples and self.total_s > 0 else None
+
+    def line(self) -> str:
+        """One line: the step, its rate, and what was not replayed."""
+        rate = (
+            f", {self.tokens_per_s:,.0f} tokens/s" if self.tokens_per_s else
+            (f", {self.samples_per_s:,.1f} samples/s" if self.samples_per_s else "")
+        )  # fmt: skip
+        text = f"step time predicted {self.total_s * 1e3:.1f} ms{rate} ({self.replayed} of {self.ops} ops replayed"
+        if self.fallback:
+            text += f"; {self.fallback} priced at roofline/efficiency, {self.fallback_share:.1%} of the step"
+        return text + (")" if not self.benchmarked else f"; {self.benchmarked} op signatures benchmarked now)")
+
+    def to_json(self) -> dict:
+        return {
+            "total_s": self.total_s, "seconds": dict(self.seconds), "tokens_per_s": self.tokens_per_s,
+            "samples_per_s": self.samples_per_s, "ops": self.ops, "replayed": self.replayed,
+            "fallback": self.fallback, "fallback_share": self.fallback_share, "optimizer_ops": self.optimizer_ops,
+            "collectives": self.collectives, "fallback_ops": dict(self.fallback_ops),
+            "benchmarked": self.benchmarked, "distinct": self.distinct, "accumulate": self.accumulate,
+            "how": dict(self.how), "notes": list(self.notes),
+        }  # fmt: skip
+
+
+@dataclass(frozen=True)
+class NoStepTime:
+    """No time prediction, and one line saying why."""
+
+    reason: str
+
+
+def _links_line(links: Links) -> str:
+    """The link(s) collectives were priced on, for the `how` line."""
+    said = [f"{link.name}: {link.alpha_s * 1e6:.3g} us + bytes at {link.bytes_per_s / 1e9:.3g} GB/s"
+            for link in dict.fromkeys((links.intra, links.inter))]  # fmt: skip
+    return "; ".join(said)
+
+
+def predict_step_time(
+    ops: OpSummary,
+    device: torch.device | str = "cpu",
+    *,
+    compute_dtype: str = "fp32",
+    optimizer: torch.optim.Optimizer | None = None,
+    clip: tuple[str, float] | None = None,
+    loop_s: float | None = None,
+    loop_how: str = "",
+    data: calibrate.DataWait | None = None,
+    world_size: int = 1,
+    backend: str = "gloo",
+    tokens: int | None = None,
+    samples: int = 0,
+    accumulate: int = 1,
+    cache_path: Path | None = None,
+    calibrate_collectives: bool = True,
+    links: Links | None = None,
+) -> StepTime | NoStepTime:
+    """The predicted step (module doc) of a dry run's `ops` on `device`.
+
+    optimizer   the run's optimizer (its class, groups and hyperparameters; tensors are never touched)
+    clip        ("norm" | "value", threshold): Lightning's gradient clipping, or None
+    loop_s      Lightning's loop per batch, measured (callbacks/steptime.py); None: not counted, and said
+    data        the loader's batch time (calibrate.data_wait); None: no wait
+    tokens, samples   per micro-batch; the step's are `accumulate` times as many
+    links       what a backend that cannot be timed here (nccl) crosses (ledger.hardware.interconnect); default an H100
+    node's
+    """
+    device = torch.device(device)
+    cache = StepTimeCache(device, cache_path)
+    notes = [cache.note] if cache.note else []
+    free = free_memory(device)
+    replayer = Replayer(device, cache.ops, max_bytes=free // 2)
+    overhead, overhead_how = calibrate.per_op_overhead(device, cache, Replayer(device, cache.ops))
+    timed_optimizer = calibrate.optimizer_seconds(optimizer, device, clip, cache)
+    seconds = dict.fromkeys(CATEGORIES, 0.0)
+    how: dict[str, str] = {}
+    replayed, unreplayed, comm_ops = [], [], []
+    per_op_ops = 0
+    llc = cache_bytes(device)
+    # In the step's order, data flowing op to op, where its live tensors fit in half the free memory;
+    # else each op alone, its cold inputs (read from memory in the step) from fresh copies.
+    in_sequence = live_bytes(list(ops.ops)) <= free // 2
+    if in_sequence:
+        replayer.fill_sequence(list(ops.ops))
+        how["replay"] = "each op in the step's order, data flowing op to op; median of rounds after a warm-up"
+    else:
+        how["replay"] = "each op alone (the step's tensors exceed half the free memory), cold inputs from copies"
+    for op, cold in zip(ops.ops, cold_inputs(list(ops.ops), llc), strict=True):
+        if op.category == OPTIMIZER and timed_optimizer is not None:
+            continue
+        if op.category == COMMUNICATION:
+            comm_ops.append(op)
+            continue
+        t = replayer.in_sequence(op) if in_sequence else replayer.seconds(op, cold, llc)
+        per_op_ops += 1
+        if t is None:
+            unreplayed.append(op)
+        else:
+            replayed.append((op, t))
+            seconds[op.category] += t
+    if not replayed and unreplayed:
+        first = unreplayed[0]
+        why = why_not_replayed(first) or replayer.failed.get(_key(first), "its replay failed")
+        cache.save()
+        return NoStepTime(f"no op of the step could be replayed on {device.type} (e.g. {first.name}: {why})")
+    fallback_s, fallback_ops, why_not = 0.0, {}, {}
+    if unreplayed:
+        from lmledger.ledger.timing.roofline import op_bounds
+
+        try:
+            bounds = op_bounds([op for op, _ in replayed] + unreplayed, compute_dtype, device)
+        except ValueError as err:
+            cache.save()
+            return NoStepTime(f"{len(unreplayed)} ops cannot be replayed and have no roofline bound ({err})")
+        spent: dict[str, list[float]] = {}
+        for (op, t), bound in zip(replayed, bounds, strict=False):
+            row = spent.setdefault(op.category, [0.0, 0.0])
+            row[0] += bound
+            row[1] += t
+        everything = [sum(r[0] for r in spent.values()), sum(r[1] for r in spent.values())]
+        for op, bound in zip(unreplayed, bounds[len(replayed) :], strict=True):
+            row = spent.get(op.category) or everything
+            efficiency = row[0] / row[1] if row[1] > 0 and row[0] > 0 else 1.0
+            t = bound / efficiency
+            seconds[op.category] += t
+            fallback_s += t
+            fallback_ops[op.name] = fallback_ops.get(op.name, 0) + 1
+            why_not[op.name] = why_not_replayed(op) or replayer.failed.get(_key(op), "its replay raised")
+    if timed_optimizer is not None:
+        seconds[OPTIMIZER] = timed_optimizer[0]
+        how[OPTIMIZER] = timed_optimizer[1]
+    else:
+        seconds[OPTIMIZER] += overhead * sum(1 for op in ops.ops if op.category == OPTIMIZER)
+        how[OPTIMIZER] = "its recorded ops replayed, with the per-op overhead"
+    if comm_ops:
+        crossed, source = calibrate.collective_model(world_size, cache, backend, calibrate_collectives, links)
+        seconds[COMMUNICATION] = sum(collective_seconds(op, crossed, world_size)[0] for op in comm_ops)
+        how[COMMUNICATION] = (
+            f"{len(comm_ops)} collectives, {_links_line(crossed)} ({source}); none overlapped with compute"
+        )
+
+    compute = sum(seconds[c] for c in (MATMUL, ATTENTION, OTHER))
+    seconds[HOST] = overhead * per_op_ops + (loop_s or 0.0) * accumulate
+    how[HOST] = f"{per_op_ops} ops x {overhead * 1e6:.3g} us per op ({overhead_how})"
+    how[HOST] += f" + Lightning's loop {loop_s * 1e3:.3g} ms x {accumulate} batches ({loop_how})" if loop_s else ""
+    if loop_s is None:
+        notes.append(
+            "Lightning's loop not counted: not calibrated on this machine yet (a one-device fit or "
+            "`lmledger account` calibrates it)"
+        )
+    if data is not None:
+        per_batch_step = (compute + seconds[HOST] + seconds[OPTIMIZER] / accumulate) / accumulate
+        seconds[DATA_WAIT] = data.wait(per_batch_step) * accumulate
+        how[DATA_WAIT] = data.how
+    distinct = len({_key(op) for op in ops.ops})
+    if replayer.benchmarked:
+        cache.mark()
+    cache.save()
+    if cache.note and cache.note not in notes:
+        notes.append(cache.note)
+    return StepTime(
+        seconds=seconds, ops=len(ops.ops), replayed=len(replayed), fallback=len(unreplayed), fallback_s=fallback_s,
+        optimizer_ops=sum(1 for op in ops.ops if op.category == OPTIMIZER) if timed_optimizer is not None else 0,
+        collectives=len(comm_ops),
+        fallback_ops=fallback_ops, why_not=why_not, benchmarked=replayer.benchmarked, distinct=distinct,
+        accumulate=accumulate, tokens=tokens * accumulate if tokens else None, samples=samples * accumulate, how=how,
+        notes=tuple(notes),
+    )  # fmt: skip
+
+
+def free_memory(device: torch.device) -> int:
+    """Bytes free on `device`: CUDA's free memory, or the RAM the OS reports available."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import os
+
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def _key(op: OpRecord) -> str:
+    from lmledger.ledger.timing.steptime.replay import op_key
+
+    return op_key(op) if op.signature is not None else op.name

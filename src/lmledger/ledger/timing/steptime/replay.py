@@ -1,0 +1,359 @@
+"""Each distinct op of a dry run, replayed on real tensors on this device and timed.
+
+An op's signature is rebuilt on real tensors of its recorded layouts (ledger/timing/steptime/tensors.py).
+Each is called once or twice to warm up, then timed call by call until `budget_s` or `max_repeats`, and
+the median is its time: robust to a descheduled call on a busy machine.
+
+Where the data comes from matters as much as the kernel: an input the step last touched more than a
+last-level cache ago (a saved activation read in backward, a weight read once per pass) comes from
+memory, one written by the op before it from cache. `cold_inputs` reads that from the op sequence (each
+input's reuse distance: the bytes the step moved since it last touched that storage, against the
+cache's size from /sys, or the GPU's L2). A replay gives each cold input fresh copies, enough of them to
+outgrow the cache twice, and rotates through them, so each call reads it from memory; hot inputs stay
+one tensor, read from cache.
+
+Not replayed, so priced by the caller (ledger/timing/steptime/predict.py): collectives, ops outside torch's own
+namespaces (a custom op's kernel may need real data or have side effects), ops whose arguments cannot be
+rebuilt, and ops whose replay raises. Every RNG stream is left as it was found. No Lightning import.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import numpy as np
+import torch
+
+from lmledger.ledger.count.ops import COMMUNICATION, OpRecord, TensorSpec
+from lmledger.ledger.timing.steptime.tensors import bind, leaves_of, rebuild, thaw
+
+__all__ = [
+    "REPLAYED_NAMESPACES",
+    "Replayer",
+    "cache_bytes",
+    "cold_inputs",
+    "live_bytes",
+    "op_key",
+    "sequence_seconds",
+    "untouched_rng",
+    "why_not_replayed",
+]
+
+# torch's own operator namespaces: their kernels read only shapes (and in-range indices) to run as they run.
+REPLAYED_NAMESPACES = frozenset({"aten", "prims", "quantized_decomposed"})
+
+
+def op_key(op: OpRecord) -> str:
+    """The cache key of an op: its overload and signature, scalar float values left out (they cost nothing)."""
+
+    def strip(tree: object) -> object:
+        if isinstance(tree, float):
+            return "f"
+        if isinstance(tree, tuple):
+            return tuple(strip(x) for x in tree)
+        if isinstance(tree, TensorSpec):
+            return (tree.shape, tree.stride, tree.offset, tree.dtype, tree.storage_numel)
+        return str(tree) if isinstance(tree, (torch.dtype, torch.device, torch.layout, torch.memory_format)) else tree
+
+    return f"{op.name} {strip(op.signature)!r}"
+
+
+def why_not_replayed(op: OpRecord) -> str | None:
+    """Why `op` is not replayed (module doc), or None when it is.
+
+    An op FlopCounterMode decomposed (ledger/count/ops.py) is replayed as the op the real step runs: its
+    composite, timed in the first decomposed op's place (the rest cost nothing of their own).
+    """
+    if op.in_composite:
+        return None
+    op = op.composite or op
+    if op.category == COMMUNICATION:
+        return "a collective (priced by the communication model)"
+    namespace = op.name.split(".", 1)[0]
+    if namespace not in REPLAYED_NAMESPACES:
+        return f"a custom op ({namespace}): its kernel may need real data, so it is not replayed"
+    if op.signature is None:
+        return f"its arguments cannot be rebuilt ({op.not_replayable or 'not recorded'})"
+    return None
+
+
+def _overload(name: str):
+    """torch.ops.<ns>.<op>.<overload> from "aten.mm.default"."""
+    namespace, op, overload = name.split(".")
+    return getattr(getattr(getattr(torch.ops, namespace), op), overload)
+
+
+def cache_bytes(device: torch.device) -> int:
+    """The last-level cache an op's inputs may sit in: a GPU's L2, a CPU's largest cache level (/sys)."""
+    if device.type == "cuda":
+        return int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 << 20))
+    best = 0
+    for index in range(8):
+        try:
+            text = open(f"/sys/devices/system/cpu/cpu0/cache/index{index}/size").read().strip()
+        except OSError:
+            continue
+        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+        best = max(best, int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text))
+    return best or 32 << 20  # none reported (not Linux): a server CPU's L3 is tens of MiB
+
+
+def cold_inputs(ops: list[OpRecord], cache: int) -> list[tuple[bool, ...]]:
+    """Per op, per tensor input: whether it was last touched more than `cache` bytes of traffic ago.
+
+    The step repeats, so an input first seen in it was last touched in the previous step: its distance
+    runs over the end and back (two passes over the ops).
+    """
+    touched, last = 0, {}
+    for op in ops:  # the previous step
+        for key, _ in (*op.storages, *op.output_storages):
+            last[key] = touched
+        touched += op.bytes
+    marks = []
+    for op in ops:
+        marks.append(tuple(touched - last.get(key, touched - 2 * cache - 1) > cache for key, _ in op.storages))
+        touched += op.bytes
+        for key, _ in (*op.storages, *op.output_storages):
+            last[key] = touched
+    return marks
+
+
+@contextmanager
+def untouched_rng(device: torch.device) -> Iterator[None]:
+    """Every RNG stream a training step may draw from, as it was: torch's (CPU, CUDA), Python's, numpy's."""
+    devices = [device] if device.type == "cuda" else []
+    python_state, numpy_state = random.getstate(), np.random.get_state()
+    try:
+        with torch.random.fork_rng(devices=devices):
+            yield
+    finally:
+        random.setstate(python_state)
+        np.random.set_state(numpy_state)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# The clock timings read: wall time. A diagnosis on a busy machine may set time.thread_time (one thread's
+# CPU time, blind to descheduling) for both sides of a comparison; the cache is then not this machine's.
+CLOCK = time.perf_counter
+
+
+def time_call(
+    call: Callable[[], object],
+    device: torch.device,
+    *,
+    budget_s: float = 0.02,
+    max_repeats: int = 21,
+    min_repeats: int = 3,
+) -> tuple[float, int]:
+    """(median seconds of `call`, timed calls) after a warm-up (module doc)."""
+    clock = CLOCK
+    started = clock()
+    call()
+    _sync(device)
+    if clock() - started < budget_s / 4:  # a cheap call: a second warm-up call (caches, allocator)
+        call()
+        _sync(device)
+    samples: list[float] = []
+    spent = 0.0
+    while len(samples) < min_repeats or (spent < budget_s and len(samples) < max_repeats):
+        t0 = clock()
+        call()
+        _sync(device)
+        dt = clock() - t0
+        samples.append(dt)
+        spent += dt
+    return statistics.median(samples), len(samples)
+
+
+_IN_SEQUENCE = " (in sequence)"
+
+
+class Replayer:
+    """Times ops by replay, memoised in `times` (op_key -> seconds), which a cache fills and keeps.
+
+    `benchmarked` counts the signatures timed by this replayer (0 when every op came from the cache).
+    `failed` maps op_key -> why its replay raised.
+    """
+
+    def __init__(
+        self, device: torch.device, times: dict[str, float] | None = None, seed: int = 0, max_bytes: int = 1 << 62
+    ) -> None:
+        self.device = device
+        self.max_bytes = max_bytes  # an op whose tensors would take more is not replayed (priced otherwise)
+        self.times = times if times is not None else {}
+        self.failed: dict[str, str] = {}
+        self.benchmarked = 0
+        self._seed = seed
+
+    def seconds(self, op: OpRecord, cold: tuple[bool, ...] = (), cache: int = 32 << 20) -> float | None:
+        """The op's replayed time, or None where it is not replayed (why_not_replayed, or its replay raised).
+
+        `cold`: which tensor inputs come from memory (cold_inputs), each read from fresh copies.
+        """
+        if why_not_replayed(op) is not None:
+            return None
+        if op.in_composite:
+            return 0.0
+        if op.composite is not None:
+            op, cold = op.composite, ()
+        cold = tuple(c for c in cold) if any(cold) else ()
+        key = op_key(op) + (" cold=" + "".join("1" if c else "0" for c in cold) if cold else "")
+        if key in self.times:
+            return self.times[key]
+        if key in self.failed:
+            return None
+        size = sum(s.storage_numel * torch.empty((), dtype=getattr(torch, s.dtype)).element_size()
+                   for s in leaves_of(thaw(op.signature)))  # fmt: skip
+        if 2 * size > self.max_bytes:  # its inputs, outputs of about their size, and cold copies
+            self.failed[key] = f"too large to replay here ({size / 1e9:.3g} GB of inputs)"
+            return None
+        generator = torch.Generator().manual_seed(self._seed)
+        func = None
+        try:
+            func = _overload(op.name)
+            cold_bytes = sum(n for (_, n), c in zip(op.storages, cold, strict=False) if c)
+            copies = min(64, max(2, -(-2 * cache // max(1, cold_bytes)))) if cold_bytes else 1
+            copies = max(1, min(copies, min(1 << 30, self.max_bytes // 4) // max(1, cold_bytes))) if cold_bytes else 1
+            with untouched_rng(self.device), torch.no_grad():
+                sets = rebuild(op, self.device, generator, cold, copies)
+                turn = iter(range(1 << 62))
+
+                def call() -> object:
+                    args, kwargs = sets[next(turn) % len(sets)]
+                    return func(*args, **kwargs)
+
+                seconds, _ = time_call(call, self.device)
+        except Exception as err:  # noqa: BLE001 - an op that will not run on made-up values is priced otherwise
+            text = str(err).strip().splitlines()
+            self.failed[key] = f"{type(err).__name__}: {text[0] if text else ''}"[:200]
+            return None
+        self.benchmarked += 1
+        self.times[key] = seconds
+        return seconds
+
+    def fill_sequence(self, ops: list[OpRecord]) -> None:
+        """Time the step's ops in sequence (sequence_seconds) unless every replayable one is cached."""
+        keys = [
+            op_key(op.composite or op) + _IN_SEQUENCE if why_not_replayed(op) is None and not op.in_composite else None
+            for op in ops
+        ]
+        if all(k is None or k in self.times for k in keys):
+            return
+        medians, failed = sequence_seconds(ops, self.device, seed=self._seed)
+        per_key: dict[str, list[float]] = {}
+        for i, (key, median) in enumerate(zip(keys, medians, strict=True)):
+            if key is None:
+                continue
+            if i in failed:
+                self.failed[key] = failed[i]
+            elif median is not None:
+                per_key.setdefault(key, []).append(median)
+        for key, values in per_key.items():
+            if key not in self.times:  # a cached time stands: a second prediction gives the same step
+                self.benchmarked += 1
+                self.times[key] = statistics.fmean(values)
+
+    def in_sequence(self, op: OpRecord) -> float | None:
+        """The op's time from fill_sequence (the mean over its occurrences), or None."""
+        if why_not_replayed(op) is not None:
+            return None
+        if op.in_composite:
+            return 0.0
+        return self.times.get(op_key(op.composite or op) + _IN_SEQUENCE)
+
+
+def _leaf_and_last_use(ops: list[OpRecord]) -> tuple[set[int], dict[int, int]]:
+    """Storages no op of the step writes as an output (parameters, the batch, optimizer state), and the
+    index of each storage's last use."""
+    produced, last = set(), {}
+    for i, op in enumerate(ops):
+        for key, _ in (*op.storages, *op.output_storages):
+            last[key] = i
+        produced.update(key for key, _ in op.output_storages)
+    leaves = {key for op in ops for key, _ in op.storages} - produced
+    return leaves, last
+
+
+def live_bytes(ops: list[OpRecord]) -> int:
+    """The most bytes a sequence replay holds at once: leaf storages plus produced ones until last use."""
+    leaves, last = _leaf_and_last_use(ops)
+    sizes: dict[int, int] = {}
+    for op in ops:
+        for key, n in (*op.storages, *op.output_storages):
+            sizes[key] = max(sizes.get(key, 0), n)
+    held, live = sum(sizes[k] for k in leaves), {}
+    peak = held
+    for i, op in enumerate(ops):
+        for key, _ in op.output_storages:
+            if key not in leaves and key not in live:
+                live[key] = sizes[key]
+                held += sizes[key]
+        peak = max(peak, held)
+        for key in [k for k in live if last[k] <= i]:
+            held -= live.pop(key)
+    return peak
+
+
+def sequence_seconds(
+    ops: list[OpRecord], device: torch.device, *, rounds: int = 5, budget_s: float = 6.0, seed: int = 0
+) -> tuple[list[float | None], dict[int, str]]:
+    """Each op's median time replayed in the step's own order, data flowing from op to op (module doc).
+
+    The ops run in sequence, round after round (the first a warm-up), each reading the storages the ops
+    before it wrote, so each meets the cache, allocator and threads the step leaves it; storages no op
+    writes (parameters, the batch) persist across rounds, the rest are dropped after their last use.
+    Rounds stop at `rounds` or once `budget_s` is spent (at least two timed). Returns per op its median
+    (None where not replayed) and {index: why its replay raised}.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    # what the real step runs: a decomposed op's composite in place of its decomposition
+    executed = [(op.composite or op) if not op.in_composite else None for op in ops]
+    funcs = []
+    for op, target in zip(ops, executed, strict=True):
+        try:
+            funcs.append(_overload(target.name) if target is not None and why_not_replayed(op) is None else None)
+        except AttributeError:
+            funcs.append(None)
+    ops = [t if t is not None else op for op, t in zip(ops, executed, strict=True)]
+    leaves, last = _leaf_and_last_use(ops)
+    pool: dict[int, torch.UntypedStorage] = {}
+    samples: list[list[float]] = [[] for _ in ops]
+    failed: dict[int, str] = {}
+    clock = CLOCK
+    started = time.perf_counter()
+    with untouched_rng(device), torch.no_grad():
+        for round_ in range(rounds + 1):
+            for i, op in enumerate(ops):
+                func = funcs[i]
+                if func is None or i in failed:
+                    continue
+                try:
+                    args, kwargs = bind(op, device, generator, pool)
+                    _sync(device)
+                    t0 = clock()
+                    out = func(*args, **kwargs)
+                    _sync(device)
+                    dt = clock() - t0
+                except Exception as err:  # noqa: BLE001 - priced otherwise
+                    text = str(err).strip().splitlines()
+                    failed[i] = f"{type(err).__name__}: {text[0] if text else ''}"[:200]
+                    continue
+                if round_:
+                    samples[i].append(dt)
+                for t, (key, _) in zip(leaves_of(out, torch.Tensor), op.output_storages, strict=False):
+                    pool[key] = t.untyped_storage()
+                for key, _ in (*op.storages, *op.output_storages):
+                    if last.get(key) == i and key not in leaves:
+                        pool.pop(key, None)
+            spent = time.perf_counter() - started
+            if round_ >= 2 and spent > budget_s:
+                break
+    return [statistics.median(s) if s else None for s in samples], failed

@@ -1,0 +1,345 @@
+"""Every command, every flag it takes, every kind of bad value: exit 2, one line, no traceback, nothing written.
+
+Issue 28 §4: `account` and `plan max-batch` answered inputs `fit` refuses, for another setup, without a
+word. Enumerated rather than patched:
+
+- the flags of the argparse commands come from their own signatures (commands/argparser.py builds the
+  parsers from them), read here through each command's run_command call; a new flag gets its bad values
+  by construction, from its type;
+- the fit arguments that shape what planning answers (the ToyLM's ModelConfig fields, the batch, the
+  optimizer, the trainer's accelerator, precision, devices, nodes and strategy) are refused by `fit`,
+  `account` and `plan max-batch` alike, in the same words. Every other fit flag is parsed by the one
+  LightningCLI parser all three use, and planning does not read it.
+
+In-process (lmledger.cli.main with argv), with a handful of subprocesses proving the real CLI the same.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import os
+import subprocess
+import sys
+import typing
+from pathlib import Path
+
+import pytest
+
+from lmledger import cli
+from lmledger.commands.argparser import ArgumentParser, add_function_arguments
+from lmledger.model import ModelConfig
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = ["--config", "configs/tiny.yaml"]
+# A fit that took a bad value would train one step, not 600 (a failing case ends fast).
+ONE_STEP = ["--trainer.max_steps", "1", "--trainer.limit_val_batches", "0", "--trainer.enable_progress_bar", "false"]
+
+# A bad value of each kind, per type of value (issue 28: zero, negative, huge, NaN, a string, an empty string,
+# an enum's typo). A string flag gets the empty string; a choice gets a typo of its first choice as well.
+HUGE_INT = "1" + "0" * 30
+BAD_NUMBERS = {
+    int: {"zero": "0", "negative": "-1", "huge": HUGE_INT, "nan": "nan", "string": "abc", "empty": ""},
+    float: {"zero": "0", "negative": "-1", "huge": "1e400", "nan": "nan", "string": "abc", "empty": ""},
+}
+
+# A value of the kind is meaningful for the flag: not a bad value there (each says why).
+MEANINGFUL = {
+    ("model.config.activation_checkpointing", "zero"),  # 0 = no block recomputed (ModelConfig)
+}
+
+
+def _bad_values(kind: object, choices=None) -> dict[str, str]:
+    if choices:
+        first = str(next(iter(choices)))
+        return {"typo": first + "x", "empty": ""}
+    if kind in BAD_NUMBERS:
+        return dict(BAD_NUMBERS[kind])
+    return {"empty": ""}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The argparse commands: flags from their signatures
+# ---------------------------------------------------------------------------------------------------------
+
+# A valid command line of each command (words, then flags); a bad value replaces one flag's value in it.
+BASES = {
+    ("gpus",): [],
+    ("dtypes",): [],
+    ("bench", "matmul"): ["--sizes", "16", "--repeats", "1", "--dtypes", "fp32", "--device", "cpu"],
+    ("prepare",): ["--source", "src.txt", "--out", "prepared"],
+    ("sweep",): ["experiments/batch_memory.yaml", "--dry-run"],
+    ("plan", "train-time"): ["--params", "1e9", "--tokens", "1e12", "--gpu", "h100-sxm", "--mfu", "0.5"],
+    ("plan", "max-params"): ["--gpu", "h100-sxm"],
+    ("plan", "max-batch"): [*TINY, "--gpu", "h100-sxm"],
+    ("account",): [*TINY],
+}
+# Flags that mean something only beside another: the bad value is given with it.
+SLURM_FLAGS = ("--partition", "--time", "--cpus-per-task", "--mem", "--gres")
+COMPANIONS = {
+    ("prepare", "--vocab-size"): ["--tokenizer", "bpe"],
+    **{("sweep", flag): ["--launcher", "slurm"] for flag in SLURM_FLAGS},
+}
+
+
+def _command_functions() -> dict[tuple[str, ...], typing.Callable]:
+    """{command words: function} for every argparse command, as each command's main hands it to run_command."""
+    found: dict[tuple[str, ...], typing.Callable] = {}
+    for name, (module_name, _) in cli.COMMANDS.items():
+        if name in cli.VERB_COMMANDS:
+            continue  # fit and validate: LightningCLI's parser (below)
+        module = importlib.import_module(f"lmledger.commands.{module_name}")
+        seen = []
+        original = module.run_command
+        module.run_command = lambda prog, command, argv, *a, **k: seen.append(command) or 0  # noqa: B023
+        try:
+            module.main([])
+        finally:
+            module.run_command = original
+        (command,) = seen
+        verbs = command.items() if isinstance(command, dict) else [((), command)]
+        for verb, function in verbs:
+            found[(name, *((verb,) if verb else ()))] = function
+    return found
+
+
+def _value_kind(action) -> object:
+    """int, float or str: what an argparse action's type makes of a good value (an Annotated parser's result)."""
+    if action.type in (int, float) or action.type is None:
+        return action.type or str
+    for text in ("1", "0.5", "h100-sxm"):
+        try:
+            return type(action.type(text))
+        except Exception:  # noqa: BLE001 (a parser refusing this sample)
+            continue
+    return str
+
+
+def _argparse_cases() -> list:
+    cases = []
+    for words, function in _command_functions().items():
+        parser = ArgumentParser(prog="lmledger " + " ".join(words))
+        add_function_arguments(parser, function)
+        for action in parser._actions:
+            if action.nargs == 0 or action.dest == "help":
+                continue  # a bare flag (--json) takes no value
+            flag = action.option_strings[-1] if action.option_strings else None
+            for label, value in _bad_values(_value_kind(action), action.choices).items():
+                cases.append(pytest.param(words, flag, value, id=f"{' '.join(words)} {flag or action.dest} {label}"))
+    return cases
+
+
+def _with_value(words: tuple[str, ...], flag: str | None, value: str) -> list[str]:
+    base = list(BASES[words])
+    if flag is None:  # a positional: the first base word that is not a flag
+        return [*words, value, *base[1:]]
+    aliases = {flag, *(["--ledger.device_memory_gb"] if flag == "--device-memory-gb" else [])}
+    for i, arg in enumerate(base):
+        if arg in aliases:
+            del base[i : i + 2]
+            break
+    return [*words, *base, *COMPANIONS.get((words[0], flag), []), flag, value]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The fit arguments planning reads: refused by fit, account and plan max-batch alike
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _fit_cases() -> list[tuple[str, str, list[str]]]:
+    """(flag, kind of bad value, extra arguments) for each fit argument that shapes a planning answer."""
+    cases = []
+    hints = typing.get_type_hints(ModelConfig)
+    for f in dataclasses.fields(ModelConfig):  # every model size, by construction
+        kind = hints[f.name]
+        for label, value in _bad_values(kind if kind is not bool else str).items():
+            if (f"model.config.{f.name}", label) not in MEANINGFUL:
+                cases.append((f"model.config.{f.name}", label, [f"--model.config.{f.name}", value]))
+    for label, value in _bad_values(int).items():
+        cases += [
+            ("data.batch_size", label, ["--data.batch_size", value]),
+            ("trainer.num_nodes", label, ["--trainer.num_nodes", value]),
+            ("trainer.devices", label, ["--trainer.devices", value]),
+        ]
+    # trainer.devices: the forms issue 28 found answered as world size 1 (with accelerator cpu, as tiny.yaml has)
+    for value in ("1e9", "2.5", "2,3", "-1", "1000000000"):
+        cases.append(("trainer.devices", value, ["--trainer.devices", value]))
+    cases.append(("trainer.devices", "huge fsdp2", ["--trainer.devices", "1000000000", "--trainer.strategy", "fsdp2"]))
+    for value in ("fsdp3", "ddpp", "", "lightning.pytorch.strategies.NoSuchStrategy"):
+        cases.append(("trainer.strategy", value or "empty", ["--trainer.strategy", value]))
+    ddp = ["--trainer.strategy.class_path", "lightning.pytorch.strategies.DDPStrategy"]
+    for label, value in _bad_values(float).items():
+        cases.append(("trainer.strategy.bucket_cap_mb", label, [*ddp, "--trainer.strategy.bucket_cap_mb", value]))
+    cases.append(("trainer.strategy", "bucket_cap_mb inline", [
+        "--trainer.strategy", '{"class_path": "DDPStrategy", "init_args": {"bucket_cap_mb": -5}}']))  # fmt: skip
+    for key, typo in (
+        ("trainer.precision", "bf17-mixed"),
+        ("trainer.accelerator", "cpux"),
+        ("model.optimizer", "adamx"),
+    ):
+        cases += [(key, "typo", [f"--{key}", typo]), (key, "empty", [f"--{key}", ""])]
+    return cases
+
+
+FIT_CASES = _fit_cases()
+PLANNING = {"account": ["account"], "plan max-batch": ["plan", "max-batch", "--gpu", "h100-sxm"]}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The checks
+# ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def here(tmp_path_factory, stdlib_data):
+    """A working directory as a checkout has it (configs, experiments, prepared data), with a run already in runs/."""
+    root = tmp_path_factory.mktemp("bad-values")
+    (root / "data").mkdir()
+    (root / "data" / "stdlib").symlink_to(stdlib_data)
+    for name in ("configs", "experiments", "examples"):
+        (root / name).symlink_to(REPO / name)
+    (root / "src.txt").write_text("def f(x):\n    return x + 1\n" * 50, encoding="utf-8")
+    run = root / "runs" / "tiny" / "version_0"
+    run.mkdir(parents=True)
+    (run / "config.yaml").write_text("a run already here\n", encoding="utf-8")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(root)
+        yield root
+
+
+def _tree(root: Path) -> dict[str, tuple[int, int]]:
+    """Every path under root (links not followed), with its size and mtime: what a refusal must leave as it was."""
+    out = {}
+    for path in sorted(root.rglob("*")):
+        if path.is_symlink():
+            out[str(path.relative_to(root))] = (0, 0)
+            continue
+        stat = path.stat()
+        out[str(path.relative_to(root))] = (stat.st_size, stat.st_mtime_ns)
+    return out
+
+
+def _refused(capfd, root: Path, argv: list[str]) -> str:
+    """Run `lmledger ARGV` in-process; assert exit 2, one line on stderr, no traceback, nothing written. The line."""
+    before = _tree(root)
+    capfd.readouterr()
+    try:
+        code = cli.main(argv)
+    except SystemExit as stop:  # argparse's --help, or anything that exits by itself
+        code = stop.code
+    out, err = capfd.readouterr()
+    # LightningCLI logs the seed as it parses a fit's config, before any check: its line is not the refusal's.
+    lines = [line for line in err.splitlines() if line.strip() and not line.startswith("Seed set to ")]
+    assert code == 2, f"{argv}: exit {code}, stdout {out[-300:]!r}, stderr {err[-600:]!r}"
+    assert len(lines) == 1 and "Traceback" not in err, f"{argv}: {err[-1200:]}"
+    assert _tree(root) == before, f"{argv} wrote or changed files"
+    return lines[0]
+
+
+@pytest.mark.parametrize(("words", "flag", "value"), _argparse_cases())
+def test_every_flag_of_every_argparse_command_refuses_its_bad_values(here, capfd, words, flag, value):
+    line = _refused(capfd, here, _with_value(words, flag, value))
+    assert line.startswith(f"lmledger {words[0]}: error: ")
+
+
+# A value the LightningCLI parser itself refuses (by the flag's type) is the one parser's refusal for every
+# command: each such case runs one command, in turn. A value the kit's checks refuse runs `fit` and a planning
+# command (account and plan max-batch in turn), whose lines must agree word for word. (Each in-process command
+# costs about 0.33 s of CPU, its LightningCLI parser built and run: the whole cross product would take minutes.)
+PARSER_LEVEL = ("nan", "string", "empty")
+COMMANDS = (["fit"], *PLANNING.values())
+
+
+def _is_parser_level(flag: str, label: str) -> bool:
+    return label in PARSER_LEVEL and not flag.startswith("trainer.")  # devices, strategy: strings the kit reads
+
+
+@pytest.mark.parametrize(
+    ("index", "flag", "label", "extra"),
+    [(i, *case) for i, case in enumerate(FIT_CASES)],
+    ids=[f"{f} {label}" for f, label, _ in FIT_CASES],
+)
+def test_fit_account_and_plan_refuse_a_bad_fit_value_in_the_same_words(here, capfd, index, flag, label, extra):
+    if _is_parser_level(flag, label):
+        words = COMMANDS[index % 3]
+        line = _refused(capfd, here, [*words, *TINY, *(ONE_STEP if words == ["fit"] else []), *extra])
+        assert line.startswith(f"lmledger {words[0]}: error: ") and flag in line, line
+        return
+    said = _refused(capfd, here, ["fit", *TINY, *ONE_STEP, *extra]).removeprefix("lmledger fit: error: ")
+    words = list(PLANNING.values())[index % 2]
+    line = _refused(capfd, here, [*words, *TINY, *extra])
+    assert line == f"lmledger {words[0]}: error: {said}", (line, said)
+
+
+TP_LONG = ["--trainer.strategy", "ModelParallelStrategy", "--trainer.strategy.tensor_parallel_size", "2"]
+TP_INLINE = ["--trainer.strategy", '{"class_path": "ModelParallelStrategy", "init_args": {"tensor_parallel_size": 2}}']
+
+
+@pytest.mark.parametrize("extra", [TP_LONG, TP_INLINE], ids=["long form", "inline"])
+def test_a_tensor_parallel_strategy_fit_refuses_is_refused_by_planning_in_its_words(here, capfd, extra):
+    """Both forms of ModelParallelStrategy(tensor_parallel_size 2) on one device: fit refuses them; account predicted
+    "fsdp2 over 2 ranks" for the long form and "not modelled" for the inline one."""
+    said = _refused(capfd, here, ["fit", *TINY, *ONE_STEP, *extra]).removeprefix("lmledger fit: error: ")
+    assert "tensor_parallel_size 2" in said
+    for words in PLANNING.values():
+        assert _refused(capfd, here, [*words, *TINY, *extra]) == f"lmledger {words[0]}: error: {said}"
+
+
+def test_fsdp2_on_a_module_without_configure_model_is_refused_by_fit_and_planning(here, capfd):
+    """Lightning's ModelParallelStrategy raised a TypeError at setup (a 73-line traceback); account predicted it."""
+    args = ["--config", "configs/examples/byte-convnet.yaml", "--trainer.strategy", "fsdp2"]
+    said = _refused(capfd, here, ["fit", *args, "--trainer.max_steps", "1"]).removeprefix("lmledger fit: error: ")
+    assert "ByteConvNet has no configure_model()" in said
+    for words in PLANNING.values():
+        assert _refused(capfd, here, [*words, *args]) == f"lmledger {words[0]}: error: {said}"
+
+
+def test_good_values_next_to_the_bad_ones_are_answered(here, capsys):
+    """The refusals are not everything: the forms fit takes are planned as fit would run them."""
+    from lmledger.accounting import trainer_scale
+    from lmledger.run_config import MAX_WORLD_SIZE
+
+    assert trainer_scale([*TINY, "--trainer.devices", "2", "--trainer.num_nodes", "3"]).world_size == 6
+    assert trainer_scale([*TINY, "--trainer.devices", " 4 "]).world_size == 4
+    assert trainer_scale([*TINY, "--trainer.devices", "auto"]).world_size == 1
+    assert trainer_scale([*TINY, "--trainer.devices", str(MAX_WORLD_SIZE)]).world_size == MAX_WORLD_SIZE
+    gpu = [*TINY, "--trainer.accelerator", "gpu"]
+    assert trainer_scale([*gpu, "--trainer.devices", "2,3"]).world_size == 2  # Lightning's GPU indices
+    assert trainer_scale([*gpu, "--trainer.devices", "[0, 1, 2]"]).world_size == 3
+    assert trainer_scale([*TINY, "--trainer.strategy", "DDP"]).strategy == "ddp"  # Lightning lower-cases names
+    ddp = ["--trainer.strategy.class_path", "lightning.pytorch.strategies.DDPStrategy"]
+    scale = trainer_scale([*TINY, *ddp, "--trainer.strategy.bucket_cap_mb", "0.5", "--trainer.devices", "2"])
+    assert (scale.strategy, scale.init_args["bucket_cap_mb"], scale.world_size) == ("ddp", 0.5, 2)
+
+
+# The real CLI, as users run it: the OOM-killed case of issue 28 §2 among them. Started together, waited on together.
+SUBPROCESS_CASES = [
+    ["account", *TINY, "--trainer.devices", "1000000000", "--trainer.strategy", "fsdp2"],
+    ["plan", "max-batch", *TINY, "--gpu", "h100-sxm", "--trainer.strategy", "fsdp3"],
+    ["fit", *TINY, *ONE_STEP, "--trainer.devices", "2.5"],
+    ["plan", "train-time", "--params", "nan", "--tokens", "1e12", "--gpu", "h100-sxm", "--mfu", "0.5"],
+]
+
+
+def test_the_real_cli_refuses_the_same_way(here):
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
+    before = _tree(here)
+    started = [
+        subprocess.Popen(
+            [sys.executable, "-m", "lmledger.cli", *argv],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for argv in SUBPROCESS_CASES
+    ]
+    said = []
+    for argv, process in zip(SUBPROCESS_CASES, started, strict=True):
+        _, err = process.communicate(timeout=300)
+        lines = [line for line in err.splitlines() if line.strip() and not line.startswith("Seed set to ")]
+        assert process.returncode == 2 and len(lines) == 1 and "Traceback" not in err, (argv, err[-800:])
+        assert lines[0].startswith(f"lmledger {argv[0]}: error: "), lines
+        said.append(lines[0])
+    assert "world size of 1,000,000,000 ranks, beyond any cluster" in said[0]
+    assert _tree(here) == before

@@ -1,0 +1,72 @@
+"""`lmledger account` and `lmledger plan max-batch` at scale (issue 19 §6): the per-rank answer at the
+config's --trainer.devices / --trainer.strategy, checkpointing off and on, held to the dry run's own search
+property (the answer fits, one more sample does not) and to what sharding must change."""
+
+from __future__ import annotations
+
+import torch
+
+from conftest import TINY_OVERRIDES, run_json
+from lmledger.ledger.sharding.atscale import toy_inputs
+from lmledger.ledger.sharding.sharded import predict_sharded
+from lmledger.run_config import load_run
+
+TINY = ["--config", "configs/tiny.yaml", *TINY_OVERRIDES, "--data.batch_size", "4"]
+
+
+def test_account_at_two_ddp_ranks_counts_the_buckets(workdir, capsys):
+    single = run_json(capsys, "account", *TINY, "--json")
+    ddp = run_json(capsys, "account", *TINY, "--trainer.devices", "2", "--trainer.strategy", "ddp", "--json")
+    assert "per_rank" not in single
+    off, on = ddp["per_rank"]["cases"]["checkpointing off"], ddp["per_rank"]["cases"]["checkpointing on"]
+    # Without gradient_as_bucket_view DDP's buckets are one more copy of the grads, alive through the step.
+    assert off["comm_buffers"] == off["grads"] == single["memory"]["grads"]["predicted"]
+    assert off["buckets"] >= 1
+    assert ddp["memory"]["peak"]["predicted"] == off["peak"]
+    assert abs(off["peak"] - (single["memory"]["peak"]["predicted"] + off["grads"])) <= 0.02 * off["peak"]
+    assert on["peak"] < off["peak"] and on["activations"] < off["activations"]
+
+
+def test_plan_max_batch_per_rank_under_fsdp2(workdir, capsys):
+    args = [*TINY, "--device-memory-gb", "0.02", "--json"]
+    single = run_json(capsys, "plan", "max-batch", *args)
+    four = run_json(capsys, "plan", "max-batch", *args, "--trainer.devices", "4", "--trainer.strategy", "fsdp2")
+    cases = four["per_rank"]["cases"]
+    assert four["max_batch"] == cases["checkpointing off"]["max_batch"]
+    assert cases["checkpointing on"]["max_batch"] > cases["checkpointing off"]["max_batch"] > 0
+    # Sharding params, grads and AdamW state over 4 ranks leaves room for more samples per rank.
+    assert four["max_batch"] >= single["max_batch"]
+    # The answer fits and one more sample does not, by the dry run itself.
+    spec = load_run([*TINY, "--trainer.devices", "4", "--trainer.strategy", "fsdp2"])
+    model, batch_for, optimizer = toy_inputs(spec)
+    best = four["max_batch"]
+    peaks = [
+        predict_sharded(model, batch_for(b), optimizer=optimizer, strategy="fsdp2", world_size=4).peak
+        for b in (best, best + 1)
+    ]
+    assert peaks[0] <= 0.02e9 < peaks[1]
+    assert peaks[0] == four["peak_bytes"]
+    assert torch.distributed.is_available() and not torch.distributed.is_initialized()
+
+
+def test_strategy_settings_reach_the_dry_run_and_tensor_parallel_is_predicted(workdir, capsys):
+    ddp = '{"class_path": "lightning.pytorch.strategies.DDPStrategy", "init_args": {"bucket_cap_mb": 0.05}}'
+    small = run_json(capsys, "account", *TINY, "--trainer.devices", "2", "--trainer.strategy", ddp, "--json")
+    default = run_json(capsys, "account", *TINY, "--trainer.devices", "2", "--trainer.strategy", "ddp", "--json")
+    cases = small["per_rank"]["cases"]["checkpointing off"], default["per_rank"]["cases"]["checkpointing off"]
+    assert cases[0]["buckets"] > cases[1]["buckets"] and cases[0]["comm_buffers"] == cases[1]["comm_buffers"]
+    tp = '{"class_path": "lightning.pytorch.strategies.ModelParallelStrategy", "init_args": '
+    tp += '{"tensor_parallel_size": 2}}'
+    result = run_json(capsys, "account", *TINY, "--trainer.devices", "2", "--trainer.strategy", tp, "--json")
+    assert result["per_rank"]["tensor_parallel"] == 2  # issue 30: one rank of a (1 x 2) mesh, predicted
+    for case in result["per_rank"]["cases"].values():
+        assert case["not_predicted"] is None and case["params"] > 0
+    assert result["memory"]["peak"]["predicted"] is not None
+
+
+def test_nodes_multiply_the_world_size(workdir, capsys):
+    args = ["--trainer.devices", "2", "--trainer.num_nodes", "2", "--trainer.strategy", "fsdp2", "--json"]
+    result = run_json(capsys, "account", *TINY, *args)
+    assert result["run"]["world_size"] == result["per_rank"]["world_size"] == 4
+    whole = run_json(capsys, "account", *TINY, "--json")["memory"]["params"]["predicted"]
+    assert whole / 4 <= result["memory"]["params"]["predicted"] < whole / 4 * 1.05  # FSDP2's padded dim-0 chunks

@@ -1,0 +1,303 @@
+"""The predicted step time (ledger/timing/steptime, issue 29): its mechanics, not its timings.
+
+Every op replayed or counted as a fallback with its share; the cache reused (a second prediction
+benchmarks nothing); k micro-batches are k forward/backward passes and one optimizer step; the categories
+sum to the step; a custom op is marked; indices replay in range; a corrupt cache is remeasured with one
+line; prediction leaves RNG, weights and data order alone. Each test has its own cache directory, with
+Lightning's loop calibration seeded where a test would otherwise start a Trainer in a subprocess.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from conftest import MICRO_OVERRIDES, run_json
+from lmledger.ledger.count.ops import OPTIMIZER, OpRecorder, OpSummary
+from lmledger.ledger.dryrun.engine import dry_run
+from lmledger.ledger.timing.steptime import CATEGORIES, NoStepTime, StepTime, data_wait, predict_step_time
+from lmledger.ledger.timing.steptime.cache import STEP_TIMES_FILE, StepTimeCache
+from lmledger.ledger.timing.steptime.replay import Replayer, why_not_replayed
+from lmledger.ledger.timing.steptime.tensors import rebuild
+from lmledger.model import ModelConfig, ToyLM
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+SMALL = ModelConfig(vocab_size=256, context_length=16, d_model=16, n_layers=1, n_heads=2, d_ff=32)
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("LMLEDGER_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("LMLEDGER_NO_STEP_TIME", raising=False)  # conftest turns it off for the other tests
+    return tmp_path / "cache" / STEP_TIMES_FILE
+
+
+def _toy_ops(accumulate: int = 1) -> tuple[OpSummary, torch.optim.Optimizer]:
+    with torch.device("meta"):
+        model = ToyLM(SMALL)
+    batch = tuple(torch.empty(2, 16, dtype=torch.long, device="meta") for _ in range(2))
+    make = lambda p: torch.optim.AdamW(p, lr=1e-3)  # noqa: E731
+    dry = dry_run(model, batch, step=lambda m, b: m(*b), optimizer=make, device="cpu", accumulate=accumulate)
+    return dry.ops, make(list(model.parameters()))
+
+
+def test_every_op_is_replayed_or_a_counted_fallback_and_the_categories_sum_to_the_step(cache):
+    ops, optimizer = _toy_ops()
+    result = predict_step_time(ops, "cpu", optimizer=optimizer, clip=("norm", 1.0), loop_s=1e-3, tokens=32, samples=2)
+    assert isinstance(result, StepTime)
+    assert result.replayed + result.fallback + result.optimizer_ops + result.collectives == result.ops == len(ops.ops)
+    assert result.optimizer_ops == sum(1 for op in ops.ops if op.category == OPTIMIZER) > 0
+    assert result.fallback == 0 and result.fallback_share == 0.0  # the toy LM is all aten ops
+    # SwiGLU's silu_backward, which FlopCounterMode decomposed, is replayed as the one kernel the step runs
+    composites = [op for op in ops.ops if op.composite is not None]
+    assert "aten.silu_backward.default" in {op.composite.name for op in composites}
+    assert all(ops.ops[i + 1].in_composite for i, op in enumerate(ops.ops) if op.composite is not None)
+    assert set(result.seconds) == set(CATEGORIES)
+    assert sum(result.seconds.values()) == pytest.approx(result.total_s, rel=1e-12)
+    assert all(v >= 0 for v in result.seconds.values()) and result.seconds["matmul"] > 0
+    assert result.seconds["host"] >= 1e-3  # the loop given, plus the measured per-op overhead
+    assert result.tokens_per_s == pytest.approx(32 / result.total_s)
+    assert 0 < result.benchmarked <= result.distinct
+
+
+def test_a_second_prediction_of_the_same_model_benchmarks_nothing(cache):
+    ops, optimizer = _toy_ops()
+    first = predict_step_time(ops, "cpu", optimizer=optimizer)
+    entry = json.loads(cache.read_text())
+    (key,) = entry
+    assert first.benchmarked > 0 and len(entry[key]["ops"]) >= first.benchmarked
+    assert {"per_op_overhead"} <= set(entry[key]["calibrations"]) and entry[key]["measured_at"]
+    second = predict_step_time(ops, "cpu", optimizer=optimizer)
+    assert second.benchmarked == 0
+    assert second.seconds == first.seconds  # every figure from the cache: the same step
+
+
+def test_k_micro_batches_are_k_forward_backward_passes_and_one_optimizer_step(cache):
+    one, optimizer = _toy_ops(accumulate=1)
+    four, _ = _toy_ops(accumulate=4)
+    a = predict_step_time(one, "cpu", optimizer=optimizer, loop_s=1e-3, tokens=32, samples=2)
+    b = predict_step_time(four, "cpu", optimizer=optimizer, loop_s=1e-3, tokens=32, samples=2, accumulate=4)
+    compute = lambda r: r.seconds["matmul"] + r.seconds["attention"] + r.seconds["other"]  # noqa: E731
+    assert b.seconds["optimizer"] == a.seconds["optimizer"]  # one optimizer step, from the same cached timing
+    matmuls = lambda ops, phase: [op.name for op in ops.ops if op.phase == phase and op.category == "matmul"]  # noqa: E731
+    assert matmuls(four, "forward") == 4 * matmuls(one, "forward")  # four forward passes, matmul for matmul
+    assert matmuls(four, "backward") == 4 * matmuls(one, "backward")
+    # the same cached op times four times over, but for the later backward passes accumulating into the grads
+    assert compute(b) == pytest.approx(4 * compute(a), rel=0.1)
+    assert b.tokens == 4 * 32 and b.samples == 8
+    assert b.seconds["host"] > 3.5 * a.seconds["host"]
+
+
+def test_indices_replay_in_range(cache):
+    emb = nn.Embedding(256, 8)
+    idx = torch.randint(0, 256, (4, 300))
+    targets = torch.randint(0, 256, (1200,))
+    recorder = OpRecorder({})
+    with recorder:
+        logits = emb(idx).reshape(1200, 8) @ emb.weight.T
+        torch.nn.functional.cross_entropy(logits, targets).backward()
+    names = {op.name: op for op in recorder.records}
+    generator = torch.Generator().manual_seed(0)
+    ((args, _),) = rebuild(names["aten.embedding.default"], torch.device("cpu"), generator)
+    assert args[1].dtype == torch.long and 4 <= int(args[1].max()) < 256 and int(args[1].min()) >= 0
+    ((args, _),) = rebuild(names["aten.embedding_dense_backward.default"], torch.device("cpu"), generator)
+    assert 4 <= int(args[1].max()) < 256
+    ((args, _),) = rebuild(names["aten.nll_loss_forward.default"], torch.device("cpu"), generator)
+    assert 8 <= int(args[1].max()) < 256  # class targets below the class count, not the smallest dimension
+    replayer = Replayer(torch.device("cpu"))
+    assert all(replayer.seconds(op) is not None for op in recorder.records), replayer.failed
+
+
+@torch.library.custom_op("lmledger_test::scaled", mutates_args=())
+def _scaled(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+@_scaled.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+_scaled.register_autograd(lambda ctx, grad: grad * 2)
+
+
+class _CustomOpNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return _scaled(self.lin(x)).square().mean()
+
+
+def test_a_custom_op_is_priced_at_its_roofline_and_marked(cache):
+    model = _CustomOpNet()
+    dry = dry_run(model, torch.randn(4, 8), optimizer=lambda p: torch.optim.SGD(p, lr=0.1), device="cpu")
+    custom = [op for op in dry.ops.ops if op.name.startswith("lmledger_test.")]
+    assert custom and "custom op" in why_not_replayed(custom[0])
+    result = predict_step_time(dry.ops, "cpu")
+    assert isinstance(result, StepTime)
+    assert result.fallback == len(custom) and result.fallback_ops == {"lmledger_test.scaled.default": len(custom)}
+    assert 0 < result.fallback_share < 1 and "roofline/efficiency" in result.line()
+    # nothing but custom ops: no time prediction, and one line saying why
+    only = predict_step_time(OpSummary.of(custom), "cpu")
+    assert isinstance(only, NoStepTime) and "custom op" in only.reason and "\n" not in only.reason
+
+
+@pytest.mark.parametrize("content", ["{not json", "[1, 2]", '{"KEY": {"ops": {"x": -1}, "calibrations": {}}}'])
+def test_a_corrupt_cache_is_measured_again_with_one_line(cache, content):
+    ops, _ = _toy_ops()
+    cache.parent.mkdir(parents=True)
+    key = StepTimeCache(torch.device("cpu"), cache).key
+    cache.write_text(content.replace("KEY", key))
+    result = predict_step_time(ops, "cpu")
+    assert isinstance(result, StepTime) and result.benchmarked > 0
+    (note,) = [n for n in result.notes if "step-time cache" in n]
+    assert "measuring again" in note and "\n" not in note
+    assert key in json.loads(cache.read_text())  # rewritten whole
+    assert predict_step_time(ops, "cpu").benchmarked == 0
+
+
+def test_another_machines_entry_is_kept_and_not_used(cache):
+    ops, _ = _toy_ops()
+    cache.parent.mkdir(parents=True)
+    cache.write_text(json.dumps({"other CPU | torch 0.1": {"ops": {}, "calibrations": {}, "measured_at": "x"}}))
+    result = predict_step_time(ops, "cpu")
+    assert result.benchmarked > 0
+    assert set(json.loads(cache.read_text())) == {"other CPU | torch 0.1", StepTimeCache(torch.device("cpu")).key}
+
+
+def test_prediction_leaves_rng_weights_and_data_order_alone(cache):
+    ops, optimizer = _toy_ops()
+    torch.manual_seed(3)
+    random.seed(3)
+    np.random.seed(3)
+    model = ToyLM(SMALL)
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.arange(64)), batch_size=4, shuffle=True)
+    states = torch.get_rng_state(), random.getstate(), np.random.get_state()[1].copy()
+    predicted = predict_step_time(ops, "cpu", optimizer=optimizer, data=data_wait(loader))
+    assert isinstance(predicted, StepTime) and predicted.seconds["data_wait"] > 0
+    assert torch.equal(torch.get_rng_state(), states[0]) and random.getstate() == states[1]
+    assert np.array_equal(np.random.get_state()[1], states[2])
+    assert all(torch.equal(v, weights[k]) for k, v in model.state_dict().items())
+    order = [b[0].tolist() for b in loader]
+    torch.set_rng_state(states[0])
+    assert order == [b[0].tolist() for b in loader]  # the shuffle the run would have drawn
+
+
+def test_account_prints_the_predicted_step_time_before_anything_runs(cache, workdir, capsys):
+    from lmledger.callbacks.steptime import loop_calibration_name
+
+    seeded = StepTimeCache(torch.device("cpu"))  # the loop probe would start a Trainer in a subprocess
+    seeded.set_calibration(loop_calibration_name(False, True), {"base_s": 2e-3, "per_log_s": 0.0}, "seeded by the test")
+    seeded.save()
+    result = run_json(capsys, "account", "--config", "configs/tiny.yaml", *MICRO_OVERRIDES, "--json")
+    predicted = result["time"]["predicted"]
+    assert predicted["total_s"] == pytest.approx(sum(predicted["seconds"].values()))
+    assert predicted["seconds"]["host"] >= 2e-3 and predicted["tokens_per_s"] == pytest.approx(
+        result["run"]["tokens_per_step"] / predicted["total_s"]
+    )
+    assert predicted["line"].startswith("step time predicted ")
+
+
+def test_plan_train_time_from_a_config(cache, workdir, capsys):
+    import yaml
+
+    from lmledger.callbacks.steptime import loop_calibration_name
+
+    seeded = StepTimeCache(torch.device("cpu"))
+    seeded.set_calibration(loop_calibration_name(True, True), {"base_s": 2e-3, "per_log_s": 0.0}, "seeded by the test")
+    seeded.save()
+    config = yaml.safe_load(open("configs/tiny.yaml"))
+    config["model"]["config"].update(d_model=32, n_layers=1, n_heads=2, d_ff=64, context_length=32)
+    config["data"]["batch_size"] = 4
+    (workdir / "micro.yaml").write_text(yaml.safe_dump(config))
+    here = run_json(capsys, "plan", "train-time", "--config", "micro.yaml", "--tokens", "2B", "--json")
+    assert here["tokens_per_step"] == 4 * 32 and here["source"].startswith("predicted on this machine")
+    assert here["days"] == pytest.approx(2e9 / 128 * here["step_s"] / 86400)
+    gpu = run_json(
+        capsys, "plan", "train-time", "--config", "micro.yaml", "--tokens", "2B", "--gpu", "h100-sxm", "--json"
+    )
+    assert "upper bound on speed" in gpu["source"] and 0 < gpu["step_s"] < here["step_s"]
+
+
+def test_sweep_plan_predicts_each_points_peak_and_step(cache, workdir, capsys):
+    from lmledger.callbacks.steptime import loop_calibration_name
+    from lmledger.cli import main as lmledger
+
+    seeded = StepTimeCache(torch.device("cpu"))
+    seeded.set_calibration(loop_calibration_name(False, True), {"base_s": 2e-3, "per_log_s": 0.0}, "seeded by the test")
+    seeded.save()
+    fixed = dict(zip(MICRO_OVERRIDES[::2], MICRO_OVERRIDES[1::2], strict=True))
+    experiment = {
+        "name": "plan", "command": "fit", "configs": ["configs/tiny.yaml"],
+        "fixed": {k.removeprefix("--"): v for k, v in fixed.items()}, "grid": {"data.batch_size": [2, 8]},
+    }  # fmt: skip
+    (workdir / "plan.yaml").write_text(json.dumps(experiment))
+    capsys.readouterr()
+    assert lmledger(["sweep", "plan.yaml", "--plan"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    rows = {line.split()[0]: line.split() for line in out if line.startswith("batch_size=")}
+    assert len(rows) == 2, out
+    for point, row in rows.items():
+        batch = int(point.removeprefix("batch_size=").split("-")[0])
+        step_ms, rate = float(row[3]), float(row[4].replace(",", ""))
+        assert float(row[2]) > 0 and rate * step_ms / 1e3 == pytest.approx(batch * 32, rel=0.05)  # tokens per step
+    assert not list(workdir.glob("runs/sweeps/plan/points/*"))  # nothing ran
+
+
+def test_a_fit_trains_the_same_with_the_prediction_on_or_off(cache):
+    import lightning.pytorch as pl
+
+    from lmledger.callbacks import Ledger
+    from lmledger.callbacks.settings import LedgerSettings
+    from lmledger.callbacks.steptime import loop_calibration_name
+
+    seeded = StepTimeCache(torch.device("cpu"))
+    seeded.set_calibration(loop_calibration_name(False, False), {"base_s": 1e-3, "per_log_s": 0.0}, "seeded")
+    seeded.save()
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model, self.seen = ToyLM(SMALL), []
+
+        def on_train_batch_start(self, batch, batch_idx):  # the real batch (the dry run calls training_step)
+            self.seen.append(batch[0][:, 0].tolist())
+
+        def training_step(self, batch, batch_idx):
+            return self.model(*batch) + 0 * torch.rand(())  # draws from torch's RNG every step
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    def run(predict: bool):
+        torch.manual_seed(0)
+        random.seed(0)
+        np.random.seed(0)
+        tokens = torch.randint(0, 256, (32, 17))
+        loader = torch.utils.data.DataLoader(
+            torch.utils.data.TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=4, shuffle=True
+        )
+        module, ledger = Module(), Ledger(settings=LedgerSettings(warmup_steps=1, time=predict))
+        pl.Trainer(max_steps=4, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                   enable_model_summary=False, callbacks=[ledger]).fit(module, loader)  # fmt: skip
+        return module, ledger, torch.get_rng_state(), random.random(), np.random.rand()
+
+    on, ledger, *after_on = run(True)
+    off, _, *after_off = run(False)
+    assert isinstance(ledger.step_time, StepTime) and ledger.report.times["step time"][0] > 0
+    assert on.seen == off.seen  # data order
+    assert all(torch.equal(a, b) for a, b in zip(on.state_dict().values(), off.state_dict().values(), strict=True))
+    assert torch.equal(after_on[0], after_off[0]) and after_on[1:] == after_off[1:]
+    # The cache was empty: the time ledger's CPU peak and bandwidth probes ran their matmuls before step 1,
+    # not inside the measured step's FLOP counter (they once made it read 50x the step).
+    assert (cache.parent / "cpu-bandwidth.json").exists()
+    assert ledger.measured.flops_hardware == ledger.predicted.flops_hardware > 0

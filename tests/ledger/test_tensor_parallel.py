@@ -1,0 +1,304 @@
+"""Tensor parallelism beside FSDP2 (issue 30): LitLM's TP plan trains as one process does, and one rank's
+step is predicted from one process on a fake (data_parallel x tensor_parallel) mesh, held to real gloo
+ranks. The real-rank tests are few and tiny (2 and 4 processes); they run in CI on 2 cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lmledger.errors import ConfigError, UserError
+from lmledger.ledger.sharding.sharded import FSDPSettings, measure_sharded, predict_sharded, spawn_gloo_ranks
+from lmledger.model import ModelConfig, ToyLM
+
+HERE = Path(__file__).resolve()
+STATE = ("params", "grads", "optimizer")
+ACTIVATIONS_TOLERANCE = 0.01  # issue 30: state exact, activations 1%, peak 3%
+PEAK_TOLERANCE = 0.03
+LINES = ("params", "grads", "optimizer", "activations", "peak", "flops_forward", "flops_backward", "comm_buffers")
+
+# Heads and the MLP divide by 2; vocabulary 64 divides too (sequence parallel splits the embedding by rows).
+CFG = ModelConfig(vocab_size=64, context_length=16, d_model=32, n_layers=2, n_heads=4, d_ff=64)
+STEPS = 4
+TP2 = ["--trainer.strategy", "lmledger.strategies.FSDP2Strategy", "--trainer.strategy.tensor_parallel_size", "2"]
+
+
+def _batch() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, CFG.vocab_size, (2, CFG.context_length), generator=g)
+    return x, torch.roll(x, -1, 1)
+
+
+def _adamw(params):
+    return torch.optim.AdamW(params, lr=1e-2)
+
+
+def _losses(model: torch.nn.Module) -> list[float]:
+    optimizer = _adamw(model.parameters())
+    x, y = _batch()
+    out = []
+    for _ in range(STEPS):
+        loss = model(x, y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        out.append(loss.item())
+    return out
+
+
+# (tensor parallel, sequence parallel, checkpointing, accumulate, precision): the matrix each rank measures
+CASES = {
+    2: [(2, False, False, 1, "32-true"), (2, True, True, 2, "bf16-mixed")],
+    4: [(2, False, True, 2, "bf16-mixed")],
+}
+
+
+def _figures(ledger) -> dict:
+    return {line: getattr(ledger, line) for line in LINES}
+
+
+def _rank(world: int) -> dict:
+    """One real rank: LitLM's plan trained (with and without sequence parallel), then the measured matrix."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lmledger.ledger.sharding.fsdp2 import TP_DIMS, shard_blocks
+    from lmledger.ledger.sharding.sharded import _with_checkpointed_blocks
+    from lmledger.ledger.sharding.tp import toy_tp_plan
+
+    losses = {}
+    for sequence_parallel in (False, True):
+        torch.manual_seed(0)
+        model = ToyLM(CFG)
+        mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=TP_DIMS)
+        toy_tp_plan(model, mesh["tensor_parallel"], sequence_parallel)
+        shard_blocks(model, mesh["data_parallel"], FSDPSettings())
+        losses[sequence_parallel] = _losses(model)
+    measured = []
+    for tp, sp, ac, accumulate, precision in CASES[world]:
+        torch.manual_seed(0)
+        kwargs = dict(optimizer=_adamw, precision=precision, strategy="fsdp2", accumulate=accumulate,
+                      fsdp=FSDPSettings(tensor_parallel=tp, sequence_parallel=sp))  # fmt: skip
+        module = ToyLM(CFG)
+        ledger = (
+            _with_checkpointed_blocks(lambda m, b, **k: measure_sharded(m, b, **k), module, _batch(), **kwargs)
+            if ac
+            else measure_sharded(module, _batch(), **kwargs)
+        )
+        measured.append(_figures(ledger))
+    return {"losses": losses, "measured": measured}
+
+
+def _predicted(world: int, case: tuple) -> dict:
+    tp, sp, ac, accumulate, precision = case
+    with torch.device("meta"):
+        model = ToyLM(CFG)
+    ledger = predict_sharded(
+        model, _batch(), optimizer=_adamw, precision=precision, strategy="fsdp2", world_size=world,
+        fsdp=FSDPSettings(tensor_parallel=tp, sequence_parallel=sp), activation_checkpointing=ac or None,
+        accumulate=accumulate,
+    )  # fmt: skip
+    assert ledger.tensor_parallel == tp and ledger.world_size == world
+    return _figures(ledger)
+
+
+@pytest.mark.parametrize("world", [2, 4], ids=["tp2", "dp2xtp2"])
+def test_tp_trains_as_one_process_and_is_predicted_per_rank(world):
+    torch.manual_seed(0)
+    reference = _losses(ToyLM(CFG))
+    ranks = spawn_gloo_ranks(_rank, world, world)
+    for rank in ranks:
+        for sequence_parallel, losses in rank["losses"].items():
+            assert losses == pytest.approx(reference, rel=1e-5), (sequence_parallel, losses, reference)
+        for case, measured in zip(CASES[world], rank["measured"], strict=True):
+            predicted = _predicted(world, case)
+            for line in (*STATE, "flops_forward", "flops_backward", "comm_buffers"):
+                assert predicted[line] == measured[line] > 0 or line == "comm_buffers", (case, line)
+            assert abs(measured["activations"] / predicted["activations"] - 1) <= ACTIVATIONS_TOLERANCE, case
+            assert abs(measured["peak"] / predicted["peak"] - 1) <= PEAK_TOLERANCE, (case, predicted, measured)
+
+
+def test_tp_divides_the_state_and_the_block_flops():
+    """Per rank at TP 2 over 4 ranks: every TP weight is half, FSDP halves the rest, the blocks' matmul FLOPs halve."""
+    from lmledger.ledger.dryrun.engine import dry_run
+
+    with torch.device("meta"):
+        model = ToyLM(CFG)
+    one = dry_run(model, _batch(), optimizer=_adamw)
+    fsdp = predict_sharded(model, _batch(), optimizer=_adamw, strategy="fsdp2", world_size=2)
+    both = predict_sharded(model, _batch(), optimizer=_adamw, strategy="fsdp2", world_size=4,
+                           fsdp=FSDPSettings(tensor_parallel=2))  # fmt: skip
+    assert fsdp.params == one.params // 2
+    assert both.params < fsdp.params  # the blocks' matmuls are split twice
+    head = 2 * 2 * CFG.context_length * CFG.d_model * CFG.vocab_size  # the LM head's forward, replicated
+    assert both.flops_forward - head == pytest.approx((one.flops_forward - head) / 2, rel=0.02)
+
+
+def test_megatron_closed_forms_follow_korthikanti_table_2():
+    """Our code of Megatron-LM's formulas: per layer 34 s b h / t with sequence parallel, s b h (10 + 24 / t)
+    without (equal at t = 1), plus 5 a s^2 b / t without selective recompute; 18 bytes a parameter."""
+    from lmledger.ledger.sharding.tp import megatron_memory
+
+    shape = dict(layers=1, hidden=4096, heads=32, ffn=4 * 4096, vocab=51200, seq=2048, micro_batch=1)
+    rest = lambda t: (8 * 2048 + 2048 * 4096 + 4 * 2048 * 4096 * (1 + 51200 / 4096)) / t  # noqa: E731
+    sbh = 2048 * 4096
+    for t in (1, 8):
+        sp = megatron_memory(**shape, tp=t, sequence_parallel=True)["activations"] - rest(t)
+        tp = megatron_memory(**shape, tp=t, sequence_parallel=False)["activations"] - rest(t)
+        assert sp == pytest.approx(34 * sbh / t) and tp == pytest.approx(sbh * (10 + 24 / t))
+    full = megatron_memory(**shape, tp=8, sequence_parallel=True, selective_recompute=False)["activations"]
+    assert full - rest(8) == pytest.approx(34 * sbh / 8 + 5 * 32 * 2048 * 2048 / 8)
+    weights = megatron_memory(**shape, tp=1, sequence_parallel=True)["weights_and_optimizer"]
+    params = 12 * 4096**2 + 4 * 4096 + 2 * 4096 + 2 * 4096 * 51200  # Megatron's count: a layer, final norm, embeddings
+    assert weights == pytest.approx(18 * params)
+
+
+# --------------------------------------------------------------------------------------------
+# Bad input, one line each
+# --------------------------------------------------------------------------------------------
+
+
+def test_heads_or_hidden_not_dividing_by_tp_are_one_line():
+    from lmledger.ledger.sharding.tp import check_tensor_parallel
+
+    with pytest.raises(ConfigError, match="n_heads 4 does not divide by tensor_parallel_size 3"):
+        check_tensor_parallel(4, 64, 3)
+    with pytest.raises(ConfigError, match="hidden size 65 does not divide"):
+        check_tensor_parallel(4, 65, 2)
+
+
+def test_a_plan_naming_a_missing_module_is_one_line():
+    from lmledger.ledger.sharding.tp import check_plan
+
+    model = ToyLM(CFG).blocks[0]
+    with pytest.raises(ConfigError, match="names 'attn.wq', which Block has no module of") as err:
+        check_plan(model, {"attn.qkv": None, "attn.wq": None})
+    assert "\n" not in str(err.value)
+    check_plan(model, {"attn.*": None, "mlp.w1": None})  # globs, as parallelize_module takes them
+
+
+def test_tp_not_dividing_the_ranks_is_one_line():
+    with torch.device("meta"):
+        model = ToyLM(CFG)
+    with pytest.raises(UserError, match="tensor_parallel_size 3 does not divide the 4 ranks"):
+        predict_sharded(model, _batch(), strategy="fsdp2", world_size=4, fsdp=FSDPSettings(tensor_parallel=3))
+
+
+def _trainer(devices: int, strategy) -> dict:
+    return {"accelerator": "cpu", "devices": devices, "num_nodes": 1, "strategy": strategy}
+
+
+def _fsdp2(**init_args):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(class_path="lmledger.strategies.FSDP2Strategy", init_args=init_args)
+
+
+def test_the_strategy_takes_tp_and_refuses_what_it_cannot_run_in_one_line():
+    from lmledger.run_config import resolve_strategy
+
+    scale = resolve_strategy(_trainer(8, _fsdp2(tensor_parallel_size=4)))
+    assert (scale.strategy, scale.world_size, scale.tensor_parallel) == ("fsdp2", 8, 4)
+    assert resolve_strategy(_trainer(8, _fsdp2())).tensor_parallel == 1  # fsdp2's default: every rank data-parallel
+    with pytest.raises(ConfigError, match="tensor_parallel_size 3 does not divide --trainer.devices 8") as err:
+        resolve_strategy(_trainer(8, _fsdp2(tensor_parallel_size=3)))
+    with pytest.raises(ConfigError, match="pipeline parallelism is not supported") as pipe:
+        resolve_strategy(_trainer(8, "pipeline_parallel"))
+    assert "\n" not in str(err.value) + str(pipe.value)
+
+
+def test_account_takes_the_2d_shape(workdir, capsys):
+    """`lmledger account` with tensor_parallel_size: one rank of a (2 x 2) mesh, state below FSDP2 over 2 ranks."""
+    from conftest import run_json
+
+    def per_rank(*strategy: str) -> dict:
+        config = ["--config", "configs/tiny.yaml", "--trainer.devices", "4" if len(strategy) > 2 else "2"]
+        return run_json(capsys, "account", *config, *strategy, "--json")["per_rank"]
+
+    both = per_rank(*TP2)
+    fsdp = per_rank("--trainer.strategy", "fsdp2")
+    assert (both["tensor_parallel"], both["world_size"], fsdp["tensor_parallel"]) == (2, 4, 1)
+    for label, case in both["cases"].items():
+        assert case["not_predicted"] is None, label
+        assert 0 < case["params"] < fsdp["cases"][label]["params"]  # the blocks split by TP, then by FSDP
+
+
+# --------------------------------------------------------------------------------------------
+# A live fit: LitLM through `lmledger fit`, TP 2 on 2 gloo ranks, predicted beside measured per rank
+# --------------------------------------------------------------------------------------------
+
+
+def test_litlm_tp_fit_is_predicted_per_rank(workdir):
+    from test_ledger_fsdp2 import _check_predicted_equals_measured, _env, _ranks
+
+    from conftest import TINY_OVERRIDES
+
+    out = workdir / "dump"
+    out.mkdir()
+    cmd = [
+        sys.executable, "-m", "lmledger.cli", "fit", "--config", "configs/tiny.yaml", *TINY_OVERRIDES, *TP2,
+        "--trainer.devices", "2", "--trainer.max_steps", "3", "--trainer.limit_val_batches", "0",
+        "--ledger.warmup_steps", "1", "--trainer.callbacks+=test_ledger_fsdp2.DumpLedger",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=_env(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = _ranks(out)
+    _check_predicted_equals_measured(ranks)
+    for rank in ranks:
+        assert abs(rank["measured"]["activations"] / rank["predicted"]["activations"] - 1) <= ACTIVATIONS_TOLERANCE
+    print(json.dumps(ranks))
+
+
+# --------------------------------------------------------------------------------------------
+# A user's module in Lightning's TP-tutorial form (examples/tensor_parallel.py), under Ledger()
+# --------------------------------------------------------------------------------------------
+
+
+def _tutorial_fit() -> None:
+    """One rank of a 2-rank TP 2 fit of the tutorial's FeedForwardTP, with the Ledger (run as a script)."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.strategies import ModelParallelStrategy
+    from test_ledger_fsdp2 import DumpLedger
+
+    from examples.tensor_parallel import FeedForwardTP
+    from lmledger.callbacks import Ledger
+
+    torch.set_num_threads(1)
+    pl.seed_everything(0, verbose=False)
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(64, 32, generator=g), torch.randn(64, 32, generator=g))
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, max_steps=3, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+        strategy=ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=2),
+        callbacks=[Ledger(warmup_steps=1), DumpLedger()],
+    )  # fmt: skip
+    trainer.fit(FeedForwardTP(), torch.utils.data.DataLoader(data, batch_size=8))
+
+
+def test_a_tp_tutorial_module_is_predicted_per_rank(tmp_path):
+    from test_ledger_fsdp2 import _check_predicted_equals_measured, _env, _ranks
+
+    env = _env(tmp_path)
+    env["PYTHONPATH"] = os.pathsep.join((str(HERE.parents[2]), env["PYTHONPATH"]))  # examples/
+    proc = subprocess.run(
+        [sys.executable, str(HERE), "tutorial"], capture_output=True, text=True, timeout=400, env=env, cwd=tmp_path
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = _ranks(tmp_path)
+    _check_predicted_equals_measured(ranks)
+    whole = 4 * 3 * 32 * 64  # w1, w2, w3 in fp32: each rank holds half of each
+    for rank in ranks:
+        assert rank["measured"]["params"] == whole // 2
+        assert abs(rank["measured"]["activations"] / rank["predicted"]["activations"] - 1) <= ACTIVATIONS_TOLERANCE
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(HERE.parent))
+    _tutorial_fit()
