@@ -414,7 +414,7 @@ def test_canary_kineto_prints_to_native_stderr_on_start_and_stop(tmp_path):
     import subprocess
 
     code = (
-        "import torch\nfrom lmledger.ledger import profile as p\n"
+        "import torch\nfrom lmledger.ledger.timing import profile as p\n"
         "a = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]); a.start(); a.stop()\n"
         "import sys; print('--quiet--', file=sys.stderr, flush=True)\n"
         "b = p.profiler(torch.device('cpu')); p.start(b); torch.ones(2).sum(); p.stop(b)\n"
