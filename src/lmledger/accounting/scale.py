@@ -65,7 +65,8 @@ def per_rank(spec: Run, capacity_bytes: int | None = None, argv: list[str] = ())
     The strategy's settings come from the fit arguments `argv` (_scale_settings; none without them)."""
     from lmledger.ledger.sharding.atscale import toy_at_scale
 
-    settings = {**_scale_settings(trainer_scale(argv)), "links": scale_links(argv)} if argv else {}
+    scale = trainer_scale(argv) if argv else None
+    settings = {**_scale_settings(scale), "links": scale_links(argv, scale)} if argv else {}
     return toy_at_scale(spec, capacity_bytes, labels=AC_LABELS, **settings)
 
 
@@ -82,15 +83,15 @@ def trainer_scale(argv: list[str]):
     return resolve_strategy(config.trainer, config.model)
 
 
-def scale_links(argv: list[str]):
+def scale_links(argv: list[str], scale):
     """The links a run at scale's collectives cross (ledger.hardware.interconnect.Links): --ledger.intra_node and
-    --ledger.inter_node where given, else an H100 node's (NVLink 4, NDR), split at --trainer.devices a node.
-    None for a CPU run on one machine (gloo's collectives there are memory copies)."""
+    --ledger.inter_node where given, else an H100 node's (NVLink 4, NDR), split at the devices a node of
+    `scale` (the arguments' trainer_scale, which the caller has). None for a CPU run on one machine (gloo's
+    collectives there are memory copies)."""
     from lmledger.fitting.cli import parse_fit_config
     from lmledger.ledger.hardware.interconnect import links_for
 
     config = parse_fit_config(list(argv))
-    scale = trainer_scale(argv)
     intra, inter = config.get("ledger.intra_node"), config.get("ledger.inter_node")
     if str(config.get("trainer.accelerator") or "auto") == "cpu" and scale.num_nodes == 1 and not (intra or inter):
         return None
@@ -130,7 +131,7 @@ def any_model_at_scale(argv: list[str], capacity_bytes: int | None = None) -> di
     from lmledger.ledger.sharding import atscale
 
     scale = trainer_scale(argv)
-    world_size, strategy = scale.world_size, scale.strategy
+    world_size, strategy, links = scale.world_size, scale.strategy, scale_links(argv, scale)
     with torch.device("meta"):
         module, data, config = build_model_and_data(argv)
     batch = first_batch(data)
@@ -141,7 +142,7 @@ def any_model_at_scale(argv: list[str], capacity_bytes: int | None = None) -> di
         scale = atscale.at_scale(
             module, lambda size: ledger_predict.resized(batch, size), samples, strategy=strategy, world_size=world_size,
             capacity_bytes=capacity_bytes, step=ledger_predict.module_step,
-            optimizer=ledger_predict.configured_optimizer(module), precision=precision, links=scale_links(argv),
+            optimizer=ledger_predict.configured_optimizer(module), precision=precision, links=links,
             **_scale_settings(scale, module),
         )  # fmt: skip
     return {
