@@ -201,17 +201,22 @@ def wire_bytes(kind: str, buffer_bytes: int, group_size: int) -> float:
 
 def collective_seconds(op: object, links: Links, world_size: int) -> tuple[float, Interconnect | None]:
     """(seconds, link) of one recorded collective (an ops.OpRecord of category communication): its link's
-    latency plus the bytes a ring sends at its bandwidth. A wait costs nothing (0.0, None).
+    latency plus the bytes a ring sends at its bandwidth. A wait costs nothing (0.0, None)."""
+    seconds, link, _ = _priced(op, links, world_size)
+    return seconds, link
 
-    The tensor a collective moves is its larger side: an all-gather's output, a reduce-scatter's input, an
-    all-reduce's buffer. A group the recorder could not name is the whole world."""
+
+def _priced(op: object, links: Links, world_size: int) -> tuple[float, Interconnect | None, float]:
+    """(seconds, link, bytes sent) of one collective. The tensor a collective moves is its larger side: an
+    all-gather's output, a reduce-scatter's input, an all-reduce's buffer. A group the recorder could not name
+    is the whole world."""
     kind = collective_kind(op.name)
     if kind is None:
-        return 0.0, None
+        return 0.0, None, 0.0
     size = op.group_size or world_size
     link = links.for_group(op.group or "world", size)
     sent = wire_bytes(kind, max(op.bytes_read, op.bytes_written), size)
-    return (link.alpha_s + sent / link.bytes_per_s if sent else 0.0), link
+    return (link.alpha_s + sent / link.bytes_per_s if sent else 0.0), link, sent
 
 
 def communication(ops: object, links: Links, world_size: int) -> dict:
@@ -223,31 +228,26 @@ def communication(ops: object, links: Links, world_size: int) -> dict:
     for op in ops.ops:
         if op.category != "communication":
             continue
-        seconds, link = collective_seconds(op, links, world_size)
+        seconds, link, sent = _priced(op, links, world_size)
         if link is None:
             continue
         row = by_link.setdefault(link.name, {"scope": link.scope, "seconds": 0.0, "collectives": 0, "bytes_sent": 0.0})
         row["seconds"] += seconds
         row["collectives"] += 1
-        row["bytes_sent"] += wire_bytes(collective_kind(op.name), max(op.bytes_read, op.bytes_written),
-                                        op.group_size or world_size)  # fmt: skip
+        row["bytes_sent"] += sent
         group = op.group or "world"
         by_group[group] = by_group.get(group, 0.0) + seconds
+
+    def named(link: Interconnect) -> dict:
+        return {"name": link.name, "bytes_per_s": link.bytes_per_s, "source": link.source}
+
     return {
         "seconds": sum(row["seconds"] for row in by_link.values()),
         "by_link": by_link,
         "by_group": by_group,
         "links": {
-            "intra_node": {
-                "name": links.intra.name,
-                "bytes_per_s": links.intra.bytes_per_s,
-                "source": links.intra.source,
-            },
-            "inter_node": {
-                "name": links.inter.name,
-                "bytes_per_s": links.inter.bytes_per_s,
-                "source": links.inter.source,
-            },
+            "intra_node": named(links.intra),
+            "inter_node": named(links.inter),
             "gpus_per_node": links.gpus_per_node,
             "num_nodes": links.num_nodes,
         },
