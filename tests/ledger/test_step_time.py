@@ -10,7 +10,9 @@ Lightning's loop calibration seeded where a test would otherwise start a Trainer
 from __future__ import annotations
 
 import json
+import os
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -171,6 +173,53 @@ def test_another_machines_entry_is_kept_and_not_used(cache):
     result = predict_step_time(ops, "cpu")
     assert result.benchmarked > 0
     assert set(json.loads(cache.read_text())) == {"other CPU | torch 0.1", StepTimeCache(torch.device("cpu")).key}
+
+
+def test_op_times_taken_on_a_busy_machine_are_said_so_now_and_from_the_cache(cache, monkeypatch):
+    from lmledger.ledger.hardware import cpu
+
+    ops, _ = _toy_ops()
+    monkeypatch.setattr(cpu.OthersBusy, "share", lambda self: 0.0)  # this machine may be busy as the test runs
+    quiet = predict_step_time(ops, "cpu")
+    assert quiet.benchmarked > 0 and quiet.busy == 0.0 and not any("busy machine" in n for n in quiet.notes)
+    monkeypatch.setattr(cpu.OthersBusy, "share", lambda self: 0.5)
+    cache.unlink()
+    busy = predict_step_time(ops, "cpu")
+    assert busy.busy == 0.5 and busy.to_json()["busy"] == 0.5
+    (note,) = [n for n in busy.notes if "busy machine" in n]
+    assert "50%" in note and str(cache) in note and "\n" not in note
+    cached = predict_step_time(ops, "cpu")  # nothing timed now: the cache's record still says it
+    assert cached.benchmarked == 0 and cached.busy is None
+    assert any("busy machine" in n for n in cached.notes)
+
+
+def test_others_busy_is_the_share_of_cpu_time_other_processes_took(monkeypatch):
+    from lmledger.ledger.hardware import cpu
+
+    # /proc/stat's first line and /proc/self/stat, as jiffies: (all CPUs, their busy part, this process's)
+    readings = iter([(1000, 300, 100), (1400, 600, 200)])
+    monkeypatch.setattr(cpu, "_jiffies", lambda: next(readings))
+    meter = cpu.OthersBusy()
+    assert meter.share() is None  # not started
+    assert meter.start().share() == pytest.approx((300 - 100) / 400)  # busy 300 of 400, 100 of it ours
+
+
+@pytest.mark.skipif(not Path("/proc/stat").exists(), reason="reads Linux's /proc/stat")
+def test_others_busy_sees_a_spinning_child_process():
+    import subprocess
+    import sys
+    import time
+
+    from lmledger.ledger.hardware.cpu import OthersBusy
+
+    meter, started = OthersBusy().start(), time.perf_counter()
+    child = subprocess.run(
+        [sys.executable, "-c", "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.6: pass"]
+    )
+    wall = time.perf_counter() - started
+    assert child.returncode == 0
+    # the child's 0.6 s of CPU over this wall, on every CPU: its share at least (less the jiffy rounding)
+    assert meter.share() >= 0.6 / (wall * os.cpu_count()) - 0.05
 
 
 def test_prediction_leaves_rng_weights_and_data_order_alone(cache):

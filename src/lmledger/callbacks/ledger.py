@@ -61,6 +61,7 @@ from lmledger.callbacks.trainer_io import (
 from lmledger.errors import UserError
 from lmledger.ledger.dryrun.engine import StepLedger
 from lmledger.ledger.dryrun.fakecopy import batch_tensors
+from lmledger.ledger.hardware.cpu import OthersBusy
 from lmledger.ledger.hardware.gpus import PeakFlops
 from lmledger.ledger.report import Figures, Report
 from lmledger.ledger.run import Run
@@ -131,6 +132,7 @@ class Ledger(pl.Callback):
         self._toy_flops: dict[tuple[int, int], dict[str, int]] = {}
         self.step_time: object | None = None  # ledger.timing.steptime StepTime or NoStepTime, before step 1
         self._steady = [0.0, 0]  # seconds and batches of the throughput windows: the measured step
+        self._others = OthersBusy()  # other processes' share of the CPUs from the first window on
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._reset(1 if not pl_module.automatic_optimization else trainer.accumulate_grad_batches)
@@ -189,6 +191,7 @@ class Ledger(pl.Callback):
         # Throughput leaves out the warm-up batches (by default 3: they hold the two measured steps too).
         if self._window is None and self._batches == self.settings.warmup_steps:
             synchronize(pl_module.device)
+            self._others.start()
             self._window = Window(start=time.perf_counter())
 
     def on_before_zero_grad(self, trainer, pl_module, optimizer) -> None:
@@ -256,7 +259,14 @@ class Ledger(pl.Callback):
                         self.measurement.why_missing.setdefault(line, "not measured (run too short)")
                 ledgercheck.report_measured(self, trainer)
         if self.report is not None:
-            measured_time(self.report, self.step_time, self._steady, self._accumulate, trainer.is_global_zero)
+            measured_time(
+                self.report,
+                self.step_time,
+                self._steady,
+                self._accumulate,
+                trainer.is_global_zero,
+                self._others.share(),
+            )
             write_rank_record(trainer, self.report)
         if trainer.is_global_zero and self.report is not None:
             Console().print(self.report.table("ledger (summary)"))

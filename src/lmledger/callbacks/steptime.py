@@ -186,8 +186,9 @@ def predict_time(trainer, pl_module, dry, why_not, report, accumulate, tokens, s
     return result
 
 
-def measured_time(report, step_time, steady: list, accumulate: int, show: bool) -> None:
-    """The measured step (the throughput windows' mean, per optimizer step) beside the predicted one."""
+def measured_time(report, step_time, steady: list, accumulate: int, show: bool, others: float | None = None) -> None:
+    """The measured step (the throughput windows' mean, per optimizer step) beside the predicted one; `others`:
+    the share of the CPUs other processes took meanwhile (ledger.hardware.cpu.OthersBusy), said beside it."""
     from lmledger.ledger.timing.steptime import StepTime
 
     seconds, batches = steady
@@ -201,5 +202,6 @@ def measured_time(report, step_time, steady: list, accumulate: int, show: bool) 
     if show:
         rank_zero_info(
             f"step {step_time.total_s * 1e3:.4g} ms predicted, {measured * 1e3:.4g} ms measured "
-            f"(measured/predicted {measured / step_time.total_s:.3f}; over {batches} batches)"
+            f"(measured/predicted {measured / step_time.total_s:.3f}; over {batches} batches"
+            + (f"; other processes busy {others:.0%} of the CPUs meanwhile)" if others is not None else ")")
         )

@@ -29,6 +29,7 @@ __all__ = [
     "CPU_MEASURE_TRIES",
     "CPU_PEAKS_FILE",
     "CpuInfo",
+    "OthersBusy",
     "cache_dir",
     "cpu_info",
     "cpu_peak",
@@ -278,3 +279,42 @@ def cpu_peak(dtype: str) -> PeakFlops:
         "OS reports a clock below the one the cores run at"
     )
     return PeakFlops(measured.flops_per_s, "measured", dtype, detail)
+
+
+class OthersBusy:
+    """The share of this machine's CPU time that other processes (and the hypervisor's steal) took since
+    `start()`: a timing made while it is large is of a busy machine (two intra-op threads on two cores slow
+    down many-fold when another process takes one of them). Linux's /proc/stat and /proc/self/stat; `share()`
+    is None elsewhere, or before `start()`.
+    """
+
+    def __init__(self) -> None:
+        self._start: tuple[int, int, int] | None = None
+
+    def start(self) -> OthersBusy:
+        self._start = _jiffies()
+        return self
+
+    def share(self) -> float | None:
+        end = _jiffies() if self._start is not None else None
+        if self._start is None or end is None:
+            return None
+        total, busy, ours = (e - s for e, s in zip(end, self._start, strict=True))
+        return max(0.0, min(1.0, (busy - ours) / total)) if total > 0 else None
+
+
+def _jiffies() -> tuple[int, int, int] | None:
+    """(all CPUs' jiffies, their busy jiffies (steal included), this process's own busy jiffies), or None."""
+    stat, own = _read("/proc/stat"), _read("/proc/self/stat")
+    if not stat or not own:
+        return None
+    try:
+        fields = [int(x) for x in stat.splitlines()[0].split()[1:]]
+        # user nice system idle iowait irq softirq steal [guest guest_nice: already inside user and nice]
+        total = sum(fields[:8])
+        busy = total - fields[3] - fields[4]
+        after_name = own.rsplit(")", 1)[1].split()  # the name in parentheses may hold spaces
+        ours = int(after_name[11]) + int(after_name[12])  # utime, stime (fields 14 and 15 of proc(5))
+    except (IndexError, ValueError):
+        return None
+    return total, busy, ours

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from lmledger.ledger.count.ops import ATTENTION, COMMUNICATION, MATMUL, OPTIMIZER, OTHER, OpRecord, OpSummary
+from lmledger.ledger.hardware.cpu import OthersBusy
 from lmledger.ledger.hardware.interconnect import Links, collective_seconds
 from lmledger.ledger.timing.steptime import calibrate
 from lmledger.ledger.timing.steptime.cache import StepTimeCache
@@ -32,6 +33,10 @@ __all__ = ["CATEGORIES", "NoStepTime", "StepTime", "free_memory", "predict_step_
 
 DATA_WAIT, HOST = "data_wait", "host"
 CATEGORIES = (MATMUL, ATTENTION, OTHER, OPTIMIZER, COMMUNICATION, DATA_WAIT, HOST)
+# Other processes' share of the CPUs while ops were timed, above which the times are said to be a busy
+# machine's: on 2 cores, another process on one of them slows a 2-thread op many-fold (docs/time.md).
+BUSY_SHARE = 0.15
+_BUSY = "others busy while timing"
 
 
 @dataclass(frozen=True)
@@ -48,6 +53,7 @@ class StepTime:
     fallback_ops: dict[str, int] = field(default_factory=dict)  # name -> count, with why_not below
     why_not: dict[str, str] = field(default_factory=dict)  # op name -> why it was not replayed
     benchmarked: int = 0  # op signatures timed by this prediction (0: all from the cache)
+    busy: float | None = None  # other processes' share of the CPUs while this prediction timed ops (None: none timed)
     distinct: int = 0  # distinct op signatures of the step
     accumulate: int = 1
     tokens: int | None = None  # per optimizer step (all micro-batches), None when the batch has no token ids
@@ -87,7 +93,7 @@ class StepTime:
             "total_s": self.total_s, "seconds": dict(self.seconds), "tokens_per_s": self.tokens_per_s,
             "samples_per_s": self.samples_per_s, "ops": self.ops, "replayed": self.replayed,
             "fallback": self.fallback, "fallback_share": self.fallback_share, "optimizer_ops": self.optimizer_ops,
-            "collectives": self.collectives, "fallback_ops": dict(self.fallback_ops),
+            "collectives": self.collectives, "fallback_ops": dict(self.fallback_ops), "busy": self.busy,
             "benchmarked": self.benchmarked, "distinct": self.distinct, "accumulate": self.accumulate,
             "how": dict(self.how), "notes": list(self.notes),
         }  # fmt: skip
@@ -140,6 +146,7 @@ def predict_step_time(
     cache = StepTimeCache(device, cache_path)
     notes = [cache.note] if cache.note else []
     free = free_memory(device)
+    others = OthersBusy().start()
     replayer = Replayer(device, cache.ops, max_bytes=free // 2)
     overhead, overhead_how = calibrate.per_op_overhead(device, cache, Replayer(device, cache.ops))
     timed_optimizer = calibrate.optimizer_seconds(optimizer, device, clip, cache)
@@ -224,8 +231,10 @@ def predict_step_time(
         seconds[DATA_WAIT] = data.wait(per_batch_step) * accumulate
         how[DATA_WAIT] = data.how
     distinct = len({_key(op) for op in ops.ops})
+    busy = others.share() if replayer.benchmarked else None
     if replayer.benchmarked:
         cache.mark()
+    notes += _busy_notes(cache, busy)
     cache.save()
     if cache.note and cache.note not in notes:
         notes.append(cache.note)
@@ -233,10 +242,25 @@ def predict_step_time(
         seconds=seconds, ops=len(ops.ops), replayed=len(replayed), fallback=len(unreplayed), fallback_s=fallback_s,
         optimizer_ops=sum(1 for op in ops.ops if op.category == OPTIMIZER) if timed_optimizer is not None else 0,
         collectives=len(comm_ops),
-        fallback_ops=fallback_ops, why_not=why_not, benchmarked=replayer.benchmarked, distinct=distinct,
+        fallback_ops=fallback_ops, why_not=why_not, benchmarked=replayer.benchmarked, busy=busy, distinct=distinct,
         accumulate=accumulate, tokens=tokens * accumulate if tokens else None, samples=samples * accumulate, how=how,
         notes=tuple(notes),
     )  # fmt: skip
+
+
+def _busy_notes(cache: StepTimeCache, busy: float | None) -> list[str]:
+    """One line when the op times this prediction rests on were taken on a busy machine (now, or cached so)."""
+    if busy is not None and busy >= BUSY_SHARE:
+        found = cache.calibration(_BUSY)
+        if found is None or found["value"] < busy:
+            cache.set_calibration(_BUSY, busy, "other processes' share of the CPUs while ops were timed (/proc/stat)")
+    found = cache.calibration(_BUSY)
+    if found is None:
+        return []
+    return [
+        f"other processes kept {found['value']:.0%} of the CPUs busy while op times in the cache were taken "
+        f"({found['measured_at'][:16]}): the prediction is of a busy machine; delete {cache.path} to time them again"
+    ]
 
 
 def free_memory(device: torch.device) -> int:
