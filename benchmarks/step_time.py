@@ -8,10 +8,11 @@ per optimizer step of the fit's throughput windows (warm-up, profiled steps and 
 It prints predicted, measured and error per case, then the median and worst |error|. The step-time cache
 is a fresh one per run of this script (shared by its cases), so the figures are this machine's now.
 
-Identical fits on this 2-core VM differ by up to +-9% a step (docs/time.md), so each case is fitted
-`--repeats` times: the first predicts (replaying the ops into the cache), the later ones read the same
-prediction from the cache; the measured step is the median of the fits', and the table shows their spread
-and the load average over the case.
+Identical fits on this 2-core VM differ by up to +-9% a step, and the VM's speed drifts over minutes
+(docs/time.md), so each case is fitted `--repeats` times, and each fit predicts afresh: the cache's op times
+are dropped before it (its calibrations kept: Lightning's loop, the per-op overhead, the optimizer, gloo), so
+its ops are replayed just before its own steps run. A case's error is the median of its fits' errors; the
+table shows the medians of predicted and measured, the measured spread, and the load over the case.
 
     .venv/bin/python benchmarks/step_time.py                    # every case (~5 min on an idle 2-core CPU)
     .venv/bin/python benchmarks/step_time.py --cases tiny,tiny-ac --steps 40
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import platform
 import re
@@ -91,7 +93,10 @@ def run_case(
     name: str, steps: int, data: Path, work: Path, env: dict, logs: Path | None = None, repeats: int = 1
 ) -> dict:
     """The case fitted `repeats` times: the first fit's prediction, the median of the fits' measured steps."""
-    fits = [_fit(name, steps, data, work, env, logs, i) for i in range(repeats)]
+    fits = []
+    for i in range(repeats):
+        _drop_op_times(Path(env["LMLEDGER_CACHE_DIR"]))
+        fits.append(_fit(name, steps, data, work, env, logs, i))
     row = dict(fits[0])
     row["wall_s"] = sum(f["wall_s"] for f in fits)
     row["load"] = (fits[0]["load"][0], fits[-1]["load"][1])
@@ -100,14 +105,24 @@ def run_case(
         row.pop("predicted_ms", None)
         row["error"] = next((f["error"] for f in fits if "error" in f), "a fit printed no measured step")
         return row
-    predicted = {f["predicted_ms"] for f in fits}
-    if len(predicted) > 1:  # the later fits read the first one's replays from the cache: the same prediction
-        row["note"] = f"predictions differ between fits: {sorted(predicted)}"
+    row["predicted_ms"] = statistics.median(f["predicted_ms"] for f in fits)
     row["measured_ms"], row["spread"] = statistics.median(measured), (min(measured), max(measured))
     shares = [f["others_pct"] for f in fits if f.get("others_pct") is not None]
     row["others_pct"] = max(shares) if shares else None
-    row["error_pct"] = 100 * (row["predicted_ms"] - row["measured_ms"]) / row["measured_ms"]
+    row["error_pct"] = statistics.median(100 * (f["predicted_ms"] - f["measured_ms"]) / f["measured_ms"] for f in fits)
     return row
+
+
+def _drop_op_times(cache: Path) -> None:
+    """The step-time cache less its op times (and the busy-machine mark they carry); calibrations stay."""
+    path = cache / "step-times.json"
+    if not path.exists():
+        return
+    entries = json.loads(path.read_text())
+    for entry in entries.values():
+        entry["ops"] = {}
+        entry.get("calibrations", {}).pop("others busy while timing", None)
+    path.write_text(json.dumps(entries))
 
 
 def _fit(name: str, steps: int, data: Path, work: Path, env: dict, logs: Path | None, index: int) -> dict:

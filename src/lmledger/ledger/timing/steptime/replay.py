@@ -152,13 +152,15 @@ def time_call(
     budget_s: float = 0.02,
     max_repeats: int = 21,
     min_repeats: int = 3,
+    warm: bool = True,
 ) -> tuple[float, int]:
-    """(median seconds of `call`, timed calls) after a warm-up (module doc)."""
+    """(median seconds of `call`, timed calls) after a warm-up (module doc); `warm=False`: none."""
     clock = CLOCK
     started = clock()
-    call()
-    _sync(device)
-    if clock() - started < budget_s / 4:  # a cheap call: a second warm-up call (caches, allocator)
+    if warm:
+        call()
+        _sync(device)
+    if warm and clock() - started < budget_s / 4:  # a cheap call: a second warm-up call (caches, allocator)
         call()
         _sync(device)
     samples: list[float] = []
