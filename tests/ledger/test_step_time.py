@@ -350,3 +350,20 @@ def test_a_fit_trains_the_same_with_the_prediction_on_or_off(cache):
     # not inside the measured step's FLOP counter (they once made it read 50x the step).
     assert (cache.parent / "cpu-bandwidth.json").exists()
     assert ledger.measured.flops_hardware == ledger.predicted.flops_hardware > 0
+
+
+def test_the_measured_line_says_how_busy_the_machine_was(cache, caplog):
+    import logging
+
+    from lmledger.callbacks.steptime import measured_time
+    from lmledger.ledger.report import Report
+
+    ops, _ = _toy_ops()
+    predicted = predict_step_time(ops, "cpu", tokens=32)
+    report = Report(predicted={}, times={"step time": (predicted.total_s, None), "tokens/s": (1.0, None)})
+    with caplog.at_level(logging.INFO):
+        measured_time(report, predicted, [0.5, 5], 1, True, 0.03)  # 5 batches in 0.5 s, others took 3%
+    assert report.times["step time"] == (predicted.total_s, pytest.approx(0.1))
+    assert report.times["tokens/s"][1] == pytest.approx(32 / 0.1)
+    (line,) = [r.getMessage() for r in caplog.records if "ms measured" in r.getMessage()]
+    assert line.endswith("over 5 batches; other processes busy 3% of the CPUs meanwhile)")
