@@ -10,7 +10,6 @@ Lightning's loop calibration seeded where a test would otherwise start a Trainer
 from __future__ import annotations
 
 import json
-import os
 import random
 from pathlib import Path
 
@@ -204,22 +203,34 @@ def test_others_busy_is_the_share_of_cpu_time_other_processes_took(monkeypatch):
     assert meter.start().share() == pytest.approx((300 - 100) / 400)  # busy 300 of 400, 100 of it ours
 
 
-@pytest.mark.skipif(not Path("/proc/stat").exists(), reason="reads Linux's /proc/stat")
-def test_others_busy_sees_a_spinning_child_process():
+@pytest.mark.skipif(not Path("/proc/stat").exists(), reason="reads Linux's /proc")
+def test_others_busy_counts_a_process_outside_its_group_and_not_one_inside():
     import subprocess
     import sys
     import time
 
-    from lmledger.ledger.hardware.cpu import OthersBusy
+    from lmledger.ledger.hardware import cpu
 
-    meter, started = OthersBusy().start(), time.perf_counter()
-    child = subprocess.run(
-        [sys.executable, "-c", "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.6: pass"]
-    )
-    wall = time.perf_counter() - started
-    assert child.returncode == 0
-    # the child's 0.6 s of CPU over this wall, on every CPU: its share at least (less the jiffy rounding)
-    assert meter.share() >= 0.6 / (wall * os.cpu_count()) - 0.05
+    spin = "import time\nt = time.time()\nwhile time.time() - t < 3: pass"
+
+    def jiffies_of(pid: int) -> int:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return int(fields[11]) + int(fields[12])
+
+    for session in (True, False):  # its own session: another process group; else ours
+        child = subprocess.Popen([sys.executable, "-c", spin], start_new_session=session)
+        time.sleep(0.5)  # past its start-up
+        meter, before, spent = cpu.OthersBusy().start(), cpu._jiffies(), jiffies_of(child.pid)
+        time.sleep(1.0)
+        share, after, spent = meter.share(), cpu._jiffies(), jiffies_of(child.pid) - spent
+        child.kill()
+        child.wait()
+        total, busy, ours = (a - b for a, b in zip(after, before, strict=True))
+        assert spent > 10  # it ran (jiffies are 10 ms)
+        if session:  # not ours (this test sleeps meanwhile), so in the others' share
+            assert ours < spent / 2 and share >= (spent - 2) / total
+        else:
+            assert ours >= spent - 2
 
 
 def test_prediction_leaves_rng_weights_and_data_order_alone(cache):
@@ -367,3 +378,31 @@ def test_the_measured_line_says_how_busy_the_machine_was(cache, caplog):
     assert report.times["tokens/s"][1] == pytest.approx(32 / 0.1)
     (line,) = [r.getMessage() for r in caplog.records if "ms measured" in r.getMessage()]
     assert line.endswith("over 5 batches; other processes busy 3% of the CPUs meanwhile)")
+
+
+def test_ops_replay_as_recorded_inside_a_callers_autocast(cache):
+    """A fit's precision plugin may hold autocast open around the prediction: the recorded fp32 matmuls must
+    replay in fp32, not be cast to bf16 a second time (which once made bf16-mixed predictions 1.8x slow)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from lmledger.ledger.timing.steptime.replay import sequence_seconds
+
+    ops, _ = _toy_ops()
+    recorded = {op.name for op in ops.ops}
+    assert "aten.mm.default" in recorded
+
+    class MatmulDtypes(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: set[torch.dtype] = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten.mm.default:
+                self.seen.update(a.dtype for a in args if isinstance(a, torch.Tensor))
+            return func(*args, **(kwargs or {}))
+
+    mode = MatmulDtypes()
+    with torch.autocast("cpu", dtype=torch.bfloat16), mode:
+        medians, failed = sequence_seconds(list(ops.ops), torch.device("cpu"), rounds=1, budget_s=0.0)
+    assert not failed and any(m is not None for m in medians)
+    assert mode.seen == {torch.float32}

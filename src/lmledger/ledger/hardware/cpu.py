@@ -284,8 +284,9 @@ def cpu_peak(dtype: str) -> PeakFlops:
 class OthersBusy:
     """The share of this machine's CPU time that other processes (and the hypervisor's steal) took since
     `start()`: a timing made while it is large is of a busy machine (two intra-op threads on two cores slow
-    down many-fold when another process takes one of them). Linux's /proc/stat and /proc/self/stat; `share()`
-    is None elsewhere, or before `start()`.
+    down many-fold when another process takes one of them). "Ours" is this process's group: the ranks a
+    launcher started beside it and the calibrations it started count as its own work. Linux's /proc;
+    `share()` is None elsewhere, or before `start()`.
     """
 
     def __init__(self) -> None:
@@ -304,17 +305,24 @@ class OthersBusy:
 
 
 def _jiffies() -> tuple[int, int, int] | None:
-    """(all CPUs' jiffies, their busy jiffies (steal included), this process's own busy jiffies), or None."""
-    stat, own = _read("/proc/stat"), _read("/proc/self/stat")
-    if not stat or not own:
+    """(all CPUs' jiffies, their busy jiffies (steal included), this process group's), or None off Linux."""
+    stat = _read("/proc/stat")
+    if not stat:
         return None
     try:
         fields = [int(x) for x in stat.splitlines()[0].split()[1:]]
-        # user nice system idle iowait irq softirq steal [guest guest_nice: already inside user and nice]
-        total = sum(fields[:8])
-        busy = total - fields[3] - fields[4]
-        after_name = own.rsplit(")", 1)[1].split()  # the name in parentheses may hold spaces
-        ours = int(after_name[11]) + int(after_name[12])  # utime, stime (fields 14 and 15 of proc(5))
     except (IndexError, ValueError):
         return None
+    # user nice system idle iowait irq softirq steal [guest guest_nice: already inside user and nice]
+    total = sum(fields[:8])
+    busy = total - fields[3] - fields[4]
+    group, ours = os.getpgrp(), 0
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        text = _read(f"/proc/{entry.name}/stat")
+        after_name = text.rsplit(")", 1)[1].split() if text else []  # the name in parentheses may hold spaces
+        if len(after_name) > 14 and int(after_name[2]) == group:
+            # utime, stime, and the waited-for children's cutime, cstime (fields 14-17 of proc(5))
+            ours += sum(int(x) for x in after_name[11:15])
     return total, busy, ours

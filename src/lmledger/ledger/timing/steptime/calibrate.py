@@ -31,7 +31,14 @@ import torch
 from lmledger.ledger.count.ops import OpRecorder
 from lmledger.ledger.hardware.interconnect import Interconnect, Links, default_links, wire_bytes
 from lmledger.ledger.timing.steptime.cache import StepTimeCache
-from lmledger.ledger.timing.steptime.replay import Replayer, cache_bytes, time_call, untouched_rng, why_not_replayed
+from lmledger.ledger.timing.steptime.replay import (
+    Replayer,
+    as_recorded,
+    cache_bytes,
+    time_call,
+    untouched_rng,
+    why_not_replayed,
+)
 
 __all__ = [
     "DataWait",
@@ -49,7 +56,7 @@ def per_op_overhead(device: torch.device, cache: StepTimeCache, replayer: Replay
     found = cache.calibration("per_op_overhead")
     if found is not None:
         return float(found["value"]), f"measured {found['measured_at'][:10]} (cache)"
-    with untouched_rng(device):
+    with untouched_rng(device), as_recorded():
         generator = torch.Generator().manual_seed(0)
         x = torch.randn(16, generator=generator).to(device).requires_grad_()
         w = torch.randn(16, generator=generator).to(device).requires_grad_()
@@ -113,7 +120,7 @@ def _time_optimizer(optimizer, shapes, device, clip, max_bytes) -> tuple[float, 
     total = sum(torch.Size(s).numel() * torch.empty((), dtype=d).element_size() for s, d in shapes)
     if 4 * total > max_bytes:
         return None
-    with untouched_rng(device), torch.no_grad():
+    with untouched_rng(device), as_recorded(), torch.no_grad():
         generator = torch.Generator().manual_seed(0)
         groups, params = [], []
         for group in optimizer.param_groups:
