@@ -203,34 +203,46 @@ def test_others_busy_is_the_share_of_cpu_time_other_processes_took(monkeypatch):
     assert meter.start().share() == pytest.approx((300 - 100) / 400)  # busy 300 of 400, 100 of it ours
 
 
+# Run in a session (and so a process group) of its own, so that nothing else of pytest's (an xdist sibling, a
+# subprocess of another test) counts as "ours": it prints, per case, the child's jiffies, the group's, the share.
+_GROUP_PROBE = """
+import json, subprocess, sys, time
+from pathlib import Path
+from lmledger.ledger.hardware import cpu
+
+def jiffies_of(pid):
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])
+
+spin = "import time\\nt = time.time()\\nwhile time.time() - t < 3: pass"
+out = {}
+for session in (True, False):  # its own session: another process group; else this probe's
+    child = subprocess.Popen([sys.executable, "-c", spin], start_new_session=session)
+    time.sleep(0.5)  # past its start-up
+    meter, before, spent = cpu.OthersBusy().start(), cpu._jiffies(), jiffies_of(child.pid)
+    time.sleep(1.0)
+    share, after, spent = meter.share(), cpu._jiffies(), jiffies_of(child.pid) - spent
+    child.kill()
+    child.wait()
+    total, busy, ours = (a - b for a, b in zip(after, before))
+    out["other" if session else "ours"] = {"spent": spent, "ours": ours, "total": total, "share": share}
+print(json.dumps(out))
+"""
+
+
 @pytest.mark.skipif(not Path("/proc/stat").exists(), reason="reads Linux's /proc")
 def test_others_busy_counts_a_process_outside_its_group_and_not_one_inside():
     import subprocess
     import sys
-    import time
 
-    from lmledger.ledger.hardware import cpu
-
-    spin = "import time\nt = time.time()\nwhile time.time() - t < 3: pass"
-
-    def jiffies_of(pid: int) -> int:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return int(fields[11]) + int(fields[12])
-
-    for session in (True, False):  # its own session: another process group; else ours
-        child = subprocess.Popen([sys.executable, "-c", spin], start_new_session=session)
-        time.sleep(0.5)  # past its start-up
-        meter, before, spent = cpu.OthersBusy().start(), cpu._jiffies(), jiffies_of(child.pid)
-        time.sleep(1.0)
-        share, after, spent = meter.share(), cpu._jiffies(), jiffies_of(child.pid) - spent
-        child.kill()
-        child.wait()
-        total, busy, ours = (a - b for a, b in zip(after, before, strict=True))
-        assert spent > 10  # it ran (jiffies are 10 ms)
-        if session:  # not ours (this test sleeps meanwhile), so in the others' share
-            assert ours < spent / 2 and share >= (spent - 2) / total
-        else:
-            assert ours >= spent - 2
+    done = subprocess.run([sys.executable, "-c", _GROUP_PROBE], capture_output=True, text=True, start_new_session=True)
+    assert done.returncode == 0, done.stderr
+    found = json.loads(done.stdout.splitlines()[-1])
+    other, ours = found["other"], found["ours"]
+    assert other["spent"] > 10 and ours["spent"] > 10  # each child ran (jiffies are 10 ms)
+    # outside the group: not ours (the probe sleeps meanwhile), so in the others' share
+    assert other["ours"] < other["spent"] / 2 and other["share"] >= (other["spent"] - 2) / other["total"]
+    assert ours["ours"] >= ours["spent"] - 2  # inside it: ours
 
 
 def test_prediction_leaves_rng_weights_and_data_order_alone(cache):
