@@ -10,7 +10,7 @@ from conftest import MICRO_OVERRIDES, read_scalars
 from lmledger.cli import main as lmledger
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-LINE = re.compile(r"^step (\d+)/6  loss ([\d.]+)  tok/s ([\d,]+)  mfu ([\d.]+)  elapsed \S+  eta \S+$")
+LINE = re.compile(r"^step (\d+)/6  loss ([\d.]+)  tok/s ([\d,]+)  mfu ([\d.]+(?:e-\d+)?)  elapsed \S+  eta \S+$")
 
 
 def test_a_line_per_logging_interval_with_the_logged_loss(workdir, capsys):
@@ -29,3 +29,10 @@ def test_no_plain_lines_without_a_bar(workdir, capsys):
     argv = ["fit", "--config", "configs/tiny.yaml", *MICRO_OVERRIDES, "--trainer.max_steps", "2"]
     assert lmledger(argv) == 0
     assert not [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+
+
+def test_a_tiny_mfu_is_never_printed_as_zero():
+    from lmledger.callbacks.progress import _value
+
+    assert [_value("mfu", v) for v in (0.457, 0.0012, 4.1e-4, 0.0)] == ["0.457", "0.001", "4.1e-04", "0.000"]
+    assert float(_value("hfu", 3e-6)) == pytest.approx(3e-6)

@@ -30,8 +30,8 @@ def _clock(seconds: float) -> str:
 def _value(name: str, value: float) -> str:
     if name == "tok/s":
         return f"{value:,.0f}"
-    if name in ("mfu", "hfu"):
-        return f"{value:.3f}"
+    if name in ("mfu", "hfu"):  # a tiny model's MFU is ~1e-4: never printed as 0.000 while it is not 0
+        return f"{value:.3f}" if value >= 1e-3 or value == 0 else f"{value:.1e}"
     return f"{value:.4f}"
 
 
