@@ -115,13 +115,16 @@ def run_case(
 
 def _drop_op_times(cache: Path) -> None:
     """The step-time cache less its op times (and the busy-machine mark they carry); calibrations stay."""
-    path = cache / "step-times.json"
+    from lmledger.ledger.timing.steptime.cache import STEP_TIMES_FILE
+    from lmledger.ledger.timing.steptime.predict import BUSY_CALIBRATION
+
+    path = cache / STEP_TIMES_FILE
     if not path.exists():
         return
     entries = json.loads(path.read_text())
     for entry in entries.values():
         entry["ops"] = {}
-        entry.get("calibrations", {}).pop("others busy while timing", None)
+        entry.get("calibrations", {}).pop(BUSY_CALIBRATION, None)
     path.write_text(json.dumps(entries))
 
 

@@ -36,7 +36,7 @@ CATEGORIES = (MATMUL, ATTENTION, OTHER, OPTIMIZER, COMMUNICATION, DATA_WAIT, HOS
 # Other processes' share of the CPUs while ops were timed, above which the times are said to be a busy
 # machine's: on 2 cores, another process on one of them slows a 2-thread op many-fold (docs/time.md).
 BUSY_SHARE = 0.15
-_BUSY = "others busy while timing"
+BUSY_CALIBRATION = "others busy while timing"  # the cache's record of it
 
 
 @dataclass(frozen=True)
@@ -251,10 +251,11 @@ def predict_step_time(
 def _busy_notes(cache: StepTimeCache, busy: float | None) -> list[str]:
     """One line when the op times this prediction rests on were taken on a busy machine (now, or cached so)."""
     if busy is not None and busy >= BUSY_SHARE:
-        found = cache.calibration(_BUSY)
+        found = cache.calibration(BUSY_CALIBRATION)
         if found is None or found["value"] < busy:
-            cache.set_calibration(_BUSY, busy, "other processes' share of the CPUs while ops were timed (/proc/stat)")
-    found = cache.calibration(_BUSY)
+            what = "other processes' share of the CPUs while ops were timed (/proc/stat)"
+            cache.set_calibration(BUSY_CALIBRATION, busy, what)
+    found = cache.calibration(BUSY_CALIBRATION)
     if found is None:
         return []
     return [
