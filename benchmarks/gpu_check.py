@@ -54,6 +54,16 @@ def run(cmd: list[str], timeout: float, log) -> tuple[int, str, str]:
     return code, output, stdout
 
 
+def without_compile(extra: list[str]) -> list[str]:
+    """`extra` less its `--model.compile VALUE` pair (TOY turns compile off in a dry run)."""
+    out, skip = [], False
+    for arg in extra:
+        if not skip and arg != "--model.compile":
+            out.append(arg)
+        skip = arg == "--model.compile"
+    return out
+
+
 def json_in(stdout: str) -> dict | None:
     """The JSON object a `--json` command printed, whatever else came before or after it."""
     decoder, start = json.JSONDecoder(), stdout.find("{")
@@ -162,12 +172,16 @@ def main() -> int:
 
     # (b) short training runs
     models = args.models.split(",")
+    toy_fits: dict[tuple, str] = {}  # dry run: each distinct toy fit (TOY sets every model's size) -> its stage
     for label, precision, extra in VARIANTS:
         for model in models[:1] if label in ONLY_FIRST_MODEL else models:
             compiled = "--model.compile" in extra and not dry
             stage = {"model": model, "variant": label, "precision": precision, "compiled": compiled}
             results["stages"].append(stage)
             reason = fp8_unavailable(precision, extra, dry) if ("fp8" in label) else None
+            if dry and not reason:  # the same toy fit again would test nothing new: run each once
+                first = toy_fits.setdefault((precision, *without_compile(extra)), f"{model} {label}")
+                reason = None if first == f"{model} {label}" else f"dry run: the same toy fit as {first}"
             left = deadline - args.reserve_tests - time.monotonic()
             if reason or left < 30 or "error" in results:
                 stage["skipped"] = reason or results.get("error") or "out of time"
