@@ -114,8 +114,8 @@ def _per_rank_batch(result: dict, spec, capacity: int, fit_args: list[str]) -> N
 def _max_batch_any_model(fit_args: list[str], capacity: int, gpu_key: str | None) -> tuple[dict, int, bool]:
     """max-batch for any LightningModule: (plan's JSON, parameter count, whether a GPU was asked for).
 
-    Dry runs of its training_step on batches shaped like its data's first one. The sample count doubles,
-    then bisects (ledger.predict.max_batch_module)."""
+    Dry runs of its training_step on batches shaped like its data's first one, sized by the one search
+    (ledger.predict.max_batch_module, napkin.largest_within)."""
     from lmledger.fitting.cli import build_model_and_data, first_batch
     from lmledger.ledger import predict as ledger_predict
     from lmledger.ledger.dryrun.engine import NotTraced
