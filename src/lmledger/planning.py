@@ -16,7 +16,7 @@ from lmledger.errors import UserError
 from lmledger.ledger.hardware.gpus import dtype_name
 from lmledger.precision import local_device, predicted_device
 
-__all__ = ["max_batch_of", "roofline_mfu"]
+__all__ = ["max_batch_json", "max_batch_of", "roofline_mfu"]
 
 
 def roofline_mfu(config: str, gpu: str, dtype: str) -> tuple[float, str, str]:
@@ -45,20 +45,31 @@ def roofline_mfu(config: str, gpu: str, dtype: str) -> tuple[float, str, str]:
 def max_batch_of(fit_args: list[str], capacity: int, gpu_key: str | None) -> tuple[str, dict, object]:
     """plan max-batch's answer: (kind, JSON, what printing needs besides).
 
-    Kinds: "at scale" needs nothing more. "module" needs the parameter count and whether a GPU
-    was asked for. "config" needs the Run."""
+    Kinds: "at scale" needs the accounting result (accounting.any_model_at_scale). "module" needs the parameter
+    count and whether a GPU was asked for. "config" needs the Run. max_batch_json makes the JSON printable."""
     from lmledger.fitting.checks import named_classes
 
     if named_classes(fit_args):
         scale = trainer_scale(fit_args)  # refuses what fit refuses, in its words
         if at_scale(scale.world_size, scale.strategy):  # one rank's dry run at the world size (ledger.sharding.sharded)
-            result = any_model_at_scale(fit_args, capacity)
-            result.update(capacity_bytes=capacity, gpu=gpu_key)
-            return "at scale", result, None
+            found = any_model_at_scale(fit_args, capacity)
+            case = found["per_rank"].configured  # the module as it is configured answers, as for a config
+            over = case.max_batch == 0 and case.over_by_at_batch_1 is not None
+            result = {
+                "max_batch": case.max_batch, "peak_bytes": capacity + case.over_by_at_batch_1 if over else
+                case.max_batch_peak, "capacity_bytes": capacity, "gpu": gpu_key, "params": found["params"],
+                "run": found["run"], "per_rank": found["per_rank"],
+            }  # fmt: skip
+            return "at scale", result, found
         result, params, wants_gpu = _max_batch_any_model(fit_args, capacity, gpu_key)
         return "module", result, (params, wants_gpu)
     result, spec = _max_batch_of_config(fit_args, capacity, gpu_key)
     return "config", result, spec
+
+
+def max_batch_json(result: dict) -> dict:
+    """max_batch_of's result as JSON: its per-rank cases (an atscale.AtScale) in the one JSON shape's form."""
+    return {**result, "per_rank": result["per_rank"].to_json()} if result.get("per_rank") else result
 
 
 def _max_batch_of_config(fit_args: list[str], capacity: int, gpu_key: str | None) -> tuple[dict, object]:
@@ -101,14 +112,11 @@ def _per_rank_batch(result: dict, spec, capacity: int, fit_args: list[str]) -> N
     result["per_rank"] = per_rank(spec, capacity, fit_args)
     if spec.config.activation_checkpointing not in (0, 1):
         return
-    case = result["per_rank"]["cases"][AC_LABELS[spec.config.activation_checkpointing]]
-    if case.get("not_predicted") is None and case["peak_checked"] and case.get("max_batch") is not None:
-        result["max_batch"] = case["max_batch"]
-        result["tokens_per_step"] = case["max_batch"] * spec.seq_len
-        if case["max_batch"]:
-            result["peak_bytes"] = case["max_batch_peak"]
-        else:
-            result["peak_bytes"] = capacity + case["over_by_at_batch_1"]
+    case = result["per_rank"].cases[AC_LABELS[spec.config.activation_checkpointing]]
+    if case.not_predicted is None and case.peak_checked and case.max_batch is not None:
+        result["max_batch"] = case.max_batch
+        result["tokens_per_step"] = case.max_batch * spec.seq_len
+        result["peak_bytes"] = case.max_batch_peak if case.max_batch else capacity + case.over_by_at_batch_1
 
 
 def _max_batch_any_model(fit_args: list[str], capacity: int, gpu_key: str | None) -> tuple[dict, int, bool]:

@@ -51,7 +51,7 @@ def test_ddp_batch_hint_counts_the_buckets(workdir):
     def peak(batch: int, devices: int) -> int:
         argv = ["--config", "configs/tiny.yaml", *TINY_OVERRIDES, "--data.batch_size", str(batch),
                 "--trainer.devices", str(devices), "--trainer.strategy", "ddp" if devices > 1 else "auto"]  # fmt: skip
-        return per_rank(load_run(argv), None, argv)["cases"]["checkpointing off"]["peak"]
+        return per_rank(load_run(argv), None, argv).cases["checkpointing off"].figures.peak
 
     # A cap between DDP's peak at batch 5 and 6, over the single-device peak at 6.
     cap = (peak(5, 2) + peak(6, 2)) // 2

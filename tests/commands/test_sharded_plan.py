@@ -4,9 +4,11 @@ property (the answer fits, one more sample does not) and to what sharding must c
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
-from conftest import TINY_OVERRIDES, run_json
+from conftest import TINY_OVERRIDES, lmledger, run_json
 from lmledger.ledger.sharding.atscale import toy_inputs
 from lmledger.ledger.sharding.sharded import predict_sharded
 from lmledger.run_config import load_run
@@ -70,3 +72,27 @@ def test_nodes_multiply_the_world_size(workdir, capsys):
     assert result["run"]["world_size"] == result["per_rank"]["world_size"] == 4
     whole = run_json(capsys, "account", *TINY, "--json")["memory"]["params"]["predicted"]
     assert whole / 4 <= result["memory"]["params"]["predicted"] < whole / 4 * 1.05  # FSDP2's padded dim-0 chunks
+
+
+def test_plan_max_batch_of_any_model_at_scale_prints_and_writes_json(workdir, capsys, monkeypatch):
+    """Any LightningModule at scale: the per-rank cases (atscale.RankCase) print as a table and serialize as the
+    config's do, the configured case answering max_batch (its JSON once raised on the cases' Figures)."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2]))  # `examples` is at the repository root
+    convnet = ["--config", "configs/examples/byte-convnet.yaml", "--model.init_args.width", "16",
+               "--model.init_args.num_layers", "2", "--data.init_args.batch_size", "2",
+               "--data.init_args.context_length", "16", "--trainer.devices", "2",
+               "--trainer.strategy", "ddp"]  # fmt: skip
+    cap = 0.004
+    doc = run_json(capsys, "plan", "max-batch", *convnet, "--device-memory-gb", str(cap), "--json")
+    cases = doc["per_rank"]["cases"]
+    configured, checkpointed = cases["as configured"], cases["every block checkpointed"]
+    assert doc["per_rank"]["world_size"] == 2 and doc["per_rank"]["capacity_bytes"] == cap * 1e9
+    assert doc["max_batch"] == configured["max_batch"] > 0
+    assert doc["peak_bytes"] == configured["max_batch_peak"] <= cap * 1e9
+    assert set(checkpointed) == {"not_predicted"} and "no nn.ModuleList of blocks" in checkpointed["not_predicted"]
+    assert configured["comm_buffers"] == configured["grads"] > 0  # DDP's buckets: one more copy of the grads
+    assert lmledger(["plan", "max-batch", *convnet, "--device-memory-gb", str(cap)]) == 0
+    table = capsys.readouterr().out
+    row = next(line for line in table.splitlines() if "largest micro-batch per rank" in line)
+    assert [cell.strip() for cell in row.split("│")[2:4]] == [f"{configured['max_batch']:,}", "—"], row
+    assert f"every block checkpointed: not predicted: {checkpointed['not_predicted']}" in table

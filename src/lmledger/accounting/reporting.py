@@ -70,13 +70,15 @@ def ledger_json(result: dict) -> dict:
     if run["seq_len"] is None and run["tokens_per_step"] and run["batch_size"]:
         run["seq_len"] = run["tokens_per_step"] // run["batch_size"]
     if "per_rank" in result:
-        run["tensor_parallel"] = result["per_rank"].get("tensor_parallel", 1)
+        run["tensor_parallel"] = result["per_rank"].tensor_parallel
     report = ledger_report(result)
     primary = report.primary  # where the peak fell, or why there is none, as the table's notes say
     run["peak_phase"] = primary.peak_phase if primary else None
     run["not_predicted"] = primary.why_missing.get("peak") if primary and primary.peak is None else None
     out = report.to_json(run, result["params"])
-    for key in ("per_rank", "time", "mfu_conventions"):
+    for key in ("time", "mfu_conventions"):
         if result.get(key) is not None:
             out[key] = result[key]
+    if result.get("per_rank") is not None:
+        out["per_rank"] = result["per_rank"].to_json()
     return out

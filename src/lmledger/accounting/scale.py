@@ -3,21 +3,22 @@ ledger.sharding.sharded).
 
 `per_rank(spec)`: the toy LM's checkpointing cases; `any_model_at_scale(argv)`: any LightningModule's.
 `trainer_scale` and `scale_links` read the devices, nodes, strategy and links as `fit` reads them.
-`print_per_rank` renders a per-rank table through ledger.report.render.
+`print_per_rank` renders a per-rank table through ledger.report.render, each case's rows from its Figures.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import torch
 
-from lmledger.ledger.report import Figures
 from lmledger.ledger.run import Run
-from lmledger.ledger.units import MEMORY_ROWS, format_bytes
+from lmledger.ledger.sharding.atscale import AtScale
+from lmledger.ledger.units import format_bytes
 
 __all__ = [
-    "AC_LABELS", "add_per_rank", "any_model_at_scale", "at_scale", "case_figures", "per_rank",
+    "AC_LABELS", "add_per_rank", "any_model_at_scale", "at_scale", "per_rank",
     "print_any_model_at_scale", "print_per_rank", "scale_links", "traced_at_scale", "trainer_scale",
 ]  # fmt: skip
 
@@ -34,32 +35,19 @@ def traced_at_scale(spec: Run) -> bool:
 
 
 def add_per_rank(result: dict, spec: Run, argv: list[str]) -> None:
-    """Set result["per_rank"]: one rank's dry run at the config's world size and strategy.
+    """Set result["per_rank"]: one rank's dry run (an atscale.AtScale) at the config's world size and strategy.
 
     Where it traces the strategy (DDP's buckets, FSDP2's gathered blocks are in it) its case for the config's
     checkpointing (every block, or none) becomes the main predictor, "dry run", bytes and FLOPs; the closed
     forms stay beside it. The predictor is recorded in result["predictors"], the main one first."""
     result["per_rank"] = per_rank(spec, argv=argv)
     if spec.config.activation_checkpointing in (0, 1):
-        case = result["per_rank"]["cases"][AC_LABELS[spec.config.activation_checkpointing]]
-        if case.get("not_predicted") is None and case["peak_checked"]:
-            result["predictors"] = {"dry run": case_figures(case), **result["predictors"]}
+        case = result["per_rank"].cases[AC_LABELS[spec.config.activation_checkpointing]]
+        if case.not_predicted is None and case.peak_checked:
+            result["predictors"] = {"dry run": case.figures, **result["predictors"]}
 
 
-def case_figures(case: dict, model_flops: bool = True) -> Figures:
-    """A per-rank case (ledger.sharding.atscale.at_scale) as one source's Figures: its bytes, and its FLOPs (the
-    hardware's, forward and backward; with `model_flops`, the model's as the fit's dry run counts them,
-    3 x the forward; account gives none for a module that is not the toy LM, as on one device)."""
-    why = case.get("not_predicted")
-    if why:
-        return Figures(why_missing=dict.fromkeys((*MEMORY_ROWS, "flops_hardware"), why))
-    forward, backward = case.get("flops_forward"), case.get("flops_backward")
-    return Figures(**{row: case.get(row) for row in MEMORY_ROWS}, peak_phase=case.get("peak_phase"),
-                   flops_hardware=None if forward is None else forward + backward,
-                   flops_model=None if forward is None or not model_flops else 3 * forward)  # fmt: skip
-
-
-def per_rank(spec: Run, capacity_bytes: int | None = None, argv: list[str] = ()) -> dict:
+def per_rank(spec: Run, capacity_bytes: int | None = None, argv: list[str] = ()) -> AtScale:
     """ledger.sharding.atscale.toy_at_scale with account's case names: checkpointing off and on.
 
     The strategy's settings come from the fit arguments `argv` (_scale_settings; none without them)."""
@@ -157,59 +145,63 @@ def any_model_at_scale(argv: list[str], capacity_bytes: int | None = None) -> di
             "device": "cpu",
         },
         "per_rank": scale,
-        # the main predictor: the case as the module is configured (its first), bytes and FLOPs per rank
-        "predictors": {"dry run": case_figures(next(iter(scale["cases"].values())), model_flops=False)},
+        # the main predictor: the case as the module is configured (its first), bytes and hardware FLOPs per rank;
+        # no model FLOPs for a module that is not the toy LM, as on one device
+        "predictors": {"dry run": dataclasses.replace(scale.configured.figures, flops_model=None)},
         "measured": None,
     }
 
 
-def print_per_rank(scale: dict) -> None:
+def print_per_rank(scale: AtScale) -> None:
     """The per-rank table of a run at scale: state, buffers and peak per checkpointing case."""
     from rich.console import Console
 
     from lmledger.ledger.report import render
 
-    tp = scale.get("tensor_parallel", 1)
-    shape = f" (data parallel {scale['world_size'] // tp} x tensor parallel {tp})" if tp > 1 else ""
-    title = f"per rank: {scale['strategy']} over {scale['world_size']} ranks{shape}, batch {scale['batch_size']}"
-    cases, table = list(scale["cases"].values()), []
-    rows = [("params", "params"), ("grads", "grads"), ("optimizer", "optimizer"), ("activations", "activations"),
-            ("comm buffers (DDP buckets, FSDP2 gathers)", "comm_buffers"), ("peak", "peak")]  # fmt: skip
-    if scale.get("capacity_bytes"):
-        rows.append(("largest micro-batch per rank", "max_batch"))
-    links = next((c["communication"]["links"] for c in cases if c.get("communication")), None)
+    tp = scale.tensor_parallel
+    shape = f" (data parallel {scale.world_size // tp} x tensor parallel {tp})" if tp > 1 else ""
+    title = f"per rank: {scale.strategy} over {scale.world_size} ranks{shape}, batch {scale.batch_size}"
+    cases, table = list(scale.cases.values()), []
+    rows = ["params", "grads", "optimizer", "activations", "comm buffers (DDP buckets, FSDP2 gathers)", "peak"]
+    if scale.capacity_bytes:
+        rows.append("largest micro-batch per rank")
+    links = next((c.communication["links"] for c in cases if c.communication), None)
     if links:
-        rows += [(f"collectives per step in a node ({links['intra_node']['name']})", "intra-node"),
-                 (f"collectives per step between nodes ({links['inter_node']['name']})", "inter-node")]  # fmt: skip
-    for label, key in rows:
-        cells = []
-        for case in cases:
-            value = case.get(key)
-            if case.get("not_predicted"):
-                cells.append("—")
-            elif key in ("intra-node", "inter-node"):
-                spent = [r for r in (case.get("communication") or {}).get("by_link", {}).values() if r["scope"] == key]
-                cells.append(f"{sum(r['seconds'] for r in spent) * 1e3:.4g} ms" if spent else "—")
-            elif key == "max_batch":
-                cells.append("—" if value is None else f"{value:,}")
-            else:
-                cells.append(format_bytes(value) + ("" if key != "peak" or case["peak_checked"] else " (unchecked)"))
-        table.append((label, *cells))
-    Console().print(render(["", *scale["cases"]], table, title=title))  # the one renderer, as the ledger's
+        rows += [f"collectives per step in a node ({links['intra_node']['name']})",
+                 f"collectives per step between nodes ({links['inter_node']['name']})"]  # fmt: skip
+    for label in rows:
+        table.append((label, *(_per_rank_cell(case, label) for case in cases)))
+    Console().print(render(["", *scale.cases], table, title=title))  # the one renderer, as the ledger's
     if links:
         intra, inter = links["intra_node"], links["inter_node"]
         print(f"collectives: {links['num_nodes']} node(s) of {links['gpus_per_node']} ranks; in a node {intra['name']} "
               f"at {intra['bytes_per_s'] / 1e9:.4g} GB/s, between nodes {inter['name']} at "
               f"{inter['bytes_per_s'] / 1e9:.4g} GB/s one way (--ledger.intra_node / --ledger.inter_node set them); "
               "a ring's bytes at line rate, none overlapped with compute")  # fmt: skip
-    for label, case in scale["cases"].items():
-        if case.get("not_predicted"):
-            print(f"{label}: not predicted: {case['not_predicted']}")
-        elif case.get("max_batch") == 0:
-            print(f"{label}: does not fit: one sample per rank is over by {format_bytes(case['over_by_at_batch_1'])}")
-        elif not case["peak_checked"]:
+    for label, case in scale.cases.items():
+        if case.not_predicted:
+            print(f"{label}: not predicted: {case.not_predicted}")
+        elif case.max_batch == 0:
+            print(f"{label}: does not fit: one sample per rank is over by {format_bytes(case.over_by_at_batch_1)}")
+        elif not case.peak_checked:
             print(f"{label}: the peak is the single-device step's with the sharded state swapped in, not yet held "
                   "to a measurement (checked on a GPU when one is lent)")  # fmt: skip
+
+
+def _per_rank_cell(case, label: str) -> str:
+    """One cell of print_per_rank's table: a row of the case's Figures, or what only a rank at scale has."""
+    if case.not_predicted:
+        return "—"
+    if label.startswith("collectives"):
+        scope = "intra-node" if "in a node" in label else "inter-node"
+        spent = [r for r in (case.communication or {}).get("by_link", {}).values() if r["scope"] == scope]
+        return f"{sum(r['seconds'] for r in spent) * 1e3:.4g} ms" if spent else "—"
+    if label.startswith("largest"):
+        return "—" if case.max_batch is None else f"{case.max_batch:,}"
+    if label.startswith("comm buffers"):
+        return format_bytes(case.comm_buffers)
+    unchecked = label == "peak" and not case.peak_checked
+    return format_bytes(case.figures.get(label)) + (" (unchecked)" if unchecked else "")
 
 
 def print_any_model_at_scale(result: dict) -> None:

@@ -208,7 +208,7 @@ def _max_batch_command(
         device_memory_gb (GB): memory one device may use, in GB (1e9 bytes), instead of --gpu (the cap a fit's
             preflight uses)
     """
-    from lmledger.planning import max_batch_of
+    from lmledger.planning import max_batch_json, max_batch_of
 
     fit_args = list(fit_args)
     if not fit_args:
@@ -216,12 +216,12 @@ def _max_batch_command(
     capacity, shown, gpu_key = device_capacity(gpu, device_memory_gb)  # refused before any config is read
     kind, result, extra = max_batch_of(fit_args, capacity, gpu_key)
     if json:
-        print(dumps(result))
+        print(dumps(max_batch_json(result)))
     elif kind == "at scale":
         from lmledger.accounting import print_any_model_at_scale
 
         print(f"memory per rank: {shown}")
-        print_any_model_at_scale(result)
+        print_any_model_at_scale(extra)
     elif kind == "module":
         _print_any_model_batch(result, shown, *extra)
     else:
