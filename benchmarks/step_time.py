@@ -16,7 +16,7 @@ table shows the medians of predicted and measured, the measured spread, and the 
 
     .venv/bin/python benchmarks/step_time.py                    # every case, 3 fits each (~25 min, idle 2-core CPU)
     .venv/bin/python benchmarks/step_time.py --cases tiny,tiny-ac --steps 40
-    .venv/bin/python benchmarks/step_time.py --write            # also benchmarks/results/step-time-DATE.md
+    .venv/bin/python benchmarks/step_time.py --write            # also atop benchmarks/results/step-time-DATE.md
 
 Timing needs an idle machine: the table shows the load average over each case, and "others busy", the most
 any of its fits saw other processes take of the CPUs during its measured steps (the Ledger's own line).
@@ -185,7 +185,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=60, help="optimizer steps per fit (default 60)")
     parser.add_argument("--repeats", type=int, default=3, help="fits per case; measured is their median (default 3)")
     parser.add_argument("--cache", help="a step-time cache directory to keep (default: a fresh one)")
-    parser.add_argument("--write", action="store_true", help="write benchmarks/results/step-time-DATE.md")
+    parser.add_argument("--write", action="store_true", help="add the table atop benchmarks/results/step-time-DATE.md")
     parser.add_argument("--logs", help="keep each case's fit output in this directory (its step-time table)")
     args = parser.parse_args()
     names = [n.strip() for n in args.cases.split(",") if n.strip()]
@@ -219,10 +219,18 @@ def main() -> int:
     print("\n" + text)
     if args.write:
         out = REPO / "benchmarks/results" / f"step-time-{when[:10]}.md"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(text + "\n")
+        write_result(text, out)
         print(f"written: {out}")
     return 0
+
+
+def write_result(text: str, out: Path) -> None:
+    """This run at the top of the day's results file, the runs already in it kept below, newest first (a second
+    run of the day once replaced the first's tables); written whole or not at all."""
+    from lmledger.atomic import atomic_write
+
+    earlier = out.read_text() if out.exists() else ""
+    atomic_write(out, text + "\n" + (f"\n{earlier}" if earlier else ""))
 
 
 if __name__ == "__main__":
