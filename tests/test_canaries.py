@@ -704,3 +704,28 @@ def test_canary_fsdp2_over_tp_needs_real_meshes_under_fake_mode():
         step(workaround=False)
     assert not dist.is_initialized()
     assert step(workaround=True) == (224 // 4 // 4, 64)  # rows split by TP 4, then by FSDP's 4 ranks
+
+
+def test_a_checkpoint_recompute_runs_in_a_graph_task_with_grad_on():
+    """ledger/count/ops._recomputing: torch 2.13 runs a non-reentrant checkpoint's forward again inside the
+    backward's graph task (torch._C._current_graph_task_id() is not -1 there) with grad mode on, and the
+    backward's own ops with it off; outside a backward the id is -1."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils.checkpoint import checkpoint
+
+    seen = []
+
+    class Watch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append((str(func), torch.is_grad_enabled(), torch._C._current_graph_task_id() != -1))
+            return func(*args, **(kwargs or {}))
+
+    layer, x = torch.nn.Linear(4, 4), torch.randn(2, 4, requires_grad=True)
+    with Watch():
+        checkpoint(lambda t: torch.tanh(layer(t)), x, use_reentrant=False).sum().backward()
+    assert torch._C._current_graph_task_id() == -1
+    forward = [name for name, grad, in_backward in seen if not in_backward]
+    recomputed = [name for name, grad, in_backward in seen if in_backward and grad]
+    assert "aten.addmm.default" in forward and "aten.tanh.default" in forward
+    assert "aten.addmm.default" in recomputed and "aten.tanh.default" in recomputed
+    assert ("aten.tanh_backward.default", False, True) in seen  # the backward's own op: grad off

@@ -67,6 +67,33 @@ def test_every_op_is_replayed_or_a_counted_fallback_and_the_categories_sum_to_th
     assert 0 < result.benchmarked <= result.distinct
 
 
+def test_checkpointing_recomputes_in_backward_and_its_overhead_is_host_time(cache):
+    """A checkpointed block's forward runs again in backward: its ops are marked recomputed (every block twice as
+    many as every second one), and the step's host time adds the recompute calibration's measured cost per
+    recomputed op; a step without checkpointing neither counts nor calibrates it."""
+    import dataclasses
+
+    def ops_at(every: int) -> OpSummary:
+        with torch.device("meta"):
+            model = ToyLM(dataclasses.replace(SMALL, n_layers=2, activation_checkpointing=every))
+        batch = tuple(torch.empty(2, 16, dtype=torch.long, device="meta") for _ in range(2))
+        return dry_run(model, batch, step=lambda m, b: m(*b), device="cpu").ops
+
+    plain, every_block, every_second = ops_at(0), ops_at(1), ops_at(2)
+    recomputed = [sum(op.recompute for op in ops.ops) for ops in (plain, every_block, every_second)]
+    assert recomputed[0] == 0 and recomputed[1] == 2 * recomputed[2] > 0
+    assert {op.phase for op in every_block.ops if op.recompute} == {"backward"}
+    predict_step_time(plain, "cpu", loop_s=1e-3)
+    assert "recompute_overhead" not in json.loads(cache.read_text()).popitem()[1]["calibrations"]
+    result = predict_step_time(every_block, "cpu", loop_s=1e-3)
+    calibrations = json.loads(cache.read_text()).popitem()[1]["calibrations"]
+    per_op, per_recomputed = calibrations["per_op_overhead"]["value"], calibrations["recompute_overhead"]["value"]
+    assert calibrations["recompute_overhead"]["recomputed"] > 0 and per_recomputed >= 0
+    assert f"{recomputed[1]} recomputed ops x" in result.how["host"]
+    expected = per_op * len(every_block.ops) + per_recomputed * recomputed[1] + 1e-3
+    assert result.seconds["host"] == pytest.approx(expected, rel=1e-9)
+
+
 def test_a_second_prediction_of_the_same_model_benchmarks_nothing(cache):
     ops, optimizer = _toy_ops()
     first = predict_step_time(ops, "cpu", optimizer=optimizer)

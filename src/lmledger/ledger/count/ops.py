@@ -122,6 +122,9 @@ class OpRecord:
     # names it) and size; what the time ledger needs to price it on the link it crosses (ledger/interconnect).
     group: str = field(default="", compare=False)
     group_size: int = 0
+    # Dispatched in backward with grad mode on: activation checkpointing re-running a forward (the backward's own
+    # ops run with it off), which the real step drives from Python again (ledger/timing/steptime/calibrate.py).
+    recompute: bool = field(default=False, compare=False)
 
     @property
     def bytes(self) -> int:
@@ -279,6 +282,12 @@ def _tensors(tree: object) -> list[torch.Tensor]:
     return found
 
 
+def _recomputing() -> bool:
+    """Whether an op runs inside autograd's backward (a graph task is executing) with grad mode on: a checkpointed
+    forward re-run (canary test_a_checkpoint_recompute_runs_in_a_graph_task_with_grad_on)."""
+    return torch.is_grad_enabled() and torch._C._current_graph_task_id() != -1
+
+
 class OpRecorder(TorchDispatchMode):
     """Records every op dispatched while it is entered (module doc).
 
@@ -414,5 +423,5 @@ class OpRecorder(TorchDispatchMode):
         group, group_size = _group_of(args) if category == COMMUNICATION else ("", 0)
         return OpRecord(
             name, self.phase, category, flops, read, written, dtype, shapes, signature, why_not, storages, outputs,
-            group=group, group_size=group_size,
+            group=group, group_size=group_size, recompute=_recomputing(),
         )  # fmt: skip

@@ -2,6 +2,10 @@
 
     per-op overhead   autograd's and the dispatcher's cost per op beyond its kernel: a chain of tiny ops
                       with backward, timed whole, minus the replayed time of the ops it ran, per op
+    recompute         activation checkpointing's cost per recomputed op beyond its kernel (torch.utils.checkpoint's
+                      hooks and the block's Python forward run again): a stack of small blocks with backward,
+                      checkpointed and not, the difference timed whole, minus the replayed time of the extra ops,
+                      per recomputed op
     optimizer step    the run's optimizer class and hyperparameters stepping real tensors of its
                       parameters' shapes (foreach/fused kernels and Python as they really run), with
                       the run's gradient clipping before it, each timed step after the cache is flushed
@@ -46,16 +50,22 @@ __all__ = [
     "data_wait",
     "optimizer_seconds",
     "per_op_overhead",
+    "recompute_overhead",
 ]
 
 _CHAIN_LINKS = 24
 
 
+def _cached(cache: StepTimeCache, name: str) -> tuple[float, str] | None:
+    """A per-machine calibration already measured: (its value, how), or None."""
+    found = cache.calibration(name)
+    return None if found is None else (float(found["value"]), f"measured {found['measured_at'][:10]} (cache)")
+
+
 def per_op_overhead(device: torch.device, cache: StepTimeCache, replayer: Replayer) -> tuple[float, str]:
     """(seconds per op, how): the per-op cost a replay does not see (module doc), cached per machine."""
-    found = cache.calibration("per_op_overhead")
-    if found is not None:
-        return float(found["value"]), f"measured {found['measured_at'][:10]} (cache)"
+    if (found := _cached(cache, "per_op_overhead")) is not None:
+        return found
     with untouched_rng(device), as_recorded():
         generator = torch.Generator().manual_seed(0)
         x = torch.randn(16, generator=generator).to(device).requires_grad_()
@@ -83,6 +93,67 @@ def per_op_overhead(device: torch.device, cache: StepTimeCache, replayer: Replay
         "(best of 3 medians), minus the replayed time of its ops, per op"
     )
     cache.set_calibration("per_op_overhead", overhead, method, ops=len(ops), wall_s=min(walls), kernels_s=kernels)
+    return overhead, "measured now"
+
+
+def recompute_overhead(device: torch.device, cache: StepTimeCache, replayer: Replayer) -> tuple[float, str]:
+    """(seconds per recomputed op, how): what checkpointing costs beyond its ops' kernels (module doc), cached."""
+    if (found := _cached(cache, "recompute_overhead")) is not None:
+        return found
+    from torch.utils.checkpoint import checkpoint
+
+    with untouched_rng(device), as_recorded():
+        generator = torch.Generator().manual_seed(0)
+        width = 16
+        blocks = [
+            [torch.nn.LayerNorm(width), torch.nn.Linear(width, 4 * width), torch.nn.Linear(4 * width, width)]
+            for _ in range(4)
+        ]
+        for block in blocks:
+            for layer in block:
+                for p in layer.parameters():
+                    p.data = torch.randn(p.shape, generator=generator).to(device)
+        x = torch.randn(4, 8, width, generator=generator).to(device).requires_grad_()
+
+        def block_forward(block, y):
+            norm, up, down = block
+            return y + down(torch.nn.functional.gelu(up(norm(y))))
+
+        def step(checkpointed: bool) -> None:
+            y = x
+            for block in blocks:
+                if checkpointed:
+                    y = checkpoint(block_forward, block, y, use_reentrant=False)
+                else:
+                    y = block_forward(block, y)
+            y.sum().backward()
+            x.grad = None
+            for block in blocks:
+                for layer in block:
+                    layer.zero_grad(set_to_none=True)
+
+        kernels, recomputed = {}, 0
+        for checkpointed in (False, True):
+            recorder = OpRecorder({})
+            with recorder:
+                step(checkpointed)
+            recomputed += sum(op.recompute for op in recorder.records)
+            replayable = [op for op in recorder.records if why_not_replayed(op) is None]
+            kernels[checkpointed] = sum(replayer.seconds(op) or 0.0 for op in replayable)
+        walls = {
+            checkpointed: min(
+                time_call(lambda c=checkpointed: step(c), device, budget_s=0.05, max_repeats=41)[0] for _ in range(3)
+            )
+            for checkpointed in (False, True)
+        }
+    extra = (walls[True] - walls[False]) - (kernels[True] - kernels[False])
+    overhead = max(0.0, extra / max(1, recomputed))
+    method = (
+        f"4 blocks (LayerNorm, Linear, GELU, Linear) with backward, checkpointed and not (best of 3 medians each), "
+        f"the difference minus the replayed time of the extra ops, per recomputed op ({recomputed})"
+    )
+    cache.set_calibration("recompute_overhead", overhead, method, recomputed=recomputed, walls_s=list(walls.values()),
+                          kernels_s=list(kernels.values()))  # fmt: skip
     return overhead, "measured now"
 
 

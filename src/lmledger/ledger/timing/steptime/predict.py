@@ -7,7 +7,8 @@
     communication              DDP's buckets and FSDP2's collectives at their sizes, by an alpha-beta model
                                measured on gloo ranks here, or a labelled interconnect table
     data_wait                  the user's loader's batch time, less what worker prefetch overlaps
-    host                       per-op overhead (autograd, dispatcher) x ops + Lightning's loop per batch
+    host                       per-op overhead (autograd, dispatcher) x ops + checkpointing's overhead x recomputed
+                               ops + Lightning's loop per batch
 
 Ops that cannot be replayed are priced at their roofline bound divided by the efficiency (bound / replayed
 time) the replayed ops of their category reached; they are counted, with their share. The categories sum
@@ -220,6 +221,11 @@ def predict_step_time(
     compute = sum(seconds[c] for c in (MATMUL, ATTENTION, OTHER))
     seconds[HOST] = overhead * per_op_ops + (loop_s or 0.0) * accumulate
     how[HOST] = f"{per_op_ops} ops x {overhead * 1e6:.3g} us per op ({overhead_how})"
+    recomputed = sum(1 for op in ops.ops if op.recompute)
+    if recomputed:
+        extra, extra_how = calibrate.recompute_overhead(device, cache, Replayer(device, cache.ops))
+        seconds[HOST] += extra * recomputed
+        how[HOST] += f" + {recomputed} recomputed ops x {extra * 1e6:.3g} us of checkpointing ({extra_how})"
     how[HOST] += f" + Lightning's loop {loop_s * 1e3:.3g} ms x {accumulate} batches ({loop_how})" if loop_s else ""
     if loop_s is None:
         notes.append(
