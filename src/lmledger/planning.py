@@ -54,11 +54,9 @@ def max_batch_of(fit_args: list[str], capacity: int, gpu_key: str | None) -> tup
         if at_scale(scale.world_size, scale.strategy):  # one rank's dry run at the world size (ledger.sharding.sharded)
             found = any_model_at_scale(fit_args, capacity)
             case = found["per_rank"].configured  # the module as it is configured answers, as for a config
-            over = case.max_batch == 0 and case.over_by_at_batch_1 is not None
             result = {
-                "max_batch": case.max_batch, "peak_bytes": capacity + case.over_by_at_batch_1 if over else
-                case.max_batch_peak, "capacity_bytes": capacity, "gpu": gpu_key, "params": found["params"],
-                "run": found["run"], "per_rank": found["per_rank"],
+                "max_batch": case.max_batch, "peak_bytes": case.answer_peak(capacity), "capacity_bytes": capacity,
+                "gpu": gpu_key, "params": found["params"], "run": found["run"], "per_rank": found["per_rank"],
             }  # fmt: skip
             return "at scale", result, found
         result, params, wants_gpu = _max_batch_any_model(fit_args, capacity, gpu_key)
@@ -116,7 +114,7 @@ def _per_rank_batch(result: dict, spec, capacity: int, fit_args: list[str]) -> N
     if case.not_predicted is None and case.peak_checked and case.max_batch is not None:
         result["max_batch"] = case.max_batch
         result["tokens_per_step"] = case.max_batch * spec.seq_len
-        result["peak_bytes"] = case.max_batch_peak if case.max_batch else capacity + case.over_by_at_batch_1
+        result["peak_bytes"] = case.answer_peak(capacity)
 
 
 def _max_batch_any_model(fit_args: list[str], capacity: int, gpu_key: str | None) -> tuple[dict, int, bool]:

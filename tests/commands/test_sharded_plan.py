@@ -11,6 +11,7 @@ import torch
 from conftest import TINY_OVERRIDES, lmledger, run_json
 from lmledger.ledger.sharding.atscale import toy_inputs
 from lmledger.ledger.sharding.sharded import predict_sharded
+from lmledger.ledger.units import format_bytes
 from lmledger.run_config import load_run
 
 TINY = ["--config", "configs/tiny.yaml", *TINY_OVERRIDES, "--data.batch_size", "4"]
@@ -96,3 +97,18 @@ def test_plan_max_batch_of_any_model_at_scale_prints_and_writes_json(workdir, ca
     row = next(line for line in table.splitlines() if "largest micro-batch per rank" in line)
     assert [cell.strip() for cell in row.split("│")[2:4]] == [f"{configured['max_batch']:,}", "—"], row
     assert f"every block checkpointed: not predicted: {checkpointed['not_predicted']}" in table
+
+
+def test_plan_max_batch_at_scale_when_not_one_sample_fits(workdir, capsys):
+    """At two DDP ranks under 100 kB per rank: batch 0, and the peak beside it is one sample's, by the dry run."""
+    args = [*TINY, "--trainer.devices", "2", "--trainer.strategy", "ddp", "--device-memory-gb", "0.0001"]
+    doc = run_json(capsys, "plan", "max-batch", *args, "--json")
+    off = doc["per_rank"]["cases"]["checkpointing off"]
+    spec = load_run(args[:-2])
+    model, batch_for, optimizer = toy_inputs(spec)
+    one = predict_sharded(model, batch_for(1), optimizer=optimizer, strategy="ddp", world_size=2).peak
+    assert doc["max_batch"] == off["max_batch"] == 0
+    assert doc["peak_bytes"] == 100_000 + off["over_by_at_batch_1"] == one
+    assert lmledger(["plan", "max-batch", *args]) == 0
+    over = f"checkpointing off: does not fit: one sample per rank is over by {format_bytes(one - 100_000)}"
+    assert over in capsys.readouterr().out

@@ -162,15 +162,16 @@ def print_per_rank(scale: AtScale) -> None:
     shape = f" (data parallel {scale.world_size // tp} x tensor parallel {tp})" if tp > 1 else ""
     title = f"per rank: {scale.strategy} over {scale.world_size} ranks{shape}, batch {scale.batch_size}"
     cases, table = list(scale.cases.values()), []
-    rows = ["params", "grads", "optimizer", "activations", "comm buffers (DDP buckets, FSDP2 gathers)", "peak"]
+    rows = [("params", "params"), ("grads", "grads"), ("optimizer", "optimizer"), ("activations", "activations"),
+            ("comm buffers (DDP buckets, FSDP2 gathers)", "comm_buffers"), ("peak", "peak")]  # fmt: skip
     if scale.capacity_bytes:
-        rows.append("largest micro-batch per rank")
+        rows.append(("largest micro-batch per rank", "max_batch"))
     links = next((c.communication["links"] for c in cases if c.communication), None)
     if links:
-        rows += [f"collectives per step in a node ({links['intra_node']['name']})",
-                 f"collectives per step between nodes ({links['inter_node']['name']})"]  # fmt: skip
-    for label in rows:
-        table.append((label, *(_per_rank_cell(case, label) for case in cases)))
+        rows += [(f"collectives per step in a node ({links['intra_node']['name']})", "intra-node"),
+                 (f"collectives per step between nodes ({links['inter_node']['name']})", "inter-node")]  # fmt: skip
+    for label, key in rows:
+        table.append((label, *(_per_rank_cell(case, key) for case in cases)))
     Console().print(render(["", *scale.cases], table, title=title))  # the one renderer, as the ledger's
     if links:
         intra, inter = links["intra_node"], links["inter_node"]
@@ -188,20 +189,18 @@ def print_per_rank(scale: AtScale) -> None:
                   "to a measurement (checked on a GPU when one is lent)")  # fmt: skip
 
 
-def _per_rank_cell(case, label: str) -> str:
+def _per_rank_cell(case, key: str) -> str:
     """One cell of print_per_rank's table: a row of the case's Figures, or what only a rank at scale has."""
     if case.not_predicted:
         return "—"
-    if label.startswith("collectives"):
-        scope = "intra-node" if "in a node" in label else "inter-node"
-        spent = [r for r in (case.communication or {}).get("by_link", {}).values() if r["scope"] == scope]
+    if key in ("intra-node", "inter-node"):
+        spent = [r for r in (case.communication or {}).get("by_link", {}).values() if r["scope"] == key]
         return f"{sum(r['seconds'] for r in spent) * 1e3:.4g} ms" if spent else "—"
-    if label.startswith("largest"):
+    if key == "max_batch":
         return "—" if case.max_batch is None else f"{case.max_batch:,}"
-    if label.startswith("comm buffers"):
+    if key == "comm_buffers":
         return format_bytes(case.comm_buffers)
-    unchecked = label == "peak" and not case.peak_checked
-    return format_bytes(case.figures.get(label)) + (" (unchecked)" if unchecked else "")
+    return format_bytes(case.figures.get(key)) + (" (unchecked)" if key == "peak" and not case.peak_checked else "")
 
 
 def print_any_model_at_scale(result: dict) -> None:

@@ -57,6 +57,12 @@ class RankCase:
     def missing(cls, why: str) -> RankCase:
         return cls(Figures(why_missing=dict.fromkeys((*MEMORY_ROWS, "flops_hardware"), why)), not_predicted=why)
 
+    def answer_peak(self, capacity_bytes: int) -> int | None:
+        """The peak beside plan's answer: at the largest micro-batch, or where not even one sample fits, at one."""
+        if self.max_batch == 0 and self.over_by_at_batch_1 is not None:
+            return capacity_bytes + self.over_by_at_batch_1
+        return self.max_batch_peak
+
     def to_json(self, sized: bool) -> dict:
         """The case in `per_rank.cases` of the one JSON shape (docs/commands.md); `sized`: a capacity was given."""
         if self.not_predicted:

@@ -132,12 +132,12 @@ def recompute_overhead(device: torch.device, cache: StepTimeCache, replayer: Rep
                 for layer in block:
                     layer.zero_grad(set_to_none=True)
 
-        kernels, recomputed = {}, 0
+        kernels = {}
         for checkpointed in (False, True):
             recorder = OpRecorder({})
             with recorder:
                 step(checkpointed)
-            recomputed += sum(op.recompute for op in recorder.records)
+            recomputed = sum(op.recompute for op in recorder.records)  # the checkpointed pass's, read last
             replayable = [op for op in recorder.records if why_not_replayed(op) is None]
             kernels[checkpointed] = sum(replayer.seconds(op) or 0.0 for op in replayable)
         walls = {
