@@ -59,6 +59,17 @@ def _holder(path: str | os.PathLike) -> str:
     return f"pid {pid}" if not host or host == socket.gethostname() else f"pid {pid} on {host}"
 
 
+def _holder_named(path: str | os.PathLike, wait_s: float = 1.0) -> str:
+    """_holder, waiting up to `wait_s` for a holder that has just locked to write its pid: the directory and the
+    file are locked a moment before the file is claimed, and a refusal in that moment would name no one."""
+    import time
+
+    deadline = time.monotonic() + wait_s
+    while (who := _holder(path)) == "another process" and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return who
+
+
 def _same(a: os.stat_result, b: os.stat_result) -> bool:
     return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
@@ -89,7 +100,7 @@ class DirLock:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
                     os.close(fd)
-                    raise busy(_holder(self.path)) from None
+                    raise busy(_holder_named(self.path)) from None
                 except OSError as err:  # e.g. ENOLCK: an NFS mount without a lock manager
                     os.close(fd)
                     raise UserError(
@@ -129,7 +140,7 @@ class DirLock:
             fcntl.flock(dir_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(dir_fd)
-            raise busy(_holder(self.path)) from None
+            raise busy(_holder_named(self.path)) from None
         except OSError:  # EBADF (NFSv4), ENOLCK, EINVAL: the lock file alone excludes (lost() checks it)
             os.close(dir_fd)
             return None
