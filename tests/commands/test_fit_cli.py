@@ -65,6 +65,14 @@ def test_rerun_takes_a_new_version(workdir):
     assert (workdir / "runs/tiny/version_0/config.yaml").read_bytes() == first
 
 
+def test_fit_under_ddp_destroys_its_process_group_at_the_end(workdir):
+    """Left to interpreter exit, gloo's threads can abort a finished run (SIGABRT): fit destroys the group."""
+    ddp = ["--trainer.strategy", "ddp", "--trainer.devices", "1"]
+    assert fit("--trainer.max_steps", "1", "--trainer.limit_val_batches", "0", "--ledger.enabled", "false", *ddp) == 0
+    assert (workdir / "runs/tiny/version_0/checkpoints/last.ckpt").is_file()
+    assert torch.distributed.is_available() and not torch.distributed.is_initialized()
+
+
 def test_resume_last_without_a_run_is_one_line(workdir):
     cmd = [sys.executable, "-m", "lmledger.cli", "fit", "--config", "configs/tiny.yaml", "--ckpt_path", "last"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)

@@ -252,6 +252,26 @@ def test_process_group_timeouts():
         assert inspect.signature(strategy.__init__).parameters["timeout"].default == default_pg_timeout
 
 
+def test_lightning_leaves_the_process_group_after_fit(tmp_path):
+    """Lightning 2.6.6's DDPStrategy.teardown does not destroy the process group it made: what
+    fitting.peers.close_process_group does at the end of `lmledger fit` (pytorch/pytorch#190489)."""
+    import torch
+    import torch.distributed as dist
+    from lightning.pytorch.demos.boring_classes import BoringModel
+    from lightning.pytorch.strategies import DDPStrategy
+
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=DDPStrategy(process_group_backend="gloo"),
+                         max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, default_root_dir=tmp_path)  # fmt: skip
+    try:
+        trainer.fit(BoringModel())
+        assert dist.is_initialized() and dist.get_backend() == "gloo"
+        assert torch.distributed.get_world_size() == 1
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
 def test_lightning_observer_kills_the_launcher_when_a_child_dies():
     """Lightning's _ChildProcessObserver SIGKILLs the launcher (its main_pid) once a child rank has failed: what
     lightning_private.observe_child_ranks hooks, so that a line is said first. Here main_pid is a stand-in."""

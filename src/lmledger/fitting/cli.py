@@ -57,7 +57,14 @@ from lmledger.fitting.checks import (
     refuse_empty_train_loader,
     refuse_several_optimizers,
 )
-from lmledger.fitting.peers import PeerFailure, PeerWatch, end_child_ranks, peer_failure_line, set_peer_timeout
+from lmledger.fitting.peers import (
+    PeerFailure,
+    PeerWatch,
+    close_process_group,
+    end_child_ranks,
+    peer_failure_line,
+    set_peer_timeout,
+)
 from lmledger.fitting.resume import (
     SPECIAL_CKPT_PATHS,
     checked_hyperparameters,
@@ -336,6 +343,7 @@ def run_claimed(argv: list[str]) -> None:
     try:
         with noted_stop_signals():  # a SIGUSR1 while the run is built: save and stop at step 1, not fatal
             _run_cli(FitCLI, argv, run=True)
+        close_process_group()  # every rank is past its last collective; a failed run's peers may not be
     except UserError:
         undo_uncommitted_claims()
         raise

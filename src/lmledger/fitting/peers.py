@@ -1,6 +1,7 @@
 """No rank left waiting: how long a rank waits for the others, and one line when one never comes or dies.
 
     set_peer_timeout    the strategy's process-group timeout: the kit's PEER_TIMEOUT where Lightning's 30 min is left
+    close_process_group the end of a run that made a process group: destroyed, not left to interpreter exit
     PeerWatch           a callback: the step reached, the run's checkpoints, the launcher's child ranks
     peer_failure_line   an error from torch.distributed as one line: what was waited for, which rank, how long
 
@@ -32,6 +33,7 @@ __all__ = [
     "PEER_TIMEOUT",
     "PeerFailure",
     "PeerWatch",
+    "close_process_group",
     "end_child_ranks",
     "peer_failure_line",
     "set_peer_timeout",
@@ -70,6 +72,19 @@ def set_peer_timeout(strategy) -> timedelta | None:
     if timeout == LIGHTNING_TIMEOUT:
         strategy._timeout = timeout = PEER_TIMEOUT
     return timeout
+
+
+def close_process_group() -> None:
+    """Destroy the default process group, if this run made one, once every rank's collectives are done.
+
+    Lightning 2.6.6 leaves it after fit (canary test_lightning_leaves_the_process_group_after_fit). Left to
+    interpreter exit, gloo's worker threads can end the process in std::terminate, "terminate called without an
+    active exception" (SIGABRT) after a run that succeeded: pytorch/pytorch#190489.
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _seconds(value: timedelta | float | None) -> str:
