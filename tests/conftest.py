@@ -78,6 +78,16 @@ def one_thread():
         yield
 
 
+@pytest.fixture
+def restored_environ() -> Iterator[None]:
+    """os.environ back as it was after the test: a DDP fit in this process leaves Lightning's MASTER_PORT,
+    MASTER_ADDR, WORLD_SIZE and ranks there, and every later test's subprocess ranks would inherit them."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
 @pytest.fixture(scope="session")
 def stdlib_data(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("corpus") / "stdlib"

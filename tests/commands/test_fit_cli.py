@@ -65,7 +65,7 @@ def test_rerun_takes_a_new_version(workdir):
     assert (workdir / "runs/tiny/version_0/config.yaml").read_bytes() == first
 
 
-def test_fit_under_ddp_destroys_its_process_group_at_the_end(workdir):
+def test_fit_under_ddp_destroys_its_process_group_at_the_end(workdir, restored_environ):
     """Left to interpreter exit, gloo's threads can abort a finished run (SIGABRT): fit destroys the group."""
     ddp = ["--trainer.strategy", "ddp", "--trainer.devices", "1"]
     assert fit("--trainer.max_steps", "1", "--trainer.limit_val_batches", "0", "--ledger.enabled", "false", *ddp) == 0

@@ -252,7 +252,7 @@ def test_process_group_timeouts():
         assert inspect.signature(strategy.__init__).parameters["timeout"].default == default_pg_timeout
 
 
-def test_lightning_leaves_the_process_group_after_fit(tmp_path):
+def test_lightning_leaves_the_process_group_after_fit(tmp_path, restored_environ):
     """Lightning 2.6.6's DDPStrategy.teardown does not destroy the process group it made: what
     fitting.peers.close_process_group does at the end of `lmledger fit` (pytorch/pytorch#190489)."""
     import torch
