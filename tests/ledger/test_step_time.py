@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 from pathlib import Path
 
 import numpy as np
@@ -90,8 +91,40 @@ def test_checkpointing_recomputes_in_backward_and_its_overhead_is_host_time(cach
     per_op, per_recomputed = calibrations["per_op_overhead"]["value"], calibrations["recompute_overhead"]["value"]
     assert calibrations["recompute_overhead"]["recomputed"] > 0 and per_recomputed >= 0
     assert f"{recomputed[1]} recomputed ops x" in result.how["host"]
-    expected = per_op * len(every_block.ops) + per_recomputed * recomputed[1] + 1e-3
+    outside, per_dispatch = every_block.outside, calibrations["outside_per_dispatch"]["value"]
+    python = max(0.0, outside.seconds - per_dispatch * outside.dispatches)
+    expected = per_op * len(every_block.ops) + per_recomputed * recomputed[1] + python + 1e-3
     assert result.seconds["host"] == pytest.approx(expected, rel=1e-9)
+
+
+class _Napping(nn.Module):
+    """A linear layer and a loss, whose forward also spends `nap` seconds in Python that dispatches nothing."""
+
+    def __init__(self, nap: float) -> None:
+        super().__init__()
+        self.linear, self.nap = nn.Linear(8, 8), nap
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(self.nap)  # at least `nap`, however busy the machine
+        return self.linear(x).square().mean()
+
+
+def test_the_models_own_python_is_measured_on_its_dry_run_and_predicted_as_host_time(cache):
+    """Replayed ops never run the model's Python: the dry run times its step outside dispatch, and the prediction
+    adds what exceeds a Python-light model's time there per op. A forward that naps 50 ms adds 50 ms of host."""
+
+    def ops_of(nap: float) -> OpSummary:
+        with torch.device("meta"):
+            model = _Napping(nap)
+        return dry_run(model, torch.empty(4, 8, device="meta"), step=lambda m, b: m(b), device="cpu").ops
+
+    brisk, napping = ops_of(0.0), ops_of(0.05)
+    assert napping.outside.dispatches == brisk.outside.dispatches > 0  # the same ops, timed once (step 2)
+    assert napping.outside.seconds >= 0.05 > brisk.outside.seconds
+    a, b = predict_step_time(brisk, "cpu", loop_s=1e-3), predict_step_time(napping, "cpu", loop_s=1e-3)
+    assert {c: b.seconds[c] for c in CATEGORIES if c != "host"} == {c: a.seconds[c] for c in CATEGORIES if c != "host"}
+    assert 0.05 <= b.seconds["host"] - a.seconds["host"] <= napping.outside.seconds
+    assert "the model's own Python" in b.how["host"] and f"over {napping.outside.dispatches} ops" in b.how["host"]
 
 
 def test_a_second_prediction_of_the_same_model_benchmarks_nothing(cache):

@@ -15,11 +15,16 @@ Categories, shared with the measured side (ledger/timing/profile.py). It classif
     other           the rest of forward and backward: elementwise, norms, softmax, the loss, copies
     optimizer       everything inside optimizer.step (phase "optimizer step")
     communication   collectives (c10d ops), for a sharded step
+
+`DispatchClock`, the outermost mode around the dry run's steady-state forward and backward (step 2), splits
+their wall time into inside dispatch (the fake kernels, the modes below it) and outside: the model's own Python,
+module calls and autograd's bookkeeping, which run alike on fake and real tensors. It is `OpSummary.outside`.
 No Lightning import.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -34,9 +39,11 @@ __all__ = [
     "OPTIMIZER",
     "OTHER",
     "CategoryTotals",
+    "DispatchClock",
     "OpRecord",
     "OpRecorder",
     "OpSummary",
+    "Outside",
     "TensorSpec",
     "category_of",
     "signature_of",
@@ -163,11 +170,21 @@ class CategoryTotals:
 
 
 @dataclass(frozen=True)
+class Outside:
+    """Wall seconds of a step's forward and backward spent outside dispatch, over `dispatches` top-level ops."""
+
+    seconds: float
+    dispatches: int
+
+
+@dataclass(frozen=True)
 class OpSummary:
-    """The step's ops (in the order they ran) and their totals per category."""
+    """The step's ops (in the order they ran) and their totals per category; `outside`: DispatchClock's measure of
+    the step (None where the dry run took none: manual optimization)."""
 
     ops: tuple[OpRecord, ...] = ()
     by_category: dict[str, CategoryTotals] = field(default_factory=dict)
+    outside: Outside | None = field(default=None, compare=False)  # a timing: two dry runs of one step compare equal
 
     @property
     def flops(self) -> int:
@@ -177,14 +194,14 @@ class OpSummary:
         return sum(op.flops for op in self.ops if op.phase in phases)
 
     @staticmethod
-    def of(ops: list[OpRecord]) -> OpSummary:
+    def of(ops: list[OpRecord], outside: Outside | None = None) -> OpSummary:
         totals: dict[str, list[int]] = {c: [0, 0, 0] for c in CATEGORIES}
         for op in ops:
             row = totals[op.category]
             row[0] += 1
             row[1] += op.flops
             row[2] += op.bytes
-        return OpSummary(tuple(ops), {c: CategoryTotals(*row) for c, row in totals.items()})
+        return OpSummary(tuple(ops), {c: CategoryTotals(*row) for c, row in totals.items()}, outside)
 
 
 @dataclass(frozen=True)
@@ -197,6 +214,41 @@ class TensorSpec:
     dtype: str
     storage_numel: int
     device: str
+
+
+class DispatchClock(TorchDispatchMode):
+    """Wall time while entered, and the part of it spent dispatching top-level ops (module doc).
+
+    Entered last, so first on the mode stack: every mode below it and the kernels count as inside; ops it
+    dispatches are not seen again. Enter it once per span to time; `outside` sums the spans.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wall_s = self.inside_s = 0.0
+        self.dispatches = 0
+        self._entered = 0.0
+
+    def __enter__(self) -> DispatchClock:
+        entered = super().__enter__()
+        self._entered = time.perf_counter()
+        return entered
+
+    def __exit__(self, *exc) -> None:
+        self.wall_s += time.perf_counter() - self._entered
+        return super().__exit__(*exc)
+
+    @property
+    def outside(self) -> Outside:
+        return Outside(max(0.0, self.wall_s - self.inside_s), self.dispatches)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        start = time.perf_counter()
+        try:
+            return func(*args, **(kwargs or {}))
+        finally:
+            self.inside_s += time.perf_counter() - start
+            self.dispatches += 1
 
 
 class NotReplayable(Exception):

@@ -30,6 +30,7 @@ import: the step is a plain callable `step(model, batch) -> loss`.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
 
@@ -43,7 +44,7 @@ from lmledger.ledger.closedform.memory import measure_state_bytes, unique_storag
 from lmledger.ledger.closedform.napkin import largest_within
 from lmledger.ledger.count.flopcounter import flop_counter
 from lmledger.ledger.count.memtrack import MemoryTracker
-from lmledger.ledger.count.ops import OpRecorder
+from lmledger.ledger.count.ops import DispatchClock, OpRecorder
 from lmledger.ledger.dryrun import moe
 from lmledger.ledger.dryrun.fakecopy import (
     PlaceholderScalars,
@@ -316,13 +317,15 @@ def ledger_of_step(
                 del loss
             _optimizer_step(optimizer)
         tracker = MemoryTracker().track(model, optimizer, batch_tensors(batch))
+        # Step 2's forward and backward are also timed outside dispatch: the model's own Python (count/ops.py).
+        clock = DispatchClock()
         with tracker, no_cyclic_gc():
             for micro in range(accumulate):
                 tracker.phase(names[0] if accumulate == 1 or micro == 0 else names[1])
-                loss, kept = _forward(model, batch, step, autocast, device, accumulate=accumulate)
+                loss, kept = _forward(model, batch, step, autocast, device, clock, accumulate=accumulate)
                 if accumulate == 1:
                     tracker.phase(names[1])
-                _backward(model, loss, optimizer, first=micro == 0)
+                _backward(model, loss, optimizer, first=micro == 0, counter=clock)
                 del loss
             tracker.phase(names[2])
             _optimizer_step(optimizer)
@@ -350,7 +353,7 @@ def ledger_of_step(
         flops_forward=sum(c.get_total_flops() for c in forward_flops),
         flops_backward=sum(c.get_total_flops() for c in backward_flops),
         flops_by_op=by_op,
-        ops=recorder.summary(),
+        ops=dataclasses.replace(recorder.summary(), outside=clock.outside),
     )
 
 

@@ -290,7 +290,7 @@ def _name_groups(result, mesh: object):
     if mesh.ndim == 1:
         names[mesh.get_group().group_name] = "data_parallel"
     ops = [dataclasses.replace(op, group=names.get(op.group, op.group)) if op.group else op for op in result.ops.ops]
-    return dataclasses.replace(result, ops=OpSummary.of(ops))
+    return dataclasses.replace(result, ops=OpSummary.of(ops, result.ops.outside))
 
 
 class _RankChunks:

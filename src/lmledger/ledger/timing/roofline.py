@@ -252,7 +252,7 @@ def with_ddp_allreduce(ops: OpSummary, prediction: object) -> OpSummary:
                  bucket.dtype, group="world", group_size=world)
         for bucket in buckets
     ]  # fmt: skip
-    return OpSummary.of([*ops.ops, *extra])
+    return OpSummary.of([*ops.ops, *extra], ops.outside)
 
 
 def toy_step_ops(

@@ -2,10 +2,13 @@
 
     per-op overhead   autograd's and the dispatcher's cost per op beyond its kernel: a chain of tiny ops
                       with backward, timed whole, minus the replayed time of the ops it ran, per op
-    recompute         activation checkpointing's cost per recomputed op beyond its kernel (torch.utils.checkpoint's
-                      hooks and the block's Python forward run again): a stack of small blocks with backward,
-                      checkpointed and not, the difference timed whole, minus the replayed time of the extra ops,
-                      per recomputed op
+    recompute         activation checkpointing's cost per recomputed op beyond its kernel and beyond the Python its
+                      dry run times (what is left: memory given back and faulted in again): a stack of small blocks
+                      with backward, checkpointed and not, the difference timed whole, minus the replayed time of
+                      the extra ops and the extra Python their dry runs spend outside dispatch, per recomputed op
+    model's Python    what a dry run's step spends outside dispatch per op on a model with no Python of its own
+                      (the per-op chain as a module): predict.py takes it, per op, from the time outside
+                      dispatch of the run's own dry run (count/ops.DispatchClock); the rest is the model's Python
     optimizer step    the run's optimizer class and hyperparameters stepping real tensors of its
                       parameters' shapes (foreach/fused kernels and Python as they really run), with
                       the run's gradient clipping before it, each timed step after the cache is flushed
@@ -32,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lmledger.ledger.count.ops import OpRecorder
+from lmledger.ledger.count.ops import OpRecorder, Outside
 from lmledger.ledger.hardware.interconnect import Interconnect, Links, default_links, wire_bytes
 from lmledger.ledger.timing.steptime.cache import StepTimeCache
 from lmledger.ledger.timing.steptime.replay import (
@@ -49,6 +52,7 @@ __all__ = [
     "collective_model",
     "data_wait",
     "optimizer_seconds",
+    "outside_per_dispatch",
     "per_op_overhead",
     "recompute_overhead",
 ]
@@ -96,64 +100,103 @@ def per_op_overhead(device: torch.device, cache: StepTimeCache, replayer: Replay
     return overhead, "measured now"
 
 
+class _Chain(torch.nn.Module):
+    """per_op_overhead's chain as a model: one op per line of Python, no submodules."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.empty(16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x
+        for _ in range(_CHAIN_LINKS):
+            y = torch.tanh(y * self.w + 0.5).view(4, 4).reshape(16)
+        return y.sum()
+
+
+def _outside(model: torch.nn.Module, batch: torch.Tensor, runs: int) -> list[Outside]:
+    """The time outside dispatch of `runs` dry runs of `model` on `batch`, each the run's own (count/ops.py)."""
+    from lmledger.ledger.dryrun.engine import dry_run
+
+    return [dry_run(model, batch, step=lambda m, b: m(b), device="cpu").ops.outside for _ in range(runs)]
+
+
+def outside_per_dispatch(cache: StepTimeCache) -> tuple[float, str]:
+    """(seconds per op, how): a dry run's time outside dispatch per op on _Chain, the median of 5 dry runs after one
+    warm-up; cached per machine. The same dry run as the run's own, so its instruments cost alike per op."""
+    if (found := _cached(cache, "outside_per_dispatch")) is not None:
+        return found
+    with torch.device("meta"):
+        model = _Chain()
+    per_op = [o.seconds / max(1, o.dispatches) for o in _outside(model, torch.empty(16, device="meta"), 6)]
+    value = statistics.median(per_op[1:])
+    method = (
+        f"a dry run's forward and backward of {_CHAIN_LINKS} x tanh(y * w + 0.5) and views, its time outside "
+        "dispatch per op (median of 5 dry runs)"
+    )
+    cache.set_calibration("outside_per_dispatch", value, method, per_op_s=per_op)
+    return value, "measured now"
+
+
+class _Blocks(torch.nn.Module):
+    """recompute_overhead's stack: 4 small residual blocks (LayerNorm, Linear, GELU, Linear), checkpointed or not."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(
+                torch.nn.LayerNorm(width), torch.nn.Linear(width, 4 * width), torch.nn.GELU(),
+                torch.nn.Linear(4 * width, width),
+            )
+            for _ in range(4)
+        )  # fmt: skip
+        self.checkpointed = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        for block in self.blocks:
+            x = x + (checkpoint(block, x, use_reentrant=False) if self.checkpointed else block(x))
+        return x.sum()
+
+
 def recompute_overhead(device: torch.device, cache: StepTimeCache, replayer: Replayer) -> tuple[float, str]:
-    """(seconds per recomputed op, how): what checkpointing costs beyond its ops' kernels (module doc), cached."""
+    """(seconds per recomputed op, how): what checkpointing costs beyond its ops' kernels and beyond the Python that
+    its dry run's time outside dispatch already prices (module doc; predict.py's model Python), cached."""
     if (found := _cached(cache, "recompute_overhead")) is not None:
         return found
-    from torch.utils.checkpoint import checkpoint
-
     with untouched_rng(device), as_recorded():
-        generator = torch.Generator().manual_seed(0)
-        width = 16
-        blocks = [
-            [torch.nn.LayerNorm(width), torch.nn.Linear(width, 4 * width), torch.nn.Linear(4 * width, width)]
-            for _ in range(4)
-        ]
-        for block in blocks:
-            for layer in block:
-                for p in layer.parameters():
-                    p.data = torch.randn(p.shape, generator=generator).to(device)
-        x = torch.randn(4, 8, width, generator=generator).to(device).requires_grad_()
+        torch.manual_seed(0)
+        model = _Blocks().to(device)
+        x = torch.randn(4, 8, 16).to(device)
 
-        def block_forward(block, y):
-            norm, up, down = block
-            return y + down(torch.nn.functional.gelu(up(norm(y))))
+        def step() -> None:
+            model(x).backward()
+            model.zero_grad(set_to_none=True)
 
-        def step(checkpointed: bool) -> None:
-            y = x
-            for block in blocks:
-                if checkpointed:
-                    y = checkpoint(block_forward, block, y, use_reentrant=False)
-                else:
-                    y = block_forward(block, y)
-            y.sum().backward()
-            x.grad = None
-            for block in blocks:
-                for layer in block:
-                    layer.zero_grad(set_to_none=True)
-
-        kernels = {}
+        kernels, walls, python = {}, {}, {}
+        base = outside_per_dispatch(cache)[0]
         for checkpointed in (False, True):
+            model.checkpointed = checkpointed
             recorder = OpRecorder({})
             with recorder:
-                step(checkpointed)
+                step()
             recomputed = sum(op.recompute for op in recorder.records)  # the checkpointed pass's, read last
             replayable = [op for op in recorder.records if why_not_replayed(op) is None]
             kernels[checkpointed] = sum(replayer.seconds(op) or 0.0 for op in replayable)
-        walls = {
-            checkpointed: min(
-                time_call(lambda c=checkpointed: step(c), device, budget_s=0.05, max_repeats=41)[0] for _ in range(3)
-            )
-            for checkpointed in (False, True)
-        }
-    extra = (walls[True] - walls[False]) - (kernels[True] - kernels[False])
+            walls[checkpointed] = min(time_call(step, device, budget_s=0.05, max_repeats=41)[0] for _ in range(3))
+            outside = _outside(model, x, 4)[1:]  # after a warm-up
+            python[checkpointed] = statistics.median(o.seconds - base * o.dispatches for o in outside)
+        model.checkpointed = False
+    extra = (walls[True] - walls[False]) - (kernels[True] - kernels[False]) - (python[True] - python[False])
     overhead = max(0.0, extra / max(1, recomputed))
     method = (
         f"4 blocks (LayerNorm, Linear, GELU, Linear) with backward, checkpointed and not (best of 3 medians each), "
-        f"the difference minus the replayed time of the extra ops, per recomputed op ({recomputed})"
+        "the difference minus the replayed time of the extra ops and minus the extra Python their dry runs timed "
+        f"outside dispatch, per recomputed op ({recomputed})"
     )
     cache.set_calibration("recompute_overhead", overhead, method, recomputed=recomputed, walls_s=list(walls.values()),
-                          kernels_s=list(kernels.values()))  # fmt: skip
+                          kernels_s=list(kernels.values()), python_s=list(python.values()))  # fmt: skip
     return overhead, "measured now"
 
 

@@ -8,7 +8,8 @@
                                measured on gloo ranks here, or a labelled interconnect table
     data_wait                  the user's loader's batch time, less what worker prefetch overlaps
     host                       per-op overhead (autograd, dispatcher) x ops + checkpointing's overhead x recomputed
-                               ops + Lightning's loop per batch
+                               ops + the model's own Python (its dry run's time outside dispatch, less a
+                               Python-light model's per op) + Lightning's loop per batch
 
 Ops that cannot be replayed are priced at their roofline bound divided by the efficiency (bound / replayed
 time) the replayed ops of their category reached; they are counted, with their share. The categories sum
@@ -23,7 +24,16 @@ from pathlib import Path
 
 import torch
 
-from lmledger.ledger.count.ops import ATTENTION, COMMUNICATION, MATMUL, OPTIMIZER, OTHER, OpRecord, OpSummary
+from lmledger.ledger.count.ops import (
+    ATTENTION,
+    COMMUNICATION,
+    MATMUL,
+    OPTIMIZER,
+    OTHER,
+    OpRecord,
+    OpSummary,
+    Outside,
+)
 from lmledger.ledger.hardware.cpu import OthersBusy
 from lmledger.ledger.hardware.interconnect import Links, collective_seconds
 from lmledger.ledger.timing.steptime import calibrate
@@ -226,6 +236,10 @@ def predict_step_time(
         extra, extra_how = calibrate.recompute_overhead(device, cache, Replayer(device, cache.ops))
         seconds[HOST] += extra * recomputed
         how[HOST] += f" + {recomputed} recomputed ops x {extra * 1e6:.3g} us of checkpointing ({extra_how})"
+    if ops.outside is not None:
+        python_s, python_how = _model_python(ops.outside, cache)
+        seconds[HOST] += python_s
+        how[HOST] += python_how
     how[HOST] += f" + Lightning's loop {loop_s * 1e3:.3g} ms x {accumulate} batches ({loop_how})" if loop_s else ""
     if loop_s is None:
         notes.append(
@@ -252,6 +266,20 @@ def predict_step_time(
         accumulate=accumulate, tokens=tokens * accumulate if tokens else None, samples=samples * accumulate, how=how,
         notes=tuple(notes),
     )  # fmt: skip
+
+
+def _model_python(outside: Outside, cache: StepTimeCache) -> tuple[float, str]:
+    """(seconds, how): the model's own Python per step, which replayed ops never run (module calls, HF's
+    per-layer bookkeeping): its dry run's time outside dispatch, less what a Python-light model spends there
+    per op (the instruments', autograd's and the dispatcher's share, priced per op already)."""
+    base, base_how = calibrate.outside_per_dispatch(cache)
+    python_s = max(0.0, outside.seconds - base * outside.dispatches)
+    how = (
+        f" + the model's own Python {python_s * 1e3:.3g} ms (its dry run's forward and backward spent "
+        f"{outside.seconds * 1e3:.3g} ms outside dispatch over {outside.dispatches} ops, less "
+        f"{base * 1e6:.3g} us per op as a Python-light chain does, {base_how})"
+    )
+    return python_s, how
 
 
 def _busy_notes(cache: StepTimeCache, busy: float | None) -> list[str]:
