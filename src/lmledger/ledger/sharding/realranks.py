@@ -297,6 +297,10 @@ def _rank_main(rank: int, world_size: int, tmp: str, target: Callable, args: tup
     try:
         result = _without_ops(target(*args))
         torch.save(result, os.path.join(tmp, f"rank{rank}.pt"))
+        # No rank tears down while a peer's gloo threads still run its last collective (FSDP2's are async): a
+        # spawned rank aborted at exit once in CI, "terminate called without an active exception". A rank that
+        # raised never gets here; spawn's join ends the others.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
