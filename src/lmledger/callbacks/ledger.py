@@ -43,7 +43,7 @@ from rich.console import Console
 from lmledger.callbacks import closedform as toy
 from lmledger.callbacks import cpukernels, fsdp2, ledgercheck, ledgerpredict, ledgerrates
 from lmledger.callbacks.dryrun import is_toy_run, toy_batch
-from lmledger.callbacks.measure import StepMeasurement, compiled_parts
+from lmledger.callbacks.measure import compiled_parts, fit_watch
 from lmledger.callbacks.peak_flops import compile_speedup, resolve_peak
 from lmledger.callbacks.ranks import write_rank_record
 from lmledger.callbacks.settings import LedgerSettings
@@ -61,6 +61,7 @@ from lmledger.callbacks.trainer_io import (
 from lmledger.errors import UserError
 from lmledger.ledger.dryrun.engine import StepLedger
 from lmledger.ledger.dryrun.fakecopy import batch_tensors
+from lmledger.ledger.dryrun.watch import StepWatch
 from lmledger.ledger.hardware.cpu import OthersBusy
 from lmledger.ledger.hardware.gpus import PeakFlops
 from lmledger.ledger.report import Figures, Report
@@ -111,7 +112,7 @@ class Ledger(pl.Callback):
         """The state of one fit (a Ledger may see several fits, and validate without one)."""
         self.report: Report | None = None
         self.run: Run | None = None  # the toy LM's run description (None for any other module)
-        self.measurement: StepMeasurement | None = None
+        self.measurement: StepWatch | None = None
         self.timing: TimeLedger | None = None  # the time ledger (callbacks.timing), fed this pipeline's dry run
         self.why_not_predicted: str | None = None
         self.compiled: list[str] = []  # where the module runs torch.compile'd code (measure.compiled_parts)
@@ -159,12 +160,12 @@ class Ledger(pl.Callback):
             self.timing.on_train_start(trainer, pl_module)
         if self.settings.measure:
             # The toy LM compiled: its FLOPs are the closed forms'. Any other compiled module: step 1 compiles
-            # unwatched, then FLOPs and the peak are read off the compiled step 2 (measure.StepMeasurement).
+            # unwatched, then FLOPs and the peak are read off the compiled step 2 (dryrun.watch.StepWatch).
             toy_compiled = self.run is not None and self.run.compiled
             compiled = toy_compiled or bool(self.compiled)
-            self.measurement = StepMeasurement(
-                pl_module.device, accumulate=self._accumulate, manual=not pl_module.automatic_optimization,
-                count_flops=not toy_compiled, activations=not compiled, compiled=compiled and not toy_compiled,
+            self.measurement = fit_watch(
+                pl_module, accumulate=self._accumulate, count_flops=not toy_compiled, activations=not compiled,
+                compiled=compiled and not toy_compiled,
             )  # fmt: skip
 
     # -- every batch (the prediction, once per fit, is callbacks.ledgerpredict) -------------------
@@ -201,6 +202,10 @@ class Ledger(pl.Callback):
     def on_before_backward(self, trainer, pl_module, loss) -> None:
         if self.measurement is not None:
             self.measurement.before_backward()
+
+    def on_after_backward(self, trainer, pl_module) -> None:
+        if self.measurement is not None:
+            self.measurement.after_backward()
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         if self.measurement is not None:

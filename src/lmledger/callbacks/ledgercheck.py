@@ -12,6 +12,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from rich.console import Console
 
 from lmledger.callbacks import preflight
+from lmledger.callbacks.measure import measured_figures
 from lmledger.callbacks.ranks import write_rank_record
 from lmledger.callbacks.trainer_io import log_scalars, log_text, logging_step, tensorboard_writers, torch_optimizers
 from lmledger.ledger.report import Miss, bar_chart, misses
@@ -23,7 +24,7 @@ LABELS_FOR_CHECK = {"flops_hardware": "hardware FLOPs per step", "autocast_weigh
 
 
 def report_measured(ledger, trainer: pl.Trainer) -> None:
-    ledger.report.measured = ledger.measurement.figures()
+    ledger.report.measured = measured_figures(ledger.measurement)
     if ledger.report.measured.peak_phase:
         ledger.report.notes.append(f"measured peak (live tensor bytes) during {ledger.report.measured.peak_phase}")
     elif ledger.report.measured.peak is not None:

@@ -1,27 +1,25 @@
 """Manual optimization in the dry run: the module's own training_step, on the fake copy.
 
 Under Lightning's manual optimization the training_step runs its own backward and optimizer steps.
-`ledger_of_manual_step` runs it twice, as `dryrun.ledger_of_step` runs an automatic step. FLOPs and
-saved activations are read on the first run, the peak on the second. `ManualOptimization` routes the
+`ledger_of_manual_step` runs it twice, as `dryrun.ledger_of_step` runs an automatic step, and the
+fit's reader reads both (watch.StepWatch): FLOPs and saved activations on the first run, the peak on
+the second. `ManualOptimization` routes the
 calls the step makes on its module to the copy's own optimizers. Those are `optimizers()`,
 `manual_backward`, toggling and `lr_schedulers()`. No Lightning import.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager, nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 
 import torch
 from torch import nn
-from torch.utils.flop_counter import FlopCounterMode
 
-from lmledger.ledger.closedform.activations import measure_saved_activations
-from lmledger.ledger.closedform.memory import measure_state_bytes, unique_storage_bytes
-from lmledger.ledger.count.flopcounter import flop_counter
 from lmledger.ledger.count.memtrack import MemoryTracker
-from lmledger.ledger.dryrun.fakecopy import PlaceholderScalars, batch_tensors
-from lmledger.ledger.dryrun.steptypes import PHASES, StepFn, StepLedger, no_cyclic_gc
+from lmledger.ledger.dryrun.fakecopy import PlaceholderScalars
+from lmledger.ledger.dryrun.steptypes import StepFn, StepLedger
+from lmledger.ledger.dryrun.watch import Reading, StepWatch
 
 __all__ = ["ManualOptimization", "ledger_of_manual_step"]
 
@@ -41,40 +39,25 @@ def ledger_of_manual_step(
     are read on the first step, the peak on the second.
     """
     optimizers = [o for o in optimizers if o is not None]
-    manual = ManualOptimization(model, optimizers)
+    # MemoryTracker is read here, so that ledger.sharding can make it its local-shard tracker.
+    watch = StepWatch(device, manual=True, reading=Reading(tracker=MemoryTracker))
+    manual = ManualOptimization(model, optimizers, watch)
     was_training = model.training
     model.train()
     context = (
         torch.autocast(device.type, dtype=autocast, cache_enabled=False) if autocast is not None else nullcontext()
     )
-    counter = flop_counter()
     try:
         with manual:
-            hooks = ExitStack()  # closed at the first manual_backward, or when the step ends without one
-            saved = hooks.enter_context(measure_saved_activations(model))
-            manual.at_first_backward, manual.counter = hooks.close, counter
-            with hooks, counter, context:
-                step(model, batch)
-            manual.at_first_backward, manual.counter = None, None
-            tracker = MemoryTracker().track(model, optimizers, batch_tensors(batch))
-            manual.tracker = tracker
-            with tracker, no_cyclic_gc(), context:
-                tracker.phase("forward")
-                step(model, batch)
+            for index in range(2):
+                watch.batch_start(model, optimizers, batch, global_step=index)
+                with context:
+                    step(model, batch)
+                watch.batch_end(model, optimizers, global_step=index + 1)
     finally:
+        watch.close()
         model.train(was_training)
-    state = measure_state_bytes(model)
-    state["optimizer"] = sum(measure_state_bytes(model, o)["optimizer"] for o in optimizers)
-    phase_peaks = {name: tracker.phase_peaks.get(name, 0) for name in PHASES}
-    total = counter.get_total_flops()
-    return StepLedger(
-        params=state["params"], grads=state["grads"], optimizer=state["optimizer"],
-        buffers=unique_storage_bytes(model.buffers()), batch=unique_storage_bytes(batch_tensors(batch)),
-        activations=saved.activations, autocast_weight_copies=saved.autocast_weight_copies,
-        peak=tracker.peak_bytes, peak_phase=max(phase_peaks, key=phase_peaks.__getitem__), phase_peaks=phase_peaks,
-        flops_forward=total - manual.backward_flops, flops_backward=manual.backward_flops,
-        flops_by_op={str(op): n for op, n in counter.get_flop_counts().get("Global", {}).items()},
-    )  # fmt: skip
+    return watch.step_ledger(model, batch)
 
 
 class ManualOptimization:
@@ -87,12 +70,10 @@ class ManualOptimization:
     parameters. Duck-typed: no Lightning import.
     """
 
-    def __init__(self, module: nn.Module, optimizers: list[torch.optim.Optimizer]) -> None:
-        self.module, self.fakes = module, optimizers
-        self.tracker: MemoryTracker | None = None
-        self.at_first_backward: Callable[[], None] | None = None
-        self.counter: FlopCounterMode | None = None  # step 1's; backward's share is read around each call
-        self.backward_flops = 0
+    def __init__(
+        self, module: nn.Module, optimizers: list[torch.optim.Optimizer], watch: StepWatch | None = None
+    ) -> None:
+        self.module, self.fakes, self.watch = module, optimizers, watch  # no watch: a step run unread
         self._requires_grad: dict[nn.Parameter, bool] = {}
 
     def __enter__(self) -> ManualOptimization:
@@ -125,22 +106,18 @@ class ManualOptimization:
         return [_FrozenScheduler(s) for s in found] if isinstance(found, list) else _FrozenScheduler(found)
 
     def manual_backward(self, loss: torch.Tensor, *args, **kwargs) -> None:
-        if self.at_first_backward is not None:
-            self.at_first_backward()  # forward is over: what backward needs is saved
-            self.at_first_backward = None
-        if self.tracker is not None:
-            self.tracker.phase("backward")
-        before = self.counter.get_total_flops() if self.counter is not None else 0
+        if self.watch is not None:
+            self.watch.before_backward()
         loss.backward(*args, **kwargs)
-        if self.counter is not None:
-            self.backward_flops += self.counter.get_total_flops() - before
+        if self.watch is not None:
+            self.watch.after_backward()
 
     def _stepper(self, optimizer: torch.optim.Optimizer):
         real_step = type(optimizer).step
 
         def step(closure=None):
-            if self.tracker is not None:
-                self.tracker.phase("optimizer step")
+            if self.watch is not None:
+                self.watch.before_optimizer_step()
             with PlaceholderScalars():
                 return real_step(optimizer, closure) if closure is not None else real_step(optimizer)
 

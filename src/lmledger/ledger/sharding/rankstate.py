@@ -27,7 +27,6 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_map
-from torch.utils.flop_counter import FlopCounterMode
 
 from lmledger.errors import UserError
 from lmledger.ledger.count import flopcounter
@@ -35,9 +34,11 @@ from lmledger.ledger.count.memtrack import MemoryTracker
 from lmledger.ledger.dryrun import engine as dryrun
 from lmledger.ledger.dryrun import fakecopy, manualopt
 from lmledger.ledger.dryrun.engine import NotTraced, OptimizerSpec, StepLedger
+from lmledger.ledger.dryrun.watch import Reading
 from lmledger.ledger.sharding.ddp import Bucket
 
 __all__ = [
+    "LOCAL_SHARDS",
     "ShardedTracker",
     "following_resizes",
     "local_flops",
@@ -233,16 +234,6 @@ def following_resizes():
     return mock.patch.object(torch.UntypedStorage, "resize_", _resize_seen)
 
 
-_ORIGINAL_COUNT = FlopCounterMode._count_flops
-
-
-def _count_local_flops(self, func_packet, out, args, kwargs):
-    """FlopCounterMode's count on the local shards: a DTensor op (TP's matmuls) costs this rank its local op."""
-    local = lambda tree: tree_map(_local, tree)  # noqa: E731
-    _ORIGINAL_COUNT(self, func_packet, local(out), local(args), local(kwargs))
-    return out  # the op's own output (the original returns what it is given)
-
-
 def _count_local_without_decomposing(self, func, types, args=(), kwargs=None):
     """ledger.count.flopcounter's counter of a real step (StepFlopCounter's mode), on the local shards."""
     out = func(*args, **(kwargs or {}))
@@ -254,34 +245,12 @@ def _count_local_without_decomposing(self, func, types, args=(), kwargs=None):
     return out
 
 
-class local_flops:  # noqa: N801  (used as a context manager, or start()/stop() across hooks)
-    """While open, the FLOP counters count a DTensor op (TP's matmuls) at its local shards' shapes.
-
-    FlopCounterMode sees a DTensor op before DTensor runs it, at the global shapes.
-    """
-
-    def __init__(self) -> None:
-        self._patches = [
-            mock.patch.object(FlopCounterMode, "_count_flops", _count_local_flops),
-            mock.patch.object(
-                flopcounter._CountWithoutDecomposing, "__torch_dispatch__", _count_local_without_decomposing
-            ),
-        ]
-
-    def start(self) -> None:
-        for patch in self._patches:
-            patch.start()
-
-    def stop(self) -> None:
-        for patch in self._patches:
-            patch.stop()
-
-    def __enter__(self) -> local_flops:
-        self.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+def local_flops():
+    """While open, the step's FLOP counter (count.flopcounter.StepFlopCounter) counts a DTensor op (TP's
+    matmuls) at its local shards' shapes: it sees the op before DTensor runs it, at the global shapes."""
+    return mock.patch.object(
+        flopcounter._CountWithoutDecomposing, "__torch_dispatch__", _count_local_without_decomposing
+    )
 
 
 @contextmanager
@@ -289,7 +258,7 @@ def sharded_tracking(extra: tuple[torch.Tensor, ...] = ()) -> Iterator[None]:
     """Make the dry run's (and measure's) MemoryTracker a ShardedTracker with `extra` storages.
 
     It patches both the automatic step's tracker (dryrun) and the manual one's (manualopt). FLOPs are
-    counted on local shards too: FlopCounterMode sees a DTensor op at its global shapes.
+    counted on local shards too: the FLOP counter sees a DTensor op at its global shapes.
     """
     tracker_type = type("_Tracker", (ShardedTracker,), {"extra": extra})
     with (
@@ -299,6 +268,13 @@ def sharded_tracking(extra: tuple[torch.Tensor, ...] = ()) -> Iterator[None]:
         following_resizes(),
     ):
         yield
+
+
+# A rank's tensors by their local shards, for the one step reader (dryrun.watch): a fit's FSDP2 or
+# tensor-parallel rank reads its step so.
+LOCAL_SHARDS = Reading(
+    tracker=ShardedTracker, state=local_state_bytes, while_tracking=following_resizes, while_counting=local_flops
+)
 
 
 # --------------------------------------------------------------------------------------------

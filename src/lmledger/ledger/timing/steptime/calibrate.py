@@ -66,6 +66,20 @@ def _cached(cache: StepTimeCache, name: str) -> tuple[float, str] | None:
     return None if found is None else (float(found["value"]), f"measured {found['measured_at'][:10]} (cache)")
 
 
+class _Chain(torch.nn.Module):
+    """A chain of tiny ops with backward, one op per line of Python and no submodules: the per-op costs' probe."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.empty(16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x
+        for _ in range(_CHAIN_LINKS):
+            y = torch.tanh(y * self.w + 0.5).view(4, 4).reshape(16)
+        return y.sum()
+
+
 def per_op_overhead(device: torch.device, cache: StepTimeCache, replayer: Replayer) -> tuple[float, str]:
     """(seconds per op, how): the per-op cost a replay does not see (module doc), cached per machine."""
     if (found := _cached(cache, "per_op_overhead")) is not None:
@@ -73,14 +87,13 @@ def per_op_overhead(device: torch.device, cache: StepTimeCache, replayer: Replay
     with untouched_rng(device), as_recorded():
         generator = torch.Generator().manual_seed(0)
         x = torch.randn(16, generator=generator).to(device).requires_grad_()
-        w = torch.randn(16, generator=generator).to(device).requires_grad_()
+        model = _Chain().to(device)
+        with torch.no_grad():
+            model.w.copy_(torch.randn(16, generator=generator))
 
         def chain() -> None:
-            y = x
-            for _ in range(_CHAIN_LINKS):
-                y = torch.tanh(y * w + 0.5).view(4, 4).reshape(16)
-            y.sum().backward()
-            x.grad = w.grad = None
+            model(x).backward()
+            x.grad = model.w.grad = None
 
         recorder = OpRecorder({})
         with recorder:
@@ -98,20 +111,6 @@ def per_op_overhead(device: torch.device, cache: StepTimeCache, replayer: Replay
     )
     cache.set_calibration("per_op_overhead", overhead, method, ops=len(ops), wall_s=min(walls), kernels_s=kernels)
     return overhead, "measured now"
-
-
-class _Chain(torch.nn.Module):
-    """per_op_overhead's chain as a model: one op per line of Python, no submodules."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.w = torch.nn.Parameter(torch.empty(16))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = x
-        for _ in range(_CHAIN_LINKS):
-            y = torch.tanh(y * self.w + 0.5).view(4, 4).reshape(16)
-        return y.sum()
 
 
 def _outside(model: torch.nn.Module, batch: torch.Tensor, runs: int) -> list[Outside]:
