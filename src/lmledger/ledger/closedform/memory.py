@@ -258,16 +258,17 @@ def unique_storage_bytes(tensors: Iterable[object]) -> int:
     return sum(seen.values())
 
 
-def measure_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
+def measure_state_bytes(model: nn.Module, optimizer: object = None) -> dict[str, int]:
     """Bytes the real tensors hold: parameters, their .grad, and optimizer state.
 
-    The 0-dim `step` counters are excluded, as in state_bytes. Each storage counts once.
+    `optimizer` is one, None, or a list (manual optimization's). The 0-dim `step` counters are excluded, as
+    in state_bytes. Each storage counts once.
     """
     params = list(model.parameters())
     grads = [p.grad for p in params if p.grad is not None]
     states: list[torch.Tensor] = []
-    if optimizer is not None:
-        for per_param in optimizer.state.values():
+    for opt in optimizer if isinstance(optimizer, (list, tuple)) else [optimizer]:
+        for per_param in opt.state.values() if opt is not None else ():
             states += [v for v in per_param.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
     return {
         "params": unique_storage_bytes(params),

@@ -3,9 +3,9 @@
 Under Lightning's manual optimization the training_step runs its own backward and optimizer steps.
 `ledger_of_manual_step` runs it twice, as `dryrun.ledger_of_step` runs an automatic step, and the
 fit's reader reads both (watch.StepWatch): FLOPs and saved activations on the first run, the peak on
-the second. `ManualOptimization` routes the
-calls the step makes on its module to the copy's own optimizers. Those are `optimizers()`,
-`manual_backward`, toggling and `lr_schedulers()`. No Lightning import.
+the second. `ManualOptimization` routes the calls the step makes on its module to the copy's own
+optimizers. Those are `optimizers()`, `manual_backward`, toggling and `lr_schedulers()`. No Lightning
+import.
 """
 
 from __future__ import annotations

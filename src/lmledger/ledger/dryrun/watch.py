@@ -41,16 +41,7 @@ from lmledger.ledger.count.memtrack import MemoryTracker
 from lmledger.ledger.dryrun.fakecopy import batch_tensors
 from lmledger.ledger.dryrun.steptypes import StepLedger, phases
 
-__all__ = ["Reading", "StepWatch", "state_bytes"]
-
-
-def state_bytes(model: nn.Module, optimizers: list) -> dict[str, int]:
-    """measure_state_bytes over several optimizers (manual optimization's): each one's state, storages once."""
-    optimizers = [o for o in optimizers if o is not None]
-    state = measure_state_bytes(model, optimizers[0] if len(optimizers) == 1 else None)
-    if len(optimizers) > 1:
-        state["optimizer"] = sum(measure_state_bytes(model, o)["optimizer"] for o in optimizers)
-    return state
+__all__ = ["Reading", "StepWatch"]
 
 
 @dataclass(frozen=True)
@@ -64,7 +55,7 @@ class Reading:
     """
 
     tracker: Callable[[], MemoryTracker] = MemoryTracker
-    state: Callable[[nn.Module, list], dict[str, int]] = state_bytes
+    state: Callable[[nn.Module, list], dict[str, int]] = measure_state_bytes
     while_tracking: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
     while_counting: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
 
