@@ -38,7 +38,14 @@ from lmledger.ledger.hardware.cpu import OthersBusy
 from lmledger.ledger.hardware.interconnect import Links, collective_seconds
 from lmledger.ledger.timing.steptime import calibrate
 from lmledger.ledger.timing.steptime.cache import StepTimeCache
-from lmledger.ledger.timing.steptime.replay import Replayer, cache_bytes, cold_inputs, live_bytes, why_not_replayed
+from lmledger.ledger.timing.steptime.replay import (
+    Replayer,
+    cache_bytes,
+    cold_inputs,
+    live_bytes,
+    settle_allocator,
+    why_not_replayed,
+)
 
 __all__ = ["CATEGORIES", "NoStepTime", "StepTime", "free_memory", "predict_step_time"]
 
@@ -154,6 +161,7 @@ def predict_step_time(
     node's
     """
     device = torch.device(device)
+    settle_allocator(device)  # before anything is timed, and for the real steps this process runs next
     cache = StepTimeCache(device, cache_path)
     notes = [cache.note] if cache.note else []
     free = free_memory(device)

@@ -19,6 +19,8 @@ rebuilt, and ops whose replay raises. Every RNG stream is left as it was found. 
 
 from __future__ import annotations
 
+import ctypes
+import platform
 import random
 import statistics
 import time
@@ -37,9 +39,11 @@ __all__ = [
     "as_recorded",
     "cache_bytes",
     "cold_inputs",
+    "kept_heap",
     "live_bytes",
     "op_key",
     "sequence_seconds",
+    "settle_allocator",
     "untouched_rng",
     "why_not_replayed",
 ]
@@ -145,6 +149,50 @@ def as_recorded() -> Iterator[None]:
         yield
 
 
+# glibc's malloc serves a chunk over its mmap threshold (128 KiB at start) by mmap, and on freeing one of up to
+# 32 MiB raises that threshold to its size and the heap's trim threshold to twice it (mallopt(3),
+# M_MMAP_THRESHOLD). Until then each step-sized tensor costs page faults. How far a process has got depends on
+# the largest tensor it happened to free; an LM's logits (over 32 MiB) take it all the way in step 1.
+_GLIBC_MMAP_THRESHOLD_MAX = 32 << 20
+_M_TRIM_THRESHOLD = -1  # mallopt's parameter number (malloc.h)
+
+
+def settle_allocator(device: torch.device) -> None:
+    """Take glibc's dynamic mmap and trim thresholds to their ceiling (comment above), so the replay and the
+    real steps of the same process meet one allocator, whatever ran before. They never fall: once is enough."""
+    if device.type == "cpu":
+        torch.empty(_GLIBC_MMAP_THRESHOLD_MAX - (1 << 16), dtype=torch.uint8)  # freed at once, by mmap's munmap
+
+
+def _mallopt() -> Callable[[int, int], int] | None:
+    """glibc's mallopt, or None under another C library."""
+    if platform.libc_ver()[0] != "glibc":
+        return None
+    try:
+        return ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return None
+
+
+@contextmanager
+def kept_heap(device: torch.device) -> Iterator[None]:
+    """While ops are timed, the heap keeps what they free. A replay's round can free more than the trim
+    threshold at the heap's top where the real step's does not (its long-lived objects sit among its tensors);
+    glibc then hands it back and the next round faults it in again. tiny.yaml's replay of one dry run's records,
+    2026-12-03 (Intel Xeon VM): runs of rounds with 20,000 page faults at 83-87 ms between rounds with none at
+    69-72 ms; its real steps, 0-5,000 at 74-79 ms. Afterwards the trim threshold is where settle_allocator left it."""
+    mallopt = _mallopt() if device.type == "cpu" else None
+    if mallopt is None:
+        yield
+        return
+    settle_allocator(device)
+    mallopt(_M_TRIM_THRESHOLD, 2**31 - 1)
+    try:
+        yield
+    finally:
+        mallopt(_M_TRIM_THRESHOLD, 2 * _GLIBC_MMAP_THRESHOLD_MAX)
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -166,22 +214,23 @@ def time_call(
 ) -> tuple[float, int]:
     """(median seconds of `call`, timed calls) after a warm-up (module doc); `warm=False`: none."""
     clock = CLOCK
-    started = clock()
-    if warm:
-        call()
-        _sync(device)
-    if warm and clock() - started < budget_s / 4:  # a cheap call: a second warm-up call (caches, allocator)
-        call()
-        _sync(device)
     samples: list[float] = []
-    spent = 0.0
-    while len(samples) < min_repeats or (spent < budget_s and len(samples) < max_repeats):
-        t0 = clock()
-        call()
-        _sync(device)
-        dt = clock() - t0
-        samples.append(dt)
-        spent += dt
+    with kept_heap(device):
+        started = clock()
+        if warm:
+            call()
+            _sync(device)
+        if warm and clock() - started < budget_s / 4:  # a cheap call: a second warm-up call (caches, allocator)
+            call()
+            _sync(device)
+        spent = 0.0
+        while len(samples) < min_repeats or (spent < budget_s and len(samples) < max_repeats):
+            t0 = clock()
+            call()
+            _sync(device)
+            dt = clock() - t0
+            samples.append(dt)
+            spent += dt
     return statistics.median(samples), len(samples)
 
 
@@ -343,7 +392,7 @@ def sequence_seconds(
     failed: dict[int, str] = {}
     clock = CLOCK
     started = time.perf_counter()
-    with untouched_rng(device), as_recorded(), torch.no_grad():
+    with untouched_rng(device), as_recorded(), torch.no_grad(), kept_heap(device):
         for round_ in range(rounds + 1):
             for i, op in enumerate(ops):
                 func = funcs[i]
