@@ -1,7 +1,7 @@
-"""The fit's step measurement: ledger.dryrun.watch.StepWatch on the Lightning steps.
+"""The fit's step measurement: ledger.dryrun.watch.StepWatch, the dry run's own reader, on the Lightning steps.
 
-The Ledger's hooks feed it the events of each step (batch start, zero_grad, backward, optimizer step,
-batch end); manual optimization's dry run feeds the same reader the same events.
+The Ledger's hooks feed it the events the dry run feeds it (batch start, zero_grad, backward, optimizer
+step, batch end), so the fit's measured column and the dry run's prediction are read by the same code.
 Here: which reading a module needs (whole tensors, or an FSDP2/TP rank's local shards), the CUDA
 allocator's peak on a GPU, and torch.compile'd code found and left to compile.
 """

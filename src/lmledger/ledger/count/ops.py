@@ -1,9 +1,9 @@
 """Every op of one training step, once: its FLOPs, the bytes it reads and writes, and its category.
 
 `OpRecorder` is a TorchDispatchMode the dry run (ledger/dryrun/engine.py) enters around its first step
-(forward, backward, optimizer step). It sits below the step's FlopCounterMode on the mode stack. So it
-sees exactly the ops FlopCounterMode executes, after its decompositions. It prices them with
-FlopCounterMode's formula registry. The per-op FLOPs of forward and backward sum to StepLedger.flops.
+(forward, backward, optimizer step). It sits below the step's FLOP counter (flopcounter.StepFlopCounter,
+which decomposes nothing) on the mode stack. So it sees the ops the real step runs, and prices them with
+the counter's formula registry. The per-op FLOPs of forward and backward sum to StepLedger.flops.
 Bytes are sizes x element sizes of the op's tensor inputs (read) and outputs (written). Each storage
 counts once per op, never above its size. Three views of one qkv buffer read it once. Views, metadata
 queries and allocations move nothing.
@@ -119,12 +119,6 @@ class OpRecord:
     # differ from run to run, so two records of the same op compare equal without them.
     storages: tuple[tuple[int, int], ...] = field(default=(), compare=False)
     output_storages: tuple[tuple[int, int], ...] = field(default=(), compare=False)
-    # FlopCounterMode decomposes ops its formulas do not price (silu_backward into sigmoid, mul, ...); the
-    # real step runs the op's own kernel. The first op of such a decomposition carries the op itself
-    # (`composite`, a record of its name, signature and storages), the rest `in_composite`: a replay times
-    # the composite in their place.
-    composite: OpRecord | None = None
-    in_composite: bool = False
     # A collective's process group: its name (a mesh dimension's, "tensor_parallel", once the sharded dry run
     # names it) and size; what the time ledger needs to price it on the link it crosses (ledger/interconnect).
     group: str = field(default="", compare=False)
@@ -355,8 +349,6 @@ class OpRecorder(TorchDispatchMode):
         self.phase = "forward"
         self.records: list[OpRecord] = []
         self._handles: list = []
-        self._decompose = None
-        self._composites: list[tuple[int, int, OpRecord]] = []  # (first, end) record indices, the op
 
     def watch(self, optimizer: torch.optim.Optimizer | None) -> OpRecorder:
         if optimizer is not None:
@@ -372,55 +364,11 @@ class OpRecorder(TorchDispatchMode):
             self._handles += [optimizer.register_step_pre_hook(before), optimizer.register_step_post_hook(after)]
         return self
 
-    def __enter__(self) -> OpRecorder:
-        from torch._ops import OpOverload
-
-        original, recorder = OpOverload.decompose, self
-
-        def decompose(op, *args, **kwargs):  # FlopCounterMode's; any other mode's decomposition alike
-            start = len(recorder.records)
-            result = original(op, *args, **kwargs)
-            if result is not NotImplemented and len(recorder.records) > start:
-                try:
-                    tensors = _tensors((args, kwargs))
-                    record = OpRecord(
-                        str(op), recorder.phase, category_of(str(op)), 0, 0, 0, "", (),
-                        _frozen((signature_of(list(args)), signature_of(dict(kwargs)))), "",
-                        tuple(_storage_of(t) for t in tensors), tuple(_storage_of(t) for t in _tensors(result)),
-                    )  # fmt: skip
-                    recorder._composites.append((start, len(recorder.records), record))
-                except (NotReplayable, RuntimeError, TypeError):
-                    pass
-            return result
-
-        self._decompose = original
-        OpOverload.decompose = decompose
-        return super().__enter__()
-
     def __exit__(self, *exc) -> None:
-        from torch._ops import OpOverload
-
-        if self._decompose is not None:
-            OpOverload.decompose, self._decompose = self._decompose, None
-        self._mark_composites()
         for handle in self._handles:
             handle.remove()
         self._handles = []
         return super().__exit__(*exc)
-
-    def _mark_composites(self) -> None:
-        """Give each outermost decomposition's records their composite (see OpRecord.composite)."""
-        import dataclasses
-
-        end_of_last = -1
-        for start, end, record in sorted(self._composites, key=lambda g: (g[0], -g[1])):
-            if start < end_of_last or record.category != self.records[start].category:
-                continue  # nested in one already marked, or of another category (the optimizer's own)
-            end_of_last = end
-            self.records[start] = dataclasses.replace(self.records[start], composite=record)
-            for i in range(start + 1, end):
-                self.records[i] = dataclasses.replace(self.records[i], in_composite=True)
-        self._composites = []
 
     def summary(self) -> OpSummary:
         return OpSummary.of(self.records)

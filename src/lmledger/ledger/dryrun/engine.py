@@ -13,7 +13,10 @@ The peak is read on the second, the steady state: optimizer state and grads exis
     activations                what autograd saves during the forward (measure_saved_activations);
                                autocast weight copies apart
     peak, phase_peaks          high-water mark of live tensor bytes per phase (memtrack.MemoryTracker)
-    flops_forward/_backward    hardware FLOPs, as FlopCounterMode counts them (recompute included)
+    flops_forward/_backward    hardware FLOPs (recompute included), by FlopCounterMode's formulas with no op
+                               decomposed (count.flopcounter.StepFlopCounter)
+
+All of it is read by dryrun.watch.StepWatch, the reader a fit's Ledger reads the real steps with.
 
 `measure_step` runs the same two steps on the real tensors: the dry run's measured twin. The two agree
 exactly where fake and real code allocate alike (tests/ledger/test_dryrun.py, tests/test_examples.py). Where
@@ -39,17 +42,13 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from lmledger.errors import UserError
-from lmledger.ledger.closedform.activations import measure_saved_activations
-from lmledger.ledger.closedform.memory import measure_state_bytes, unique_storage_bytes
 from lmledger.ledger.closedform.napkin import largest_within
-from lmledger.ledger.count.flopcounter import flop_counter
 from lmledger.ledger.count.memtrack import MemoryTracker
 from lmledger.ledger.count.ops import DispatchClock, OpRecorder
 from lmledger.ledger.dryrun import moe
 from lmledger.ledger.dryrun.fakecopy import (
     PlaceholderScalars,
     RealOutputStorages,
-    batch_tensors,
     cast_batch,
     eager_library_decisions,
     fake_copy,
@@ -69,6 +68,7 @@ from lmledger.ledger.dryrun.steptypes import (
     no_cyclic_gc,
     phases,
 )
+from lmledger.ledger.dryrun.watch import Reading, StepWatch
 
 __all__ = [
     "PHASES",
@@ -288,73 +288,51 @@ def ledger_of_step(
     device: torch.device,
     accumulate: int = 1,
 ) -> StepLedger:
+    """Two optimizer steps of `accumulate` micro-batches in Lightning's order, read by the fit's reader (watch.py).
+
+    Step 1 also records every op (count/ops.py: the roofline reads it). Step 2's forward and backward are
+    timed outside dispatch: the model's own Python.
+    """
     step = step or default_step
     was_training = model.training
     model.train()
-    names = phases(accumulate)
-    try:
-        # Step 1 makes grads and optimizer state; FLOPs and saved tensors are counted there. Step 2,
-        # the steady state, is tracked alone: FlopCounterMode's module hooks hold checkpoint
-        # recomputes alive longer in backward, which would raise the peak they are beside.
-        # One counter per micro-batch and direction: FlopCounterMode clears its counts on every entry.
-        forward_flops, backward_flops = (
-            [flop_counter() for _ in range(accumulate)],
-            [flop_counter() for _ in range(accumulate)],
-        )
-        # Below the FLOP counters on the mode stack: it sees the ops they price, with their formulas.
-        recorder = OpRecorder(forward_flops[0].flop_registry).watch(optimizer)
-        with recorder:
-            with measure_saved_activations(model) as saved:  # what one micro-batch saves
-                loss, kept = _forward(model, batch, step, autocast, device, forward_flops[0], accumulate)
+    # MemoryTracker is read here, so that ledger.sharding can make it its local-shard tracker.
+    watch = StepWatch(device, accumulate=accumulate, reading=Reading(tracker=MemoryTracker))
+    # Below the FLOP counter on the mode stack: it sees the ops the counter prices, with its formulas.
+    recorder = OpRecorder(watch.flop_registry).watch(optimizer)
+    clock = DispatchClock()  # the outermost dispatch mode: entered after the watch's, around forward and backward
+    kept: list[torch.Tensor | None] = [None]  # Lightning's copy of the last loss, alive into the next step
+
+    def one_step(index: int, timed: AbstractContextManager | None) -> None:
+        for micro in range(accumulate):
+            recorder.phase = "forward"
+            watch.batch_start(model, [optimizer], batch, global_step=index)
+            loss, kept[0] = _forward(model, batch, step, autocast, device, timed, accumulate)
             recorder.phase = "backward"
-            _backward(model, loss, optimizer, first=True, counter=backward_flops[0])
+            if micro == 0:
+                watch.before_zero_grad()
+            watch.before_backward()
+            _backward(model, loss, optimizer, first=micro == 0, counter=timed)
+            watch.after_backward()
             del loss
-            for micro in range(1, accumulate):
-                recorder.phase = "forward"
-                loss, kept = _forward(model, batch, step, autocast, device, forward_flops[micro], accumulate)
-                recorder.phase = "backward"
-                _backward(model, loss, optimizer, first=False, counter=backward_flops[micro])
-                del loss
-            _optimizer_step(optimizer)
-        tracker = MemoryTracker().track(model, optimizer, batch_tensors(batch))
-        # Step 2's forward and backward are also timed outside dispatch: the model's own Python (count/ops.py).
-        clock = DispatchClock()
-        with tracker, no_cyclic_gc():
-            for micro in range(accumulate):
-                tracker.phase(names[0] if accumulate == 1 or micro == 0 else names[1])
-                loss, kept = _forward(model, batch, step, autocast, device, clock, accumulate=accumulate)
-                if accumulate == 1:
-                    tracker.phase(names[1])
-                _backward(model, loss, optimizer, first=micro == 0, counter=clock)
-                del loss
-            tracker.phase(names[2])
-            _optimizer_step(optimizer)
-        del kept
+            if micro < accumulate - 1:
+                watch.batch_end(model, [optimizer], global_step=index)  # still accumulating
+        watch.before_optimizer_step()
+        _optimizer_step(optimizer)
+        watch.batch_end(model, [optimizer], global_step=index + 1)
+
+    try:
+        with recorder:  # step 1: FLOPs, saved activations, state, and every op
+            try:
+                one_step(0, None)
+            except BaseException:
+                watch.close()  # its FLOP counter sits above the recorder on the mode stack
+                raise
+        one_step(1, clock)  # step 2: the peak, and the model's Python
     finally:
+        watch.close()
         model.train(was_training)
-    state = measure_state_bytes(model, optimizer)
-    buffers = unique_storage_bytes(model.buffers())
-    phase_peaks = {name: tracker.phase_peaks.get(name, 0) for name in names}
-    by_op: dict[str, int] = {}
-    for counter in (*forward_flops, *backward_flops):
-        for op, n in counter.get_flop_counts().get("Global", {}).items():
-            by_op[str(op)] = by_op.get(str(op), 0) + n
-    return StepLedger(
-        params=state["params"],
-        grads=state["grads"],
-        optimizer=state["optimizer"],
-        buffers=buffers,
-        batch=unique_storage_bytes(batch_tensors(batch)),
-        activations=saved.activations,
-        autocast_weight_copies=saved.autocast_weight_copies,
-        peak=tracker.peak_bytes,
-        peak_phase=max(phase_peaks, key=phase_peaks.__getitem__),
-        phase_peaks=phase_peaks,
-        flops_forward=sum(c.get_total_flops() for c in forward_flops),
-        flops_backward=sum(c.get_total_flops() for c in backward_flops),
-        flops_by_op=by_op,
-        ops=dataclasses.replace(recorder.summary(), outside=clock.outside),
-    )
+    return watch.step_ledger(model, batch, ops=dataclasses.replace(recorder.summary(), outside=clock.outside))
 
 
 def _backward(

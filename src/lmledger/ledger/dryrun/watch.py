@@ -1,13 +1,10 @@
-"""A training step read from the events of the loop that runs it: steps 1 and 2 counted.
+"""The one reader of a training step: counts steps 1 and 2 from the events of whatever loop runs them.
 
-A Lightning fit feeds it (the Ledger's hooks), and so does manual optimization's dry run and its
-measured twin (manualopt.ledger_of_manual_step, on fake or real tensors): a manual step's predicted
-and measured figures are read by the same code. The automatic dry run (engine.ledger_of_step) drives
-the same counters itself: routed through this reader, its op record made the step-time prediction
-of tiny.yaml 5-10% slower for reasons not yet found (issue 33 §2).
-
-One step is one optimizer step: `accumulate` micro-batches, or one batch under manual optimization,
-whose training_step steps its optimizers itself. Everything opens at a batch's start and closes at a batch's end, or in
+Three loops feed it the same events: the dry run on fake tensors and its measured twin on real ones
+(engine.ledger_of_step, manualopt.ledger_of_manual_step), and a Lightning fit (the Ledger's hooks).
+So a figure predicted and the same figure measured are read by the same code. One step is one
+optimizer step: `accumulate` micro-batches, or one batch under manual optimization, whose training_step
+steps its optimizers itself. Everything opens at a batch's start and closes at a batch's end, or in
 `close()` after an exception:
 
     step 1   FLOPs (flopcounter.StepFlopCounter, over every micro-batch; split into forward and
@@ -114,6 +111,11 @@ class StepWatch:
     def done(self) -> bool:
         return self.steps_done >= 2
 
+    @property
+    def flop_registry(self) -> dict:
+        """The FLOP formulas the counter prices ops with (ledger.count.ops.OpRecorder prices by them too)."""
+        return StepFlopCounter().flop_registry
+
     # -- the events -----------------------------------------------------------------------------
 
     def batch_start(self, module: nn.Module, optimizers: list, batch: object, global_step: int) -> None:
@@ -175,8 +177,8 @@ class StepWatch:
         self._close_tracking()
         self._restore_gc()
 
-    def step_ledger(self, model: nn.Module, batch: object) -> StepLedger:
-        """The two steps read as one StepLedger (both must be done)."""
+    def step_ledger(self, model: nn.Module, batch: object, **extra: object) -> StepLedger:
+        """The two steps read as one StepLedger (both must be done); `extra` sets its other fields (ops)."""
         v = self.values
         return StepLedger(
             params=v["params"], grads=v["grads"], optimizer=v["optimizer"],
@@ -184,7 +186,7 @@ class StepWatch:
             activations=v.get("activations", 0), autocast_weight_copies=v.get("autocast_weight_copies", 0),
             peak=v["peak"], peak_phase=self.peak_phase, phase_peaks=dict(self.phase_peaks),
             flops_forward=v.get("flops_forward", 0), flops_backward=v.get("flops_backward", 0),
-            flops_by_op=dict(self.flops_by_op),
+            flops_by_op=dict(self.flops_by_op), **extra,
         )  # fmt: skip
 
     # -- step 1 ---------------------------------------------------------------------------------

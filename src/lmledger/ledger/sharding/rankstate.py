@@ -27,7 +27,6 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_map
-from torch.utils.flop_counter import FlopCounterMode
 
 from lmledger.errors import UserError
 from lmledger.ledger.count import flopcounter
@@ -235,16 +234,6 @@ def following_resizes():
     return mock.patch.object(torch.UntypedStorage, "resize_", _resize_seen)
 
 
-_ORIGINAL_COUNT = FlopCounterMode._count_flops
-
-
-def _count_local_flops(self, func_packet, out, args, kwargs):
-    """FlopCounterMode's count on the local shards: a DTensor op (TP's matmuls) costs this rank its local op."""
-    local = lambda tree: tree_map(_local, tree)  # noqa: E731
-    _ORIGINAL_COUNT(self, func_packet, local(out), local(args), local(kwargs))
-    return out  # the op's own output (the original returns what it is given)
-
-
 def _count_local_without_decomposing(self, func, types, args=(), kwargs=None):
     """ledger.count.flopcounter's counter of a real step (StepFlopCounter's mode), on the local shards."""
     out = func(*args, **(kwargs or {}))
@@ -256,15 +245,12 @@ def _count_local_without_decomposing(self, func, types, args=(), kwargs=None):
     return out
 
 
-@contextmanager
-def local_flops() -> Iterator[None]:
-    """While open, the FLOP counters (the dry run's FlopCounterMode, a fit's StepFlopCounter) count a DTensor
-    op (TP's matmuls) at its local shards' shapes: they see the op before DTensor runs it, at the global shapes."""
-    with (
-        mock.patch.object(FlopCounterMode, "_count_flops", _count_local_flops),
-        mock.patch.object(flopcounter._CountWithoutDecomposing, "__torch_dispatch__", _count_local_without_decomposing),
-    ):
-        yield
+def local_flops():
+    """While open, the step's FLOP counter (count.flopcounter.StepFlopCounter) counts a DTensor op (TP's
+    matmuls) at its local shards' shapes: it sees the op before DTensor runs it, at the global shapes."""
+    return mock.patch.object(
+        flopcounter._CountWithoutDecomposing, "__torch_dispatch__", _count_local_without_decomposing
+    )
 
 
 @contextmanager

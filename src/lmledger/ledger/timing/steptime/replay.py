@@ -68,14 +68,7 @@ def op_key(op: OpRecord) -> str:
 
 
 def why_not_replayed(op: OpRecord) -> str | None:
-    """Why `op` is not replayed (module doc), or None when it is.
-
-    An op FlopCounterMode decomposed (ledger/count/ops.py) is replayed as the op the real step runs: its
-    composite, timed in the first decomposed op's place (the rest cost nothing of their own).
-    """
-    if op.in_composite:
-        return None
-    op = op.composite or op
+    """Why `op` is not replayed (module doc), or None when it is."""
     if op.category == COMMUNICATION:
         return "a collective (priced by the communication model)"
     namespace = op.name.split(".", 1)[0]
@@ -261,10 +254,6 @@ class Replayer:
         """
         if why_not_replayed(op) is not None:
             return None
-        if op.in_composite:
-            return 0.0
-        if op.composite is not None:
-            op, cold = op.composite, ()
         cold = tuple(c for c in cold) if any(cold) else ()
         key = op_key(op) + (" cold=" + "".join("1" if c else "0" for c in cold) if cold else "")
         if key in self.times:
@@ -302,10 +291,7 @@ class Replayer:
 
     def fill_sequence(self, ops: list[OpRecord]) -> None:
         """Time the step's ops in sequence (sequence_seconds) unless every replayable one is cached."""
-        keys = [
-            op_key(op.composite or op) + _IN_SEQUENCE if why_not_replayed(op) is None and not op.in_composite else None
-            for op in ops
-        ]
+        keys = [op_key(op) + _IN_SEQUENCE if why_not_replayed(op) is None else None for op in ops]
         if all(k is None or k in self.times for k in keys):
             return
         medians, failed = sequence_seconds(ops, self.device, seed=self._seed)
@@ -326,9 +312,7 @@ class Replayer:
         """The op's time from fill_sequence (the mean over its occurrences), or None."""
         if why_not_replayed(op) is not None:
             return None
-        if op.in_composite:
-            return 0.0
-        return self.times.get(op_key(op.composite or op) + _IN_SEQUENCE)
+        return self.times.get(op_key(op) + _IN_SEQUENCE)
 
 
 def _leaf_and_last_use(ops: list[OpRecord]) -> tuple[set[int], dict[int, int]]:
@@ -377,15 +361,12 @@ def sequence_seconds(
     (100.3-112.3 ms), 1.4% with fifteen (109.2-110.7; 2026-12-02, Intel Xeon VM), at 2.7 s of replay.
     """
     generator = torch.Generator().manual_seed(seed)
-    # what the real step runs: a decomposed op's composite in place of its decomposition
-    executed = [(op.composite or op) if not op.in_composite else None for op in ops]
     funcs = []
-    for op, target in zip(ops, executed, strict=True):
+    for op in ops:
         try:
-            funcs.append(_overload(target.name) if target is not None and why_not_replayed(op) is None else None)
+            funcs.append(_overload(op.name) if why_not_replayed(op) is None else None)
         except AttributeError:
             funcs.append(None)
-    ops = [t if t is not None else op for op, t in zip(ops, executed, strict=True)]
     leaves, last = _leaf_and_last_use(ops)
     pool: dict[int, torch.UntypedStorage] = {}
     samples: list[list[float]] = [[] for _ in ops]
