@@ -13,6 +13,7 @@ import json
 import platform
 import random
 import resource
+import shutil
 import subprocess
 import sys
 import time
@@ -23,9 +24,11 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import MICRO_OVERRIDES, run_json
+from conftest import MICRO_OVERRIDES, one_intra_op_thread, run_json
 from lmledger.ledger.count.ops import OPTIMIZER, OpRecorder, OpSummary
 from lmledger.ledger.dryrun.engine import dry_run
+from lmledger.ledger.hardware.bandwidth import measured_cpu_bandwidth
+from lmledger.ledger.hardware.cpu import measured_cpu_peak
 from lmledger.ledger.timing.steptime import CATEGORIES, NoStepTime, StepTime, data_wait, predict_step_time
 from lmledger.ledger.timing.steptime.cache import STEP_TIMES_FILE, StepTimeCache
 from lmledger.ledger.timing.steptime.replay import Replayer, why_not_replayed
@@ -37,11 +40,39 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 SMALL = ModelConfig(vocab_size=256, context_length=16, d_model=16, n_layers=1, n_heads=2, d_ff=32)
 
 
+@pytest.fixture(scope="module")
+def calibrated(tmp_path_factory) -> Path:
+    """A cache directory with this machine's calibrations and nothing else: the per-op costs, the toy optimizer's
+    step, the CPU's peak FLOP/s and bandwidth, measured once for the module (2-8 s a test otherwise). No op times:
+    each test still replays its own ops."""
+    out = tmp_path_factory.mktemp("calibrated")
+    with pytest.MonkeyPatch.context() as patch, one_intra_op_thread():
+        patch.setenv("LMLEDGER_CACHE_DIR", str(out))
+        ops, optimizer = _toy_ops()
+        assert isinstance(predict_step_time(ops, "cpu", optimizer=optimizer), StepTime)
+        for dtype in ("fp64", "fp32", "bf16", "fp16"):  # what a roofline of CPU ops reads (timing.roofline)
+            measured_cpu_peak(dtype)
+        measured_cpu_bandwidth()
+    entries = json.loads((out / STEP_TIMES_FILE).read_text())
+    for entry in entries.values():
+        entry["ops"] = {}
+    (out / STEP_TIMES_FILE).write_text(json.dumps(entries))
+    return out
+
+
 @pytest.fixture
-def cache(tmp_path, monkeypatch):
+def empty_cache(tmp_path, monkeypatch) -> Path:
+    """The step-time cache file of an empty cache directory of this test's own: everything is measured now."""
     monkeypatch.setenv("LMLEDGER_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.delenv("LMLEDGER_NO_STEP_TIME", raising=False)  # conftest turns it off for the other tests
     return tmp_path / "cache" / STEP_TIMES_FILE
+
+
+@pytest.fixture
+def cache(empty_cache, calibrated) -> Path:
+    """empty_cache, holding a copy of `calibrated`."""
+    shutil.copytree(calibrated, empty_cache.parent)
+    return empty_cache
 
 
 def _toy_ops(accumulate: int = 1) -> tuple[OpSummary, torch.optim.Optimizer]:
@@ -133,10 +164,10 @@ def test_the_models_own_python_is_measured_on_its_dry_run_and_predicted_as_host_
     assert "the model's own Python" in b.how["host"] and f"over {napping.outside.dispatches} ops" in b.how["host"]
 
 
-def test_a_second_prediction_of_the_same_model_benchmarks_nothing(cache):
+def test_a_second_prediction_of_the_same_model_benchmarks_nothing(empty_cache):
     ops, optimizer = _toy_ops()
     first = predict_step_time(ops, "cpu", optimizer=optimizer)
-    entry = json.loads(cache.read_text())
+    entry = json.loads(empty_cache.read_text())
     (key,) = entry
     assert first.benchmarked > 0 and len(entry[key]["ops"]) >= first.benchmarked
     assert {"per_op_overhead"} <= set(entry[key]["calibrations"]) and entry[key]["measured_at"]
@@ -218,26 +249,26 @@ def test_a_custom_op_is_priced_at_its_roofline_and_marked(cache):
 
 
 @pytest.mark.parametrize("content", ["{not json", "[1, 2]", '{"KEY": {"ops": {"x": -1}, "calibrations": {}}}'])
-def test_a_corrupt_cache_is_measured_again_with_one_line(cache, content):
+def test_a_corrupt_cache_is_measured_again_with_one_line(empty_cache, content):
     ops, _ = _toy_ops()
-    cache.parent.mkdir(parents=True)
-    key = StepTimeCache(torch.device("cpu"), cache).key
-    cache.write_text(content.replace("KEY", key))
+    empty_cache.parent.mkdir(parents=True)
+    key = StepTimeCache(torch.device("cpu"), empty_cache).key
+    empty_cache.write_text(content.replace("KEY", key))
     result = predict_step_time(ops, "cpu")
     assert isinstance(result, StepTime) and result.benchmarked > 0
     (note,) = [n for n in result.notes if "step-time cache" in n]
     assert "measuring again" in note and "\n" not in note
-    assert key in json.loads(cache.read_text())  # rewritten whole
+    assert key in json.loads(empty_cache.read_text())  # rewritten whole
     assert predict_step_time(ops, "cpu").benchmarked == 0
 
 
-def test_another_machines_entry_is_kept_and_not_used(cache):
+def test_another_machines_entry_is_kept_and_not_used(empty_cache):
     ops, _ = _toy_ops()
-    cache.parent.mkdir(parents=True)
-    cache.write_text(json.dumps({"other CPU | torch 0.1": {"ops": {}, "calibrations": {}, "measured_at": "x"}}))
+    empty_cache.parent.mkdir(parents=True)
+    empty_cache.write_text(json.dumps({"other CPU | torch 0.1": {"ops": {}, "calibrations": {}, "measured_at": "x"}}))
     result = predict_step_time(ops, "cpu")
     assert result.benchmarked > 0
-    assert set(json.loads(cache.read_text())) == {"other CPU | torch 0.1", StepTimeCache(torch.device("cpu")).key}
+    assert set(json.loads(empty_cache.read_text())) == {"other CPU | torch 0.1", StepTimeCache(torch.device("cpu")).key}
 
 
 def test_op_times_taken_on_a_busy_machine_are_said_so_now_and_from_the_cache(cache, monkeypatch):
@@ -438,7 +469,7 @@ def test_sweep_plan_predicts_each_points_peak_and_step(cache, workdir, capsys):
     assert not list(workdir.glob("runs/sweeps/plan/points/*"))  # nothing ran
 
 
-def test_a_fit_trains_the_same_with_the_prediction_on_or_off(cache):
+def test_a_fit_trains_the_same_with_the_prediction_on_or_off(empty_cache):
     import lightning.pytorch as pl
 
     from lmledger.callbacks import Ledger
@@ -484,7 +515,7 @@ def test_a_fit_trains_the_same_with_the_prediction_on_or_off(cache):
     assert torch.equal(after_on[0], after_off[0]) and after_on[1:] == after_off[1:]
     # The cache was empty: the time ledger's CPU peak and bandwidth probes ran their matmuls before step 1,
     # not inside the measured step's FLOP counter (they once made it read 50x the step).
-    assert (cache.parent / "cpu-bandwidth.json").exists()
+    assert (empty_cache.parent / "cpu-bandwidth.json").exists()
     assert ledger.measured.flops_hardware == ledger.predicted.flops_hardware > 0
 
 
