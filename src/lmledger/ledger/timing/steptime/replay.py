@@ -147,14 +147,7 @@ def as_recorded() -> Iterator[None]:
 # M_MMAP_THRESHOLD). Until then each step-sized tensor costs page faults. How far a process has got depends on
 # the largest tensor it happened to free; an LM's logits (over 32 MiB) take it all the way in step 1.
 _GLIBC_MMAP_THRESHOLD_MAX = 32 << 20
-_M_TRIM_THRESHOLD = -1  # mallopt's parameter number (malloc.h)
-
-
-def settle_allocator(device: torch.device) -> None:
-    """Take glibc's dynamic mmap and trim thresholds to their ceiling (comment above), so the replay and the
-    real steps of the same process meet one allocator, whatever ran before. They never fall: once is enough."""
-    if device.type == "cpu":
-        torch.empty(_GLIBC_MMAP_THRESHOLD_MAX - (1 << 16), dtype=torch.uint8)  # freed at once, by mmap's munmap
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt's parameter numbers (malloc.h)
 
 
 def _mallopt() -> Callable[[int, int], int] | None:
@@ -167,13 +160,24 @@ def _mallopt() -> Callable[[int, int], int] | None:
         return None
 
 
+def settle_allocator(device: torch.device) -> None:
+    """Set glibc's mmap and trim thresholds to where its dynamic rules end (32 and 64 MiB, as in any process that
+    freed an LM's logits; comment above), so the replay and the real steps of this process meet one allocator,
+    whatever ran before. mallopt also ends those rules, which at their ceiling have nowhere left to go; freeing a
+    32 MiB chunk instead would not get there in a heap that already has room for one."""
+    mallopt = _mallopt() if device.type == "cpu" else None
+    if mallopt is not None:
+        mallopt(_M_MMAP_THRESHOLD, _GLIBC_MMAP_THRESHOLD_MAX)
+        mallopt(_M_TRIM_THRESHOLD, 2 * _GLIBC_MMAP_THRESHOLD_MAX)
+
+
 @contextmanager
 def kept_heap(device: torch.device) -> Iterator[None]:
     """While ops are timed, the heap keeps what they free. A replay's round can free more than the trim
     threshold at the heap's top where the real step's does not (its long-lived objects sit among its tensors);
     glibc then hands it back and the next round faults it in again. tiny.yaml's replay of one dry run's records,
     2026-12-03 (Intel Xeon VM): runs of rounds with 20,000 page faults at 83-87 ms between rounds with none at
-    69-72 ms; its real steps, 0-5,000 at 74-79 ms. Afterwards the trim threshold is where settle_allocator left it."""
+    69-72 ms; its real steps, 0-5,000 at 74-79 ms. Afterwards the heap is as settle_allocator leaves it."""
     mallopt = _mallopt() if device.type == "cpu" else None
     if mallopt is None:
         yield
@@ -183,7 +187,7 @@ def kept_heap(device: torch.device) -> Iterator[None]:
     try:
         yield
     finally:
-        mallopt(_M_TRIM_THRESHOLD, 2 * _GLIBC_MMAP_THRESHOLD_MAX)
+        settle_allocator(device)
 
 
 def _sync(device: torch.device) -> None:
