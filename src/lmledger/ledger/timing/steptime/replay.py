@@ -20,6 +20,7 @@ rebuilt, and ops whose replay raises. Every RNG stream is left as it was found. 
 from __future__ import annotations
 
 import ctypes
+import functools
 import platform
 import random
 import statistics
@@ -150,8 +151,9 @@ _GLIBC_MMAP_THRESHOLD_MAX = 32 << 20
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt's parameter numbers (malloc.h)
 
 
+@functools.cache
 def _mallopt() -> Callable[[int, int], int] | None:
-    """glibc's mallopt, or None under another C library."""
+    """glibc's mallopt, or None under another C library (looked up once: time_call asks per timed op)."""
     if platform.libc_ver()[0] != "glibc":
         return None
     try:
