@@ -9,7 +9,8 @@ one entry per machine key, each with when and how it was measured:
 
 A file that cannot be read, or an entry of the wrong shape, is measured again, and `note` says so in one
 line. Another machine's or torch version's entry is simply not this key's. Writes merge with what another
-process wrote meanwhile (two DDP ranks predicting at once) and are atomic (lmledger.atomic).
+process wrote meanwhile (two DDP ranks predicting at once) and are atomic (lmledger.atomic); a machine's times
+found stale (`forget`) leave the file too.
 No Lightning import.
 """
 
@@ -24,7 +25,7 @@ import torch
 from lmledger.atomic import DiskWriteError, atomic_write
 from lmledger.ledger.hardware.cpu import cache_dir, cpu_info
 
-__all__ = ["STEP_TIMES_FILE", "StepTimeCache", "machine_key", "now"]
+__all__ = ["STEP_TIMES_FILE", "StepTimeCache", "age_s", "machine_key", "now"]
 
 STEP_TIMES_FILE = "step-times.json"
 METHOD = (
@@ -35,6 +36,17 @@ METHOD = (
 
 def now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def age_s(stamp: str) -> float:
+    """Seconds since a time `now()` wrote; one that cannot be read counts as infinitely old."""
+    try:
+        then = datetime.datetime.fromisoformat(stamp)
+    except (TypeError, ValueError):
+        return float("inf")
+    if then.tzinfo is None:
+        then = then.replace(tzinfo=datetime.timezone.utc)
+    return (datetime.datetime.now(datetime.timezone.utc) - then).total_seconds()
 
 
 def machine_key(device: torch.device) -> str:
@@ -64,6 +76,7 @@ class StepTimeCache:
         else:
             self.entry = entry
         self._dirty = False
+        self._forgotten = False  # forget(): what the file holds for this key is dropped at the next save
 
     @staticmethod
     def _fresh() -> dict:
@@ -97,6 +110,14 @@ class StepTimeCache:
     def mark(self) -> None:
         self._dirty = True
 
+    def forget(self) -> None:
+        """Drop every op time and calibration, here and, at the next save, from the file: the machine no
+        longer runs as it did when they were taken."""
+        self.entry["ops"].clear()
+        self.entry["calibrations"].clear()
+        self._forgotten = True
+        self._dirty = True
+
     def save(self) -> None:
         if not self._dirty:
             return
@@ -105,6 +126,9 @@ class StepTimeCache:
         entries = quiet._read()  # another process's additions are kept
         theirs = entries.get(self.key) if isinstance(entries.get(self.key), dict) else None
         if theirs is not None and _valid(theirs):
+            if self._forgotten:
+                theirs["ops"].clear()
+                theirs["calibrations"].clear()
             theirs["ops"].update(self.entry["ops"])
             theirs["calibrations"].update(self.entry["calibrations"])
             self.entry = theirs
@@ -114,6 +138,7 @@ class StepTimeCache:
         except DiskWriteError as err:
             self.note = f"could not write the step-time cache ({err})"
         self._dirty = False
+        self._forgotten = False
 
 
 def _valid(entry: object) -> bool:

@@ -295,11 +295,38 @@ class Replayer:
         self.times[key] = seconds
         return seconds
 
-    def fill_sequence(self, ops: list[OpRecord]) -> None:
-        """Time the step's ops in sequence (sequence_seconds) unless every replayable one is cached."""
-        keys = [op_key(op) + _IN_SEQUENCE if why_not_replayed(op) is None else None for op in ops]
-        if all(k is None or k in self.times for k in keys):
-            return
+    def all_cached(self, ops: list[OpRecord]) -> bool:
+        """Whether every replayable op of the step has its in-sequence time in `times`."""
+        return all(k is None or k in self.times for k in _sequence_keys(ops))
+
+    @staticmethod
+    def step_keys(ops: list[OpRecord]) -> set[str]:
+        """The keys of the step's in-sequence times."""
+        return {k for k in _sequence_keys(ops) if k is not None}
+
+    def drift(self, ops: list[OpRecord], budget_s: float = 0.25) -> float | None:
+        """Now over then: the step's opening ops whose cached times add up to `budget_s` (all of a small step),
+        replayed in sequence for two timed rounds after a warm-up, against those cached times. None where no
+        cached op could be compared. Two rounds, not fifteen: this asks whether the machine moved by more than
+        a round's noise, not what the step takes."""
+        keys = _sequence_keys(ops)
+        end, cached = 0, 0.0
+        while end < len(ops) and cached < budget_s:
+            cached += self.times.get(keys[end], 0.0) if keys[end] is not None else 0.0
+            end += 1
+        medians, failed = sequence_seconds(ops[:end], self.device, rounds=2, budget_s=4 * budget_s, seed=self._seed)
+        pairs = [(self.times[k], m) for i, (k, m) in enumerate(zip(keys[:end], medians, strict=True))
+                 if k in self.times and m is not None and i not in failed]  # fmt: skip
+        then = sum(t for t, _ in pairs)
+        return sum(m for _, m in pairs) / then if then > 0 else None
+
+    def fill_sequence(self, ops: list[OpRecord]) -> float | None:
+        """Time the step's ops in sequence (sequence_seconds) unless every replayable one is cached: a second
+        prediction gives the same step. A replay gives every op of the step today's time, and returns now
+        over then for those it had cached (None: no replay, or none cached), as `drift` does."""
+        keys = _sequence_keys(ops)
+        if self.all_cached(ops):
+            return None
         medians, failed = sequence_seconds(ops, self.device, seed=self._seed)
         per_key: dict[str, list[float]] = {}
         for i, (key, median) in enumerate(zip(keys, medians, strict=True)):
@@ -309,16 +336,23 @@ class Replayer:
                 self.failed[key] = failed[i]
             elif median is not None:
                 per_key.setdefault(key, []).append(median)
-        for key, values in per_key.items():
-            if key not in self.times:  # a cached time stands: a second prediction gives the same step
-                self.benchmarked += 1
-                self.times[key] = statistics.fmean(values)
+        fresh = {key: statistics.fmean(values) for key, values in per_key.items()}
+        then = sum(self.times[k] for k in fresh if k in self.times)
+        now = sum(v for k, v in fresh.items() if k in self.times)
+        self.benchmarked += len(fresh)
+        self.times.update(fresh)
+        return now / then if then > 0 else None
 
     def in_sequence(self, op: OpRecord) -> float | None:
         """The op's time from fill_sequence (the mean over its occurrences), or None."""
         if why_not_replayed(op) is not None:
             return None
         return self.times.get(op_key(op) + _IN_SEQUENCE)
+
+
+def _sequence_keys(ops: list[OpRecord]) -> list[str | None]:
+    """Each op's key for its in-sequence time; None for an op that is not replayed."""
+    return [op_key(op) + _IN_SEQUENCE if why_not_replayed(op) is None else None for op in ops]
 
 
 def _leaf_and_last_use(ops: list[OpRecord]) -> tuple[set[int], dict[int, int]]:
