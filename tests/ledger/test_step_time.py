@@ -9,9 +9,11 @@ Lightning's loop calibration seeded where a test would otherwise start a Trainer
 
 from __future__ import annotations
 
+import datetime
 import json
 import platform
 import random
+import re
 import resource
 import shutil
 import subprocess
@@ -30,7 +32,8 @@ from lmledger.ledger.dryrun.engine import dry_run
 from lmledger.ledger.hardware.bandwidth import measured_cpu_bandwidth
 from lmledger.ledger.hardware.cpu import measured_cpu_peak
 from lmledger.ledger.timing.steptime import CATEGORIES, NoStepTime, StepTime, data_wait, predict_step_time
-from lmledger.ledger.timing.steptime.cache import STEP_TIMES_FILE, StepTimeCache
+from lmledger.ledger.timing.steptime.cache import STEP_TIMES_FILE, StepTimeCache, now
+from lmledger.ledger.timing.steptime.predict import BUSY_CALIBRATION, CHECKED, DRIFT
 from lmledger.ledger.timing.steptime.replay import Replayer, why_not_replayed
 from lmledger.ledger.timing.steptime.tensors import rebuild
 from lmledger.model import ModelConfig, ToyLM
@@ -290,6 +293,71 @@ def test_op_times_taken_on_a_busy_machine_are_said_so_now_and_from_the_cache(cac
     cached = predict_step_time(ops, "cpu")  # nothing timed now: the cache's record still says it
     assert cached.benchmarked == 0 and cached.busy is None
     assert any("busy machine" in n for n in cached.notes)
+
+
+def _doctored(path: Path, scale: float, checked_hours_ago: float, **calibrations: object) -> dict[str, float]:
+    """The cache file with every op time `scale` times what was measured, its last check `checked_hours_ago`,
+    and `calibrations` added; returns the op times written."""
+    entries = json.loads(path.read_text())
+    (entry,) = entries.values()
+    entry["ops"] = {key: value * scale for key, value in entry["ops"].items()}
+    then = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(hours=checked_hours_ago)
+    entry["calibrations"][CHECKED]["measured_at"] = then.isoformat(timespec="seconds")
+    for name, value in calibrations.items():
+        entry["calibrations"][name] = {"value": value, "measured_at": then.isoformat(), "method": "doctored"}
+    path.write_text(json.dumps(entries))
+    return entry["ops"]
+
+
+def _compute(result: StepTime) -> float:
+    return result.seconds["matmul"] + result.seconds["attention"] + result.seconds["other"]
+
+
+def test_cached_op_times_that_no_longer_hold_are_timed_again_once_their_check_is_an_hour_old(cache, monkeypatch):
+    """Op times a third of what this machine takes (a machine that has slowed since, as this VM's did by 10-18%
+    overnight) are used as they are while their last check is under an hour old; after that, a short replay of the
+    step finds them off by more than DRIFT, and the cache is dropped (the busy record taken with them too), the step
+    timed again and a line says so. Noise cannot pass a third for the whole: a busy machine only widens the gap."""
+    from lmledger.ledger.hardware import cpu
+
+    monkeypatch.setattr(cpu.OthersBusy, "share", lambda self: 0.0)
+    ops, optimizer = _toy_ops()
+    first = predict_step_time(ops, "cpu", optimizer=optimizer)
+    doctored = _doctored(cache, 0.3, checked_hours_ago=1 / 6, **{BUSY_CALIBRATION: 0.97})
+    recent = predict_step_time(ops, "cpu", optimizer=optimizer)
+    assert recent.benchmarked == 0 and _compute(recent) == pytest.approx(0.3 * _compute(first), rel=1e-9)
+    assert any("97%" in n for n in recent.notes) and not any("timed again" in n for n in recent.notes)
+
+    _doctored(cache, 1.0, checked_hours_ago=2)
+    before = now()
+    checked = predict_step_time(ops, "cpu", optimizer=optimizer)
+    (note,) = [n for n in checked.notes if "timed again" in n]
+    assert float(re.search(r"took ([0-9.]+)x the times cached", note).group(1)) > 1 + DRIFT and "\n" not in note
+    assert not any("busy machine" in n for n in checked.notes)  # the 97% went with the times it was taken beside
+    assert checked.benchmarked == first.benchmarked and _compute(checked) > _compute(recent)
+    (entry,) = json.loads(cache.read_text()).values()
+    step = Replayer.step_keys(list(ops.ops))
+    assert step <= set(entry["ops"]) and all(entry["ops"][k] != doctored[k] for k in step)
+    assert BUSY_CALIBRATION not in entry["calibrations"] and entry["calibrations"][CHECKED]["value"] == 1.0
+    assert entry["calibrations"]["per_op_overhead"]["measured_at"] >= before  # the calibrations measured again too
+    assert predict_step_time(ops, "cpu", optimizer=optimizer).benchmarked == 0  # checked just now
+
+
+def test_a_step_partly_cached_is_replayed_whole_and_checks_the_cached_part_whatever_its_age(cache):
+    """A second model sharing most of its ops with a cached one (the same toy LM, two micro-batches) replays its
+    whole step anyway: that replay checks the shared ops' cached times too, even ones checked minutes ago."""
+    ops, _ = _toy_ops()
+    predict_step_time(ops, "cpu")
+    doctored = _doctored(cache, 0.3, checked_hours_ago=0)
+    two, _ = _toy_ops(accumulate=2)
+    shared = Replayer.step_keys(list(two.ops)) & set(doctored)
+    assert shared and not Replayer.step_keys(list(two.ops)) <= set(doctored)
+    result = predict_step_time(two, "cpu")
+    assert any("timed again" in n for n in result.notes)
+    (entry,) = json.loads(cache.read_text()).values()
+    in_sequence = {k for k in entry["ops"] if k.endswith("(in sequence)")}
+    assert in_sequence == Replayer.step_keys(list(two.ops))  # the other model's stale times are gone
+    assert all(entry["ops"][k] != doctored[k] for k in shared)
 
 
 def test_others_busy_is_the_share_of_cpu_time_other_processes_took(monkeypatch):

@@ -37,7 +37,7 @@ from lmledger.ledger.count.ops import (
 from lmledger.ledger.hardware.cpu import OthersBusy
 from lmledger.ledger.hardware.interconnect import Links, collective_seconds
 from lmledger.ledger.timing.steptime import calibrate
-from lmledger.ledger.timing.steptime.cache import StepTimeCache
+from lmledger.ledger.timing.steptime.cache import StepTimeCache, age_s
 from lmledger.ledger.timing.steptime.replay import (
     Replayer,
     cache_bytes,
@@ -55,6 +55,12 @@ CATEGORIES = (MATMUL, ATTENTION, OTHER, OPTIMIZER, COMMUNICATION, DATA_WAIT, HOS
 # machine's: on 2 cores, another process on one of them slows a 2-thread op many-fold (docs/time.md).
 BUSY_SHARE = 0.15
 BUSY_CALIBRATION = "others busy while timing"  # the cache's record of it
+# Cached op times are checked against a short replay once they are an hour old, and timed again when it runs
+# more than 8% off them: this VM's steps moved 10-13% between an evening and the next morning (tiny.yaml,
+# 2026-12-02/03), while two predictions of one step in one hour agree within a round's noise.
+CHECKED = "op times checked"  # the cache's record of the last check: now over then, and when
+CHECK_AFTER_S = 3600.0
+DRIFT = 0.08
 
 
 @dataclass(frozen=True)
@@ -164,65 +170,25 @@ def predict_step_time(
     settle_allocator(device)  # before anything is timed, and for the real steps this process runs next
     cache = StepTimeCache(device, cache_path)
     notes = [cache.note] if cache.note else []
+    how: dict[str, str] = {}
     free = free_memory(device)
     others = OthersBusy().start()
     replayer = Replayer(device, cache.ops, max_bytes=free // 2)
-    overhead, overhead_how = calibrate.per_op_overhead(device, cache, Replayer(device, cache.ops))
-    timed_optimizer = calibrate.optimizer_seconds(optimizer, device, clip, cache)
-    seconds = dict.fromkeys(CATEGORIES, 0.0)
-    how: dict[str, str] = {}
-    replayed, unreplayed, comm_ops = [], [], []
-    per_op_ops = 0
-    llc = cache_bytes(device)
     # In the step's order, data flowing op to op, where its live tensors fit in half the free memory;
     # else each op alone, its cold inputs (read from memory in the step) from fresh copies.
     in_sequence = live_bytes(list(ops.ops)) <= free // 2
-    if in_sequence:
-        replayer.fill_sequence(list(ops.ops))
+    if in_sequence:  # first: a cache found stale is forgotten before any of its calibrations is read
+        notes += _fill_checked(replayer, list(ops.ops), cache)
         how["replay"] = "each op in the step's order, data flowing op to op; median of rounds after a warm-up"
     else:
         how["replay"] = "each op alone (the step's tensors exceed half the free memory), cold inputs from copies"
-    for op, cold in zip(ops.ops, cold_inputs(list(ops.ops), llc), strict=True):
-        if op.category == OPTIMIZER and timed_optimizer is not None:
-            continue
-        if op.category == COMMUNICATION:
-            comm_ops.append(op)
-            continue
-        t = replayer.in_sequence(op) if in_sequence else replayer.seconds(op, cold, llc)
-        per_op_ops += 1
-        if t is None:
-            unreplayed.append(op)
-        else:
-            replayed.append((op, t))
-            seconds[op.category] += t
-    if not replayed and unreplayed:
-        first = unreplayed[0]
-        why = why_not_replayed(first) or replayer.failed.get(_key(first), "its replay failed")
+    overhead, overhead_how = calibrate.per_op_overhead(device, cache, Replayer(device, cache.ops))
+    timed_optimizer = calibrate.optimizer_seconds(optimizer, device, clip, cache)
+    priced = _price_ops(ops, replayer, in_sequence, timed_optimizer is not None, compute_dtype, device)
+    if isinstance(priced, str):
         cache.save()
-        return NoStepTime(f"no op of the step could be replayed on {device.type} (e.g. {first.name}: {why})")
-    fallback_s, fallback_ops, why_not = 0.0, {}, {}
-    if unreplayed:
-        from lmledger.ledger.timing.roofline import op_bounds
-
-        try:
-            bounds = op_bounds([op for op, _ in replayed] + unreplayed, compute_dtype, device)
-        except ValueError as err:
-            cache.save()
-            return NoStepTime(f"{len(unreplayed)} ops cannot be replayed and have no roofline bound ({err})")
-        spent: dict[str, list[float]] = {}
-        for (op, t), bound in zip(replayed, bounds, strict=False):
-            row = spent.setdefault(op.category, [0.0, 0.0])
-            row[0] += bound
-            row[1] += t
-        everything = [sum(r[0] for r in spent.values()), sum(r[1] for r in spent.values())]
-        for op, bound in zip(unreplayed, bounds[len(replayed) :], strict=True):
-            row = spent.get(op.category) or everything
-            efficiency = row[0] / row[1] if row[1] > 0 and row[0] > 0 else 1.0
-            t = bound / efficiency
-            seconds[op.category] += t
-            fallback_s += t
-            fallback_ops[op.name] = fallback_ops.get(op.name, 0) + 1
-            why_not[op.name] = why_not_replayed(op) or replayer.failed.get(_key(op), "its replay raised")
+        return NoStepTime(priced)
+    seconds, comm_ops = priced.seconds, priced.collectives
     if timed_optimizer is not None:
         seconds[OPTIMIZER] = timed_optimizer[0]
         how[OPTIMIZER] = timed_optimizer[1]
@@ -237,18 +203,9 @@ def predict_step_time(
         )
 
     compute = sum(seconds[c] for c in (MATMUL, ATTENTION, OTHER))
-    seconds[HOST] = overhead * per_op_ops + (loop_s or 0.0) * accumulate
-    how[HOST] = f"{per_op_ops} ops x {overhead * 1e6:.3g} us per op ({overhead_how})"
-    recomputed = sum(1 for op in ops.ops if op.recompute)
-    if recomputed:
-        extra, extra_how = calibrate.recompute_overhead(device, cache, Replayer(device, cache.ops))
-        seconds[HOST] += extra * recomputed
-        how[HOST] += f" + {recomputed} recomputed ops x {extra * 1e6:.3g} us of checkpointing ({extra_how})"
-    if ops.outside is not None:
-        python_s, python_how = _model_python(ops.outside, cache)
-        seconds[HOST] += python_s
-        how[HOST] += python_how
-    how[HOST] += f" + Lightning's loop {loop_s * 1e3:.3g} ms x {accumulate} batches ({loop_how})" if loop_s else ""
+    seconds[HOST], how[HOST] = _host(
+        ops, priced.per_op_ops, (overhead, overhead_how), (loop_s, loop_how), accumulate, cache, device
+    )
     if loop_s is None:
         notes.append(
             "Lightning's loop not counted: not calibrated on this machine yet (a one-device fit or "
@@ -267,13 +224,122 @@ def predict_step_time(
     if cache.note and cache.note not in notes:
         notes.append(cache.note)
     return StepTime(
-        seconds=seconds, ops=len(ops.ops), replayed=len(replayed), fallback=len(unreplayed), fallback_s=fallback_s,
+        seconds=seconds, ops=len(ops.ops), replayed=priced.replayed, fallback=priced.fallback,
+        fallback_s=priced.fallback_s,
         optimizer_ops=sum(1 for op in ops.ops if op.category == OPTIMIZER) if timed_optimizer is not None else 0,
-        collectives=len(comm_ops),
-        fallback_ops=fallback_ops, why_not=why_not, benchmarked=replayer.benchmarked, busy=busy, distinct=distinct,
+        collectives=len(comm_ops), fallback_ops=priced.fallback_ops, why_not=priced.why_not,
+        benchmarked=replayer.benchmarked, busy=busy, distinct=distinct,
         accumulate=accumulate, tokens=tokens * accumulate if tokens else None, samples=samples * accumulate, how=how,
         notes=tuple(notes),
     )  # fmt: skip
+
+
+@dataclass
+class _Priced:
+    """The step's ops priced one by one: replayed, else at a roofline fallback; collectives set aside."""
+
+    seconds: dict[str, float]  # per category (CATEGORIES)
+    collectives: list[OpRecord]
+    replayed: int = 0
+    per_op_ops: int = 0  # ops that pay the per-op overhead: all but the collectives and a timed optimizer's
+    fallback: int = 0
+    fallback_s: float = 0.0
+    fallback_ops: dict[str, int] = field(default_factory=dict)
+    why_not: dict[str, str] = field(default_factory=dict)
+
+
+def _price_ops(
+    ops: OpSummary,
+    replayer: Replayer,
+    in_sequence: bool,
+    optimizer_timed: bool,
+    compute_dtype: str,
+    device: torch.device,
+) -> _Priced | str:
+    """Each op at its replayed time (in the step's order, or alone with its cold inputs), the rest at
+    `_fallbacks`; a str says why the step cannot be priced."""
+    priced = _Priced(seconds=dict.fromkeys(CATEGORIES, 0.0), collectives=[])
+    replayed, unreplayed = [], []
+    llc = cache_bytes(device)
+    for op, cold in zip(ops.ops, cold_inputs(list(ops.ops), llc), strict=True):
+        if op.category == OPTIMIZER and optimizer_timed:
+            continue
+        if op.category == COMMUNICATION:
+            priced.collectives.append(op)
+            continue
+        t = replayer.in_sequence(op) if in_sequence else replayer.seconds(op, cold, llc)
+        priced.per_op_ops += 1
+        if t is None:
+            unreplayed.append(op)
+        else:
+            replayed.append((op, t))
+            priced.seconds[op.category] += t
+    if not replayed and unreplayed:
+        first = unreplayed[0]
+        why = why_not_replayed(first) or replayer.failed.get(_key(first), "its replay failed")
+        return f"no op of the step could be replayed on {device.type} (e.g. {first.name}: {why})"
+    priced.replayed, priced.fallback = len(replayed), len(unreplayed)
+    if unreplayed:
+        fallbacks = _fallbacks(replayed, unreplayed, compute_dtype, device)
+        if isinstance(fallbacks, str):
+            return fallbacks
+        for op, t in zip(unreplayed, fallbacks, strict=True):
+            priced.seconds[op.category] += t
+            priced.fallback_s += t
+            priced.fallback_ops[op.name] = priced.fallback_ops.get(op.name, 0) + 1
+            priced.why_not[op.name] = why_not_replayed(op) or replayer.failed.get(_key(op), "its replay raised")
+    return priced
+
+
+def _fallbacks(
+    replayed: list[tuple[OpRecord, float]], unreplayed: list[OpRecord], compute_dtype: str, device: torch.device
+) -> list[float] | str:
+    """Each op not replayed at its roofline bound over the efficiency (bound / replayed time) the replayed ops
+    of its category reached (all replayed ops' where none of its category was); a str says why not."""
+    from lmledger.ledger.timing.roofline import op_bounds
+
+    try:
+        bounds = op_bounds([op for op, _ in replayed] + unreplayed, compute_dtype, device)
+    except ValueError as err:
+        return f"{len(unreplayed)} ops cannot be replayed and have no roofline bound ({err})"
+    spent: dict[str, list[float]] = {}
+    for (op, t), bound in zip(replayed, bounds, strict=False):
+        row = spent.setdefault(op.category, [0.0, 0.0])
+        row[0] += bound
+        row[1] += t
+    everything = [sum(r[0] for r in spent.values()), sum(r[1] for r in spent.values())]
+    out = []
+    for op, bound in zip(unreplayed, bounds[len(replayed) :], strict=True):
+        row = spent.get(op.category) or everything
+        out.append(bound / (row[0] / row[1] if row[1] > 0 and row[0] > 0 else 1.0))
+    return out
+
+
+def _host(
+    ops: OpSummary,
+    per_op_ops: int,
+    overhead: tuple[float, str],
+    loop: tuple[float | None, str],
+    accumulate: int,
+    cache: StepTimeCache,
+    device: torch.device,
+) -> tuple[float, str]:
+    """(seconds, how) of the step's host time: the per-op overhead, checkpointing's per recomputed op, the
+    model's own Python and Lightning's loop per micro-batch."""
+    (per_op, per_op_how), (loop_s, loop_how) = overhead, loop
+    seconds = per_op * per_op_ops + (loop_s or 0.0) * accumulate
+    how = f"{per_op_ops} ops x {per_op * 1e6:.3g} us per op ({per_op_how})"
+    recomputed = sum(1 for op in ops.ops if op.recompute)
+    if recomputed:
+        extra, extra_how = calibrate.recompute_overhead(device, cache, Replayer(device, cache.ops))
+        seconds += extra * recomputed
+        how += f" + {recomputed} recomputed ops x {extra * 1e6:.3g} us of checkpointing ({extra_how})"
+    if ops.outside is not None:
+        python_s, python_how = _model_python(ops.outside, cache)
+        seconds += python_s
+        how += python_how
+    how += f" + Lightning's loop {loop_s * 1e3:.3g} ms x {accumulate} batches ({loop_how})" if loop_s else ""
+    return seconds, how
 
 
 def _model_python(outside: Outside, cache: StepTimeCache) -> tuple[float, str]:
@@ -288,6 +354,40 @@ def _model_python(outside: Outside, cache: StepTimeCache) -> tuple[float, str]:
         f"{base * 1e6:.3g} us per op as a Python-light chain does, {base_how})"
     )
     return python_s, how
+
+
+def _fill_checked(replayer: Replayer, ops: list[OpRecord], cache: StepTimeCache) -> list[str]:
+    """The step's ops timed in sequence (Replayer.fill_sequence), cached times checked against now: a step
+    partly cached is replayed whole, which checks the rest for free; one all cached, by replaying its opening
+    ops (Replayer.drift) once the last check is CHECK_AFTER_S old. More than DRIFT off, every op time and
+    calibration is forgotten (the machine moved, not one model), the step's own op times taken now, the
+    calibrations measured again as the prediction reads them, and a line says so."""
+    found = cache.calibration(CHECKED)
+    since = (found or cache.entry)["measured_at"][:16]
+    was_empty = not cache.ops
+    replayed = not replayer.all_cached(ops)
+    if replayed:
+        ratio = replayer.fill_sequence(ops)
+    elif found is None or age_s(found["measured_at"]) >= CHECK_AFTER_S:
+        ratio = replayer.drift(ops)
+    else:
+        return []
+    if ratio is None:
+        if was_empty:  # times taken now, and no other op's were there to go stale
+            cache.set_calibration(CHECKED, 1.0, "every op time taken now, in sequence")
+        return []
+    if abs(ratio - 1) <= DRIFT:
+        cache.set_calibration(CHECKED, ratio, "replayed now over cached, for the step's cached ops")
+        return []
+    kept = {key: cache.ops[key] for key in replayer.step_keys(ops) if key in cache.ops} if replayed else {}
+    cache.forget()  # calibrations too: the busy record, the optimizer's and the per-op costs were taken as the ops were
+    cache.ops.update(kept)
+    replayer.fill_sequence(ops)
+    cache.set_calibration(CHECKED, 1.0, "every op time of this step taken now, in sequence, the rest forgotten")
+    return [
+        f"the step's ops took {ratio:.2f}x the times cached for them (held since {since}): this machine no longer "
+        "runs as it did, so the cache was dropped and this step timed again"
+    ]
 
 
 def _busy_notes(cache: StepTimeCache, busy: float | None) -> list[str]:
