@@ -306,15 +306,15 @@ class Replayer:
 
     def drift(self, ops: list[OpRecord], budget_s: float = 0.25) -> float | None:
         """Now over then: the step's opening ops whose cached times add up to `budget_s` (all of a small step),
-        replayed in sequence for two timed rounds after a warm-up, against those cached times. None where no
-        cached op could be compared. Two rounds, not fifteen: this asks whether the machine moved by more than
+        replayed in sequence for three timed rounds after a warm-up, against those cached times. None where no
+        cached op could be compared. Three rounds, not fifteen: this asks whether the machine moved by more than
         a round's noise, not what the step takes."""
         keys = _sequence_keys(ops)
         end, cached = 0, 0.0
         while end < len(ops) and cached < budget_s:
             cached += self.times.get(keys[end], 0.0) if keys[end] is not None else 0.0
             end += 1
-        medians, failed = sequence_seconds(ops[:end], self.device, rounds=2, budget_s=4 * budget_s, seed=self._seed)
+        medians, failed = sequence_seconds(ops[:end], self.device, rounds=3, budget_s=4 * budget_s, seed=self._seed)
         pairs = [(self.times[k], m) for i, (k, m) in enumerate(zip(keys[:end], medians, strict=True))
                  if k in self.times and m is not None and i not in failed]  # fmt: skip
         then = sum(t for t, _ in pairs)
