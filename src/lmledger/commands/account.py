@@ -65,10 +65,13 @@ def _print_table(result: dict) -> None:
 
 
 def _print_time(result: dict) -> None:
-    """The predicted step time line (and, with --measure, the step-time table with its predicted column)."""
+    """The predicted step time line and its notes, as a fit prints them (and, with --measure, the step-time
+    table with its predicted column)."""
     time = result.get("time") or {}
     if time.get("predicted"):
         print(time["predicted"]["line"])
+        for note in time["predicted"].get("notes", ()):
+            print(note)
     if time.get("table"):
         print(time["table"])
 

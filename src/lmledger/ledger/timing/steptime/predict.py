@@ -359,31 +359,38 @@ def _model_python(outside: Outside, cache: StepTimeCache) -> tuple[float, str]:
 def _fill_checked(replayer: Replayer, ops: list[OpRecord], cache: StepTimeCache) -> list[str]:
     """The step's ops timed in sequence (Replayer.fill_sequence), cached times checked against now: a step
     partly cached is replayed whole, which checks the rest for free; one all cached, by replaying its opening
-    ops (Replayer.drift) once the last check is CHECK_AFTER_S old. More than DRIFT off, every op time and
-    calibration is forgotten (the machine moved, not one model), the step's own op times taken now, the
-    calibrations measured again as the prediction reads them, and a line says so."""
-    found = cache.calibration(CHECKED)
+    ops (Replayer.drift) once the last check is CHECK_AFTER_S old. More than DRIFT off, or taken on a busy machine
+    (the busy record) while this one is quiet now, every op time and calibration is forgotten (the machine moved,
+    not one model), the step's own op times taken now, the calibrations measured again as the prediction reads
+    them, and a line says so."""
+    found, busy = cache.calibration(CHECKED), cache.calibration(BUSY_CALIBRATION)
     since = (found or cache.entry)["measured_at"][:16]
     was_empty = not cache.ops
     replayed = not replayer.all_cached(ops)
+    others = OthersBusy().start()
     if replayed:
         ratio = replayer.fill_sequence(ops)
     elif found is None or age_s(found["measured_at"]) >= CHECK_AFTER_S:
         ratio = replayer.drift(ops)
     else:
         return []
-    if ratio is None:
-        if was_empty:  # times taken now, and no other op's were there to go stale
-            cache.set_calibration(CHECKED, 1.0, "every op time taken now, in sequence")
-        return []
-    if abs(ratio - 1) <= DRIFT:
-        cache.set_calibration(CHECKED, ratio, "replayed now over cached, for the step's cached ops")
+    quiet = others.share()
+    healed = busy is not None and ratio is not None and quiet is not None and quiet < BUSY_SHARE
+    if not healed and (ratio is None or abs(ratio - 1) <= DRIFT):
+        if ratio is not None or was_empty:  # compared, or taken now with no other op's there to go stale
+            cache.set_calibration(CHECKED, ratio or 1.0, "replayed now over cached, for the step's cached ops")
         return []
     kept = {key: cache.ops[key] for key in replayer.step_keys(ops) if key in cache.ops} if replayed else {}
     cache.forget()  # calibrations too: the busy record, the optimizer's and the per-op costs were taken as the ops were
     cache.ops.update(kept)
     replayer.fill_sequence(ops)
     cache.set_calibration(CHECKED, 1.0, "every op time of this step taken now, in sequence, the rest forgotten")
+    if healed:
+        return [
+            f"the cache's times were taken while other processes kept {busy['value']:.0%} of the CPUs busy "
+            f"({busy['measured_at'][:16]}); the step's ops took {ratio:.2f}x them now, on a quiet machine, so the "
+            "cache was dropped and this step timed again"
+        ]
     return [
         f"the step's ops took {ratio:.2f}x the times cached for them (held since {since}): this machine no longer "
         "runs as it did, so the cache was dropped and this step timed again"
