@@ -358,17 +358,16 @@ def _model_python(outside: Outside, cache: StepTimeCache) -> tuple[float, str]:
 
 def _fill_checked(replayer: Replayer, ops: list[OpRecord], cache: StepTimeCache) -> list[str]:
     """The step's ops timed in sequence (Replayer.fill_sequence), cached times checked against now: a step
-    partly cached is replayed whole, which checks the rest for free; one all cached, by replaying its opening
-    ops (Replayer.drift) once the last check is CHECK_AFTER_S old. More than DRIFT off, or taken on a busy machine
-    (the busy record) while this one is quiet now, every op time and calibration is forgotten (the machine moved,
-    not one model), the step's own op times taken now, the calibrations measured again as the prediction reads
-    them, and a line says so."""
+    partly cached is replayed whole, which checks its cached part for free; one all cached, by replaying its
+    opening ops (Replayer.drift) once the last check is CHECK_AFTER_S old. More than DRIFT off, or taken on a busy
+    machine (the busy record) while this one is quiet now, every op time and calibration is forgotten (the machine
+    moved, not one model), the step timed again, the calibrations measured again as the prediction reads them, and
+    a line says so."""
     found, busy = cache.calibration(CHECKED), cache.calibration(BUSY_CALIBRATION)
     since = (found or cache.entry)["measured_at"][:16]
     was_empty = not cache.ops
-    replayed = not replayer.all_cached(ops)
     others = OthersBusy().start()
-    if replayed:
+    if not replayer.all_cached(ops):
         ratio = replayer.fill_sequence(ops)
     elif found is None or age_s(found["measured_at"]) >= CHECK_AFTER_S:
         ratio = replayer.drift(ops)
@@ -380,10 +379,8 @@ def _fill_checked(replayer: Replayer, ops: list[OpRecord], cache: StepTimeCache)
         if ratio is not None or was_empty:  # compared, or taken now with no other op's there to go stale
             cache.set_calibration(CHECKED, ratio or 1.0, "replayed now over cached, for the step's cached ops")
         return []
-    kept = {key: cache.ops[key] for key in replayer.step_keys(ops) if key in cache.ops} if replayed else {}
     cache.forget()  # calibrations too: the busy record, the optimizer's and the per-op costs were taken as the ops were
-    cache.ops.update(kept)
-    replayer.fill_sequence(ops)
+    replayer.fill_sequence(ops)  # the step again, on an empty cache (a second replay where it was just replayed: rare)
     cache.set_calibration(CHECKED, 1.0, "every op time of this step taken now, in sequence, the rest forgotten")
     if healed:
         return [

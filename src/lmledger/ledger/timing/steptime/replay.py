@@ -239,7 +239,8 @@ _IN_SEQUENCE = " (in sequence)"
 class Replayer:
     """Times ops by replay, memoised in `times` (op_key -> seconds), which a cache fills and keeps.
 
-    `benchmarked` counts the signatures timed by this replayer (0 when every op came from the cache).
+    `benchmarked` counts the signatures timed by this replayer, each once however often (0 when every op came from
+    the cache).
     `failed` maps op_key -> why its replay raised.
     """
 
@@ -250,7 +251,7 @@ class Replayer:
         self.max_bytes = max_bytes  # an op whose tensors would take more is not replayed (priced otherwise)
         self.times = times if times is not None else {}
         self.failed: dict[str, str] = {}
-        self.benchmarked = 0
+        self._timed: set[str] = set()
         self._seed = seed
 
     def seconds(self, op: OpRecord, cold: tuple[bool, ...] = (), cache: int = 32 << 20) -> float | None:
@@ -291,18 +292,17 @@ class Replayer:
             text = str(err).strip().splitlines()
             self.failed[key] = f"{type(err).__name__}: {text[0] if text else ''}"[:200]
             return None
-        self.benchmarked += 1
+        self._timed.add(key)
         self.times[key] = seconds
         return seconds
+
+    @property
+    def benchmarked(self) -> int:
+        return len(self._timed)
 
     def all_cached(self, ops: list[OpRecord]) -> bool:
         """Whether every replayable op of the step has its in-sequence time in `times`."""
         return all(k is None or k in self.times for k in _sequence_keys(ops))
-
-    @staticmethod
-    def step_keys(ops: list[OpRecord]) -> set[str]:
-        """The keys of the step's in-sequence times."""
-        return {k for k in _sequence_keys(ops) if k is not None}
 
     def drift(self, ops: list[OpRecord], budget_s: float = 0.25) -> float | None:
         """Now over then: the step's opening ops whose cached times add up to `budget_s` (all of a small step),
@@ -321,9 +321,9 @@ class Replayer:
         return sum(m for _, m in pairs) / then if then > 0 else None
 
     def fill_sequence(self, ops: list[OpRecord]) -> float | None:
-        """Time the step's ops in sequence (sequence_seconds) unless every replayable one is cached: a second
-        prediction gives the same step. A replay gives every op of the step today's time, and returns now
-        over then for those it had cached (None: no replay, or none cached), as `drift` does."""
+        """Time the step's ops in sequence (sequence_seconds) unless every replayable one is cached. A cached time
+        stands, so a second prediction gives the same step; the replay returns now over then for the ops it had
+        cached (None: no replay, or none cached), as `drift` does, for the caller to judge."""
         keys = _sequence_keys(ops)
         if self.all_cached(ops):
             return None
@@ -339,8 +339,10 @@ class Replayer:
         fresh = {key: statistics.fmean(values) for key, values in per_key.items()}
         then = sum(self.times[k] for k in fresh if k in self.times)
         now = sum(v for k, v in fresh.items() if k in self.times)
-        self.benchmarked += len(fresh)
-        self.times.update(fresh)
+        for key, value in fresh.items():
+            if key not in self.times:
+                self._timed.add(key)
+                self.times[key] = value
         return now / then if then > 0 else None
 
     def in_sequence(self, op: OpRecord) -> float | None:
