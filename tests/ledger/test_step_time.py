@@ -38,7 +38,7 @@ from lmledger.ledger.timing.steptime.replay import Replayer, why_not_replayed
 from lmledger.ledger.timing.steptime.tensors import rebuild
 from lmledger.model import ModelConfig, ToyLM
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.alone]
 
 SMALL = ModelConfig(vocab_size=256, context_length=16, d_model=16, n_layers=1, n_heads=2, d_ff=32)
 
@@ -384,12 +384,13 @@ def test_a_step_partly_cached_is_replayed_whole_and_checks_the_cached_part_whate
 def test_others_busy_is_the_share_of_cpu_time_other_processes_took(monkeypatch):
     from lmledger.ledger.hardware import cpu
 
-    # /proc/stat's first line and /proc/self/stat, as jiffies: (all CPUs, their busy part, this process's)
-    readings = iter([(1000, 300, 100), (1400, 600, 200)])
+    # /proc/stat's first line and the group's /proc/PID/stat, as jiffies: (all CPUs, their busy part, {(pid, start
+    # time): its jiffies}). Process 7 ended meanwhile, reaped outside the group: its 500 go with it, not to the others.
+    readings = iter([(1000, 300, {(1, 5): 100, (7, 6): 500}), (1400, 600, {(1, 5): 180, (9, 8): 20})])
     monkeypatch.setattr(cpu, "_jiffies", lambda: next(readings))
     meter = cpu.OthersBusy()
     assert meter.share() is None  # not started
-    assert meter.start().share() == pytest.approx((300 - 100) / 400)  # busy 300 of 400, 100 of it ours
+    assert meter.start().share() == pytest.approx((300 - 100) / 400)  # busy 300 of 400, 80 + 20 of it ours
 
 
 # Run in a session (and so a process group) of its own, so that nothing else of pytest's (an xdist sibling, a
@@ -413,14 +414,21 @@ for session in (True, False):  # its own session: another process group; else th
     share, after, spent = meter.share(), cpu._jiffies(), jiffies_of(child.pid) - spent
     child.kill()
     child.wait()
-    total, busy, ours = (a - b for a, b in zip(after, before))
-    out["other" if session else "ours"] = {"spent": spent, "ours": ours, "total": total, "share": share}
+    ours = sum(j - before[2].get(p, 0) for p, j in after[2].items())
+    out["other" if session else "ours"] = {"spent": spent, "ours": ours, "total": after[0] - before[0], "share": share}
+# An orphan of the group (its parent exits at once) spins 1.5 s and ends inside the window, reaped by init.
+orphan = "import subprocess, sys; subprocess.Popen([sys.executable, '-c', sys.argv[1].replace('3', '1.5')])"
+subprocess.run([sys.executable, "-c", orphan, spin], check=True)
+time.sleep(1.2)
+meter = cpu.OthersBusy().start()
+time.sleep(1.0)
+out["orphan"] = {"share": meter.share()}
 print(json.dumps(out))
 """
 
 
 @pytest.mark.skipif(not Path("/proc/stat").exists(), reason="reads Linux's /proc")
-def test_others_busy_counts_a_process_outside_its_group_and_not_one_inside():
+def test_others_busy_counts_a_process_outside_its_group_and_not_one_inside_nor_one_gone():
     import subprocess
     import sys
 
@@ -432,6 +440,8 @@ def test_others_busy_counts_a_process_outside_its_group_and_not_one_inside():
     # outside the group: not ours (the probe sleeps meanwhile), so in the others' share
     assert other["ours"] < other["spent"] / 2 and other["share"] >= (other["spent"] - 2) / other["total"]
     assert ours["ours"] >= ours["spent"] - 2  # inside it: ours
+    # an orphan of the group that ends in the window: its 0.3 s there are lost, its 1.2 s before are nobody's
+    assert found["orphan"]["share"] < 0.45, found["orphan"]
 
 
 # A fresh process (its heap as glibc starts it) runs one backward-like pattern through malloc itself, as torch's

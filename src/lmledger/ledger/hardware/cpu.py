@@ -290,7 +290,7 @@ class OthersBusy:
     """
 
     def __init__(self) -> None:
-        self._start: tuple[int, int, int] | None = None
+        self._start: tuple[int, int, dict[tuple[int, int], int]] | None = None
 
     def start(self) -> OthersBusy:
         self._start = _jiffies()
@@ -300,12 +300,18 @@ class OthersBusy:
         end = _jiffies() if self._start is not None else None
         if self._start is None or end is None:
             return None
-        total, busy, ours = (e - s for e, s in zip(end, self._start, strict=True))
+        total, busy = end[0] - self._start[0], end[1] - self._start[1]
+        # Per process: one of the group that ended meanwhile, reaped outside it (an orphan), takes its jiffies
+        # with it; summed over the group, its whole life would count as the others' (a share of 1.0 after a
+        # multi-rank run). Its time in the window is lost instead; a child reaped inside the group comes back
+        # whole in its parent's cutime, so ours may read a little high, never negative.
+        ours = sum(jiffies - self._start[2].get(process, 0) for process, jiffies in end[2].items())
         return max(0.0, min(1.0, (busy - ours) / total)) if total > 0 else None
 
 
-def _jiffies() -> tuple[int, int, int] | None:
-    """(all CPUs' jiffies, their busy jiffies (steal included), this process group's), or None off Linux."""
+def _jiffies() -> tuple[int, int, dict[tuple[int, int], int]] | None:
+    """(all CPUs' jiffies, their busy jiffies (steal included), {(pid, start time): jiffies} of this process
+    group's processes), or None off Linux."""
     stat = _read("/proc/stat")
     if not stat:
         return None
@@ -316,13 +322,13 @@ def _jiffies() -> tuple[int, int, int] | None:
     # user nice system idle iowait irq softirq steal [guest guest_nice: already inside user and nice]
     total = sum(fields[:8])
     busy = total - fields[3] - fields[4]
-    group, ours = os.getpgrp(), 0
+    group, ours = os.getpgrp(), {}
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
         text = _read(f"/proc/{entry.name}/stat")
         after_name = text.rsplit(")", 1)[1].split() if text else []  # the name in parentheses may hold spaces
         if len(after_name) > 14 and int(after_name[2]) == group:
-            # utime, stime, and the waited-for children's cutime, cstime (fields 14-17 of proc(5))
-            ours += sum(int(x) for x in after_name[11:15])
+            # utime, stime, and the waited-for children's cutime, cstime (fields 14-17 of proc(5)); start time: 22
+            ours[int(entry.name), int(after_name[19])] = sum(int(x) for x in after_name[11:15])
     return total, busy, ours
