@@ -37,9 +37,13 @@ prepare: $(DATA)/meta.json
 demo: setup $(DATA)/meta.json
 	$(BIN)/lmledger fit --config configs/tiny.yaml
 
-# --durations=40: the slowest forty in every run's output, so the suite's budget (15 min on 2 cores) is watched.
+# The suite on two pytest-xdist workers (whole files each; tests/conftest.py groups them), then the tests marked
+# `alone`, which time the machine, with nothing beside them. --durations: the slowest of every run in its output,
+# so the suite's budget (15 min on 2 cores) is watched. docs/development.md says why two workers.
+WORKERS ?= 2
 test: setup-dev
-	$(BIN)/python -m pytest -q --durations=40
+	$(BIN)/python -m pytest -q -n $(WORKERS) -m "not alone" --durations=40
+	$(BIN)/python -m pytest -q -m alone --durations=10
 
 lint: setup-dev
 	$(BIN)/ruff check src tests benchmarks examples

@@ -50,8 +50,51 @@ MICRO_OVERRIDES = [
 ]  # fmt: skip
 
 
+# `make test` runs the suite on two pytest-xdist workers, then the tests marked `alone` by themselves. A worker takes
+# whole groups: a file, or the files named here together, which share a session fixture that must be set up once
+# (one local SLURM; one launch of the plain FSDP2 ranks). A group's file must be listed (held at collection).
+XDIST_GROUPS = {
+    "slurm_cluster": ("tests/test_slurm.py", "tests/sweep/test_sweep_slurm_input.py",
+                      "tests/sweep/test_sweep_multinode.py"),
+    "plain_fsdp2_ranks": ("tests/callbacks/test_ledger_fsdp2.py", "tests/ledger/test_fsdp2_accumulate.py"),
+}  # fmt: skip
+# The longest groups (1-2 minutes each, all processes and waits), handed out first so no worker ends on one alone.
+XDIST_FIRST = ("slurm_cluster", "tests/fitting/test_resume_matrix.py", "tests/fitting/test_multinode.py")
+XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+if XDIST_WORKER:
+    # execnet starts a worker with SIGINT ignored, which every process it starts would inherit: Python's own
+    # handler back, so a Ctrl-C test sees what a shell gives. One intra-op thread each: two workers, two cores.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    torch.set_num_threads(1)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """Whole files to a worker, the files of one XDIST_GROUPS entry together (see above)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    group_of = {path: fixture for fixture, paths in XDIST_GROUPS.items() for path in paths}
+
+    class ByFile(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return group_of.get(path, path)
+
+        def _assign_work_unit(self, node) -> None:
+            for scope in reversed([s for s in XDIST_FIRST if s in self.workqueue]):
+                self.workqueue.move_to_end(scope, last=False)
+            super()._assign_work_unit(node)
+
+    return ByFile(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
-    """Tests marked `cuda` skip on a machine without a CUDA GPU."""
+    """A test using a grouped fixture sits in a file of its group; tests marked `cuda` skip without a CUDA GPU."""
+    for item in items:
+        for fixture, paths in XDIST_GROUPS.items():
+            path = item.nodeid.split("::", 1)[0]
+            if fixture in getattr(item, "fixturenames", ()) and path not in paths:
+                raise pytest.UsageError(f"{item.nodeid} uses {fixture}: add {path} to conftest.XDIST_GROUPS")
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

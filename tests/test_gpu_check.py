@@ -14,6 +14,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+# Alone: its stages run against time budgets, and inside a pytest-xdist worker its first fit stalled (2026-12-03:
+# the fit and its two DataLoader workers all waiting in poll; not reproduced outside a worker, cause not found).
+pytestmark = pytest.mark.alone
+
 REPO = Path(__file__).resolve().parents[1]
 
 
