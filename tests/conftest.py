@@ -69,6 +69,7 @@ if XDIST_WORKER:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+@pytest.hookimpl(optionalhook=True)  # xdist's hook: a plain `pytest` without the plugin runs serially
 def pytest_xdist_make_scheduler(config, log):
     """Whole files to a worker, the files of one XDIST_GROUPS entry together (see above)."""
     from xdist.scheduler import LoadScopeScheduling

@@ -729,3 +729,24 @@ def test_a_checkpoint_recompute_runs_in_a_graph_task_with_grad_on():
     assert "aten.addmm.default" in forward and "aten.tanh.default" in forward
     assert "aten.addmm.default" in recomputed and "aten.tanh.default" in recomputed
     assert ("aten.tanh_backward.default", False, True) in seen  # the backward's own op: grad off
+
+
+def test_xdist_scope_scheduling_still_has_the_two_methods_conftest_overrides():
+    """tests/conftest.py's scheduler subclasses pytest-xdist 3.8's LoadScopeScheduling and overrides two private
+    methods: `_split_scope(nodeid)` (a work unit's name) and `_assign_work_unit(node)`, which pops the first of
+    the ordered `workqueue`. If either moves, the groups or the longest-first order silently stop holding."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    assert list(inspect.signature(LoadScopeScheduling._split_scope).parameters) == ["self", "nodeid"]
+    assert list(inspect.signature(LoadScopeScheduling._assign_work_unit).parameters) == ["self", "node"]
+    assert "self.workqueue.popitem(last=False)" in inspect.getsource(LoadScopeScheduling._assign_work_unit)
+
+
+def test_xdist_loadgroup_renames_the_private_nodeid_that_pytest_no_longer_reads():
+    """Why conftest groups files itself: xdist's loadgroup marks a group by renaming `item._nodeid`, while
+    pytest 9's `Node.nodeid` reads `_id`. When this fails, `--dist loadgroup` with xdist_group marks may do."""
+    from _pytest.nodes import Node
+    from xdist import remote
+
+    assert "item._nodeid = " in inspect.getsource(remote)
+    assert "_nodeid" not in inspect.getsource(Node.nodeid.fget)
