@@ -92,8 +92,8 @@ def pytest_xdist_make_scheduler(config, log):
 def pytest_collection_modifyitems(config, items):
     """A test using a grouped fixture sits in a file of its group; tests marked `cuda` skip without a CUDA GPU."""
     for item in items:
+        path = item.nodeid.split("::", 1)[0]
         for fixture, paths in XDIST_GROUPS.items():
-            path = item.nodeid.split("::", 1)[0]
             if fixture in getattr(item, "fixturenames", ()) and path not in paths:
                 raise pytest.UsageError(f"{item.nodeid} uses {fixture}: add {path} to conftest.XDIST_GROUPS")
     if torch.cuda.is_available():

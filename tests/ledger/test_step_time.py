@@ -404,21 +404,21 @@ def jiffies_of(pid):
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return int(fields[11]) + int(fields[12])
 
-spin = "import time\\nt = time.time()\\nwhile time.time() - t < 3: pass"
+spin = "import time\\nt = time.time()\\nwhile time.time() - t < {}: pass"
 out = {}
 for session in (True, False):  # its own session: another process group; else this probe's
-    child = subprocess.Popen([sys.executable, "-c", spin], start_new_session=session)
+    child = subprocess.Popen([sys.executable, "-c", spin.format(3)], start_new_session=session)
     time.sleep(0.5)  # past its start-up
     meter, before, spent = cpu.OthersBusy().start(), cpu._jiffies(), jiffies_of(child.pid)
     time.sleep(1.0)
     share, after, spent = meter.share(), cpu._jiffies(), jiffies_of(child.pid) - spent
     child.kill()
     child.wait()
-    ours = sum(j - before[2].get(p, 0) for p, j in after[2].items())
-    out["other" if session else "ours"] = {"spent": spent, "ours": ours, "total": after[0] - before[0], "share": share}
+    ours, total = cpu._ours(before, after), after[0] - before[0]
+    out["other" if session else "ours"] = {"spent": spent, "ours": ours, "total": total, "share": share}
 # An orphan of the group (its parent exits at once) spins 1.5 s and ends inside the window, reaped by init.
-orphan = "import subprocess, sys; subprocess.Popen([sys.executable, '-c', sys.argv[1].replace('3', '1.5')])"
-subprocess.run([sys.executable, "-c", orphan, spin], check=True)
+orphan = "import subprocess, sys; subprocess.Popen([sys.executable, '-c', sys.argv[1]])"
+subprocess.run([sys.executable, "-c", orphan, spin.format(1.5)], check=True)
 time.sleep(1.2)
 meter = cpu.OthersBusy().start()
 time.sleep(1.0)

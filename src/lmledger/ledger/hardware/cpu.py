@@ -301,12 +301,16 @@ class OthersBusy:
         if self._start is None or end is None:
             return None
         total, busy = end[0] - self._start[0], end[1] - self._start[1]
-        # Per process: one of the group that ended meanwhile, reaped outside it (an orphan), takes its jiffies
-        # with it; summed over the group, its whole life would count as the others' (a share of 1.0 after a
-        # multi-rank run). Its time in the window is lost instead; a child reaped inside the group comes back
-        # whole in its parent's cutime, so ours may read a little high, never negative.
-        ours = sum(jiffies - self._start[2].get(process, 0) for process, jiffies in end[2].items())
-        return max(0.0, min(1.0, (busy - ours) / total)) if total > 0 else None
+        return max(0.0, min(1.0, (busy - _ours(self._start, end)) / total)) if total > 0 else None
+
+
+def _ours(start: tuple, end: tuple) -> int:
+    """The jiffies this process group spent between two `_jiffies()` readings, process by process: one of the
+    group that ended meanwhile, reaped outside it (an orphan), takes its jiffies with it; summed over the group,
+    its whole life would count as the others' (a share of 1.0 after a multi-rank run). Its time in the window is
+    lost instead; a child reaped inside the group comes back whole in its parent's cutime, so this may read a
+    little high, never below zero."""
+    return sum(jiffies - start[2].get(process, 0) for process, jiffies in end[2].items())
 
 
 def _jiffies() -> tuple[int, int, dict[tuple[int, int], int]] | None:
