@@ -537,6 +537,26 @@ def test_tensorboard_writer_thread_reraises_its_error(tmp_path):
     assert "tensorboard" in type(seen[0].thread).__module__
 
 
+def test_tensorboard_writes_its_event_file_by_path(tmp_path):
+    """test_run_claim's moved run: TensorBoard's writer opens its event file by name at each record (tensorboard's
+    gfile appends by path), so a run directory moved under a live logger gets the records logged after the move
+    in a new file of the same name at the old path, and keeps only the earlier ones."""
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    from conftest import read_scalars
+
+    logger = TensorBoardLogger(str(tmp_path), name="t")
+    logger.log_metrics({"x": 1.0}, step=1)
+    logger.experiment.flush()
+    old = Path(logger.log_dir)
+    old.rename(tmp_path / "moved")
+    old.mkdir()
+    logger.log_metrics({"x": 2.0}, step=2)
+    logger.finalize("failed")
+    assert [p.name for p in old.iterdir()] == [p.name for p in (tmp_path / "moved").iterdir()]
+    assert read_scalars(old) == {"x": [(2, 2.0)]} and read_scalars(tmp_path / "moved") == {"x": [(1, 1.0)]}
+
+
 def test_optimizer_step_record_encloses_its_closure():
     """ledger/timing/profile.py: torch.optim wraps every step() in a record_function named
     "Optimizer.step#<class>.step", and a closure passed to step() runs inside it, so under Lightning (next canary)
