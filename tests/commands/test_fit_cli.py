@@ -161,3 +161,22 @@ def test_validate_writes_no_run_directory(workdir, capsys):
     names = sorted(p.name.split(".")[0] for p in run.iterdir())
     assert run.name == "version_0" and names == ["events", "hparams", "lmledger"]
     assert "val/loss" in read_scalars(run)
+
+
+def test_the_cli_builds_the_parser_of_the_subcommand_it_runs_alone(workdir):
+    """FitCLI.subcommands: `fit` builds fit's parser, not validate's, test's and predict's too (LightningCLI's
+    default, read here from its private `_subcommand_parsers`); the config parses as before."""
+    from lmledger.fitting.cli import FitCLI, _run_cli
+
+    class Parsed(Exception):
+        pass
+
+    class StopAfterParsing(FitCLI):
+        def before_instantiate_classes(self) -> None:
+            raise Parsed(self)
+
+    with pytest.raises(Parsed) as parsed:
+        _run_cli(StopAfterParsing, ["fit", "--config", "configs/tiny.yaml", "--model.config.n_layers", "3"], run=True)
+    cli = parsed.value.args[0]
+    assert list(cli._subcommand_parsers) == ["fit"]
+    assert cli.config.subcommand == "fit" and cli.config.fit.model.config.n_layers == 3

@@ -98,6 +98,17 @@ register_strategies()  # --trainer.strategy fsdp2 (lmledger.strategies)
 
 
 class FitCLI(LightningCLI):
+    def __init__(self, *args, **kwargs) -> None:
+        self._named = next(iter(kwargs.get("args") or ()), None)  # `fit` or `validate`, as _run_cli passes it
+        super().__init__(*args, **kwargs)
+
+    def subcommands(self) -> dict[str, set[str]]:
+        """The one subcommand this command line names. LightningCLI builds a parser for each of fit, validate, test
+        and predict (all the Trainer's and model's arguments each), in every `lmledger fit` and in each of its
+        ranks; benchmarks/cli_start.py times the difference."""
+        every = LightningCLI.subcommands()
+        return {self._named: every[self._named]} if self._named in every else every
+
     @property
     def any_model(self) -> bool:
         """Subclass mode: the model is any LightningModule. LitLM-specific checks and links are skipped."""
