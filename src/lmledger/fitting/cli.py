@@ -103,9 +103,7 @@ class FitCLI(LightningCLI):
         super().__init__(*args, **kwargs)
 
     def subcommands(self) -> dict[str, set[str]]:
-        """The one subcommand this command line names. LightningCLI builds a parser for each of fit, validate, test
-        and predict (all the Trainer's and model's arguments each), in every `lmledger fit` and in each of its
-        ranks; benchmarks/cli_start.py times the difference."""
+        """Only the subcommand named: LightningCLI's parser for each of 4 costs every process (benchmarks/cli_start)."""
         every = LightningCLI.subcommands()
         return {self._named: every[self._named]} if self._named in every else every
 
@@ -471,11 +469,8 @@ def build_model_and_data(argv: list[str]):
 
 @contextlib.contextmanager
 def _without_seed_line():
-    """Hide LightningCLI's "Seed set to N" line where nothing is trained.
-
-    LightningCLI seeds while parsing: a model's initial weights follow the config's seed. The line
-    means nothing for a parse, or a build for account or plan.
-    """
+    """Hide LightningCLI's "Seed set to N" line where nothing is trained. It seeds while parsing (a model's initial
+    weights follow the config's seed); for a parse, or a build for account or plan, the line means nothing."""
 
     def drop(record: logging.LogRecord) -> bool:
         return not record.getMessage().startswith("Seed set to")
