@@ -99,7 +99,8 @@ register_strategies()  # --trainer.strategy fsdp2 (lmledger.strategies)
 
 class FitCLI(LightningCLI):
     def __init__(self, *args, **kwargs) -> None:
-        self._named = next(iter(kwargs.get("args") or ()), None)  # `fit` or `validate`, as _run_cli passes it
+        args = kwargs.get("args")  # a command line (as _run_cli passes it) names its subcommand first
+        self._named = args[0] if isinstance(args, (list, tuple)) and args else None
         super().__init__(*args, **kwargs)
 
     def subcommands(self) -> dict[str, set[str]]:
