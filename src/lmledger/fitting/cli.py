@@ -99,8 +99,8 @@ register_strategies()  # --trainer.strategy fsdp2 (lmledger.strategies)
 
 class FitCLI(LightningCLI):
     def __init__(self, *args, **kwargs) -> None:
-        args = kwargs.get("args")  # a command line (as _run_cli passes it) names its subcommand first
-        self._named = args[0] if isinstance(args, (list, tuple)) and args else None
+        argv = kwargs.get("args")  # a command line (as _run_cli passes it) names its subcommand first
+        self._named = argv[0] if isinstance(argv, (list, tuple)) and argv else None
         super().__init__(*args, **kwargs)
 
     def subcommands(self) -> dict[str, set[str]]:
