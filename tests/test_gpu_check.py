@@ -16,8 +16,10 @@ from pathlib import Path
 
 import pytest
 
-# Alone: its stages run against time budgets, and inside a pytest-xdist worker its first fit stalled (2026-12-03:
-# the fit and its two DataLoader workers all waiting in poll; not reproduced outside a worker, cause not found).
+# Alone: its stages run against time budgets, and inside a pytest-xdist worker (`-n 1` too) its first fit stalls:
+# py-spy (2026-12-03) shows the DataLoader's main loop waiting on its data queue and both workers on their index
+# queues, every queue feeder idle. Outside a worker it passes, with the worker's environment (PYTEST_* included)
+# too; the cause is not found.
 pytestmark = pytest.mark.alone
 
 REPO = Path(__file__).resolve().parents[1]
