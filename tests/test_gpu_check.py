@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-# Alone: its stages run against time budgets, and inside a pytest-xdist worker (`-n 1` too) its first fit stalls:
-# py-spy (2026-12-03) shows the DataLoader's main loop waiting on its data queue and both workers on their index
-# queues, every queue feeder idle. Outside a worker it passes, with the worker's environment (PYTEST_* included)
-# too; the cause is not found.
+# Alone: its stages run against time budgets. Inside a pytest-xdist worker its first fit stalled on 2026-12-03
+# (11:17 in the full suite, 15:03 with `-n 1`): py-spy showed the DataLoader's main loop waiting on its data
+# queue and both workers on their index queues, every queue feeder idle. From 16:15 it passed seven runs in seven
+# with `-n 1` (with CI's PATH shims too, and beside two busy loops) and one with `-n 2`; the cause is not found.
 pytestmark = pytest.mark.alone
 
 REPO = Path(__file__).resolve().parents[1]
