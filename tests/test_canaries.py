@@ -389,6 +389,19 @@ def test_mean_metric_without_nan_check_drops_the_weights():
     assert metric.compute().item() == 2.0  # the unweighted mean; weighted it is 1.0
 
 
+def test_importing_lightning_imports_transformers_and_matplotlib_where_installed():
+    """docs/development.md's account of an `lmledger` process's start: Lightning imports torchmetrics, which
+    imports transformers (for BERTScore) and matplotlib (for its plots) whenever they are installed, as in the dev
+    environment: about 1.2 s of imports no lmledger command uses. A fresh process, since this one has both."""
+    import subprocess
+
+    pytest.importorskip("transformers")
+    pytest.importorskip("matplotlib")
+    probe = "import sys, lightning.pytorch; print(*sorted({'transformers', 'matplotlib'} & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=120)
+    assert out.stdout.split() == ["matplotlib", "transformers"]
+
+
 def test_a_storage_keeps_one_python_object_that_dies_with_it():
     """ledger.count.memtrack sees a storage freed when its Python object is finalized."""
     import weakref
