@@ -392,7 +392,8 @@ def test_mean_metric_without_nan_check_drops_the_weights():
 def test_importing_lightning_imports_transformers_and_matplotlib_where_installed():
     """docs/development.md's account of an `lmledger` process's start: Lightning imports torchmetrics, which
     imports transformers (for BERTScore) and matplotlib (for its plots) whenever they are installed, as in the dev
-    environment: about 1.2 s of imports no lmledger command uses. A fresh process, since this one has both."""
+    environment: about 1.2 s of every process's start, for what only the HF examples and the kit's plots use. A
+    fresh process, since this one has both."""
     import subprocess
 
     pytest.importorskip("transformers")
