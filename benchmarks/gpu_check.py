@@ -1,10 +1,11 @@
-"""The GPU check (run through benchmarks/gpu_check.sh): matmul MFU per dtype, then short training runs of
-cs336-small and cs336-medium at ctx 1024 in each precision, with tokens/s, MFU, HFU and predicted vs
-measured peak memory read back from the runs' TensorBoard events, then the test suite's CUDA-only tests.
+"""The GPU check (run through benchmarks/gpu_check.sh): matmul MFU per dtype; short training runs of cs336-medium
+and cs336-small at ctx 1024 in each precision, eager and compiled, with tokens/s, MFU, HFU, the fit's predicted step
+and predicted vs measured peak memory read back from the runs' TensorBoard events; what the GPU does with each class
+of op and with the cs336 steps' own ops (gpu_ops.py); the step-time table; then the test suite's CUDA-only tests.
 
-Each stage runs `python -m lmledger.cli ...` in its own process (a crash or OOM is recorded, the rest goes
-on) under one overall deadline. Full results go to OUT/gpu_check.json and OUT/gpu_check.md; the short table
-is printed last. `--dry-run` (or no CUDA device) runs every stage at toy size on the CPU.
+Each stage runs in its own process (a crash or OOM is recorded, the rest goes on) under one overall deadline, the
+most important first. Full results go to OUT/gpu_check.json, OUT/gpu_ops.json and OUT/gpu_check.md; the short
+table is printed last. `--dry-run` (or no CUDA device) runs every stage at toy size on the CPU.
 """
 
 from __future__ import annotations
@@ -20,19 +21,23 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-MODELS = ("cs336-medium", "cs336-small")  # the MFU goal is set for cs336-medium: it goes first
-# (label, trainer precision, extra overrides), in the order they run: each variant on every model before
-# the next variant, so a tight budget drops the least important rows. Per-block compile: one block graph,
-# compiled once for all 24 blocks, so compile time stays seconds rather than minutes whatever the depth.
-# fp8 rows need torchao or transformer_engine and sm_89+. Whole-model compile runs last, on the first model.
-VARIANTS = (
-    ("bf16-mixed+compile", "bf16-mixed", ["--model.compile", "blocks"]),
-    ("bf16-true+compile", "bf16-true", ["--model.compile", "blocks"]),
-    ("fp8-torchao+compile", "bf16-true", ["--model.compile", "blocks", "--model.fp8", "torchao"]),
-    ("fp8-te", "transformer-engine", []),
-    ("bf16-mixed+compile-whole-model", "bf16-mixed", ["--model.compile", "true"]),
+MODELS = ("cs336-medium", "cs336-small")  # the MFU goal is set for cs336-medium
+# The training rows, (model, label, trainer precision, extra overrides), in the order they run, so a tight budget
+# drops the least important: the MFU goal's row, then the eager row the GPU op model and the replay predict, then
+# fp8, then the smaller model and the other variants. Per-block compile: one block graph, compiled once for all 24
+# blocks, so compile time stays seconds rather than minutes whatever the depth. fp8 rows need torchao or
+# transformer_engine and sm_89+.
+ROWS = (
+    ("cs336-medium", "bf16-mixed+compile", "bf16-mixed", ["--model.compile", "blocks"]),
+    ("cs336-medium", "bf16-mixed", "bf16-mixed", []),
+    ("cs336-medium", "fp8-torchao+compile", "bf16-true", ["--model.compile", "blocks", "--model.fp8", "torchao"]),
+    ("cs336-medium", "fp8-te", "transformer-engine", []),
+    ("cs336-small", "bf16-mixed", "bf16-mixed", []),
+    ("cs336-small", "bf16-mixed+compile", "bf16-mixed", ["--model.compile", "blocks"]),
+    ("cs336-medium", "bf16-true+compile", "bf16-true", ["--model.compile", "blocks"]),
+    ("cs336-medium", "bf16-mixed+compile-whole-model", "bf16-mixed", ["--model.compile", "true"]),
 )
-ONLY_FIRST_MODEL = {"bf16-mixed+compile-whole-model"}
+FIRST_ROWS = 2  # run before the op measurements (gpu_ops.py) and the step-time table; the rest after them
 TOY = [  # dry run: the same stages at a size a CPU runs in seconds
     "--model.config.d_model", "64", "--model.config.n_layers", "2", "--model.config.n_heads", "2",
     "--model.config.d_ff", "128", "--model.config.context_length", "64", "--data.batch_size", "4",
@@ -127,6 +132,9 @@ def read_run(run_dir: Path, warmup_logs: int = 1) -> dict:
         "peak_measured": last("memory/measured/peak"),
         "activations_predicted": last("memory/predicted/activations"),
         "activations_measured": last("memory/measured/activations"),
+        "reserved_measured": last("memory/measured/reserved"),
+        "step_predicted_s": last("time/predicted/total"),
+        "scalars": {tag: last(tag) for tag in sorted(tags) if tag.startswith(("memory/", "time/", "ledger/"))},
     }
 
 
@@ -141,6 +149,7 @@ def main() -> int:
         "--reserve-tests", type=float, default=90.0, help="seconds of the budget kept for the CUDA-only tests"
     )
     parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--ops-budget", type=float, default=120.0, help="seconds for gpu_ops.py")
     args = parser.parse_args()
 
     import torch
@@ -170,46 +179,65 @@ def main() -> int:
         if code != 0:
             results["error"] = f"prepare failed: {last_error_line(output)}"
 
-    # (b) short training runs
+    # (b) short training runs, (c) the op measurements and (d) the step-time table between the first rows and the rest
     models = args.models.split(",")
+    rows = [row for row in ROWS if row[0] in models]
     toy_fits: dict[tuple, str] = {}  # dry run: each distinct toy fit (TOY sets every model's size) -> its stage
-    for label, precision, extra in VARIANTS:
-        for model in models[:1] if label in ONLY_FIRST_MODEL else models:
-            compiled = "--model.compile" in extra and not dry
-            stage = {"model": model, "variant": label, "precision": precision, "compiled": compiled}
-            results["stages"].append(stage)
-            reason = fp8_unavailable(precision, extra, dry) if ("fp8" in label) else None
-            if dry and not reason:  # the same toy fit again would test nothing new: run each once
-                first = toy_fits.setdefault((precision, *without_compile(extra)), f"{model} {label}")
-                reason = None if first == f"{model} {label}" else f"dry run: the same toy fit as {first}"
-            left = deadline - args.reserve_tests - time.monotonic()
-            if reason or left < 30 or "error" in results:
-                stage["skipped"] = reason or results.get("error") or "out of time"
-                continue
-            name = f"{model}-{label}"
-            cmd = [
-                *cli, "fit", "--config", str(REPO / "configs" / f"{model}.yaml"),
-                "--trainer.precision", precision, *extra,
-                "--data.path", str(data), "--data.num_workers", "2",
-                "--trainer.max_steps", str(args.steps if not dry else 6),
-                "--trainer.limit_val_batches", "0", "--trainer.log_every_n_steps", "5" if not dry else "2",
-                "--trainer.enable_checkpointing", "false", "--trainer.callbacks", "[]",
-                "--trainer.enable_progress_bar", "false",  # the log stays readable
-                "--trainer.logger.init_args.save_dir", str(out / "runs"),
-                "--trainer.logger.init_args.name", name,
-                *(TOY if dry else []),
-            ]  # fmt: skip
-            started = time.monotonic()
-            code, output, _ = run(cmd, min(left, args.stage_timeout), log)
-            stage["seconds"] = round(time.monotonic() - started, 1)
-            if code != 0:
-                stage["error"] = last_error_line(output)
-                continue
-            versions = sorted((out / "runs" / name).glob("version_*"), key=lambda p: int(p.name.split("_")[1]))
-            stage.update(read_run(versions[-1]))
+    scratch = Path(os.environ.get("TMPDIR", "/tmp")) / "lmledger-gpu-check-runs"  # event files: read, not returned
 
-    # (b2) the step-time table (docs/time.md): the roofline bound of the first model's step beside
-    # three profiled steps, kernel time per category, from `lmledger account --measure` (bf16-mixed, eager).
+    def fit_row(model: str, label: str, precision: str, extra: list[str]) -> None:
+        compiled = "--model.compile" in extra and not dry
+        stage = {"model": model, "variant": label, "precision": precision, "compiled": compiled}
+        results["stages"].append(stage)
+        reason = fp8_unavailable(precision, extra, dry) if ("fp8" in label) else None
+        if dry and not reason:  # the same toy fit again would test nothing new: run each once
+            first = toy_fits.setdefault((precision, *without_compile(extra)), f"{model} {label}")
+            reason = None if first == f"{model} {label}" else f"dry run: the same toy fit as {first}"
+        left = deadline - args.reserve_tests - time.monotonic()
+        if reason or left < 30 or "error" in results:
+            stage["skipped"] = reason or results.get("error") or "out of time"
+            return
+        name = f"{model}-{label}"
+        cmd = [
+            *cli, "fit", "--config", str(REPO / "configs" / f"{model}.yaml"),
+            "--trainer.precision", precision, *extra,
+            "--data.path", str(data), "--data.num_workers", "2",
+            "--trainer.max_steps", str(args.steps if not dry else 6),
+            "--trainer.limit_val_batches", "0", "--trainer.log_every_n_steps", "5" if not dry else "2",
+            "--trainer.enable_checkpointing", "false", "--trainer.callbacks", "[]",
+            "--trainer.enable_progress_bar", "false",  # the log stays readable
+            "--trainer.logger.init_args.save_dir", str(scratch),
+            "--trainer.logger.init_args.name", name,
+            *(TOY if dry else []),
+        ]  # fmt: skip
+        started = time.monotonic()
+        code, output, _ = run(cmd, min(left, args.stage_timeout), log)
+        stage["seconds"] = round(time.monotonic() - started, 1)
+        stage["lines"] = [line for line in output.splitlines() if line.startswith(("ledger:", "step "))][-12:]
+        if code != 0:
+            stage["error"] = last_error_line(output)
+            return
+        versions = sorted((scratch / name).glob("version_*"), key=lambda p: int(p.name.split("_")[1]))
+        stage.update(read_run(versions[-1]))
+
+    for row in rows[:FIRST_ROWS]:
+        fit_row(*row)
+
+    # (c) what the GPU does with each class of op, and the dry run's ops of the cs336 steps replayed on it
+    left = deadline - args.reserve_tests - time.monotonic()
+    if left < 60:
+        results["ops"] = {"skipped": "out of time"}
+    else:
+        budget = min(args.ops_budget, left - 30)
+        ops_json = out / "gpu_ops.json"
+        cmd = [sys.executable, str(REPO / "benchmarks" / "gpu_ops.py"), "--out", str(ops_json),
+               "--budget", str(budget), *(["--dry-run"] if dry else [])]  # fmt: skip
+        code, output, _ = run(cmd, budget + 60, log)
+        results["ops"] = {"exit": code, "file": ops_json.name, "summary": last_error_line(output)}
+
+    # (d) the step-time table (docs/time.md): the roofline bound of the first model's step beside three profiled
+    # steps, kernel time per category, and the step predicted by the replay on this GPU, from `lmledger account
+    # --measure` (bf16-mixed, eager).
     left = deadline - args.reserve_tests - time.monotonic()
     if left < 30:
         results["time"] = {"skipped": "out of time"}
@@ -223,8 +251,13 @@ def main() -> int:
         results["time"] = (
             {"model": models[0], **time_table} if time_table else {"error": last_error_line(output) or f"exit {code}"}
         )
+        if found:
+            results["account"] = {k: found.get(k) for k in ("memory", "flops", "mfu_conventions", "run")}
 
-    # (c) the tests that need CUDA: allocator peaks and saved activations against the ledger, the matmul
+    for row in rows[FIRST_ROWS:]:
+        fit_row(*row)
+
+    # (e) the tests that need CUDA: allocator peaks and saved activations against the ledger, the matmul
     # benchmark in every dtype, and no host sync in a steady-state training step. Last, in the time kept for them.
     left = deadline - time.monotonic()
     if left < 30:
@@ -232,7 +265,9 @@ def main() -> int:
     else:
         pytest = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "cuda", str(REPO / "tests")]
         code, output, _ = run(pytest, left, log)
-        results["cuda_tests"] = {"exit": code, "summary": last_error_line(output)}
+        results["cuda_tests"] = {"exit": code, "summary": last_error_line(output),
+                                 "lines": [ln for ln in output.splitlines() if "PASS" in ln or "FAIL" in ln
+                                           or "SKIP" in ln or "ERROR" in ln][-30:]}  # fmt: skip
 
     (out / "gpu_check.json").write_text(json.dumps(results, indent=2))
     table = summary_table(results)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The GPU check: matmul MFU per dtype, then cs336-small and cs336-medium at ctx 1024 for ~30 steps in
-# bf16-mixed + compile, bf16-true + compile and fp8 (torchao / Transformer Engine) where available.
-# Finishes in < 8 minutes on one H100/H200; prints a short table last, full results in the results dir.
+# The GPU check: matmul MFU per dtype; cs336-medium and cs336-small at ctx 1024 for a few dozen steps, eager and
+# compiled, in bf16 and fp8 (torchao / Transformer Engine) where available; each class of op and the cs336 steps'
+# own ops timed on the GPU (gpu_ops.py); the CUDA-only tests. Ends by its --budget (450 s by default) on one
+# H100/H200; prints a short table last, full results in the results dir.
 #
 #   [PYTHON=/path/to/python] bash benchmarks/gpu_check.sh [--dry-run] [--out DIR] [--steps N] [--budget SECONDS]
 #

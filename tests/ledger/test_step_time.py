@@ -670,3 +670,26 @@ def test_ops_replay_as_recorded_inside_a_callers_autocast(cache):
         medians, failed = sequence_seconds(list(ops.ops), torch.device("cpu"), rounds=1, budget_s=0.0)
     assert not failed and any(m is not None for m in medians)
     assert mode.seen == {torch.float32}
+
+
+@pytest.mark.cuda
+def test_on_cuda_a_replay_times_the_kernels_not_the_launch():
+    """A tiny kernel runs in a few microseconds; timed wall-clock with a sync per call it reads the launch and the
+    sync too. A replay on CUDA takes the kernel's time (replay.kernel_seconds), in sequence as alone; a large matmul,
+    whose launch is nothing beside it, reads the same either way."""
+    from lmledger.ledger.timing.steptime.replay import kernel_seconds, sequence_seconds, time_call
+
+    device = torch.device("cuda")
+    x = torch.zeros(1024, device=device)
+    tiny_kernel, _ = kernel_seconds(lambda: x.add_(1.0), device)
+    tiny_wall, _ = time_call(lambda: x.add_(1.0), device)
+    assert tiny_kernel < 0.5 * tiny_wall, (tiny_kernel, tiny_wall)
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    big_kernel, _ = kernel_seconds(lambda: a @ a, device)
+    big_wall, _ = time_call(lambda: a @ a, device)
+    assert big_kernel == pytest.approx(big_wall, rel=0.1)
+    recorder = OpRecorder({})
+    with recorder:
+        (a @ a).sum()
+    medians, failed = sequence_seconds(recorder.records, device, rounds=3)
+    assert not failed and medians[0] == pytest.approx(big_kernel, rel=0.1)

@@ -8,6 +8,7 @@ Each function takes the callbacks.ledger.Ledger whose report it reads.
 from __future__ import annotations
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.utilities import rank_zero_info
 from rich.console import Console
 
@@ -28,7 +29,13 @@ def report_measured(ledger, trainer: pl.Trainer) -> None:
     if ledger.report.measured.peak_phase:
         ledger.report.notes.append(f"measured peak (live tensor bytes) during {ledger.report.measured.peak_phase}")
     elif ledger.report.measured.peak is not None:
-        ledger.report.notes.append("measured peak: CUDA's max_memory_allocated")
+        note = "measured peak: CUDA's max_memory_allocated"
+        device = trainer.strategy.root_device
+        if device.type == "cuda":  # what nvidia-smi sees: the caching allocator's blocks, tensors or not
+            reserved = torch.cuda.max_memory_reserved(device)
+            note += f" ({format_bytes(reserved)} reserved by the caching allocator at most)"
+            log_scalars(trainer, {"memory/measured/reserved": reserved})
+        ledger.report.notes.append(note)
     log_scalars(trainer, ledger.report.scalars("measured"))
     log_text(trainer, "ledger/table", ledger.report.markdown())
     write_rank_record(trainer, ledger.report)  # every rank's lines: the loggers keep rank 0's (callbacks/ranks.py)

@@ -206,6 +206,13 @@ def predict_step_time(
     seconds[HOST], how[HOST] = _host(
         ops, priced.per_op_ops, (overhead, overhead_how), (loop_s, loop_how), accumulate, cache, device
     )
+    if device.type == "cuda":  # the host queues kernels ahead of the GPU: only its excess over their time shows
+        host_all, kernels = seconds[HOST], compute + seconds[OPTIMIZER]
+        seconds[HOST] = max(0.0, host_all - kernels)
+        how[HOST] += (
+            f"; on CUDA the host runs ahead of the kernels, so of its {host_all * 1e3:.3g} ms only the excess over "
+            f"the kernels' {kernels * 1e3:.3g} ms adds to the step"
+        )
     if loop_s is None:
         notes.append(
             "Lightning's loop not counted: not calibrated on this machine yet (a one-device fit or "

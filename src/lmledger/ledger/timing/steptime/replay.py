@@ -41,6 +41,7 @@ __all__ = [
     "cache_bytes",
     "cold_inputs",
     "kept_heap",
+    "kernel_seconds",
     "live_bytes",
     "op_key",
     "sequence_seconds",
@@ -233,6 +234,47 @@ def time_call(
     return statistics.median(samples), len(samples)
 
 
+# On CUDA an op's replayed time is its kernels' time on the GPU. The host queues work ahead of the GPU, so its own
+# cost per op overlaps the kernels and is priced apart (predict.py's host); timed wall-clock with a sync per call,
+# a 3 us kernel would read 20-30 us of launch and sync. A spin kernel (torch.cuda._sleep) holds the stream while
+# the host queues the timed call, so the events around it see the kernels and no launch gap.
+_SPIN_CYCLES = 200_000  # about 100 us at Hopper's 1.98 GHz boost clock: longer than an eager op's dispatch
+
+
+def _spin() -> None:
+    torch.cuda._sleep(_SPIN_CYCLES)
+
+
+def kernel_seconds(
+    call: Callable[[], object],
+    device: torch.device,
+    *,
+    budget_s: float = 0.02,
+    max_repeats: int = 21,
+    min_repeats: int = 3,
+    warm: bool = True,
+) -> tuple[float, int]:
+    """time_call's twin on CUDA (comment above): (median GPU seconds of `call`'s kernels, timed calls)."""
+    if device.type != "cuda":
+        return time_call(call, device, budget_s=budget_s, max_repeats=max_repeats, min_repeats=min_repeats, warm=warm)
+    if warm:
+        call()
+        torch.cuda.synchronize(device)
+    samples: list[float] = []
+    spent = 0.0
+    while len(samples) < min_repeats or (spent < budget_s and len(samples) < max_repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        _spin()
+        start.record()
+        call()
+        end.record()
+        end.synchronize()
+        dt = start.elapsed_time(end) / 1e3
+        samples.append(dt)
+        spent += dt + 1e-4  # the spin's time counts against the budget too
+    return statistics.median(samples), len(samples)
+
+
 _IN_SEQUENCE = " (in sequence)"
 
 
@@ -287,7 +329,7 @@ class Replayer:
                     args, kwargs = sets[next(turn) % len(sets)]
                     return func(*args, **kwargs)
 
-                seconds, _ = time_call(call, self.device)
+                seconds, _ = kernel_seconds(call, self.device)
         except Exception as err:  # noqa: BLE001 - an op that will not run on made-up values is priced otherwise
             text = str(err).strip().splitlines()
             self.failed[key] = f"{type(err).__name__}: {text[0] if text else ''}"[:200]
@@ -414,31 +456,43 @@ def sequence_seconds(
     samples: list[list[float]] = [[] for _ in ops]
     failed: dict[int, str] = {}
     clock = CLOCK
+    cuda = device.type == "cuda"  # kernel time, by events behind a spin (kernel_seconds), read at the round's end
     started = time.perf_counter()
     with untouched_rng(device), as_recorded(), torch.no_grad(), kept_heap(device):
         for round_ in range(rounds + 1):
+            events: list[tuple[int, torch.cuda.Event, torch.cuda.Event]] = []
             for i, op in enumerate(ops):
                 func = funcs[i]
                 if func is None or i in failed:
                     continue
                 try:
                     args, kwargs = bind(op, device, generator, pool)
-                    _sync(device)
-                    t0 = clock()
-                    out = func(*args, **kwargs)
-                    _sync(device)
-                    dt = clock() - t0
+                    if cuda:
+                        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                        _spin()
+                        start.record()
+                        out = func(*args, **kwargs)
+                        end.record()
+                        events.append((i, start, end))
+                    else:
+                        t0 = clock()
+                        out = func(*args, **kwargs)
+                        dt = clock() - t0
+                        if round_:
+                            samples[i].append(dt)
                 except Exception as err:  # noqa: BLE001 - priced otherwise
                     text = str(err).strip().splitlines()
                     failed[i] = f"{type(err).__name__}: {text[0] if text else ''}"[:200]
                     continue
-                if round_:
-                    samples[i].append(dt)
                 for t, (key, _) in zip(leaves_of(out, torch.Tensor), op.output_storages, strict=False):
                     pool[key] = t.untyped_storage()
                 for key, _ in (*op.storages, *op.output_storages):
                     if last.get(key) == i and key not in leaves:
                         pool.pop(key, None)
+            if cuda:
+                torch.cuda.synchronize(device)
+                for i, start, end in events if round_ else ():
+                    samples[i].append(start.elapsed_time(end) / 1e3)
             spent = time.perf_counter() - started
             if round_ >= 2 and spent > budget_s:
                 break
