@@ -138,6 +138,17 @@ def test_tp_divides_the_state_and_the_block_flops():
     assert both.params < fsdp.params  # the blocks' matmuls are split twice
     head = 2 * 2 * CFG.context_length * CFG.d_model * CFG.vocab_size  # the LM head's forward, replicated
     assert both.flops_forward - head == pytest.approx((one.flops_forward - head) / 2, rel=0.02)
+    # The op records (what the time ledger and the GPU op model price) are the rank's own: an op on DTensors is
+    # recorded at its local shards, so its FLOPs sum to the rank's and qkv's output columns are halved.
+    for ledger in (fsdp, both):
+        assert ledger.ops.flops_in("forward") == ledger.flops_forward
+        assert ledger.ops.flops_in("forward", "backward") == ledger.flops_forward + ledger.flops_backward
+    qkv = [op.shapes[-1] for op in both.ops.ops if op.category == "matmul" and op.phase == "forward"][0]
+    assert qkv == (CFG.d_model, 3 * CFG.d_model // 2)
+    optimizer = [op for op in fsdp.ops.ops if op.category == "optimizer" and op.bytes]
+    assert sum(op.bytes_written for op in optimizer) < sum(
+        op.bytes_written for op in one.ops.ops if op.category == "optimizer"
+    )  # AdamW steps the rank's shards, not the whole model
 
 
 def test_megatron_closed_forms_follow_korthikanti_table_2():

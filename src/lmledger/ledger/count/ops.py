@@ -334,6 +334,19 @@ def _recomputing() -> bool:
     return torch.is_grad_enabled() and torch._C._current_graph_task_id() != -1
 
 
+def _local(tree: object) -> object:
+    """`tree` with each DTensor (TP's and FSDP2's sharded tensors) replaced by its local shard: an op on DTensors is
+    recorded as the rank runs it, at its shards' shapes, bytes and FLOPs (DTensor's sharding propagation and its own
+    dispatch run below this mode, unseen). As rankstate's FLOP counter counts it."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch built without torch.distributed
+        return tree
+    from torch.utils._pytree import tree_map
+
+    return tree_map(lambda x: x._local_tensor if isinstance(x, DTensor) else x, tree)
+
+
 class OpRecorder(TorchDispatchMode):
     """Records every op dispatched while it is entered (module doc).
 
@@ -385,6 +398,7 @@ class OpRecorder(TorchDispatchMode):
         return out
 
     def _record(self, func, args, kwargs, out) -> OpRecord:
+        args, kwargs, out = _local((args, kwargs, out))
         packet = func._overloadpacket
         name = str(func)  # "aten.mm.default"
         namespace, op = _split_name(name)
