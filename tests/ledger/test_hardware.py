@@ -352,8 +352,17 @@ def test_no_cpu_peak_for_gpu_only_formats(recwarn):
 
 def test_gpus_resolve_json_shape(capsys):
     entry = run_json(capsys, "gpus", "--resolve", "NVIDIA H100 80GB HBM3", "--json")
-    assert set(entry) == {"name", "key", "peak_flops", "memory_bytes", "bandwidth_bytes_per_s"}
-    assert entry["key"] == "h100-sxm"
+    assert set(entry) == {
+        "name",
+        "key",
+        "peak_flops",
+        "memory_bytes",
+        "bandwidth_bytes_per_s",
+        "sms",
+        "l2_bytes",
+        "arch",
+    }
+    assert entry["key"] == "h100-sxm" and entry["sms"] == 132 and entry["arch"] == "hopper"
     assert list(entry["peak_flops"]) == list(DTYPES)
     assert entry["peak_flops"]["bf16"] == 989.4e12
     assert entry["memory_bytes"] == 80_000_000_000

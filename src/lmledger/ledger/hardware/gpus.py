@@ -24,6 +24,7 @@ lookup is ledger/hardware/peak_flops.py. Importing this module must not import t
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import warnings
 from collections.abc import Mapping
@@ -63,6 +64,11 @@ class GpuSpec:
     peak_flops: Mapping[str, float | None]
     memory_bytes: int
     bandwidth_bytes_per_s: float
+    # The chip the GPU op-time model prices kernels on (ledger/timing/gpu): streaming multiprocessors (AMD: compute
+    # units), last-level cache, and the architecture its efficiency figures are keyed by. Set from _CHIPS below.
+    sms: int | None = None
+    l2_bytes: int | None = None
+    arch: str | None = None
 
     def to_json(self) -> dict:
         return {
@@ -71,6 +77,9 @@ class GpuSpec:
             "peak_flops": {dtype: self.peak_flops[dtype] for dtype in DTYPES},
             "memory_bytes": self.memory_bytes,
             "bandwidth_bytes_per_s": self.bandwidth_bytes_per_s,
+            "sms": self.sms,
+            "l2_bytes": self.l2_bytes,
+            "arch": self.arch,
         }
 
 
@@ -219,6 +228,30 @@ GPUS: dict[str, GpuSpec] = {
         GpuSpec("mi325x", "AMD Instinct MI325X 256GB", _CDNA3_PEAKS, int(256 * GB), 6.0 * _T),
     )
 }
+
+
+_MB = 1 << 20
+# Key prefix -> (SMs, L2 bytes, architecture), the first prefix that matches. Each vendor's architecture whitepaper:
+# NVIDIA A100 (GA100): 108 SMs, 40 MB L2. H100 (GH100): 132 SMs on SXM5 and NVL, 114 on PCIe, 50 MB L2. H200: the
+# same die with 132 SMs; torch reported 60 MB of L2 on one (this workplace's H200, 2026-10-28). B200: 148 SMs
+# (Blackwell whitepaper; its L2 is not stated there; GB200 and Blackwell Ultra are left out, their SM counts not
+# found in a primary source). L4 (AD104) 58 SMs, 48 MB; L40S (AD102) 142 SMs, 96 MB; RTX 4090
+# 128 SMs, 72 MB (Ada whitepaper). A10/A10G (GA102) 72 SMs, 6 MB. V100 80 SMs, 6 MB. T4 40 SMs, 4 MB. MI300X and
+# MI325X: 304 compute units, 256 MB Infinity Cache (AMD CDNA 3 whitepaper).
+_CHIPS = (
+    ("a100", 108, 40 * _MB, "ampere"), ("h100-pcie", 114, 50 * _MB, "hopper"), ("h100", 132, 50 * _MB, "hopper"),
+    ("h200", 132, 60 * _MB, "hopper"), ("b200", 148, None, "blackwell"), ("l40s", 142, 96 * _MB, "ada"),
+    ("l4", 58, 48 * _MB, "ada"), ("rtx-4090", 128, 72 * _MB, "ada"), ("a10", 72, 6 * _MB, "ampere"),
+    ("v100", 80, 6 * _MB, "volta"), ("t4", 40, 4 * _MB, "turing"), ("mi3", 304, 256 * _MB, "cdna3"),
+)  # fmt: skip
+
+
+def _with_chip(spec: GpuSpec) -> GpuSpec:
+    found = next((row for row in _CHIPS if spec.key.startswith(row[0])), None)
+    return spec if found is None else dataclasses.replace(spec, sms=found[1], l2_bytes=found[2], arch=found[3])
+
+
+GPUS = {key: _with_chip(spec) for key, spec in GPUS.items()}
 
 
 # ---------------------------------------------------------------------------------------------------

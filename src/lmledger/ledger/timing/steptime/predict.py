@@ -84,6 +84,11 @@ class StepTime:
     samples: int = 0
     how: dict[str, str] = field(default_factory=dict)  # category -> what it rests on
     notes: tuple[str, ...] = ()
+    # Priced on a GPU by the op-time model (ledger/timing/gpu) rather than replayed here: its table key, what the
+    # step's overlap hides (category -> seconds of communication or host work under the kernels), and the MFU.
+    priced_on: str = ""
+    hidden: dict[str, float] = field(default_factory=dict)
+    mfu: float | None = None
 
     @property
     def total_s(self) -> float:
@@ -102,11 +107,16 @@ class StepTime:
         return self.samples / self.total_s if self.samples and self.total_s > 0 else None
 
     def line(self) -> str:
-        """One line: the step, its rate, and what was not replayed."""
+        """One line: the step, its rate, and what was not replayed (on a GPU: its MFU and what overlap hides)."""
         rate = (
             f", {self.tokens_per_s:,.0f} tokens/s" if self.tokens_per_s else
             (f", {self.samples_per_s:,.1f} samples/s" if self.samples_per_s else "")
         )  # fmt: skip
+        if self.priced_on:
+            mfu = f", MFU {self.mfu:.2f}" if self.mfu is not None else ""
+            hidden = "; ".join(f"{v * 1e3:.3g} ms of {k} hidden under the kernels" for k, v in self.hidden.items() if v)
+            return (f"step time predicted {self.total_s * 1e3:.1f} ms on {self.priced_on}{rate}{mfu} (GPU op model: "
+                    f"{self.ops} ops priced{'; ' + hidden if hidden else ''})")  # fmt: skip
         text = f"step time predicted {self.total_s * 1e3:.1f} ms{rate} ({self.replayed} of {self.ops} ops replayed"
         if self.fallback:
             text += f"; {self.fallback} priced at roofline/efficiency, {self.fallback_share:.1%} of the step"
@@ -119,7 +129,8 @@ class StepTime:
             "fallback": self.fallback, "fallback_share": self.fallback_share, "optimizer_ops": self.optimizer_ops,
             "collectives": self.collectives, "fallback_ops": dict(self.fallback_ops), "busy": self.busy,
             "benchmarked": self.benchmarked, "distinct": self.distinct, "accumulate": self.accumulate,
-            "how": dict(self.how), "notes": list(self.notes),
+            "how": dict(self.how), "notes": list(self.notes), "priced_on": self.priced_on or None,
+            "hidden": dict(self.hidden), "mfu": self.mfu,
         }  # fmt: skip
 
 

@@ -1,0 +1,204 @@
+"""Published training runs predicted by the GPU op-time model, without a GPU: `python benchmarks/published_runs.py
+--rows shared/published/runs-dev.csv [--only ID,...] [--sources PREFIX,...] [--limit N]`.
+
+Each row (the format of shared/published/README.md) is built as a ToyLM configuration at its real shape (gpt: LayerNorm,
+GeLU MLP, learned positions, biases; mpt: the same without biases; llama: RMSNorm, SwiGLU, RoPE, grouped-query
+attention), dry-run at its layout per rank and priced on its GPU as its framework's kernels run
+(ledger/timing/gpu/layout.step_at_layout). One JSON line a row:
+
+    {"id": ..., "source": ..., "metric": ..., "published": ..., "predicted": ..., "error": ..., "step_s": ...}
+
+`predicted` is in the row's own metric; `error` is (predicted - published) / published. A row it cannot predict
+gets `"predicted": null` and the reason. The last lines give the median and worst |error| per source and overall.
+Dry runs are cached per distinct shape and layout (a row's depth and batch only scale the priced step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import json
+import statistics
+import sys
+import time
+import warnings
+from functools import cache
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "src"))
+
+# The fields a step-time prediction needs (README.md's `confirmed` list); a row with one unknown is not predicted.
+NEEDED = ("gpu", "gpus", "layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab", "seq_len", "tp", "pp", "cp",
+          "dp", "micro_batch", "global_batch", "precision", "recompute")  # fmt: skip
+INT_FIELDS = ("gpus", "gpus_per_node", "layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab", "seq_len", "tp",
+              "pp", "cp", "dp", "micro_batch", "global_batch")  # fmt: skip
+# Megatron-LM pads its vocabulary to a multiple of 128 x TP (--make-vocab-size-divisible-by 128); llm.c to 50304.
+_PAD_TO = {"megatron": 128, "megatron-deepspeed": 128, "megatron-core": 128, "nemo": 128, "llm.c": 128}
+# The precision each framework trains in, as a Lightning precision the dry run takes: Megatron-LM, llm.c and
+# torchtitan keep 16-bit weights and activations (fp32 master weights only in the optimizer); llm-foundry, nanoGPT
+# and the rest run autocast over fp32 weights.
+_TRUE_16 = ("megatron", "megatron-deepspeed", "megatron-core", "nemo", "llm.c", "torchtitan")
+
+
+def read_rows(path: Path) -> list[dict]:
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    for row in rows:
+        for key in INT_FIELDS:
+            value = row.get(key, "")
+            row[key] = int(value) if value.strip().lstrip("-").isdigit() else None
+        row["value"] = float(row["value"])
+    return rows
+
+
+def why_not(row: dict) -> str | None:
+    """Why the row is not predicted, or None."""
+    missing = [f for f in NEEDED if row.get(f) in (None, "", "unknown")]
+    if missing:
+        return f"{', '.join(missing)} unknown"
+    if row["pp"] > 1:
+        return f"pipeline parallelism (PP {row['pp']}) is not modelled yet (the next issue)"
+    if row["cp"] > 1:
+        return f"context parallelism (CP {row['cp']}) is not modelled yet"
+    if row["arch"] not in ("gpt", "mpt", "llama"):
+        return f"arch {row['arch']}: only gpt, mpt and llama rows are built"
+    if row["tp"] * row["dp"] != row["gpus"]:
+        return f"TP {row['tp']} x DP {row['dp']} is not the {row['gpus']} GPUs"
+    if row["global_batch"] % (row["micro_batch"] * row["dp"]):
+        return f"global batch {row['global_batch']} is not a multiple of micro-batch x DP"
+    return None
+
+
+def model_config(row: dict, layers: int):
+    from lmledger.model import ModelConfig
+
+    pad = _PAD_TO.get(row["framework"], 1) * (row["tp"] if row["framework"] != "llm.c" else 1)
+    vocab = -(-row["vocab"] // pad) * pad
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    arch = {}
+    if row["arch"] in ("gpt", "mpt") and "mlp" in fields:
+        arch = dict(mlp="gelu", norm="layer", positions="learned", bias=row["arch"] == "gpt")
+    if row["kv_heads"] != row["heads"] and "n_kv_heads" in fields:
+        arch["n_kv_heads"] = row["kv_heads"]
+    return ModelConfig(vocab_size=vocab, context_length=row["seq_len"], d_model=row["hidden"], n_layers=layers,
+                       n_heads=row["heads"], d_ff=row["ffn_hidden"], **arch)  # fmt: skip
+
+
+def precision_of(row: dict) -> tuple[str, str]:
+    """(Lightning precision, the matmul dtype) the row trains in; fp8 rows run bf16 around fp8 matmuls."""
+    half = "16" if row["precision"] == "fp16" else "bf16"
+    kind = "true" if row["framework"] in _TRUE_16 else "mixed"
+    return f"{half}-{kind}", {"fp16": "fp16", "bf16": "bf16", "fp8": "fp8"}[row["precision"]]
+
+
+def kernels_of(row: dict):
+    from lmledger.ledger.timing.gpu import kernels_for
+
+    framework = row["framework"] if row["framework"] != "other" else "pytorch"
+    return kernels_for(framework, compiled=row.get("compile") == "1")
+
+
+def layout_of(row: dict):
+    from lmledger.ledger.timing.gpu.layout import Layout
+
+    sharding = "fsdp" if row["sharding"] in ("fsdp", "zero3", "hsdp") else "ddp"
+    accumulate = row["global_batch"] // (row["micro_batch"] * row["dp"])
+    recompute = "full" if row["recompute"] == "full" else "none"
+    return Layout(tp=row["tp"], dp=row["dp"], sharding=sharding, micro_batch=row["micro_batch"], accumulate=accumulate,
+                  recompute=recompute)  # fmt: skip
+
+
+def links_of(row: dict):
+    from lmledger.ledger.hardware.interconnect import links_for
+
+    per_node = row["gpus_per_node"] or 8
+    nodes = -(-row["gpus"] // per_node)
+    inter = row["inter_link"] if row["inter_link"] not in ("", "unknown") else None
+    return links_for(row["gpu"], row["intra_link"] or None, inter, min(per_node, row["gpus"]), nodes)
+
+
+@cache
+def _step(config, seq: int, layout, precision: str, gpu: str, dtype: str, kernels, links):
+    from lmledger.ledger.timing.gpu.layout import step_at_layout
+
+    return step_at_layout(config, seq, layout, precision, gpu, compute_dtype=dtype, kernels=kernels, links=links)
+
+
+def predict(row: dict) -> dict:
+    out = {"id": row["id"], "source": row["source"], "metric": row["metric"], "published": row["value"]}
+    reason = why_not(row)
+    if reason is None:
+        try:
+            precision, dtype = precision_of(row)
+            step = _step(model_config(row, row["layers"]), row["seq_len"], layout_of(row), precision, row["gpu"],
+                         dtype, kernels_of(row), links_of(row))  # fmt: skip
+        except Exception as err:  # noqa: BLE001 - a row the kit cannot build or trace: recorded, the rest go on
+            step, reason = None, f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"
+        if step is not None and not hasattr(step, "total_s"):
+            reason = step.reason
+    if reason is not None:
+        return {**out, "predicted": None, "error": None, "reason": reason}
+    seconds = step.total_s
+    tokens = row["global_batch"] * row["seq_len"]
+    value = {"iter_s": seconds, "tokens_per_s_per_gpu": tokens / seconds / row["gpus"]}.get(row["metric"])
+    if value is None:
+        return {**out, "predicted": None, "error": None, "reason": f"metric {row['metric']}: needs a FLOP convention",
+                "step_s": seconds}  # fmt: skip
+    return {**out, "predicted": value, "error": value / row["value"] - 1, "step_s": seconds,
+            "breakdown_ms": {k: round(v * 1e3, 2) for k, v in step.seconds.items() if v}}  # fmt: skip
+
+
+def summary(results: list[dict]) -> list[str]:
+    by_source: dict[str, list[float]] = {}
+    for r in results:
+        if r["error"] is not None:
+            by_source.setdefault(r["source"].split(" ")[0], []).append(abs(r["error"]))
+    lines = []
+    everything = [e for errors in by_source.values() for e in errors]
+    for name, errors in sorted(by_source.items()) + [("overall", everything)]:
+        if errors:
+            lines.append(f"{name}: {len(errors)} rows, median |error| {statistics.median(errors):.1%}, "
+                         f"worst {max(errors):.1%}")  # fmt: skip
+    skipped = sum(1 for r in results if r["predicted"] is None)
+    lines.append(f"not predicted: {skipped} of {len(results)} rows (their lines say why)")
+    return lines
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", required=True, help="a CSV in shared/published/README.md's format")
+    parser.add_argument("--only", help="comma-separated row ids")
+    parser.add_argument("--sources", help="comma-separated prefixes of the source column")
+    parser.add_argument("--limit", type=int, help="the first N rows (after --only/--sources)")
+    args = parser.parse_args()
+    path = Path(args.rows)
+    if not path.is_file():
+        print(f"published_runs: no such file {path}", file=sys.stderr)
+        return 2
+    try:
+        rows = read_rows(path)
+    except (KeyError, ValueError) as err:
+        print(f"published_runs: {path} is not in shared/published/README.md's format ({err})", file=sys.stderr)
+        return 2
+    if args.only:
+        wanted = set(args.only.split(","))
+        rows = [r for r in rows if r["id"] in wanted]
+    if args.sources:
+        rows = [r for r in rows if r["source"].startswith(tuple(args.sources.split(",")))]
+    rows = rows[: args.limit] if args.limit else rows
+    warnings.simplefilter("ignore")
+    started, results = time.monotonic(), []
+    for row in rows:
+        result = predict(row)
+        results.append(result)
+        print(json.dumps(result), flush=True)
+    for line in summary(results):
+        print(line)
+    print(f"{len(rows)} rows in {time.monotonic() - started:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

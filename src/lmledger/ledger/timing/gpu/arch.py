@@ -1,0 +1,100 @@
+"""What a GPU architecture's kernels reach, as shares of the datasheet's dense peak and bandwidth: the figures the GPU
+op-time model (ledger/timing/gpu) prices ops with. Each carries its source; a figure fitted to measurements says what
+it was fitted on. The chip's own numbers (SMs, L2, peaks, bandwidth) are in ledger/hardware/gpus.py.
+
+    matmul      dtype -> efficiency of a full-size tile at long K, of the dense peak (kernels.matmul_seconds adds the
+                tile, wave, K and launch effects that take a real GEMM below it)
+    hbm         the share of HBM bandwidth a streaming (elementwise, reduction) kernel reaches
+    attention   kernel -> (forward, backward) efficiency of a FlashAttention-style kernel at head dim 128 and long
+                sequences, of the dense peak, counting the FLOPs the kernel does (causal: half)
+
+Pure data: no torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+__all__ = ["ARCHES", "Arch", "GEMM_FLOOR_S", "GEMM_K_FILL", "KERNEL_FLOOR_S", "TILES", "attention_kernels"]
+
+
+@dataclass(frozen=True)
+class Arch:
+    name: str
+    matmul: Mapping[str, float]
+    hbm: float
+    attention: Mapping[str, tuple[float, float]]
+    source: str  # where the figures come from, one line, for the prediction's `how`
+
+
+# The tile shapes a GEMM library chooses between, (rows, columns, efficiency relative to the largest). With the two
+# constants below, fitted by grid search on XLA's measured H100 bf16 table (openxla/xla
+# xla/service/gpu/model/matmul_interpolator_data.h, key sm_90: 375 shapes, m, n, k in 256..4096, batch 1-4), with
+# the H100 matmul efficiency below: median |error| 2.8%, worst 28% (a skinny 256 x 512 x 4096). The same constants
+# on XLA's B200 table (sm_100, 148 SMs), with only the efficiency refitted: median 3.9%.
+TILES = ((256, 128, 1.0), (128, 256, 1.0), (128, 128, 1.0), (128, 64, 0.8), (64, 128, 0.8), (64, 64, 0.6))
+GEMM_K_FILL = 192  # a tile's fixed work (pipeline fill, epilogue), as K steps: a tile of depth K costs K + 192
+GEMM_FLOOR_S = 5e-6  # a GEMM launch's fixed cost (library heuristics, launch, tail): the fit's
+# A streaming kernel's fixed cost: about 1.2 us back to back inside a CUDA graph (pytorch/pytorch#161104: x + y on
+# 1024 floats, 2,000 times); eager launches of dependent kernels add about a microsecond of ramp and tail.
+KERNEL_FLOOR_S = 2e-6
+
+# FlashAttention-2 on the A100 (Dao 2023, arXiv 2307.08691): 50-73% of the peak over head dims 64 and 128, causal
+# and not, forward and backward; the forward at the top of that range, the backward lower.
+_FA2_AMPERE = (0.70, 0.60)
+# FlashAttention-2's kernels on Hopper use none of its features: torch's SDPA flash backend ran its forward at 287-304
+# TFLOP/s on an H100 at head dim 128, sequence 1k-16k (pytorch/benchmark#2296), 0.29-0.31 of 989; FA2's paper says
+# up to 335 TFLOP/s there. Backward: as on the A100, 0.85 of the forward.
+_FA2_HOPPER = (0.31, 0.27)
+# FlashAttention-3 on the H100 (Shah et al. 2024, arXiv 2407.08608), head dim 128, non-causal, long sequences:
+# forward about 648 TFLOP/s, backward about 561: 0.66 and 0.57. cuDNN's fused attention reaches the same there.
+_FA3_HOPPER = (0.66, 0.57)
+
+ARCHES: dict[str, Arch] = {
+    arch.name: arch
+    for arch in (
+        # A100: the best bf16 GEMM over a brute-force shape search, 271.2 of 312 TFLOP/s (86.9%) at 1024 x 10240 x
+        # 5120 (stas00/ml-engineering, compute/accelerator, torch 2.6): 0.925 puts kernels.matmul_seconds there. TF32:
+        # a square 8192 product at 74% of 156 (mli/transformers-benchmarks): 0.76. HBM: `a * 1.2` at 79% of the
+        # A100's 2,039 GB/s and 89% of the A800's 1,935 (same source): 0.85. fp32 (no tensor cores): none found.
+        Arch(
+            "ampere",
+            {"bf16": 0.925, "fp16": 0.925, "tf32": 0.76, "fp32": 0.85},
+            0.85,
+            {"flash2": _FA2_AMPERE, "flash3": _FA2_AMPERE, "cudnn": _FA2_AMPERE, "efficient": (0.50, 0.40)},
+            "A100 GEMMs per stas00's MAMF (86.9% best), HBM at 85%, FlashAttention-2 at 70%/60%",
+        ),
+        # H100/H200: bf16 fitted with the tiles above on XLA's sm_90 table and held to the best bf16 GEMM over a
+        # shape search, 794.5 of 989 TFLOP/s (80.3%, stas00, "H200 is the same"): 0.88 puts that shape at 81%.
+        # fp8: 1402.6 of 1979 (70.9%) at 1024 x 9216 x 14336 on the H100 (stas00): 0.845 (the H200's 73.4% at another
+        # shape would give more; the H100's is kept). TF32: XLA's f32 entries (TF32) at 4096^3, 403 TFLOP/s of
+        # 494.7: 0.89 (its smaller shapes run slower than the bf16-fitted tiles say: tf32 is rough). HBM: a
+        # device-to-device copy moved 4.3 of the H200's 4.8 TB/s (this workplace's H200, 2026-10-28).
+        Arch(
+            "hopper",
+            {"bf16": 0.88, "fp16": 0.88, "fp8": 0.845, "tf32": 0.89, "fp32": 0.85},
+            0.90,
+            {"flash2": _FA2_HOPPER, "flash3": _FA3_HOPPER, "cudnn": _FA3_HOPPER, "efficient": (0.25, 0.20)},
+            "Hopper GEMMs fitted on XLA's H100 table, HBM at 90%, FlashAttention-2 at 31%/27% and -3 at 66%/57%",
+        ),
+        # B200: bf16 and fp8 (e4m3) refitted on XLA's sm_100 table (medians 3.9% and 8.5% over 375 shapes; its best
+        # bf16 entry is 74% of 2.25 PFLOP/s). No attention, TF32 or HBM measurement found: Hopper's assumed.
+        Arch(
+            "blackwell",
+            {"bf16": 0.70, "fp16": 0.70, "fp8": 0.60, "tf32": 0.70, "fp32": 0.85},
+            0.90,
+            {"flash2": _FA3_HOPPER, "flash3": _FA3_HOPPER, "cudnn": _FA3_HOPPER, "efficient": (0.25, 0.20)},
+            "B200 GEMMs fitted on XLA's B200 table; attention and HBM assumed as on Hopper",
+        ),
+    )
+}
+# No measurement found for Ada, Turing, Volta or CDNA 3: Ampere's shares are assumed, and the prediction says so.
+for _name in ("ada", "turing", "volta", "cdna3"):
+    ARCHES[_name] = Arch(_name, ARCHES["ampere"].matmul, ARCHES["ampere"].hbm, ARCHES["ampere"].attention,
+                         f"{_name}: no measurement found, the A100's shares assumed")  # fmt: skip
+
+
+def attention_kernels() -> tuple[str, ...]:
+    """The attention kernels a framework setting may name (frameworks.Kernels.attention), besides "unfused"."""
+    return tuple(ARCHES["hopper"].attention)

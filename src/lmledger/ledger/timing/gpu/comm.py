@@ -1,0 +1,78 @@
+"""A collective's seconds on the link it crosses, at NCCL's measured bus bandwidth and latency rather than line rate.
+
+    seconds = latency(ring hops) + bytes a ring sends / (line rate x the link's NCCL efficiency)
+
+The link and the ring's bytes are ledger/hardware/interconnect's (the group's link; 2(n-1)/n of the buffer for an
+all-reduce, (n-1)/n for an all-gather or reduce-scatter). What NCCL reaches of each link family, and its latency:
+
+    NVLink 3 (A100)   about 230 GB/s all-reduce bus bandwidth of 300 (nccl-tests#149; vTrain's nccl-tests table for
+                      8 A100s: 229 GB/s at 1 GB): 0.76
+    NVLink 4 (H100)   "an effective NVLink bandwidth of 370GB/s" of the 450 line rate, seen as ring bus bandwidth
+                      (sjeaugey, nccl-tests#212): 0.82
+    InfiniBand, RoCE  NDR: 46-48 GB/s a NIC of 50 (nccl-tests#290, #267): 0.94; HDR at 86 of 100 over four NICs
+                      (nccl-tests#175): 0.86, taken for RoCE too
+    PCIe              none found: 0.8 assumed
+    latency           vTrain's nccl-tests table for A100s in a node: a 1 MB all-reduce in 44 us on 2 GPUs, 51 on 4,
+                      93 on 8, of which the bytes take 4-8: 32 us plus 4 us a ring step (a least-squares line through
+                      the three), taken for every link in a node. A step between nodes: 14 us (NCCL's own model,
+                      tuning.cc: the network's per-hop latency, Simple protocol), over the nodes a ring crosses, or a
+                      tree's 2 log2(nodes) where NCCL would pick a tree for being shorter
+
+Pure arithmetic: no torch.
+"""
+
+from __future__ import annotations
+
+import math
+
+from lmledger.ledger.hardware.interconnect import Interconnect, Links, collective_kind, wire_bytes
+
+__all__ = ["Links", "collective", "nccl_efficiency"]
+
+_BASE_S, _STEP_S, _NODE_STEP_S = 32e-6, 4e-6, 14e-6
+_EFFICIENCY = (("NVLink 3", 0.76), ("NVLink 4", 0.82), ("NVLink 5", 0.82), ("NVLink 2", 0.76),
+               ("InfiniBand NDR", 0.94), ("InfiniBand XDR", 0.94), ("InfiniBand HDR", 0.86), ("RoCE", 0.86),
+               ("PCIe", 0.8))  # fmt: skip
+
+
+def nccl_efficiency(link: Interconnect) -> float:
+    """The share of the link's line rate NCCL's bus bandwidth reaches (module doc); 0.8 for a link not listed."""
+    return next((eff for prefix, eff in _EFFICIENCY if link.name.startswith(prefix)), 0.8)
+
+
+def collective(op: object, links: Links, world_size: int) -> tuple[float, str | None]:
+    """(seconds, stream) of one recorded collective; a wait moves nothing: (0.0, None). The stream is the group and
+    the collective's kind: NCCL runs each process group's collectives in order on one stream, and FSDP2 keeps its
+    all-gathers and reduce-scatters on streams of their own."""
+    kind = collective_kind(op.name)
+    if kind is None:
+        return 0.0, None
+    size = op.group_size or world_size
+    link = links.for_group(op.group or "world", size)
+    sent = wire_bytes(kind, max(op.bytes_read, op.bytes_written), size)
+    if not sent:
+        return 0.0, f"{op.group or 'world'} {kind}"
+    rate = link.bytes_per_s * nccl_efficiency(link) * _rails(op.group or "world", size, link, links)
+    return _latency(kind, size, link, links) + sent / rate, f"{op.group or 'world'} {kind}"
+
+
+def _rails(group: str, size: int, link: Interconnect, links: Links) -> float:
+    """How many NICs a group's ring spreads its traffic between nodes over: NCCL runs one ring channel through each
+    of a node's NICs, so a group with k ranks in each node crosses at k NICs' rate (4 HDR NICs a node gave 86 GB/s
+    bus bandwidth of their 100, nccl-tests#175), capped by the link inside the node. A data-parallel group with one
+    rank a node (TP filling the node) has its rank's NIC alone."""
+    if link.scope != "inter-node" or links.num_nodes <= 1:
+        return 1.0
+    local = min(size, links.gpus_per_node) if group in ("tensor_parallel", "shard") else size // links.num_nodes
+    local = max(1, local)
+    cap = links.intra.bytes_per_s * nccl_efficiency(links.intra) / (link.bytes_per_s * nccl_efficiency(link))
+    return min(float(local), max(1.0, cap))
+
+
+def _latency(kind: str, size: int, link: Interconnect, links: Links) -> float:
+    """A ring's fixed cost (module doc): its steps inside nodes and between them, or a tree's between nodes."""
+    rounds = 2 if kind == "all_reduce" else 1
+    steps = rounds * (size - 1)
+    nodes = -(-size // max(1, links.gpus_per_node)) if link.scope == "inter-node" else 1
+    between = min(rounds * (nodes - 1), 2 * math.ceil(math.log2(nodes))) if nodes > 1 else 0
+    return _BASE_S + (steps - rounds * (nodes - 1)) * _STEP_S + between * _NODE_STEP_S

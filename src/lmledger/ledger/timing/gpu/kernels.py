@@ -1,0 +1,127 @@
+"""One kernel's seconds on a GPU: the GPU op-time model's price of a single op, from its shapes and bytes.
+
+    matmul      tile and wave quantization: for each tile shape a GEMM library picks between (arch.TILES), the tiles
+                of the output spread over the SMs in waves, each tile at the architecture's matmul efficiency and
+                paying a fixed depth (arch.GEMM_K_FILL); split-K where too few tiles fill the SMs; the fastest choice,
+                plus a launch floor, and never faster than moving its operands at the HBM share
+    attention   FlashAttention-style kernels at their published efficiency (arch.Arch.attention), falling for short
+                sequences and small head dims, counting the FLOPs the kernel does (causal: half); "unfused"
+                (Megatron-era) attention as its two batched matmuls and a softmax
+    streaming   everything else: bytes read and written at the architecture's HBM share, plus a floor per kernel
+
+Pure arithmetic: no torch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from lmledger.ledger.hardware.gpus import GpuSpec, datasheet_peak
+from lmledger.ledger.timing.gpu.arch import ARCHES, GEMM_FLOOR_S, GEMM_K_FILL, KERNEL_FLOOR_S, TILES, Arch
+
+__all__ = ["Chip", "attention_seconds", "chip_of", "matmul_seconds", "stream_seconds", "unfused_attention_seconds"]
+
+_SPLITS = (1, 2, 3, 4, 6, 8, 12, 16)
+# Sequence length at which a FlashAttention-style kernel runs at half its long-sequence efficiency: few query
+# blocks per head leave SMs idle, and a causal mask's diagonal blocks do partial work (FlashAttention-2 and -3's
+# throughput curves rise from 512 to 16k tokens, the causal ones more slowly). Head dim 64 runs at 0.8 of 128, 256 at
+# 1.15 (FlashAttention-3's forward: about 497, 648 and 756 TFLOP/s at head dims 64, 128 and 256).
+_SEQ_HALF = {False: 128, True: 512}
+_HEAD_DIM = ((64, 0.8), (128, 1.0), (256, 1.15))
+
+
+@dataclass(frozen=True)
+class Chip:
+    """A GPU as the op-time model sees it: its datasheet (gpus.GpuSpec) and its architecture's shares (arch.Arch)."""
+
+    spec: GpuSpec
+    arch: Arch
+
+    @property
+    def sms(self) -> int:
+        return self.spec.sms or 1
+
+    @property
+    def bandwidth(self) -> float:
+        """The bytes/s a streaming kernel reaches."""
+        return self.spec.bandwidth_bytes_per_s * self.arch.hbm
+
+    def peak(self, dtype: str) -> float:
+        found = datasheet_peak(self.spec, dtype, float32_matmul_precision="highest")
+        if found is None:
+            raise ValueError(f"{self.spec.name} has no dense {dtype} peak in the table")
+        return found.flops_per_s
+
+
+def chip_of(spec: GpuSpec) -> Chip:
+    """The Chip of a GPU table entry; ValueError (one line) where the table lacks what the model needs."""
+    if spec.sms is None or spec.arch not in ARCHES:
+        raise ValueError(f"{spec.name} has no SM count or architecture in the GPU table, which the op model needs")
+    return Chip(spec, ARCHES[spec.arch])
+
+
+def matmul_seconds(m: int, n: int, k: int, batch: int, dtype: str, chip: Chip, element_bytes: int = 2) -> float:
+    """A [m, k] @ [k, n] product, `batch` times (bmm), in `dtype` (module doc)."""
+    if min(m, n, k, batch) <= 0:
+        return 0.0
+    efficiency = chip.arch.matmul.get(dtype, chip.arch.matmul["fp32"])
+    per_sm = chip.peak(dtype) / chip.sms * efficiency
+    best = math.inf
+    for rows, cols, relative in TILES:
+        tiles = math.ceil(m / rows) * math.ceil(n / cols) * batch
+        for split in _SPLITS:
+            if split > 1 and tiles * split > 2 * chip.sms:
+                break  # split-K only while the tiles leave SMs idle
+            depth = math.ceil(k / split)
+            waves = math.ceil(tiles * split / chip.sms)
+            seconds = waves * 2 * rows * cols * (depth + GEMM_K_FILL) / (per_sm * relative)
+            if split > 1:  # the partial products, written and summed in fp32
+                seconds += 2 * split * m * n * batch * 4 / chip.bandwidth
+            best = min(best, seconds)
+    moved = (m * k + k * n + m * n) * batch * element_bytes
+    return max(best, moved / chip.bandwidth) + GEMM_FLOOR_S
+
+
+def stream_seconds(nbytes: int, chip: Chip, kernels: int = 1) -> float:
+    """A streaming kernel (or `kernels` of them) moving `nbytes` in all."""
+    return kernels * KERNEL_FLOOR_S + nbytes / chip.bandwidth
+
+
+def _head_dim_factor(head_dim: int) -> float:
+    points = _HEAD_DIM
+    if head_dim <= points[0][0]:
+        return points[0][1] * head_dim / points[0][0]
+    for (d0, f0), (d1, f1) in zip(points, points[1:], strict=False):
+        if head_dim <= d1:
+            return f0 + (f1 - f0) * (head_dim - d0) / (d1 - d0)
+    return points[-1][1]
+
+
+def attention_seconds(
+    flops: int, seq_q: int, seq_k: int, head_dim: int, causal: bool, backward: bool, kernel: str, dtype: str,
+    chip: Chip,
+) -> float:  # fmt: skip
+    """A FlashAttention-style kernel: `flops` as torch's FLOP counter counts them (the full score matrix, causal or
+    not); the kernel skips the masked half of a causal one."""
+    forward_eff, backward_eff = chip.arch.attention.get(kernel, chip.arch.attention["flash2"])
+    seq = min(seq_q, seq_k)
+    efficiency = (backward_eff if backward else forward_eff) * seq / (seq + _SEQ_HALF[causal])
+    efficiency *= _head_dim_factor(head_dim)
+    work = flops / 2 if causal and seq_q == seq_k else flops
+    peak = chip.peak(dtype if dtype in ("bf16", "fp16", "fp8") else "bf16")
+    return work / (peak * efficiency) + KERNEL_FLOOR_S
+
+
+def unfused_attention_seconds(
+    batch_heads: int, seq: int, head_dim: int, backward: bool, dtype: str, chip: Chip, element_bytes: int = 2
+) -> float:
+    """Attention as Megatron-era trainers ran it: scores = q k^T and out = p v as batched matmuls, with a fused
+    scale-mask-softmax between them (read and write the scores once); backward: four batched matmuls and the
+    softmax's backward (read the probabilities and their gradient, write the scores' gradient)."""
+    scores = matmul_seconds(seq, seq, head_dim, batch_heads, dtype, chip, element_bytes)
+    values = matmul_seconds(seq, head_dim, seq, batch_heads, dtype, chip, element_bytes)
+    square = batch_heads * seq * seq * element_bytes
+    if not backward:
+        return scores + values + stream_seconds(2 * square, chip)
+    return 2 * (scores + values) + stream_seconds(3 * square, chip)

@@ -1,0 +1,189 @@
+"""A ToyLM step at a parallel layout on a GPU: the sharded dry run of one rank (ledger.sharding), priced by the GPU
+op model (step.py). What `plan train-time`, `plan layout` and benchmarks/published_runs.py ask of a run at scale.
+
+    Layout        tensor parallel (tp), data parallel (dp), how data-parallel ranks hold the state ("ddp": replicated,
+                  gradients all-reduced; ZeRO-1/2 move the same bytes; "fsdp": fully sharded, FSDP2), the micro-batch,
+                  gradient accumulation and activation recompute ("none", "full": every block)
+    step_at_layout    the predicted step: per-rank dry runs of one and two layers priced, and extrapolated to the
+                  model's depth (each layer adds the same ops: the step is linear in it), with accumulation's extra
+                  micro-batches (forward and backward, their own collectives; DDP's gradients reduced once)
+
+Tensor parallelism is Megatron-LM's: attention and MLP column- then row-split (ledger.sharding.tp's plan), the
+embedding and the LM head split by vocabulary, the cross-entropy on each rank's vocabulary shard. Pure torch: no
+Lightning import.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from lmledger.errors import UserError
+from lmledger.ledger.count.ops import OPTIMIZER, OpSummary
+from lmledger.ledger.dryrun.engine import NotTraced
+from lmledger.ledger.hardware.interconnect import Links
+from lmledger.ledger.timing.gpu.frameworks import Kernels
+from lmledger.ledger.timing.gpu.step import predict_gpu_step
+from lmledger.ledger.timing.steptime.predict import CATEGORIES, NoStepTime, StepTime
+
+__all__ = ["Layout", "rank_ops", "step_at_layout"]
+
+# torch DDP's buckets: 25 MiB, the first 1 MiB (torch.distributed's _DEFAULT_FIRST_BUCKET_BYTES); Megatron's local DDP
+# without overlap reduces all gradients in one go.
+_BUCKET, _FIRST_BUCKET = 25 << 20, 1 << 20
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int = 1
+    dp: int = 1
+    sharding: str = "ddp"  # "ddp" (replicated state) or "fsdp" (fully sharded)
+    micro_batch: int = 1
+    accumulate: int = 1
+    recompute: str = "none"  # "none" or "full" (every block recomputed in backward)
+
+    def __post_init__(self) -> None:
+        if self.sharding not in ("ddp", "fsdp"):
+            raise UserError(f"sharding {self.sharding!r}: choose ddp (replicated) or fsdp (fully sharded)")
+        if self.recompute not in ("none", "full"):
+            raise UserError(f"recompute {self.recompute!r}: choose none or full")
+        for name in ("tp", "dp", "micro_batch", "accumulate"):
+            if getattr(self, name) < 1:
+                raise UserError(f"{name} must be at least 1, got {getattr(self, name)}")
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.dp
+
+
+class _SplitAdamW(torch.optim.Optimizer):
+    """AdamW over a TP rank's DTensor parameters and its plain ones (norms) apart: torch's fused and foreach kernels
+    take one kind a call, and Megatron's fused Adam steps both."""
+
+    def __init__(self, params, **hyper) -> None:
+        from torch.distributed.tensor import DTensor
+
+        params = list(params)
+        super().__init__(params, dict(hyper))
+        kinds = ([p for p in params if isinstance(p, DTensor)], [p for p in params if not isinstance(p, DTensor)])
+        self.inner = [torch.optim.AdamW(group, **hyper) for group in kinds if group]
+
+    def step(self, closure=None) -> None:
+        for optimizer in self.inner:
+            optimizer.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for optimizer in self.inner:
+            optimizer.zero_grad(set_to_none)
+
+
+def _megatron_tp(fsdp_too: bool):
+    """The shard function of FSDPSettings: the toy LM's TP plan, the embedding and LM head split by vocabulary (the
+    logits stay split: each rank's cross-entropy reads its shard), then FSDP2 over data parallel where asked."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from lmledger.ledger.sharding import tp
+    from lmledger.ledger.sharding.fsdp2 import DEFAULT_FSDP, TP_DIMS, shard_blocks
+
+    def shard(model, mesh) -> None:
+        tp_mesh = mesh[TP_DIMS[1]]
+        tp.toy_tp_plan(model, tp_mesh)
+        parallelize_module(model, tp_mesh, {
+            "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+            "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=True),
+        })  # fmt: skip
+        if fsdp_too:
+            shard_blocks(model, mesh[TP_DIMS[0]], DEFAULT_FSDP)
+
+    return shard
+
+
+def rank_ops(config, seq: int, layout: Layout, precision: str) -> tuple[OpSummary, int, int] | NotTraced:
+    """(one micro-batch's step on one rank, its gradient bytes, its forward FLOPs): the sharded dry run of the ToyLM
+    `config` at `layout` (data parallel replicated: dry-run at the TP group alone; its all-reduce is added by
+    step_at_layout). Cached per what decides it: a search or a table of runs meets the same shapes again."""
+    fsdp_dp = layout.dp if layout.sharding == "fsdp" else 1
+    return _rank_ops(config, seq, layout.tp, fsdp_dp, layout.micro_batch, layout.recompute, precision)
+
+
+@functools.lru_cache(maxsize=256)
+def _rank_ops(config, seq: int, tp: int, fsdp_dp: int, micro_batch: int, recompute: str, precision: str):
+    from lmledger.ledger.sharding.fsdp2 import FSDPSettings
+    from lmledger.ledger.sharding.sharded import predict_sharded
+    from lmledger.model import ToyLM
+
+    with torch.device("meta"):
+        model = ToyLM(dataclasses.replace(config, activation_checkpointing=0))
+    ids = torch.empty((micro_batch, seq), dtype=torch.long, device="meta")
+    fused = not precision.startswith("16-mixed")  # LitLM's rule: foreach under fp16's GradScaler
+    fsdp = fsdp_dp > 1
+    world = tp * fsdp_dp
+    if tp > 1:
+        strategy, optimizer = "fsdp2", (lambda params: _SplitAdamW(params, lr=1e-4, fused=fused))
+        settings = FSDPSettings(tensor_parallel=tp, shard=_megatron_tp(fsdp))
+    else:
+        strategy, optimizer = ("fsdp2" if fsdp else "ddp"), (lambda params: torch.optim.AdamW(params, fused=fused))
+        settings = FSDPSettings()
+    found = predict_sharded(
+        model, (ids, ids.clone()), step=lambda m, b: m(*b), optimizer=optimizer, precision=precision,
+        strategy=strategy, world_size=world, fsdp=settings,
+        activation_checkpointing=True if recompute == "full" else None,
+    )  # fmt: skip
+    if isinstance(found, NotTraced):
+        return found
+    grads = found.grads if found.grads is not None else 0
+    return found.ops, int(grads), int(found.flops_forward or 0)
+
+
+def _buckets(grad_bytes: int, dtype: str, overlap: bool) -> list[tuple[int, str]]:
+    if not overlap:
+        return [(grad_bytes, dtype)] if grad_bytes else []
+    out, left, cap = [], grad_bytes, _FIRST_BUCKET
+    while left > 0:
+        out.append((min(cap, left), dtype))
+        left -= cap
+        cap = _BUCKET
+    return out
+
+
+def _one(ops: OpSummary, grads: int, layout: Layout, gpu, dtype: str, kernels: Kernels, links: Links):
+    """(the whole step of one micro-batch, a further micro-batch's forward and backward) on the GPU."""
+    replicated = layout.sharding == "ddp" and layout.dp > 1
+    grad_dtype = next((op.dtype for op in ops.ops if op.category == OPTIMIZER and op.dtype), "float32")
+    buckets = _buckets(grads, grad_dtype, kernels.ddp_overlap) if replicated else []
+    whole = predict_gpu_step(ops, gpu, compute_dtype=dtype, kernels=kernels, links=links, world_size=layout.dp,
+                             buckets=buckets, bucket_group="data_parallel")  # fmt: skip
+    micro = OpSummary.of([op for op in ops.ops if op.category != OPTIMIZER])
+    more = predict_gpu_step(micro, gpu, compute_dtype=dtype, kernels=kernels, links=links, world_size=layout.dp)
+    return whole, more
+
+
+def step_at_layout(
+    config, seq: int, layout: Layout, precision: str, gpu, *, compute_dtype: str, kernels: Kernels, links: Links
+) -> StepTime | NoStepTime:
+    """The predicted step of the ToyLM `config` (its n_layers deep) at `layout` on `gpu` (module doc)."""
+    priced = {}
+    for layers in (1, 2):
+        found = rank_ops(dataclasses.replace(config, n_layers=layers), seq, layout, precision)
+        if isinstance(found, NotTraced):
+            return NoStepTime(found.reason)
+        ops, grads, _ = found
+        priced[layers] = _one(ops, grads, layout, gpu, compute_dtype, kernels, links)
+        if isinstance(priced[layers][0], NoStepTime):
+            return priced[layers][0]
+    depth, extra = config.n_layers - 1, layout.accumulate - 1
+
+    def at_depth(index: int, category: str) -> float:
+        one, two = priced[1][index].seconds[category], priced[2][index].seconds[category]
+        return one + depth * (two - one)
+
+    seconds = {c: max(0.0, at_depth(0, c) + extra * at_depth(1, c)) for c in CATEGORIES}
+    first = priced[1][0]
+    hidden = {k: max(0.0, v + depth * (priced[2][0].hidden.get(k, 0.0) - v)) for k, v in first.hidden.items()}
+    tokens = layout.micro_batch * seq
+    return dataclasses.replace(first, seconds=seconds, hidden=hidden, accumulate=layout.accumulate,
+                               tokens=tokens * layout.accumulate, mfu=None)  # fmt: skip

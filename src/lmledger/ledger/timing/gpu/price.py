@@ -1,0 +1,215 @@
+"""Each op of a dry run, priced on a GPU: its kernel's seconds (kernels.py), the host's seconds to launch it, and what
+it waits for. A framework's fusion (frameworks.Kernels.fuse_elementwise) turns runs of elementwise ops into one
+kernel first (`fused`).
+
+    kernel      runs on the compute stream: a matmul, an attention kernel, a streaming kernel
+    collective  runs on its group's communication stream (comm.py)
+    wait        the compute stream waits for a collective (a functional collective's wait_tensor)
+    free        no kernel: a view or a metadata query; the host still dispatches it
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from lmledger.ledger.count.ops import ATTENTION, COMMUNICATION, MATMUL, OPTIMIZER, OTHER, OpRecord, TensorSpec
+from lmledger.ledger.timing.gpu import comm
+from lmledger.ledger.timing.gpu.frameworks import Kernels
+from lmledger.ledger.timing.gpu.kernels import (
+    Chip,
+    attention_seconds,
+    matmul_seconds,
+    stream_seconds,
+    unfused_attention_seconds,
+)
+from lmledger.ledger.timing.roofline import peak_dtype
+
+__all__ = ["KERNEL", "COLLECTIVE", "WAIT", "FREE", "Priced", "fused", "price_ops"]
+
+KERNEL, COLLECTIVE, WAIT, FREE = "kernel", "collective", "wait", "free"
+_ELEMENT = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
+# A multi-tensor (foreach, fused optimizer) kernel takes a bounded list of tensors per launch (torch's
+# MultiTensorApply: depth-dependent lists of up to 110 tensors): one launch per this many.
+_TENSORS_PER_LAUNCH = 64
+
+
+@dataclass(frozen=True)
+class Priced:
+    """One op (or a fused run of them) as the simulation (simulate.py) replays it."""
+
+    kind: str
+    category: str
+    phase: str
+    gpu_s: float  # on its stream: the kernel, or the collective on its link
+    host_s: float  # the host's time to issue it
+    reads: tuple[int, ...] = ()  # storage ids it waits for
+    writes: tuple[int, ...] = ()
+    stream: str = ""  # a collective's: its group and kind
+    ops: int = 1  # dry-run ops it stands for
+
+
+def _specs(op: OpRecord) -> list[TensorSpec]:
+    if op.signature is None:
+        return []
+    from lmledger.ledger.timing.steptime.tensors import leaves_of, thaw
+
+    return list(leaves_of(thaw(op.signature)))
+
+
+def _positional(op: OpRecord) -> list:
+    if op.signature is None:
+        return []
+    from lmledger.ledger.timing.steptime.tensors import thaw
+
+    args = thaw(op.signature)[0]
+    return list(args) if isinstance(args, (list, tuple)) else []
+
+
+def _matmul_dims(op: OpRecord) -> tuple[int, int, int, int] | None:
+    """(m, n, k, batch) of a recorded matmul, from its operand shapes; None for one it cannot read (convolutions)."""
+    base = op.name.split(".")[1] if "." in op.name else op.name
+    shapes = [s for s in op.shapes if len(s) >= 2] or [tuple(s.shape) for s in _specs(op) if len(s.shape) >= 2]
+    if base in ("mm", "_scaled_mm", "addmm", "_int_mm") and len(shapes) >= 2:
+        (m, k), (_, n) = shapes[-2][-2:], shapes[-1][-2:]
+        return m, n, k, 1
+    if base in ("bmm", "baddbmm") and len(shapes) >= 2 and len(shapes[-1]) == 3:
+        (b, m, k), (_, _, n) = shapes[-2], shapes[-1]
+        return m, n, k, b
+    return None
+
+
+def _price_matmul(op: OpRecord, chip: Chip, compute: str) -> float:
+    dtype = peak_dtype(op.dtype, compute)
+    dims = _matmul_dims(op)
+    if dims is None:  # a convolution or other: its FLOPs at a large GEMM's efficiency
+        eff = chip.arch.matmul.get(dtype, chip.arch.matmul["fp32"])
+        return op.flops / (chip.peak(dtype) * eff) + stream_seconds(0, chip)
+    m, n, k, batch = dims
+    element = 1 if dtype == "fp8" else _ELEMENT.get(op.dtype, 2)
+    return matmul_seconds(m, n, k, batch, dtype, chip, element)
+
+
+def _attention_shape(op: OpRecord) -> tuple[int, int, int, int, int, bool] | None:
+    """(batch, heads, seq_q, seq_k, head_dim, causal) of a fused attention op: q and k are the first two 4-D tensors
+    after a backward's gradient; is_causal is the first bool after dropout_p (a float) in every SDPA kernel's
+    signature (flash, memory-efficient, cuDNN, CPU flash; forward and backward)."""
+    four = [s for s in _specs(op) if len(s.shape) == 4]
+    if "backward" in op.name:
+        four = four[1:]
+    if len(four) < 2:
+        return None
+    (b, h, sq, d), (_, _, sk, _) = four[0].shape, four[1].shape
+    causal, after_float = False, False
+    for arg in _positional(op):
+        if isinstance(arg, float) and not isinstance(arg, bool):
+            after_float = True
+        elif after_float and isinstance(arg, bool):
+            causal = arg
+            break
+    return b, h, sq, sk, d, causal
+
+
+def _price_attention(op: OpRecord, chip: Chip, kernels: Kernels, compute: str) -> float:
+    dtype = peak_dtype(op.dtype, compute)
+    shape = _attention_shape(op)
+    backward = "backward" in op.name
+    if shape is None:  # not readable: a long non-causal sequence at head dim 128
+        return attention_seconds(op.flops, 1 << 14, 1 << 14, 128, False, backward, _kernel(kernels, chip), dtype, chip)
+    b, h, sq, sk, d, causal = shape
+    if kernels.attention == "unfused" and sq == sk:
+        return unfused_attention_seconds(b * h, sq, d, backward, dtype, chip, _ELEMENT.get(op.dtype, 2))
+    return attention_seconds(op.flops, sq, sk, d, causal, backward, _kernel(kernels, chip), dtype, chip)
+
+
+def _kernel(kernels: Kernels, chip: Chip) -> str:
+    """The attention kernel: the framework's, or torch SDPA's pick ("auto"): its flash backend (FlashAttention-2)."""
+    return "flash2" if kernels.attention in ("auto", "unfused") else kernels.attention
+
+
+def _launches(op: OpRecord) -> int:
+    if op.name.split(".")[1].startswith(("_foreach_", "_fused_")):
+        return max(1, math.ceil(len(_specs(op)) / _TENSORS_PER_LAUNCH))
+    return 1
+
+
+def _host(op: OpRecord, kind: str, kernels: Kernels, launches: int = 1) -> float:
+    if kind == FREE:
+        return kernels.host_free_s
+    if op.phase == "backward" and not op.recompute:  # a recomputed forward runs Python again
+        return kernels.host_backward_s * launches
+    return kernels.host_forward_s * launches
+
+
+def price_op(op: OpRecord, chip: Chip, kernels: Kernels, compute: str, links: comm.Links, world: int) -> Priced:
+    """One op (module doc). `compute`: the run's matmul dtype, for ops whose own dtype has no peak."""
+    reads = tuple(key for key, _ in op.storages)
+    writes = tuple(key for key, _ in op.output_storages)
+    if op.category == COMMUNICATION:
+        seconds, stream = comm.collective(op, links, world)
+        kind = WAIT if stream is None else COLLECTIVE
+        return Priced(kind, COMMUNICATION, op.phase, seconds, kernels.host_free_s, reads, writes, stream or "")
+    if op.category == MATMUL:
+        seconds, kind = _price_matmul(op, chip, compute), KERNEL
+    elif op.category == ATTENTION:
+        seconds, kind = _price_attention(op, chip, kernels, compute), KERNEL
+    elif op.bytes == 0 and op.flops == 0:
+        seconds, kind = 0.0, FREE
+    else:
+        launches = _launches(op)
+        category = OPTIMIZER if op.category == OPTIMIZER else OTHER
+        return Priced(KERNEL, category, op.phase, stream_seconds(op.bytes, chip, launches),
+                      _host(op, KERNEL, kernels, launches), reads, writes)  # fmt: skip
+    return Priced(kind, op.category, op.phase, seconds, _host(op, kind, kernels), reads, writes)
+
+
+def price_ops(ops: list[OpRecord], chip: Chip, kernels: Kernels, compute: str, links: comm.Links, world: int):
+    """Every op priced, with the framework's fusion applied (`fused`)."""
+    priced = [price_op(op, chip, kernels, compute, links, world) for op in ops]
+    return fused(ops, priced, chip) if kernels.fuse_elementwise else priced
+
+
+def _fusable(op: OpRecord, p: Priced) -> bool:
+    return p.kind in (KERNEL, FREE) and p.category in (OTHER,) and op.category == OTHER
+
+
+def fused(ops: list[OpRecord], priced: list[Priced], chip: Chip) -> list[Priced]:
+    """Each maximal run of elementwise and reduction ops (category other, views among them) within one phase becomes
+    one kernel moving only the storages that enter the run from before it and those it writes that are read after it
+    (or never read again in the step: gradients, state). Matmuls, attention, collectives and optimizer ops end a run."""
+    last_read: dict[int, int] = {}
+    for i, op in enumerate(ops):
+        for key, _ in op.storages:
+            last_read[key] = i
+    out: list[Priced] = []
+    i = 0
+    while i < len(ops):
+        if not _fusable(ops[i], priced[i]):
+            out.append(priced[i])
+            i += 1
+            continue
+        j = i
+        while j < len(ops) and _fusable(ops[j], priced[j]) and ops[j].phase == ops[i].phase:
+            j += 1
+        out.append(_one_kernel(ops[i:j], priced[i:j], last_read, j, chip))
+        i = j
+    return out
+
+
+def _one_kernel(run: list[OpRecord], priced: list[Priced], last_read: dict[int, int], end: int, chip: Chip) -> Priced:
+    written: dict[int, int] = {}
+    entering: dict[int, int] = {}
+    for op in run:
+        for key, nbytes in op.storages:
+            if key not in written:
+                entering[key] = max(entering.get(key, 0), nbytes)
+        for key, nbytes in op.output_storages:
+            written[key] = max(written.get(key, 0), nbytes)
+    leaving = {key: n for key, n in written.items() if last_read.get(key, end) >= end or key not in last_read}
+    moved = sum(entering.values()) + sum(leaving.values())
+    kernels = [p for p in priced if p.kind == KERNEL]
+    if not kernels:  # views only
+        return Priced(FREE, OTHER, run[0].phase, 0.0, sum(p.host_s for p in priced), ops=len(run))
+    reads = tuple(entering)
+    return Priced(KERNEL, OTHER, run[0].phase, stream_seconds(moved, chip), max(p.host_s for p in kernels), reads,
+                  tuple(written), ops=len(run))  # fmt: skip

@@ -1,0 +1,73 @@
+"""A step on a GPU as its streams run it: the host issues each priced op (price.py) in the dry run's order, the
+compute stream runs kernels one after another, each group's collectives run on a stream of their own, and an op
+starts once the host has issued it, its stream is free and the storages it reads are written.
+
+    kernel      start = max(issued, compute stream free, its inputs ready)
+    collective  start = max(issued, its stream free, its inputs ready, the compute stream's work issued before it: a
+                process group's stream waits for the current stream, as NCCL's collectives do): it then overlaps
+                the compute that follows until something reads it
+    wait        the compute stream waits for the collective whose output it names
+    optimizer   its first op waits for every collective in flight (DDP's and FSDP's gradient reductions finish
+                before the step), and the step ends when the host and every stream are done
+
+So small kernels leave the GPU waiting on the host (a launch-bound step), prefetched all-gathers and bucketed
+all-reduces hide under compute, and TP's all-reduces, read at once, do not. Pure arithmetic: no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lmledger.ledger.count.ops import OPTIMIZER
+from lmledger.ledger.timing.gpu.price import COLLECTIVE, KERNEL, WAIT, Priced
+
+__all__ = ["Timeline", "simulate"]
+
+
+@dataclass(frozen=True)
+class Timeline:
+    seconds: float  # the step: the host and every stream done
+    kernels_s: dict[str, float]  # compute-stream seconds per category
+    collectives_s: float  # every collective's own seconds, overlapped or not
+    host_s: float  # the host's issuing time
+
+
+def simulate(
+    priced: list[Priced], *, comm: float = 1.0, host: float = 1.0, tail_host_s: float = 0.0, serial: bool = False
+) -> Timeline:
+    """The step's timeline; `comm` and `host` scale the collectives' and the host's seconds (0: free), which is how
+    step.py tells what each of them adds; `tail_host_s`: host work after the last op (a trainer's loop); `serial`:
+    the host waits for each kernel before it launches the next (frameworks.Kernels.serial_host)."""
+    issued = compute = 0.0
+    streams: dict[str, float] = {}
+    ready: dict[int, float] = {}
+    kernels: dict[str, float] = {}
+    collectives = 0.0
+    barrier_done = False
+    for p in priced:
+        if serial and p.kind == KERNEL:  # the host waits for the GPU before each launch (a synchronising stack)
+            issued = max(issued, compute)
+        issued += p.host_s * host
+        inputs = max((ready.get(key, 0.0) for key in p.reads), default=0.0)
+        if p.category == OPTIMIZER and not barrier_done:
+            compute = max(compute, *streams.values()) if streams else compute
+            barrier_done = True
+        if p.kind == KERNEL:
+            compute = max(issued, compute, inputs) + p.gpu_s
+            done = compute
+            kernels[p.category] = kernels.get(p.category, 0.0) + p.gpu_s
+        elif p.kind == COLLECTIVE:
+            seconds = p.gpu_s * comm
+            done = max(issued, streams.get(p.stream, 0.0), inputs, compute) + seconds
+            streams[p.stream] = done
+            collectives += p.gpu_s
+        elif p.kind == WAIT:
+            compute = max(compute, inputs)
+            done = compute
+        else:  # free: a view's output is ready when its input is
+            done = inputs
+        for key in p.writes:
+            ready[key] = max(done, ready.get(key, 0.0)) if p.kind != KERNEL else done
+    issued += tail_host_s * host
+    end = max(issued, compute, *streams.values()) if streams else max(issued, compute)
+    return Timeline(end, kernels, collectives, issued)
