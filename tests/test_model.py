@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from lmledger.errors import ConfigError
+from lmledger.ledger.closedform.memory import largest_layer_params
 from lmledger.model import ModelConfig, ToyLM, count_parameters
 
 GPT = dict(mlp="gelu", norm="layer", positions="learned", bias=True)  # GPT-2 / Megatron GPT
@@ -57,6 +58,24 @@ def test_num_parameters_matches_the_closed_form_for_every_architecture_option():
         per_layer = d * (d + 2 * kv_dim) + d * d + mlp_weights + biases + 2 * norm_params
         tables = 37 * d * (1 if tied else 2) + (11 * d if positions == "learned" else 0)
         assert count_parameters(cfg) == 2 * per_layer + tables + norm_params, cfg
+
+
+# d_model 120, 5 heads, d_ff 200, vocabulary 256, context 64: each option below makes another module the largest.
+SMALL = dict(vocab_size=256, context_length=64, d_model=120, n_layers=2, n_heads=5, d_ff=200)
+
+
+@pytest.mark.parametrize(
+    "arch",
+    [{"positions": "learned", "context_length": 2000}, {"bias": True, "d_ff": 600}, {"n_kv_heads": 1, "bias": True},
+     {"mlp": "gelu", "norm": "layer", "bias": True, "vocab_size": 30}],
+)  # fmt: skip
+def test_largest_layer_is_the_largest_modules_own_parameters_for_the_architecture_options(arch):
+    """DeepSpeed's model_to_params rule (each module's own parameters, a Linear's bias with it), held over options
+    whose largest module is each time another: the position table, w1 with its bias, the embedding, qkv."""
+    cfg = ModelConfig(**{**SMALL, **arch})
+    model = ToyLM(cfg)
+    own = {name: sum(p.numel() for p in m.parameters(recurse=False)) for name, m in model.named_modules()}
+    assert largest_layer_params(cfg) == max(own.values())
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=_id)

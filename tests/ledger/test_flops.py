@@ -454,17 +454,14 @@ ARCHS = {
 ARCH_BASE = dict(vocab_size=300, context_length=40, d_model=96, n_layers=3, n_heads=4, d_ff=200)
 
 
-def arch_config(arch: str, activation_checkpointing: int = 0) -> ModelConfig:
-    return ModelConfig(**ARCH_BASE, **ARCHS[arch], activation_checkpointing=activation_checkpointing)
-
-
 @pytest.mark.parametrize("arch", ARCHS)
 def test_architecture_options_hardware_and_model_flops_equal_the_counted_step(arch):
     """Hardware FLOPs exact in training (every second block checkpointed), forward only and on the meta device;
     6N is the counted weight matmuls (addmm with biases) and PaLM's adds the counted attention; the qkv of GQA
     is smaller and a GeLU MLP has no w3, by module."""
     batch, seq = 3, 29
-    checkpointed, plain = arch_config(arch, 2), arch_config(arch)
+    plain = ModelConfig(**ARCH_BASE, **ARCHS[arch])
+    checkpointed = ModelConfig(**ARCH_BASE, **ARCHS[arch], activation_checkpointing=2)
     idx = random_tokens(plain, batch, seq)
     train = measure_flops(make_model(checkpointed), idx)
     assert train.total == analytic_flops(checkpointed, batch, seq).hardware
@@ -487,7 +484,7 @@ def test_architecture_options_hardware_and_model_flops_equal_the_counted_step(ar
 def test_architecture_options_conventions_follow_their_parameter_rules(arch):
     # nanoGPT drops the learned position table (wpe) from N; torchtitan drops every nn.Embedding child (unless
     # tied, as for the default); both keep the biases and the norms' parameters.
-    cfg = arch_config(arch)
+    cfg = ModelConfig(**ARCH_BASE, **ARCHS[arch])
     model = _meta_model(cfg)
     n_all = sum(p.numel() for p in model.parameters())
     positions = model.pos_embed.weight.numel() if model.pos_embed is not None else 0

@@ -124,20 +124,6 @@ def test_deepspeed_rows_equal_deepspeeds_own_estimators(gpus_per_node, nodes, ti
         assert 0 <= zero3 - gpu < 18
 
 
-@pytest.mark.parametrize(
-    "arch",
-    [{"positions": "learned", "context_length": 2000}, {"bias": True, "d_ff": 600}, {"n_kv_heads": 1, "bias": True},
-     {"mlp": "gelu", "norm": "layer", "bias": True, "vocab_size": 30}],
-)  # fmt: skip
-def test_largest_layer_is_the_largest_modules_own_parameters_for_the_architecture_options(arch):
-    """DeepSpeed's model_to_params rule (each module's own parameters, a Linear's bias with it), held over options
-    whose largest module is each time another: the position table, w1 with its bias, the embedding, qkv."""
-    cfg = small_config(**arch)
-    model = ToyLM(cfg)
-    own = {name: sum(p.numel() for p in m.parameters(recurse=False)) for name, m in model.named_modules()}
-    assert largest_layer_params(cfg) == max(own.values())
-
-
 def test_transformer_engine_fp32_master_and_sgd_without_momentum():
     assert bytes_per_param("transformer-engine", weights_dtype=torch.float32) == 16
     assert bytes_per_param("32-true", "sgd", momentum=0.0) == 8
