@@ -35,6 +35,7 @@ __all__ = [
     "RotaryEmbedding",
     "SwiGLU",
     "ToyLM",
+    "block_linears",
     "count_parameters",
 ]
 
