@@ -273,10 +273,11 @@ class LitLM(L.LightningModule):
 
     def configure_optimizers(self):
         params = [p for p in self.model.parameters() if p.requires_grad]
-        # Decay only matmul weights: 2-D and not the embedding table. Norms' gains and embeddings don't.
-        embedding = self.model.embed.weight
-        decay = [p for p in params if p.ndim >= 2 and p is not embedding]
-        no_decay = [p for p in params if not (p.ndim >= 2 and p is not embedding)]
+        # Decay only matmul weights: 2-D and not an embedding table (tokens, learned positions). Norms' gains,
+        # biases and embeddings don't.
+        tables = {id(m.weight) for m in self.model.modules() if isinstance(m, torch.nn.Embedding)}
+        decay = [p for p in params if p.ndim >= 2 and id(p) not in tables]
+        no_decay = [p for p in params if not (p.ndim >= 2 and id(p) not in tables)]
         groups = [
             {"params": decay, "weight_decay": self.hparams.weight_decay},
             {"params": no_decay, "weight_decay": 0.0},

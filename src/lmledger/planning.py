@@ -85,21 +85,45 @@ def _max_batch_of_config(fit_args: list[str], capacity: int, gpu_key: str | None
     def bytes_for_batch(batch: int) -> int:
         return predict(run, batch_size=batch).peak
 
-    best = max_batch(bytes_for_batch, capacity)
+    sized_by = "closed forms"
+    if spec.config.non_default_architecture:  # the closed forms model the default toy LM: dry runs size it
+        best, peak, sized_by = _dry_run_max_batch(run, capacity)
+    else:
+        best = max_batch(bytes_for_batch, capacity)
+        peak = bytes_for_batch(best) if best else bytes_for_batch(1)
     result = {
         "max_batch": best,
         "seq_len": spec.seq_len,
         "tokens_per_step": best * spec.seq_len,
-        "peak_bytes": bytes_for_batch(best) if best else bytes_for_batch(1),
+        "peak_bytes": peak,
         "capacity_bytes": capacity,
         "gpu": gpu_key,
         "precision": spec.precision,
         "optimizer": spec.optimizer,
         "activation_checkpointing": spec.config.activation_checkpointing,
+        "sized_by": sized_by,
     }
     if traced_at_scale(spec):
         _per_rank_batch(result, spec, capacity, fit_args)
     return result, spec
+
+
+def _dry_run_max_batch(run, capacity: int) -> tuple[int, int, str]:
+    """(largest batch, its peak or batch 1's, how it was sized) by dry runs of the run's ToyLM.
+
+    Fake CUDA tensors need a CUDA build and device; without one the CPU's kernels stand in, and the answer says so."""
+    from lmledger.ledger.dryrun.engine import NotTraced
+    from lmledger.ledger.predict import toy_max_batch
+
+    device = local_device(run.device.type)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        found = toy_max_batch(dataclasses.replace(run, device=device), capacity)
+    if isinstance(found, NotTraced):
+        raise UserError(f"the model cannot be dry-run, so no batch size is predicted: {found.reason}")
+    ledger = found.fits or found.over
+    kernels = "" if device.type == run.device.type else f", the CPU's kernels standing in for {run.device.type}"
+    return found.size, ledger.peak, f"dry runs on {device.type}{kernels}"
 
 
 def _per_rank_batch(result: dict, spec, capacity: int, fit_args: list[str]) -> None:

@@ -37,15 +37,25 @@ def test_account_and_fit_show_the_same_predicted_and_measured_bytes(workdir, cap
         assert scalars[f"flops/{kind}_per_step"][0][1] == account["flops"][kind], kind
 
 
-@pytest.mark.parametrize("precision", ["32-true", "bf16-true"])
-def test_the_toy_dry_run_is_account_measures_twin_byte_for_byte(precision):
+# GPT-2 / Megatron GPT's options, and Llama's grouped-query attention with a GeLU MLP and biases (model.ModelConfig)
+GPT = {"mlp": "gelu", "norm": "layer", "positions": "learned", "bias": True}
+GQA = {"n_heads": 4, "n_kv_heads": 2, "mlp": "gelu", "bias": True}
+
+
+@pytest.mark.parametrize(
+    "precision, arch", [("32-true", {}), ("bf16-true", {}), ("32-true", GPT), ("bf16-true", GQA)],
+    ids=["32-true", "bf16-true", "32-true-gpt", "bf16-true-gqa"],
+)  # fmt: skip
+def test_the_toy_dry_run_is_account_measures_twin_byte_for_byte(precision, arch):
     """predict.toy_dry_run (the dry run account can show as its main column, issue 33 §2) predicts exactly
-    what predict.measure (account --measure) then measures: every byte line, its phase and the FLOPs."""
+    what predict.measure (account --measure) then measures: every byte line, its phase and the FLOPs. So for
+    the architecture options, where the closed forms' activations and peak are absent."""
     from lmledger.ledger.predict import measure, toy_dry_run
     from lmledger.ledger.run import Run
     from lmledger.model import ModelConfig
 
-    config = ModelConfig(vocab_size=256, context_length=16, d_model=32, n_layers=1, n_heads=2, d_ff=64)
+    shape = {"vocab_size": 256, "context_length": 16, "d_model": 32, "n_layers": 1, "n_heads": 2, "d_ff": 64}
+    config = ModelConfig(**{**shape, **arch})
     run = Run(config, batch_size=2, seq_len=16, precision=precision)
     dry, real = toy_dry_run(run), measure(run)
     for row in ("params", "grads", "optimizer", "activations", "autocast_weight_copies", "peak", "peak_phase"):

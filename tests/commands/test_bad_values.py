@@ -28,7 +28,7 @@ import pytest
 
 from lmledger import cli
 from lmledger.commands.argparser import ArgumentParser, add_function_arguments
-from lmledger.model import ModelConfig
+from lmledger.model import ARCHITECTURE_CHOICES, ModelConfig
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = ["--config", "configs/tiny.yaml"]
@@ -150,9 +150,12 @@ def _fit_cases() -> list[tuple[str, str, list[str]]]:
     """(flag, kind of bad value, extra arguments) for each fit argument that shapes a planning answer."""
     cases = []
     hints = typing.get_type_hints(ModelConfig)
-    for f in dataclasses.fields(ModelConfig):  # every model size, by construction
+    for f in dataclasses.fields(ModelConfig):  # every model size and architecture option, by construction
         kind = hints[f.name]
-        for label, value in _bad_values(kind if kind is not bool else str).items():
+        if type(None) in typing.get_args(kind):  # n_kv_heads: null is meaningful (= n_heads), its int is not
+            kind = next(k for k in typing.get_args(kind) if k is not type(None))
+        choices = ARCHITECTURE_CHOICES.get(f.name)  # mlp, norm, positions: a typo of the default, and empty
+        for label, value in _bad_values(kind if kind is not bool else str, choices).items():
             if (f"model.config.{f.name}", label) not in MEANINGFUL:
                 cases.append((f"model.config.{f.name}", label, [f"--model.config.{f.name}", value]))
     for label, value in _bad_values(int).items():
@@ -250,8 +253,13 @@ PARSER_LEVEL = ("nan", "string", "empty")
 COMMANDS = (["fit"], *PLANNING.values())
 
 
+# Strings the parser takes whatever they say; ModelConfig's own check refuses a bad one (the choices listed).
+KIT_CHECKED_STRINGS = {f"model.config.{name}" for name in ARCHITECTURE_CHOICES}
+
+
 def _is_parser_level(flag: str, label: str) -> bool:
-    return label in PARSER_LEVEL and not flag.startswith("trainer.")  # devices, strategy: strings the kit reads
+    # devices, strategy: strings the kit reads
+    return label in PARSER_LEVEL and not flag.startswith("trainer.") and flag not in KIT_CHECKED_STRINGS
 
 
 @pytest.mark.parametrize(

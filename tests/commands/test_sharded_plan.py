@@ -4,6 +4,7 @@ property (the answer fits, one more sample does not) and to what sharding must c
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -73,6 +74,22 @@ def test_nodes_multiply_the_world_size(workdir, capsys):
     assert result["run"]["world_size"] == result["per_rank"]["world_size"] == 4
     whole = run_json(capsys, "account", *TINY, "--json")["memory"]["params"]["predicted"]
     assert whole / 4 <= result["memory"]["params"]["predicted"] < whole / 4 * 1.05  # FSDP2's padded dim-0 chunks
+
+
+def test_plan_max_batch_sizes_an_architecture_option_by_dry_runs(workdir, capsys):
+    """The closed forms model the default toy LM: with GPT-style options one device's batch is the dry run's
+    (the answer fits, one more sample does not), and the answer says how it was sized."""
+    from lmledger.ledger.predict import toy_dry_run
+
+    gpt = ["--model.config.mlp", "gelu", "--model.config.norm", "layer", "--model.config.positions", "learned"]
+    found = run_json(capsys, "plan", "max-batch", *TINY, *gpt, "--device-memory-gb", "0.02", "--json")
+    assert found["sized_by"] == "dry runs on cpu" and found["max_batch"] > 0
+    assert run_json(capsys, "plan", "max-batch", *TINY, "--device-memory-gb", "0.02", "--json")["sized_by"] == (
+        "closed forms"
+    )
+    spec = load_run([*TINY, *gpt])
+    peaks = [toy_dry_run(replace(spec, batch_size=b)).peak for b in (found["max_batch"], found["max_batch"] + 1)]
+    assert peaks[0] == found["peak_bytes"] <= 0.02e9 < peaks[1]
 
 
 def test_plan_max_batch_of_any_model_at_scale_prints_and_writes_json(workdir, capsys, monkeypatch):

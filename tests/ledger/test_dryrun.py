@@ -54,13 +54,22 @@ def assert_twins(dry: StepLedger, measured: StepLedger) -> None:
         assert dry.phase_peaks[phase] == pytest.approx(nbytes, rel=0.03), phase
 
 
+# The architecture options (ModelConfig): GPT-2 / Megatron GPT, MPT, Llama's grouped-query attention, MQA.
+GPT = dict(mlp="gelu", norm="layer", positions="learned", bias=True)
+MPT = dict(mlp="gelu", norm="layer")
+GQA = dict(n_kv_heads=2)
+MQA_GELU_BIAS = dict(n_kv_heads=1, mlp="gelu", bias=True)
+
+
 @pytest.mark.parametrize(
-    "precision, checkpointing",
-    [("32-true", 0), ("bf16-mixed", 0), ("bf16-true", 0), ("16-mixed", 0), ("64-true", 0), ("32-true", 1),
-     ("bf16-mixed", 2)],
+    "precision, checkpointing, arch",
+    [("32-true", 0, {}), ("bf16-mixed", 0, {}), ("bf16-true", 0, {}), ("16-mixed", 0, {}), ("64-true", 0, {}),
+     ("32-true", 1, {}), ("bf16-mixed", 2, {}), ("32-true", 0, GPT), ("bf16-mixed", 1, GPT), ("bf16-true", 0, MPT),
+     ("32-true", 1, GQA), ("16-mixed", 2, MQA_GELU_BIAS)],
+    ids=lambda v: "-".join(f"{k}={x}" for k, x in v.items()) or "default" if isinstance(v, dict) else None,
 )  # fmt: skip
-def test_toy_dry_run_matches_the_real_step(precision, checkpointing):
-    model = toy(activation_checkpointing=checkpointing)
+def test_toy_dry_run_matches_the_real_step(precision, checkpointing, arch):
+    model = toy(activation_checkpointing=checkpointing, **arch)
     batch = token_batch()
     before = {name: p.clone() for name, p in model.named_parameters()}
     dry = dry_run(model, batch, step=toy_step, optimizer=adamw, precision=precision)
@@ -89,6 +98,43 @@ def test_toy_dry_run_agrees_with_the_closed_forms(precision, checkpointing):
     assert dry.autocast_weight_copies == acts.autocast_weight_copies
     # Hardware FLOPs, forward and backward (recompute included): exact.
     flops = analytic_flops(cfg, BATCH, SEQ)
+    assert dry.flops == flops.hardware
+    assert dry.flops_forward == sum(phases["forward"] for phases in flops.by_component.values())
+
+
+@pytest.mark.parametrize(
+    "arch",
+    [GPT, MPT, GQA, MQA_GELU_BIAS, {"bias": True}, {"positions": "learned"}, {"norm": "layer"}, {"mlp": "gelu"}],
+    ids=lambda arch: "-".join(f"{k}={v}" for k, v in arch.items()),
+)  # fmt: skip
+def test_closed_form_activations_and_peak_are_absent_for_an_architecture_option(arch):
+    """They count the default toy LM's saved tensors: any option set makes them absent, in one line saying why,
+    in predict, in the closed-form column and in its note; the state and FLOP closed forms stay."""
+    from lmledger.callbacks.closedform import closed_form, closed_form_note
+    from lmledger.ledger.predict import predict
+    from lmledger.ledger.run import Run
+
+    cfg = toy(**arch).cfg
+    why = r"the closed forms model the default toy LM \(RMSNorm, SwiGLU, RoPE, MHA, no bias\), not [a-z_]+="
+    for closed in (lambda: activation_bytes(cfg, BATCH, SEQ), lambda: peak_bytes(cfg, BATCH, SEQ)):
+        with pytest.raises(UserError, match=why):
+            closed()
+    run = Run(cfg, batch_size=BATCH, seq_len=SEQ)
+    p = predict(run)
+    assert p.activations is None and p.peak is None and "\n" not in p.unmodelled
+    assert p.unmodelled.endswith(f"not {', '.join(cfg.non_default_architecture)}: the dry run predicts it")
+    assert p.params == 4 * count_parameters(cfg) and p.flops_hardware == analytic_flops(cfg, BATCH, SEQ).hardware
+    figures = closed_form(run, None)
+    assert figures.peak is None and figures.why_missing["peak"] == f"n/a: {p.unmodelled}"
+    assert closed_form_note(figures).endswith(f"; its activations and peak n/a: {p.unmodelled}")
+
+
+def test_the_closed_forms_state_and_flops_equal_the_dry_run_for_gpt_options():
+    model = toy(**GPT, activation_checkpointing=1)
+    dry = dry_run(model, token_batch(), step=toy_step, optimizer=adamw, precision="bf16-mixed")
+    n = count_parameters(model.cfg)
+    assert {k: getattr(dry, k) for k in ("params", "grads", "optimizer")} == state_bytes(n, "bf16-mixed", "adamw")
+    flops = analytic_flops(model.cfg, BATCH, SEQ)
     assert dry.flops == flops.hardware
     assert dry.flops_forward == sum(phases["forward"] for phases in flops.by_component.values())
 

@@ -441,3 +441,57 @@ def test_account_measure_gives_each_convention_its_mfu(workdir, capsys):
         assert row["mfu"] / rows["palm"]["mfu"] == pytest.approx(per_token[key] / per_token["palm"], rel=1e-9)
     # nanoGPT's own printout divides by an A100's bf16 peak whatever the device.
     assert conv["nanogpt_printed_mfu"] == pytest.approx(per_token["nanogpt"] * tokens / conv["step_seconds"] / 312e12)
+
+
+# --- The architecture options (model.ModelConfig): the closed forms against the counted step -------------
+
+ARCHS = {
+    "gpt": dict(mlp="gelu", norm="layer", positions="learned", bias=True),  # GPT-2 / Megatron GPT
+    "mpt": dict(mlp="gelu", norm="layer"),
+    "llama-gqa": dict(n_kv_heads=2),
+    "mqa-gelu-bias": dict(n_kv_heads=1, mlp="gelu", bias=True, tie_embeddings=True),
+}
+ARCH_BASE = dict(vocab_size=300, context_length=40, d_model=96, n_layers=3, n_heads=4, d_ff=200)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_architecture_options_hardware_and_model_flops_equal_the_counted_step(arch):
+    """Hardware FLOPs exact in training (every second block checkpointed), forward only and on the meta device;
+    6N is the counted weight matmuls (addmm with biases) and PaLM's adds the counted attention; the qkv of GQA
+    is smaller and a GeLU MLP has no w3, by module."""
+    batch, seq = 3, 29
+    plain = ModelConfig(**ARCH_BASE, **ARCHS[arch])
+    checkpointed = ModelConfig(**ARCH_BASE, **ARCHS[arch], activation_checkpointing=2)
+    idx = random_tokens(plain, batch, seq)
+    train = measure_flops(make_model(checkpointed), idx)
+    assert train.total == analytic_flops(checkpointed, batch, seq).hardware
+    assert count_flops_meta(checkpointed, batch, seq).by_op == train.by_op
+    forward = measure_flops(make_model(plain), idx, training=False)
+    report = analytic_flops(plain, batch, seq, training=False)
+    assert forward.total == report.hardware == report.model
+    plain_train = measure_flops(make_model(plain), idx)
+    matmuls = sum(n for op, n in plain_train.by_op.items() if op in ("aten.mm", "aten.addmm"))
+    report = analytic_flops(plain, batch, seq)
+    assert matmuls == report.model_6n and matmuls + 3 * plain_train.by_op[SDPA_FORWARD] == report.model
+    assert ("aten.addmm" in plain_train.by_op) == plain.bias
+    assert ("mlp_w3" in report.by_component) == (plain.mlp == "swiglu")
+    for component, module in LEAF_MODULES.items():
+        per_layer = report.by_component.get(component, {"forward": 0})["forward"] // 3
+        assert forward.by_module.get(f"ToyLM.blocks.0.{module}", 0) == per_layer, component
+
+
+@pytest.mark.parametrize("arch", ["gpt", "mqa-gelu-bias"])
+def test_architecture_options_conventions_follow_their_parameter_rules(arch):
+    # nanoGPT drops the learned position table (wpe) from N; torchtitan drops every nn.Embedding child (unless
+    # tied, as for the default); both keep the biases and the norms' parameters.
+    cfg = ModelConfig(**ARCH_BASE, **ARCHS[arch])
+    model = _meta_model(cfg)
+    n_all = sum(p.numel() for p in model.parameters())
+    positions = model.pos_embed.weight.numel() if model.pos_embed is not None else 0
+    tables = sum(p.numel() for m in model.children() if isinstance(m, torch.nn.Embedding) for p in m.parameters())
+    attention_per_t = 12 * cfg.n_layers * cfg.n_heads * cfg.head_dim
+    assert nanogpt_flops_per_token(cfg) == 6 * (n_all - positions) + attention_per_t * cfg.context_length
+    titan = n_all - positions if cfg.tie_embeddings else n_all - tables
+    assert torchtitan_flops_per_token(cfg, 20) == 6 * titan + attention_per_t * 20
+    biases_and_norms = sum(p.numel() for p in model.parameters() if p.ndim == 1)
+    assert matmul_parameters(cfg) == n_all - biases_and_norms - positions - (0 if cfg.tie_embeddings else 300 * 96)

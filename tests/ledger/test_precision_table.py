@@ -88,6 +88,21 @@ def test_litlm_picks_the_fused_optimizer_the_row_says(row):
     assert {group["fused"] for group in optimizer.param_groups} == {row.fused_optimizer}
 
 
+def test_weight_decay_is_on_the_matmul_weights_only():
+    """GPT-style options: the learned position table, biases and LayerNorm's parameters are not decayed."""
+    gpt = replace(TINY, mlp="gelu", norm="layer", positions="learned", bias=True)
+    lit = LitLM(gpt)
+    lit.trainer = _trainer("32-true")
+    decay, no_decay = lit.configure_optimizers()["optimizer"].param_groups
+    names = {id(p): n for n, p in lit.model.named_parameters()}
+    assert decay["weight_decay"] > 0 and no_decay["weight_decay"] == 0
+    assert sorted(names[id(p)] for p in decay["params"]) == [
+        "blocks.0.attn.out.weight", "blocks.0.attn.qkv.weight", "blocks.0.mlp.w1.weight", "blocks.0.mlp.w2.weight",
+        "lm_head.weight",
+    ]  # fmt: skip
+    assert len(no_decay["params"]) == len(names) - 5  # the tables, every bias, the norms
+
+
 @pytest.mark.parametrize("name", ["transformer-engine", "transformer-engine-float16"])
 def test_transformer_engine_rows_match_lightnings_plugin(transformer_engine, name):  # noqa: F811
     # The fp8 matmuls (compute_dtype) need an fp8 GPU; on CPU the weights, the layer swap and the scaler are checked.

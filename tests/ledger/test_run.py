@@ -91,3 +91,16 @@ def test_predict_dry_runs_any_other_module():
     assert predict(Run(None, 4, 8, module=module), batch, batch_size=8).activations > p.activations
     with pytest.raises(UserError, match="pass its batch"):
         predict(Run(None, 4, 8, module=module))
+
+
+def test_the_architecture_options_are_read_from_yaml_and_the_command_line(tmp_path):
+    """`fit`'s own parser takes them (a config file, then an override), and the Run carries them."""
+    from lmledger.run_config import load_run
+
+    options = tmp_path / "gpt.yaml"
+    options.write_text("model:\n  config:\n    mlp: gelu\n    norm: layer\n    positions: learned\n    bias: true\n")
+    run = load_run(["--config", "configs/tiny.yaml", "--config", str(options), "--model.config.n_kv_heads", "2"])
+    cfg = run.config
+    assert (cfg.mlp, cfg.norm, cfg.positions, cfg.bias, cfg.n_kv_heads) == ("gelu", "layer", "learned", True, 2)
+    default = load_run(["--config", "configs/tiny.yaml", "--model.config.n_kv_heads", "null"]).config
+    assert default.non_default_architecture == [] and default.kv_heads == default.n_heads

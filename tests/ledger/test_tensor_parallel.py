@@ -151,6 +151,69 @@ def test_tp_divides_the_state_and_the_block_flops():
     )  # AdamW steps the rank's shards, not the whole model
 
 
+# The architecture options (model.ModelConfig) under TP, with sequence parallel where the plan takes it: (options,
+# TP size, sequence parallel). Heads 4, KV heads 2, d_ff 64 and vocabulary 64 divide by the TP sizes.
+TP_ARCHS = [
+    ({"mlp": "gelu", "norm": "layer", "positions": "learned", "bias": True}, 2, False),  # GPT: positions replicated
+    ({"n_kv_heads": 2}, 2, True),  # Llama's GQA
+    ({"n_kv_heads": 2, "mlp": "gelu", "norm": "layer", "bias": True}, 2, True),
+    ({"mlp": "gelu", "norm": "layer"}, 4, True),  # MPT
+]
+
+
+@pytest.mark.parametrize("arch, tp, sp", TP_ARCHS, ids=["gpt-tp2", "gqa-tp2-sp", "gqa-gelu-bias-tp2-sp", "mpt-tp4-sp"])
+def test_tp_traces_the_architecture_options_and_splits_what_the_plan_splits(arch, tp, sp):
+    """One rank of a TP-only mesh on the fake process group: every block Linear's weight and a colwise bias split
+    by TP, a rowwise bias, the norms and a position table whole, the embedding and LM head split under sequence
+    parallel only; the forward's block FLOPs split by TP, the LM head's too under sequence parallel."""
+    from lmledger.ledger.closedform.flops import analytic_flops
+    from lmledger.model import block_linears, count_parameters
+
+    cfg = ModelConfig(**{**CFG.__dict__, **arch})
+    with torch.device("meta"):
+        model = ToyLM(cfg)
+    ledger = predict_sharded(model, _batch(), optimizer=_adamw, strategy="fsdp2", world_size=tp,
+                             fsdp=FSDPSettings(tensor_parallel=tp, sequence_parallel=sp))  # fmt: skip
+    assert ledger.tensor_parallel == tp and ledger.world_size == tp, ledger
+    linears = block_linears(cfg)
+    weights = sum(i * o for i, o in linears.values())
+    colwise_bias = sum(o for name, (i, o) in linears.items() if name not in ("attn.out", "mlp.w2")) if cfg.bias else 0
+    rowwise_bias = 2 * cfg.d_model if cfg.bias else 0
+    tables = 2 * cfg.vocab_size * cfg.d_model
+    rest = count_parameters(cfg) - cfg.n_layers * (weights + colwise_bias + rowwise_bias) - (tables if sp else 0)
+    per_rank = cfg.n_layers * ((weights + colwise_bias) // tp + rowwise_bias) + rest + (tables // tp if sp else 0)
+    assert ledger.params == 4 * per_rank
+    forward = {
+        name: phases["forward"] for name, phases in analytic_flops(cfg, 2, CFG.context_length).by_component.items()
+    }
+    head = forward.pop("lm_head")
+    assert ledger.flops_forward == sum(forward.values()) // tp + (head // tp if sp else head)
+
+
+@pytest.mark.parametrize("n_kv_heads, tp", [(2, 2), (4, 2), (4, 4)])
+def test_a_column_split_of_qkv_gives_each_rank_whole_kv_groups(n_kv_heads, tp):
+    """What ColwiseParallel(qkv) and RowwiseParallel(out) compute, by hand in one process: each rank's attention on
+    its contiguous chunk of qkv's output columns (bias included), with n_heads / tp query heads over n_kv_heads / tp
+    KV groups, then its slice of out's input columns; summed over ranks it is the whole attention."""
+    import copy
+
+    cfg = ModelConfig(**{**CFG.__dict__, "n_kv_heads": n_kv_heads, "bias": True})
+    torch.manual_seed(0)
+    attn = ToyLM(cfg).blocks[0].attn
+    x = torch.randn(2, CFG.context_length, CFG.d_model)
+    rows, cols = attn.qkv.out_features // tp, CFG.d_model // tp
+    total = attn.out.bias.detach().clone()
+    for rank in range(tp):
+        local = copy.deepcopy(attn)
+        local.n_heads, local.n_kv_heads = attn.n_heads // tp, attn.n_kv_heads // tp
+        local.qkv.weight.data = attn.qkv.weight[rank * rows : (rank + 1) * rows].detach().clone()
+        local.qkv.bias.data = attn.qkv.bias[rank * rows : (rank + 1) * rows].detach().clone()
+        local.out.weight.data = attn.out.weight[:, rank * cols : (rank + 1) * cols].detach().clone()
+        local.out.bias.data.zero_()  # a rowwise bias is added once, after the sum
+        total = total + local(x)
+    torch.testing.assert_close(total, attn(x), rtol=1e-5, atol=1e-5)
+
+
 def test_megatron_closed_forms_follow_korthikanti_table_2():
     """Our code of Megatron-LM's formulas: per layer 34 s b h / t with sequence parallel, s b h (10 + 24 / t)
     without (equal at t = 1), plus 5 a s^2 b / t without selective recompute; 18 bytes a parameter."""
@@ -182,6 +245,22 @@ def test_heads_or_hidden_not_dividing_by_tp_are_one_line():
         check_tensor_parallel(4, 64, 3)
     with pytest.raises(ConfigError, match="hidden size 65 does not divide"):
         check_tensor_parallel(4, 65, 2)
+    with pytest.raises(ConfigError, match="n_kv_heads 2 does not divide by tensor_parallel_size 4: each TP rank keeps"):
+        check_tensor_parallel(4, 64, 4, n_kv_heads=2)
+    check_tensor_parallel(8, 64, 4, n_kv_heads=4)  # whole KV groups on each rank
+
+
+def test_tp_refuses_kv_heads_it_cannot_split_and_sequence_parallel_learned_positions_in_one_line():
+    for arch, sp, message in [
+        ({"n_kv_heads": 1}, False, "n_kv_heads 1 does not divide by tensor_parallel_size 2"),
+        ({"positions": "learned"}, True, "sequence parallel splits the embedding's output along the sequence, not a"),
+    ]:
+        with torch.device("meta"):
+            model = ToyLM(ModelConfig(**{**CFG.__dict__, **arch}))
+        with pytest.raises(ConfigError, match=message) as err:
+            predict_sharded(model, _batch(), strategy="fsdp2", world_size=2,
+                            fsdp=FSDPSettings(tensor_parallel=2, sequence_parallel=sp))  # fmt: skip
+        assert "\n" not in str(err.value)
 
 
 def test_a_plan_naming_a_missing_module_is_one_line():

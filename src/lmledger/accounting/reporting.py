@@ -38,9 +38,10 @@ def _notes(result: dict) -> list[str]:
     elif result.get("not_traced"):
         notes.append(f"closed form only, no dry run: {result['not_traced']}")
     if "closed form" in predictors:
+        from lmledger.callbacks.closedform import closed_form_note
+
         buffers = main_source == "dry run" and "per_rank" not in result
-        notes.append("closed form: the lecture's formulas" + (" (its peak plus the buffers and the batch)"
-                                                              if buffers else ""))  # fmt: skip
+        notes.append(closed_form_note(predictors["closed form"], buffers))
     why = run.get("not_predicted") or (main.why_missing.get("peak") if main is not None else None)
     if main is None or main.peak is None:
         notes.append(f"activations and peak not predicted: {why}")

@@ -27,7 +27,14 @@ from lmledger.ledger.run import Run
 from lmledger.ledger.units import format_bytes, format_count
 from lmledger.model import count_parameters
 
-__all__ = ["closed_form", "flop_breakdown", "flops_by_convention", "summary_rows", "validation_flops"]
+__all__ = [
+    "closed_form",
+    "closed_form_note",
+    "flop_breakdown",
+    "flops_by_convention",
+    "summary_rows",
+    "validation_flops",
+]
 
 
 # FlopCounterMode module names shown in the breakdown: the embedding, each block's attention and
@@ -56,6 +63,16 @@ def closed_form(run: Run, dry: StepLedger | None, accumulate: int = 1) -> Figure
         autocast_weight_copies=copies, peak=peak, peak_phase=p.peak_phase if peak is not None else None,
         flops_hardware=p.flops_hardware * accumulate, flops_model=p.flops_model * accumulate, why_missing=why,
     )  # fmt: skip
+
+
+def closed_form_note(figures: Figures, buffers: bool = True) -> str:
+    """The table's note on the closed-form column: what it is, and why its activations or peak are absent."""
+    note = "closed form: the lecture's formulas" + (" (its peak plus the buffers and the batch)" if buffers else "")
+    why = figures.why_missing.get("peak")
+    if figures.peak is None and why:
+        lines = "activations and peak" if figures.activations is None else "peak"
+        note += f"; its {lines} {why}"
+    return note
 
 
 def flops_by_convention(run: Run) -> dict[str, int]:

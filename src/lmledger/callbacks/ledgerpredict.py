@@ -71,7 +71,7 @@ def predict(ledger, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: o
         )
     if ledger.run is not None:
         predicted["closed form"] = toy.closed_form(ledger.run, ledger._dry, ledger._accumulate)
-        notes.append("closed form: the lecture's formulas (its peak plus the buffers and the batch)")
+        notes.append(toy.closed_form_note(predicted["closed form"]))
     if precision_table.precision(str(trainer.precision)).autocast is not None:
         notes.append("autocast_weight_copies: autocast's low-precision weight casts, in neither params nor "
                      "activations; in the peak")  # fmt: skip

@@ -242,6 +242,7 @@ def _print_config_batch(result: dict, shown: str, spec) -> None:
                 f"predicted peak at {'that batch' if result['max_batch'] else 'batch 1'}",
                 f"{result['peak_bytes'] / GB:.2f} GB",
             ),
+            ("sized by", result["sized_by"]),
         ],
     )
     if result.get("per_rank"):

@@ -2,7 +2,9 @@
 
 For lmledger's ToyLM (run.config set) it is the lecture's closed forms (ledger.closedform.memory, activations,
 peak, flops). The fit tables (callbacks.closedform.closed_form), the preflight guard, account, plan max-batch
-and the sweeps' dry run all show it. For any other module (run.module, no config) it is a dry run of
+and the sweeps' dry run all show it. Its activations and peak are absent (`unmodelled` says why) for a ToyLM
+with an architecture option set (GeLU, LayerNorm, learned positions, GQA, biases), which the dry run
+(toy_dry_run, toy_max_batch) predicts. For any other module (run.module, no config) it is a dry run of
 the module's training step (ledger.dryrun.engine). It runs on fake tensors of `batch`'s shapes.
 
 A LightningModule is used by duck typing only (no Lightning import). Its `training_step(batch,
@@ -55,6 +57,7 @@ __all__ = [
     "predict",
     "resized",
     "toy_dry_run",
+    "toy_max_batch",
     "toy_optimizer",
     "toy_step",
 ]
@@ -185,6 +188,21 @@ def toy_dry_run(run: Run, accumulate: int = 1) -> StepLedger | NotTraced:
                        device=run.device, accumulate=accumulate)  # fmt: skip
     except UserError as err:
         return NotTraced(str(err))
+
+
+def toy_max_batch(run: Run, capacity_bytes: int) -> LargestBatch | NotTraced:
+    """The largest batch of the run's ToyLM whose dry-run peak (on run.device) fits `capacity_bytes`.
+
+    Plan max-batch's answer where the closed forms are absent (an architecture option set).
+    """
+    with torch.device("meta"):
+        model = ToyLM(run.config)
+
+    def batch_for(size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return tuple(torch.empty(size, run.seq_len, dtype=torch.long, device="meta") for _ in range(2))
+
+    return largest_batch(model, batch_for, capacity_bytes, step=toy_step, optimizer=toy_optimizer(run),
+                         precision=run.precision, device=run.device)  # fmt: skip
 
 
 def measure(run: Run, accumulate: int = 1) -> Measurement:

@@ -3,6 +3,8 @@
 The function activation_bytes counts what lmledger.model saves, as it implements the toy LM. It is
 exact against measure_saved_activations on CPU. It is built from widths and one block's saved set.
 Those helpers are shared with ledger.closedform.peak, which walks the same tensors through a step.
+Both follow the default architecture only; any other ModelConfig option is refused (check_architecture),
+and the dry run, exact for every option, predicts it.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from torch import nn
 from lmledger.errors import UserError
 from lmledger.ledger import precision_table
 from lmledger.ledger.closedform.memory import storage_key
-from lmledger.model import ModelConfig
+from lmledger.model import ModelConfig, block_linears
 
 __all__ = [
     "COMPONENTS",
@@ -29,6 +31,7 @@ __all__ = [
     "activation_bytes",
     "activation_widths",
     "block_saved",
+    "check_architecture",
     "check_device",
     "check_shape",
     "matmul_weights_per_block",
@@ -37,6 +40,8 @@ __all__ = [
 ]
 
 COMPONENTS = ("embedding", "attention", "mlp", "norms", "logits_loss", "checkpoint_inputs")
+# What the saved-set closed forms follow, said where they are absent.
+MODELLED = "the default toy LM (RMSNorm, SwiGLU, RoPE, MHA, no bias)"
 _INDEX_BYTES = 8  # token ids and targets are int64, as the data module hands them over
 FP32 = 4
 
@@ -138,8 +143,15 @@ def block_saved(cfg: ModelConfig, batch: int, seq: int, widths: Widths, device: 
 
 
 def matmul_weights_per_block(cfg: ModelConfig) -> int:
-    """Parameters of one block's matmuls: qkv, out projection, SwiGLU's three."""
-    return 4 * cfg.d_model**2 + 3 * cfg.d_model * cfg.d_ff
+    """Parameters of one block's matmul weights: qkv, out projection, the MLP's (SwiGLU's three)."""
+    return sum(i * o for i, o in block_linears(cfg).values())
+
+
+def check_architecture(cfg: ModelConfig) -> None:
+    """Refuse, in one line, a model with an architecture option set: the saved sets here are the default's tensors."""
+    changed = cfg.non_default_architecture
+    if changed:
+        raise UserError(f"the closed forms model {MODELLED}, not {', '.join(changed)}: the dry run predicts it")
 
 
 def check_shape(cfg: ModelConfig, batch: int, seq: int) -> None:
@@ -171,8 +183,9 @@ def activation_bytes(
                        recompute rebuilds in backward is a transient, counted in peak_bytes
 
     Autocast weight copies (precision *-mixed) are those of the lm_head and of blocks not
-    checkpointed. Checkpointed blocks do not save theirs.
+    checkpointed. Checkpointed blocks do not save theirs. The default architecture only (check_architecture).
     """
+    check_architecture(cfg)
     check_shape(cfg, batch, seq)
     widths = activation_widths(precision)
     kind = check_device(device)

@@ -11,6 +11,11 @@ Model FLOPs are the MFU convention (PaLM appendix B, nanoGPT, torchtitan). Per t
 The embedding table is a lookup, not a matmul. It counts only when tied, and then as the LM head.
 So N_matmul is the same tied or untied. No recompute, no causal discount.
 
+Every architecture option (model.ModelConfig) is covered. N_matmul is the weights of each block's Linears
+(model.block_linears): GQA's smaller k and v make qkv d·(d + 2·kv_dim); a GeLU MLP has 2·d·f. Biases,
+norms and a learned position table do no matmul and count nothing, as FlopCounterMode counts an addmm
+as its matmul. GQA's attention is H query heads over repeated k and v: the same 4·L·H·Q·T.
+
 Hardware FLOPs are what the kernels do, as torch.utils.flop_counter.FlopCounterMode counts them.
 A matmul is 2·m·k·n. Its backward is twice that: grad of input and of weight. SDPA forward is 2
 full T×T bmm: scores, and attention·V. There is no causal discount. Its backward is 5 bmm, as the
@@ -33,6 +38,7 @@ step, is ledger/count/flopcounter.py.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -44,7 +50,7 @@ from torch import nn
 
 from lmledger.errors import UserError
 from lmledger.ledger.count.flopcounter import flop_counter
-from lmledger.model import ModelConfig, ToyLM, count_parameters
+from lmledger.model import ModelConfig, ToyLM, block_linears, count_parameters
 
 __all__ = [
     "COMPONENTS",
@@ -67,6 +73,14 @@ aten = torch.ops.aten
 
 _BLOCK_COMPONENTS = ("qkv", "attn_scores", "attn_values", "attn_out", "mlp_w1", "mlp_w3", "mlp_w2")
 COMPONENTS = (*_BLOCK_COMPONENTS, "lm_head")
+# The block's matmul components and their Linear (model.block_linears): a GeLU MLP has no w3.
+_LINEAR_COMPONENTS = {
+    "qkv": "attn.qkv",
+    "attn_out": "attn.out",
+    "mlp_w1": "mlp.w1",
+    "mlp_w3": "mlp.w3",
+    "mlp_w2": "mlp.w2",
+}
 
 # Backward FLOPs as a multiple of forward FLOPs, per FlopCounterMode's formulas.
 _BACKWARD_MULTIPLIER = {
@@ -114,9 +128,14 @@ class MeasuredFlops:
 
 
 def matmul_parameters(cfg: ModelConfig) -> int:
-    """N_matmul: attention (qkv + out) and SwiGLU weights of every layer, plus the LM head."""
-    d, f = cfg.d_model, cfg.d_ff
-    return cfg.n_layers * (4 * d * d + 3 * d * f) + cfg.vocab_size * d
+    """N_matmul: attention (qkv + out) and MLP weights of every layer, plus the LM head (biases left out)."""
+    per_layer = sum(i * o for i, o in block_linears(cfg).values())
+    return cfg.n_layers * per_layer + cfg.vocab_size * cfg.d_model
+
+
+def _position_table(cfg: ModelConfig) -> int:
+    """Parameters of a learned position table (0 under RoPE)."""
+    return cfg.context_length * cfg.d_model if cfg.positions == "learned" else 0
 
 
 def model_flops_per_token(cfg: ModelConfig, seq_len: int, training: bool = True) -> int:
@@ -164,12 +183,12 @@ def nanogpt_flops_per_token(cfg: ModelConfig) -> int:
     """What nanoGPT's GPT.estimate_mfu (karpathy/nanoGPT model.py) counts per token for this model.
 
     It counts 6·N + 12·L·H·Q·T, with N every parameter. Its get_num_params drops only the learned
-    position table, which ToyLM lacks (RoPE). T is the model's context length (block_size), whatever
-    the batch's sequence length. Against ours it adds the norms' gains. Untied, it also adds the token
-    embedding table. (nanoGPT always ties it to the LM head.)
+    position table (wpe; ToyLM has one with positions "learned"). T is the model's context length
+    (block_size), whatever the batch's sequence length. Against ours it adds the norms' gains and any
+    biases. Untied, it also adds the token embedding table. (nanoGPT always ties it to the LM head.)
     """
     attention = 12 * cfg.n_layers * cfg.n_heads * cfg.head_dim * cfg.context_length
-    return 6 * count_parameters(cfg) + attention
+    return 6 * (count_parameters(cfg) - _position_table(cfg)) + attention
 
 
 def torchtitan_flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
@@ -177,10 +196,11 @@ def torchtitan_flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
 
     Source: pytorch/torchtitan torchtitan/models/utils.py, the llama3 model's get_nparams_and_flops.
     Per token: 6·(N − the token embedding, unless tied) + 6·L·H·(2·Q)·T. T is the training sequence
-    length. Against ours it adds the norms' gains.
+    length. Against ours it adds the norms' gains and any biases. It drops every nn.Embedding child,
+    so a learned position table too.
     """
     _check_seq_len(cfg, seq_len)
-    embedding = 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.d_model
+    embedding = (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.d_model) + _position_table(cfg)
     attention = 6 * cfg.n_layers * cfg.n_heads * (2 * cfg.head_dim) * seq_len
     return 6 * (count_parameters(cfg) - embedding) + attention
 
@@ -241,7 +261,7 @@ def analytic_flops(
     checkpointed_layers = sum(cfg.is_checkpointed(i) for i in range(cfg.n_layers)) if training else 0
 
     by_component = {}
-    for name in COMPONENTS:
+    for name in (n for n in COMPONENTS if n in forward):  # a GeLU MLP has no w3
         layers = cfg.n_layers if name in _BLOCK_COMPONENTS else 1
         by_component[name] = {
             "forward": layers * forward[name],
@@ -260,19 +280,13 @@ def analytic_flops(
 
 
 def _forward_flops_per_layer(cfg: ModelConfig, batch_size: int, seq_len: int) -> dict[str, int]:
-    tokens, d, f = batch_size * seq_len, cfg.d_model, cfg.d_ff
-    # One (T×Q)·(Q×T) or (T×T)·(T×Q) bmm per head, the full square. Kernels skip the masked half;
+    tokens = batch_size * seq_len
+    # One (T×Q)·(Q×T) or (T×T)·(T×Q) bmm per query head, the full square. Kernels skip the masked half;
     # the counting convention does not.
     attention = 2 * batch_size * cfg.n_heads * seq_len * seq_len * cfg.head_dim
-    return {
-        "qkv": 2 * tokens * d * 3 * d,
-        "attn_scores": attention,
-        "attn_values": attention,
-        "attn_out": 2 * tokens * d * d,
-        "mlp_w1": 2 * tokens * d * f,
-        "mlp_w3": 2 * tokens * d * f,
-        "mlp_w2": 2 * tokens * f * d,
-    }
+    linears = block_linears(cfg)
+    matmuls = {c: 2 * tokens * math.prod(linears[m]) for c, m in _LINEAR_COMPONENTS.items() if m in linears}
+    return {**matmuls, "attn_scores": attention, "attn_values": attention}
 
 
 def _check_seq_len(cfg: ModelConfig, seq_len: int) -> None:

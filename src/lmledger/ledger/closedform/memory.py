@@ -62,7 +62,7 @@ from torch import nn
 from lmledger.errors import UserError
 from lmledger.ledger import precision_table
 from lmledger.ledger.units import STATE_COMPONENTS
-from lmledger.model import ModelConfig
+from lmledger.model import ModelConfig, block_linears
 
 __all__ = [
     "DEEPSPEED_STAGES",
@@ -231,11 +231,13 @@ def model_precision(precision: str | int, strategy: str = "ddp") -> str:
 
 
 def largest_layer_params(cfg: ModelConfig) -> int:
-    """Parameters of ToyLM's biggest module: the embedding / LM head, qkv, or an MLP matrix.
+    """Parameters of ToyLM's biggest module: the embedding / LM head, a learned position table, or a block Linear.
 
-    Counted as DeepSpeed's model_to_params counts them: each module's own parameters.
+    Counted as DeepSpeed's model_to_params counts them: each module's own parameters (a Linear's bias too).
     """
-    return max(cfg.vocab_size * cfg.d_model, 3 * cfg.d_model**2, cfg.d_model * cfg.d_ff)
+    linears = [i * o + (o if cfg.bias else 0) for i, o in block_linears(cfg).values()]
+    tables = [cfg.vocab_size * cfg.d_model, cfg.context_length * cfg.d_model if cfg.positions == "learned" else 0]
+    return max(*tables, *linears)
 
 
 def storage_key(t: torch.Tensor) -> int:

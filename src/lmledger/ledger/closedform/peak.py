@@ -22,6 +22,7 @@ from lmledger.ledger.closedform.activations import (
     activation_bytes,
     activation_widths,
     block_saved,
+    check_architecture,
     check_device,
     check_shape,
     matmul_weights_per_block,
@@ -99,8 +100,9 @@ def peak_bytes(
     Between these points, totals lie between the endpoints. Not modelled: per-op gradient
     temporaries, library workspaces, allocator rounding, FSDP's gathered parameters. `batch` is per
     rank. DeepSpeed runs *-mixed as its 16-bit model without autocast: activations of the *-true
-    counterpart.
+    counterpart. The default architecture only (activations.check_architecture).
     """
+    check_architecture(cfg)
     check_shape(cfg, batch, seq)
     precision = model_precision(precision, strategy)
     widths = activation_widths(precision)

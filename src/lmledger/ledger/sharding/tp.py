@@ -4,14 +4,18 @@ A TP plan is torch's `parallelize_module` over the mesh's tensor-parallel dimens
 `fully_shard` over its data-parallel one (Lightning's TP tutorial, torchtitan's llama). For lmledger's
 ToyLM (`toy_tp_plan`), per block:
 
-    attn.qkv        colwise: its output columns are grouped per head (model.py), so each rank keeps
-                    whole heads, q, k and v. (A (q|k|v) layout would need torch's _StridedShard, which
-                    DTensor's matmul does not keep and distributed checkpointing cannot save.)
+    attn.qkv        colwise: its output columns are grouped per KV head (model.py), so each rank keeps
+                    whole groups, their query heads, k and v. (A (q|k|v) layout would need torch's
+                    _StridedShard, which DTensor's matmul does not keep and distributed checkpointing
+                    cannot save.) So n_kv_heads, as n_heads, must divide by the TP size.
     attn.out        rowwise
-    mlp.w1, w3      colwise (SwiGLU's gate and up)
+    mlp.w1, w3      colwise (SwiGLU's gate and up; a GeLU MLP has w1 alone)
     mlp.w2          rowwise (down)
     sequence_parallel (optional) the norms and the residual stream split along the sequence, the
                     embedding split by vocabulary rows and the LM head by vocabulary columns
+A Linear's bias splits with its columns (colwise) or stays whole (rowwise), as torch's styles do. A
+learned position table is replicated; sequence parallel refuses it (the embedding's output arrives split
+along the sequence, the table whole).
 
 Under FakeTensorMode, `fully_shard` over a TP-sharded module fails building its 2-D mesh
 (DeviceMesh._concatenate reads the rank table with nonzero: DynamicOutputShapeException).
@@ -75,12 +79,19 @@ def clip_grad_norm_(parameters: list, max_norm: float) -> torch.Tensor:
     return norm
 
 
-def check_tensor_parallel(n_heads: int, hidden: int, tensor_parallel: int, d_model: int | None = None) -> None:
-    """ConfigError, one line, when heads or the MLP's hidden size do not divide by the TP size."""
+def check_tensor_parallel(
+    n_heads: int, hidden: int, tensor_parallel: int, d_model: int | None = None, n_kv_heads: int | None = None
+) -> None:
+    """ConfigError, one line, when heads, KV heads or the MLP's hidden size do not divide by the TP size."""
     if n_heads % tensor_parallel:
         raise ConfigError(
             f"n_heads {n_heads} does not divide by tensor_parallel_size {tensor_parallel}: each TP rank keeps "
             "whole heads; choose a tensor_parallel_size that divides the heads"
+        )
+    if n_kv_heads is not None and n_kv_heads % tensor_parallel:
+        raise ConfigError(
+            f"n_kv_heads {n_kv_heads} does not divide by tensor_parallel_size {tensor_parallel}: each TP rank keeps "
+            "whole KV groups; choose a tensor_parallel_size that divides the KV heads"
         )
     if hidden % tensor_parallel:
         raise ConfigError(
@@ -89,8 +100,10 @@ def check_tensor_parallel(n_heads: int, hidden: int, tensor_parallel: int, d_mod
         )
 
 
-def toy_plan(sequence_parallel: bool = False) -> tuple[dict, dict]:
-    """(per-block plan, top-level plan) of lmledger's ToyLM, as parallelize_module takes them."""
+def toy_plan(sequence_parallel: bool = False, gated: bool = True) -> tuple[dict, dict]:
+    """(per-block plan, top-level plan) of lmledger's ToyLM, as parallelize_module takes them.
+
+    `gated`: a SwiGLU MLP (w1, w3, w2); False for a GeLU one (w1, w2)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -103,7 +116,7 @@ def toy_plan(sequence_parallel: bool = False) -> tuple[dict, dict]:
         "attn.qkv": ColwiseParallel(),
         "attn.out": RowwiseParallel(output_layouts=Shard(1)) if sequence_parallel else RowwiseParallel(),
         "mlp.w1": ColwiseParallel(),
-        "mlp.w3": ColwiseParallel(),
+        **({"mlp.w3": ColwiseParallel()} if gated else {}),
         "mlp.w2": RowwiseParallel(output_layouts=Shard(1)) if sequence_parallel else RowwiseParallel(),
     }
     top: dict = {}
@@ -129,15 +142,21 @@ def toy_tp_plan(model: nn.Module, tp_mesh: object, sequence_parallel: bool = Fal
 
     cfg = model.cfg
     size = tp_mesh.size()
-    check_tensor_parallel(cfg.n_heads, cfg.d_ff, size)
+    check_tensor_parallel(cfg.n_heads, cfg.d_ff, size, n_kv_heads=cfg.kv_heads)
     if sequence_parallel and cfg.tie_embeddings:
         raise ConfigError("sequence parallel splits the embedding and the LM head apart: set tie_embeddings false")
-    block_plan, top_plan = toy_plan(sequence_parallel)
+    if sequence_parallel and cfg.positions == "learned":
+        raise ConfigError(
+            "sequence parallel splits the embedding's output along the sequence, not a learned position table: "
+            "set sequence_parallel false or positions rope"
+        )
+    block_plan, top_plan = toy_plan(sequence_parallel, gated=cfg.mlp == "swiglu")
     for wrapped in model.blocks:
         block = getattr(wrapped, "_checkpoint_wrapped_module", wrapped)  # torch's checkpoint_wrapper
         check_plan(block, block_plan)
         parallelize_module(block, tp_mesh, block_plan)
-        block.attn.n_heads //= size  # each rank's heads, as torchtitan's plan sets them
+        block.attn.n_heads //= size  # each rank's heads and KV groups, as torchtitan's plan sets them
+        block.attn.n_kv_heads //= size
     if top_plan:
         parallelize_module(model, tp_mesh, top_plan)
 
