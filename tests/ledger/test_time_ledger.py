@@ -116,6 +116,25 @@ def test_per_op_flops_sum_to_the_dry_runs_flops(model):
     assert mm.bytes_read == 4 * (m * k + k * n) and mm.bytes_written == 4 * m * n
 
 
+def test_a_storage_keeps_its_id_and_a_freed_ones_address_reused_gets_a_new_one():
+    """Storage ids name one storage across the step: the allocator hands a freed storage's address to the next, and
+    an op's output there is a new storage (the replay's pool, the GPU model's dataflow and fusion read ids so)."""
+    from lmledger.ledger.count.ops import OpRecorder
+
+    x = torch.ones(256)  # small: glibc's heap hands the freed chunk back at once
+    recorder = OpRecorder({})
+    with recorder:
+        for _ in range(6):
+            y = x * 2.0  # a fresh output each time, most likely at the address the last one freed
+            y.add_(1.0)  # in place: the same storage
+            del y
+    muls = [op for op in recorder.records if op.name == "aten.mul.Tensor"]
+    adds = [op for op in recorder.records if op.name == "aten.add_.Tensor"]
+    assert len({op.output_storages[0][0] for op in muls}) == 6
+    assert [op.storages[0][0] for op in adds] == [op.output_storages[0][0] for op in muls]
+    assert len({op.storages[0][0] for op in muls}) == 1  # x, read six times, is one storage
+
+
 def test_profiler_events_are_grouped_by_their_outermost_op():
     """breakdown on stand-in events: a linear and the addmm under it are one matmul, what runs after the
     optimizer marker is the optimizer's, autograd's wrappers are host time, the markers cost nothing."""

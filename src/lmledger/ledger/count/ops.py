@@ -301,7 +301,7 @@ def _touched_bytes(tensors: Iterator[torch.Tensor]) -> int:
 
 
 def _storage_of(t: torch.Tensor) -> tuple[int, int]:
-    """(an id of t's storage while it lives, the bytes t spans)."""
+    """(t's storage's address, which names it while it lives (OpRecorder._id), the bytes t spans)."""
     try:
         key = t.untyped_storage()._cdata
     except (RuntimeError, NotImplementedError):
@@ -362,6 +362,12 @@ class OpRecorder(TorchDispatchMode):
         self.phase = "forward"
         self.records: list[OpRecord] = []
         self._handles: list = []
+        # A storage's id in the records: its C++ address names it only while it lives, and the allocator hands the
+        # address of a freed one to the next. So an op's output at an address its inputs do not hold is a new storage,
+        # and gets a new id: storage ids name one storage across the whole step (the replay's pool, the GPU model's
+        # dataflow and fusion read them so).
+        self._ids: dict[int, int] = {}
+        self._next_id = 0
 
     def watch(self, optimizer: torch.optim.Optimizer | None) -> OpRecorder:
         if optimizer is not None:
@@ -397,6 +403,12 @@ class OpRecorder(TorchDispatchMode):
             pass
         return out
 
+    def _id(self, address: int, fresh: bool) -> int:
+        if fresh or address not in self._ids:
+            self._next_id += 1
+            self._ids[address] = self._next_id
+        return self._ids[address]
+
     def _record(self, func, args, kwargs, out) -> OpRecord:
         args, kwargs, out = _local((args, kwargs, out))
         packet = func._overloadpacket
@@ -405,7 +417,8 @@ class OpRecorder(TorchDispatchMode):
         formula = self.flop_registry.get(packet)
         flops = int(formula(*args, **kwargs, out_val=out)) if formula is not None else 0
         inputs = _tensors((args, kwargs))
-        storages = tuple(_storage_of(t) for t in inputs)
+        raw_inputs = [_storage_of(t) for t in inputs]
+        storages = tuple((self._id(key, fresh=False), n) for key, n in raw_inputs)
         # The compute dtype: the largest floating input's. SDPA's backward takes bf16 q, k, v and fp32 logsumexp.
         floats = [t for t in inputs if t.is_floating_point()]
         dtype = str(max(floats, key=lambda t: t.numel()).dtype).removeprefix("torch.") if floats else ""
@@ -433,7 +446,8 @@ class OpRecorder(TorchDispatchMode):
             signature = _frozen((signature_of(list(args)), signature_of(dict(kwargs))))
         except NotReplayable as err:
             why_not = str(err)
-        outputs = tuple(_storage_of(t) for t in _tensors(out))
+        held = {key for key, _ in raw_inputs}
+        outputs = tuple((self._id(key, fresh=key not in held), n) for key, n in map(_storage_of, _tensors(out)))
         group, group_size = _group_of(args) if category == COMMUNICATION else ("", 0)
         return OpRecord(
             name, self.phase, category, flops, read, written, dtype, shapes, signature, why_not, storages, outputs,
