@@ -87,17 +87,32 @@ def model_config(row: dict, layers: int):
 
 
 def precision_of(row: dict) -> tuple[str, str]:
-    """(Lightning precision, the matmul dtype) the row trains in; fp8 rows run bf16 around fp8 matmuls."""
+    """(Lightning precision, the dtype of its matmuls): fp8 rows run bf16 around fp8 linears (kernels_of)."""
     half = "16" if row["precision"] == "fp16" else "bf16"
     kind = "true" if row["framework"] in _TRUE_16 else "mixed"
-    return f"{half}-{kind}", {"fp16": "fp16", "bf16": "bf16", "fp8": "fp8"}[row["precision"]]
+    return f"{half}-{kind}", "fp16" if row["precision"] == "fp16" else "bf16"
 
 
 def kernels_of(row: dict):
+    """The row's framework's kernels (frameworks.py), compiled where the row says, with fp8 linears for fp8 rows."""
+    import dataclasses as dc
+
     from lmledger.ledger.timing.gpu import kernels_for
 
     framework = row["framework"] if row["framework"] != "other" else "pytorch"
-    return kernels_for(framework, compiled=row.get("compile") == "1")
+    kernels = kernels_for(framework, compiled=row.get("compile") == "1")
+    return dc.replace(kernels, fp8_matmuls=True) if row["precision"] == "fp8" else kernels
+
+
+def recompute_of(row: dict) -> str:
+    """ledger/timing/gpu/layout's recompute for the row's: "selective" is the attention core in Megatron-LM
+    (Korthikanti et al.), and in torchtitan its selective AC, per block ("layer": every second one, its default
+    frequency) or per op ("op", its default), as the row's notes say."""
+    if row["recompute"] != "selective":
+        return row["recompute"]
+    if row["framework"].startswith(("megatron", "nemo")):
+        return "attention"
+    return "layer" if "selective layer" in row.get("notes", "") else "op"
 
 
 def layout_of(row: dict):
@@ -105,9 +120,8 @@ def layout_of(row: dict):
 
     sharding = "fsdp" if row["sharding"] in ("fsdp", "zero3", "hsdp") else "ddp"
     accumulate = row["global_batch"] // (row["micro_batch"] * row["dp"])
-    recompute = "full" if row["recompute"] == "full" else "none"
     return Layout(tp=row["tp"], dp=row["dp"], sharding=sharding, micro_batch=row["micro_batch"], accumulate=accumulate,
-                  recompute=recompute)  # fmt: skip
+                  recompute=recompute_of(row))  # fmt: skip
 
 
 def links_of(row: dict):

@@ -47,6 +47,11 @@ _FA2_AMPERE = (0.70, 0.60)
 # TFLOP/s on an H100 at head dim 128, sequence 1k-16k (pytorch/benchmark#2296), 0.29-0.31 of 989; FA2's paper says
 # up to 335 TFLOP/s there. Backward: as on the A100, 0.85 of the forward.
 _FA2_HOPPER = (0.31, 0.27)
+# FlashAttention (v1) and its Triton port (llm-foundry's attn_impl "triton", the default of its 2023 benchmarks): FA2's
+# paper puts FlashAttention at 25-40% of the A100's peak, FA2 1.7-3x faster. Taken at the top of that range forward and
+# the bottom backward; on Hopper at FlashAttention-2's share there scaled alike (0.31/0.70).
+_FA1_AMPERE = (0.40, 0.25)
+_FA1_HOPPER = (0.18, 0.11)
 # FlashAttention-3 on the H100 (Shah et al. 2024, arXiv 2407.08608), head dim 128, non-causal, long sequences:
 # forward about 648 TFLOP/s, backward about 561: 0.66 and 0.57. cuDNN's fused attention reaches the same there.
 _FA3_HOPPER = (0.66, 0.57)
@@ -62,7 +67,13 @@ ARCHES: dict[str, Arch] = {
             "ampere",
             {"bf16": 0.925, "fp16": 0.925, "tf32": 0.76, "fp32": 0.85},
             0.85,
-            {"flash2": _FA2_AMPERE, "flash3": _FA2_AMPERE, "cudnn": _FA2_AMPERE, "efficient": (0.50, 0.40)},
+            {
+                "flash2": _FA2_AMPERE,
+                "flash3": _FA2_AMPERE,
+                "cudnn": _FA2_AMPERE,
+                "efficient": (0.50, 0.40),
+                "triton": _FA1_AMPERE,
+            },
             "A100 GEMMs per stas00's MAMF (86.9% best), HBM at 85%, FlashAttention-2 at 70%/60%",
         ),
         # H100/H200: bf16 fitted with the tiles above on XLA's sm_90 table and held to the best bf16 GEMM over a
@@ -75,7 +86,13 @@ ARCHES: dict[str, Arch] = {
             "hopper",
             {"bf16": 0.88, "fp16": 0.88, "fp8": 0.845, "tf32": 0.89, "fp32": 0.85},
             0.90,
-            {"flash2": _FA2_HOPPER, "flash3": _FA3_HOPPER, "cudnn": _FA3_HOPPER, "efficient": (0.25, 0.20)},
+            {
+                "flash2": _FA2_HOPPER,
+                "flash3": _FA3_HOPPER,
+                "cudnn": _FA3_HOPPER,
+                "efficient": (0.25, 0.20),
+                "triton": _FA1_HOPPER,
+            },
             "Hopper GEMMs fitted on XLA's H100 table, HBM at 90%, FlashAttention-2 at 31%/27% and -3 at 66%/57%",
         ),
         # B200: bf16 and fp8 (e4m3) refitted on XLA's sm_100 table (medians 3.9% and 8.5% over 375 shapes; its best
@@ -84,7 +101,13 @@ ARCHES: dict[str, Arch] = {
             "blackwell",
             {"bf16": 0.70, "fp16": 0.70, "fp8": 0.60, "tf32": 0.70, "fp32": 0.85},
             0.90,
-            {"flash2": _FA3_HOPPER, "flash3": _FA3_HOPPER, "cudnn": _FA3_HOPPER, "efficient": (0.25, 0.20)},
+            {
+                "flash2": _FA3_HOPPER,
+                "flash3": _FA3_HOPPER,
+                "cudnn": _FA3_HOPPER,
+                "efficient": (0.25, 0.20),
+                "triton": _FA1_HOPPER,
+            },
             "B200 GEMMs fitted on XLA's B200 table; attention and HBM assumed as on Hopper",
         ),
     )

@@ -2,6 +2,7 @@
 never a correction factor per source of measurements.
 
     attention         the kernel an attention op runs: "flash2" (FlashAttention-2, torch's SDPA flash backend),
+                      "triton" (FlashAttention v1's algorithm in Triton),
                       "flash3" (FlashAttention-3), "cudnn" (cuDNN's fused attention), "efficient" (memory-efficient,
                       xformers' cutlass kernels) or "unfused" (two batched matmuls and a fused softmax, as Megatron-LM
                       and Megatron-DeepSpeed ran it before FlashAttention); "auto" takes torch's SDPA pick: flash2
@@ -12,14 +13,20 @@ never a correction factor per source of measurements.
                       the host's time to launch one kernel in the forward pass (Python, module calls, the dispatcher)
                       and in the backward pass (autograd's C++ engine), and per optimizer launch
     host_free_s       an op with no kernel (a view, a metadata query)
+    fp8_matmuls       the linear layers' matmuls run in fp8 (torchao's float8 training, Transformer Engine): each
+                      16-bit matmul of the dry run runs as a scaled e4m3 one, after its operands' amax and cast
     ddp_overlap       DDP's gradient buckets all-reduce while backward runs (torch's DDP, FSDP); False: after it
                       (Megatron-LM's local DDP without --overlap-grad-reduce, as vTrain's runs were configured)
+    grad_reduce       how replicated data parallelism all-reduces the gradients: "buckets" (torch DDP's 25 MiB),
+                      "one" (Megatron-LM's one contiguous buffer) or "per-gradient" (one all-reduce a gradient:
+                      Megatron-DeepSpeed without gradient bucketing, as vTrain ran it)
 
 Pure data: no torch.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from lmledger.errors import UserError
@@ -32,6 +39,11 @@ __all__ = ["FRAMEWORKS", "Kernels", "kernels_for"]
 # a launch (ggml-org/llama.cpp#1192).
 _EAGER_FORWARD_S, _EAGER_BACKWARD_S, _VIEW_S = 8.6e-6, 4.3e-6, 1.5e-6
 _C_LAUNCH_S = 3e-6
+# Megatron-DeepSpeed's host per dispatched op, views and backward ops alike, fitted on vTrain's 375 single- and
+# multi-node rows (A100s): their steps at small batch and width run about 17 us an op of the dry run's whatever the
+# GPU does (3.4-3.9 ms a layer per micro-batch at hidden 1024, TP 1, 165 ops), which Megatron's Python, its TP
+# mappings and DeepSpeed's checkpointing cost on their hosts; the fit over all rows of the simulation: 20 us.
+_MEGATRON_DEEPSPEED_S = 20e-6
 
 
 @dataclass(frozen=True)
@@ -45,70 +57,48 @@ class Kernels:
     ddp_overlap: bool = True
     description: str = ""
     serial_host: bool = False  # the host waits for each kernel before launching the next
+    grad_reduce: str = "buckets"
+    fp8_matmuls: bool = False  # linear layers in fp8 (torchao float8, Transformer Engine): see price._price_matmul
 
     def compiled(self) -> Kernels:
         """The same framework under torch.compile: elementwise runs fused, launched from Inductor's wrapper code."""
         if self.fuse_elementwise:
             return self
-        return Kernels(f"{self.name}+compile", self.attention, True, _C_LAUNCH_S, _C_LAUNCH_S, 0.0,
-                       self.ddp_overlap, f"{self.description}, under torch.compile")  # fmt: skip
+        return dataclasses.replace(self, name=f"{self.name}+compile", fuse_elementwise=True, host_forward_s=_C_LAUNCH_S,
+                                   host_backward_s=_C_LAUNCH_S, host_free_s=0.0,
+                                   description=f"{self.description}, under torch.compile")  # fmt: skip
 
 
 FRAMEWORKS: dict[str, Kernels] = {
     k.name: k
     for k in (
         Kernels("pytorch", description="eager PyTorch (Lightning, HF Trainer): torch's SDPA, one kernel per op"),
-        Kernels(
-            "compile",
-            "auto",
-            True,
-            _C_LAUNCH_S,
-            _C_LAUNCH_S,
-            0.0,
-            description="torch.compile: SDPA, elementwise runs fused by Inductor",
-        ),
-        Kernels(
-            "megatron",
-            "unfused",
-            True,
-            _EAGER_FORWARD_S,
-            _EAGER_BACKWARD_S,
-            _VIEW_S,
-            False,
-            "Megatron-LM before FlashAttention: batched-matmul attention with a fused softmax, fused layernorm, "
-            "bias-GeLU and bias-dropout-add kernels, gradients all-reduced after backward",
-        ),
-        Kernels(
-            "megatron-deepspeed",
-            "unfused",
-            True,
-            _EAGER_FORWARD_S,
-            _EAGER_BACKWARD_S,
-            _VIEW_S,
-            False,
-            "Megatron-DeepSpeed: Megatron-LM's kernels (vTrain's runs: no gradient bucketing)",
-        ),
-        Kernels(
-            "megatron-core",
-            "flash3",
-            True,
-            description="Megatron-Core with Transformer Engine: cuDNN/FA3 attention and fused kernels",
-        ),
-        Kernels("nemo", "flash3", True, description="NeMo (Megatron-Core, Transformer Engine)"),
-        Kernels("llm-foundry", "flash2", description="MosaicML llm-foundry: flash-attn 2, eager elementwise ops"),
-        Kernels("torchtitan", "flash2", description="torchtitan: torch's SDPA (flash backend), eager unless compiled"),
-        Kernels("nanogpt", "flash2", description="nanoGPT: torch's SDPA (flash backend), eager unless compiled"),
-        Kernels(
-            "llm.c",
-            "cudnn",
-            True,
-            _C_LAUNCH_S,
-            _C_LAUNCH_S,
-            0.0,
-            description="llm.c: C/CUDA, cuDNN attention, hand-fused kernels, no Python",
-        ),
+        Kernels("compile", fuse_elementwise=True, host_forward_s=_C_LAUNCH_S, host_backward_s=_C_LAUNCH_S,
+                host_free_s=0.0, description="torch.compile: SDPA, elementwise runs fused by Inductor"),
+        Kernels("megatron", attention="unfused", fuse_elementwise=True, ddp_overlap=False, grad_reduce="one",
+                description="Megatron-LM before FlashAttention: batched-matmul attention with a fused softmax, fused "
+                "layernorm, bias-GeLU and bias-dropout-add kernels, its gradient buffer all-reduced after backward"),
+        Kernels("megatron-deepspeed", attention="unfused", fuse_elementwise=True, ddp_overlap=False,
+                grad_reduce="per-gradient", host_forward_s=_MEGATRON_DEEPSPEED_S,
+                host_backward_s=_MEGATRON_DEEPSPEED_S, host_free_s=_MEGATRON_DEEPSPEED_S,
+                description="Megatron-DeepSpeed: Megatron-LM's kernels, each gradient all-reduced after backward "
+                "(vTrain's runs: no gradient bucketing)"),
+        Kernels("megatron-core", attention="flash3", fuse_elementwise=True,
+                description="Megatron-Core with Transformer Engine: cuDNN/FA3 attention and fused kernels"),
+        Kernels("nemo", attention="flash3", fuse_elementwise=True,
+                description="NeMo (Megatron-Core, Transformer Engine)"),
+        Kernels("llm-foundry", attention="triton",
+                description="MosaicML llm-foundry: its 2023 benchmarks' attn_impl default, triton (FlashAttention "
+                "ported to Triton; scripts/train/benchmarking/submit_benchmarks.py), eager elementwise ops"),
+        Kernels("torchtitan", attention="flash2",
+                description="torchtitan: torch's SDPA (flash backend), eager unless compiled"),
+        Kernels("nanogpt", attention="flash2",
+                description="nanoGPT: torch's SDPA (flash backend), eager unless compiled"),
+        Kernels("llm.c", attention="cudnn", fuse_elementwise=True, host_forward_s=_C_LAUNCH_S,
+                host_backward_s=_C_LAUNCH_S, host_free_s=0.0,
+                description="llm.c: C/CUDA, cuDNN attention, hand-fused kernels, no Python"),
     )
-}
+}  # fmt: skip
 
 
 def kernels_for(framework: str, compiled: bool = False) -> Kernels:

@@ -3,7 +3,11 @@ op model (step.py). What `plan train-time`, `plan layout` and benchmarks/publish
 
     Layout        tensor parallel (tp), data parallel (dp), how data-parallel ranks hold the state ("ddp": replicated,
                   gradients all-reduced; ZeRO-1/2 move the same bytes; "fsdp": fully sharded, FSDP2), the micro-batch,
-                  gradient accumulation and activation recompute ("none", "full": every block)
+                  gradient accumulation and activation recompute: "none"; "full" (every block, in the dry run);
+                  "layer" (every second block: torchtitan's selective layer AC, priced as the mean of none and
+                  full); "attention" (the attention core's forward again in backward: Korthikanti et al.'s selective
+                  recompute); "op" (every forward op but every other matmul and attention again in backward:
+                  torchtitan's selective op AC, which saves those outputs)
     step_at_layout    the predicted step: per-rank dry runs of one and two layers priced, and extrapolated to the
                   model's depth (each layer adds the same ops: the step is linear in it), with accumulation's extra
                   micro-batches (forward and backward, their own collectives; DDP's gradients reduced once)
@@ -29,7 +33,9 @@ from lmledger.ledger.timing.gpu.frameworks import Kernels
 from lmledger.ledger.timing.gpu.step import predict_gpu_step
 from lmledger.ledger.timing.steptime.predict import CATEGORIES, NoStepTime, StepTime
 
-__all__ = ["Layout", "rank_ops", "step_at_layout"]
+__all__ = ["RECOMPUTE", "Layout", "rank_ops", "step_at_layout"]
+
+RECOMPUTE = ("none", "full", "layer", "attention", "op")
 
 # torch DDP's buckets: 25 MiB, the first 1 MiB (torch.distributed's _DEFAULT_FIRST_BUCKET_BYTES); Megatron's local DDP
 # without overlap reduces all gradients in one go.
@@ -43,13 +49,13 @@ class Layout:
     sharding: str = "ddp"  # "ddp" (replicated state) or "fsdp" (fully sharded)
     micro_batch: int = 1
     accumulate: int = 1
-    recompute: str = "none"  # "none" or "full" (every block recomputed in backward)
+    recompute: str = "none"  # RECOMPUTE (module doc)
 
     def __post_init__(self) -> None:
         if self.sharding not in ("ddp", "fsdp"):
             raise UserError(f"sharding {self.sharding!r}: choose ddp (replicated) or fsdp (fully sharded)")
-        if self.recompute not in ("none", "full"):
-            raise UserError(f"recompute {self.recompute!r}: choose none or full")
+        if self.recompute not in (*RECOMPUTE, *_SELECTIVE):
+            raise UserError(f"recompute {self.recompute!r}: choose one of {', '.join(RECOMPUTE)}")
         for name in ("tp", "dp", "micro_batch", "accumulate"):
             if getattr(self, name) < 1:
                 raise UserError(f"{name} must be at least 1, got {getattr(self, name)}")
@@ -102,12 +108,42 @@ def _megatron_tp(fsdp_too: bool):
     return shard
 
 
-def rank_ops(config, seq: int, layout: Layout, precision: str) -> tuple[OpSummary, int, int] | NotTraced:
-    """(one micro-batch's step on one rank, its gradient bytes, its forward FLOPs): the sharded dry run of the ToyLM
+def rank_ops(config, seq: int, layout: Layout, precision: str) -> tuple[OpSummary, tuple[int, ...], int] | NotTraced:
+    """(one micro-batch's step on one rank, each gradient's bytes, its forward FLOPs): the sharded dry run of the ToyLM
     `config` at `layout` (data parallel replicated: dry-run at the TP group alone; its all-reduce is added by
     step_at_layout). Cached per what decides it: a search or a table of runs meets the same shapes again."""
     fsdp_dp = layout.dp if layout.sharding == "fsdp" else 1
-    return _rank_ops(config, seq, layout.tp, fsdp_dp, layout.micro_batch, layout.recompute, precision)
+    traced = "full" if layout.recompute == "full" else "none"
+    found = _rank_ops(config, seq, layout.tp, fsdp_dp, layout.micro_batch, traced, precision)
+    if isinstance(found, NotTraced) or layout.recompute not in _SELECTIVE:
+        return found
+    ops, grads, forward = found
+    return _selective(ops, layout.recompute), grads, forward
+
+
+# torchtitan's op-level AC saves every matmul's output but every second one in a block, and attention's: it is priced
+# as the mean of recomputing the forward's elementwise ops alone and those with every block matmul (the LM head, the
+# last forward matmul, sits outside the blocks), so that a model of one or two layers shows a block's share.
+_SELECTIVE = ("attention", "op", "op:elementwise", "op:matmuls")
+
+
+def _selective(ops: OpSummary, kind: str) -> OpSummary:
+    """`ops` with the forward ops a selective recompute runs again inserted where backward starts (module doc). The
+    copies read and write nothing the dataflow follows: they only take their time on the stream."""
+    from lmledger.ledger.count.ops import ATTENTION, MATMUL, OTHER
+
+    records = list(ops.ops)
+    forward = [op for op in records if op.phase == "forward"]
+    matmuls = [i for i, op in enumerate(forward) if op.category == MATMUL][:-1]  # the blocks', not the LM head
+    if kind == "attention":
+        again = [op for op in forward if op.category == ATTENTION]
+    else:
+        with_matmuls = kind == "op:matmuls"
+        again = [op for i, op in enumerate(forward) if op.category == OTHER or (with_matmuls and i in matmuls)]
+    copies = [dataclasses.replace(op, phase="backward", recompute=True, storages=(), output_storages=())
+              for op in again]  # fmt: skip
+    start = next((i for i, op in enumerate(records) if op.phase == "backward"), len(records))
+    return OpSummary.of(records[:start] + copies + records[start:], ops.outside)
 
 
 @functools.lru_cache(maxsize=256)
@@ -135,12 +171,22 @@ def _rank_ops(config, seq: int, tp: int, fsdp_dp: int, micro_batch: int, recompu
     )  # fmt: skip
     if isinstance(found, NotTraced):
         return found
-    grads = found.grads if found.grads is not None else 0
-    return found.ops, int(grads), int(found.flops_forward or 0)
+    total = int(found.grads or 0)
+    numels = [p.numel() for p in model.parameters()]
+    # Each gradient's bytes on this rank: the rank's total shared as the parameters' sizes are (TP splits most of
+    # them alike), in the order backward makes them (the last layer's first)
+    grads = tuple(int(total * n / sum(numels)) for n in reversed(numels)) if numels else ()
+    return found.ops, grads, int(found.flops_forward or 0)
 
 
-def _buckets(grad_bytes: int, dtype: str, overlap: bool) -> list[tuple[int, str]]:
-    if not overlap:
+def _buckets(grads: tuple[int, ...], dtype: str, kernels: Kernels) -> list[tuple[int, str]]:
+    """The data-parallel all-reduces of a replicated step: torch DDP's 25 MiB buckets, one bucket of every gradient
+    (Megatron-LM's contiguous buffer), or one all-reduce a gradient (no bucketing: Megatron-DeepSpeed as vTrain ran
+    it)."""
+    if kernels.grad_reduce == "per-gradient":
+        return [(n, dtype) for n in grads if n]
+    grad_bytes = sum(grads)
+    if kernels.grad_reduce == "one":
         return [(grad_bytes, dtype)] if grad_bytes else []
     out, left, cap = [], grad_bytes, _FIRST_BUCKET
     while left > 0:
@@ -150,11 +196,11 @@ def _buckets(grad_bytes: int, dtype: str, overlap: bool) -> list[tuple[int, str]
     return out
 
 
-def _one(ops: OpSummary, grads: int, layout: Layout, gpu, dtype: str, kernels: Kernels, links: Links):
+def _one(ops: OpSummary, grads: tuple[int, ...], layout: Layout, gpu, dtype: str, kernels: Kernels, links: Links):
     """(the whole step of one micro-batch, a further micro-batch's forward and backward) on the GPU."""
     replicated = layout.sharding == "ddp" and layout.dp > 1
     grad_dtype = next((op.dtype for op in ops.ops if op.category == OPTIMIZER and op.dtype), "float32")
-    buckets = _buckets(grads, grad_dtype, kernels.ddp_overlap) if replicated else []
+    buckets = _buckets(grads, grad_dtype, kernels) if replicated else []
     whole = predict_gpu_step(ops, gpu, compute_dtype=dtype, kernels=kernels, links=links, world_size=layout.dp,
                              buckets=buckets, bucket_group="data_parallel")  # fmt: skip
     micro = OpSummary.of([op for op in ops.ops if op.category != OPTIMIZER])
@@ -166,6 +212,15 @@ def step_at_layout(
     config, seq: int, layout: Layout, precision: str, gpu, *, compute_dtype: str, kernels: Kernels, links: Links
 ) -> StepTime | NoStepTime:
     """The predicted step of the ToyLM `config` (its n_layers deep) at `layout` on `gpu` (module doc)."""
+    halves = {"layer": ("none", "full"), "op": ("op:elementwise", "op:matmuls")}.get(layout.recompute)
+    if halves:  # the mean of two steps: every second block recomputed, or every second block matmul
+        none, full = (step_at_layout(config, seq, dataclasses.replace(layout, recompute=r), precision, gpu,
+                                     compute_dtype=compute_dtype, kernels=kernels, links=links) for r in halves)  # fmt: skip
+        if not isinstance(none, StepTime) or not isinstance(full, StepTime):
+            return none if not isinstance(none, StepTime) else full
+        mean = {c: (none.seconds[c] + full.seconds[c]) / 2 for c in CATEGORIES}
+        hidden = {k: (none.hidden.get(k, 0.0) + full.hidden.get(k, 0.0)) / 2 for k in none.hidden}
+        return dataclasses.replace(none, seconds=mean, hidden=hidden)
     priced = {}
     for layers in (1, 2):
         found = rank_ops(dataclasses.replace(config, n_layers=layers), seq, layout, precision)
