@@ -214,8 +214,9 @@ def step_at_layout(
     """The predicted step of the ToyLM `config` (its n_layers deep) at `layout` on `gpu` (module doc)."""
     halves = {"layer": ("none", "full"), "op": ("op:elementwise", "op:matmuls")}.get(layout.recompute)
     if halves:  # the mean of two steps: every second block recomputed, or every second block matmul
-        none, full = (step_at_layout(config, seq, dataclasses.replace(layout, recompute=r), precision, gpu,
-                                     compute_dtype=compute_dtype, kernels=kernels, links=links) for r in halves)  # fmt: skip
+        settings = dict(compute_dtype=compute_dtype, kernels=kernels, links=links)
+        none, full = (step_at_layout(config, seq, dataclasses.replace(layout, recompute=r), precision, gpu, **settings)
+                      for r in halves)  # fmt: skip
         if not isinstance(none, StepTime) or not isinstance(full, StepTime):
             return none if not isinstance(none, StepTime) else full
         mean = {c: (none.seconds[c] + full.seconds[c]) / 2 for c in CATEGORIES}
