@@ -474,6 +474,23 @@ def runtime_estimator(config, batch: int, seq: int, device: torch.device, modes=
     return out
 
 
+def gpu_model(dry, tokens: int, device: torch.device) -> dict:
+    """The GPU op-time model's step (ledger/timing/gpu) of this dry run on this GPU (H200 on a CPU dry run), per
+    framework setting: eager PyTorch as this step runs, and under torch.compile."""
+    from lmledger.ledger.hardware.gpus import find_gpu
+    from lmledger.ledger.timing.gpu import kernels_for, predict_gpu_step
+
+    spec = find_gpu(torch.cuda.get_device_name()) if device.type == "cuda" else find_gpu("h200")
+    if spec is None:
+        return {"error": f"no GPU table entry for {torch.cuda.get_device_name()}"}
+    out = {"gpu": spec.key}
+    for framework in ("pytorch", "compile"):
+        step = predict_gpu_step(dry.ops, spec, compute_dtype="bf16", kernels=kernels_for(framework), tokens=tokens,
+                                model_flops=3 * dry.flops_forward)  # fmt: skip
+        out[framework] = step.to_json() if hasattr(step, "to_json") else {"none": step.reason}
+    return out
+
+
 def step_check(name: str, config, batch: int, seq: int, device: torch.device, deadline: float) -> dict:
     from lmledger.ledger.dryrun.engine import NotTraced, training_step
     from lmledger.ledger.predict import toy_dry_run, toy_optimizer, toy_step
@@ -489,6 +506,7 @@ def step_check(name: str, config, batch: int, seq: int, device: torch.device, de
         return {**out, "error": f"dry run: {dry.reason}"}
     ops = list(dry.ops.ops)
     out["dry_run_s"] = time.perf_counter() - started
+    out["gpu_model"] = gpu_model(dry, batch * seq, device)
     out["ops"] = compact_ops(ops)
     out["flops_hardware"] = dry.flops
     out["flops_forward"] = dry.flops_forward

@@ -106,6 +106,12 @@ def test_dry_run_measures_every_stage_or_says_why_not(tmp_path):
         times = [t for op, t in zip(step["ops"], seconds, strict=True) if op["category"] == category and t]
         assert times and sum(times) > 0, category
     assert _finite_positive(step["measured"]["step_s"]) and step["profile"], step["measured"]
+    # The GPU op model's step of the same dry run (an H200's on the CPU), its categories summing to it
+    for framework in ("pytorch", "compile"):
+        priced = step["gpu_model"][framework]
+        assert _finite_positive(priced["total_s"]) and sum(priced["seconds"].values()) == pytest.approx(
+            priced["total_s"]
+        )
     # torch's estimator needs CUDA: on the CPU it aborts, in a process of its own, and each mode says so.
     assert set(step["runtime_estimator"]) == {"operator-level-cost-model", "operator-level-benchmark"}
 

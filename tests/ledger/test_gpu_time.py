@@ -59,7 +59,8 @@ def test_matmul_tiles_and_waves_worked_by_hand():
 def test_matmul_efficiency_falls_for_small_and_skinny_shapes_and_holds_to_its_bytes():
     big, small, skinny = _tflops(8192, 8192, 8192, A100), _tflops(512, 512, 512, A100), _tflops(64, 8192, 8192, A100)
     assert small < big / 3 and skinny < big / 2
-    assert big == pytest.approx(0.87 * 312, rel=0.06)  # the A100's best bf16 GEMM, 86.9% (stas00, MAMF)
+    # between the A100's square 8192 GEMM of 2021 (74%, mli) and the best shape of 2025 (86.9%, stas00)
+    assert 0.74 * 312 < big < 0.869 * 312
     # A product too thin to compute much is bounded by its bytes at the HBM share
     m, n, k = 1 << 20, 4, 4
     moved = (m * k + k * n + m * n) * 2
