@@ -61,14 +61,13 @@ def per_rank(spec: Run, capacity_bytes: int | None = None, argv: list[str] = ())
 def trainer_scale(argv: list[str]):
     """The devices, nodes and strategy (a run_config.TrainerScale) that a fit's arguments ask for.
 
-    They are parsed as `lmledger fit` parses them and read by the function fit's checks use
-    (fitting.trainerscale.resolve_strategy), so a value fit refuses is refused here in the same words. Nothing is
+    They are parsed as `lmledger fit` parses them and checked by fit's own check of a config's values
+    (fitting.checks.check_fit_values), so a value fit refuses is refused here in the same words. Nothing is
     built: a model at scale is then built on the meta device."""
+    from lmledger.fitting.checks import check_fit_values
     from lmledger.fitting.cli import parse_fit_config
-    from lmledger.fitting.trainerscale import resolve_strategy
 
-    config = parse_fit_config(list(argv))
-    return resolve_strategy(config.trainer, config.model)
+    return check_fit_values(parse_fit_config(list(argv)))
 
 
 def scale_links(argv: list[str], scale):

@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import re
 import secrets
 import sys
 import warnings
@@ -51,9 +50,10 @@ from lmledger.fitting.checks import (
     check_accelerator,
     check_class_paths,
     check_config_files,
-    check_trainer_values,
+    check_fit_values,
     check_trains_something,
     named_classes,
+    parse_error_line,
     refuse_empty_train_loader,
     refuse_several_optimizers,
 )
@@ -178,7 +178,7 @@ class FitCLI(LightningCLI):
         config = self.config[self.subcommand]
         check_accelerator(config.trainer.get("accelerator"))
         check_trainer_config(config.trainer, fp8=config.model.get("fp8"))  # fp8/bf16 need library + hardware
-        check_trainer_values(config.trainer, config.model)
+        check_fit_values(config)
         if self.subcommand == "fit":
             check_trains_something(config.trainer)
         self._resume, self._fresh = None, False
@@ -417,25 +417,7 @@ def _run_cli(cli_class: type[FitCLI], argv: list[str], run: bool) -> FitCLI:
     except (ArgumentError, MisconfigurationException) as err:
         # MisconfigurationException is Lightning's "bad settings" error, e.g. `--trainer.accelerator gpu`
         # on a machine without one.
-        raise UserError(_parse_error_line(err)) from None
-
-
-# jsonargparse's report of a value no type of an Optional/Union accepted, e.g. `--ledger.device_memory_gb abc`.
-_UNION_ERROR = re.compile(
-    r'Parser key "(?P<key>[^"]+)": Does not validate against any of the Union subtypes Subtypes: '
-    r"\[(?P<types>[^\]]*)\].*Given value: (?P<value>.*)$"
-)
-
-
-def _parse_error_line(err: BaseException) -> str:
-    """A parse error in one line. A value no type of a Union accepts reads `--key value: expected ...`."""
-    line = " ".join(part.strip() for part in str(err).strip().splitlines())
-    found = _UNION_ERROR.search(line)
-    if found is None:
-        return line
-    names = [t.removeprefix("<class '").removesuffix("'>") for t in found["types"].split(", ")]
-    wanted = " or ".join("null" if name == "NoneType" else f"a {name}" for name in names)
-    return f"--{found['key']} {found['value']}: expected {wanted}"
+        raise UserError(parse_error_line(err)) from None
 
 
 class _ParseOnlyCLI(FitCLI):

@@ -229,6 +229,10 @@ def _check_strategy_init(class_path: str, cls, init: dict, devices: int, world: 
                 f"world size {world} (devices x num_nodes): set data_parallel_size {world // tensor_size} or auto"
             )
         _refuse_without_configure_model(name, model)
+        if tensor_size > 1 and _model_class(model) is _litlm():  # fit's configure_model splits the toy LM's heads
+            from lmledger.ledger.sharding.tp import check_toy_plan
+
+            check_toy_plan(model.config, tensor_size, bool(model.get("sequence_parallel")))
         return tensor_size
     return 1
 
@@ -268,11 +272,13 @@ def _model_class(model) -> type | None:
     if model is None or isinstance(model, type):
         return model
     class_path = model.get("class_path") if hasattr(model, "get") else None
-    if class_path is None:
-        from lmledger.lit import LitLM
+    return _litlm() if class_path is None else _import_class(str(class_path))
 
-        return LitLM
-    return _import_class(str(class_path))
+
+def _litlm() -> type:
+    from lmledger.lit import LitLM
+
+    return LitLM
 
 
 def config_strategy(strategy) -> str:

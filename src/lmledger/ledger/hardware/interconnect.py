@@ -95,6 +95,11 @@ def resolve_interconnect(spec: str, scope: str | None = None) -> Interconnect:
     `scope` ("intra-node"/"inter-node"), when given, refuses a key of the other kind (NVLink between nodes).
     """
     key = spec.strip().lower()
+    if not key:
+        raise UserError(
+            f"an empty value names no link: give one of {_keys(scope)}, or a rate such as 50GB/s or 400Gb/s, or leave "
+            "the flag out for the GPU's usual link"
+        )
     if key in INTERCONNECTS:
         link = INTERCONNECTS[key]
         if scope is not None and link.scope != scope:

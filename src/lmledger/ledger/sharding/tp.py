@@ -37,6 +37,7 @@ __all__ = [
     "norm_over_meshes",
     "check_plan",
     "check_tensor_parallel",
+    "check_toy_plan",
     "meshes_outside_fake_mode",
     "replay_configure_model",
     "toy_tp_plan",
@@ -89,6 +90,14 @@ def check_tensor_parallel(n_heads: int, hidden: int, tensor_parallel: int, d_mod
         )
 
 
+def check_toy_plan(cfg, tensor_parallel: int, sequence_parallel: bool = False) -> None:
+    """ConfigError, one line, for a ToyLM config (a ModelConfig, or a parsed config's section of its fields) that
+    toy_tp_plan cannot split over `tensor_parallel` ranks: what fit's configure_model and planning both refuse."""
+    check_tensor_parallel(cfg.n_heads, cfg.d_ff, tensor_parallel)
+    if sequence_parallel and cfg.tie_embeddings:
+        raise ConfigError("sequence parallel splits the embedding and the LM head apart: set tie_embeddings false")
+
+
 def toy_plan(sequence_parallel: bool = False) -> tuple[dict, dict]:
     """(per-block plan, top-level plan) of lmledger's ToyLM, as parallelize_module takes them."""
     from torch.distributed.tensor import Replicate, Shard
@@ -127,11 +136,8 @@ def toy_tp_plan(model: nn.Module, tp_mesh: object, sequence_parallel: bool = Fal
     """Tensor-parallelise lmledger's ToyLM in place over `tp_mesh` (module docstring)."""
     from torch.distributed.tensor.parallel import parallelize_module
 
-    cfg = model.cfg
     size = tp_mesh.size()
-    check_tensor_parallel(cfg.n_heads, cfg.d_ff, size)
-    if sequence_parallel and cfg.tie_embeddings:
-        raise ConfigError("sequence parallel splits the embedding and the LM head apart: set tie_embeddings false")
+    check_toy_plan(model.cfg, size, sequence_parallel)
     block_plan, top_plan = toy_plan(sequence_parallel)
     for wrapped in model.blocks:
         block = getattr(wrapped, "_checkpoint_wrapped_module", wrapped)  # torch's checkpoint_wrapper
