@@ -71,6 +71,7 @@ def run_from_config(config, scale: TrainerScale | None = None) -> Run:
         optimizer=config.model.optimizer,
         strategy=scale.strategy,
         world_size=scale.world_size,
+        tensor_parallel=scale.tensor_parallel,
         device=predicted_device(trainer.accelerator),
         fp8=config.model.get("fp8"),
         compiled=bool(config.model.get("compile")),
