@@ -16,6 +16,7 @@ from lmledger.ledger.hardware.interconnect import (
     communication,
     default_links,
     links_for,
+    resolve_interconnect,
     wire_bytes,
 )
 from lmledger.model import ModelConfig, ToyLM
@@ -141,3 +142,24 @@ def test_account_at_scale_shows_the_collectives_per_link(workdir, capsys):
     assert "RoCE 200 GbE at 25 GB/s" in out and "NVLink 4" in out
     assert main([*args, "--ledger.inter_node", "nvlink4"]) == 2
     assert "is intra-node, not inter-node" in capsys.readouterr().err
+    # Issue 49 §2: 400GB/s, eight times an NDR port, was taken without a word; it is used, and said beside the answer
+    assert main([*args, "--ledger.inter_node", "400GB/s"]) == 0
+    notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note: ")]
+    assert notes == ["note: inter-node 400GB/s is 400 GB/s one way, 4x the fastest inter-node link known (InfiniBand "
+                     "XDR 800 Gb/s, 100 GB/s): a network's rate is in bits: did you mean 400Gb/s (50 GB/s)? (used as "
+                     "given)"], notes  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("scope", "rate", "noted"),
+    [("inter-node", "400GB/s", "did you mean 400Gb/s (50 GB/s)?"), ("inter-node", "100GB/s", None),
+     ("inter-node", "1.6Tb/s", "a link newer than the table?"), ("intra-node", "900GB/s", None),
+     ("intra-node", "1.8TB/s", "sums both directions, and the ledger takes one: 900GB/s?")],
+)  # fmt: skip
+def test_a_rate_beyond_every_known_link_is_used_and_noted(scope, rate, noted):
+    """The fastest link of each kind in the table is the line: XDR's 100 GB/s between nodes, NVLink 5's 900 GB/s in
+    a node. Above it, the likely slip is named; the rate itself is taken as given (a link may be newer than the
+    table)."""
+    link = resolve_interconnect(rate, scope)
+    assert (link.note is None) == (noted is None) and (noted is None or noted in link.note), link.note
+    assert link.bytes_per_s == resolve_interconnect(rate).bytes_per_s

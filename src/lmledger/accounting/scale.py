@@ -178,6 +178,8 @@ def print_per_rank(scale: AtScale) -> None:
               f"at {intra['bytes_per_s'] / 1e9:.4g} GB/s, between nodes {inter['name']} at "
               f"{inter['bytes_per_s'] / 1e9:.4g} GB/s one way (--ledger.intra_node / --ledger.inter_node set them); "
               "a ring's bytes at line rate, none overlapped with compute")  # fmt: skip
+        for note in dict.fromkeys(link["note"] for link in (intra, inter) if link.get("note")):
+            print(f"note: {note}")
     for label, case in scale.cases.items():
         if case.not_predicted:
             print(f"{label}: not predicted: {case.not_predicted}")
