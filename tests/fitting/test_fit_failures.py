@@ -419,6 +419,36 @@ def trained(workdir) -> Path:
     return workdir / "runs/tiny/version_0/checkpoints/last.ckpt"
 
 
+def _runs(root: Path) -> dict[str, str]:
+    """Every path under root/runs: a link by its target (links not followed), a file by its sha256, a folder as one."""
+    out = {}
+    for path in sorted((root / "runs").rglob("*")):
+        key = str(path.relative_to(root))
+        if path.is_symlink():
+            out[key] = "-> " + os.readlink(path)
+        else:
+            out[key] = hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else "dir"
+    return out
+
+
+@pytest.mark.parametrize("words", [["fit", "auto"], ["fit", "last"], ["validate", "last"]], ids=" ".join)
+def test_a_last_checkpoint_whose_link_dangles_is_refused_and_nothing_changes(trained, workdir, capsys, words):
+    """Issue 49 §3: the run's checkpoints/last.ckpt a symbolic link whose target a clean-up removed. `auto` started
+    the run over from step 0, exit 0, writing into its directory; `last` said there was nothing to resume."""
+    trained.unlink()
+    trained.symlink_to(workdir / "scratch" / "last.ckpt")  # gone
+    before = _runs(workdir)
+    command, ckpt = words
+    assert lmledger([command, "--config", "configs/tiny.yaml", *MICRO_OVERRIDES, "--ckpt_path", ckpt]) == 2
+    line = one_error_line(capsys, command)
+    assert line == (
+        f"lmledger {command}: error: --ckpt_path {ckpt}: {trained.relative_to(workdir)} is a symbolic link to "
+        f"{workdir / 'scratch' / 'last.ckpt'}, which does not exist (moved or deleted); nothing was changed: restore "
+        "its target, or remove the link to resume from the run's other checkpoints (with none, the run starts over)"
+    ), line
+    assert _runs(workdir) == before
+
+
 def test_bad_checkpoints_are_one_line(trained, workdir, capsys):
     truncated = workdir / "truncated.ckpt"
     truncated.write_bytes(trained.read_bytes()[: trained.stat().st_size // 2])
