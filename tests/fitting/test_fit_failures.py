@@ -449,6 +449,24 @@ def test_a_last_checkpoint_whose_link_dangles_is_refused_and_nothing_changes(tra
     assert _runs(workdir) == before
 
 
+@pytest.mark.parametrize("version", ["0", "version_0"])
+def test_a_fresh_fit_pinned_into_a_finished_run_is_refused(trained, workdir, capsys, version):
+    """Issue 49 §3: `--trainer.logger.init_args.version 0` without --ckpt_path, where version_0 holds a finished
+    run: the fit exited 0 after writing into it (a second curve in its event file, its last.ckpt replaced)."""
+    before = _runs(workdir)
+    assert fit("--trainer.max_steps", "2", "--trainer.logger.init_args.version", version) == 2
+    line = one_error_line(capsys)
+    assert line.startswith(
+        f"lmledger fit: error: --trainer.logger.init_args.version {version}: runs/tiny/version_0 already holds a run "
+        "(checkpoints, config.yaml, events.out.tfevents."
+    ), line
+    assert line.endswith("a fit without --ckpt_path never writes into one; drop the version to start the next free "
+                         "one (--ckpt_path last resumes the newest run of this name in place)")  # fmt: skip
+    assert _runs(workdir) == before
+    assert fit("--trainer.max_steps", "2", "--trainer.logger.init_args.version", "7") == 0  # a version of its own: taken
+    assert (workdir / "runs/tiny/version_7/checkpoints/last.ckpt").is_file()
+
+
 def test_bad_checkpoints_are_one_line(trained, workdir, capsys):
     truncated = workdir / "truncated.ckpt"
     truncated.write_bytes(trained.read_bytes()[: trained.stat().st_size // 2])

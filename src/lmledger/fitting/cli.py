@@ -71,6 +71,7 @@ from lmledger.fitting.resume import (
     ckpt_path_form,
     free_name,
     merge_sharded_hyperparameters,
+    refuse_a_run_pinned_over,
     refuse_checkpoint_code,
     resolve_last,
     resume_run,
@@ -190,6 +191,8 @@ class FitCLI(LightningCLI):
             if not any(arg.startswith("--trainer.logger.init_args.save_dir") for arg in self._argv):
                 config.trainer.logger = False
             return
+        if not config.get("ckpt_path"):
+            refuse_a_run_pinned_over(config)
         resume = resume_run(config, self.subcommand, self.any_model)
         if resume is not None:
             self._resume, self._fresh = resume.line, resume.fresh  # before_fit names a fresh version directory

@@ -37,6 +37,7 @@ __all__ = [
     "ckpt_path_form",
     "free_name",
     "merge_sharded_hyperparameters",
+    "refuse_a_run_pinned_over",
     "refuse_checkpoint_code",
     "resolve_last",
     "resume_run",
@@ -197,6 +198,25 @@ class Resume:
     line: str  # "resuming RUN at step N from FILE", or why nothing is resumed
     fresh: bool = False  # --ckpt_path auto found nothing: the line gets the version directory claimed
     config_filename: str | None = None  # the resumed run's config, saved beside its first
+
+
+def refuse_a_run_pinned_over(config) -> None:
+    """Refuse a fit without --ckpt_path whose logger is pinned (`--trainer.logger.init_args.version 0`) to a version
+    directory that already holds something: Lightning would log, save its config and checkpoints into another run
+    (a second curve in its event files, its last.ckpt replaced). A fresh fit takes a version of its own."""
+    found = _run_dir_of(config)
+    version = found[1].get("version") if found is not None else None
+    if version is None:
+        return
+    run = found[0] / (version if isinstance(version, str) else f"version_{version}")
+    held = sorted(p.name for p in run.iterdir()) if run.is_dir() else []
+    if held:
+        shown = ", ".join(held[:4]) + (", ..." if len(held) > 4 else "")
+        raise UserError(
+            f"--trainer.logger.init_args.version {version}: {run} already holds a run ({shown}), and a fit without "
+            "--ckpt_path never writes into one; drop the version to start the next free one (--ckpt_path last "
+            "resumes the newest run of this name in place)"
+        )
 
 
 def resume_run(config, subcommand: str, any_model: bool) -> Resume | None:
