@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import os
+import re
 import subprocess
 import sys
 import typing
@@ -363,13 +364,16 @@ def test_good_values_next_to_the_bad_ones_are_answered(here, capsys):
     assert (scale.strategy, scale.init_args["bucket_cap_mb"], scale.world_size) == ("ddp", 0.5, 2)
 
 
-# The real CLI, as users run it: the OOM-killed case of issue 28 §2 among them. Started together, waited on together.
+# The real CLI, as users run it: the OOM-killed case of issue 28 §2 among them, and issue 49's stray launcher
+# variables, which Lightning's rank-zero switch reads as it is imported. Started together, waited on together.
 SUBPROCESS_CASES = [
-    ["account", *TINY, "--trainer.devices", "1000000000", "--trainer.strategy", "fsdp2"],
-    ["plan", "max-batch", *TINY, "--gpu", "h100-sxm", "--trainer.strategy", "fsdp3"],
-    ["fit", *TINY, *ONE_STEP, "--trainer.devices", "2.5"],
-    ["plan", "train-time", "--params", "nan", "--tokens", "1e12", "--gpu", "h100-sxm", "--mfu", "0.5"],
+    (["account", *TINY, "--trainer.devices", "1000000000", "--trainer.strategy", "fsdp2"], {}),
+    (["plan", "max-batch", *TINY, "--gpu", "h100-sxm", "--trainer.strategy", "fsdp3"], {}),
+    (["fit", *TINY, *ONE_STEP, "--trainer.devices", "2.5"], {}),
+    (["plan", "train-time", "--params", "nan", "--tokens", "1e12", "--gpu", "h100-sxm", "--mfu", "0.5"], {}),
+    (["fit", *TINY, *ONE_STEP], {"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1"}),  # exit 0, no event file
 ]
+SEED_LINE = re.compile(r"^(\[rank: \d+\] )?Seed set to \d+$")  # Lightning's, with the rank RANK says
 
 
 def test_the_real_cli_refuses_the_same_way(here):
@@ -381,16 +385,17 @@ def test_the_real_cli_refuses_the_same_way(here):
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-            env=env,
+            env={**env, **extra},
         )
-        for argv in SUBPROCESS_CASES
+        for argv, extra in SUBPROCESS_CASES
     ]
     said = []
-    for argv, process in zip(SUBPROCESS_CASES, started, strict=True):
+    for (argv, _), process in zip(SUBPROCESS_CASES, started, strict=True):
         _, err = process.communicate(timeout=300)
-        lines = [line for line in err.splitlines() if line.strip() and not line.startswith("Seed set to ")]
+        lines = [line for line in err.splitlines() if line.strip() and not SEED_LINE.match(line)]
         assert process.returncode == 2 and len(lines) == 1 and "Traceback" not in err, (argv, err[-800:])
         assert lines[0].startswith(f"lmledger {argv[0]}: error: "), lines
         said.append(lines[0])
     assert "world size of 1,000,000,000 ranks, beyond any cluster" in said[0]
+    assert said[4].startswith("lmledger fit: error: this process's launcher variables disagree with --trainer.devices 1")
     assert _tree(here) == before

@@ -57,6 +57,7 @@ from lmledger.fitting.checks import (
     refuse_empty_train_loader,
     refuse_several_optimizers,
 )
+from lmledger.fitting.clusterenv import refuse_stray_launcher
 from lmledger.fitting.peers import (
     PeerFailure,
     PeerWatch,
@@ -179,7 +180,8 @@ class FitCLI(LightningCLI):
         config = self.config[self.subcommand]
         check_accelerator(config.trainer.get("accelerator"))
         check_trainer_config(config.trainer, fp8=config.model.get("fp8"))  # fp8/bf16 need library + hardware
-        check_fit_values(config)
+        scale = check_fit_values(config)
+        refuse_stray_launcher(scale.devices, scale.num_nodes)  # a leftover RANK would make the logger write nothing
         if self.subcommand == "fit":
             check_trains_something(config.trainer)
         self._resume, self._fresh = None, False
@@ -459,7 +461,7 @@ def _without_seed_line():
     weights follow the config's seed); for a parse, or a build for account or plan, the line means nothing."""
 
     def drop(record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith("Seed set to")
+        return "Seed set to" not in record.getMessage()  # "[rank: 1] Seed set to" where RANK says so
 
     seed_log = logging.getLogger("lightning.fabric.utilities.seed")
     seed_log.addFilter(drop)

@@ -1,0 +1,81 @@
+"""The environment a fit meets on a cluster: a launcher's variables.
+
+    refuse_stray_launcher   RANK, WORLD_SIZE, ... that disagree with the trainer's devices and nodes: one line
+
+A launcher's variables outlive it (a shell in a torchrun job, an `salloc` step, a notebook kernel). Lightning
+reads them twice: its rank-zero switch (who logs) takes the first of RANK, LOCAL_RANK, SLURM_PROCID at import,
+while the trainer takes its ranks from the cluster environment it detects. Where the two disagree, a run trains
+and logs nothing, so a disagreement is refused before anything is built (docs/reliability.md).
+"""
+
+from __future__ import annotations
+
+import os
+
+from lmledger.errors import ConfigError
+
+__all__ = ["LAUNCH_VARIABLES", "launch_disagreements", "refuse_stray_launcher"]
+
+# What torchrun, srun and Lightning's own launcher set for the processes they start, that Lightning reads.
+LAUNCH_VARIABLES = (
+    "WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "SLURM_NTASKS", "SLURM_PROCID",
+)  # fmt: skip
+# lightning.fabric.utilities.rank_zero._get_rank: the rank-zero switch's reading, first found wins.
+_RANK_ZERO_KEYS = ("RANK", "LOCAL_RANK", "SLURM_PROCID")
+
+
+def launch_disagreements(devices: int, num_nodes: int, env=os.environ) -> list[str]:
+    """Each launcher variable in `env` that disagrees with a trainer of `devices` x `num_nodes`, in words."""
+    world = devices * num_nodes
+    given = {name: env[name] for name in LAUNCH_VARIABLES if name in env}
+    numbers = {name: int(value) for name, value in given.items() if value.strip().isdigit()}
+    said = [f"{name}={value!r} is not a whole number" for name, value in given.items() if name not in numbers]
+    # Lightning's SLURMEnvironment is detected by SLURM_NTASKS, unless the job is named as interactive.
+    slurm = "SLURM_NTASKS" in env and env.get("SLURM_JOB_NAME") not in ("bash", "interactive")
+    limits = {
+        "WORLD_SIZE": (world, f"a world of {world}"), "LOCAL_WORLD_SIZE": (devices, f"{devices} device(s) a node"),
+        **({"SLURM_NTASKS": (world, f"a world of {world}")} if slurm else {}),
+    }  # fmt: skip
+    for name, (wanted, words) in limits.items():
+        if numbers.get(name, wanted) != wanted:
+            said.append(f"{name}={numbers[name]} where the trainer runs {words}")
+    bounds = {"RANK": (world, f"its world of {world}"), "SLURM_PROCID": (world, f"its world of {world}"),
+              "LOCAL_RANK": (devices, f"its {devices} device(s) a node"),
+              "NODE_RANK": (num_nodes, f"its {num_nodes} node(s)"), "GROUP_RANK": (num_nodes, f"its {num_nodes} node(s)")}  # fmt: skip
+    for name, (bound, words) in bounds.items():
+        if numbers.get(name, 0) >= bound:
+            said.append(f"{name}={numbers[name]} is beyond {words}")
+    claim = next((name for name in _RANK_ZERO_KEYS if name in given), None)
+    flagged = {entry.split("=", 1)[0] for entry in said}
+    if claim is not None and claim not in flagged and numbers[claim] != _trainer_rank(devices, world, numbers, slurm,
+                                                                                      env):  # fmt: skip
+        said.append(
+            f"{claim}={numbers[claim]} makes Lightning log as rank {numbers[claim]} a process the trainer runs as "
+            f"rank {_trainer_rank(devices, world, numbers, slurm, env)}, so nothing would be logged"
+        )
+    return said
+
+
+def _trainer_rank(devices: int, world: int, numbers: dict[str, int], slurm: bool, env) -> int:
+    """The global rank Lightning's trainer gives this process, from the cluster environment it would detect."""
+    if world == 1:
+        return 0  # a single-device strategy is rank 0, whatever the environment says
+    if slurm:
+        return numbers.get("SLURM_PROCID", 0)
+    if "TORCHELASTIC_RUN_ID" in env:  # TorchElasticEnvironment: RANK itself
+        return numbers.get("RANK", 0)
+    node = numbers.get("NODE_RANK", numbers.get("GROUP_RANK", 0))  # LightningEnvironment
+    return node * devices + numbers.get("LOCAL_RANK", 0)
+
+
+def refuse_stray_launcher(devices: int, num_nodes: int, env=os.environ) -> None:
+    """One line, before anything is built, when a launcher's variables disagree with the trainer (module doc)."""
+    said = launch_disagreements(devices, num_nodes, env)
+    if not said:
+        return
+    present = " ".join(name for name in LAUNCH_VARIABLES if name in env)
+    raise ConfigError(
+        f"this process's launcher variables disagree with --trainer.devices {devices} x --trainer.num_nodes "
+        f"{num_nodes}: {'; '.join(said)}. Left over from a launcher (a torchrun or srun shell, a notebook kernel)? "
+        f"`unset {present}`; under a launcher, give the devices and nodes it starts"
+    )
