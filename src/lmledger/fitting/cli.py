@@ -57,8 +57,9 @@ from lmledger.fitting.checks import (
     refuse_empty_train_loader,
     refuse_several_optimizers,
 )
-from lmledger.fitting.clusterenv import refuse_stray_launcher
+from lmledger.fitting.clusterenv import refuse_stray_launcher, store_of_this_attempt
 from lmledger.fitting.peers import (
+    PEER_TIMEOUT,
     PeerFailure,
     PeerWatch,
     close_process_group,
@@ -281,6 +282,7 @@ class FitCLI(LightningCLI):
                 callback.config_filename = free_name(run, "config-resumed")
 
     def before_fit(self) -> None:
+        store_of_this_attempt(getattr(self.trainer.strategy, "_timeout", None) or PEER_TIMEOUT)  # torchrun restarts
         self._check_checkpoint()
         if self.any_model:
             refuse_several_optimizers(self.model, self.trainer)
@@ -299,6 +301,7 @@ class FitCLI(LightningCLI):
                         logger.experiment.add_text("slurm", slurm_line(), global_step=restart)
 
     def before_validate(self) -> None:
+        store_of_this_attempt(getattr(self.trainer.strategy, "_timeout", None) or PEER_TIMEOUT)
         self._check_checkpoint()
         self._claim_run_dir_or_say_why()
 
