@@ -115,8 +115,10 @@ def _per_rank_batch(result: dict, spec, capacity: int, fit_args: list[str]) -> N
         result["tokens_per_step"] = case.max_batch * spec.seq_len
         result["peak_bytes"] = case.answer_peak(capacity)
     elif spec.tensor_parallel > 1:  # the closed forms' answer stands elsewhere; they model no TP
-        why = case.not_predicted if case is not None and case.not_predicted else (
-            "its dry run covers checkpointing of every block or none" if case is None else "its peak is unchecked")
+        if case is None:
+            why = "its dry run covers checkpointing of every block or none"
+        else:
+            why = case.not_predicted or "its peak is unchecked"
         raise UserError(f"no largest batch for tensor_parallel_size {spec.tensor_parallel}: the closed forms do not "
                         f"model tensor parallelism, and the per-rank dry run cannot answer ({why})")  # fmt: skip
 

@@ -47,7 +47,7 @@ def agreeing_launches(devices: int, nodes: int) -> list[dict[str, str]]:
     for rank in range(world):
         node, local = divmod(rank, devices)
         out.append({"TORCHELASTIC_RUN_ID": "j", "RANK": str(rank), "LOCAL_RANK": str(local), "GROUP_RANK": str(node),
-                    "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(devices)})  # torchrun
+                    "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(devices)})  # torchrun  # fmt: skip
         out.append({"SLURM_NTASKS": str(world), "SLURM_PROCID": str(rank), "SLURM_JOB_NAME": "job"})  # srun
         # Lightning's own launcher: its children (rank 0 has none of these), under a plain sbatch step or not
         children = {"LOCAL_RANK": str(local), "NODE_RANK": str(node), "WORLD_SIZE": str(world)} if local else {}

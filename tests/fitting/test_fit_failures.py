@@ -463,7 +463,8 @@ def test_a_fresh_fit_pinned_into_a_finished_run_is_refused(trained, workdir, cap
     assert line.endswith("a fit without --ckpt_path never writes into one; drop the version to start the next free "
                          "one (--ckpt_path last resumes the newest run of this name in place)")  # fmt: skip
     assert _runs(workdir) == before
-    assert fit("--trainer.max_steps", "2", "--trainer.logger.init_args.version", "7") == 0  # a version of its own: taken
+    # a version of its own is taken
+    assert fit("--trainer.max_steps", "2", "--trainer.logger.init_args.version", "7") == 0
     assert (workdir / "runs/tiny/version_7/checkpoints/last.ckpt").is_file()
 
 

@@ -349,7 +349,9 @@ _UNION_ERROR = re.compile(
     r"\[(?P<types>[^\]]*)\].*Given value:\s?(?P<value>.*)$"
 )
 # ... and of an argument of a class given as `--key.name value` (a NestedArg), e.g. a strategy's init argument.
-_NESTED = re.compile(r"""^Parser key "(?P<key>[^"]+)":.* Given value: NestedArg\(key='(?P<name>[^']*)', val=(?P<value>.*)\)$""")
+_NESTED = re.compile(
+    r"""^Parser key "(?P<key>[^"]+)":.* Given value: NestedArg\(key='(?P<name>[^']*)', val=(?P<value>.*)\)$"""
+)
 _CLASS_REFUSED = re.compile(r"Problem with given class_path '(?P<cls>[^']+)': (?P<why>.*?) Given value")
 _A_NAME = re.compile(r"Expected a dot import path string: (?P<name>\S+)")
 
@@ -377,7 +379,9 @@ def _wanted(types: str) -> str:
     words = []
     for name in names:
         literal = re.fullmatch(r"typing\.Literal\[(.*)\]", name)
-        words.append("null" if name == "NoneType" else literal[1] if literal else f"a{'n' * (name[:1] in 'aeiou')} {name}")
+        words.append(
+            "null" if name == "NoneType" else literal[1] if literal else f"a{'n' * (name[:1] in 'aeiou')} {name}"
+        )
     return " or ".join(words)
 
 

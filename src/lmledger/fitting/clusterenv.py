@@ -44,19 +44,19 @@ def launch_disagreements(devices: int, num_nodes: int, env=os.environ) -> list[s
     for name, (wanted, words) in limits.items():
         if numbers.get(name, wanted) != wanted:
             said.append(f"{name}={numbers[name]} where the trainer runs {words}")
-    bounds = {"RANK": (world, f"its world of {world}"), "SLURM_PROCID": (world, f"its world of {world}"),
-              "LOCAL_RANK": (devices, f"its {devices} device(s) a node"),
-              "NODE_RANK": (num_nodes, f"its {num_nodes} node(s)"), "GROUP_RANK": (num_nodes, f"its {num_nodes} node(s)")}  # fmt: skip
+    ranks, nodes = (world, f"its world of {world}"), (num_nodes, f"its {num_nodes} node(s)")
+    local = (devices, f"its {devices} device(s) a node")
+    bounds = {"RANK": ranks, "SLURM_PROCID": ranks, "LOCAL_RANK": local, "NODE_RANK": nodes, "GROUP_RANK": nodes}
     for name, (bound, words) in bounds.items():
         if numbers.get(name, 0) >= bound:
             said.append(f"{name}={numbers[name]} is beyond {words}")
     claim = next((name for name in _RANK_ZERO_KEYS if name in given), None)
-    flagged = {entry.split("=", 1)[0] for entry in said}
-    if claim is not None and claim not in flagged and numbers[claim] != _trainer_rank(devices, world, numbers, slurm,
-                                                                                      env):  # fmt: skip
+    flagged = {entry.split("=", 1)[0] for entry in said}  # a claim already out of range is said once
+    rank = _trainer_rank(devices, world, numbers, slurm, env)
+    if claim is not None and claim not in flagged and numbers[claim] != rank:
         said.append(
             f"{claim}={numbers[claim]} makes Lightning log as rank {numbers[claim]} a process the trainer runs as "
-            f"rank {_trainer_rank(devices, world, numbers, slurm, env)}, so nothing would be logged"
+            f"rank {rank}, so nothing would be logged"
         )
     return said
 
