@@ -77,6 +77,26 @@ def test_every_combination_that_disagrees_is_named_and_every_launch_that_agrees_
     assert launch_disagreements(devices, nodes, {"SLURM_NTASKS": "99", "SLURM_JOB_NAME": "interactive"}) == []
 
 
+def test_devices_auto_on_a_gpu_counts_this_machines_gpus(monkeypatch):
+    """`--trainer.devices auto` on a GPU is every GPU here to Lightning (planning reads it as 1): torchrun's
+    8 workers on an 8-GPU node agree with it, and a stray RANK still does not."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from lmledger.fitting.trainerscale import resolve_strategy
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    scale = resolve_strategy(SimpleNamespace(accelerator="gpu", devices="auto", num_nodes=1, strategy="ddp"))
+    assert (scale.devices, scale.devices_here()) == (1, 8)
+    torchrun = {"TORCHELASTIC_RUN_ID": "j", "RANK": "5", "LOCAL_RANK": "5", "GROUP_RANK": "0", "WORLD_SIZE": "8",
+                "LOCAL_WORLD_SIZE": "8"}  # fmt: skip
+    assert launch_disagreements(scale.devices_here(), 1, torchrun) == []
+    assert launch_disagreements(scale.devices_here(), 1, {**torchrun, "WORLD_SIZE": "16"})
+    cpu = resolve_strategy(SimpleNamespace(accelerator="cpu", devices="auto", num_nodes=1, strategy="ddp"))
+    assert cpu.devices_here() == 1  # Lightning's auto on a CPU: one process
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, stdlib_data):
     """A working directory with one short run's checkpoint, for validate."""

@@ -114,7 +114,7 @@ def _account_command(*fit_args: str, measure: bool = False, json: bool = False) 
         raise UserError("account needs --config FILE (e.g. configs/tiny.yaml) or --model CLASS_PATH")
     scale = trainer_scale(rest) if named or measure else None  # refuses what fit refuses, in its words
     if measure:  # real steps here, as a fit's: a launcher's leftover RANK is refused as fit refuses it
-        refuse_stray_launcher(scale.devices, scale.num_nodes)
+        refuse_stray_launcher(scale.devices_here(), scale.num_nodes)
     if named and not measure and at_scale(scale.world_size, scale.strategy):
         result = any_model_at_scale(rest)
     elif named:

@@ -182,7 +182,7 @@ class FitCLI(LightningCLI):
         check_accelerator(config.trainer.get("accelerator"))
         check_trainer_config(config.trainer, fp8=config.model.get("fp8"))  # fp8/bf16 need library + hardware
         scale = check_fit_values(config)
-        refuse_stray_launcher(scale.devices, scale.num_nodes)  # a leftover RANK would make the logger write nothing
+        refuse_stray_launcher(scale.devices_here(), scale.num_nodes)  # a leftover RANK: the logger would write nothing
         if self.subcommand == "fit":
             check_trains_something(config.trainer)
         self._resume, self._fresh = None, False
