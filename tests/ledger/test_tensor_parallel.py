@@ -223,6 +223,13 @@ def test_account_takes_the_2d_shape(workdir, capsys):
 
     doc = account(*TP2)
     both, fsdp = doc["per_rank"], account("--trainer.strategy", "fsdp2")["per_rank"]
+    # A sweep's listing accounts the Run without the fit's arguments: the Run's TP size shapes the same mesh.
+    from lmledger.accounting import account as account_run
+    from lmledger.run_config import load_run
+
+    listed = account_run(load_run(["--config", "configs/tiny.yaml", "--trainer.devices", "4", *TP2]), False)
+    assert listed["per_rank"].tensor_parallel == 2
+    assert listed["memory"]["params"]["predicted"] == doc["memory"]["params"]["predicted"]
     # Issue 49 §2: the closed forms (no TP in them) showed the whole model over 4 ranks; now absent, and said why.
     for line in ("params", "activations", "peak"):
         assert doc["memory"][line]["closed_form"] is None and doc["memory"][line]["predicted"] > 0, line

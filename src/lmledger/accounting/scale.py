@@ -50,11 +50,12 @@ def add_per_rank(result: dict, spec: Run, argv: list[str]) -> None:
 def per_rank(spec: Run, capacity_bytes: int | None = None, argv: list[str] = ()) -> AtScale:
     """ledger.sharding.atscale.toy_at_scale with account's case names: checkpointing off and on.
 
-    The strategy's settings come from the fit arguments `argv` (_scale_settings; none without them)."""
+    The strategy's settings come from the fit arguments `argv` (_scale_settings); without them (a sweep's
+    listing), from the Run, which holds the tensor-parallel size."""
     from lmledger.ledger.sharding.atscale import toy_at_scale
 
     scale = trainer_scale(argv) if argv else None
-    settings = {**_scale_settings(scale), "links": scale_links(argv, scale)} if argv else {}
+    settings = {**_scale_settings(scale), "links": scale_links(argv, scale)} if argv else _scale_settings(spec)
     return toy_at_scale(spec, capacity_bytes, labels=AC_LABELS, **settings)
 
 
@@ -86,7 +87,8 @@ def scale_links(argv: list[str], scale):
 
 
 def _scale_settings(scale, module=None) -> dict:
-    """The keyword arguments at_scale takes from the strategy's init_args (a run_config.TrainerScale's).
+    """The keyword arguments at_scale takes from the strategy's init_args (a run_config.TrainerScale's, or a Run's,
+    which has none).
 
     DDP's bucket settings: DDPStrategy passes them through to torch's DDP.
     A ModelParallelStrategy with tensor_parallel_size > 1 is FSDP2 x TP on a (data_parallel x tensor_parallel)
@@ -100,7 +102,7 @@ def _scale_settings(scale, module=None) -> dict:
 
         shard = replay_configure_model if module is not None and hasattr(module, "configure_model") else None
         return {"fsdp": FSDPSettings(tensor_parallel=tensor_parallel, shard=shard)}
-    return {"ddp": DDPSettings.from_kwargs(scale.init_args)} if scale.strategy == "ddp" else {}
+    return {"ddp": DDPSettings.from_kwargs(getattr(scale, "init_args", {}))} if scale.strategy == "ddp" else {}
 
 
 def at_scale(world_size: int, strategy: str) -> bool:
