@@ -132,13 +132,19 @@ def _per_rank_batch(result: dict, spec, capacity: int, fit_args: list[str]) -> N
     It comes from one rank's dry run (ledger.sharding.sharded) at the config's world size and strategy.
     The config's own case (every block checkpointed, or none) then answers max_batch."""
     result["per_rank"] = per_rank(spec, capacity, fit_args)
-    if spec.config.activation_checkpointing not in (0, 1):
-        return
-    case = result["per_rank"].cases[AC_LABELS[spec.config.activation_checkpointing]]
-    if case.not_predicted is None and case.peak_checked and case.max_batch is not None:
+    checkpointing = spec.config.activation_checkpointing
+    case = result["per_rank"].cases[AC_LABELS[checkpointing]] if checkpointing in (0, 1) else None
+    if case is not None and case.not_predicted is None and case.peak_checked and case.max_batch is not None:
         result["max_batch"] = case.max_batch
         result["tokens_per_step"] = case.max_batch * spec.seq_len
         result["peak_bytes"] = case.answer_peak(capacity)
+    elif spec.tensor_parallel > 1:  # the closed forms' answer stands elsewhere; they model no TP
+        if case is None:
+            why = "its dry run covers checkpointing of every block or none"
+        else:
+            why = case.not_predicted or "its peak is unchecked"
+        raise UserError(f"no largest batch for tensor_parallel_size {spec.tensor_parallel}: the closed forms do not "
+                        f"model tensor parallelism, and the per-rank dry run cannot answer ({why})")  # fmt: skip
 
 
 def _max_batch_any_model(fit_args: list[str], capacity: int, gpu_key: str | None) -> tuple[dict, int, bool]:

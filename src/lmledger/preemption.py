@@ -26,7 +26,6 @@ __all__ = [
     "Preempted",
     "PreemptionCheckpoint",
     "elastic_line",
-    "elastic_restart_warning",
     "elastic_run_id",
     "noted_stop_signals",
     "run_key",
@@ -102,28 +101,6 @@ def elastic_line(env=None) -> str | None:
     )
     shared = "; torchrun's default --rdzv-id, which every torchrun without one shares" if run == "none" else ""
     return f"torchrun run {run} (TORCHELASTIC_RUN_ID{shared}), {restarts}"
-
-
-def elastic_restart_warning(env=None) -> str | None:
-    """A line when torchrun's restarts across nodes will hang: None when they will not.
-
-    torch 2.13's c10d rendezvous shares its agent's TCPStore with the workers
-    (TORCHELASTIC_USE_AGENT_STORE=True). The store outlives a restart and keeps the dead attempt's gloo/NCCL
-    addresses. Agents count restarts each for their own, so the attempts cannot be told apart, and the
-    restarted ranks dial the dead ones (pytorch/pytorch#135712; measured here 2026-12-01: rank 0 waited
-    6 minutes, with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 it resumed in seconds).
-    """
-    env = os.environ if env is None else env
-    nodes = env.get("GROUP_WORLD_SIZE") or "1"
-    if elastic_run_id(env) is None or env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return None
-    if (env.get("TORCHELASTIC_MAX_RESTARTS") or "0") == "0" or nodes == "1":
-        return None
-    return (
-        f"warning: torchrun shares its rendezvous store with the workers of these {nodes} nodes, and a restart "
-        "then hangs on the dead attempt's addresses (pytorch/pytorch#135712): launch torchrun with "
-        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment"
-    )
 
 
 def _slurm_job_state(job: str) -> str | None:

@@ -42,10 +42,14 @@ def load_run(argv: list[str]) -> Run:
     return run_from_config(parse_fit_config(argv))
 
 
-def run_from_config(config) -> Run:
-    """The Run of a parsed `fit` config (a jsonargparse Namespace, as parse_fit_config returns)."""
-    from lmledger.data import check_data_values  # TokenDataModule's own check, as fit builds it
+def run_from_config(config, scale: TrainerScale | None = None) -> Run:
+    """The Run of a parsed `fit` config (a jsonargparse Namespace, as parse_fit_config returns).
 
+    `scale`: the config's check_fit_values, where the caller has it already (else it is made here)."""
+    from lmledger.data import check_data_values  # TokenDataModule's own check, as fit builds it
+    from lmledger.fitting.checks import check_fit_values  # imports Lightning
+
+    scale = scale or check_fit_values(config)  # fit's own checks of the config's values, in its words, in its order
     data = config.data
     check_data_values(data.batch_size, data.context_length, data.num_workers, data.seed, data.val_batches)
     model_fields = {f.name for f in fields(ModelConfig)}
@@ -57,7 +61,6 @@ def run_from_config(config) -> Run:
 
         model_args["vocab_size"] = load_meta(config.data.path)["vocab_size"]
     trainer = config.trainer
-    scale = resolve_strategy(trainer, config.model)
     precision, weights_dtype = requested_precision(trainer)
     return Run(
         config=ModelConfig(**model_args),
@@ -68,6 +71,7 @@ def run_from_config(config) -> Run:
         optimizer=config.model.optimizer,
         strategy=scale.strategy,
         world_size=scale.world_size,
+        tensor_parallel=scale.tensor_parallel,
         device=predicted_device(trainer.accelerator),
         fp8=config.model.get("fp8"),
         compiled=bool(config.model.get("compile")),

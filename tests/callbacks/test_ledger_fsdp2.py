@@ -47,6 +47,9 @@ class DumpLedger(pl.Callback):
         figures = {
             "predicted": {n: report.primary.get(n) for n in lines} if report.primary else None,
             "measured": {n: report.measured.get(n) for n in lines} if report.measured else None,
+            "closed_form": {n: closed.get(n) for n in lines}
+            if (closed := report.predicted.get("closed form"))
+            else None,
             "why_not_predicted": ledger.why_not_predicted,
             "rank": trainer.global_rank,
         }

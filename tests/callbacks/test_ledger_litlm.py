@@ -271,7 +271,7 @@ def test_cli_fit_keeps_the_ledger_and_refuses_what_cannot_fit(workdir, capsys):
     scalars = read_scalars(workdir / "runs/tiny/version_0")
     assert 0 < last(scalars, "perf/mfu") <= 1 and "memory/measured/activations" in scalars
 
-    for budget, expected in (("0.004", r"--data\.batch_size (\d+) fits \(now 8\)"), ("0", r"must be positive")):
+    for budget, expected in (("0.004", r"--data\.batch_size (\d+) fits \(now 8\)"), ("0", r"must be at least 1e-9 GB")):
         capsys.readouterr()
         assert lmledger([*fit_args, "--ledger.device_memory_gb", budget]) == 2
         errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]

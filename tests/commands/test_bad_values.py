@@ -19,12 +19,14 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import os
+import re
 import subprocess
 import sys
 import typing
 from pathlib import Path
 
 import pytest
+import yaml
 
 from lmledger import cli
 from lmledger.commands.argparser import ArgumentParser, add_function_arguments
@@ -124,13 +126,23 @@ def _argparse_cases() -> list:
             if action.nargs == 0 or action.dest == "help":
                 continue  # a bare flag (--json) takes no value
             flag = action.option_strings[-1] if action.option_strings else None
-            for label, value in _bad_values(_value_kind(action), action.choices).items():
+            values = {**_bad_values(_value_kind(action), action.choices), **EXTRA_BAD.get((words, flag), {})}
+            for label, value in values.items():
                 cases.append(pytest.param(words, flag, value, id=f"{' '.join(words)} {flag or action.dest} {label}"))
     return cases
 
 
+# Bad values of a flag beyond its type's kinds (issue 49 §3): a memory under one byte; more CPUs than any node has
+# (the stand-in sinfo's nodes: here()), which only a sweep launched (not --dry-run) asks SLURM about.
+EXTRA_BAD = {
+    (("plan", "max-batch"), "--device-memory-gb"): {"tiny": "1e-12"},
+    (("sweep",), "--cpus-per-task"): {"beyond every node": "64"},
+}
+LAUNCHED = {("sweep", "--cpus-per-task", "64")}
+
+
 def _with_value(words: tuple[str, ...], flag: str | None, value: str) -> list[str]:
-    base = list(BASES[words])
+    base = [a for a in BASES[words] if a != "--dry-run" or (*words, flag, value) not in LAUNCHED]
     if flag is None:  # a positional: the first base word that is not a flag
         return [*words, value, *base[1:]]
     aliases = {flag, *(["--ledger.device_memory_gb"] if flag == "--device-memory-gb" else [])}
@@ -181,6 +193,26 @@ def _fit_cases() -> list[tuple[str, str, list[str]]]:
         ("model.optimizer", "adamx"),
     ):
         cases += [(key, "typo", [f"--{key}", typo]), (key, "empty", [f"--{key}", ""])]
+    # Issue 49 §2-3: what planning read without fit's checks (accumulation, clipping, the ledger's links and memory
+    # cap), and tensor-parallel sizes fit cannot run (given to a strategy that takes none, or not a whole number).
+    for label, value in _bad_values(int).items():
+        if label != "huge":  # any number of micro-batches is one fit accumulates
+            cases.append(("trainer.accumulate_grad_batches", label, ["--trainer.accumulate_grad_batches", value]))
+    for label, value in _bad_values(float).items():
+        if label != "zero":  # 0: no clipping
+            cases.append(("trainer.gradient_clip_val", label, ["--trainer.gradient_clip_val", value]))
+    tp = ["--trainer.strategy", "lmledger.strategies.FSDP2Strategy", "--trainer.strategy.tensor_parallel_size"]
+    for label, value in {**_bad_values(int), "fraction": "1.5"}.items():
+        cases.append(("trainer.strategy.tensor_parallel_size", label, ["--trainer.devices", "2", *tp, value]))
+    cases.append(("trainer.strategy.tensor_parallel_size", "more than the heads", ["--trainer.devices", "8", *tp, "8"]))
+    for name in ("ddp", "fsdp2", "auto"):  # a registered name (or the default) takes no arguments
+        named = ["--trainer.devices", "2", "--trainer.strategy", name, "--trainer.strategy.tensor_parallel_size", "2"]
+        cases.append(("trainer.strategy.tensor_parallel_size", f"under {name}", named))
+    for key, other_scope in (("ledger.intra_node", "ib-ndr"), ("ledger.inter_node", "nvlink4")):
+        for label, value in {"empty": "", "typo": "nvlink9", "other scope": other_scope, "zero": "0GB/s"}.items():
+            cases.append((key, label, [f"--{key}", value]))
+    for label, value in {**_bad_values(float), "tiny": "1e-12"}.items():
+        cases.append(("ledger.device_memory_gb", label, ["--ledger.device_memory_gb", value]))
     return cases
 
 
@@ -205,8 +237,15 @@ def here(tmp_path_factory, stdlib_data):
     run = root / "runs" / "tiny" / "version_0"
     run.mkdir(parents=True)
     (run / "config.yaml").write_text("a run already here\n", encoding="utf-8")
+    # SLURM's tools, standing in (outside the tree compared): 2-CPU nodes; an sbatch a refusal must never reach.
+    tools = tmp_path_factory.mktemp("slurm-stand-ins")
+    for name, script in (("sinfo", 'printf "2 debug*\\n2 debug*\\n"'), ("squeue", "exit 0"),
+                         ("sbatch", "echo 'stand-in sbatch reached' >&2; exit 1")):  # fmt: skip
+        (tools / name).write_text(f"#!/bin/sh\n{script}\n")
+        (tools / name).chmod(0o755)
     with pytest.MonkeyPatch.context() as patch:
         patch.chdir(root)
+        patch.setenv("PATH", f"{tools}{os.pathsep}{os.environ['PATH']}")
         yield root
 
 
@@ -222,8 +261,9 @@ def _tree(root: Path) -> dict[str, tuple[int, int]]:
     return out
 
 
-def _refused(capfd, root: Path, argv: list[str]) -> str:
-    """Run `lmledger ARGV` in-process; assert exit 2, one line on stderr, no traceback, nothing written. The line."""
+def _refused(capfd, root: Path, argv: list[str], printed: list[str] | None = None) -> str:
+    """Run `lmledger ARGV` in-process; assert exit 2, one line on stderr, no traceback, nothing written. The line
+    (and what it printed on stdout, appended to `printed`)."""
     before = _tree(root)
     capfd.readouterr()
     try:
@@ -231,6 +271,8 @@ def _refused(capfd, root: Path, argv: list[str]) -> str:
     except SystemExit as stop:  # argparse's --help, or anything that exits by itself
         code = stop.code
     out, err = capfd.readouterr()
+    if printed is not None:
+        printed.append(out)
     # LightningCLI logs the seed as it parses a fit's config, before any check: its line is not the refusal's.
     lines = [line for line in err.splitlines() if line.strip() and not line.startswith("Seed set to ")]
     assert code == 2, f"{argv}: exit {code}, stdout {out[-300:]!r}, stderr {err[-600:]!r}"
@@ -242,15 +284,20 @@ def _refused(capfd, root: Path, argv: list[str]) -> str:
 @pytest.mark.parametrize(("words", "flag", "value"), _argparse_cases())
 def test_every_flag_of_every_argparse_command_refuses_its_bad_values(here, capfd, words, flag, value):
     line = _refused(capfd, here, _with_value(words, flag, value))
-    assert line.startswith(f"lmledger {words[0]}: error: ")
+    assert line.startswith(f"lmledger {words[0]}: error: ") and "stand-in sbatch reached" not in line, line
 
 
 # A value the LightningCLI parser itself refuses (by the flag's type) is the one parser's refusal for every
 # command: each such case runs one command, in turn. A value the kit's checks refuse runs `fit` and a planning
 # command (account and plan max-batch in turn), whose lines must agree word for word. (Each in-process command
 # costs about 0.33 s of CPU, its LightningCLI parser built and run: the whole cross product would take minutes.)
-PARSER_LEVEL = ("nan", "string", "empty")
+PARSER_LEVEL = ("nan", "string", "empty", "fraction")
 COMMANDS = (["fit"], *PLANNING.values())
+# Fit arguments whose strings the kit's checks read (a string is not refused by the parser there).
+KIT_READ_STRINGS = ("trainer.devices", "trainer.num_nodes", "trainer.strategy", "trainer.strategy.bucket_cap_mb",
+                    "trainer.precision", "trainer.accelerator", "ledger.intra_node", "ledger.inter_node")  # fmt: skip
+# plan max-batch takes --ledger.device_memory_gb as its own flag, beside --gpu: account plans those.
+ACCOUNT_ONLY = ("ledger.device_memory_gb",)
 
 
 # Strings the parser takes whatever they say; ModelConfig's own check refuses a bad one (the choices listed).
@@ -258,8 +305,7 @@ KIT_CHECKED_STRINGS = {f"model.config.{name}" for name in ARCHITECTURE_CHOICES}
 
 
 def _is_parser_level(flag: str, label: str) -> bool:
-    # devices, strategy: strings the kit reads
-    return label in PARSER_LEVEL and not flag.startswith("trainer.") and flag not in KIT_CHECKED_STRINGS
+    return label in PARSER_LEVEL and flag not in KIT_READ_STRINGS and flag not in KIT_CHECKED_STRINGS
 
 
 @pytest.mark.parametrize(
@@ -269,12 +315,12 @@ def _is_parser_level(flag: str, label: str) -> bool:
 )
 def test_fit_account_and_plan_refuse_a_bad_fit_value_in_the_same_words(here, capfd, index, flag, label, extra):
     if _is_parser_level(flag, label):
-        words = COMMANDS[index % 3]
+        words = COMMANDS[index % 3] if flag not in ACCOUNT_ONLY else COMMANDS[index % 2]
         line = _refused(capfd, here, [*words, *TINY, *(ONE_STEP if words == ["fit"] else []), *extra])
         assert line.startswith(f"lmledger {words[0]}: error: ") and flag in line, line
         return
     said = _refused(capfd, here, ["fit", *TINY, *ONE_STEP, *extra]).removeprefix("lmledger fit: error: ")
-    words = list(PLANNING.values())[index % 2]
+    words = PLANNING["account"] if flag in ACCOUNT_ONLY else list(PLANNING.values())[index % 2]
     line = _refused(capfd, here, [*words, *TINY, *extra])
     assert line == f"lmledger {words[0]}: error: {said}", (line, said)
 
@@ -291,6 +337,28 @@ def test_a_tensor_parallel_strategy_fit_refuses_is_refused_by_planning_in_its_wo
     assert "tensor_parallel_size 2" in said
     for words in PLANNING.values():
         assert _refused(capfd, here, [*words, *TINY, *extra]) == f"lmledger {words[0]}: error: {said}"
+
+
+def test_every_planner_refuses_a_tensor_parallel_size_the_heads_do_not_divide_in_fits_words(here, capfd):
+    """Issue 49 §2: tiny.yaml's 4 heads over tensor_parallel_size 8. account exited 0 with a closed form of the whole
+    model over 8 ranks beside a dry run that said "not predicted"; fit cannot run it. Every planner reads the config
+    through fit's check: account and plan max-batch (the matrix above), plan train-time --config and sweep --plan,
+    which read it from a file."""
+    tp8 = {"devices": 8, "strategy": {"class_path": "lmledger.strategies.FSDP2Strategy",
+                                       "init_args": {"tensor_parallel_size": 8}}}  # fmt: skip
+    config = yaml.safe_load((REPO / "configs" / "tiny.yaml").read_text())
+    config["trainer"].update(tp8)
+    (here / "tp8.yaml").write_text(yaml.safe_dump(config))
+    experiment = {"name": "tp8", "command": "account", "configs": ["tp8.yaml"], "grid": {"data.batch_size": [16]}}
+    (here / "tp8-sweep.yaml").write_text(yaml.safe_dump(experiment))
+    said = _refused(capfd, here, ["fit", "--config", "tp8.yaml", *ONE_STEP]).removeprefix("lmledger fit: error: ")
+    assert said.startswith("n_heads 4 does not divide by tensor_parallel_size 8"), said
+    for words in (["account"], ["plan", "max-batch", "--gpu", "h100-sxm"], ["plan", "train-time", "--tokens", "1e9"]):
+        assert _refused(capfd, here, [*words, "--config", "tp8.yaml"]) == f"lmledger {words[0]}: error: {said}"
+    listing: list[str] = []
+    line = _refused(capfd, here, ["sweep", "tp8-sweep.yaml", "--plan"], listing)
+    assert line.startswith("lmledger sweep: error: 1 of 1 points have bad arguments"), line
+    assert f"fail: {said}" in listing[0], listing  # the point's row: fit's words
 
 
 def test_fsdp2_on_a_module_without_configure_model_is_refused_by_fit_and_planning(here, capfd):
@@ -320,13 +388,16 @@ def test_good_values_next_to_the_bad_ones_are_answered(here, capsys):
     assert (scale.strategy, scale.init_args["bucket_cap_mb"], scale.world_size) == ("ddp", 0.5, 2)
 
 
-# The real CLI, as users run it: the OOM-killed case of issue 28 §2 among them. Started together, waited on together.
+# The real CLI, as users run it: the OOM-killed case of issue 28 §2 among them, and issue 49's stray launcher
+# variables, which Lightning's rank-zero switch reads as it is imported. Started together, waited on together.
 SUBPROCESS_CASES = [
-    ["account", *TINY, "--trainer.devices", "1000000000", "--trainer.strategy", "fsdp2"],
-    ["plan", "max-batch", *TINY, "--gpu", "h100-sxm", "--trainer.strategy", "fsdp3"],
-    ["fit", *TINY, *ONE_STEP, "--trainer.devices", "2.5"],
-    ["plan", "train-time", "--params", "nan", "--tokens", "1e12", "--gpu", "h100-sxm", "--mfu", "0.5"],
+    (["account", *TINY, "--trainer.devices", "1000000000", "--trainer.strategy", "fsdp2"], {}),
+    (["plan", "max-batch", *TINY, "--gpu", "h100-sxm", "--trainer.strategy", "fsdp3"], {}),
+    (["fit", *TINY, *ONE_STEP, "--trainer.devices", "2.5"], {}),
+    (["plan", "train-time", "--params", "nan", "--tokens", "1e12", "--gpu", "h100-sxm", "--mfu", "0.5"], {}),
+    (["fit", *TINY, *ONE_STEP], {"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1"}),  # exit 0, no event file
 ]
+SEED_LINE = re.compile(r"^(\[rank: \d+\] )?Seed set to \d+$")  # Lightning's, with the rank RANK says
 
 
 def test_the_real_cli_refuses_the_same_way(here):
@@ -338,16 +409,17 @@ def test_the_real_cli_refuses_the_same_way(here):
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-            env=env,
+            env={**env, **extra},
         )
-        for argv in SUBPROCESS_CASES
+        for argv, extra in SUBPROCESS_CASES
     ]
     said = []
-    for argv, process in zip(SUBPROCESS_CASES, started, strict=True):
+    for (argv, _), process in zip(SUBPROCESS_CASES, started, strict=True):
         _, err = process.communicate(timeout=300)
-        lines = [line for line in err.splitlines() if line.strip() and not line.startswith("Seed set to ")]
+        lines = [line for line in err.splitlines() if line.strip() and not SEED_LINE.match(line)]
         assert process.returncode == 2 and len(lines) == 1 and "Traceback" not in err, (argv, err[-800:])
         assert lines[0].startswith(f"lmledger {argv[0]}: error: "), lines
         said.append(lines[0])
     assert "world size of 1,000,000,000 ranks, beyond any cluster" in said[0]
+    assert said[4].startswith("lmledger fit: error: this process's launcher variables disagree with --trainer.")
     assert _tree(here) == before

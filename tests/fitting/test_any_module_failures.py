@@ -232,6 +232,32 @@ class NoBatches(pl.LightningDataModule):
         return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(0, 8, dtype=torch.long)))
 
 
+class NoParameters(pl.LightningModule):
+    """Issue 49 §3: a module with nothing to train, whose configure_optimizers is the usual one line."""
+
+    def training_step(self, batch, batch_idx):
+        return batch[0].float().mean().requires_grad_()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("words", [["fit"], ["account"], ["plan", "max-batch", "--gpu", "h100-sxm"]])
+def test_a_module_with_no_parameters_is_one_line_naming_it(workdir, capsys, words):
+    """fit ended in torch's traceback ("optimizer got an empty parameter list"); account and plan reach the same
+    call in their dry run."""
+    before = files_under(workdir)
+    args = [*words, "--model", f"{__name__}.NoParameters", *SMALL_DATA, *QUIET, "--trainer.max_steps", "2"]
+    assert lmledger(args) == 2
+    line = one_error_line(capsys, words[0])
+    assert line.endswith(
+        "NoParameters.configure_optimizers builds an optimizer over no parameters (torch: optimizer got an empty "
+        "parameter list): NoParameters holds no parameters (no layer with weights, no nn.Parameter); give the module "
+        "something to train, or return None from configure_optimizers"
+    ), line
+    assert files_under(workdir) == before and not (workdir / "runs").exists()
+
+
 def test_two_optimizers_under_automatic_optimization_are_one_line(workdir, capsys):
     args = ["fit", "--model", f"{__name__}.TwoOptimizers", *SMALL_DATA, *QUIET, "--trainer.max_steps", "2"]
     assert lmledger(args) == 2

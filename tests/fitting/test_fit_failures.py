@@ -419,6 +419,55 @@ def trained(workdir) -> Path:
     return workdir / "runs/tiny/version_0/checkpoints/last.ckpt"
 
 
+def _runs(root: Path) -> dict[str, str]:
+    """Every path under root/runs: a link by its target (links not followed), a file by its sha256, a folder as one."""
+    out = {}
+    for path in sorted((root / "runs").rglob("*")):
+        key = str(path.relative_to(root))
+        if path.is_symlink():
+            out[key] = "-> " + os.readlink(path)
+        else:
+            out[key] = hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else "dir"
+    return out
+
+
+def test_a_last_checkpoint_whose_link_dangles_is_refused_and_nothing_changes(trained, workdir, capsys):
+    """Issue 49 §3: the run's checkpoints/last.ckpt a symbolic link whose target a clean-up removed. `auto` started
+    the run over from step 0, exit 0, writing into its directory; `last` said there was nothing to resume."""
+    trained.unlink()
+    trained.symlink_to(workdir / "scratch" / "last.ckpt")  # gone
+    before = _runs(workdir)
+    for command, ckpt in (("fit", "auto"), ("fit", "last"), ("validate", "last")):
+        assert lmledger([command, "--config", "configs/tiny.yaml", *MICRO_OVERRIDES, "--ckpt_path", ckpt]) == 2
+        line = one_error_line(capsys, command)
+        assert line == (
+            f"lmledger {command}: error: --ckpt_path {ckpt}: {trained.relative_to(workdir)} is a symbolic link to "
+            f"{workdir / 'scratch' / 'last.ckpt'}, which does not exist (moved or deleted); nothing was changed: "
+            "restore its target, or remove the link to resume from the run's other checkpoints (with none, the run "
+            "starts over)"
+        ), line
+        assert _runs(workdir) == before
+
+
+def test_a_fresh_fit_pinned_into_a_finished_run_is_refused(trained, workdir, capsys):
+    """Issue 49 §3: `--trainer.logger.init_args.version 0` without --ckpt_path, where version_0 holds a finished
+    run: the fit exited 0 after writing into it (a second curve in its event file, its last.ckpt replaced)."""
+    before = _runs(workdir)
+    for version in ("0", "version_0"):  # the version's number, or its directory's name
+        assert fit("--trainer.max_steps", "2", "--trainer.logger.init_args.version", version) == 2
+        line = one_error_line(capsys)
+        assert line.startswith(
+            f"lmledger fit: error: --trainer.logger.init_args.version {version}: runs/tiny/version_0 already holds a "
+            "run (checkpoints, config.yaml, events.out.tfevents."
+        ), line
+        assert line.endswith("a fit without --ckpt_path never writes into one; drop the version to start the next "
+                             "free one (--ckpt_path last resumes the newest run of this name in place)")  # fmt: skip
+        assert _runs(workdir) == before
+    # a version of its own is taken
+    assert fit("--trainer.max_steps", "2", "--trainer.logger.init_args.version", "7") == 0
+    assert (workdir / "runs/tiny/version_7/checkpoints/last.ckpt").is_file()
+
+
 def test_bad_checkpoints_are_one_line(trained, workdir, capsys):
     truncated = workdir / "truncated.ckpt"
     truncated.write_bytes(trained.read_bytes()[: trained.stat().st_size // 2])

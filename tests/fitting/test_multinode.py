@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -138,18 +139,20 @@ class KillOnFirstAttempt(pl.Callback):
 
 
 def test_torchrun_restarts_a_killed_worker_and_it_resumes_its_run_bit_for_bit(workdir):
-    """Two torchrun agents on localhost (c10d rendezvous, --max-restarts 2), one worker each; rank 1 SIGKILLed at
-    step 5. torchrun restarts both workers; `--ckpt_path auto`, keyed to the run id, resumes version_0 at step 4,
-    and every step's loss equals an uninterrupted 2-rank run's, bit for bit (that one from Lightning's launcher:
-    the same two global ranks)."""
+    """Two torchrun agents on localhost with torchrun's defaults (c10d rendezvous, its shared store;
+    --max-restarts 1), one worker each; rank 1 SIGKILLed at step 5. torchrun restarts both workers; each process
+    group gets a store of its attempt's own (fitting.clusterenv: before it, 2 restarts in 3 dialed the dead
+    attempt's addresses and both agents exited 1 at step 5); `--ckpt_path auto`, keyed to the run id, resumes
+    version_0 at step 4, and every step's loss equals an uninterrupted 2-rank run's, bit for bit (that one from
+    Lightning's launcher: the same two global ranks)."""
     torchrun = Path(sys.executable).with_name("torchrun")
     port = free_port()
     kill = '{"class_path": "test_multinode.KillOnFirstAttempt", "init_args": {"rank": 1, "at_step": 5}}'
     worker = fit("elastic", "--trainer.num_nodes", "2", "--trainer.devices", "1", "--ckpt_path", "auto",
                  "--trainer.callbacks+=" + kill)[1:]  # fmt: skip
     agents = [subprocess.Popen([torchrun, "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
-                                "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "t31", "--max-restarts", "2",
-                                *worker], cwd=workdir, env=env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1"),
+                                "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "t31", "--max-restarts", "1",
+                                *worker], cwd=workdir, env=env(),
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
               for _ in range(2)]  # fmt: skip
     try:
@@ -162,14 +165,13 @@ def test_torchrun_restarts_a_killed_worker_and_it_resumes_its_run_bit_for_bit(wo
             agent.kill()
     assert [agent.returncode for agent in agents] == [0, 0], "\n".join(out[-2000:] for out in outs)
     text = "\n".join(outs)
-    first_line = r"^lmledger fit: torchrun run t31 \(TORCHELASTIC_RUN_ID\), this node's restart (\d) of at most 2$"
+    first_line = r"^lmledger fit: torchrun run t31 \(TORCHELASTIC_RUN_ID\), this node's restart (\d) of at most 1$"
     firsts = re.findall(first_line, text, re.M)
     # Rank 0 alone says it, once per start; the count is its node's agent's (counted only where a worker failed).
     assert len(firsts) == 2 and firsts[0] == "0", text[-3000:]
     assert "--ckpt_path auto: torchrun run t31 has no run under runs/elastic yet: starting fresh in " \
         "runs/elastic/version_0" in text  # fmt: skip
     assert "--ckpt_path auto: resuming runs/elastic/version_0 at step 4 from last.ckpt" in text
-    assert "warning: torchrun shares" not in text  # TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 was set
     run = workdir / "runs" / "elastic" / "version_0"
     assert sorted(p.name for p in run.parent.iterdir()) == ["version_0"]
     assert (run / "slurm_job").read_text().strip() == "torchrun:t31"
@@ -181,19 +183,43 @@ def test_torchrun_restarts_a_killed_worker_and_it_resumes_its_run_bit_for_bit(wo
             assert values == {s: reference[tag][s] for s in values}, tag  # exact float equality
 
 
-def test_torchrun_restarts_across_nodes_on_a_shared_store_are_warned_of():
-    from lmledger.preemption import elastic_line, elastic_restart_warning, run_key
+def test_a_torchrun_workers_run_key_and_first_line():
+    from lmledger.preemption import elastic_line, run_key
 
     env = {"TORCHELASTIC_RUN_ID": "j7", "TORCHELASTIC_RESTART_COUNT": "1", "TORCHELASTIC_MAX_RESTARTS": "2",
            "TORCHELASTIC_USE_AGENT_STORE": "True", "GROUP_WORLD_SIZE": "2"}  # fmt: skip
     assert run_key(env) == ("torchrun:j7", "torchrun run j7")
     assert run_key({**env, "SLURM_JOB_ID": "812"}) == ("812", "SLURM job 812")  # srun inside an allocation: the job
     assert elastic_line(env) == "torchrun run j7 (TORCHELASTIC_RUN_ID), this node's restart 1 of at most 2"
-    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in elastic_restart_warning(env)
-    for quiet in ({"TORCHELASTIC_USE_AGENT_STORE": "False"}, {"GROUP_WORLD_SIZE": "1"},
-                  {"TORCHELASTIC_MAX_RESTARTS": "0"}):  # fmt: skip
-        assert elastic_restart_warning({**env, **quiet}) is None
     assert run_key({}) is None and elastic_line({}) is None
+
+
+def test_a_dead_attempts_store_keys_are_never_read(monkeypatch):
+    """store_of_this_attempt against a real TCPStore standing in for torchrun's agent store, holding what a dead
+    attempt left (its leader token, its port): rank 1 starts before rank 0 and reads the dead token first; both
+    still agree on the port this attempt's rank 0 chose, and point MASTER_PORT at it with the agent store off."""
+    import threading
+
+    import torch.distributed as dist
+
+    from lmledger.fitting.clusterenv import store_of_this_attempt
+
+    port = free_port()
+    agent = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=30))
+    agent.set("lmledger/t/leader", "dead")
+    agent.set("lmledger/t/dead/port", "1")  # the dead attempt's: nobody listens there
+    base = {"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RUN_ID": "t", "WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}  # fmt: skip
+    envs = [{**base, "RANK": "0"}, {**base, "RANK": "1"}]
+    ports: dict[int, int] = {}
+    one = threading.Thread(target=lambda: ports.setdefault(1, store_of_this_attempt(timedelta(seconds=30), envs[1])))
+    one.start()
+    time.sleep(0.5)  # rank 1 has read the dead token by now
+    ports[0] = store_of_this_attempt(timedelta(seconds=30), envs[0])
+    one.join(timeout=30)
+    assert ports[0] == ports[1] != 1 and ports[0] != port
+    assert [(e["MASTER_PORT"], e["TORCHELASTIC_USE_AGENT_STORE"]) for e in envs] == [(str(ports[0]), "False")] * 2
+    assert store_of_this_attempt(timedelta(seconds=1), envs[0]) is None  # done once: the agent store is off now
 
 
 def test_real_rendezvous_errors_read_as_one_line(monkeypatch):

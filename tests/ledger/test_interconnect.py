@@ -16,6 +16,7 @@ from lmledger.ledger.hardware.interconnect import (
     communication,
     default_links,
     links_for,
+    resolve_interconnect,
     wire_bytes,
 )
 from lmledger.model import ModelConfig, ToyLM
@@ -135,9 +136,30 @@ def test_account_at_scale_shows_the_collectives_per_link(workdir, capsys):
 
     tp = ["--trainer.strategy", "lmledger.strategies.FSDP2Strategy", "--trainer.strategy.tensor_parallel_size", "2"]
     args = ["account", "--config", "configs/tiny.yaml", "--trainer.devices", "2", "--trainer.num_nodes", "2", *tp]
-    assert main([*args, "--ledger.inter_node", "roce-200"]) == 0
+    # Issue 49 §2: a rate beyond every link of its kind (NVLink's both-directions figure here) was taken without a
+    # word; it is used, and the likely slip said beside the answer
+    assert main([*args, "--ledger.inter_node", "roce-200", "--ledger.intra_node", "1.8TB/s"]) == 0
     out = capsys.readouterr().out
     assert "collectives per step in a node" in out and "between nodes" in out
-    assert "RoCE 200 GbE at 25 GB/s" in out and "NVLink 4" in out
+    assert "RoCE 200 GbE at 25 GB/s" in out and "in a node 1.8TB/s at 1800 GB/s" in out
+    notes = [line for line in out.splitlines() if line.startswith("note: ")]
+    assert notes == ["note: intra-node 1.8TB/s is 1800 GB/s one way, 2x the fastest intra-node link known (NVLink 5 "
+                     "(B200), 900 GB/s): a datasheet's NVLink figure sums both directions, and the ledger takes one: "
+                     "900GB/s? (used as given)"], notes  # fmt: skip
     assert main([*args, "--ledger.inter_node", "nvlink4"]) == 2
     assert "is intra-node, not inter-node" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("scope", "rate", "noted"),
+    [("inter-node", "400GB/s", "did you mean 400Gb/s (50 GB/s)?"), ("inter-node", "100GB/s", None),
+     ("inter-node", "1.6Tb/s", "a link newer than the table?"), ("intra-node", "900GB/s", None),
+     ("intra-node", "1.8TB/s", "sums both directions, and the ledger takes one: 900GB/s?")],
+)  # fmt: skip
+def test_a_rate_beyond_every_known_link_is_used_and_noted(scope, rate, noted):
+    """The fastest link of each kind in the table is the line: XDR's 100 GB/s between nodes, NVLink 5's 900 GB/s in
+    a node. Above it, the likely slip is named; the rate itself is taken as given (a link may be newer than the
+    table)."""
+    link = resolve_interconnect(rate, scope)
+    assert (link.note is None) == (noted is None) and (noted is None or noted in link.note), link.note
+    assert link.bytes_per_s == resolve_interconnect(rate).bytes_per_s

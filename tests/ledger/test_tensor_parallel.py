@@ -307,12 +307,23 @@ def test_account_takes_the_2d_shape(workdir, capsys):
     """`lmledger account` with tensor_parallel_size: one rank of a (2 x 2) mesh, state below FSDP2 over 2 ranks."""
     from conftest import run_json
 
-    def per_rank(*strategy: str) -> dict:
+    def account(*strategy: str) -> dict:
         config = ["--config", "configs/tiny.yaml", "--trainer.devices", "4" if len(strategy) > 2 else "2"]
-        return run_json(capsys, "account", *config, *strategy, "--json")["per_rank"]
+        return run_json(capsys, "account", *config, *strategy, "--json")
 
-    both = per_rank(*TP2)
-    fsdp = per_rank("--trainer.strategy", "fsdp2")
+    doc = account(*TP2)
+    both, fsdp = doc["per_rank"], account("--trainer.strategy", "fsdp2")["per_rank"]
+    # A sweep's listing accounts the Run without the fit's arguments: the Run's TP size shapes the same mesh.
+    from lmledger.accounting import account as account_run
+    from lmledger.run_config import load_run
+
+    listed = account_run(load_run(["--config", "configs/tiny.yaml", "--trainer.devices", "4", *TP2]), False)
+    assert listed["per_rank"].tensor_parallel == 2
+    assert listed["memory"]["params"]["predicted"] == doc["memory"]["params"]["predicted"]
+    # Issue 49 §2: the closed forms (no TP in them) showed the whole model over 4 ranks; now absent, and said why.
+    for line in ("params", "activations", "peak"):
+        assert doc["memory"][line]["closed_form"] is None and doc["memory"][line]["predicted"] > 0, line
+        assert "do not model tensor parallelism" in doc["why_missing"]["closed_form"][line]
     assert (both["tensor_parallel"], both["world_size"], fsdp["tensor_parallel"]) == (2, 4, 1)
     for label, case in both["cases"].items():
         assert case["not_predicted"] is None, label
@@ -342,6 +353,8 @@ def test_litlm_tp_fit_is_predicted_per_rank(workdir):
     _check_predicted_equals_measured(ranks)
     for rank in ranks:
         assert abs(rank["measured"]["activations"] / rank["predicted"]["activations"] - 1) <= ACTIVATIONS_TOLERANCE
+        # Issue 49 §2: the fit's closed-form column, which models no TP, holds no figure (it held FSDP2's over 2)
+        assert set(rank["closed_form"].values()) == {None}, rank["closed_form"]
     print(json.dumps(ranks))
 
 

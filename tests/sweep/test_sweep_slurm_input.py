@@ -48,7 +48,9 @@ def fake_slurm(tmp_path_factory, monkeypatch) -> Path:
     (kept / "bin").mkdir(parents=True)
     (kept / "bin" / "sbatch").write_text(FAKE_SBATCH)
     (kept / "bin" / "squeue").write_text("#!/bin/sh\nexit 0\n")  # nothing pending or running
-    for tool in ("sbatch", "squeue"):
+    # two nodes of 2 CPUs in the default partition "debug", one of 8 in "big"
+    (kept / "bin" / "sinfo").write_text('#!/bin/sh\nprintf "2 debug*\\n2 debug*\\n8 big\\n"\n')
+    for tool in ("sbatch", "squeue", "sinfo"):
         (kept / "bin" / tool).chmod(0o755)
     monkeypatch.setenv("PATH", f"{kept / 'bin'}{os.pathsep}{os.environ['PATH']}")
     monkeypatch.setenv("FAKE_SLURM", str(kept))
@@ -192,6 +194,27 @@ def test_a_path_with_spaces_and_shell_characters_runs(workdir, capsys, fake_slur
 
 
 # ------------------------------------------------------------------------------ a refusal leaves nothing
+
+
+@pytest.mark.parametrize(("more", "said"), [
+    ([], "a node would need 64 CPUs, but the largest node of the default partition has 2 (sinfo)"),
+    (["--partition", "debug"], "a node would need 64 CPUs, but the largest node of partition debug has 2 (sinfo)"),
+    (["--partition", "big"], "a node would need 64 CPUs, but the largest node of partition big has 8 (sinfo)"),
+])  # fmt: skip
+def test_more_cpus_per_task_than_any_node_has_is_refused_before_anything_is_queued(workdir, capsys, fake_slurm,
+                                                                                      more, said):  # fmt: skip
+    """Issue 49 §3: `--cpus-per-task 64` on 2-CPU nodes was queued and pended forever. The partition's node sizes
+    (sinfo) are asked first; what no node can hold is one line, sbatch never runs, nothing is written. A request
+    that fits a node of the partition named goes on."""
+    path = write_experiment(workdir / "e.yaml", points=[PLAN])
+    before = tree(workdir)
+    code, err = sweep(capsys, str(path), "--cpus-per-task", "64", *more)
+    assert code == 2 and err.startswith(f"lmledger sweep: error: --cpus-per-task 64: {said}, so the array would pend "
+                                        "forever; ask for at most"), err  # fmt: skip
+    assert err.endswith("or a partition with larger nodes; nothing was queued"), err
+    assert not (fake_slurm / "argv").exists() and tree(workdir) == before
+    assert sweep(capsys, str(path), "--cpus-per-task", "8", "--partition", "big")[0] == 1  # queued: its task never ran
+    assert "--cpus-per-task=8" in sbatch_directives((fake_slurm / "submitted.sh").read_text())
 
 
 def test_an_sbatch_refusal_leaves_nothing(workdir, capsys, fake_slurm):

@@ -50,25 +50,25 @@ def add_per_rank(result: dict, spec: Run, argv: list[str]) -> None:
 def per_rank(spec: Run, capacity_bytes: int | None = None, argv: list[str] = ()) -> AtScale:
     """ledger.sharding.atscale.toy_at_scale with account's case names: checkpointing off and on.
 
-    The strategy's settings come from the fit arguments `argv` (_scale_settings; none without them)."""
+    The strategy's settings come from the fit arguments `argv` (_scale_settings); without them (a sweep's
+    listing), from the Run, which holds the tensor-parallel size."""
     from lmledger.ledger.sharding.atscale import toy_at_scale
 
     scale = trainer_scale(argv) if argv else None
-    settings = {**_scale_settings(scale), "links": scale_links(argv, scale)} if argv else {}
+    settings = {**_scale_settings(scale), "links": scale_links(argv, scale)} if argv else _scale_settings(spec)
     return toy_at_scale(spec, capacity_bytes, labels=AC_LABELS, **settings)
 
 
 def trainer_scale(argv: list[str]):
     """The devices, nodes and strategy (a run_config.TrainerScale) that a fit's arguments ask for.
 
-    They are parsed as `lmledger fit` parses them and read by the function fit's checks use
-    (fitting.trainerscale.resolve_strategy), so a value fit refuses is refused here in the same words. Nothing is
+    They are parsed as `lmledger fit` parses them and checked by fit's own check of a config's values
+    (fitting.checks.check_fit_values), so a value fit refuses is refused here in the same words. Nothing is
     built: a model at scale is then built on the meta device."""
+    from lmledger.fitting.checks import check_fit_values
     from lmledger.fitting.cli import parse_fit_config
-    from lmledger.fitting.trainerscale import resolve_strategy
 
-    config = parse_fit_config(list(argv))
-    return resolve_strategy(config.trainer, config.model)
+    return check_fit_values(parse_fit_config(list(argv)))
 
 
 def scale_links(argv: list[str], scale):
@@ -87,7 +87,8 @@ def scale_links(argv: list[str], scale):
 
 
 def _scale_settings(scale, module=None) -> dict:
-    """The keyword arguments at_scale takes from the strategy's init_args (a run_config.TrainerScale's).
+    """The keyword arguments at_scale takes from the strategy's init_args (a run_config.TrainerScale's, or a Run's,
+    which has none).
 
     DDP's bucket settings: DDPStrategy passes them through to torch's DDP.
     A ModelParallelStrategy with tensor_parallel_size > 1 is FSDP2 x TP on a (data_parallel x tensor_parallel)
@@ -101,7 +102,7 @@ def _scale_settings(scale, module=None) -> dict:
 
         shard = replay_configure_model if module is not None and hasattr(module, "configure_model") else None
         return {"fsdp": FSDPSettings(tensor_parallel=tensor_parallel, shard=shard)}
-    return {"ddp": DDPSettings.from_kwargs(scale.init_args)} if scale.strategy == "ddp" else {}
+    return {"ddp": DDPSettings.from_kwargs(getattr(scale, "init_args", {}))} if scale.strategy == "ddp" else {}
 
 
 def at_scale(world_size: int, strategy: str) -> bool:
@@ -179,6 +180,8 @@ def print_per_rank(scale: AtScale) -> None:
               f"at {intra['bytes_per_s'] / 1e9:.4g} GB/s, between nodes {inter['name']} at "
               f"{inter['bytes_per_s'] / 1e9:.4g} GB/s one way (--ledger.intra_node / --ledger.inter_node set them); "
               "a ring's bytes at line rate, none overlapped with compute")  # fmt: skip
+        for note in dict.fromkeys(link["note"] for link in (intra, inter) if link.get("note")):
+            print(f"note: {note}")
     for label, case in scale.cases.items():
         if case.not_predicted:
             print(f"{label}: not predicted: {case.not_predicted}")

@@ -47,7 +47,14 @@ _CONVENTION_TAGS = {"6n": "perf/mfu_6n", "palm": "perf/mfu", "causal": "perf/mfu
 
 
 def closed_form(run: Run, dry: StepLedger | None, accumulate: int = 1) -> Figures:
-    """The toy LM's closed forms for one optimizer step of `accumulate` micro-batches."""
+    """The toy LM's closed forms for one optimizer step of `accumulate` micro-batches.
+
+    Under tensor parallelism they are absent, each row saying why: the lecture's formulas shard nothing over TP
+    (a TP rank holds part of each layer and saves other activations), and a wrong figure is worse than none."""
+    if run.tensor_parallel > 1:
+        why = f"n/a: the closed forms do not model tensor parallelism ({run.tensor_parallel}); the dry run does"
+        rows = ("params", "grads", "optimizer", "activations", "peak", "flops_hardware", "flops_model")
+        return Figures(why_missing=dict.fromkeys(rows, why))
     p = predict(run)
     why: dict[str, str] = {}
     peak = p.peak

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from lmledger.errors import ConfigError, UserError
+from lmledger.ledger.closedform.napkin import device_memory_bytes
 
 __all__ = ["LedgerSettings"]
 
@@ -48,13 +48,8 @@ class LedgerSettings:
                     resolve_interconnect(str(value), scope)
                 except UserError as err:
                     raise ConfigError(f"ledger.{name}: {err}") from None
-        gb = self.device_memory_gb
-        if gb is not None:
-            if isinstance(gb, bool) or not isinstance(gb, (int, float)):
-                raise ConfigError(f"ledger.device_memory_gb must be a number of GB, got {gb!r}")
-            # 1e300 GB would overflow the byte count: nothing real holds more than an exabyte.
-            if not (gb > 0 and math.isfinite(gb) and gb * 1e9 < 1e18):
-                raise ConfigError(f"ledger.device_memory_gb must be positive and below 1e9 GB, got {gb:g}")
+        if self.device_memory_gb is not None:
+            device_memory_bytes(self.device_memory_gb)  # the check plan max-batch's --device-memory-gb shares
         for name in ("warmup_steps", "profile_every"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:

@@ -81,6 +81,7 @@ def run_from_trainer(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Run:
         fused_optimizer=_optimizer_is_fused(trainer),
         strategy=_strategy_name(trainer.strategy),
         world_size=trainer.world_size,
+        tensor_parallel=_tensor_parallel(trainer.strategy),
         device=pl_module.device,
     )
 
@@ -122,6 +123,13 @@ def _strategy_name(strategy: pl.strategies.Strategy) -> str:
         stage = (strategy.config or {}).get("zero_optimization", {}).get("stage", 0)
         return sharding("deepspeed", deepspeed_stage=int(stage))
     return "ddp"
+
+
+def _tensor_parallel(strategy: pl.strategies.Strategy) -> int:
+    """The tensor-parallel size of a ModelParallelStrategy's mesh (set up by now); 1 for any other strategy."""
+    if not isinstance(strategy, ModelParallelStrategy):
+        return 1
+    return strategy.device_mesh["tensor_parallel"].size()
 
 
 # ------------------------------------------------------------------------------------ writing

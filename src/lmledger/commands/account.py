@@ -21,6 +21,7 @@ from lmledger.accounting import (
 )
 from lmledger.commands.argparser import run_command
 from lmledger.errors import UserError
+from lmledger.fitting.clusterenv import refuse_stray_launcher
 from lmledger.ledger.report import render
 from lmledger.run_config import load_run
 
@@ -108,13 +109,16 @@ def _account_command(*fit_args: str, measure: bool = False, json: bool = False) 
     from lmledger.fitting.checks import named_classes
 
     rest = list(fit_args)
-    scale = trainer_scale(rest) if named_classes(rest) else None  # refuses what fit refuses, in its words
-    if scale is not None and not measure and at_scale(scale.world_size, scale.strategy):
-        result = any_model_at_scale(rest)
-    elif named_classes(rest):
-        result = account_any_model(rest, measure, step_time=True)
-    elif not any(a == "--config" or a.startswith("--config=") for a in rest):
+    named = named_classes(rest)
+    if not named and not any(a == "--config" or a.startswith("--config=") for a in rest):
         raise UserError("account needs --config FILE (e.g. configs/tiny.yaml) or --model CLASS_PATH")
+    scale = trainer_scale(rest) if named or measure else None  # refuses what fit refuses, in its words
+    if measure:  # real steps here, as a fit's: a launcher's leftover RANK is refused as fit refuses it
+        refuse_stray_launcher(scale.devices_here(), scale.num_nodes)
+    if named and not measure and at_scale(scale.world_size, scale.strategy):
+        result = any_model_at_scale(rest)
+    elif named:
+        result = account_any_model(rest, measure, step_time=True)
     else:
         result = account(load_run(rest), measure, rest, step_time=True)
     if json:

@@ -40,7 +40,7 @@ from lmledger.fitting.cli import run_claimed, slurm_tasks_per_node
 from lmledger.fitting.peers import PeerFailure
 from lmledger.fitting.resume import NothingToResume
 from lmledger.fitting.steps import disk_error
-from lmledger.preemption import elastic_line, elastic_restart_warning, slurm_line
+from lmledger.preemption import elastic_line, slurm_line
 
 __all__ = ["main"]
 
@@ -73,8 +73,6 @@ def main(argv: list[str]) -> int:
             print(f"lmledger fit: {slurm_line()}", flush=True)
         elif elastic_line() is not None:  # a torchrun worker: its run id keys --ckpt_path auto
             print(f"lmledger fit: {elastic_line()}", flush=True)
-            if elastic_restart_warning() is not None:
-                print(f"lmledger fit: {elastic_restart_warning()}", file=sys.stderr, flush=True)
     excepthook, threading.excepthook = threading.excepthook, _quiet_event_writer(threading.excepthook)
     # A run that fails where Lightning skips its teardown (a full disk under the logger's finalize) leaves its
     # signal handlers installed; the command puts back the ones it found, for whoever calls it next.

@@ -13,7 +13,15 @@ from rich.table import Table
 
 from lmledger.commands.argparser import run_command
 from lmledger.errors import UserError
-from lmledger.ledger.closedform.napkin import MAX_COUNT, MAX_GPUS, device_capacity, max_params, train_time
+from lmledger.ledger.closedform.napkin import (
+    DEVICE_MEMORY_RANGE,
+    MAX_COUNT,
+    MAX_GPUS,
+    device_capacity,
+    device_memory_bytes,
+    max_params,
+    train_time,
+)
 from lmledger.ledger.hardware.gpus import DTYPES
 from lmledger.ledger.units import GB, tera
 
@@ -67,8 +75,10 @@ def _mfu(text: str) -> float | str:
 
 def _positive_gb(text: str) -> float:
     value = _fraction(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of GB (e.g. 80)")
+    try:
+        device_memory_bytes(value)  # fit's own check of --ledger.device_memory_gb
+    except UserError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a memory size: {DEVICE_MEMORY_RANGE} (e.g. 80)") from None
     return value
 
 

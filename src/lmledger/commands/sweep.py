@@ -45,14 +45,19 @@ def _dry_run_listing(experiment: Experiment, out_dir: Path) -> int:
         print(title)
         print(plain_table(DRY_RUN_COLUMNS, rows, left=3))
     print(f"results would go to {out_dir}")
-    if checked.errors:
-        print(
-            f"lmledger sweep: error: {len(checked.errors)} of {len(experiment.points)} points have bad arguments "
-            "(marked fail above); fix them before running the sweep",
-            file=sys.stderr,
-        )
-        return 2
-    return 0
+    return _bad_points(experiment, checked.errors)
+
+
+def _bad_points(experiment: Experiment, errors: dict) -> int:
+    """2 and one line on stderr if a listing marked points fail (their arguments are bad), else 0."""
+    if not errors:
+        return 0
+    print(
+        f"lmledger sweep: error: {len(errors)} of {len(experiment.points)} points have bad arguments (marked fail "
+        "above); fix them before running the sweep",
+        file=sys.stderr,
+    )
+    return 2
 
 
 def _plan_listing(experiment: Experiment) -> int:
@@ -60,7 +65,7 @@ def _plan_listing(experiment: Experiment) -> int:
     rows, checked = plan_rows(experiment)
     print(f"sweep {experiment.name}: {len(experiment.points)} points, predicted on this machine (nothing is run)")
     print(plain_table(PLAN_COLUMNS, rows, left=2))
-    return 2 if checked.errors else 0
+    return _bad_points(experiment, checked.errors)
 
 
 def _run(experiment: Experiment, out_dir: Path, jobs: int) -> int:

@@ -1,16 +1,20 @@
 """What `lmledger fit|validate` refuses before a run starts: config files, class paths, trainer values.
 
 What a checkpoint may resume (--ckpt_path) is fitting.resume's; the devices, nodes and strategy a trainer asks
-for are fitting.trainerscale's (resolve_strategy, which check_trainer_values calls).
+for are fitting.trainerscale's (resolve_strategy, which check_trainer_values calls). check_fit_values is the one
+check of a parsed config's values that fit and planning (account, plan, sweeps) share.
 """
 
 from __future__ import annotations
 
 import contextlib
+import difflib
 import importlib
+import inspect
 import io
 import logging
 import math
+import re
 import sys
 import traceback
 from pathlib import Path
@@ -21,9 +25,10 @@ import yaml
 from lightning.pytorch import Trainer
 from lightning.pytorch.accelerators import MPSAccelerator
 
+from lmledger.callbacks.settings import LedgerSettings
 from lmledger.errors import ConfigError, UserError
-from lmledger.fitting.trainerscale import resolve_strategy
-from lmledger.ledger.predict import configured_optimizer
+from lmledger.fitting.trainerscale import TrainerScale, resolve_strategy
+from lmledger.ledger.predict import SeveralOptimizers, configured_optimizer
 
 __all__ = [
     "SUBCOMMANDS",
@@ -32,10 +37,12 @@ __all__ = [
     "check_accelerator",
     "check_class_paths",
     "check_config_files",
+    "check_fit_values",
     "check_trainer_values",
     "check_trains_something",
     "config_files",
     "named_classes",
+    "parse_error_line",
     "read_config",
     "refuse_empty_train_loader",
     "refuse_several_optimizers",
@@ -225,12 +232,25 @@ def check_config_files(args, any_model: bool = False) -> None:
                 )
 
 
-def check_trainer_values(trainer, model=None) -> None:
+def check_fit_values(config) -> TrainerScale:
+    """The values of a parsed fit config that fit refuses, refused in one line: its trainer's and the ledger's.
+
+    `fit` and every planner (account, plan max-batch and train-time, sweeps) call it, so planning refuses what
+    fit refuses, in its words. What the machine can run (a GPU, a precision's kernels) is not checked here:
+    planning answers for other machines. Returns the devices, nodes and strategy the trainer asks for.
+    """
+    ledger = config.get("ledger")
+    if ledger is not None:  # the Ledger's own checks: the links, the device memory cap
+        LedgerSettings(**(ledger.as_dict() if hasattr(ledger, "as_dict") else dict(ledger)))
+    return check_trainer_values(config.trainer, config.model)
+
+
+def check_trainer_values(trainer, model=None) -> TrainerScale:
     """Refuse values Lightning accepts and then misuses (canary test_trainer_accepts_values_that_train_wrongly).
 
     Negative clipping ascends the gradient. Zero accumulation trains nothing. Devices, nodes and the
     strategy are resolve_strategy's, the one reading that account and plan share with fit.
-    `model` is the config's model section (FSDP2 needs its configure_model).
+    `model` is the config's model section (FSDP2 needs its configure_model; TP must split its heads).
     """
     clip = trainer.get("gradient_clip_val")
     if clip is not None and not (isinstance(clip, (int, float)) and math.isfinite(clip) and clip >= 0):
@@ -238,7 +258,7 @@ def check_trainer_values(trainer, model=None) -> None:
     accumulate = trainer.get("accumulate_grad_batches")
     if accumulate is not None and (not isinstance(accumulate, int) or accumulate < 1):
         raise ConfigError(f"--trainer.accumulate_grad_batches must be an integer >= 1, got {accumulate}")
-    resolve_strategy(trainer, model)
+    return resolve_strategy(trainer, model)
 
 
 def refuse_several_optimizers(model: pl.LightningModule, trainer: Trainer) -> None:
@@ -254,12 +274,14 @@ def refuse_several_optimizers(model: pl.LightningModule, trainer: Trainer) -> No
     model.trainer = trainer
     try:
         configured_optimizer(model)
-    except UserError:
+    except SeveralOptimizers:
         raise UserError(
             f"{type(model).__name__}.configure_optimizers returns more than one optimizer, which Lightning steps "
             "only under manual optimization: set self.automatic_optimization = False and step them in "
             "training_step, or return one optimizer"
         ) from None
+    except UserError:  # an optimizer over no parameters: said before torch's traceback in Lightning's set-up
+        raise
     except Exception:
         return  # Lightning reports its own way when it calls the method
     finally:
@@ -319,3 +341,102 @@ def check_accelerator(accelerator) -> None:
         f"--trainer.accelerator {accelerator}: this machine has no usable CUDA GPU (torch {torch.__version__}, "
         f"{build}); use --trainer.accelerator cpu"
     )
+
+
+# jsonargparse's report of a value no type of an Optional/Union accepted, e.g. `--ledger.device_memory_gb abc`.
+_UNION_ERROR = re.compile(
+    r'Parser key "(?P<key>[^"]+)": Does not validate against any of the Union subtypes Subtypes: '
+    r"\[(?P<types>[^\]]*)\].*Given value:\s?(?P<value>.*)$"
+)
+# ... and of an argument of a class given as `--key.name value` (a NestedArg), e.g. a strategy's init argument.
+_NESTED = re.compile(
+    r"""^Parser key "(?P<key>[^"]+)":.* Given value: NestedArg\(key='(?P<name>[^']*)', val=(?P<value>.*)\)$"""
+)
+_CLASS_REFUSED = re.compile(r"Problem with given class_path '(?P<cls>[^']+)': (?P<why>.*?) Given value")
+_A_NAME = re.compile(r"Expected a dot import path string: (?P<name>\S+)")
+
+
+def parse_error_line(err: BaseException) -> str:
+    """A parse error in one line. A value no type of a Union accepts reads `--key value: expected ...`; a class's
+    argument given as `--key.name value` names that flag, its value and what it takes (_nested_line)."""
+    line = " ".join(part.strip() for part in str(err).strip().splitlines())
+    if found := _NESTED.search(line):
+        return _nested_line(line, found["key"], found["name"], _unquoted(found["value"]))
+    found = _UNION_ERROR.search(line)
+    if found is None:
+        return line
+    return f"--{found['key']} {_unquoted(found['value'])}: expected {_wanted(found['types'])}"
+
+
+def _unquoted(value: str) -> str:
+    value = value[1:-1] if len(value) >= 2 and value[0] == value[-1] == "'" else value
+    return value if value.strip() else repr(value)
+
+
+def _wanted(types: str) -> str:
+    """ "<class 'int'>, NoneType, typing.Literal['auto']" as "an int or null or 'auto'"."""
+    names = [t.strip().removeprefix("<class '").removesuffix("'>") for t in re.split(r",\s*(?![^\[]*\])", types)]
+    words = []
+    for name in names:
+        literal = re.fullmatch(r"typing\.Literal\[(.*)\]", name)
+        words.append(
+            "null" if name == "NoneType" else literal[1] if literal else f"a{'n' * (name[:1] in 'aeiou')} {name}"
+        )
+    return " or ".join(words)
+
+
+def _nested_line(line: str, key: str, name: str, value: str) -> str:
+    """`--key.name value` refused, in one line: the class it was given to takes no such argument, or not that
+    value; or `--key` is a registered name (ddp, fsdp2) or auto, which takes no arguments: name the class."""
+    flag = f"--{key}.{name} {value}"
+    tensor_parallel = (
+        f"tensor parallelism is lmledger.strategies.FSDP2Strategy's: --{key} lmledger.strategies.FSDP2Strategy "
+        f"--{key}.{name} N"
+    )
+    if refused := _CLASS_REFUSED.search(line):
+        cls, why = refused["cls"], refused["why"]
+        short = cls.rsplit(".", 1)[-1]
+        if "is not accepted" in why:
+            close = difflib.get_close_matches(name, _init_arguments(cls), n=1)
+            hint = f" (did you mean {close[0]}?)" if close else f"; {tensor_parallel}" if name in _MESH_SIZES else ""
+            return f"{flag}: {short} takes no {name}{hint}"
+        types = re.search(r"Subtypes: \[(.*?)\] Errors", why) or re.search(r"Expected a (<class '[^']+'>)", why)
+        wanted = _wanted(types[1]) if types else " ".join(why.split())
+        return f"{flag}: expected {wanted} ({short}'s {name})"
+    given = (_A_NAME.search(line) or {"name": "auto"})["name"]
+    registered = _registered_class(given)
+    if registered is None:
+        fix = tensor_parallel if name in _MESH_SIZES else f"--{key} CLASS_PATH --{key}.{name} {value}"
+        return f"{flag}: --{key} {given} takes no arguments: name a class to set them ({fix})"
+    path = f"{registered.__module__}.{registered.__qualname__}"
+    if name in _MESH_SIZES and name not in _init_arguments(path):
+        return f"{flag}: --{key} {given} is {registered.__name__}, which takes no {name}; {tensor_parallel}"
+    # (A class's **kwargs may take more than its signature names: DDPStrategy's reach torch's DDP.)
+    return f"{flag}: --{key} {given} is a name, which takes no arguments: name its class, --{key} {path} --{flag[2:]}"
+
+
+_MESH_SIZES = ("tensor_parallel_size", "data_parallel_size")
+
+
+def _registered_class(name: str) -> type | None:
+    """The class a registered strategy name stands for (ddp: DDPStrategy); None for auto or an unknown name."""
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    from lmledger.strategies import register
+
+    register()
+    return StrategyRegistry[name.lower()]["strategy"] if name.lower() in StrategyRegistry else None
+
+
+def _init_arguments(class_path: str) -> list[str]:
+    module, _, attr = class_path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError, ValueError):
+        return []
+    names = []
+    for klass in cls.__mro__:  # a subclass's **kwargs pass on to its parents' arguments
+        init = klass.__dict__.get("__init__")
+        if init is not None:
+            names += [p for p in inspect.signature(init).parameters if p not in ("self", "args", "kwargs")]
+    return list(dict.fromkeys(names))

@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import re
 import secrets
 import sys
 import warnings
@@ -51,13 +50,16 @@ from lmledger.fitting.checks import (
     check_accelerator,
     check_class_paths,
     check_config_files,
-    check_trainer_values,
+    check_fit_values,
     check_trains_something,
     named_classes,
+    parse_error_line,
     refuse_empty_train_loader,
     refuse_several_optimizers,
 )
+from lmledger.fitting.clusterenv import refuse_stray_launcher, store_of_this_attempt
 from lmledger.fitting.peers import (
+    PEER_TIMEOUT,
     PeerFailure,
     PeerWatch,
     close_process_group,
@@ -71,6 +73,7 @@ from lmledger.fitting.resume import (
     ckpt_path_form,
     free_name,
     merge_sharded_hyperparameters,
+    refuse_a_run_pinned_over,
     refuse_checkpoint_code,
     resolve_last,
     resume_run,
@@ -178,7 +181,8 @@ class FitCLI(LightningCLI):
         config = self.config[self.subcommand]
         check_accelerator(config.trainer.get("accelerator"))
         check_trainer_config(config.trainer, fp8=config.model.get("fp8"))  # fp8/bf16 need library + hardware
-        check_trainer_values(config.trainer, config.model)
+        scale = check_fit_values(config)
+        refuse_stray_launcher(scale.devices_here(), scale.num_nodes)  # a leftover RANK: the logger would write nothing
         if self.subcommand == "fit":
             check_trains_something(config.trainer)
         self._resume, self._fresh = None, False
@@ -190,6 +194,8 @@ class FitCLI(LightningCLI):
             if not any(arg.startswith("--trainer.logger.init_args.save_dir") for arg in self._argv):
                 config.trainer.logger = False
             return
+        if not config.get("ckpt_path"):
+            refuse_a_run_pinned_over(config)
         resume = resume_run(config, self.subcommand, self.any_model)
         if resume is not None:
             self._resume, self._fresh = resume.line, resume.fresh  # before_fit names a fresh version directory
@@ -276,6 +282,7 @@ class FitCLI(LightningCLI):
                 callback.config_filename = free_name(run, "config-resumed")
 
     def before_fit(self) -> None:
+        store_of_this_attempt(getattr(self.trainer.strategy, "_timeout", None) or PEER_TIMEOUT)  # torchrun restarts
         self._check_checkpoint()
         if self.any_model:
             refuse_several_optimizers(self.model, self.trainer)
@@ -294,6 +301,7 @@ class FitCLI(LightningCLI):
                         logger.experiment.add_text("slurm", slurm_line(), global_step=restart)
 
     def before_validate(self) -> None:
+        store_of_this_attempt(getattr(self.trainer.strategy, "_timeout", None) or PEER_TIMEOUT)
         self._check_checkpoint()
         self._claim_run_dir_or_say_why()
 
@@ -417,25 +425,7 @@ def _run_cli(cli_class: type[FitCLI], argv: list[str], run: bool) -> FitCLI:
     except (ArgumentError, MisconfigurationException) as err:
         # MisconfigurationException is Lightning's "bad settings" error, e.g. `--trainer.accelerator gpu`
         # on a machine without one.
-        raise UserError(_parse_error_line(err)) from None
-
-
-# jsonargparse's report of a value no type of an Optional/Union accepted, e.g. `--ledger.device_memory_gb abc`.
-_UNION_ERROR = re.compile(
-    r'Parser key "(?P<key>[^"]+)": Does not validate against any of the Union subtypes Subtypes: '
-    r"\[(?P<types>[^\]]*)\].*Given value: (?P<value>.*)$"
-)
-
-
-def _parse_error_line(err: BaseException) -> str:
-    """A parse error in one line. A value no type of a Union accepts reads `--key value: expected ...`."""
-    line = " ".join(part.strip() for part in str(err).strip().splitlines())
-    found = _UNION_ERROR.search(line)
-    if found is None:
-        return line
-    names = [t.removeprefix("<class '").removesuffix("'>") for t in found["types"].split(", ")]
-    wanted = " or ".join("null" if name == "NoneType" else f"a {name}" for name in names)
-    return f"--{found['key']} {found['value']}: expected {wanted}"
+        raise UserError(parse_error_line(err)) from None
 
 
 class _ParseOnlyCLI(FitCLI):
@@ -474,7 +464,7 @@ def _without_seed_line():
     weights follow the config's seed); for a parse, or a build for account or plan, the line means nothing."""
 
     def drop(record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith("Seed set to")
+        return "Seed set to" not in record.getMessage()  # "[rank: 1] Seed set to" where RANK says so
 
     seed_log = logging.getLogger("lightning.fabric.utilities.seed")
     seed_log.addFilter(drop)

@@ -37,6 +37,7 @@ __all__ = [
     "ckpt_path_form",
     "free_name",
     "merge_sharded_hyperparameters",
+    "refuse_a_run_pinned_over",
     "refuse_checkpoint_code",
     "resolve_last",
     "resume_run",
@@ -100,14 +101,29 @@ def merge_sharded_hyperparameters(cli) -> None:
     cli.config = cli.parser.parse_object({subcommand: {"model": hparams}}, cli.config)
 
 
-def _find_last_checkpoint(save_dir: str, name: str) -> tuple[Path, int] | None:
-    """(newest_checkpoint, N) of the newest `save_dir/name/version_N` that has a checkpoint."""
+def _find_last_checkpoint(save_dir: str, name: str, ckpt: str) -> tuple[Path, int] | None:
+    """(newest_checkpoint, N) of the newest `save_dir/name/version_N` that has a checkpoint (--ckpt_path `ckpt`)."""
     root = Path(save_dir, name)
     for version in sorted(versions(root), reverse=True):
-        ckpt = newest_checkpoint(root / f"version_{version}" / "checkpoints")
-        if ckpt is not None:
-            return ckpt, version
+        found = _newest_of_run(root / f"version_{version}" / "checkpoints", ckpt)
+        if found is not None:
+            return found, version
     return None
+
+
+def _newest_of_run(checkpoints: Path, ckpt: str) -> Path | None:
+    """newest_checkpoint of a run's checkpoints directory, refusing one whose checkpoint is a dangling link.
+
+    A `last.ckpt` symlink whose target a clean-up or a move took is no checkpoint to newest_checkpoint: `auto` would
+    start the run over from step 0 in its own directory, `last` resume an older version. One line, nothing changed."""
+    for path in sorted(checkpoints.glob("*.ckpt")):
+        if path.is_symlink() and not path.exists():
+            raise UserError(
+                f"--ckpt_path {ckpt}: {path} is a symbolic link to {os.readlink(path)}, which does not exist (moved or "
+                "deleted); nothing was changed: restore its target, or remove the link to resume from the run's "
+                "other checkpoints (with none, the run starts over)"
+            )
+    return newest_checkpoint(checkpoints)
 
 
 def _run_dir_of(config) -> tuple[Path, object] | None:
@@ -125,7 +141,7 @@ def resolve_last(config, subcommand: str) -> tuple[Path, int] | None:
     if found is None:
         return None
     root, init = found
-    last = _find_last_checkpoint(init.save_dir, init.get("name") or "lightning_logs")
+    last = _find_last_checkpoint(init.save_dir, init.get("name") or "lightning_logs", "last")
     if last is None:
         raise UserError(
             f"--ckpt_path last: no {root}/version_*/checkpoints/last.ckpt to resume; "
@@ -152,7 +168,7 @@ def _resolve_auto(config) -> tuple[Path | None, int | None, str]:
     root, init = found
     keyed = run_key()
     if keyed is None:
-        last = _find_last_checkpoint(init.save_dir, init.get("name") or "lightning_logs")
+        last = _find_last_checkpoint(init.save_dir, init.get("name") or "lightning_logs", "auto")
         if last is None:
             return None, None, f"no checkpoint under {root} yet: starting fresh"
         return last[0], last[1], ""
@@ -160,7 +176,7 @@ def _resolve_auto(config) -> tuple[Path | None, int | None, str]:
     version = slurm_job_version(root, job)
     if version is None:
         return None, None, f"{who} has no run under {root} yet: starting fresh"
-    ckpt = newest_checkpoint(root / f"version_{version}" / "checkpoints")
+    ckpt = _newest_of_run(root / f"version_{version}" / "checkpoints", "auto")
     if ckpt is None:
         why = f"{who} stopped in {root}/version_{version} before its first checkpoint: starting over"
         return None, version, why
@@ -182,6 +198,25 @@ class Resume:
     line: str  # "resuming RUN at step N from FILE", or why nothing is resumed
     fresh: bool = False  # --ckpt_path auto found nothing: the line gets the version directory claimed
     config_filename: str | None = None  # the resumed run's config, saved beside its first
+
+
+def refuse_a_run_pinned_over(config) -> None:
+    """Refuse a fit without --ckpt_path whose logger is pinned (`--trainer.logger.init_args.version 0`) to a version
+    directory that already holds something: Lightning would log, save its config and checkpoints into another run
+    (a second curve in its event files, its last.ckpt replaced). A fresh fit takes a version of its own."""
+    found = _run_dir_of(config)
+    version = found[1].get("version") if found is not None else None
+    if version is None:
+        return
+    run = found[0] / (version if isinstance(version, str) else f"version_{version}")
+    held = sorted(p.name for p in run.iterdir()) if run.is_dir() else []
+    if held:
+        shown = ", ".join(held[:4]) + (", ..." if len(held) > 4 else "")
+        raise UserError(
+            f"--trainer.logger.init_args.version {version}: {run} already holds a run ({shown}), and a fit without "
+            "--ckpt_path never writes into one; drop the version to start the next free one (--ckpt_path last "
+            "resumes the newest run of this name in place)"
+        )
 
 
 def resume_run(config, subcommand: str, any_model: bool) -> Resume | None:

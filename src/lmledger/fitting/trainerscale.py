@@ -37,10 +37,19 @@ class TrainerScale:
     init_args: dict = field(default_factory=dict)  # the strategy's init_args (class_path form), else {}
     # ModelParallelStrategy's tensor_parallel_size (ledger.sharding.tp); data parallel is the rest
     tensor_parallel: int = 1
+    auto_gpus: bool = False  # devices `auto` on a GPU: every GPU of the machine it runs on (`devices` plans 1)
 
     @property
     def world_size(self) -> int:
         return self.devices * self.num_nodes
+
+    def devices_here(self) -> int:
+        """The ranks a node runs on this machine, as Lightning counts them: `auto` on a GPU is every GPU here."""
+        if self.auto_gpus:
+            import torch
+
+            return max(1, torch.cuda.device_count())
+        return self.devices
 
 
 def resolve_strategy(trainer, model=None) -> TrainerScale:
@@ -56,6 +65,7 @@ def resolve_strategy(trainer, model=None) -> TrainerScale:
     _refuse_unknown_accelerator(get("accelerator", "auto"))
     accelerator = _accelerator_kind(get("accelerator", "auto"))
     devices = _devices_per_node(get("devices", "auto"), accelerator)
+    auto_gpus = accelerator == "gpu" and str(get("devices", "auto")).strip().lower() == "auto"
     num_nodes = get("num_nodes", 1)
     num_nodes = 1 if num_nodes is None else num_nodes
     if isinstance(num_nodes, bool) or not isinstance(num_nodes, int) or num_nodes < 1:
@@ -70,14 +80,14 @@ def resolve_strategy(trainer, model=None) -> TrainerScale:
     strategy = "auto" if strategy is None else strategy
     if isinstance(strategy, str):
         _refuse_fsdp_without_gpu(strategy, None, get("accelerator", "auto"))
-        return TrainerScale(devices, num_nodes, _registered_strategy(strategy, model))
+        return TrainerScale(devices, num_nodes, _registered_strategy(strategy, model), auto_gpus=auto_gpus)
     class_path = str(getattr(strategy, "class_path", "") or "")
     init = getattr(strategy, "init_args", None)
     init = init.as_dict() if hasattr(init, "as_dict") else dict(init or {})
     cls = _import_class(class_path)
     _refuse_fsdp_without_gpu(strategy, cls, get("accelerator", "auto"))
     tensor = _check_strategy_init(class_path, cls, init, devices, world, model)
-    return TrainerScale(devices, num_nodes, config_strategy(strategy), init, tensor)
+    return TrainerScale(devices, num_nodes, config_strategy(strategy), init, tensor, auto_gpus)
 
 
 def _refuse_unknown_accelerator(accelerator) -> None:
@@ -229,6 +239,10 @@ def _check_strategy_init(class_path: str, cls, init: dict, devices: int, world: 
                 f"world size {world} (devices x num_nodes): set data_parallel_size {world // tensor_size} or auto"
             )
         _refuse_without_configure_model(name, model)
+        if tensor_size > 1 and _model_class(model) is _litlm():  # fit's configure_model splits the toy LM's heads
+            from lmledger.ledger.sharding.tp import check_toy_plan
+
+            check_toy_plan(model.config, tensor_size, bool(model.get("sequence_parallel")))
         return tensor_size
     return 1
 
@@ -268,11 +282,13 @@ def _model_class(model) -> type | None:
     if model is None or isinstance(model, type):
         return model
     class_path = model.get("class_path") if hasattr(model, "get") else None
-    if class_path is None:
-        from lmledger.lit import LitLM
+    return _litlm() if class_path is None else _import_class(str(class_path))
 
-        return LitLM
-    return _import_class(str(class_path))
+
+def _litlm() -> type:
+    from lmledger.lit import LitLM
+
+    return LitLM
 
 
 def config_strategy(strategy) -> str:

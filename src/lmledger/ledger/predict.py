@@ -47,6 +47,7 @@ from lmledger.model import ToyLM, count_parameters
 __all__ = [
     "Measurement",
     "Prediction",
+    "SeveralOptimizers",
     "configured_optimizer",
     "lightning_step",
     "max_batch_module",
@@ -280,6 +281,10 @@ def lightning_step(batch_idx: int = 0, trainer: object = None) -> Callable[[nn.M
 module_step = lightning_step()  # no trainer, batch_idx 0: for account, plan and _predict_module
 
 
+class SeveralOptimizers(UserError):
+    """configure_optimizers returned more than one optimizer (configured_optimizer)."""
+
+
 def configured_optimizer(module: nn.Module) -> torch.optim.Optimizer | None:
     """The one torch optimizer a LightningModule's configure_optimizers returns; None if it has none.
 
@@ -287,7 +292,12 @@ def configured_optimizer(module: nn.Module) -> torch.optim.Optimizer | None:
     whose first item is one, or a list of them. More than one is a UserError: the dry run models one optimizer step.
     """
     configure = getattr(module, "configure_optimizers", None)
-    configured = configure() if callable(configure) else None
+    try:
+        configured = configure() if callable(configure) else None
+    except ValueError as err:
+        if "empty parameter list" not in str(err):
+            raise
+        raise UserError(_nothing_to_optimize(module)) from None
     found: list[torch.optim.Optimizer] = []
 
     def collect(item: object) -> None:
@@ -304,11 +314,27 @@ def configured_optimizer(module: nn.Module) -> torch.optim.Optimizer | None:
 
     collect(configured)
     if len(found) > 1:
-        raise UserError(
+        raise SeveralOptimizers(
             f"{type(module).__name__}.configure_optimizers returns {len(found)} optimizers; the prediction models "
             "one optimizer step (measure such a module with `lmledger fit`)"
         )
     return found[0] if found else None
+
+
+def _nothing_to_optimize(module: nn.Module) -> str:
+    """The line for a configure_optimizers whose optimizer got no parameters (torch: "optimizer got an empty
+    parameter list"): the module has none, or none it hands over."""
+    name = type(module).__name__
+    params = list(module.parameters())
+    cause = (
+        f"{name} holds no parameters (no layer with weights, no nn.Parameter)"
+        if not params
+        else f"none of {name}'s {len(params)} parameters reach it (all frozen, or filtered out)"
+    )
+    return (
+        f"{name}.configure_optimizers builds an optimizer over no parameters (torch: optimizer got an empty parameter "
+        f"list): {cause}; give the module something to train, or return None from configure_optimizers"
+    )
 
 
 def resized(batch: object, size: int) -> object:

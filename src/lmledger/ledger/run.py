@@ -34,6 +34,7 @@ class Run:
                          except under fp16's GradScaler
         strategy         a ledger.closedform.memory strategy name (`sharding`): ddp, fsdp (FSDP1), fsdp2, zero2,
                          deepspeed_stage_N
+        tensor_parallel  ModelParallelStrategy's tensor-parallel size (fsdp2 x TP); 1 for every other strategy
         compiled / fp8   LitLM's compile and fp8 switches
         accelerator, data_path, vocab_from_data
                          what a config said (account and sweep print them)
@@ -46,6 +47,7 @@ class Run:
     optimizer: str = "adamw"
     strategy: str = "ddp"
     world_size: int = 1
+    tensor_parallel: int = 1
     device: torch.device = torch.device("cpu")
     weights_dtype: torch.dtype | None = None
     momentum: float = 0.9

@@ -30,14 +30,15 @@ def check_points(experiment: Experiment) -> CheckedPoints:
     that failed on its own. (A value may be valid only beside another, e.g. a class_path.)
     Other commands (plan, bench, gpus) are checked when they run: they fail in a second.
     """
+    from lmledger.fitting.checks import check_fit_values
     from lmledger.fitting.cli import parse_fit_config
-    from lmledger.run_config import resolve_strategy, run_from_config
+    from lmledger.run_config import run_from_config
 
     def spec_of(config):
         # A config naming any LightningModule parses but has no closed forms to list (its dry run needs the
         # module built): checked, not predicted. Either has a shape: its nodes and ranks per node.
-        scale = resolve_strategy(config.trainer, config.model)
-        run = _ANY_MODEL if "class_path" in config.model else run_from_config(config)
+        scale = check_fit_values(config)
+        run = _ANY_MODEL if "class_path" in config.model else run_from_config(config, scale)
         return run, (scale.num_nodes, scale.devices)
 
     def parse(args: list[str]):

@@ -124,6 +124,42 @@ def in_queue(out_dir: Path, points: list[Point]) -> dict[str, str]:
     return {pid: task for pid, task in tasks.items() if task in active}
 
 
+def _refuse_beyond_every_node(request: SlurmRequest, groups: list) -> None:
+    """One line when a task asks a node for more CPUs than any node of its partition has: SLURM queues such an
+    array, and it pends forever. The node sizes are sinfo's; where sinfo cannot say, sbatch decides."""
+    if request.cpus_per_task is None or not groups:
+        return
+    sizes = _node_cpus(request.partition)
+    for group in groups:
+        tasks = group.per_node if group.nodes > 1 else 1  # a one-node point is one task; its ranks are its processes
+        need = request.cpus_per_task * tasks
+        if sizes and need > max(sizes):
+            where = f"partition {request.partition}" if request.partition else "the default partition"
+            per = f" ({tasks} tasks of {request.cpus_per_task})" if tasks > 1 else ""
+            raise UserError(
+                f"--cpus-per-task {request.cpus_per_task}: a node would need {need} CPUs{per}, but the largest node of "
+                f"{where} has {max(sizes)} (sinfo), so the array would pend forever; ask for at most "
+                f"{max(sizes) // tasks}, or a partition with larger nodes; nothing was queued"
+            )
+
+
+def _node_cpus(partition: str | None) -> list[int]:
+    """The CPU count of each node of `partition` (a comma-separated list; None: the default one), from sinfo;
+    [] when sinfo cannot say."""
+    try:
+        done = subprocess.run(["sinfo", "--noheader", "--Node", "--format", "%c %P"], capture_output=True, text=True,
+                              timeout=60, check=False)  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return []
+    sizes = []
+    for line in done.stdout.splitlines() if done.returncode == 0 else []:
+        cpus, _, name = line.strip().partition(" ")
+        ours = name.endswith("*") if partition is None else name.rstrip("*") in partition.split(",")
+        if ours and cpus.isdigit():
+            sizes.append(int(cpus))
+    return sizes
+
+
 class _NothingQueued(UserError):
     """sbatch refused the array (or its files could not be written), and _submit removed what it wrote."""
 
@@ -273,6 +309,7 @@ def run_slurm_sweep(
     queued = in_queue(out_dir, plan.pending)
     to_submit = [p for p in plan.pending if p.id not in queued]
     groups = memory_request(experiment, to_submit, request) if to_submit else []  # every refusal before any sbatch
+    _refuse_beyond_every_node(request, groups)
     if to_submit:
         output_pattern((out_dir / "slurm" / "logs").resolve())  # a path no #SBATCH line can carry: before any write
     made = _missing_dirs(out_dir)

@@ -13,18 +13,20 @@ import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
-from lmledger.errors import UserError
+from lmledger.errors import ConfigError, UserError
 from lmledger.ledger.hardware.gpus import GpuSpec, datasheet_peak, dtype_name, require_gpu
 from lmledger.ledger.units import GB
 
 # Also public, but lazy (module __getattr__, so not listed): OPTIMIZERS.
 __all__ = [
+    "DEVICE_MEMORY_RANGE",
     "MAX_COUNT",
     "MAX_GPUS",
     "MaxParams",
     "TrainTime",
     "bytes_per_param",
     "device_capacity",
+    "device_memory_bytes",
     "largest_within",
     "max_batch",
     "max_params",
@@ -243,4 +245,19 @@ def device_capacity(gpu: str | None, device_memory_gb: float | None) -> tuple[in
     if gpu is not None:
         spec = require_gpu(gpu)
         return spec.memory_bytes, f"{spec.key} ({spec.memory_bytes / GB:g} GB)", spec.key
-    return round(device_memory_gb * GB), f"{device_memory_gb:g} GB per device", None
+    return device_memory_bytes(device_memory_gb), f"{device_memory_gb:g} GB per device", None
+
+
+# A device's memory in GB, as --ledger.device_memory_gb gives it: at least one byte (1e-12 GB rounds to none, and
+# a search for the largest batch under 0 bytes has nothing to search), below an exabyte (1e300 GB overflows).
+DEVICE_MEMORY_RANGE = "at least 1e-9 GB (one byte) and below 1e9 GB"
+
+
+def device_memory_bytes(gb: float, flag: str = "ledger.device_memory_gb") -> int:
+    """The bytes `gb` GB (1e9 bytes) of device memory hold; a ConfigError naming `flag` for what is no such size.
+    The one check of the fit's --ledger.device_memory_gb and plan max-batch's (its alias --device-memory-gb)."""
+    if isinstance(gb, bool) or not isinstance(gb, (int, float)):
+        raise ConfigError(f"{flag} must be a number of GB, got {gb!r}")
+    if not (math.isfinite(gb) and 1 <= gb * GB < 1e18):
+        raise ConfigError(f"{flag} must be {DEVICE_MEMORY_RANGE}, got {gb:g}")
+    return round(gb * GB)

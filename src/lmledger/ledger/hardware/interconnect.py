@@ -45,6 +45,7 @@ class Interconnect:
     scope: str  # "intra-node" or "inter-node"
     source: str
     latency_s: float | None = None  # a small message's time (alpha of alpha + bytes / bandwidth); None: LATENCY[scope]
+    note: str | None = None  # a user's rate beyond every link of its kind: the likely slip, said beside the answer
 
     @property
     def alpha_s(self) -> float:
@@ -95,6 +96,11 @@ def resolve_interconnect(spec: str, scope: str | None = None) -> Interconnect:
     `scope` ("intra-node"/"inter-node"), when given, refuses a key of the other kind (NVLink between nodes).
     """
     key = spec.strip().lower()
+    if not key:
+        raise UserError(
+            f"an empty value names no link: give one of {_keys(scope)}, or a rate such as 50GB/s or 400Gb/s, or leave "
+            "the flag out for the GPU's usual link"
+        )
     if key in INTERCONNECTS:
         link = INTERCONNECTS[key]
         if scope is not None and link.scope != scope:
@@ -108,7 +114,27 @@ def resolve_interconnect(spec: str, scope: str | None = None) -> Interconnect:
     value = float(found.group(1)) * (1e12 if found.group(2) == "T" else 1e9) / (1 if found.group(3) == "B" else 8)
     if not value > 0:
         raise UserError(f"interconnect rate {spec!r} must be above zero")
-    return Interconnect(spec.strip(), value, scope or "user", "given by the user")
+    note = _beyond_every_link(spec.strip(), value, found.group(3) == "B", scope)
+    return Interconnect(spec.strip(), value, scope or "user", "given by the user", note=note)
+
+
+def _beyond_every_link(spec: str, value: float, in_bytes: bool, scope: str | None) -> str | None:
+    """A line for a rate above the fastest link of its kind in the table, or None. Such a rate is almost always a
+    slip: a NIC's bits written as bytes (400GB/s for 400Gb/s), or NVLink's datasheet figure, both directions summed,
+    where the ledger takes one. The rate is used as given; the line says so beside the answer."""
+    kind = [link for link in INTERCONNECTS.values() if link.scope == scope]
+    if not kind or value <= (fastest := max(kind, key=lambda link: link.bytes_per_s)).bytes_per_s:
+        return None
+    if in_bytes and scope == "inter-node":
+        guess = f"a network's rate is in bits: did you mean {spec.replace('B/s', 'b/s')} ({value / 8 / GB:.4g} GB/s)?"
+    elif in_bytes:
+        guess = f"a datasheet's NVLink figure sums both directions, and the ledger takes one: {value / 2 / GB:.4g}GB/s?"
+    else:
+        guess = "a link newer than the table?"
+    return (
+        f"{scope} {spec} is {value / GB:.4g} GB/s one way, {value / fastest.bytes_per_s:.3g}x the fastest {scope} link "
+        f"known ({fastest.name}, {fastest.bytes_per_s / GB:.4g} GB/s): {guess} (used as given)"
+    )
 
 
 # The usual node of each GPU in the table: its SXM/OAM parts on their own fabric, PCIe cards on the bus (an
@@ -239,7 +265,7 @@ def communication(ops: object, links: Links, world_size: int) -> dict:
         by_group[group] = by_group.get(group, 0.0) + seconds
 
     def named(link: Interconnect) -> dict:
-        return {"name": link.name, "bytes_per_s": link.bytes_per_s, "source": link.source}
+        return {"name": link.name, "bytes_per_s": link.bytes_per_s, "source": link.source, "note": link.note}
 
     return {
         "seconds": sum(row["seconds"] for row in by_link.values()),

@@ -41,6 +41,7 @@ __all__ = [
     "norm_over_meshes",
     "check_plan",
     "check_tensor_parallel",
+    "check_toy_plan",
     "meshes_outside_fake_mode",
     "replay_configure_model",
     "toy_tp_plan",
@@ -100,6 +101,19 @@ def check_tensor_parallel(
         )
 
 
+def check_toy_plan(cfg, tensor_parallel: int, sequence_parallel: bool = False) -> None:
+    """ConfigError, one line, for a ToyLM config (a ModelConfig, or a parsed config's section of its fields) that
+    toy_tp_plan cannot split over `tensor_parallel` ranks: what fit's configure_model and planning both refuse."""
+    check_tensor_parallel(cfg.n_heads, cfg.d_ff, tensor_parallel, n_kv_heads=getattr(cfg, "n_kv_heads", None))
+    if sequence_parallel and cfg.tie_embeddings:
+        raise ConfigError("sequence parallel splits the embedding and the LM head apart: set tie_embeddings false")
+    if sequence_parallel and getattr(cfg, "positions", "rope") == "learned":
+        raise ConfigError(
+            "sequence parallel splits the embedding's output along the sequence, not a learned position table: "
+            "set sequence_parallel false or positions rope"
+        )
+
+
 def toy_plan(sequence_parallel: bool = False, gated: bool = True) -> tuple[dict, dict]:
     """(per-block plan, top-level plan) of lmledger's ToyLM, as parallelize_module takes them.
 
@@ -140,17 +154,9 @@ def toy_tp_plan(model: nn.Module, tp_mesh: object, sequence_parallel: bool = Fal
     """Tensor-parallelise lmledger's ToyLM in place over `tp_mesh` (module docstring)."""
     from torch.distributed.tensor.parallel import parallelize_module
 
-    cfg = model.cfg
     size = tp_mesh.size()
-    check_tensor_parallel(cfg.n_heads, cfg.d_ff, size, n_kv_heads=cfg.kv_heads)
-    if sequence_parallel and cfg.tie_embeddings:
-        raise ConfigError("sequence parallel splits the embedding and the LM head apart: set tie_embeddings false")
-    if sequence_parallel and cfg.positions == "learned":
-        raise ConfigError(
-            "sequence parallel splits the embedding's output along the sequence, not a learned position table: "
-            "set sequence_parallel false or positions rope"
-        )
-    block_plan, top_plan = toy_plan(sequence_parallel, gated=cfg.mlp == "swiglu")
+    check_toy_plan(model.cfg, size, sequence_parallel)
+    block_plan, top_plan = toy_plan(sequence_parallel, gated=model.cfg.mlp == "swiglu")
     for wrapped in model.blocks:
         block = getattr(wrapped, "_checkpoint_wrapped_module", wrapped)  # torch's checkpoint_wrapper
         check_plan(block, block_plan)

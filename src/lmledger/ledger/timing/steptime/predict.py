@@ -212,6 +212,7 @@ def predict_step_time(
         how[COMMUNICATION] = (
             f"{len(comm_ops)} collectives, {_links_line(crossed)} ({source}); none overlapped with compute"
         )
+        notes += list(dict.fromkeys(link.note for link in (crossed.intra, crossed.inter) if link.note))
 
     compute = sum(seconds[c] for c in (MATMUL, ATTENTION, OTHER))
     seconds[HOST], how[HOST] = _host(
