@@ -188,7 +188,10 @@ def test_k_micro_batches_are_k_forward_backward_passes_and_one_optimizer_step(ca
     a = predict_step_time(one, "cpu", optimizer=optimizer, loop_s=1e-2, tokens=32, samples=2)
     b = predict_step_time(four, "cpu", optimizer=optimizer, loop_s=1e-2, tokens=32, samples=2, accumulate=4)
     compute = lambda r: r.seconds["matmul"] + r.seconds["attention"] + r.seconds["other"]  # noqa: E731
-    assert b.seconds["optimizer"] == a.seconds["optimizer"]  # one optimizer step, from the same cached timing
+    # one optimizer step: the same optimizer ops, and its time once, not four times. Not equal to the figure: where
+    # the second prediction's new ops drift from the cache on a busy machine, the cache is dropped and re-timed.
+    assert b.optimizer_ops == a.optimizer_ops > 0
+    assert 0.5 * a.seconds["optimizer"] < b.seconds["optimizer"] < 2 * a.seconds["optimizer"]
     matmuls = lambda ops, phase: [op.name for op in ops.ops if op.phase == phase and op.category == "matmul"]  # noqa: E731
     assert matmuls(four, "forward") == 4 * matmuls(one, "forward")  # four forward passes, matmul for matmul
     assert matmuls(four, "backward") == 4 * matmuls(one, "backward")
