@@ -86,6 +86,10 @@ def test_attention_causal_does_half_the_work_and_unfused_is_two_batched_matmuls_
     fa2 = attention_seconds(flops, 4096, 4096, 128, False, False, "flash2", "bf16", H100)
     fa3 = attention_seconds(flops, 4096, 4096, 128, False, False, "flash3", "bf16", H100)
     assert 1.8 < fa2 / fa3 < 2.4
+    # fp32 inputs: SDPA's memory-efficient kernel, its GEMMs three TF32 products each (a third of the TF32 peak)
+    fp32 = attention_seconds(flops, 4096, 4096, 128, False, False, "efficient", "fp32", A100)
+    eff32 = arch.ARCHES["ampere"].attention["efficient"][0]
+    assert fp32 - floor == pytest.approx(flops / (156e12 / 3 * eff32 * 4096 / (4096 + 128)))
     bh, s, d = 8 * 16, 2048, 64
     square = bh * s * s * 2
     expected = (matmul_seconds(s, s, d, bh, "fp16", A100) + matmul_seconds(s, d, s, bh, "fp16", A100)
@@ -203,4 +207,9 @@ def test_a_gpu_without_chip_figures_is_one_line():
     bare = replace(GPUS["h100-sxm"], sms=None, arch=None)
     found = predict_gpu_step(OpSummary.of([]), bare)
     assert isinstance(found, NoStepTime) and "SM count" in found.reason and "\n" not in found.reason
+    # a precision the GPU has no peak for: a V100's bf16, an A100's fp8 linears
+    for gpu, dtype, fp8 in (("v100", "bf16", False), ("a100-80gb", "fp8", True)):
+        kernels = replace(kernels_for("pytorch"), fp8_matmuls=fp8)
+        found = predict_gpu_step(OpSummary.of([]), gpu, compute_dtype="bf16", kernels=kernels)
+        assert isinstance(found, NoStepTime) and f"has no dense {dtype} peak" in found.reason
     assert math.isfinite(H100.peak("bf16"))

@@ -109,8 +109,16 @@ def attention_seconds(
     efficiency = (backward_eff if backward else forward_eff) * seq / (seq + _SEQ_HALF[causal])
     efficiency *= _head_dim_factor(head_dim)
     work = flops / 2 if causal and seq_q == seq_k else flops
-    peak = chip.peak(dtype if dtype in ("bf16", "fp16", "fp8") else "bf16")
-    return work / (peak * efficiency) + KERNEL_FLOOR_S
+    return work / (attention_peak(dtype, chip) * efficiency) + KERNEL_FLOOR_S
+
+
+def attention_peak(dtype: str, chip: Chip) -> float:
+    """The peak an attention kernel's matmuls run at. fp32 inputs: SDPA's memory-efficient kernel (xFormers' CUTLASS
+    kernel), whose fp32 GEMMs are three TF32 products each (OpMultiplyAddFastF32) where the chip has TF32, else
+    SIMT fp32 (Volta, Turing)."""
+    if dtype in ("bf16", "fp16", "fp8"):
+        return chip.peak(dtype)
+    return chip.peak("tf32") / 3 if chip.spec.peak_flops.get("tf32") else chip.peak("fp32")
 
 
 def unfused_attention_seconds(

@@ -241,5 +241,6 @@ def step_at_layout(
     first = priced[1][0]
     hidden = {k: max(0.0, v + depth * (priced[2][0].hidden.get(k, 0.0) - v)) for k, v in first.hidden.items()}
     tokens = layout.micro_batch * seq
+    ops = first.ops + depth * (priced[2][0].ops - first.ops)
     return dataclasses.replace(first, seconds=seconds, hidden=hidden, accumulate=layout.accumulate,
-                               tokens=tokens * layout.accumulate, mfu=None)  # fmt: skip
+                               tokens=tokens * layout.accumulate, mfu=None, ops=ops)  # fmt: skip

@@ -120,16 +120,20 @@ def _price_attention(op: OpRecord, chip: Chip, kernels: Kernels, compute: str) -
     dtype = peak_dtype(op.dtype, compute)
     shape = _attention_shape(op)
     backward = "backward" in op.name
+    kernel = _kernel(kernels, chip, dtype)
     if shape is None:  # not readable: a long non-causal sequence at head dim 128
-        return attention_seconds(op.flops, 1 << 14, 1 << 14, 128, False, backward, _kernel(kernels, chip), dtype, chip)
+        return attention_seconds(op.flops, 1 << 14, 1 << 14, 128, False, backward, kernel, dtype, chip)
     b, h, sq, sk, d, causal = shape
     if kernels.attention == "unfused" and sq == sk:
         return unfused_attention_seconds(b * h, sq, d, backward, dtype, chip, _ELEMENT.get(op.dtype, 2))
-    return attention_seconds(op.flops, sq, sk, d, causal, backward, _kernel(kernels, chip), dtype, chip)
+    return attention_seconds(op.flops, sq, sk, d, causal, backward, kernel, dtype, chip)
 
 
-def _kernel(kernels: Kernels, chip: Chip) -> str:
-    """The attention kernel: the framework's, or torch SDPA's pick ("auto"): its flash backend (FlashAttention-2)."""
+def _kernel(kernels: Kernels, chip: Chip, dtype: str = "bf16") -> str:
+    """The attention kernel: the framework's, or torch SDPA's pick ("auto"): its flash backend (FlashAttention-2) in
+    half precision, its memory-efficient one in fp32 (flash takes no fp32)."""
+    if dtype not in ("bf16", "fp16", "fp8"):
+        return "efficient"
     return "flash2" if kernels.attention in ("auto", "unfused") else kernels.attention
 
 

@@ -95,6 +95,10 @@ def predict_gpu_step(
     except ValueError as err:
         return NoStepTime(str(err))
     kernels = kernels or kernels_for("pytorch")
+    for dtype in (compute_dtype, *(("fp8",) if kernels.fp8_matmuls else ())):
+        if spec.peak_flops.get(dtype) is None:  # V100 and T4 run no bf16; Ampere no fp8
+            why = f"{spec.name} has no dense {dtype} peak in the table: its {dtype} kernels do not run there"
+            return NoStepTime(why)
     links = links or default_links(spec.key)
     records = with_buckets(list(ops.ops), list(buckets), world_size, kernels.ddp_overlap, bucket_group)
     priced = price_ops(records, chip, kernels, compute_dtype, links, world_size)

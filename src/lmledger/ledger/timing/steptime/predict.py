@@ -113,7 +113,7 @@ class StepTime:
             (f", {self.samples_per_s:,.1f} samples/s" if self.samples_per_s else "")
         )  # fmt: skip
         if self.priced_on:
-            mfu = f", MFU {self.mfu:.2f}" if self.mfu is not None else ""
+            mfu = f", MFU {self.mfu:.2g}" if self.mfu is not None else ""
             hidden = "; ".join(f"{v * 1e3:.3g} ms of {k} hidden under the kernels" for k, v in self.hidden.items() if v)
             return (f"step time predicted {self.total_s * 1e3:.1f} ms on {self.priced_on}{rate}{mfu} (GPU op model: "
                     f"{self.ops} ops priced{'; ' + hidden if hidden else ''})")  # fmt: skip
