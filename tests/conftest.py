@@ -178,6 +178,14 @@ def figures_of(doc: dict, source: str) -> dict:
     return {line: (by_source or {}).get(source) for line, by_source in doc["memory"].items()}
 
 
+def one_error_line(capsys) -> str:
+    """The one `lmledger ...: error:` line a refused in-process command wrote to stderr."""
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("lmledger")]  # Lightning logs INFO lines too
+    assert len(lines) == 1, err
+    return lines[0]
+
+
 def run_json(capsys, *argv: str) -> dict:
     """`lmledger ARGV` in-process, which must exit 0; its stdout parsed as one JSON object."""
     capsys.readouterr()

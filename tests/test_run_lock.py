@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from test_any_model_cli import NoLoss
 
-from conftest import MICRO_OVERRIDES
+from conftest import MICRO_OVERRIDES, one_error_line
 from lmledger.cli import main as lmledger
 from lmledger.runlock import RUN_LOCK, DirLock
 
@@ -42,13 +42,6 @@ def tree(root: Path) -> dict[str, str]:
         key = str(path.relative_to(root))
         out[key] = "dir" if path.is_dir() else hashlib.sha256(path.read_bytes()).hexdigest()
     return out
-
-
-def one_error_line(capsys) -> str:
-    err = capsys.readouterr().err
-    lines = [line for line in err.splitlines() if line.startswith("lmledger")]  # Lightning logs INFO lines too
-    assert len(lines) == 1, err
-    return lines[0]
 
 
 def test_a_second_writer_is_refused_naming_the_holder_and_nothing_changes(workdir, capsys):

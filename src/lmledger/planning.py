@@ -52,11 +52,12 @@ def max_batch_of(fit_args: list[str], capacity: int, gpu_key: str | None) -> tup
     if named_classes(fit_args):
         scale = trainer_scale(fit_args)  # refuses what fit refuses, in its words
         if at_scale(scale.world_size, scale.strategy):  # one rank's dry run at the world size (ledger.sharding.sharded)
-            found = any_model_at_scale(fit_args, capacity)
+            found = any_model_at_scale(fit_args, capacity, gpu=gpu_key)
             case = found["per_rank"].configured  # the module as it is configured answers, as for a config
             result = {
                 "max_batch": case.max_batch, "peak_bytes": case.answer_peak(capacity), "capacity_bytes": capacity,
                 "gpu": gpu_key, "params": found["params"], "run": found["run"], "per_rank": found["per_rank"],
+                "step": (found.get("time") or {}).get("predicted"),  # at the config's own batch
             }  # fmt: skip
             return "at scale", result, found
         result, params, wants_gpu = _max_batch_any_model(fit_args, capacity, gpu_key)
@@ -105,7 +106,23 @@ def _max_batch_of_config(fit_args: list[str], capacity: int, gpu_key: str | None
     }
     if traced_at_scale(spec):
         _per_rank_batch(result, spec, capacity, fit_args)
+    result["step"] = _step_at_batch(spec, fit_args, gpu_key, result["max_batch"])
     return result, spec
+
+
+def _step_at_batch(spec, fit_args: list[str], gpu_key: str | None, batch: int) -> dict | None:
+    """The step at the answer's batch on the GPU (accounting.gpustep): --gpu's, or the one a GPU config runs on;
+    None for a CPU config without --gpu, or where not even one sample fits."""
+    from lmledger.accounting.gpustep import target_gpu, toy_gpu_step
+    from lmledger.accounting.steptime import trainer_time_settings
+
+    target, why = target_gpu(spec.accelerator, gpu_key)
+    if target is None or not batch:
+        return None
+    step = toy_gpu_step(dataclasses.replace(spec, batch_size=batch), fit_args, target,
+                        trainer_time_settings(fit_args)["accumulate"])  # fmt: skip
+    step["notes"] = [*step.get("notes", ()), *([why] if why != "--gpu" else [])]
+    return step
 
 
 def _dry_run_max_batch(run, capacity: int) -> tuple[int, int, str]:

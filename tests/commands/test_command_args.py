@@ -23,7 +23,7 @@ FLAGS = {
     ("prepare",): {"--help", "--source", "--tokenizer", "--vocab-size", "--out", "--overwrite", "--val-fraction"},
     ("sweep",): {"--help", "--dry-run", "--plan", "--jobs", "--out", "--launcher", *SLURM_FLAGS},
     # account and plan max-batch also name the fit arguments they pass through (--config, --a.b overrides)
-    ("account",): {"--help", "--config", "--model", "--data", "--a", "--measure", "--json"},
+    ("account",): {"--help", "--config", "--model", "--data", "--a", "--measure", "--gpu", "--json"},
     ("plan", "train-time"): {
         "--help",
         "--params",

@@ -552,7 +552,25 @@ def test_plan_train_time_from_a_config(cache, workdir, capsys):
     gpu = run_json(
         capsys, "plan", "train-time", "--config", "micro.yaml", "--tokens", "2B", "--gpu", "h100-sxm", "--json"
     )
-    assert "upper bound on speed" in gpu["source"] and 0 < gpu["step_s"] < here["step_s"]
+    # on a GPU the config does not run on: the GPU op model's step, its categories summing to it, its MFU the
+    # PaLM model FLOPs a token at the tokens/s over the H100's dense bf16 peak
+    assert gpu["gpu"] == gpu["predicted"]["priced_on"] == "h100-sxm" and gpu["num_gpus"] == 1
+    assert gpu["step_s"] == pytest.approx(sum(gpu["predicted"]["seconds"].values()))
+    assert 0 < gpu["step_s"] < here["step_s"] and gpu["tokens_per_step"] == 4 * 32
+    from lmledger.ledger.closedform.flops import model_flops_per_token
+    from lmledger.ledger.hardware.gpus import require_gpu
+    from lmledger.run_config import load_run
+
+    per_token = model_flops_per_token(load_run(["--config", "micro.yaml"]).config, 32)
+    assert gpu["mfu"] == pytest.approx(gpu["tokens_per_s"] * per_token / require_gpu("h100-sxm").peak_flops["fp32"])
+    # eight GPUs, data parallel: eight times the tokens a step, each GPU's step no shorter (its gradients'
+    # all-reduce, which a host-bound step this small hides)
+    eight = run_json(capsys, "plan", "train-time", "--config", "micro.yaml", "--tokens", "2B", "--gpu", "h100-sxm",
+                     "--num-gpus", "8", "--json")  # fmt: skip
+    assert eight["num_gpus"] == 8 and eight["tokens_per_step"] == 8 * gpu["tokens_per_step"]
+    comm = eight["predicted"]["seconds"]["communication"] + eight["predicted"]["hidden"]["communication"]
+    assert eight["step_s"] >= gpu["step_s"] and comm > 30e-6  # an all-reduce's latency at the least, exposed or hidden
+    assert eight["days"] == pytest.approx(2e9 / eight["tokens_per_step"] * eight["step_s"] / 86400)
 
 
 def test_sweep_plan_predicts_each_points_peak_and_step(cache, workdir, capsys):
@@ -565,18 +583,21 @@ def test_sweep_plan_predicts_each_points_peak_and_step(cache, workdir, capsys):
     fixed = dict(zip(MICRO_OVERRIDES[::2], MICRO_OVERRIDES[1::2], strict=True))
     experiment = {
         "name": "plan", "command": "fit", "configs": ["configs/tiny.yaml"],
-        "fixed": {k.removeprefix("--"): v for k, v in fixed.items()}, "grid": {"data.batch_size": [2, 8]},
+        "fixed": {k.removeprefix("--"): v for k, v in fixed.items()},
+        "grid": {"data.batch_size": [2, 8], "trainer.accelerator": ["cpu", "gpu"]},
     }  # fmt: skip
     (workdir / "plan.yaml").write_text(json.dumps(experiment))
     capsys.readouterr()
     assert lmledger(["sweep", "plan.yaml", "--plan"]) == 0
     out = capsys.readouterr().out.splitlines()
     rows = {line.split()[0]: line.split() for line in out if line.startswith("batch_size=")}
-    assert len(rows) == 2, out
+    assert len(rows) == 4, out
     for point, row in rows.items():
-        batch = int(point.removeprefix("batch_size=").split("-")[0])
+        batch = int(point.removeprefix("batch_size=").split("_")[0])
         step_ms, rate = float(row[3]), float(row[4].replace(",", ""))
         assert float(row[2]) > 0 and rate * step_ms / 1e3 == pytest.approx(batch * 32, rel=0.05)  # tokens per step
+        # a GPU point on the GPU this machine lacks, by the GPU op model; a CPU point here
+        assert row[5:] == (["on", "h100-sxm"] if "accelerator=gpu" in point else []), row
     assert not list(workdir.glob("runs/sweeps/plan/points/*"))  # nothing ran
 
 

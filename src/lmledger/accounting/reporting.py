@@ -54,6 +54,10 @@ def _notes(result: dict) -> list[str]:
                      "or less)")  # fmt: skip
     else:
         notes.append(f"measured on {run['device']}" if result.get("measured") else f"predicted for {run['device']}")
+        stand_in = run.get("dry_run_device")
+        if not result.get("measured") and stand_in and stand_in != run["device"]:
+            notes.append(f"dry run on this machine's {stand_in} in its place: the same bytes and FLOPs, but for "
+                         "attention kernels that hold a little more or less on a GPU")  # fmt: skip
     if "model" in run:
         notes.append("no model FLOPs or MFU for a module that is not lmledger's ToyLM: HFU comes from a fit's perf/hfu")
     return notes

@@ -109,7 +109,7 @@ def at_scale(world_size: int, strategy: str) -> bool:
     return world_size > 1 or strategy not in ("ddp", "auto", "single_device")
 
 
-def any_model_at_scale(argv: list[str], capacity_bytes: int | None = None) -> dict:
+def any_model_at_scale(argv: list[str], capacity_bytes: int | None = None, gpu: str | None = None) -> dict:
     """One rank's dry run of any LightningModule, at the arguments' world size and strategy.
 
     Cases: as configured, and every block checkpointed (ledger.sharding.sharded). The module is built on the
@@ -134,12 +134,17 @@ def any_model_at_scale(argv: list[str], capacity_bytes: int | None = None) -> di
             optimizer=ledger_predict.configured_optimizer(module), precision=precision, links=links,
             **_scale_settings(scale, module),
         )  # fmt: skip
+    tokens = tokens_per_batch(module, batch)
+    timed = scale.configured
+    if gpu is not None or str(config.trainer.get("accelerator")).lower() in ("gpu", "cuda"):
+        timed = _timing_case(module, batch, samples, strategy, world_size, precision, scale.configured)
     return {
+        "time": _rank_gpu_time(timed, config, gpu, precision, tokens, samples, argv),
         "params": ledger_predict.parameter_count(module),
         "run": {
             "model": config.model.class_path,
             "batch_size": samples,
-            "tokens_per_step": tokens_per_batch(module, batch),
+            "tokens_per_step": tokens,
             "precision": precision,
             "strategy": strategy,
             "world_size": world_size,
@@ -151,6 +156,43 @@ def any_model_at_scale(argv: list[str], capacity_bytes: int | None = None) -> di
         "predictors": {"dry run": dataclasses.replace(scale.configured.figures, flops_model=None)},
         "measured": None,
     }
+
+
+def _timing_case(module, batch, samples: int, strategy: str, world_size: int, precision: str, case):
+    """The rank's case whose ops carry its collectives: FSDP1 and ZeRO-3 are dry-run as FSDP2 (the same all-gathers
+    and reduce-scatters per block), ZeRO-1/2 as DDP (the same bytes reduced); their own case is state-only, the
+    single device's ops."""
+    from lmledger.ledger import predict as ledger_predict
+    from lmledger.ledger.sharding import atscale
+    from lmledger.ledger.sharding.rankstate import STATE_ONLY
+
+    if strategy not in STATE_ONLY:
+        return case
+    stand_in = "fsdp2" if strategy in ("fsdp", "zero3", "deepspeed_stage_3") else "ddp"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        found = atscale.at_scale(module, lambda size: ledger_predict.resized(batch, size), samples, strategy=stand_in,
+                                 world_size=world_size, step=ledger_predict.module_step,
+                                 optimizer=ledger_predict.configured_optimizer(module), precision=precision,
+                                 labels=("as configured", "every block checkpointed"))  # fmt: skip
+    return found.configured if found.configured.ops is not None else case
+
+
+def _rank_gpu_time(case, config, gpu: str | None, precision: str, tokens, samples: int, argv) -> dict | None:
+    """One rank's step on its GPU (accounting.gpustep), where the config runs on one or `gpu` names one."""
+    from lmledger.accounting.gpustep import ops_gpu_step, target_gpu
+    from lmledger.accounting.steptime import trainer_time_settings
+
+    target, why = target_gpu(config.trainer.get("accelerator"), gpu)
+    if target is None or case.ops is None:
+        return None
+    accumulate = trainer_time_settings(list(argv))["accumulate"]
+    scale = trainer_scale(argv)
+    # DDP's buckets, which its emulated Reducer leaves out of the ops, reduced in backward as their gradients fill
+    step = ops_gpu_step(case.ops, target, precision, tokens, samples, accumulate, buckets=case.bucket_sizes,
+                        world_size=scale.world_size, argv=argv)  # fmt: skip
+    step["notes"] = [*step.get("notes", ()), *([why] if why != "--gpu" else [])]
+    return {"predicted": step}
 
 
 def print_per_rank(scale: AtScale) -> None:

@@ -17,7 +17,7 @@ import warnings
 import torch
 
 from lmledger.accounting.scale import add_per_rank, traced_at_scale
-from lmledger.accounting.steptime import not_here, predicted_step_time, toy_predicted_time, trainer_time_settings
+from lmledger.accounting.steptime import no_step_time, predicted_step_time, toy_predicted_time, trainer_time_settings
 from lmledger.ledger.closedform import flops as ledger_flops
 from lmledger.ledger.dryrun.engine import NotTraced
 from lmledger.ledger.hardware.gpus import PeakFlops
@@ -183,16 +183,29 @@ def _mfu_conventions(spec: Run, seconds: float | None, device: torch.device) -> 
     }
 
 
-def account(spec: Run, do_measure: bool, argv: list[str] = (), step_time: bool = False) -> dict:
-    """`step_time`: predict the step's time here too (ledger.timing.steptime), under result["time"]["predicted"]."""
-    device = local_device(spec.accelerator) if do_measure else predicted_device(spec.accelerator)
+def dry_run_device(accelerator: object) -> torch.device:
+    """Where a plan dry-runs a config: the device it runs on where this machine has it, else this CPU. Fake tensors
+    take the same bytes and FLOPs on either; the CPU's attention and autocast kernels may differ a little."""
+    target = predicted_device(accelerator)
+    return target if target == local_device(accelerator) else torch.device("cpu")
+
+
+def account(spec: Run, do_measure: bool, argv: list[str] = (), step_time: bool = False, gpu: str | None = None) -> dict:
+    """`step_time`: predict the step's time too, under result["time"]["predicted"]: here (ledger.timing.steptime) for
+    a CPU config, on a GPU (accounting.gpustep: the config's, or `gpu`) for a GPU config or with `gpu`."""
+    from lmledger.accounting.gpustep import target_gpu, toy_gpu_step
+
+    device = local_device(spec.accelerator) if do_measure else dry_run_device(spec.accelerator)
     accumulate = trainer_time_settings(list(argv))["accumulate"] if argv else 1
     predictors, dry = _predictors(spec, device, accumulate)
     step = None
     here = dry if device.type == "cpu" and dry is not None else None  # the same dry run prices the time
-    if step_time and spec.world_size == 1 and spec.config:
-        elsewhere = predicted_device(spec.accelerator) != local_device(spec.accelerator)
-        step = not_here(spec.accelerator) if elsewhere else toy_predicted_time(spec, list(argv), here)
+    target, why = target_gpu(spec.accelerator, gpu) if step_time and spec.config else (None, "")
+    if target is not None:
+        step = toy_gpu_step(spec, list(argv), target, accumulate)
+        step["notes"] = [*step.get("notes", ()), *([why] if why != "--gpu" else [])]
+    elif step_time and spec.world_size == 1 and spec.config:
+        step = toy_predicted_time(spec, list(argv), here)
     one_step_ops = here.ops if here is not None and not isinstance(here, NotTraced) and accumulate == 1 else None
     measured = _measure(spec, device, accumulate, step, one_step_ops) if do_measure else None
     result = {
@@ -211,7 +224,8 @@ def account(spec: Run, do_measure: bool, argv: list[str] = (), step_time: bool =
             "world_size": spec.world_size,
             "vocab_size": spec.config.vocab_size,
             "vocab_from_data": spec.vocab_from_data,
-            "device": device.type,
+            "device": device.type if do_measure else predicted_device(spec.accelerator).type,
+            "dry_run_device": device.type,
             "measured_peak_phase": measured["figures"].peak_phase if measured else None,
         },
         "mfu_conventions": _mfu_conventions(spec, measured["step_seconds"] if measured else None, device),
@@ -246,13 +260,14 @@ def _module_step_fn(module, batch: object, precision: str):
     return step
 
 
-def account_any_model(argv: list[str], do_measure: bool, step_time: bool = False) -> dict:
+def account_any_model(argv: list[str], do_measure: bool, step_time: bool = False, gpu: str | None = None) -> dict:
     """account for a config naming any LightningModule.
 
     The dry run, beside the real step with --measure. Both run on its data's first batch.
     No model FLOPs (6N + attention needs the architecture), so no MFU."""
     import copy
 
+    from lmledger.accounting.gpustep import ops_gpu_step, target_gpu
     from lmledger.callbacks.dryrun import samples_per_batch, tokens_per_batch
     from lmledger.fitting.cli import build_model_and_data, first_batch
     from lmledger.ledger import predict as ledger_predict
@@ -274,15 +289,19 @@ def account_any_model(argv: list[str], do_measure: bool, step_time: bool = False
         predicted = predict_run(run, batch)
         measured = ledger_predict.measure_module(module, batch, precision=precision) if do_measure else None
         timing = step = None
-        if step_time and predicted_device(config.trainer.get("accelerator")) != device:
-            step = not_here(config.trainer.get("accelerator"))
-        elif step_time and predicted.dry is not None and predicted.dry.ops is not None:  # the step time predicted here
+        target, why = target_gpu(config.trainer.get("accelerator"), gpu) if step_time else (None, "")
+        traced = predicted.dry is not None and predicted.dry.ops is not None
+        if target is not None and traced:  # on a GPU: its dry run's ops priced by the GPU op model
+            accumulate = trainer_time_settings(list(argv))["accumulate"]
+            step = ops_gpu_step(predicted.dry.ops, target, precision, tokens, samples, accumulate)
+            step["notes"] = [*step.get("notes", ()), *([why] if why != "--gpu" else [])]
+        elif step_time and traced and target is None:  # the step time predicted here
             step = predicted_step_time(
                 predicted.dry.ops, ledger_predict.configured_optimizer(copy.deepcopy(module)), argv, precision, device,
                 tokens, samples, data.train_dataloader(),
             )  # fmt: skip
         elif step_time:
-            step = {"none": predicted.unmodelled, "line": f"no step-time prediction: {predicted.unmodelled}"}
+            step = no_step_time(predicted.unmodelled)
         if do_measure and predicted.dry is not None and predicted.dry.ops is not None:
             timing = _time_table(predicted.dry.ops, precision, device, _module_step_fn(module, batch, precision),
                                  (step or {}).get("seconds"))  # fmt: skip
@@ -303,7 +322,8 @@ def account_any_model(argv: list[str], do_measure: bool, step_time: bool = False
             "batch_size": samples,
             "tokens_per_step": tokens,
             "precision": precision,
-            "device": device.type,
+            "device": device.type if do_measure else predicted_device(config.trainer.get("accelerator")).type,
+            "dry_run_device": device.type,
             "measured_peak_phase": measured.peak_phase if measured else None,
             "not_predicted": why,
         },

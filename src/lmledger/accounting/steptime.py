@@ -17,7 +17,7 @@ from lmledger.ledger.run import Run
 from lmledger.ledger.units import format_bytes
 from lmledger.model import count_parameters
 
-__all__ = ["not_here", "predicted_step_time", "toy_predicted_time", "trainer_time_settings"]
+__all__ = ["no_step_time", "predicted_step_time", "toy_predicted_time", "trainer_time_settings"]
 
 
 def trainer_time_settings(argv: list[str]) -> dict:
@@ -48,7 +48,7 @@ def predicted_step_time(
     from lmledger.callbacks.steptime import NO_STEP_TIME, lightning_loop_seconds
 
     if os.environ.get(NO_STEP_TIME):
-        return {"none": f"off ({NO_STEP_TIME} is set)", "line": f"no step-time prediction: {NO_STEP_TIME} is set"}
+        return no_step_time(f"off ({NO_STEP_TIME} is set)")
     from lmledger.ledger.timing.steptime import StepTime, data_wait, predict_step_time
 
     settings = trainer_time_settings(argv)
@@ -65,14 +65,12 @@ def predicted_step_time(
             accumulate=settings["accumulate"],
         )  # fmt: skip
     if not isinstance(result, StepTime):
-        return {"none": result.reason, "line": f"no step-time prediction: {result.reason}"}
+        return no_step_time(result.reason)
     return {**result.to_json(), "line": result.line()}
 
 
-def not_here(accelerator: object) -> dict:
-    """No step time for a config whose device this machine lacks: timing its ops here would answer for
-    another machine (and replay a GPU-sized step on this CPU)."""
-    why = f"the config runs on {accelerator}, which this machine lacks (plan train-time --gpu gives its roofline bound)"
+def no_step_time(why: str) -> dict:
+    """The step-time prediction's JSON shape where there is none: why, and the line printed in its place."""
     return {"none": why, "line": f"no step-time prediction: {why}"}
 
 
@@ -86,7 +84,7 @@ def toy_predicted_time(spec: Run, argv: list[str], dry: object = None) -> dict:
     from lmledger.ledger.dryrun.engine import NotTraced
 
     if os.environ.get(NO_STEP_TIME):
-        return {"none": f"off ({NO_STEP_TIME} is set)", "line": f"no step-time prediction: {NO_STEP_TIME} is set"}
+        return no_step_time(f"off ({NO_STEP_TIME} is set)")
     from lmledger.ledger.predict import toy_dry_run, toy_optimizer
     from lmledger.ledger.timing.steptime.predict import free_memory
     from lmledger.model import ToyLM
@@ -94,15 +92,15 @@ def toy_predicted_time(spec: Run, argv: list[str], dry: object = None) -> dict:
     needs = 16 * count_parameters(spec.config)  # params, grads and AdamW's two moments in fp32, before activations
     if needs > free_memory(torch.device("cpu")):
         why = (f"its training state alone ({format_bytes(needs)}) exceeds this machine's free memory, so its ops "
-               "cannot run here; `plan train-time --config FILE --gpu NAME` gives a GPU's roofline bound")  # fmt: skip
-        return {"none": why, "line": f"no step-time prediction: {why}"}
+               "cannot run here; `plan train-time --config FILE --gpu NAME` prices it on a GPU")  # fmt: skip
+        return no_step_time(why)
     if dry is None:
         accumulate = trainer_time_settings(argv)["accumulate"]
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             dry = toy_dry_run(dataclasses.replace(spec, device=torch.device("cpu")), accumulate)
     if isinstance(dry, NotTraced):
-        return {"none": dry.reason, "line": f"no step-time prediction: {dry.reason}"}
+        return no_step_time(dry.reason)
     with torch.device("meta"):  # the optimizer the ops were priced with, over meta weights
         model = ToyLM(spec.config)
     optimizer = toy_optimizer(spec)(list(model.parameters()))

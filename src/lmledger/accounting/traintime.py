@@ -1,57 +1,60 @@
-"""`plan train-time --config FILE --tokens D [--gpu KEY]`: the days to train on D tokens at a config's step time."""
+"""`plan train-time --config FILE --tokens D [--gpu KEY] [--num-gpus N]`: the days to train on D tokens at a config's
+step time: predicted on this machine for a CPU config, on a GPU by the GPU op-time model (accounting.gpustep) for a GPU
+config or with --gpu."""
 
 from __future__ import annotations
 
+from lmledger.accounting.gpustep import target_gpu, toy_gpu_step
 from lmledger.accounting.step import account_any_model
 from lmledger.accounting.steptime import toy_predicted_time, trainer_time_settings
 
 __all__ = ["train_time_from_config"]
 
 
-def train_time_from_config(config: str, tokens: float, gpu: str | None = None) -> dict:
-    """`plan train-time --config FILE --tokens D [--gpu KEY]`: the time to train on D tokens.
+def train_time_from_config(config: str, tokens: float, gpu: str | None = None, num_gpus: int | None = None) -> dict:
+    """`plan train-time --config FILE --tokens D [--gpu KEY] [--num-gpus N]`: the time to train on D tokens.
 
-    Without a GPU: at the step time predicted on this machine (ledger.timing.steptime). With one: at that GPU's
-    roofline bound of the same step (its datasheet peaks and bandwidth), the fastest it could run there,
-    so an upper bound on speed, until a GPU results file gives per-category efficiencies for it."""
+    A GPU config, or any config with `gpu`: its step on that GPU at its layout (TP from its strategy, data parallel
+    over the rest of `num_gpus`, else of its own devices), tokens per step over every data-parallel rank. A CPU
+    config without `gpu`: its one-device step predicted on this machine."""
     from lmledger.errors import UserError
     from lmledger.fitting.checks import named_classes
     from lmledger.run_config import load_run
 
     argv = ["--config", config]
+    accumulate = trainer_time_settings(argv)["accumulate"]
     if named_classes(argv):
-        if gpu is not None:
-            raise UserError("plan train-time --config --gpu prices lmledger's ToyLM configs; drop --gpu for this one")
-        result = account_any_model(argv, False, step_time=True)
-        predicted, per_step = result["time"]["predicted"], result["run"]["tokens_per_step"]
-        spec = None
+        if num_gpus not in (None, 1):
+            raise UserError("plan train-time --config --num-gpus scales lmledger's ToyLM configs; drop --num-gpus")
+        result = account_any_model(argv, False, step_time=True, gpu=gpu)
+        predicted, per_step = result["time"]["predicted"], (result["run"]["tokens_per_step"] or 0) * accumulate
+        world = 1
     else:
         spec = load_run(argv)
-        if spec.world_size > 1:
+        target, why = target_gpu(spec.accelerator, gpu)
+        world = num_gpus or spec.world_size
+        if target is not None:
+            predicted = toy_gpu_step(spec, argv, target, accumulate, world)
+            if why != "--gpu":
+                predicted["notes"] = [*predicted.get("notes", ()), why]
+        elif world > 1 or num_gpus:
             raise UserError(
-                f"{config} runs on {spec.world_size} devices: plan train-time --config predicts one device's step; "
-                "fit it with the Ledger to see its step time"
+                f"{config} runs on CPUs: plan train-time --config predicts one CPU's step; name a GPU with --gpu to "
+                "plan it on several"
             )
-        predicted = toy_predicted_time(spec, argv) if gpu is None else {}
-        per_step = spec.tokens_per_batch * trainer_time_settings(argv)["accumulate"]
+        else:
+            predicted = toy_predicted_time(spec, argv)
+        per_step = spec.batch_size * spec.seq_len * accumulate * (world // spec.tensor_parallel)
     if "none" in predicted:
         raise UserError(f"{config}: {predicted['line']}")
     if not per_step:
         raise UserError(f"{config}: its batches hold no token ids, so there is no tokens/s to plan with")
-    out = {"config": config, "tokens": tokens, "tokens_per_step": per_step, "gpu": gpu}
-    if gpu is None:
-        step_s, source = predicted["total_s"], f"predicted on this machine: {predicted['line']}"
-    else:
-        from lmledger.ledger.hardware.peak_flops import compute_dtype_for_precision
-        from lmledger.ledger.timing.roofline import gpu_roofline, toy_step_ops
-
-        ops = toy_step_ops(spec.config, spec.batch_size, spec.seq_len, spec.precision)
-        bound = gpu_roofline(ops, compute_dtype_for_precision(spec.precision), gpu)
-        step_s = bound.seconds * trainer_time_settings(argv)["accumulate"]
-        source = (
-            f"roofline bound on {bound.device} (datasheet peaks and bandwidth): an upper bound on speed, so the days "
-            "are a floor; no GPU results file gives this GPU's per-category efficiencies yet"
-        )
+    step_s = predicted["total_s"]
     seconds = tokens / per_step * step_s
-    out.update(step_s=step_s, tokens_per_s=per_step / step_s, seconds=seconds, days=seconds / 86400, source=source)
-    return out
+    where = f"on {predicted['priced_on']} (GPU op model)" if predicted.get("priced_on") else "on this machine"
+    return {
+        "config": config, "tokens": tokens, "tokens_per_step": per_step, "gpu": predicted.get("priced_on"),
+        "num_gpus": world, "step_s": step_s, "tokens_per_s": per_step / step_s, "mfu": predicted.get("mfu"),
+        "seconds": seconds, "days": seconds / 86400, "source": f"predicted {where}: {predicted['line']}",
+        "predicted": predicted,
+    }  # fmt: skip

@@ -1,11 +1,12 @@
 """The Ledger's step-time prediction before step 1, and the measured step beside it at fit end.
 
-predict_fit_step_time prices this fit's dry run on this device (ledger.timing.steptime: each op replayed, the optimizer,
-data wait and collectives calibrated, priced on the links they cross: run_links). Lightning's own loop per batch
-needs Lightning, so it is measured here (lightning_loop_seconds): an empty training_step through Trainer.fit, in a
-process of its own (callbacks.loopprobe), cached per machine with the step-time cache. predict_time is the
-Ledger's glue: the report's `step time` and rate rows, time/predicted/<category>, and the time ledger's
-`predicted` column; measured_time fills the measured side from the throughput windows.
+predict_fit_step_time prices this fit's dry run on this device: on a CPU by replay (ledger.timing.steptime: each op
+replayed, the optimizer, data wait and collectives calibrated, priced on the links they cross: run_links), on a GPU
+the table knows by the GPU op-time model (ledger.timing.gpu: no replay, no calibration process). Lightning's own
+loop per batch needs Lightning, so it is measured here (lightning_loop_seconds): an empty training_step through
+Trainer.fit, in a process of its own (callbacks.loopprobe), cached per machine with the step-time cache.
+predict_time is the Ledger's glue: the report's `step time` and rate rows, time/predicted/<category>, and the time
+ledger's `predicted` column; measured_time fills the measured side from the throughput windows.
 """
 
 from __future__ import annotations
@@ -128,6 +129,10 @@ def predict_fit_step_time(
         return NoStepTime("step-time prediction off in this process")
     if prediction.ops is None:
         return NoStepTime("the dry run holds no op records")
+    if pl_module.device.type == "cuda":  # priced by the GPU op model: no replay, no calibration process
+        found = _gpu_op_model(trainer, pl_module, prediction, tokens, samples, accumulate, intra, inter)
+        if found is not None:
+            return found
     optimizers = torch_optimizers(trainer) if pl_module.automatic_optimization else []
     clip = None
     if trainer.gradient_clip_val:
@@ -150,6 +155,29 @@ def predict_fit_step_time(
             tokens=tokens, samples=samples, accumulate=accumulate, calibrate_collectives=alone,
             links=run_links(trainer, pl_module.device, intra, inter),
         )  # fmt: skip
+
+
+def _gpu_op_model(trainer, pl_module, prediction, tokens, samples, accumulate, intra, inter):
+    """This fit's step on its GPU by the GPU op-time model (ledger/timing/gpu), from its dry run; None for a GPU the
+    table lacks (the replay prices it then). LitLM's compile and fp8 switches say which kernels run."""
+    import dataclasses
+
+    from lmledger.ledger.timing.gpu import kernels_for, predict_gpu_step
+
+    spec = find_gpu(torch.cuda.get_device_name(pl_module.device))
+    if spec is None or spec.sms is None:
+        return None
+    hparams = getattr(pl_module, "hparams", {}) or {}
+    kernels = kernels_for("pytorch", compiled=bool(hparams.get("compile")))
+    kernels = dataclasses.replace(kernels, fp8_matmuls=True) if hparams.get("fp8") else kernels
+    dtype = compute_dtype_for_precision(str(trainer.precision))
+    buckets = [(b.nbytes, b.dtype) for b in getattr(prediction, "buckets", ())]
+    return predict_gpu_step(
+        prediction.ops, spec, compute_dtype=dtype if dtype in ("bf16", "fp16", "fp32", "tf32") else "bf16",
+        kernels=kernels, links=run_links(trainer, pl_module.device, intra, inter), world_size=trainer.world_size,
+        buckets=buckets, tokens=tokens, samples=samples, accumulate=accumulate,
+        model_flops=3 * prediction.flops_forward,
+    )  # fmt: skip
 
 
 def predict_time(trainer, pl_module, dry, why_not, report, accumulate, tokens, samples, timing):

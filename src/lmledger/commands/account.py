@@ -21,6 +21,7 @@ from lmledger.accounting import (
 )
 from lmledger.commands.argparser import run_command
 from lmledger.errors import UserError
+from lmledger.fitting.checks import check_accelerator
 from lmledger.fitting.clusterenv import refuse_stray_launcher
 from lmledger.ledger.report import render
 from lmledger.run_config import load_run
@@ -29,8 +30,8 @@ __all__ = ["main"]
 
 
 # The fit arguments (--config, --model, overrides) pass through to LightningCLI's parser, not argparse's.
-_USAGE = """lmledger account --config FILE [--config FILE2] [--a.b VALUE ...] [--measure] [--json]
-       lmledger account --model CLASS_PATH [--data CLASS_PATH] [--a.b VALUE ...] [--measure] [--json]"""
+_USAGE = """lmledger account --config FILE [--config FILE2] [--a.b VALUE ...] [--measure] [--gpu NAME] [--json]
+       lmledger account --model CLASS_PATH [--data CLASS_PATH] [--a.b VALUE ...] [--measure] [--gpu NAME] [--json]"""
 
 
 _DESCRIPTION = """One training step of a `lmledger fit` config. It shows the parameter count and the model
@@ -70,11 +71,27 @@ def _print_time(result: dict) -> None:
     table with its predicted column)."""
     time = result.get("time") or {}
     if time.get("predicted"):
-        print(time["predicted"]["line"])
-        for note in time["predicted"].get("notes", ()):
+        predicted = time["predicted"]
+        print(predicted["line"])
+        if predicted.get("priced_on"):
+            print(gpu_breakdown(predicted))
+        for note in predicted.get("notes", ()):
             print(note)
     if time.get("table"):
         print(time["table"])
+
+
+def gpu_breakdown(predicted: dict) -> str:
+    """The GPU op model's step per category, one line: the kernels, then what communication and the host add to the
+    step (exposed) beside what overlap hides of them."""
+    seconds, hidden = predicted["seconds"], predicted.get("hidden") or {}
+    total = sum(seconds.values()) or 1.0
+    parts = [f"{name} {seconds.get(key, 0.0) * 1e3:.4g} ms ({seconds.get(key, 0.0) / total:.0%})"
+             for key, name in (("matmul", "matmul"), ("attention", "attention"), ("other", "other compute"),
+                               ("optimizer", "optimizer"))]  # fmt: skip
+    for key, name in (("communication", "communication"), ("host", "host")):
+        parts.append(f"{name} {seconds.get(key, 0.0) * 1e3:.4g} ms exposed, {hidden.get(key, 0.0) * 1e3:.4g} ms hidden")
+    return "  " + "; ".join(parts)
 
 
 def _print_conventions(conv: dict, run: dict) -> None:
@@ -99,28 +116,41 @@ def _print_conventions(conv: dict, run: dict) -> None:
         )
 
 
-def _account_command(*fit_args: str, measure: bool = False, json: bool = False) -> int:
+def _accelerator(argv: list[str]) -> object:
+    from lmledger.fitting.cli import parse_fit_config
+
+    return parse_fit_config(list(argv)).trainer.get("accelerator")
+
+
+def _account_command(*fit_args: str, measure: bool = False, json: bool = False, gpu: str | None = None) -> int:
     """`lmledger account`: one training step, on paper and (with --measure) here. See _DESCRIPTION.
 
     Args:
         measure: also run real steps here and print each measurement beside its prediction
         json: print one JSON object
+        gpu: price the step on this GPU (a key from `lmledger gpus`) with the GPU op-time model, whatever the config
+            runs on; a GPU config without it is priced on this machine's GPU, else an H100 SXM
     """
     from lmledger.fitting.checks import named_classes
 
     rest = list(fit_args)
+    if gpu is not None:
+        from lmledger.ledger.hardware.gpus import require_gpu
+
+        require_gpu(gpu)  # an unknown name, before anything is built
     named = named_classes(rest)
     if not named and not any(a == "--config" or a.startswith("--config=") for a in rest):
         raise UserError("account needs --config FILE (e.g. configs/tiny.yaml) or --model CLASS_PATH")
     scale = trainer_scale(rest) if named or measure else None  # refuses what fit refuses, in its words
-    if measure:  # real steps here, as a fit's: a launcher's leftover RANK is refused as fit refuses it
+    if measure:  # real steps here, as a fit's: a launcher's leftover RANK, or a GPU this machine lacks, is refused
         refuse_stray_launcher(scale.devices_here(), scale.num_nodes)
+        check_accelerator(_accelerator(rest))
     if named and not measure and at_scale(scale.world_size, scale.strategy):
-        result = any_model_at_scale(rest)
+        result = any_model_at_scale(rest, gpu=gpu)
     elif named:
-        result = account_any_model(rest, measure, step_time=True)
+        result = account_any_model(rest, measure, step_time=True, gpu=gpu)
     else:
-        result = account(load_run(rest), measure, rest, step_time=True)
+        result = account(load_run(rest), measure, rest, step_time=True, gpu=gpu)
     if json:
         print(dumps(ledger_json(result)))
     else:

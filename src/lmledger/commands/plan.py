@@ -103,7 +103,7 @@ def _train_time_command(
     params: Annotated[float | None, _count] = None,
     tokens: Annotated[float, _count],
     gpu: str | None = None,
-    num_gpus: Annotated[int, _gpu_count] = 1,
+    num_gpus: Annotated[int | None, _gpu_count] = None,
     mfu: Annotated[float | str | None, _mfu] = None,
     dtype: str = "bf16",
     config: str | None = None,
@@ -115,30 +115,41 @@ def _train_time_command(
         params: parameters, e.g. 70e9 or 70B
         tokens: training tokens, e.g. 15e12 or 15T
         gpu: a key from `lmledger gpus` or a torch device name
-        num_gpus: GPUs (default 1)
-        mfu: model FLOPs utilization in (0, 1], e.g. 0.5; or roofline:CONFIG, the highest MFU that fit config's
-            step can reach on --gpu (an upper bound, docs/time.md)
+        num_gpus: GPUs (default 1; with --config, the config's devices)
+        mfu: model FLOPs utilization in (0, 1], e.g. 0.5 (your own figure); or roofline:CONFIG, the highest MFU that
+            fit config's step can reach on --gpu (an upper bound, docs/time.md)
         dtype: whose dense peak applies: {PEAK_DTYPES} (default bf16)
-        config: a fit config: the time at its step time predicted on this machine (docs/time.md), or with
-            --gpu at that GPU's roofline bound of the step (an upper bound on speed); no --params or --mfu
+        config: a fit config: the time at its predicted step, on --gpu (or the GPU the config runs on) by the GPU
+            op-time model at its layout over --num-gpus, or on this machine for a CPU config (docs/time.md); no
+            --params or --mfu: its MFU is predicted
     """
     if config is not None:
         if params is not None or mfu is not None:
-            raise UserError("plan train-time --config takes its step from the config: drop --params and --mfu")
+            raise UserError("plan train-time --config predicts the step and its MFU from the config: drop --params and "
+                            "--mfu (they plan by 6ND at an MFU you give)")  # fmt: skip
         from lmledger.accounting import train_time_from_config  # imports torch and Lightning
 
-        out = train_time_from_config(config, tokens, gpu)
+        out = train_time_from_config(config, tokens, gpu, num_gpus)
         if json:
             print(dumps(out))
             return
-        _print_rows(
-            "training time (tokens / tokens per step x step time)",
-            [("config", config), ("tokens", f"{tokens:.4g}"), ("tokens per step", f"{out['tokens_per_step']:,}"),
-             ("step", f"{out['step_s'] * 1e3:.4g} ms"), ("tokens/s", f"{out['tokens_per_s']:,.0f}"),
-             ("hours", f"{out['seconds'] / 3600:,.1f}"), ("days", f"{out['days']:,.2f}")],
-        )  # fmt: skip
+        rows = [("config", config), ("tokens", f"{tokens:.4g}"), ("tokens per step", f"{out['tokens_per_step']:,}")]
+        if out["gpu"]:
+            rows.append(("GPU", f"{out['num_gpus']} × {out['gpu']}"))
+        rows += [("step", f"{out['step_s'] * 1e3:.4g} ms"), ("tokens/s", f"{out['tokens_per_s']:,.0f}")]
+        if out["mfu"] is not None:
+            rows.append(("MFU (predicted)", f"{out['mfu']:.3f}"))
+        rows += [("hours", f"{out['seconds'] / 3600:,.1f}"), ("days", f"{out['days']:,.2f}")]
+        _print_rows("training time (tokens / tokens per step x predicted step)", rows)
         print(out["source"])
+        if out["gpu"]:
+            from lmledger.commands.account import gpu_breakdown
+
+            print(gpu_breakdown(out["predicted"]))
+        for note in out["predicted"].get("notes", ()):
+            print(note)
         return
+    num_gpus = num_gpus or 1
     if params is None or gpu is None or mfu is None:
         raise UserError("plan train-time needs --params, --gpu and --mfu, or --config FILE (its predicted step)")
     mfu_line = advice = None
@@ -232,6 +243,7 @@ def _max_batch_command(
 
         print(f"memory per rank: {shown}")
         print_any_model_at_scale(extra)
+        _print_step(result.get("step"), "at the config's batch")
     elif kind == "module":
         _print_any_model_batch(result, shown, *extra)
     else:
@@ -259,6 +271,20 @@ def _print_config_batch(result: dict, shown: str, spec) -> None:
         from lmledger.accounting import print_per_rank
 
         print_per_rank(result["per_rank"])
+    _print_step(result.get("step"), "at that batch")
+
+
+def _print_step(step: dict | None, where: str) -> None:
+    """The predicted step on its GPU (accounting.gpustep), its categories and notes."""
+    if not step:
+        return
+    from lmledger.commands.account import gpu_breakdown
+
+    print(f"{where}: {step['line']}")
+    if step.get("priced_on"):
+        print(gpu_breakdown(step))
+    for note in step.get("notes", ()):
+        print(note)
 
 
 def _print_any_model_batch(result: dict, shown: str, params: int, wants_gpu: bool) -> None:

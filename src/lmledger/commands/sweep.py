@@ -61,9 +61,11 @@ def _bad_points(experiment: Experiment, errors: dict) -> int:
 
 
 def _plan_listing(experiment: Experiment) -> int:
-    """Each point's predicted peak and step time on this machine, before any runs (--plan)."""
+    """Each point's predicted peak and step time, before any runs (--plan): a CPU point's on this machine, a GPU
+    point's on its GPU by the GPU op model."""
     rows, checked = plan_rows(experiment)
-    print(f"sweep {experiment.name}: {len(experiment.points)} points, predicted on this machine (nothing is run)")
+    print(f"sweep {experiment.name}: {len(experiment.points)} points, predicted before any runs (a CPU point on "
+          "this machine, a GPU point on its GPU by the GPU op model)")  # fmt: skip
     print(plain_table(PLAN_COLUMNS, rows, left=2))
     return _bad_points(experiment, checked.errors)
 

@@ -58,8 +58,9 @@ PLAN_COLUMNS = ("point", "command", "peak MB", "step ms", "tokens/s")
 
 
 def plan_rows(experiment: Experiment) -> tuple[list[tuple[str, ...]], CheckedPoints]:
-    """`sweep --plan`: each point's predicted peak and step time on this machine (ledger.timing.steptime), before
-    any point runs. Points that are not a one-device toy-LM fit, or that fail their checks, say why."""
+    """`sweep --plan`: each point's predicted peak and step time, before any point runs: on this machine for a CPU
+    point (ledger.timing.steptime), on its GPU by the GPU op-time model for a GPU one (accounting.gpustep). Points
+    that are not a toy-LM fit, or that fail their checks, say why."""
     from lmledger.accounting import account
     from lmledger.sweep.spec import fit_args
 
@@ -73,11 +74,12 @@ def plan_rows(experiment: Experiment) -> tuple[list[tuple[str, ...]], CheckedPoi
         if spec is None or point.subcommand not in ("fit", "account"):
             rows.append((point.id, " ".join(point.command), "—", "—", "not a toy-LM fit: not planned"))
             continue
-        cost = account(spec, False, fit_args(point), step_time=spec.world_size == 1)
+        cost = account(spec, False, fit_args(point), step_time=True)
         peak = cost["memory"]["peak"]["predicted"]
         predicted = (cost.get("time") or {}).get("predicted") or {}
-        if "total_s" in predicted:
+        if "total_s" in predicted:  # here, or on the point's GPU by the GPU op model (its key beside the rate)
             step, rate = f"{predicted['total_s'] * 1e3:.4g}", f"{predicted['tokens_per_s'] or 0:,.0f}"
+            rate += f" on {predicted['priced_on']}" if predicted.get("priced_on") else ""
         else:
             step, rate = "—", predicted.get("none", f"per rank at world size {spec.world_size}: not predicted")
         rows.append((point.id, point.subcommand, format_mb(peak, ",.2f", ""), step, rate))

@@ -52,6 +52,9 @@ class RankCase:
     max_batch: int | None = None
     max_batch_peak: int | None = None
     over_by_at_batch_1: int | None = None
+    # the rank's step as the GPU op model prices it (ledger/timing/gpu): its ops and DDP's buckets (bytes, dtype)
+    ops: object = field(default=None, compare=False, repr=False)
+    bucket_sizes: tuple[tuple[int, str], ...] = field(default=(), compare=False, repr=False)
 
     @classmethod
     def missing(cls, why: str) -> RankCase:
@@ -176,7 +179,8 @@ def at_scale(
         cases[label] = RankCase(
             figures, comm_buffers=ledger.comm_buffers, buckets=len(ledger.buckets), flops_forward=forward,
             flops_backward=backward, peak_checked=ledger.peak_checked,
-            communication=links and communication(with_ddp_allreduce(ledger.ops, ledger), links, world_size), **sized,
+            communication=links and communication(with_ddp_allreduce(ledger.ops, ledger), links, world_size),
+            ops=ledger.ops, bucket_sizes=tuple((b.nbytes, b.dtype) for b in ledger.buckets), **sized,
         )  # fmt: skip
     return AtScale(name, world_size, batch_size, capacity_bytes, fsdp.tensor_parallel, cases)
 

@@ -1,0 +1,153 @@
+"""A fit config's step priced on a GPU by the GPU op-time model (ledger/timing/gpu): what `account`, `plan
+train-time`, `plan max-batch` and `sweep --plan` print where a config runs on a GPU (this machine's or one it lacks),
+or `--gpu NAME` names one.
+
+`target_gpu(accelerator, gpu)`: which GPU a prediction is for. `toy_gpu_step(spec, argv, gpu)`: lmledger's ToyLM at
+its config's layout (ledger/timing/gpu/layout: per-rank dry runs of one and two layers, extrapolated). `ops_gpu_step`:
+any other module's dry-run ops, one rank's. Each returns StepTime.to_json() with its one line and the GPU's key, or
+{"none": why, "line": ...}, as accounting.steptime's predictions do.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lmledger.accounting.steptime import no_step_time
+from lmledger.ledger.hardware.gpus import GpuSpec, find_gpu, require_gpu
+from lmledger.ledger.run import Run
+
+__all__ = ["DEFAULT_GPU", "ops_gpu_step", "target_gpu", "toy_gpu_step"]
+
+# The GPU a GPU config is priced on where this machine has none and no --gpu names one: the lecture's (CS336's)
+DEFAULT_GPU = "h100-sxm"
+
+
+def target_gpu(accelerator: object, gpu: str | None) -> tuple[GpuSpec | None, str]:
+    """(the GPU a step prediction is for, why that one): --gpu's; for a GPU config, this machine's GPU where it has
+    one in the table, else DEFAULT_GPU; None for a CPU config without --gpu (its step is timed here)."""
+    if gpu is not None:
+        return require_gpu(gpu), "--gpu"
+    if str(accelerator).lower() not in ("gpu", "cuda"):
+        return None, ""
+    if torch.cuda.is_available():
+        found = find_gpu(torch.cuda.get_device_name())
+        if found is not None:
+            return found, "this machine's GPU"
+    return require_gpu(DEFAULT_GPU), f"the config runs on a GPU and this machine has none: {DEFAULT_GPU} assumed"
+
+
+def _kernels(spec: Run):
+    from dataclasses import replace
+
+    from lmledger.ledger.timing.gpu import kernels_for
+
+    kernels = kernels_for("pytorch", compiled=spec.compiled)  # LitLM under Lightning: eager, or torch.compile
+    return replace(kernels, fp8_matmuls=True) if spec.fp8 else kernels
+
+
+def _links(gpu: GpuSpec, argv: list[str], world: int):
+    """The run's links (--ledger.intra_node/inter_node, else the GPU's usual node), split at the config's devices a
+    node; at another GPU count (plan train-time --num-gpus), in nodes of up to 8."""
+    from lmledger.fitting.checks import check_fit_values
+    from lmledger.fitting.cli import parse_fit_config
+    from lmledger.ledger.hardware.interconnect import links_for
+
+    intra = inter = None
+    devices, nodes = world, 1
+    if argv:
+        config = parse_fit_config(list(argv))
+        intra, inter = config.get("ledger.intra_node"), config.get("ledger.inter_node")
+        scale = check_fit_values(config)  # as accounting.scale.trainer_scale, which imports this module
+        devices, nodes = scale.devices, scale.num_nodes
+    if devices * nodes != world:
+        devices, nodes = min(world, 8), -(-world // 8)
+    return links_for(gpu.key, intra, inter, devices, nodes)
+
+
+def _recompute(spec: Run) -> str:
+    every = spec.config.activation_checkpointing
+    return "none" if every == 0 else "full" if every == 1 else "layer" if every == 2 else "full"
+
+
+def toy_gpu_step(spec: Run, argv: list[str], gpu: GpuSpec, accumulate: int = 1, num_gpus: int | None = None) -> dict:
+    """The ToyLM config's step on `gpu` at its layout: TP from its strategy, data parallel the rest of its devices (or
+    of `num_gpus`), fully sharded under FSDP/FSDP2/ZeRO-3, else replicated."""
+    from lmledger.ledger.closedform.flops import model_flops_per_token
+    from lmledger.ledger.hardware.peak_flops import compute_dtype_for_precision
+    from lmledger.ledger.timing.gpu.layout import Layout, step_at_layout
+    from lmledger.ledger.timing.steptime import StepTime
+
+    world = num_gpus or spec.world_size
+    tp = spec.tensor_parallel
+    if world % tp:
+        return no_step_time(f"{world} GPUs do not divide into tensor-parallel groups of {tp}")
+    sharded = spec.strategy in ("fsdp", "fsdp2") or spec.strategy.startswith("deepspeed_stage_3")
+    layout = Layout(tp=tp, dp=world // tp, sharding="fsdp" if sharded else "ddp", micro_batch=spec.batch_size,
+                    accumulate=accumulate, recompute=_recompute(spec))  # fmt: skip
+    dtype = compute_dtype_for_precision(spec.precision)
+    dtype = dtype if dtype in ("bf16", "fp16", "fp32", "tf32") else "bf16"
+    step = step_at_layout(spec.config, spec.seq_len, layout, _dry_precision(spec.precision), gpu,
+                          compute_dtype=dtype, kernels=_kernels(spec), links=_links(gpu, argv, world))  # fmt: skip
+    if not isinstance(step, StepTime):
+        return no_step_time(step.reason)
+    tokens = spec.batch_size * spec.seq_len * accumulate  # a rank's; TP's ranks share theirs
+    model_flops = model_flops_per_token(spec.config, spec.seq_len) * tokens / tp
+    mfu = model_flops / step.total_s / gpu.peak_flops[dtype] if step.total_s > 0 else None
+    from dataclasses import replace
+
+    step = replace(step, mfu=mfu, tokens=tokens)
+    out = {**step.to_json(), "line": step.line(), "gpu": gpu.key, "layout": _layout_json(layout, world)}
+    if world > 1:  # the line is one rank's: its tokens, which a TP group shares
+        rate = tokens * layout.dp / step.total_s if step.total_s > 0 else 0.0
+        out["notes"] = [*out["notes"], f"per GPU; {world} GPUs ({tp} TP x {layout.dp} DP, {layout.sharding}): "
+                        f"{rate:,.0f} tokens/s in all"]  # fmt: skip
+    return out
+
+
+def ops_gpu_step(
+    ops, gpu: GpuSpec, precision: str, tokens: int | None, samples: int, accumulate: int = 1, *,
+    buckets: tuple[tuple[int, str], ...] = (), world_size: int = 1, argv: list[str] = (),
+) -> dict:  # fmt: skip
+    """Any module's step on `gpu`, from its dry run's ops (one rank's, on this machine's fake tensors), with DDP's
+    `buckets` (bytes, dtype) all-reduced over `world_size` ranks as backward fills them."""
+    from lmledger.ledger.hardware.peak_flops import compute_dtype_for_precision
+    from lmledger.ledger.timing.gpu import kernels_for, predict_gpu_step
+    from lmledger.ledger.timing.steptime import StepTime
+
+    dtype = compute_dtype_for_precision(precision)
+    dtype = dtype if dtype in ("bf16", "fp16", "fp32", "tf32") else "bf16"
+    model_flops = 3 * ops.flops_in("forward")
+    step = predict_gpu_step(ops, gpu, compute_dtype=dtype, kernels=kernels_for("pytorch"), tokens=tokens,
+                            samples=samples, accumulate=accumulate, model_flops=model_flops, buckets=list(buckets),
+                            world_size=world_size, links=_links(gpu, list(argv), world_size))  # fmt: skip
+    if not isinstance(step, StepTime):
+        return no_step_time(step.reason)
+    if accumulate > 1:  # the micro-batches before the last: forward and backward, their own collectives, no step
+        from dataclasses import replace
+
+        from lmledger.ledger.count.ops import OPTIMIZER, OpSummary
+
+        micro = predict_gpu_step(OpSummary.of([op for op in ops.ops if op.category != OPTIMIZER]), gpu,
+                                 compute_dtype=dtype, kernels=kernels_for("pytorch"), links=_links(gpu, list(argv),
+                                 world_size), world_size=world_size)  # fmt: skip
+        seconds = {c: v + (accumulate - 1) * micro.seconds.get(c, 0.0) for c, v in step.seconds.items()}
+        total = sum(seconds.values())
+        step = replace(step, seconds=seconds, mfu=model_flops * accumulate / total / gpu.peak_flops[dtype])
+    return {**step.to_json(), "line": step.line(), "gpu": gpu.key}
+
+
+def _dry_precision(precision: str) -> str:
+    """The precision the dry run traces: Transformer Engine's and other plugins' are traced as bf16-mixed (their
+    linears priced as fp8 by the kernels' setting)."""
+    from lmledger.ledger import precision_table
+
+    try:
+        return precision_table.normalize_precision(precision)
+    except Exception:  # noqa: BLE001 - an unlisted plugin: its compute is bf16
+        return "bf16-mixed"
+
+
+def _layout_json(layout, world: int) -> dict:
+    return {"gpus": world, "tensor_parallel": layout.tp, "data_parallel": layout.dp, "sharding": layout.sharding,
+            "micro_batch": layout.micro_batch, "accumulate": layout.accumulate,
+            "recompute": layout.recompute}  # fmt: skip

@@ -1,0 +1,133 @@
+"""Planning a GPU run from a machine without that GPU (issue 46): `account`, `plan train-time`, `plan max-batch` and
+the any-model paths price the dry run's step with the GPU op model (accounting.gpustep), for a config that runs on a
+GPU or any config given --gpu. The model's own accuracy is tests/ledger/test_gpu_time.py's and
+benchmarks/published_runs.py's; here, what each command makes of it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from conftest import MICRO_OVERRIDES, lmledger, one_error_line, run_json
+
+TINY = ["--config", "configs/tiny.yaml", *MICRO_OVERRIDES]
+GPU = ["--trainer.accelerator", "gpu"]
+KERNELS = ("matmul", "attention", "other", "optimizer")
+
+
+def _kernels_s(predicted: dict) -> float:
+    return sum(predicted["seconds"][c] for c in KERNELS)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU config is measured on this machine's GPU")
+def test_a_gpu_config_is_planned_on_an_h100_where_this_machine_has_no_gpu(workdir, capsys):
+    cpu = run_json(capsys, "account", *TINY, "--json")
+    gpu = run_json(capsys, "account", *TINY, *GPU, "--json")
+    predicted = gpu["time"]["predicted"]
+    assert (gpu["run"]["device"], gpu["run"]["dry_run_device"]) == ("cuda", "cpu")
+    assert predicted["priced_on"] == "h100-sxm" and any("h100-sxm assumed" in n for n in predicted["notes"])
+    assert predicted["total_s"] == pytest.approx(sum(predicted["seconds"].values()))
+    assert 0 < predicted["mfu"] < 1 and predicted["replayed"] == 0  # priced, nothing run here
+    # the same dry run on this CPU in the GPU's place: the same bytes
+    assert gpu["memory"]["peak"]["predicted"] == cpu["memory"]["peak"]["predicted"]
+    assert "priced_on" not in (cpu["time"]["predicted"] or {})  # a CPU config's step is this machine's
+    # --gpu names another: an A100's fp32 GEMMs (19.5 TFLOP/s) take longer than an H100's (67)
+    a100 = run_json(capsys, "account", *TINY, "--gpu", "a100-80gb", "--json")["time"]["predicted"]
+    assert a100["priced_on"] == "a100-80gb" and _kernels_s(a100) > _kernels_s(predicted)
+    assert a100["seconds"]["matmul"] > 1.5 * predicted["seconds"]["matmul"]
+    # measuring needs the GPU itself: one line, exit 2
+    assert lmledger(["account", *TINY, *GPU, "--measure"]) == 2
+    assert "--trainer.accelerator gpu: this machine has no usable CUDA GPU" in one_error_line(capsys)
+
+
+def test_a_gpu_without_the_configs_precision_is_no_step_time_not_a_traceback(workdir, capsys):
+    """A V100 has no bf16 and an A100 no fp8: the memory is answered, the step says why it is not."""
+    doc = run_json(capsys, "account", *TINY, "--trainer.precision", "bf16-mixed", "--gpu", "v100", "--json")
+    assert doc["memory"]["peak"]["predicted"] > 0
+    assert "V100 SXM2 16GB has no dense bf16 peak" in doc["time"]["predicted"]["none"]
+    assert lmledger(["account", *TINY, "--trainer.precision", "bf16-mixed", "--gpu", "v100"]) == 0
+    assert "no step-time prediction: NVIDIA Tesla V100 SXM2 16GB has no dense bf16" in capsys.readouterr().out
+    # plan train-time has nothing to answer without the step: one line, exit 2
+    config = yaml.safe_load(open("configs/tiny.yaml"))
+    config["trainer"]["precision"] = "bf16-mixed"
+    Path("bf16.yaml").write_text(yaml.safe_dump(config))
+    assert lmledger(["plan", "train-time", "--config", "bf16.yaml", "--tokens", "1e9", "--gpu", "v100"]) == 2
+    assert "bf16.yaml: no step-time prediction: NVIDIA Tesla V100" in one_error_line(capsys)
+
+
+def test_any_module_is_priced_from_its_own_dry_run_ops(workdir, capsys, monkeypatch):
+    """A LightningModule lmledger did not write: one device, and two DDP ranks (its buckets all-reduced)."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2]))  # `examples` is at the repository root
+    convnet = ["--config", "configs/examples/byte-convnet.yaml", "--model.init_args.width", "16",
+               "--model.init_args.num_layers", "2", "--data.init_args.batch_size", "2",
+               "--data.init_args.context_length", "16"]  # fmt: skip
+    one = run_json(capsys, "account", *convnet, "--gpu", "h100-sxm", "--json")["time"]["predicted"]
+    two = run_json(capsys, "account", *convnet, "--gpu", "h100-sxm", "--trainer.devices", "2", "--trainer.strategy",
+                   "ddp", "--json")["time"]["predicted"]  # fmt: skip
+    assert one["priced_on"] == two["priced_on"] == "h100-sxm" and one["collectives"] == 0 < two["collectives"]
+    assert two["seconds"]["communication"] + two["hidden"]["communication"] > 30e-6  # an all-reduce's latency at least
+    # each rank's compute: the same batch's, and DDP's copies of the gradients into its buckets
+    assert two["seconds"]["matmul"] == pytest.approx(one["seconds"]["matmul"], rel=1e-6)
+    assert two["seconds"]["other"] > one["seconds"]["other"]
+    assert one["tokens_per_s"] == pytest.approx(2 * 16 / one["total_s"])
+
+
+def test_the_lectures_70b_question_from_its_config(workdir, capsys):
+    """Llama 3 70B on 15T tokens on 1,024 H100s (TP 8 x FSDP 128): the step at that layout, and the days from it."""
+    out = run_json(capsys, "plan", "train-time", "--config", "configs/llama3-70b.yaml", "--tokens", "15T", "--json")
+    predicted = out["predicted"]
+    assert out["gpu"] == "h100-sxm" and out["num_gpus"] == 1024
+    assert out["tokens_per_step"] == 128 * 4 * 8192 and predicted["layout"]["tensor_parallel"] == 8
+    assert out["days"] == pytest.approx(15e12 / out["tokens_per_step"] * out["step_s"] / 86400)
+    # the published 70B runs at this scale on H100s (shared/published: llm-foundry's MPT-70B on 128 and 512, FSDP)
+    # reached MFU 0.41 to 0.43; a TP-8 layout's exposed all-reduces leave it lower, not above
+    assert 0.2 < out["mfu"] < 0.45
+    assert predicted["seconds"]["communication"] > 0 and predicted["seconds"]["matmul"] > predicted["seconds"]["other"]
+    # the lecture's napkin answer (6ND at MFU 0.5: 144 days) is faster than the predicted step, by the MFU's ratio
+    napkin = run_json(capsys, "plan", "train-time", "--params", "70B", "--tokens", "15T", "--gpu", "h100-sxm",
+                      "--num-gpus", "1024", "--mfu", "0.5", "--json")  # fmt: skip
+    assert napkin["days"] < out["days"]
+
+
+def test_plan_max_batch_prints_the_step_at_its_answer(workdir, capsys):
+    doc = run_json(capsys, "plan", "max-batch", *TINY, "--gpu", "h100-sxm", "--json")
+    step = doc["step"]
+    assert step["priced_on"] == "h100-sxm" and step["layout"]["micro_batch"] == doc["max_batch"] > 0
+    assert step["tokens_per_s"] == pytest.approx(doc["max_batch"] * 32 / step["total_s"])
+    assert lmledger(["plan", "max-batch", *TINY, "--gpu", "h100-sxm"]) == 0
+    text = capsys.readouterr().out
+    assert f"at that batch: {step['line']}" in text and "matmul " in text and "exposed" in text
+
+
+@pytest.mark.cuda
+def test_a_fit_on_a_gpu_the_table_knows_is_priced_by_the_gpu_op_model(stdlib_data):
+    """On the GPU itself the Ledger prices its dry run with the op model (no replay) and measures the step beside
+    it. The band is wide: a toy step is launch-bound, its host time the model's coarsest figure."""
+    from dataclasses import replace
+
+    import lightning.pytorch as pl
+
+    from lmledger.callbacks import Ledger
+    from lmledger.callbacks.settings import LedgerSettings
+    from lmledger.data import TokenDataModule
+    from lmledger.ledger.hardware.gpus import find_gpu
+    from lmledger.ledger.timing.steptime import StepTime
+    from lmledger.lit import LitLM
+    from lmledger.model import ModelConfig
+
+    gpu = find_gpu(torch.cuda.get_device_name())
+    if gpu is None or gpu.sms is None:
+        pytest.skip(f"{torch.cuda.get_device_name()} is not in the GPU table the op model prices")
+    config = ModelConfig(d_model=128, n_layers=2, n_heads=4, d_ff=512, context_length=128)
+    data = TokenDataModule(path=str(stdlib_data), batch_size=8, context_length=config.context_length)
+    ledger = Ledger(settings=LedgerSettings(warmup_steps=5))
+    pl.Trainer(accelerator="gpu", devices=1, precision="bf16-mixed", max_steps=30, limit_val_batches=0, logger=False,
+               enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+               callbacks=[ledger]).fit(LitLM(replace(config, vocab_size=data.vocab_size)), data)  # fmt: skip
+    assert isinstance(ledger.step_time, StepTime) and ledger.step_time.priced_on == gpu.key
+    assert ledger.step_time.replayed == 0
+    predicted, measured = ledger.report.times["step time"]
+    assert measured is not None and 0.33 < predicted / measured < 3, (predicted, measured)
