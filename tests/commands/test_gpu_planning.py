@@ -58,8 +58,20 @@ def test_a_gpu_without_the_configs_precision_is_no_step_time_not_a_traceback(wor
     assert "bf16.yaml: no step-time prediction: NVIDIA Tesla V100" in one_error_line(capsys)
 
 
+def test_a_compiled_config_is_priced_fused_and_says_its_memory_is_the_eager_steps(workdir, capsys):
+    eager = run_json(capsys, "account", *TINY, "--gpu", "h100-sxm", "--json")
+    compiled = run_json(capsys, "account", *TINY, "--config", "configs/compile/on.yaml", "--gpu", "h100-sxm", "--json")
+    # the elementwise runs fuse into one kernel each: fewer bytes, fewer launches; the GEMMs are the same
+    assert compiled["time"]["predicted"]["seconds"]["other"] < 0.7 * eager["time"]["predicted"]["seconds"]["other"]
+    assert compiled["time"]["predicted"]["seconds"]["matmul"] == eager["time"]["predicted"]["seconds"]["matmul"]
+    assert compiled["memory"] == eager["memory"]  # the eager dry run's, and the notes say so
+    assert any(n.startswith("torch.compile: the memory is the eager step's") for n in compiled["notes"])
+    assert not any("torch.compile" in n for n in eager["notes"])
+
+
 def test_any_module_is_priced_from_its_own_dry_run_ops(workdir, capsys, monkeypatch):
-    """A LightningModule lmledger did not write: one device, and two DDP ranks (its buckets all-reduced)."""
+    """A LightningModule lmledger did not write: one device, two DDP ranks (its buckets all-reduced), and 8 ranks of
+    Lightning's FSDP."""
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2]))  # `examples` is at the repository root
     convnet = ["--config", "configs/examples/byte-convnet.yaml", "--model.init_args.width", "16",
                "--model.init_args.num_layers", "2", "--data.init_args.batch_size", "2",
@@ -73,6 +85,12 @@ def test_any_module_is_priced_from_its_own_dry_run_ops(workdir, capsys, monkeypa
     assert two["seconds"]["matmul"] == pytest.approx(one["seconds"]["matmul"], rel=1e-6)
     assert two["seconds"]["other"] > one["seconds"]["other"]
     assert one["tokens_per_s"] == pytest.approx(2 * 16 / one["total_s"])
+    # Lightning's FSDP at 8 GPUs, asked as fit would run it (issue 28's checks refused it on a CPU machine): its
+    # rank dry-run as FSDP2 (the same all-gathers and reduce-scatters a block), priced on the assumed H100
+    fsdp = run_json(capsys, "account", *convnet, *GPU, "--trainer.devices", "8", "--trainer.strategy", "fsdp",
+                    "--json")["time"]["predicted"]  # fmt: skip
+    assert fsdp["priced_on"] == "h100-sxm" and any("h100-sxm assumed" in n for n in fsdp["notes"])
+    assert fsdp["collectives"] > two["collectives"] and fsdp["total_s"] == pytest.approx(sum(fsdp["seconds"].values()))
 
 
 def test_the_lectures_70b_question_from_its_config(workdir, capsys):

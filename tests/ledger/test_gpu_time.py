@@ -4,6 +4,7 @@ No GPU: the model prices a GPU from its datasheet and its architecture's measure
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -20,7 +21,7 @@ from lmledger.ledger.timing.gpu.kernels import (
     stream_seconds,
     unfused_attention_seconds,
 )
-from lmledger.ledger.timing.gpu.price import COLLECTIVE, KERNEL, WAIT, Priced, fused
+from lmledger.ledger.timing.gpu.price import COLLECTIVE, FREE, KERNEL, WAIT, Priced, fused
 from lmledger.ledger.timing.gpu.simulate import simulate
 
 H100, A100 = chip_of(GPUS["h100-sxm"]), chip_of(GPUS["a100-80gb"])
@@ -134,6 +135,26 @@ def test_a_collective_overlaps_what_does_not_read_it_and_a_wait_exposes_it():
     assert exposed.seconds == pytest.approx(50e-6 + 300e-6 + 10e-6 + 500e-6)
     wait = Priced(WAIT, COMMUNICATION, "backward", 0.0, 0.0, (2,), (2,))
     assert simulate([_k(50e-6, 0.0, writes=(1,)), ar, wait, *compute]).seconds == pytest.approx(850e-6)
+
+
+def test_fsdps_next_all_gather_runs_under_the_compute_issued_before_it():
+    """NCCL on the current stream waits for the kernels queued before it; FSDP2's gathers, copied in and run on
+    streams of their own, wait only for their input (the shards), so block 2's gather runs under block 1's compute."""
+    block1 = [_k(1e-3, 0.0, reads=(10,)) for _ in range(5)]  # 5 ms reading block 1's gathered weights
+    fsdp = Priced(COLLECTIVE, COMMUNICATION, "forward", 4e-3, 0.0, (20,), (21,), "data_parallel",
+                  after_compute=False)  # fmt: skip
+    block2 = _k(1e-3, 0.0, reads=(21,))
+    assert simulate([*block1, fsdp, block2]).seconds == pytest.approx(6e-3)  # 5 + 1: the 4 ms hid under block 1
+    current = dataclasses.replace(fsdp, after_compute=True)  # the same gather queued behind the compute
+    assert simulate([*block1, current, block2]).seconds == pytest.approx(10e-3)
+    # a fused elementwise run holding FSDP's output allocation (an empty, no kernel) neither writes it nor moves it
+    empty = OpRecord("aten.empty.memory_format", "forward", OTHER, 0, 0, 0, "bfloat16",
+                     output_storages=((21, 1 << 30),))  # fmt: skip
+    mul = OpRecord("aten.mul.Tensor", "forward", OTHER, 0, 2 << 20, 1 << 20, "bfloat16", storages=((1, 1 << 20),),
+                   output_storages=((2, 1 << 20),))  # fmt: skip
+    run = fused([mul, empty], [Priced(KERNEL, OTHER, "forward", 1e-6, 0.0), Priced(FREE, OTHER, "forward", 0, 0)], H100)
+    assert len(run) == 1 and 21 not in run[0].writes
+    assert run[0].gpu_s == pytest.approx(stream_seconds(2 << 20, H100))  # storage 1 read, 2 written; not the 1 GiB
 
 
 def _mm(phase, size=4096, storages=(), outs=()):

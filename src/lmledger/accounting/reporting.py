@@ -58,6 +58,9 @@ def _notes(result: dict) -> list[str]:
         if not result.get("measured") and stand_in and stand_in != run["device"]:
             notes.append(f"dry run on this machine's {stand_in} in its place: the same bytes and FLOPs, but for "
                          "attention kernels that hold a little more or less on a GPU")  # fmt: skip
+    if run.get("compiled"):
+        notes.append("torch.compile: the memory is the eager step's (the compiled step fuses its elementwise ops and "
+                     "may keep fewer intermediates); a GPU step time prices the fused kernels")  # fmt: skip
     if "model" in run:
         notes.append("no model FLOPs or MFU for a module that is not lmledger's ToyLM: HFU comes from a fit's perf/hfu")
     return notes

@@ -226,6 +226,7 @@ def account(spec: Run, do_measure: bool, argv: list[str] = (), step_time: bool =
             "vocab_from_data": spec.vocab_from_data,
             "device": device.type if do_measure else predicted_device(spec.accelerator).type,
             "dry_run_device": device.type,
+            "compiled": bool(spec.compiled),
             "measured_peak_phase": measured["figures"].peak_phase if measured else None,
         },
         "mfu_conventions": _mfu_conventions(spec, measured["step_seconds"] if measured else None, device),

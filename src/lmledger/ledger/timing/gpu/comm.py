@@ -41,9 +41,9 @@ def nccl_efficiency(link: Interconnect) -> float:
 
 
 def collective(op: object, links: Links, world_size: int) -> tuple[float, str | None]:
-    """(seconds, stream) of one recorded collective; a wait moves nothing: (0.0, None). The stream is the group and
-    the collective's kind: NCCL runs each process group's collectives in order on one stream, and FSDP2 keeps its
-    all-gathers and reduce-scatters on streams of their own."""
+    """(seconds, stream) of one recorded collective; a wait moves nothing: (0.0, None). The stream is the process
+    group: one communicator's collectives share its links, so FSDP's all-gathers and reduce-scatters, though issued
+    from streams of their own, take turns on the wire."""
     kind = collective_kind(op.name)
     if kind is None:
         return 0.0, None
@@ -51,9 +51,9 @@ def collective(op: object, links: Links, world_size: int) -> tuple[float, str | 
     link = links.for_group(op.group or "world", size)
     sent = wire_bytes(kind, max(op.bytes_read, op.bytes_written), size)
     if not sent:
-        return 0.0, f"{op.group or 'world'} {kind}"
+        return 0.0, op.group or "world"
     rate = link.bytes_per_s * nccl_efficiency(link) * _rails(op.group or "world", size, link, links)
-    return _latency(kind, size, link, links) + sent / rate, f"{op.group or 'world'} {kind}"
+    return _latency(kind, size, link, links) + sent / rate, op.group or "world"
 
 
 def _rails(group: str, size: int, link: Interconnect, links: Links) -> float:

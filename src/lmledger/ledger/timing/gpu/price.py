@@ -28,6 +28,7 @@ from lmledger.ledger.timing.roofline import peak_dtype
 __all__ = ["KERNEL", "COLLECTIVE", "WAIT", "FREE", "Priced", "fused", "price_ops"]
 
 KERNEL, COLLECTIVE, WAIT, FREE = "kernel", "collective", "wait", "free"
+FSDP_COPY_IN = "fsdp.all_gather_copy_in"  # FSDP2's packing of a group's shards into its all-gather input
 _ELEMENT = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
 # A multi-tensor (foreach, fused optimizer) kernel takes a bounded list of tensors per launch (torch's
 # MultiTensorApply: depth-dependent lists of up to 110 tensors): one launch per this many.
@@ -45,8 +46,12 @@ class Priced:
     host_s: float  # the host's time to issue it
     reads: tuple[int, ...] = ()  # storage ids it waits for
     writes: tuple[int, ...] = ()
-    stream: str = ""  # a collective's: its group and kind
+    stream: str = ""  # a collective's: its process group
     ops: int = 1  # dry-run ops it stands for
+    # a collective waits for the compute issued before it (NCCL issued from the current stream); False for FSDP's
+    # all-gathers, which torch's FSDP2 copies in and gathers on streams of their own that wait only for their input
+    # (get_all_gather_streams in forward and pre-backward): so the next block's gather overlaps this one's compute
+    after_compute: bool = True
 
 
 def _specs(op: OpRecord) -> list[TensorSpec]:
@@ -155,10 +160,15 @@ def price_op(op: OpRecord, chip: Chip, kernels: Kernels, compute: str, links: co
     """One op (module doc). `compute`: the run's matmul dtype, for ops whose own dtype has no peak."""
     reads = tuple(key for key, _ in op.storages)
     writes = tuple(key for key, _ in op.output_storages)
+    if op.name.startswith(FSDP_COPY_IN):  # the gather's input packed on FSDP's copy-in stream, off the compute stream
+        return Priced(COLLECTIVE, COMMUNICATION, op.phase, stream_seconds(op.bytes, chip), _host(op, KERNEL, kernels),
+                      reads, writes, "fsdp copy-in", after_compute=False)  # fmt: skip
     if op.category == COMMUNICATION:
         seconds, stream = comm.collective(op, links, world)
         kind = WAIT if stream is None else COLLECTIVE
-        return Priced(kind, COMMUNICATION, op.phase, seconds, kernels.host_free_s, reads, writes, stream or "")
+        fsdp_gather = op.name.startswith("c10d.") and "allgather" in op.name  # c10d's own: FSDP's, not DTensor's
+        return Priced(kind, COMMUNICATION, op.phase, seconds, kernels.host_free_s, reads, writes, stream or "",
+                      after_compute=not fsdp_gather)  # fmt: skip
     if op.category == MATMUL:
         seconds, kind = _price_matmul(op, chip, compute, kernels), KERNEL
     elif op.category == ATTENTION:
@@ -209,10 +219,12 @@ def fused(ops: list[OpRecord], priced: list[Priced], chip: Chip) -> list[Priced]
 def _one_kernel(run: list[OpRecord], priced: list[Priced], last_read: dict[int, int], end: int, chip: Chip) -> Priced:
     written: dict[int, int] = {}
     entering: dict[int, int] = {}
-    for op in run:
+    for op, p in zip(run, priced, strict=True):
         for key, nbytes in op.storages:
             if key not in written:
                 entering[key] = max(entering.get(key, 0), nbytes)
+        if p.kind != KERNEL:  # a view or an allocation (empty) writes no bytes: its storage is not the kernel's output
+            continue
         for key, nbytes in op.output_storages:
             written[key] = max(written.get(key, 0), nbytes)
     leaving = {key: n for key, n in written.items() if last_read.get(key, end) >= end or key not in last_read}

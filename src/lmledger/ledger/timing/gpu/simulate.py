@@ -4,8 +4,9 @@ starts once the host has issued it, its stream is free and the storages it reads
 
     kernel      start = max(issued, compute stream free, its inputs ready)
     collective  start = max(issued, its stream free, its inputs ready, the compute stream's work issued before it: a
-                process group's stream waits for the current stream, as NCCL's collectives do): it then overlaps
-                the compute that follows until something reads it
+                process group's stream waits for the current stream, as NCCL's collectives do; not FSDP's
+                all-gathers, on streams of their own: price.Priced.after_compute): it then overlaps the compute
+                that follows until something reads it
     wait        the compute stream waits for the collective whose output it names
     optimizer   its first op waits for every collective in flight (DDP's and FSDP's gradient reductions finish
                 before the step), and the step ends when the host and every stream are done
@@ -58,7 +59,7 @@ def simulate(
             kernels[p.category] = kernels.get(p.category, 0.0) + p.gpu_s
         elif p.kind == COLLECTIVE:
             seconds = p.gpu_s * comm
-            done = max(issued, streams.get(p.stream, 0.0), inputs, compute) + seconds
+            done = max(issued, streams.get(p.stream, 0.0), inputs, compute if p.after_compute else 0.0) + seconds
             streams[p.stream] = done
             collectives += p.gpu_s
         elif p.kind == WAIT:
