@@ -112,6 +112,25 @@ def test_nccl_all_reduce_in_an_a100_node_against_vtrains_nccl_tests_table():
     assert all_reduce(1 << 20) == pytest.approx(92.8e-6, rel=0.1)
 
 
+def test_a_small_all_reduce_across_64_nodes_runs_as_nccls_tree_and_a_large_one_as_its_ring():
+    """512 ranks, 8 a node: a ring pays 2 x 511 steps of latency (896 in nodes, 126 between), NCCL's tree
+    2 x (7 + log2 64); the tree moves bytes at 0.92 of the ring's rate, so for large buffers the ring wins."""
+    links = Links(INTERCONNECTS["nvlink4"], INTERCONNECTS["ib-ndr"], 8, 64)
+
+    def all_reduce(nbytes):
+        op = OpRecord("c10d.allreduce_", "backward", COMMUNICATION, 0, nbytes, nbytes, "float32", group="world",
+                      group_size=512)  # fmt: skip
+        return comm.collective(op, links, 512)[0]
+
+    # eight NICs a node at NCCL's share of each, capped by NVLink 4's bus bandwidth inside the node
+    rate = min(8 * INTERCONNECTS["ib-ndr"].bytes_per_s * 0.94, INTERCONNECTS["nvlink4"].bytes_per_s * 0.82)
+    small, large = 1 << 20, 1 << 35  # the ring wins past about 11 GB here: its 5.4 ms of latency, 8% of the bytes
+    tree = 32e-6 + 2 * (7 * 4e-6 + 6 * 14e-6)
+    ring = 32e-6 + 2 * 448 * 4e-6 + 2 * 63 * 14e-6
+    assert all_reduce(small) == pytest.approx(tree + 2 * small * 511 / 512 / (0.92 * rate))
+    assert all_reduce(large) == pytest.approx(ring + 2 * large * 511 / 512 / rate)
+
+
 def _k(seconds, host, reads=(), writes=(), category=OTHER, phase="forward"):
     return Priced(KERNEL, category, phase, seconds, host, tuple(reads), tuple(writes))
 

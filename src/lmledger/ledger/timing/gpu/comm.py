@@ -15,8 +15,11 @@ all-reduce, (n-1)/n for an all-gather or reduce-scatter). What NCCL reaches of e
     latency           vTrain's nccl-tests table for A100s in a node: a 1 MB all-reduce in 44 us on 2 GPUs, 51 on 4,
                       93 on 8, of which the bytes take 4-8: 32 us plus 4 us a ring step (a least-squares line through
                       the three), taken for every link in a node. A step between nodes: 14 us (NCCL's own model,
-                      tuning.cc: the network's per-hop latency, Simple protocol), over the nodes a ring crosses, or a
-                      tree's 2 log2(nodes) where NCCL would pick a tree for being shorter
+                      tuning.cc: the network's per-hop latency, Simple protocol), over the nodes a ring crosses
+    tree              an all-reduce across nodes may run as NCCL's tree instead, whichever is faster (NCCL picks by
+                      its own model, tuning.cc): a chain inside each node and a binary tree between nodes, up and
+                      down, at 0.92 of the ring's bandwidth; a ring of hundreds of ranks pays its every step's
+                      latency, a tree only its depth
 
 Pure arithmetic: no torch.
 """
@@ -30,6 +33,7 @@ from lmledger.ledger.hardware.interconnect import Interconnect, Links, collectiv
 __all__ = ["Links", "collective", "nccl_efficiency"]
 
 _BASE_S, _STEP_S, _NODE_STEP_S = 32e-6, 4e-6, 14e-6
+_TREE_SHARE = 0.92  # a tree all-reduce's bus bandwidth, of the ring's (NCCL tuning.cc)
 _EFFICIENCY = (("NVLink 3", 0.76), ("NVLink 4", 0.82), ("NVLink 5", 0.82), ("NVLink 2", 0.76),
                ("InfiniBand NDR", 0.94), ("InfiniBand XDR", 0.94), ("InfiniBand HDR", 0.86), ("RoCE", 0.86),
                ("PCIe", 0.8))  # fmt: skip
@@ -53,7 +57,11 @@ def collective(op: object, links: Links, world_size: int) -> tuple[float, str | 
     if not sent:
         return 0.0, op.group or "world"
     rate = link.bytes_per_s * nccl_efficiency(link) * _rails(op.group or "world", size, link, links)
-    return _latency(kind, size, link, links) + sent / rate, op.group or "world"
+    nodes = -(-size // max(1, links.gpus_per_node)) if link.scope == "inter-node" else 1
+    seconds = _ring_latency(kind, size, nodes) + sent / rate
+    if kind == "all_reduce" and nodes > 1:
+        seconds = min(seconds, _tree_latency(size, nodes) + sent / (rate * _TREE_SHARE))
+    return seconds, op.group or "world"
 
 
 def _rails(group: str, size: int, link: Interconnect, links: Links) -> float:
@@ -69,10 +77,12 @@ def _rails(group: str, size: int, link: Interconnect, links: Links) -> float:
     return min(float(local), max(1.0, cap))
 
 
-def _latency(kind: str, size: int, link: Interconnect, links: Links) -> float:
-    """A ring's fixed cost (module doc): its steps inside nodes and between them, or a tree's between nodes."""
+def _ring_latency(kind: str, size: int, nodes: int) -> float:
+    """A ring's fixed cost (module doc): its steps inside nodes and between them."""
     rounds = 2 if kind == "all_reduce" else 1
-    steps = rounds * (size - 1)
-    nodes = -(-size // max(1, links.gpus_per_node)) if link.scope == "inter-node" else 1
-    between = min(rounds * (nodes - 1), 2 * math.ceil(math.log2(nodes))) if nodes > 1 else 0
-    return _BASE_S + (steps - rounds * (nodes - 1)) * _STEP_S + between * _NODE_STEP_S
+    return _BASE_S + rounds * (size - nodes) * _STEP_S + rounds * (nodes - 1) * _NODE_STEP_S
+
+
+def _tree_latency(size: int, nodes: int) -> float:
+    """NCCL's tree all-reduce (tuning.cc): up and down a chain of a node's ranks and a binary tree of the nodes."""
+    return _BASE_S + 2 * ((max(1, size // nodes) - 1) * _STEP_S + math.ceil(math.log2(nodes)) * _NODE_STEP_S)
