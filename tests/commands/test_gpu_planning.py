@@ -27,12 +27,14 @@ def test_a_gpu_config_is_planned_on_an_h100_where_this_machine_has_no_gpu(workdi
     cpu = run_json(capsys, "account", *TINY, "--json")
     gpu = run_json(capsys, "account", *TINY, *GPU, "--json")
     predicted = gpu["time"]["predicted"]
-    assert (gpu["run"]["device"], gpu["run"]["dry_run_device"]) == ("cuda", "cpu")
+    assert gpu["run"]["device"] == "cuda" and "dry_run_device" not in gpu["run"]
     assert predicted["priced_on"] == "h100-sxm" and any("h100-sxm assumed" in n for n in predicted["notes"])
     assert predicted["total_s"] == pytest.approx(sum(predicted["seconds"].values()))
     assert 0 < predicted["mfu"] < 1 and predicted["replayed"] == 0  # priced, nothing run here
-    # the same dry run on this CPU in the GPU's place: the same bytes
-    assert gpu["memory"]["peak"]["predicted"] == cpu["memory"]["peak"]["predicted"]
+    # its memory from the closed forms of CUDA's kernels, not a dry run of this CPU's: the state is the same, the
+    # activations less (CUDA's fused RMSNorm saves its input and the rsqrt, the CPU's composite two fp32 copies)
+    assert gpu["memory"]["optimizer"]["predicted"] == cpu["memory"]["optimizer"]["predicted"]
+    assert gpu["memory"]["activations"]["predicted"] < cpu["memory"]["activations"]["predicted"]
     assert "priced_on" not in (cpu["time"]["predicted"] or {})  # a CPU config's step is this machine's
     # --gpu names another: an A100's fp32 GEMMs (19.5 TFLOP/s) take longer than an H100's (67)
     a100 = run_json(capsys, "account", *TINY, "--gpu", "a100-80gb", "--json")["time"]["predicted"]

@@ -56,8 +56,9 @@ def _notes(result: dict) -> list[str]:
         notes.append(f"measured on {run['device']}" if result.get("measured") else f"predicted for {run['device']}")
         stand_in = run.get("dry_run_device")
         if not result.get("measured") and stand_in and stand_in != run["device"]:
-            notes.append(f"dry run on this machine's {stand_in} in its place: the same bytes and FLOPs, but for "
-                         "attention kernels that hold a little more or less on a GPU")  # fmt: skip
+            notes.append(f"dry run on this machine's {stand_in} in its place: the same parameters, gradients, "
+                         "optimizer state and FLOPs; activations as this CPU's kernels save them (a GPU's fused "
+                         "norms and attention kernels save a little less or more)")  # fmt: skip
     if run.get("compiled"):
         notes.append("torch.compile: the memory is the eager step's (the compiled step fuses its elementwise ops and "
                      "may keep fewer intermediates); a GPU step time prices the fused kernels")  # fmt: skip

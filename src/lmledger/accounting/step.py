@@ -183,19 +183,14 @@ def _mfu_conventions(spec: Run, seconds: float | None, device: torch.device) -> 
     }
 
 
-def dry_run_device(accelerator: object) -> torch.device:
-    """Where a plan dry-runs a config: the device it runs on where this machine has it, else this CPU. Fake tensors
-    take the same bytes and FLOPs on either; the CPU's attention and autocast kernels may differ a little."""
-    target = predicted_device(accelerator)
-    return target if target == local_device(accelerator) else torch.device("cpu")
-
-
 def account(spec: Run, do_measure: bool, argv: list[str] = (), step_time: bool = False, gpu: str | None = None) -> dict:
     """`step_time`: predict the step's time too, under result["time"]["predicted"]: here (ledger.timing.steptime) for
     a CPU config, on a GPU (accounting.gpustep: the config's, or `gpu`) for a GPU config or with `gpu`."""
     from lmledger.accounting.gpustep import target_gpu, toy_gpu_step
 
-    device = local_device(spec.accelerator) if do_measure else dry_run_device(spec.accelerator)
+    # A GPU config on a machine without one: its closed forms model CUDA's kernels; a dry run on this CPU would save
+    # what the CPU's composite norms save. The GPU step is priced from dry runs of its own (accounting.gpustep).
+    device = local_device(spec.accelerator) if do_measure else predicted_device(spec.accelerator)
     accumulate = trainer_time_settings(list(argv))["accumulate"] if argv else 1
     predictors, dry = _predictors(spec, device, accumulate)
     step = None
@@ -224,8 +219,7 @@ def account(spec: Run, do_measure: bool, argv: list[str] = (), step_time: bool =
             "world_size": spec.world_size,
             "vocab_size": spec.config.vocab_size,
             "vocab_from_data": spec.vocab_from_data,
-            "device": device.type if do_measure else predicted_device(spec.accelerator).type,
-            "dry_run_device": device.type,
+            "device": device.type,
             "compiled": bool(spec.compiled),
             "measured_peak_phase": measured["figures"].peak_phase if measured else None,
         },
