@@ -1,0 +1,55 @@
+"""benchmarks/published_runs.py, the GPU op model's check against published runs, on rows written here (the
+shared/published table is not part of a checkout): a row it predicts, rows it says it cannot, bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+HEADER = ("id,source,gpu,gpus,gpus_per_node,intra_link,inter_link,framework,arch,layers,hidden,heads,kv_heads,"
+          "ffn_hidden,vocab,seq_len,tp,pp,vpp,cp,dp,sharding,micro_batch,global_batch,recompute,seq_parallel,"
+          "precision,compile,metric,value,confirmed,notes")  # fmt: skip
+ROWS = [
+    # vTrain's first single-node row: Megatron-DeepSpeed, GPT 16 x 1024, TP 2, full recompute, 0.125 s a step
+    "vtrain-s-0001,vTrain data/ground_truth_single.csv,a100-80gb,2,8,nvlink3,,megatron-deepspeed,gpt,16,1024,16,16,"
+    "4096,50257,1024,2,1,1,1,1,none,2,4,full,unknown,fp16,unknown,iter_s,0.125463484,0,vTrain",
+    "pp-row,a paper,a100-40gb,96,8,nvlink3,unknown,megatron,gpt,44,6144,64,64,24576,50257,2048,2,4,1,1,12,zero1,4,"
+    "1536,full,0,fp16,0,iter_s,10.0,1,pipeline parallel",
+    "unknown-row,a paper,h100-sxm,8,8,nvlink4,,torchtitan,llama,32,4096,32,8,14336,128256,8192,1,1,1,1,8,fsdp,"
+    "unknown,16,full,0,bf16,0,tokens_per_s_per_gpu,5000,0,micro-batch not printed",
+]
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(REPO / "benchmarks" / "published_runs.py"), *args],
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+
+
+def test_a_row_is_predicted_and_rows_it_cannot_predict_say_why(tmp_path):
+    rows = tmp_path / "rows.csv"
+    rows.write_text("\n".join([HEADER, *ROWS]) + "\n")
+    done = _run("--rows", str(rows))
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    found = {d["id"]: d for d in (json.loads(line) for line in lines if line.startswith("{"))}
+    vtrain = found["vtrain-s-0001"]
+    assert vtrain["error"] == vtrain["predicted"] / vtrain["published"] - 1 and vtrain["predicted"] == vtrain["step_s"]
+    assert abs(vtrain["error"]) < 0.5  # the model's own accuracy is docs/time.md's table; here, a sane step
+    assert sum(vtrain["breakdown_ms"].values()) / 1e3 == pytest.approx(vtrain["step_s"], abs=1e-4)  # ms rounded
+    assert found["pp-row"]["predicted"] is None and "pipeline parallelism" in found["pp-row"]["reason"]
+    assert found["unknown-row"]["predicted"] is None and "micro_batch" in found["unknown-row"]["reason"]
+    assert "vTrain: 1 rows, median |error|" in done.stdout and "not predicted: 2 of 3 rows" in done.stdout
+
+
+def test_a_missing_or_malformed_file_is_one_line_and_exit_2(tmp_path):
+    missing = _run("--rows", str(tmp_path / "nope.csv"))
+    assert missing.returncode == 2 and missing.stderr.strip().count("\n") == 0 and "no such file" in missing.stderr
+    bad = tmp_path / "bad.csv"
+    bad.write_text("a,b\n1,2\n")
+    done = _run("--rows", str(bad))
+    assert done.returncode == 2 and "Traceback" not in done.stderr and "format" in done.stderr
