@@ -784,3 +784,15 @@ def test_xdist_loadgroup_renames_the_private_nodeid_that_pytest_no_longer_reads(
 
     assert "item._nodeid = " in inspect.getsource(remote)
     assert "_nodeid" not in inspect.getsource(Node.nodeid.fget)
+
+
+def test_model_parallel_strategy_leaves_a_launched_ranks_threads_alone(monkeypatch):
+    """Lightning's ModelParallelStrategy makes a launcher only in the process that starts the others, and only its
+    launcher sets each rank's threads to cores / ranks (DDP's makes one in every rank). So a rank it started keeps every
+    core's threads: lmledger.strategies.FSDP2Strategy.setup_environment sets them as the launcher does."""
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    monkeypatch.setenv("LOCAL_RANK", "1")  # what the launcher gives the ranks it starts
+    trainer = _trainer(devices=2, strategy=ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=2))
+    assert trainer.strategy.cluster_environment.creates_processes_externally
+    assert trainer.strategy.launcher is None

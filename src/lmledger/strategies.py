@@ -39,6 +39,14 @@ class FSDP2Strategy(ModelParallelStrategy):
         tensor = self._tensor_parallel_size
         if self._data_parallel_size == "auto" and isinstance(tensor, int) and tensor >= 1:
             self._data_parallel_size = self.num_nodes * self.num_processes // tensor
+        if self._launcher is None:
+            # A rank Lightning's launcher started (or torchrun, SLURM) runs no launcher of its own, and Lightning 2.6's
+            # ModelParallelStrategy then leaves it at every core's threads, where DDP gives each rank cores / ranks:
+            # on 2 cores, rank 1's two threads took rank 0's core and a TP 2 step ran 1.5x slower (canary in
+            # tests/test_canaries.py). Set them as Lightning's launcher does for rank 0 (not over OMP_NUM_THREADS).
+            from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
+
+            _set_num_threads_if_needed(num_processes=self.num_processes)
         super().setup_environment()
 
 

@@ -52,6 +52,7 @@ class DumpLedger(pl.Callback):
             else None,
             "why_not_predicted": ledger.why_not_predicted,
             "rank": trainer.global_rank,
+            "threads": torch.get_num_threads(),
         }
         out = Path(os.environ["LEDGER_DUMP"]) / f"rank{trainer.global_rank}.json"
         out.write_text(json.dumps(figures))

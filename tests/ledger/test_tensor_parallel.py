@@ -347,7 +347,9 @@ def test_litlm_tp_fit_is_predicted_per_rank(workdir):
         "--trainer.devices", "2", "--trainer.max_steps", "3", "--trainer.limit_val_batches", "0",
         "--ledger.warmup_steps", "1", "--trainer.callbacks+=test_ledger_fsdp2.DumpLedger",
     ]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=_env(out))
+    env = _env(out)
+    del env["OMP_NUM_THREADS"]  # as a user's shell has it: each rank's threads are the strategy's to set
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     ranks = _ranks(out)
     _check_predicted_equals_measured(ranks)
@@ -355,6 +357,8 @@ def test_litlm_tp_fit_is_predicted_per_rank(workdir):
         assert abs(rank["measured"]["activations"] / rank["predicted"]["activations"] - 1) <= ACTIVATIONS_TOLERANCE
         # Issue 49 §2: the fit's closed-form column, which models no TP, holds no figure (it held FSDP2's over 2)
         assert set(rank["closed_form"].values()) == {None}, rank["closed_form"]
+        # Issue 50: every rank runs cores / ranks threads, as DDP's do (Lightning left rank 1 at every core's)
+        assert rank["threads"] == max(1, len(os.sched_getaffinity(0)) // 2), rank
     print(json.dumps(ranks))
 
 
@@ -405,3 +409,4 @@ def test_a_tp_tutorial_module_is_predicted_per_rank(tmp_path):
 if __name__ == "__main__":
     sys.path.insert(0, str(HERE.parent))
     _tutorial_fit()
+
