@@ -52,6 +52,15 @@ CASES: dict[str, list[str]] = {
     "hf-t5": ["--config", "configs/examples/hf-t5.yaml"],
     "convnet": ["--config", "configs/examples/byte-convnet.yaml"],
     "tiny-ddp2": ["--config", TOY, "--trainer.devices", "2", "--trainer.strategy", "ddp"],
+    # Issue 50's cases, none tuned on: sharded steps, a longer context, a module that shards itself.
+    "tiny-ctx512": ["--config", TOY, "--model.config.d_model", "192", "--model.config.n_heads", "6",
+                    "--model.config.d_ff", "512", "--model.config.context_length", "512", "--data.batch_size", "4"],
+    "tiny-fsdp2": ["--config", TOY, "--trainer.devices", "2", "--trainer.strategy", "fsdp2"],
+    "tiny-tp2": ["--config", TOY, "--trainer.devices", "2", "--trainer.strategy", "lmledger.strategies.FSDP2Strategy",
+                 "--trainer.strategy.tensor_parallel_size", "2"],
+    "tiny-ddp2-accum2": ["--config", TOY, "--trainer.devices", "2", "--trainer.strategy", "ddp",
+                         "--trainer.accumulate_grad_batches", "2"],
+    "hf-llama-tp": ["--config", "configs/examples/hf-llama-tp.yaml", "--trainer.devices", "2"],
 }  # fmt: skip
 _LINE = re.compile(r"step ([0-9.e+]+) ms predicted, ([0-9.e+]+) ms measured")
 _PREDICTED = re.compile(r"step time predicted .*")
@@ -77,7 +86,7 @@ torch.set_num_threads(max(1, os.cpu_count() // {world}))
 from lmledger.callbacks.steptime import lightning_loop_seconds
 from lmledger.ledger.timing.steptime.cache import StepTimeCache
 from lmledger.ledger.timing.steptime.calibrate import collective_model
-cache = StepTimeCache(torch.device("cpu"))
+cache = StepTimeCache(torch.device("cpu"), ranks={world})
 collective_model({world}, cache)
 cache.save()
 lightning_loop_seconds(progress_bar=False, logger=True, log_every_n_steps=10)

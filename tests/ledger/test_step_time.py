@@ -9,6 +9,7 @@ Lightning's loop calibration seeded where a test would otherwise start a Trainer
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import platform
@@ -195,8 +196,9 @@ def test_k_micro_batches_are_k_forward_backward_passes_and_one_optimizer_step(ca
     matmuls = lambda ops, phase: [op.name for op in ops.ops if op.phase == phase and op.category == "matmul"]  # noqa: E731
     assert matmuls(four, "forward") == 4 * matmuls(one, "forward")  # four forward passes, matmul for matmul
     assert matmuls(four, "backward") == 4 * matmuls(one, "backward")
-    # the same cached op times four times over, but for the later backward passes accumulating into the grads
-    assert compute(b) == pytest.approx(4 * compute(a), rel=0.1)
+    # four passes' worth, not one or eight. The second prediction replays its step whole (partly cached), so these are
+    # two replays of a 1.5 ms step: 10% failed one run in four on this VM (2026-12-04), with or without other changes.
+    assert compute(b) == pytest.approx(4 * compute(a), rel=0.25)
     assert b.tokens == 4 * 32 and b.samples == 8
     assert b.seconds["host"] > 3.5 * a.seconds["host"]
 
@@ -278,6 +280,52 @@ def test_another_machines_entry_is_kept_and_not_used(empty_cache):
     result = predict_step_time(ops, "cpu")
     assert result.benchmarked > 0
     assert set(json.loads(empty_cache.read_text())) == {"other CPU | torch 0.1", StepTimeCache(torch.device("cpu")).key}
+
+
+def test_times_are_keyed_by_the_ranks_replaying_at_once(empty_cache):
+    """Issue 50: two 1-thread ranks replaying at once share the caches and memory one 1-thread process has alone, so
+    their times are kept apart from its, and the one layout's are never checked against the other's."""
+    ops, _ = _toy_ops()
+    alone = predict_step_time(ops, "cpu")
+    assert alone.benchmarked > 0 and predict_step_time(ops, "cpu").benchmarked == 0
+    two = predict_step_time(ops, "cpu", ranks_here=2)
+    assert two.benchmarked == alone.benchmarked  # nothing of the one-process entry read
+    threads = torch.get_num_threads()
+    keys = set(json.loads(empty_cache.read_text()))
+    assert {k.split(" | ")[3] for k in keys} == {f"{threads} threads", f"{threads} threads x 2 ranks at once"}
+    assert StepTimeCache(torch.device("cpu"), empty_cache, ranks=2).ops == json.loads(empty_cache.read_text())[
+        StepTimeCache(torch.device("cpu"), empty_cache, ranks=2).key]["ops"]
+
+
+def test_ops_on_dtensors_are_marked_and_pay_dtensors_dispatch(cache):
+    """Issue 50: a TP rank runs each op on DTensors through DTensor's dispatch first (20 ms of a TP 2 step of the toy
+    LM, unseen by a replay of its local ops): each such op of the forward and backward adds the probe's per-op
+    cost to the host, each of the optimizer's its own to the optimizer step; a step on plain tensors, none."""
+    from lmledger.ledger.sharding import sharded
+    from lmledger.ledger.timing.steptime.dtensor import CALIBRATION
+
+    with torch.device("meta"):
+        model = ToyLM(SMALL)
+    batch = tuple(torch.empty(2, 16, dtype=torch.long, device="meta") for _ in range(2))
+    make = lambda p: torch.optim.AdamW(p, lr=1e-3)  # noqa: E731
+    tp = sharded.predict_sharded(model, batch, step=lambda m, b: m(*b), optimizer=make, strategy="fsdp2",
+                                 world_size=2, fsdp=sharded.FSDPSettings(tensor_parallel=2))  # fmt: skip
+    marked = [op for op in tp.ops.ops if op.dtensor]
+    assert {op.phase for op in marked} == {"forward", "backward", "optimizer step"}
+    assert any(op.category == "matmul" for op in marked) and not any(op.category == "communication" for op in marked)
+    assert not any(op.dtensor for op in _toy_ops()[0].ops)
+    step_n = sum(1 for op in marked if op.category != OPTIMIZER)
+    optimizer_n = sum(1 for op in marked if op.category == OPTIMIZER)
+
+    seeded = StepTimeCache(torch.device("cpu"))
+    seeded.set_calibration(CALIBRATION, {"step_s": 1e-4, "optimizer_s": 2e-5}, "seeded by the test")
+    seeded.save()
+    plain = OpSummary.of([dataclasses.replace(op, dtensor=False) for op in tp.ops.ops], tp.ops.outside)
+    kwargs = dict(world_size=2, calibrate_collectives=False)
+    with_dtensors, without = predict_step_time(tp.ops, "cpu", **kwargs), predict_step_time(plain, "cpu", **kwargs)
+    assert with_dtensors.seconds["host"] - without.seconds["host"] == pytest.approx(step_n * 1e-4, rel=1e-6)
+    assert with_dtensors.seconds[OPTIMIZER] - without.seconds[OPTIMIZER] == pytest.approx(optimizer_n * 2e-5, rel=0.05)
+    assert f"{step_n} ops on DTensors x 100 us" in with_dtensors.how["host"]
 
 
 def test_op_times_taken_on_a_busy_machine_are_said_so_now_and_from_the_cache(cache, monkeypatch):

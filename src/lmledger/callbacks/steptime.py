@@ -147,14 +147,38 @@ def predict_fit_step_time(
     data = data_wait(loader) if isinstance(loader, torch.utils.data.DataLoader) else None
     backend = getattr(trainer.strategy, "_process_group_backend", None) or "gloo"
     ops = with_ddp_allreduce(prediction.ops, prediction)
+    ranks_here = max(1, int(getattr(trainer, "num_devices", 1) or 1)) if trainer.world_size > 1 else 1
+    if ranks_here > 1:
+        _replay_together()
     with fit_rng(pl_module.device):
         return predict_step_time(
             ops, pl_module.device, compute_dtype=compute_dtype_for_precision(str(trainer.precision)),
             optimizer=optimizers[0] if optimizers else None, clip=clip, loop_s=loop[0] if loop else None,
             loop_how=loop[1] if loop else "", data=data, world_size=trainer.world_size, backend=str(backend),
             tokens=tokens, samples=samples, accumulate=accumulate, calibrate_collectives=alone,
-            links=run_links(trainer, pl_module.device, intra, inter),
+            links=run_links(trainer, pl_module.device, intra, inter), ranks_here=ranks_here,
         )  # fmt: skip
+
+
+# How long a rank waits for the others to finish their dry runs before replaying alone (their dry runs differ by
+# seconds; a rank that never comes has failed, and the fit with it).
+REPLAY_TOGETHER_S = 300
+
+
+def _replay_together() -> None:
+    """Wait until every rank has reached its replay, so that the ranks replay at once, as their steps run: one rank
+    replaying beside another's dry run, or beside an idle one, times its ops on a machine its steps never see
+    (issue 50: 2.18x apart). gloo's monitored barrier, so a rank that never comes costs a wait, not a hang."""
+    import datetime
+
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized() or dist.get_backend() != "gloo":
+        return
+    try:
+        dist.monitored_barrier(timeout=datetime.timedelta(seconds=REPLAY_TOGETHER_S))
+    except RuntimeError:  # a rank did not come: replay now, alone
+        pass
 
 
 def _gpu_op_model(trainer, pl_module, prediction, tokens, samples, accumulate, intra, inter):

@@ -24,6 +24,7 @@ No Lightning import.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -126,6 +127,9 @@ class OpRecord:
     # Dispatched in backward with grad mode on: activation checkpointing re-running a forward (the backward's own
     # ops run with it off), which the real step drives from Python again (ledger/timing/steptime/calibrate.py).
     recompute: bool = field(default=False, compare=False)
+    # Dispatched on DTensors (TP's, FSDP2's parameters in the optimizer): the rank runs it through DTensor's
+    # sharding propagation and its Python dispatch first, a host cost its local op does not pay (steptime/calibrate.py).
+    dtensor: bool = field(default=False, compare=False)
 
     @property
     def bytes(self) -> int:
@@ -347,6 +351,27 @@ def _local(tree: object) -> object:
     return tree_map(lambda x: x._local_tensor if isinstance(x, DTensor) else x, tree)
 
 
+def _has_dtensor(tree: object) -> bool:
+    """Whether an op's arguments hold a DTensor (at the top level, or in a list of them, as foreach ops take)."""
+    dtensor = _dtensor_type()
+    if dtensor is None:
+        return False
+    items = tree.values() if isinstance(tree, dict) else tree
+    for item in items:
+        if isinstance(item, dtensor) or (isinstance(item, (list, tuple)) and any(isinstance(x, dtensor) for x in item)):
+            return True
+    return False
+
+
+@functools.cache
+def _dtensor_type() -> type | None:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch built without torch.distributed
+        return None
+    return DTensor
+
+
 class OpRecorder(TorchDispatchMode):
     """Records every op dispatched while it is entered (module doc).
 
@@ -410,7 +435,8 @@ class OpRecorder(TorchDispatchMode):
         return self._ids[address]
 
     def _record(self, func, args, kwargs, out) -> OpRecord:
-        args, kwargs, out = _local((args, kwargs, out))
+        on_dtensor = _has_dtensor(args) or _has_dtensor(kwargs)
+        args, kwargs, out = _local((args, kwargs, out)) if on_dtensor else (args, kwargs, out)
         packet = func._overloadpacket
         name = str(func)  # "aten.mm.default"
         namespace, op = _split_name(name)
@@ -451,5 +477,5 @@ class OpRecorder(TorchDispatchMode):
         group, group_size = _group_of(args) if category == COMMUNICATION else ("", 0)
         return OpRecord(
             name, self.phase, category, flops, read, written, dtype, shapes, signature, why_not, storages, outputs,
-            group=group, group_size=group_size, recompute=_recomputing(),
+            group=group, group_size=group_size, recompute=_recomputing(), dtensor=on_dtensor,
         )  # fmt: skip

@@ -1,9 +1,9 @@
-"""The step-time cache: replayed op times and calibrations, per machine, torch version and thread count.
+"""The step-time cache: replayed op times and calibrations, per machine, torch version and layout (threads, ranks).
 
 One JSON file beside the CPU peak and bandwidth caches (ledger/hardware/cpu.py: cache_dir()/step-times.json),
 one entry per machine key, each with when and how it was measured:
 
-    {"<cpu model> | <n> cpus | torch <v> | <t> threads | <device>": {
+    {"<cpu model> | <n> cpus | torch <v> | <t> threads[ x <r> ranks at once] | <device>": {
         "measured_at": ..., "method": ..., "ops": {op_key: seconds},
         "calibrations": {name: {"value": ..., "measured_at": ..., "method": ...}}}}
 
@@ -49,22 +49,24 @@ def age_s(stamp: str) -> float:
     return (datetime.datetime.now(datetime.timezone.utc) - then).total_seconds()
 
 
-def machine_key(device: torch.device) -> str:
-    """What the times belong to: the CPU, the torch build, the threads, and the device they ran on."""
+def machine_key(device: torch.device, ranks: int = 1) -> str:
+    """What the times belong to: the CPU, the torch build, the layout they were taken under (threads, and the ranks
+    of one fit replaying at once on this machine: two 1-thread ranks share the caches and memory one 1-thread
+    process has alone), and the device they ran on."""
     info = cpu_info()
     where = device.type
     if device.type == "cuda":
         where = torch.cuda.get_device_name(device.index if device.index is not None else torch.cuda.current_device())
-    threads = torch.get_num_threads()
-    return f"{info.model} | {info.logical_cpus} cpus | torch {torch.__version__} | {threads} threads | {where}"
+    layout = f"{torch.get_num_threads()} threads" + (f" x {ranks} ranks at once" if ranks > 1 else "")
+    return f"{info.model} | {info.logical_cpus} cpus | torch {torch.__version__} | {layout} | {where}"
 
 
 class StepTimeCache:
     """One machine key's entry of the cache file, loaded on creation; `save()` writes it back."""
 
-    def __init__(self, device: torch.device, path: Path | None = None) -> None:
+    def __init__(self, device: torch.device, path: Path | None = None, ranks: int = 1) -> None:
         self.path = path or cache_dir() / STEP_TIMES_FILE
-        self.key = machine_key(device)
+        self.key = machine_key(device, ranks)
         self.note: str | None = None  # one line when the file or this entry had to be measured again
         entries = self._read()
         entry = entries.get(self.key)

@@ -214,7 +214,8 @@ def optimizer_seconds(
     """
     if optimizer is None:
         return None
-    shapes = [(tuple(p.shape), p.dtype) for g in optimizer.param_groups for p in g["params"]]
+    # A DTensor parameter (FSDP2's, TP's) steps its local shard; DTensor's own dispatch is priced apart (dtensor.py).
+    shapes = [(_local_shape(p), p.dtype) for g in optimizer.param_groups for p in g["params"]]
     hyper = [sorted((k, repr(v)) for k, v in g.items() if k != "params") for g in optimizer.param_groups]
     what = (type(optimizer).__qualname__, hyper, shapes, clip, "caches flushed")  # how it is timed keys it too
     digest = hashlib.sha256(repr(what).encode()).hexdigest()[:16]
@@ -229,6 +230,11 @@ def optimizer_seconds(
     return timed
 
 
+def _local_shape(p: torch.Tensor) -> tuple[int, ...]:
+    """A parameter's shape on this rank: a DTensor's (FSDP2's, TP's) local shard's."""
+    return tuple(getattr(p, "_local_tensor", p).shape)
+
+
 def _time_optimizer(optimizer, shapes, device, clip, max_bytes) -> tuple[float, str] | None:
     total = sum(torch.Size(s).numel() * torch.empty((), dtype=d).element_size() for s, d in shapes)
     if 4 * total > max_bytes:
@@ -239,8 +245,9 @@ def _time_optimizer(optimizer, shapes, device, clip, max_bytes) -> tuple[float, 
         for group in optimizer.param_groups:
             tensors = []
             for p in group["params"]:
-                t = torch.randn(tuple(p.shape), generator=generator).to(device=device, dtype=p.dtype)
-                t.grad = torch.randn(tuple(p.shape), generator=generator).to(device=device, dtype=p.dtype) * 1e-3
+                shape = _local_shape(p)
+                t = torch.randn(shape, generator=generator).to(device=device, dtype=p.dtype)
+                t.grad = torch.randn(shape, generator=generator).to(device=device, dtype=p.dtype) * 1e-3
                 tensors.append(t)
             params += tensors
             groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": tensors})

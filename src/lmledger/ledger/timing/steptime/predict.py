@@ -9,7 +9,8 @@
     data_wait                  the user's loader's batch time, less what worker prefetch overlaps
     host                       per-op overhead (autograd, dispatcher) x ops + checkpointing's overhead x recomputed
                                ops + the model's own Python (its dry run's time outside dispatch, less a
-                               Python-light model's per op) + Lightning's loop per batch
+                               Python-light model's per op) + Lightning's loop per batch + DTensor's dispatch x
+                               ops on DTensors (TP; the optimizer's under FSDP2 go to the optimizer: dtensor.py)
 
 Ops that cannot be replayed are priced at their roofline bound divided by the efficiency (bound / replayed
 time) the replayed ops of their category reached; they are counted, with their share. The categories sum
@@ -38,6 +39,7 @@ from lmledger.ledger.hardware.cpu import OthersBusy
 from lmledger.ledger.hardware.interconnect import Links, collective_seconds
 from lmledger.ledger.timing.steptime import calibrate
 from lmledger.ledger.timing.steptime.cache import StepTimeCache, age_s
+from lmledger.ledger.timing.steptime.dtensor import dtensor_overhead
 from lmledger.ledger.timing.steptime.replay import (
     Replayer,
     cache_bytes,
@@ -166,6 +168,7 @@ def predict_step_time(
     cache_path: Path | None = None,
     calibrate_collectives: bool = True,
     links: Links | None = None,
+    ranks_here: int = 1,
 ) -> StepTime | NoStepTime:
     """The predicted step (module doc) of a dry run's `ops` on `device`.
 
@@ -176,10 +179,12 @@ def predict_step_time(
     tokens, samples   per micro-batch; the step's are `accumulate` times as many
     links       what a backend that cannot be timed here (nccl) crosses (ledger.hardware.interconnect); default an H100
     node's
+    ranks_here  the fit's ranks on this machine, replaying at once as their steps will run: the cache keys its times
+                by it (cache.machine_key)
     """
     device = torch.device(device)
     settle_allocator(device)  # before anything is timed, and for the real steps this process runs next
-    cache = StepTimeCache(device, cache_path)
+    cache = StepTimeCache(device, cache_path, ranks=ranks_here)
     notes = [cache.note] if cache.note else []
     how: dict[str, str] = {}
     free = free_memory(device)
@@ -218,6 +223,7 @@ def predict_step_time(
     seconds[HOST], how[HOST] = _host(
         ops, priced.per_op_ops, (overhead, overhead_how), (loop_s, loop_how), accumulate, cache, device
     )
+    notes += _dtensor_dispatch(ops, cache, seconds, how)
     if device.type == "cuda":  # the host queues kernels ahead of the GPU: only its excess over their time shows
         host_all, kernels = seconds[HOST], compute + seconds[OPTIMIZER]
         seconds[HOST] = max(0.0, host_all - kernels)
@@ -359,6 +365,27 @@ def _host(
         how += python_how
     how += f" + Lightning's loop {loop_s * 1e3:.3g} ms x {accumulate} batches ({loop_how})" if loop_s else ""
     return seconds, how
+
+
+def _dtensor_dispatch(ops: OpSummary, cache: StepTimeCache, seconds: dict, how: dict) -> list[str]:
+    """DTensor's own cost for each op the rank runs on DTensors (steptime/dtensor.py), on the host for the forward and
+    backward, on the optimizer step for the optimizer's; a line where it could not be measured."""
+    step_ops = sum(1 for op in ops.ops if op.dtensor and op.category not in (OPTIMIZER, COMMUNICATION))
+    optimizer_ops = sum(1 for op in ops.ops if op.dtensor and op.category == OPTIMIZER)
+    if not step_ops and not optimizer_ops:
+        return []
+    found = dtensor_overhead(cache)
+    if found is None:
+        return [f"DTensor's dispatch for {step_ops + optimizer_ops} ops not counted: its probe would not run here"]
+    value, measured = found
+    seconds[HOST] += step_ops * value["step_s"]
+    seconds[OPTIMIZER] += optimizer_ops * value["optimizer_s"]
+    said = f"{{}} ops on DTensors x {{:.3g}} us of DTensor's dispatch ({measured})"
+    if step_ops:
+        how[HOST] += " + " + said.format(step_ops, value["step_s"] * 1e6)
+    if optimizer_ops:
+        how[OPTIMIZER] += " + " + said.format(optimizer_ops, value["optimizer_s"] * 1e6)
+    return []
 
 
 def _model_python(outside: Outside, cache: StepTimeCache) -> tuple[float, str]:
