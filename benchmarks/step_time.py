@@ -86,8 +86,10 @@ torch.set_num_threads(max(1, os.cpu_count() // {world}))
 from lmledger.callbacks.steptime import lightning_loop_seconds
 from lmledger.ledger.timing.steptime.cache import StepTimeCache
 from lmledger.ledger.timing.steptime.calibrate import collective_model
+from lmledger.ledger.timing.steptime.fsdp2 import fsdp2_collective_s
 cache = StepTimeCache(torch.device("cpu"), ranks={world})
 collective_model({world}, cache)
+fsdp2_collective_s({world}, cache)
 cache.save()
 lightning_loop_seconds(progress_bar=False, logger=True, log_every_n_steps=10)
 """

@@ -293,8 +293,10 @@ def test_times_are_keyed_by_the_ranks_replaying_at_once(empty_cache):
     threads = torch.get_num_threads()
     keys = set(json.loads(empty_cache.read_text()))
     assert {k.split(" | ")[3] for k in keys} == {f"{threads} threads", f"{threads} threads x 2 ranks at once"}
-    assert StepTimeCache(torch.device("cpu"), empty_cache, ranks=2).ops == json.loads(empty_cache.read_text())[
-        StepTimeCache(torch.device("cpu"), empty_cache, ranks=2).key]["ops"]
+    assert (
+        StepTimeCache(torch.device("cpu"), empty_cache, ranks=2).ops
+        == json.loads(empty_cache.read_text())[StepTimeCache(torch.device("cpu"), empty_cache, ranks=2).key]["ops"]
+    )
 
 
 def test_ops_on_dtensors_are_marked_and_pay_dtensors_dispatch(cache):

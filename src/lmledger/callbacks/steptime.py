@@ -138,23 +138,24 @@ def predict_fit_step_time(
     if trainer.gradient_clip_val:
         algorithm = str(trainer.gradient_clip_algorithm or "norm").lower().split(".")[-1]
         clip = ("value" if "value" in algorithm else "norm", float(trainer.gradient_clip_val))
-    alone = trainer.world_size == 1  # several ranks wait for each other: no subprocess calibration there
-    loop = lightning_loop_seconds(
-        progress_bar=trainer.progress_bar_callback is not None, logger=bool(trainer.loggers),
-        log_every_n_steps=int(trainer.log_every_n_steps or 50), measure=alone,
-    )  # fmt: skip
+    alone = trainer.world_size == 1  # several ranks: local rank 0 calibrates before they meet (_calibrate_ranks)
+    settings = dict(progress_bar=trainer.progress_bar_callback is not None, logger=bool(trainer.loggers),
+                    log_every_n_steps=int(trainer.log_every_n_steps or 50))  # fmt: skip
+    backend = str(getattr(trainer.strategy, "_process_group_backend", None) or "gloo")
+    ops = with_ddp_allreduce(prediction.ops, prediction)
+    ranks_here = max(1, int(getattr(trainer, "num_devices", 1) or 1)) if not alone else 1
+    if ranks_here > 1:
+        if trainer.local_rank == 0 and backend == "gloo" and pl_module.device.type == "cpu":
+            _calibrate_ranks(trainer.world_size, ranks_here, ops, settings)  # the other ranks wait at the barrier
+        _replay_together()
+    loop = lightning_loop_seconds(**settings, measure=alone)
     loader = trainer.train_dataloader
     data = data_wait(loader) if isinstance(loader, torch.utils.data.DataLoader) else None
-    backend = getattr(trainer.strategy, "_process_group_backend", None) or "gloo"
-    ops = with_ddp_allreduce(prediction.ops, prediction)
-    ranks_here = max(1, int(getattr(trainer, "num_devices", 1) or 1)) if trainer.world_size > 1 else 1
-    if ranks_here > 1:
-        _replay_together()
     with fit_rng(pl_module.device):
         return predict_step_time(
             ops, pl_module.device, compute_dtype=compute_dtype_for_precision(str(trainer.precision)),
             optimizer=optimizers[0] if optimizers else None, clip=clip, loop_s=loop[0] if loop else None,
-            loop_how=loop[1] if loop else "", data=data, world_size=trainer.world_size, backend=str(backend),
+            loop_how=loop[1] if loop else "", data=data, world_size=trainer.world_size, backend=backend,
             tokens=tokens, samples=samples, accumulate=accumulate, calibrate_collectives=alone,
             links=run_links(trainer, pl_module.device, intra, inter), ranks_here=ranks_here,
         )  # fmt: skip
@@ -163,6 +164,23 @@ def predict_fit_step_time(
 # How long a rank waits for the others to finish their dry runs before replaying alone (their dry runs differ by
 # seconds; a rank that never comes has failed, and the fit with it).
 REPLAY_TOGETHER_S = 300
+
+
+def _calibrate_ranks(world_size: int, ranks_here: int, ops, loop_settings: dict) -> None:
+    """Local rank 0's calibrations for a multi-rank fit, each in processes of its own, where the cache lacks them:
+    Lightning's loop, gloo's all-reduce (latency and bandwidth), and with FSDP2 its cost per collective. The other
+    ranks wait at the barrier meanwhile (a rank's minutes here would otherwise time out their first collective),
+    then read them."""
+    lightning_loop_seconds(**loop_settings)
+    from lmledger.ledger.timing.steptime.cache import StepTimeCache
+    from lmledger.ledger.timing.steptime.calibrate import collective_model
+    from lmledger.ledger.timing.steptime.fsdp2 import FSDP2_COLLECTIVES, fsdp2_collective_s
+
+    cache = StepTimeCache(torch.device("cpu"), ranks=ranks_here)
+    collective_model(world_size, cache)
+    if any(op.name.startswith(FSDP2_COLLECTIVES) for op in ops.ops):
+        fsdp2_collective_s(world_size, cache)
+    cache.save()
 
 
 def _replay_together() -> None:

@@ -328,7 +328,11 @@ def data_wait(loader: object, batches: int = 3) -> DataWait | None:
     return DataWait(statistics.median(times), workers, how + (f", {workers} workers prefetching" if workers else ""))
 
 
-_PROBE_SIZES = (1 << 12, 1 << 16, 1 << 20, 1 << 24)  # bytes: 4 KiB .. 16 MiB
+# bytes: 4 KiB .. 16 MiB, every factor of 4. gloo's all-reduce here is no straight line in its size: on the 2-core VM
+# (2026-12-04) 0.5 ms at 64 KiB, 2.5-3.6 ms at 1 MiB, 12-20 ms at 16 MiB, so a step's collectives are priced along the
+# measured points (gloo_seconds), not by a latency and bandwidth fitted through them.
+_PROBE_SIZES = tuple(1 << k for k in range(12, 25, 2))
+_PROBE_REPEATS = 9
 
 
 def collective_model(
@@ -354,7 +358,8 @@ def collective_model(
         value = _time_gloo(world_size)
         if value is None:
             return table, said + " (gloo ranks would not start here)"
-        how = f"all_reduce on {world_size} gloo ranks here, {_PROBE_SIZES[0]}..{_PROBE_SIZES[-1]} bytes, median of 5"
+        how = (f"all_reduce on {world_size} gloo ranks here, {_PROBE_SIZES[0]}..{_PROBE_SIZES[-1]} bytes, median of "
+               f"{_PROBE_REPEATS}")  # fmt: skip
         cache.set_calibration(name, value, how + "; least squares alpha + n/beta")
         found = cache.calibration(name)
     value = found["value"]
@@ -363,6 +368,32 @@ def collective_model(
     source = f"measured {found['measured_at'][:10]}: gloo, {world_size} ranks here"
     link = Interconnect(f"gloo ({world_size} ranks)", rate, "user", source, latency_s=value["alpha_s"])
     return Links.one(link), source
+
+
+def gloo_seconds(op: object, world_size: int, cache: StepTimeCache) -> float | None:
+    """A recorded collective's seconds on gloo here, along the all-reduce's measured points (collective_model's
+    calibration): the all-reduce that sends the bytes it sends (interconnect.wire_bytes), interpolated between the
+    two probe sizes around it, past the largest along the last two. None where nothing is cached."""
+    from lmledger.ledger.hardware.interconnect import collective_kind
+
+    found = cache.calibration(f"gloo_allreduce_w{world_size}")
+    times = found["value"].get("times") if found is not None and isinstance(found["value"], dict) else None
+    if not isinstance(times, dict) or len(times) < 2:
+        return None
+    points = sorted((float(size), float(t)) for size, t in times.items())
+    kind = collective_kind(op.name)
+    size = op.group_size or world_size
+    if kind is None or size < 2:
+        return 0.0
+    buffer = wire_bytes(kind, max(op.bytes_read, op.bytes_written), size) / wire_bytes("all_reduce", 1, size)
+    if buffer <= points[0][0]:
+        return points[0][1]
+    lower = max((p for p in points if p[0] <= buffer), key=lambda p: p[0])
+    upper = min((p for p in points if p[0] > buffer), key=lambda p: p[0], default=None)
+    if upper is None:
+        lower, upper = points[-2], points[-1]
+    slope = (upper[1] - lower[1]) / (upper[0] - lower[0])
+    return max(points[0][1], lower[1] + slope * (buffer - lower[0]))
 
 
 def _time_gloo(world_size: int) -> dict | None:
@@ -417,7 +448,7 @@ def _gloo_rank(rank: int, world_size: int, port: int, queue) -> None:
             for _ in range(2):
                 dist.all_reduce(t)
             samples = []
-            for _ in range(5):
+            for _ in range(_PROBE_REPEATS):
                 dist.barrier()
                 started = time.perf_counter()
                 dist.all_reduce(t)

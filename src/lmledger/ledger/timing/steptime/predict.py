@@ -5,7 +5,8 @@
     optimizer                  the run's optimizer stepping real tensors of its parameters (calibrate.py),
                                gradient clipping before it; else its recorded ops replayed
     communication              DDP's buckets and FSDP2's collectives at their sizes, by an alpha-beta model
-                               measured on gloo ranks here, or a labelled interconnect table
+                               measured on gloo ranks here, or a labelled interconnect table; on gloo each FSDP2
+                               collective at its measured cost with FSDP2's hooks around it (fsdp2.py)
     data_wait                  the user's loader's batch time, less what worker prefetch overlaps
     host                       per-op overhead (autograd, dispatcher) x ops + checkpointing's overhead x recomputed
                                ops + the model's own Python (its dry run's time outside dispatch, less a
@@ -40,6 +41,7 @@ from lmledger.ledger.hardware.interconnect import Links, collective_seconds
 from lmledger.ledger.timing.steptime import calibrate
 from lmledger.ledger.timing.steptime.cache import StepTimeCache, age_s
 from lmledger.ledger.timing.steptime.dtensor import dtensor_overhead
+from lmledger.ledger.timing.steptime.fsdp2 import FSDP2_COLLECTIVES, fsdp2_collective_s
 from lmledger.ledger.timing.steptime.replay import (
     Replayer,
     cache_bytes,
@@ -213,10 +215,19 @@ def predict_step_time(
         how[OPTIMIZER] = "its recorded ops replayed, with the per-op overhead"
     if comm_ops:
         crossed, source = calibrate.collective_model(world_size, cache, backend, calibrate_collectives, links)
-        seconds[COMMUNICATION] = sum(collective_seconds(op, crossed, world_size)[0] for op in comm_ops)
-        how[COMMUNICATION] = (
-            f"{len(comm_ops)} collectives, {_links_line(crossed)} ({source}); none overlapped with compute"
-        )
+        along = [calibrate.gloo_seconds(op, world_size, cache) for op in comm_ops] if backend == "gloo" else [None]
+        if None not in along:  # gloo's measured points
+            seconds[COMMUNICATION] = sum(along)
+            how[COMMUNICATION] = (f"{len(comm_ops)} collectives along gloo's all-reduce measured here at 4 KiB..16 "
+                                  f"MiB ({source}); none overlapped with compute")  # fmt: skip
+            extra, said = _fsdp2_collectives(comm_ops, world_size, cache, calibrate_collectives)
+            seconds[COMMUNICATION] += extra
+            how[COMMUNICATION] += said
+        else:
+            seconds[COMMUNICATION] = sum(collective_seconds(op, crossed, world_size)[0] for op in comm_ops)
+            how[COMMUNICATION] = (
+                f"{len(comm_ops)} collectives, {_links_line(crossed)} ({source}); none overlapped with compute"
+            )
         notes += list(dict.fromkeys(link.note for link in (crossed.intra, crossed.inter) if link.note))
 
     compute = sum(seconds[c] for c in (MATMUL, ATTENTION, OTHER))
@@ -365,6 +376,25 @@ def _host(
         how += python_how
     how += f" + Lightning's loop {loop_s * 1e3:.3g} ms x {accumulate} batches ({loop_how})" if loop_s else ""
     return seconds, how
+
+
+def _fsdp2_collectives(
+    comm_ops: list[OpRecord], world_size: int, cache: StepTimeCache, measure: bool
+) -> tuple[float, str]:
+    """(seconds to add, how): FSDP2's all-gathers and reduce-scatters at their measured cost per collective on gloo
+    (hooks, copies, the wait: steptime/fsdp2.py) in place of a bare all-reduce's at the smallest probe size; their
+    bytes stay priced along the all-reduce's points."""
+    fsdp = [op for op in comm_ops if op.name.startswith(FSDP2_COLLECTIVES)]
+    found = fsdp2_collective_s(world_size, cache, measure) if fsdp else None
+    times = (cache.calibration(f"gloo_allreduce_w{world_size}") or {}).get("value", {}).get("times")
+    if found is None or not times:
+        return 0.0, ""
+    per, measured = found
+    bare = min(times.items(), key=lambda item: float(item[0]))[1]
+    return len(fsdp) * max(0.0, per - bare), (
+        f"; {len(fsdp)} of them FSDP2's, each {max(0.0, per - bare) * 1e3:.3g} ms more for FSDP2's hooks, copies and "
+        f"wait on gloo ({measured})"
+    )
 
 
 def _dtensor_dispatch(ops: OpSummary, cache: StepTimeCache, seconds: dict, how: dict) -> list[str]:

@@ -1,0 +1,109 @@
+"""What an FSDP2 collective costs a rank on gloo beyond the bytes it moves, measured once per machine and world size.
+
+FSDP2 wraps each all-gather and reduce-scatter in Python of its own: the unit's pre-forward and pre-backward
+hooks, the copy-in and copy-out, the async work and its wait, and on gloo a reduce-scatter run as an all-reduce.
+On this machine's 2-core VM (2026-12-04, 2 ranks) that came to about 1.8 ms per collective at a kilobyte, where
+a bare all-reduce of that size took 0.4 ms: 5 ms per fully_shard unit, some 25 ms of tiny.yaml's FSDP2 step the
+all-reduce's latency did not price (issue 50).
+
+The probe: a chain of tiny Linear blocks, each its own fully_shard unit, forward and backward on `world_size` real
+gloo ranks in processes of their own, beside the same chain unsharded; the difference's growth from 2 to 10
+units, over the three collectives each unit runs (two all-gathers, one reduce-scatter). The rank's wait for the
+other inside each collective is in it. The bytes are priced apart, by the all-reduce's bandwidth. No Lightning import.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+from lmledger.ledger.timing.steptime.cache import StepTimeCache
+
+__all__ = ["FSDP2_COLLECTIVES", "fsdp2_collective_s"]
+
+# FSDP2's own collectives as the op recorder names them (TP's run as _c10d_functional ops, DDP's as allreduce_).
+FSDP2_COLLECTIVES = ("c10d._allgather_base_", "c10d._reduce_scatter_base_")
+_UNITS = (2, 10)
+_WIDTH = 16
+
+
+def fsdp2_collective_s(world_size: int, cache: StepTimeCache, measure: bool = True) -> tuple[float, str] | None:
+    """(seconds per FSDP2 collective beyond its bytes, how) on `world_size` gloo ranks here, cached; None where not
+    cached and `measure` is off (inside a multi-rank fit), or the ranks would not start."""
+    name = f"fsdp2_per_collective_w{world_size}"
+    found = cache.calibration(name)
+    if found is not None:
+        return float(found["value"]), f"measured {found['measured_at'][:10]} (cache)"
+    if not measure:
+        return None
+    threads = max(1, (os.cpu_count() or 1) // world_size)
+    code = f"import json; from {__name__} import _main; print(json.dumps(_main({world_size}, {threads})))"
+    try:
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180,
+                              env={**os.environ, "OMP_NUM_THREADS": str(threads)})  # fmt: skip
+        lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+        times = json.loads(lines[-1]) if done.returncode == 0 and lines else None
+    except (OSError, subprocess.TimeoutExpired, ValueError):
+        times = None
+    if not times:
+        return None
+    (few, many) = _UNITS
+    extra = (times[f"fsdp{many}"] - times[f"plain{many}"]) - (times[f"fsdp{few}"] - times[f"plain{few}"])
+    value = max(0.0, extra / ((many - few) * 3))
+    how = (f"fully_shard units of a tiny chain on {world_size} gloo ranks here, {few} against {many} units beside "
+           "the chain unsharded, per collective")  # fmt: skip
+    cache.set_calibration(name, value, how, times=times)
+    cache.save()
+    return value, "measured now"
+
+
+def _main(world_size: int, threads: int) -> dict[str, float]:
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    queue = mp.get_context("spawn").SimpleQueue()
+    mp.start_processes(_rank, args=(world_size, port, threads, queue), nprocs=world_size, start_method="spawn")
+    return queue.get()
+
+
+def _rank(rank: int, world_size: int, port: int, threads: int, queue) -> None:
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+
+    torch.set_num_threads(threads)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    try:
+        x = torch.randn(4, _WIDTH)
+        out = {}
+        for units in _UNITS:
+            for kind in ("plain", "fsdp"):
+                torch.manual_seed(0)
+                chain = nn.Sequential(*[nn.Sequential(nn.Linear(_WIDTH, _WIDTH), nn.Tanh()) for _ in range(units)])
+                if kind == "fsdp":
+                    for block in chain:
+                        fully_shard(block)
+                    fully_shard(chain)
+                for _ in range(5):
+                    chain(x).sum().backward()
+                samples = []
+                for _ in range(25):
+                    dist.barrier()
+                    started = time.perf_counter()
+                    chain(x).sum().backward()
+                    samples.append(time.perf_counter() - started)
+                out[f"{kind}{units}"] = statistics.median(samples)
+        dist.barrier()  # no rank leaves while another's FSDP2 work is in flight (gloo aborts the process then)
+        if rank == 0:
+            queue.put(out)
+    finally:
+        dist.destroy_process_group()

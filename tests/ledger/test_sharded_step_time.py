@@ -1,0 +1,64 @@
+"""What a sharded CPU step spends beside its replayed ops (issue 50): gloo's collectives along their measured
+points, FSDP2's cost per collective, each probed on real gloo ranks in processes of their own."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lmledger.ledger.count.ops import COMMUNICATION, OpRecord
+from lmledger.ledger.timing.steptime.cache import StepTimeCache
+from lmledger.ledger.timing.steptime.calibrate import gloo_seconds
+from lmledger.ledger.timing.steptime.fsdp2 import fsdp2_collective_s
+from lmledger.ledger.timing.steptime.predict import _fsdp2_collectives
+
+MB = 1 << 20
+TIMES = {"4096": 0.5e-3, "65536": 0.6e-3, str(MB): 3e-3, str(16 * MB): 12e-3}  # an all-reduce's seconds by its bytes
+
+
+def _collective(name: str, nbytes: int, group_size: int = 2) -> OpRecord:
+    return OpRecord(name, "backward", COMMUNICATION, 0, nbytes, nbytes, "float32", group="world", group_size=group_size)
+
+
+@pytest.fixture
+def seeded(tmp_path) -> StepTimeCache:
+    cache = StepTimeCache(torch.device("cpu"), tmp_path / "step-times.json", ranks=2)
+    cache.set_calibration("gloo_allreduce_w2", {"alpha_s": 1e-3, "bytes_per_s": 1e9, "times": TIMES}, "seeded")
+    return cache
+
+
+def test_gloo_collectives_are_priced_along_the_all_reduces_measured_points(seeded):
+    """gloo's all-reduce here jumps fivefold between 64 KiB and 1 MiB: no latency-and-bandwidth line fits it, so a
+    collective is priced between the two measured sizes around it, as the all-reduce sending its bytes."""
+    price = lambda name, n: gloo_seconds(_collective(name, n), 2, seeded)  # noqa: E731
+    assert price("c10d.allreduce_", MB) == pytest.approx(3e-3)
+    assert price("c10d.allreduce_", 2 * MB) == pytest.approx(3e-3 + 9e-3 * MB / (15 * MB))
+    # an all-gather of 2 MiB (its gathered side) sends what an all-reduce of 1 MiB sends on 2 ranks
+    assert price("c10d._allgather_base_", 2 * MB) == pytest.approx(3e-3)
+    assert price("c10d._reduce_scatter_base_", 2 * MB) == pytest.approx(3e-3)
+    assert price("c10d.allreduce_", 32 * MB) == pytest.approx(12e-3 + 9e-3 * 16 / 15)  # past the last, along it
+    assert price("c10d.allreduce_", 100) == pytest.approx(0.5e-3)  # below the first: never cheaper than it
+    assert price("_c10d_functional.wait_tensor", MB) == 0.0  # a wait moves nothing
+    assert gloo_seconds(_collective("c10d.allreduce_", MB), 4, seeded) is None  # nothing measured at 4 ranks
+
+
+def test_fsdp2_collectives_pay_fsdp2s_measured_cost_beyond_a_bare_all_reduce(seeded):
+    seeded.set_calibration("fsdp2_per_collective_w2", 1.5e-3, "seeded")
+    ops = [_collective("c10d._allgather_base_", MB), _collective("c10d._reduce_scatter_base_", MB),
+           _collective("c10d.allreduce_", MB)]  # fmt: skip
+    extra, how = _fsdp2_collectives(ops, 2, seeded, measure=False)
+    assert extra == pytest.approx(2 * (1.5e-3 - 0.5e-3))  # two of FSDP2's, over the smallest all-reduce's time
+    assert "2 of them FSDP2's, each 1 ms more" in how
+    assert _fsdp2_collectives(ops[2:], 2, seeded, measure=False) == (0.0, "")  # DDP's all-reduce pays nothing more
+
+
+def test_fsdp2s_cost_per_collective_is_probed_on_gloo_ranks_and_cached(tmp_path):
+    """Two gloo ranks in processes of their own, a chain of 2 and of 10 fully_shard units beside it unsharded: about
+    1.1-1.7 ms a collective on the 2-core VM (2026-12-04), a bare all-reduce of that size 0.4. Bounds wide: a busy
+    machine slows both sides."""
+    cache = StepTimeCache(torch.device("cpu"), tmp_path / "step-times.json", ranks=2)
+    assert fsdp2_collective_s(2, cache, measure=False) is None  # inside a multi-rank fit: the cache or nothing
+    value, how = fsdp2_collective_s(2, cache)
+    assert how == "measured now" and 1e-5 < value < 0.05
+    again = StepTimeCache(torch.device("cpu"), tmp_path / "step-times.json", ranks=2)
+    assert fsdp2_collective_s(2, again, measure=False)[0] == value
