@@ -87,9 +87,11 @@ from lmledger.callbacks.steptime import lightning_loop_seconds
 from lmledger.ledger.timing.steptime.cache import StepTimeCache
 from lmledger.ledger.timing.steptime.calibrate import collective_model
 from lmledger.ledger.timing.steptime.fsdp2 import fsdp2_collective_s
+from lmledger.ledger.timing.steptime.rankwait import rank_wait
 cache = StepTimeCache(torch.device("cpu"), ranks={world})
 collective_model({world}, cache)
 fsdp2_collective_s({world}, cache)
+rank_wait({world}, cache)
 cache.save()
 lightning_loop_seconds(progress_bar=False, logger=True, log_every_n_steps=10)
 """

@@ -141,7 +141,11 @@ def test_litlm_fsdp2_fit_is_predicted_per_rank(workdir):
     assert re.search(r"step time predicted [0-9.]+ ms", proc.stderr + proc.stdout), proc.stdout[-2000:]
     entries = json.loads(cache.read_text())
     (layout,) = [e for k, e in entries.items() if k.split(" | ")[3] == "1 threads x 2 ranks at once"]
-    assert {"gloo_allreduce_w2", "fsdp2_per_collective_w2", "dtensor_dispatch"} <= set(layout["calibrations"])
+    assert {"gloo_allreduce_w2", "fsdp2_per_collective_w2", "rank_wait_w2", "dtensor_dispatch"} <= set(
+        layout["calibrations"]
+    )
+    (short, long) = layout["calibrations"]["rank_wait_w2"]["value"]["points"]  # [segment s, wait s] each
+    assert 0 < short[0] < long[0] and long[1] >= 0
     assert len(layout["calibrations"]["gloo_allreduce_w2"]["value"]["times"]) == 7 and layout["ops"]
     ranks = _ranks(out)
     _check_predicted_equals_measured(ranks)

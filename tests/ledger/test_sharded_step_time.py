@@ -62,3 +62,27 @@ def test_fsdp2s_cost_per_collective_is_probed_on_gloo_ranks_and_cached(tmp_path)
     assert how == "measured now" and 1e-5 < value < 0.05
     again = StepTimeCache(torch.device("cpu"), tmp_path / "step-times.json", ranks=2)
     assert fsdp2_collective_s(2, again, measure=False)[0] == value
+
+
+def test_each_collective_waits_for_the_other_ranks_by_the_compute_before_it(seeded):
+    """steptime/rankwait.py: a collective reached after compute pays the ranks' wait for each other: none under the
+    probe's short segment (gloo still spins), its long segment's wait beyond, in between along the line."""
+    from lmledger.ledger.count.ops import MATMUL, OpSummary
+    from lmledger.ledger.timing.steptime.predict import _rank_waits
+    from lmledger.ledger.timing.steptime.rankwait import wait_seconds
+
+    value = {"points": [[1e-3, 0.2e-3], [10e-3, 2e-3]]}
+    assert wait_seconds(0.5e-3, value) == 0.0 and wait_seconds(1e-3, value) == pytest.approx(0.2e-3)
+    assert wait_seconds(5.5e-3, value) == pytest.approx(1.1e-3) and wait_seconds(50e-3, value) == pytest.approx(2e-3)
+
+    seeded.set_calibration("rank_wait_w2", value, "seeded")
+    mm = OpRecord("aten.mm.default", "forward", MATMUL, 0, 0, 0, "float32")
+    wait = _collective("_c10d_functional.wait_tensor.default", MB)
+    ops = [mm, _collective("c10d._allgather_base_", MB), mm, _collective("_c10d_functional.all_reduce.default", MB),
+           wait, mm, _collective("c10d.allreduce_", MB)]  # fmt: skip
+    times = {0: 3e-3, 2: 2.5e-3, 5: 0.4e-3}  # replayed seconds by position; 0.1 ms per op besides
+    extra, how = _rank_waits(OpSummary.of(ops), times, 1e-4, 2, seeded, measure=False)
+    # 5.7 ms before the first all-reduce (FSDP2's all-gather has its wait in its own probe, and a wait is no
+    # collective: neither resets the compute), 0.5 ms before the second
+    assert extra == pytest.approx(wait_seconds(5.7e-3, value) + 0.0)
+    assert "2 collectives' wait for the other ranks" in how

@@ -37,11 +37,12 @@ from lmledger.ledger.count.ops import (
     Outside,
 )
 from lmledger.ledger.hardware.cpu import OthersBusy
-from lmledger.ledger.hardware.interconnect import Links, collective_seconds
+from lmledger.ledger.hardware.interconnect import Links, collective_kind, collective_seconds
 from lmledger.ledger.timing.steptime import calibrate
 from lmledger.ledger.timing.steptime.cache import StepTimeCache, age_s
 from lmledger.ledger.timing.steptime.dtensor import dtensor_overhead
 from lmledger.ledger.timing.steptime.fsdp2 import FSDP2_COLLECTIVES, fsdp2_collective_s
+from lmledger.ledger.timing.steptime.rankwait import rank_wait, wait_seconds
 from lmledger.ledger.timing.steptime.replay import (
     Replayer,
     cache_bytes,
@@ -223,6 +224,9 @@ def predict_step_time(
             extra, said = _fsdp2_collectives(comm_ops, world_size, cache, calibrate_collectives)
             seconds[COMMUNICATION] += extra
             how[COMMUNICATION] += said
+            extra, said = _rank_waits(ops, priced.op_seconds, overhead, world_size, cache, calibrate_collectives)
+            seconds[COMMUNICATION] += extra
+            how[COMMUNICATION] += said
         else:
             seconds[COMMUNICATION] = sum(collective_seconds(op, crossed, world_size)[0] for op in comm_ops)
             how[COMMUNICATION] = (
@@ -282,6 +286,7 @@ class _Priced:
     fallback_s: float = 0.0
     fallback_ops: dict[str, int] = field(default_factory=dict)
     why_not: dict[str, str] = field(default_factory=dict)
+    op_seconds: dict[int, float] = field(default_factory=dict)  # position in the step -> its compute's seconds
 
 
 def _price_ops(
@@ -297,7 +302,7 @@ def _price_ops(
     priced = _Priced(seconds=dict.fromkeys(CATEGORIES, 0.0), collectives=[])
     replayed, unreplayed = [], []
     llc = cache_bytes(device)
-    for op, cold in zip(ops.ops, cold_inputs(list(ops.ops), llc), strict=True):
+    for i, (op, cold) in enumerate(zip(ops.ops, cold_inputs(list(ops.ops), llc), strict=True)):
         if op.category == OPTIMIZER and optimizer_timed:
             continue
         if op.category == COMMUNICATION:
@@ -310,6 +315,7 @@ def _price_ops(
         else:
             replayed.append((op, t))
             priced.seconds[op.category] += t
+            priced.op_seconds[i] = t
     if not replayed and unreplayed:
         first = unreplayed[0]
         why = why_not_replayed(first) or replayer.failed.get(_key(first), "its replay failed")
@@ -394,6 +400,31 @@ def _fsdp2_collectives(
     return len(fsdp) * max(0.0, per - bare), (
         f"; {len(fsdp)} of them FSDP2's, each {max(0.0, per - bare) * 1e3:.3g} ms more for FSDP2's hooks, copies and "
         f"wait on gloo ({measured})"
+    )
+
+
+def _rank_waits(
+    ops: OpSummary, op_seconds: dict[int, float], per_op: float, world_size: int, cache: StepTimeCache, measure: bool
+) -> tuple[float, str]:
+    """(seconds to add, how): each collective's wait for the other ranks, by the compute (replayed ops and their
+    per-op overhead) run since the last collective (steptime/rankwait.py). FSDP2's own are left out: its probe
+    measured them with the ranks' wait in (steptime/fsdp2.py), and it issues them ahead of the compute needing them."""
+    found = rank_wait(world_size, cache, measure)
+    if found is None:
+        return 0.0, ""
+    value, measured = found
+    waits, segment, count = 0.0, 0.0, 0
+    for i, op in enumerate(ops.ops):
+        if op.category == COMMUNICATION:
+            if collective_kind(op.name) is not None and not op.name.startswith(FSDP2_COLLECTIVES):
+                waits += wait_seconds(segment, value)
+                segment, count = 0.0, count + 1
+        elif op.category != OPTIMIZER:
+            segment += op_seconds.get(i, 0.0) + per_op
+    (short, _), (long, long_wait) = value["points"]
+    return waits, (
+        f"; {count} collectives' wait for the other ranks, by the compute before each ({long_wait * 1e3:.2g} ms after "
+        f"{long * 1e3:.2g} ms of it, none under {short * 1e3:.2g} ms; {measured})"
     )
 
 
