@@ -790,9 +790,16 @@ def test_model_parallel_strategy_leaves_a_launched_ranks_threads_alone(monkeypat
     """Lightning's ModelParallelStrategy makes a launcher only in the process that starts the others, and only its
     launcher sets each rank's threads to cores / ranks (DDP's makes one in every rank). So a rank it started keeps every
     core's threads: lmledger.strategies.FSDP2Strategy.setup_environment sets them as the launcher does."""
+    from lightning.fabric.plugins.environments import LightningEnvironment
     from lightning.pytorch.strategies import ModelParallelStrategy
 
     monkeypatch.setenv("LOCAL_RANK", "1")  # what the launcher gives the ranks it starts
-    trainer = _trainer(devices=2, strategy=ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=2))
-    assert trainer.strategy.cluster_environment.creates_processes_externally
-    assert trainer.strategy.launcher is None
+    # No Trainer: one built here would set this process's rank-zero flag to rank 1 for every later test in it.
+    strategy = ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=2)
+    strategy.cluster_environment = LightningEnvironment()
+    assert strategy.cluster_environment.creates_processes_externally
+    strategy._configure_launcher()
+    assert strategy.launcher is None
+    monkeypatch.delenv("LOCAL_RANK")
+    strategy._configure_launcher()  # the process that starts the others makes one
+    assert strategy.launcher is not None
