@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from lmledger.ledger.count.ops import COMMUNICATION, OpRecord
+from lmledger.ledger.timing.steptime import fsdp2, rankwait
 from lmledger.ledger.timing.steptime.cache import StepTimeCache
 from lmledger.ledger.timing.steptime.calibrate import gloo_seconds
 from lmledger.ledger.timing.steptime.fsdp2 import fsdp2_collective_s
-from lmledger.ledger.timing.steptime.predict import _fsdp2_collectives
 
 MB = 1 << 20
 TIMES = {"4096": 0.5e-3, "65536": 0.6e-3, str(MB): 3e-3, str(16 * MB): 12e-3}  # an all-reduce's seconds by its bytes
@@ -46,10 +46,10 @@ def test_fsdp2_collectives_pay_fsdp2s_measured_cost_beyond_a_bare_all_reduce(see
     seeded.set_calibration("fsdp2_per_collective_w2", 1.5e-3, "seeded")
     ops = [_collective("c10d._allgather_base_", MB), _collective("c10d._reduce_scatter_base_", MB),
            _collective("c10d.allreduce_", MB)]  # fmt: skip
-    extra, how = _fsdp2_collectives(ops, 2, seeded, measure=False)
+    extra, how = fsdp2.price(ops, 2, seeded, measure=False)
     assert extra == pytest.approx(2 * (1.5e-3 - 0.5e-3))  # two of FSDP2's, over the smallest all-reduce's time
     assert "2 of them FSDP2's, each 1 ms more" in how
-    assert _fsdp2_collectives(ops[2:], 2, seeded, measure=False) == (0.0, "")  # DDP's all-reduce pays nothing more
+    assert fsdp2.price(ops[2:], 2, seeded, measure=False) == (0.0, "")  # DDP's all-reduce pays nothing more
 
 
 def test_fsdp2s_cost_per_collective_is_probed_on_gloo_ranks_and_cached(tmp_path):
@@ -68,7 +68,6 @@ def test_each_collective_waits_for_the_other_ranks_by_the_compute_before_it(seed
     """steptime/rankwait.py: a collective reached after compute pays the ranks' wait for each other: none under the
     probe's short segment (gloo still spins), its long segment's wait beyond, in between along the line."""
     from lmledger.ledger.count.ops import MATMUL, OpSummary
-    from lmledger.ledger.timing.steptime.predict import _rank_waits
     from lmledger.ledger.timing.steptime.rankwait import wait_seconds
 
     value = {"points": [[1e-3, 0.2e-3], [10e-3, 2e-3]]}
@@ -81,7 +80,7 @@ def test_each_collective_waits_for_the_other_ranks_by_the_compute_before_it(seed
     ops = [mm, _collective("c10d._allgather_base_", MB), mm, _collective("_c10d_functional.all_reduce.default", MB),
            wait, mm, _collective("c10d.allreduce_", MB)]  # fmt: skip
     times = {0: 3e-3, 2: 2.5e-3, 5: 0.4e-3}  # replayed seconds by position; 0.1 ms per op besides
-    extra, how = _rank_waits(OpSummary.of(ops), times, 1e-4, 2, seeded, measure=False)
+    extra, how = rankwait.price(OpSummary.of(ops), times, 1e-4, 2, seeded, measure=False)
     # 5.7 ms before the first all-reduce (FSDP2's all-gather has its wait in its own probe, and a wait is no
     # collective: neither resets the compute), 0.5 ms before the second
     assert extra == pytest.approx(wait_seconds(5.7e-3, value) + 0.0)

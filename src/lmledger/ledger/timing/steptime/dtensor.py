@@ -23,9 +23,10 @@ import time
 
 import torch
 
+from lmledger.ledger.count.ops import COMMUNICATION, OPTIMIZER, OpSummary
 from lmledger.ledger.timing.steptime.cache import StepTimeCache
 
-__all__ = ["CALIBRATION", "dtensor_overhead"]
+__all__ = ["CALIBRATION", "dtensor_overhead", "price"]
 
 CALIBRATION = "dtensor_dispatch"
 _WIDTH, _HIDDEN, _ROWS, _BLOCKS = 64, 128, 8, 4
@@ -52,6 +53,29 @@ def dtensor_overhead(cache: StepTimeCache) -> tuple[dict[str, float], str] | Non
     cache.set_calibration(CALIBRATION, value, how)
     cache.save()
     return value, "measured now"
+
+
+def price(ops: OpSummary, cache: StepTimeCache) -> tuple[float, float, dict[str, str], list[str]]:
+    """(host seconds, optimizer seconds, {category: what to add to its how}, notes): DTensor's own cost for each op
+    the rank runs on DTensors, the forward's and backward's on the host, the optimizer's on its step."""
+    step_ops = sum(1 for op in ops.ops if op.dtensor and op.category not in (OPTIMIZER, COMMUNICATION))
+    optimizer_ops = sum(1 for op in ops.ops if op.dtensor and op.category == OPTIMIZER)
+    if not step_ops and not optimizer_ops:
+        return 0.0, 0.0, {}, []
+    found = dtensor_overhead(cache)
+    if found is None:
+        return (
+            0.0,
+            0.0,
+            {},
+            [f"DTensor's dispatch for {step_ops + optimizer_ops} ops not counted: its probe would not run"],
+        )
+    value, measured = found
+    said = f" + {{}} ops on DTensors x {{:.3g}} us of DTensor's dispatch ({measured})"
+    how = {"host": said.format(step_ops, value["step_s"] * 1e6)} if step_ops else {}
+    if optimizer_ops:
+        how[OPTIMIZER] = said.format(optimizer_ops, value["optimizer_s"] * 1e6)
+    return step_ops * value["step_s"], optimizer_ops * value["optimizer_s"], how, []
 
 
 def _median_s(fn, repeats: int = 31) -> float:

@@ -26,7 +26,7 @@ import torch
 
 from lmledger.ledger.timing.steptime.cache import StepTimeCache
 
-__all__ = ["FSDP2_COLLECTIVES", "fsdp2_collective_s"]
+__all__ = ["FSDP2_COLLECTIVES", "fsdp2_collective_s", "price"]
 
 # FSDP2's own collectives as the op recorder names them (TP's run as _c10d_functional ops, DDP's as allreduce_).
 FSDP2_COLLECTIVES = ("c10d._allgather_base_", "c10d._reduce_scatter_base_")
@@ -62,6 +62,23 @@ def fsdp2_collective_s(world_size: int, cache: StepTimeCache, measure: bool = Tr
     cache.set_calibration(name, value, how, times=times)
     cache.save()
     return value, "measured now"
+
+
+def price(comm_ops: list, world_size: int, cache: StepTimeCache, measure: bool) -> tuple[float, str]:
+    """(seconds to add, how) for a step's collectives on gloo: FSDP2's all-gathers and reduce-scatters at their
+    measured cost per collective in place of a bare all-reduce's at the smallest probe size; their bytes stay priced
+    along the all-reduce's points (calibrate.gloo_seconds)."""
+    fsdp = [op for op in comm_ops if op.name.startswith(FSDP2_COLLECTIVES)]
+    found = fsdp2_collective_s(world_size, cache, measure) if fsdp else None
+    times = (cache.calibration(f"gloo_allreduce_w{world_size}") or {}).get("value", {}).get("times")
+    if found is None or not times:
+        return 0.0, ""
+    per, measured = found
+    extra = max(0.0, per - min(times.items(), key=lambda item: float(item[0]))[1])
+    return len(fsdp) * extra, (
+        f"; {len(fsdp)} of them FSDP2's, each {extra * 1e3:.3g} ms more for FSDP2's hooks, copies and wait on gloo "
+        f"({measured})"
+    )
 
 
 def _main(world_size: int, threads: int) -> dict[str, float]:

@@ -37,12 +37,9 @@ from lmledger.ledger.count.ops import (
     Outside,
 )
 from lmledger.ledger.hardware.cpu import OthersBusy
-from lmledger.ledger.hardware.interconnect import Links, collective_kind, collective_seconds
-from lmledger.ledger.timing.steptime import calibrate
+from lmledger.ledger.hardware.interconnect import Links, collective_seconds
+from lmledger.ledger.timing.steptime import calibrate, dtensor, fsdp2, rankwait
 from lmledger.ledger.timing.steptime.cache import StepTimeCache, age_s
-from lmledger.ledger.timing.steptime.dtensor import dtensor_overhead
-from lmledger.ledger.timing.steptime.fsdp2 import FSDP2_COLLECTIVES, fsdp2_collective_s
-from lmledger.ledger.timing.steptime.rankwait import rank_wait, wait_seconds
 from lmledger.ledger.timing.steptime.replay import (
     Replayer,
     cache_bytes,
@@ -221,12 +218,12 @@ def predict_step_time(
             seconds[COMMUNICATION] = sum(along)
             how[COMMUNICATION] = (f"{len(comm_ops)} collectives along gloo's all-reduce measured here at 4 KiB..16 "
                                   f"MiB ({source}); none overlapped with compute")  # fmt: skip
-            extra, said = _fsdp2_collectives(comm_ops, world_size, cache, calibrate_collectives)
-            seconds[COMMUNICATION] += extra
-            how[COMMUNICATION] += said
-            extra, said = _rank_waits(ops, priced.op_seconds, overhead, world_size, cache, calibrate_collectives)
-            seconds[COMMUNICATION] += extra
-            how[COMMUNICATION] += said
+            for extra, said in (
+                fsdp2.price(comm_ops, world_size, cache, calibrate_collectives),
+                rankwait.price(ops, priced.op_seconds, overhead, world_size, cache, calibrate_collectives),
+            ):
+                seconds[COMMUNICATION] += extra
+                how[COMMUNICATION] += said
         else:
             seconds[COMMUNICATION] = sum(collective_seconds(op, crossed, world_size)[0] for op in comm_ops)
             how[COMMUNICATION] = (
@@ -238,7 +235,12 @@ def predict_step_time(
     seconds[HOST], how[HOST] = _host(
         ops, priced.per_op_ops, (overhead, overhead_how), (loop_s, loop_how), accumulate, cache, device
     )
-    notes += _dtensor_dispatch(ops, cache, seconds, how)
+    host_s, optimizer_s, said, dtensor_notes = dtensor.price(ops, cache)
+    seconds[HOST] += host_s
+    seconds[OPTIMIZER] += optimizer_s
+    for category, text in said.items():
+        how[category] += text
+    notes += dtensor_notes
     if device.type == "cuda":  # the host queues kernels ahead of the GPU: only its excess over their time shows
         host_all, kernels = seconds[HOST], compute + seconds[OPTIMIZER]
         seconds[HOST] = max(0.0, host_all - kernels)
@@ -382,71 +384,6 @@ def _host(
         how += python_how
     how += f" + Lightning's loop {loop_s * 1e3:.3g} ms x {accumulate} batches ({loop_how})" if loop_s else ""
     return seconds, how
-
-
-def _fsdp2_collectives(
-    comm_ops: list[OpRecord], world_size: int, cache: StepTimeCache, measure: bool
-) -> tuple[float, str]:
-    """(seconds to add, how): FSDP2's all-gathers and reduce-scatters at their measured cost per collective on gloo
-    (hooks, copies, the wait: steptime/fsdp2.py) in place of a bare all-reduce's at the smallest probe size; their
-    bytes stay priced along the all-reduce's points."""
-    fsdp = [op for op in comm_ops if op.name.startswith(FSDP2_COLLECTIVES)]
-    found = fsdp2_collective_s(world_size, cache, measure) if fsdp else None
-    times = (cache.calibration(f"gloo_allreduce_w{world_size}") or {}).get("value", {}).get("times")
-    if found is None or not times:
-        return 0.0, ""
-    per, measured = found
-    bare = min(times.items(), key=lambda item: float(item[0]))[1]
-    return len(fsdp) * max(0.0, per - bare), (
-        f"; {len(fsdp)} of them FSDP2's, each {max(0.0, per - bare) * 1e3:.3g} ms more for FSDP2's hooks, copies and "
-        f"wait on gloo ({measured})"
-    )
-
-
-def _rank_waits(
-    ops: OpSummary, op_seconds: dict[int, float], per_op: float, world_size: int, cache: StepTimeCache, measure: bool
-) -> tuple[float, str]:
-    """(seconds to add, how): each collective's wait for the other ranks, by the compute (replayed ops and their
-    per-op overhead) run since the last collective (steptime/rankwait.py). FSDP2's own are left out: its probe
-    measured them with the ranks' wait in (steptime/fsdp2.py), and it issues them ahead of the compute needing them."""
-    found = rank_wait(world_size, cache, measure)
-    if found is None:
-        return 0.0, ""
-    value, measured = found
-    waits, segment, count = 0.0, 0.0, 0
-    for i, op in enumerate(ops.ops):
-        if op.category == COMMUNICATION:
-            if collective_kind(op.name) is not None and not op.name.startswith(FSDP2_COLLECTIVES):
-                waits += wait_seconds(segment, value)
-                segment, count = 0.0, count + 1
-        elif op.category != OPTIMIZER:
-            segment += op_seconds.get(i, 0.0) + per_op
-    (short, _), (long, long_wait) = value["points"]
-    return waits, (
-        f"; {count} collectives' wait for the other ranks, by the compute before each ({long_wait * 1e3:.2g} ms after "
-        f"{long * 1e3:.2g} ms of it, none under {short * 1e3:.2g} ms; {measured})"
-    )
-
-
-def _dtensor_dispatch(ops: OpSummary, cache: StepTimeCache, seconds: dict, how: dict) -> list[str]:
-    """DTensor's own cost for each op the rank runs on DTensors (steptime/dtensor.py), on the host for the forward and
-    backward, on the optimizer step for the optimizer's; a line where it could not be measured."""
-    step_ops = sum(1 for op in ops.ops if op.dtensor and op.category not in (OPTIMIZER, COMMUNICATION))
-    optimizer_ops = sum(1 for op in ops.ops if op.dtensor and op.category == OPTIMIZER)
-    if not step_ops and not optimizer_ops:
-        return []
-    found = dtensor_overhead(cache)
-    if found is None:
-        return [f"DTensor's dispatch for {step_ops + optimizer_ops} ops not counted: its probe would not run here"]
-    value, measured = found
-    seconds[HOST] += step_ops * value["step_s"]
-    seconds[OPTIMIZER] += optimizer_ops * value["optimizer_s"]
-    said = f"{{}} ops on DTensors x {{:.3g}} us of DTensor's dispatch ({measured})"
-    if step_ops:
-        how[HOST] += " + " + said.format(step_ops, value["step_s"] * 1e6)
-    if optimizer_ops:
-        how[OPTIMIZER] += " + " + said.format(optimizer_ops, value["optimizer_s"] * 1e6)
-    return []
 
 
 def _model_python(outside: Outside, cache: StepTimeCache) -> tuple[float, str]:

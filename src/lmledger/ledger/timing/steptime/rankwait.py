@@ -23,9 +23,12 @@ import time
 
 import torch
 
+from lmledger.ledger.count.ops import COMMUNICATION, OPTIMIZER, OpSummary
+from lmledger.ledger.hardware.interconnect import collective_kind
 from lmledger.ledger.timing.steptime.cache import StepTimeCache
+from lmledger.ledger.timing.steptime.fsdp2 import FSDP2_COLLECTIVES
 
-__all__ = ["rank_wait", "wait_seconds"]
+__all__ = ["price", "rank_wait", "wait_seconds"]
 
 _MATMULS = (20, 240)  # 128 x 128 matmuls per segment: about 1 and 11 ms at one thread on the VM
 
@@ -65,6 +68,31 @@ def wait_seconds(segment_s: float, value: dict) -> float:
     if segment_s >= long:
         return long_wait
     return short_wait + (long_wait - short_wait) * (segment_s - short) / (long - short)
+
+
+def price(
+    ops: OpSummary, op_seconds: dict[int, float], per_op: float, world_size: int, cache: StepTimeCache, measure: bool
+) -> tuple[float, str]:
+    """(seconds to add, how): each collective's wait for the other ranks, by the compute (replayed ops, `op_seconds`
+    by position, and `per_op` each) run since the last collective. FSDP2's own are left out: its probe measured them
+    with the ranks' wait in (fsdp2.py), and it issues them ahead of the compute needing them."""
+    found = rank_wait(world_size, cache, measure)
+    if found is None:
+        return 0.0, ""
+    value, measured = found
+    waits, segment, count = 0.0, 0.0, 0
+    for i, op in enumerate(ops.ops):
+        if op.category == COMMUNICATION:
+            if collective_kind(op.name) is not None and not op.name.startswith(FSDP2_COLLECTIVES):
+                waits += wait_seconds(segment, value)
+                segment, count = 0.0, count + 1
+        elif op.category != OPTIMIZER:
+            segment += op_seconds.get(i, 0.0) + per_op
+    (short, _), (long, long_wait) = value["points"]
+    return waits, (
+        f"; {count} collectives' wait for the other ranks, by the compute before each ({long_wait * 1e3:.2g} ms after "
+        f"{long * 1e3:.2g} ms of it, none under {short * 1e3:.2g} ms; {measured})"
+    )
 
 
 def _main(world_size: int, threads: int) -> dict:
