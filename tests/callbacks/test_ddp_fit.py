@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import subprocess
 import sys
 
-from conftest import TINY_OVERRIDES, read_scalars
+from conftest import TINY_OVERRIDES, read_scalars, seeded_step_time_cache
 
 
 def test_ddp_two_processes_train_and_log_a_per_rank_ledger(workdir):
@@ -15,11 +17,21 @@ def test_ddp_two_processes_train_and_log_a_per_rank_ledger(workdir):
         "--trainer.strategy", "ddp", "--trainer.devices", "2", "--trainer.max_steps", "8",
         "--trainer.log_every_n_steps", "2", "--trainer.val_check_interval", "8", "--ledger.warmup_steps", "1",
     ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "LMLEDGER_CACHE_DIR": str(workdir / "cache")}
+    del env["LMLEDGER_NO_STEP_TIME"]  # this fit predicts its step: the one test of a multi-rank prediction
+    cache = seeded_step_time_cache(workdir / "cache")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     # Lightning's launcher started rank 1 and both joined the process group.
     assert "GLOBAL_RANK: 1, MEMBER: 2/2" in proc.stderr + proc.stdout
+    # Issue 50: local rank 0 measured what the cache lacked (the ranks' wait at a collective, the per-op costs) while
+    # rank 1 waited, then both replayed at once, their times kept under the layout they were taken in
+    assert re.search(r"step time predicted [0-9.]+ ms", proc.stderr + proc.stdout), proc.stdout[-2000:]
+    entries = json.loads(cache.read_text())
+    (layout,) = [e for k, e in entries.items() if k.split(" | ")[3] == "1 threads x 2 ranks at once"]
+    assert {"rank_wait_w2", "per_op_overhead"} <= set(layout["calibrations"]) and layout["ops"]
+    (short, long) = layout["calibrations"]["rank_wait_w2"]["value"]["points"]  # [segment s, wait s] each
+    assert 0 < short[0] < long[0] and long[1] >= 0
 
     scalars = read_scalars(workdir / "runs" / "tiny" / "version_0")
     losses = [v for _, v in scalars["train/loss"]]

@@ -85,3 +85,22 @@ def test_each_collective_waits_for_the_other_ranks_by_the_compute_before_it(seed
     # collective: neither resets the compute), 0.5 ms before the second
     assert extra == pytest.approx(wait_seconds(5.7e-3, value) + 0.0)
     assert "2 collectives' wait for the other ranks" in how
+
+
+def test_gloos_all_reduce_and_the_ranks_wait_are_probed_on_gloo_ranks_and_cached(tmp_path):
+    """The two probes a multi-rank fit's rank 0 runs besides FSDP2's: all-reduce at seven sizes (the median of three
+    launches of the ranks), and the wait after a short and a long segment of compute. Bounds wide: a busy machine
+    slows everything; the long segment's wait is not below the short one's by more than noise."""
+    from lmledger.ledger.timing.steptime.calibrate import collective_model
+    from lmledger.ledger.timing.steptime.rankwait import rank_wait
+
+    cache = StepTimeCache(torch.device("cpu"), tmp_path / "step-times.json", ranks=2)
+    collective_model(2, cache)
+    times = cache.calibration("gloo_allreduce_w2")["value"]["times"]
+    assert [int(size) for size in times] == [4**k for k in range(6, 13)] and all(0 < t < 1 for t in times.values())
+    assert times[str(16 * MB)] > times["4096"]  # 4,000 times the bytes
+    assert rank_wait(2, cache, measure=False) is None
+    value, how = rank_wait(2, cache)
+    (short, long) = value["points"]  # [segment s, wait s] each
+    assert how == "measured now" and 0 < short[0] < long[0] < 1 and 0 <= short[1] < 0.05 and 0 <= long[1] < 0.05
+    assert rank_wait(2, StepTimeCache(torch.device("cpu"), tmp_path / "step-times.json", ranks=2), False) is not None

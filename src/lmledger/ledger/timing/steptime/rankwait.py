@@ -124,7 +124,7 @@ def _rank(rank: int, world_size: int, port: int, threads: int, queue) -> None:
         points = []
         for matmuls in _MATMULS:
             compute = lambda n=matmuls: [a @ a for _ in range(n)]  # noqa: E731
-            calls = torch.tensor(max(10, int(0.3 / max(per_call(compute, 3), 1e-4))))  # about 0.3 s a measurement
+            calls = torch.tensor(max(10, int(0.15 / max(per_call(compute, 3), 1e-4))))  # about 0.15 s a measurement
             dist.all_reduce(calls, op=dist.ReduceOp.MAX)  # every rank runs as many collectives
             calls = int(calls)
             rounds = [
