@@ -14,17 +14,15 @@ group's collectives cost nothing: the real ones are priced by the collective mod
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
-import subprocess
-import sys
 import time
 
 import torch
 
 from lmledger.ledger.count.ops import COMMUNICATION, OPTIMIZER, OpSummary
 from lmledger.ledger.timing.steptime.cache import StepTimeCache
+from lmledger.ledger.timing.steptime.probes import in_own_process
 
 __all__ = ["CALIBRATION", "dtensor_overhead", "price"]
 
@@ -38,15 +36,8 @@ def dtensor_overhead(cache: StepTimeCache) -> tuple[dict[str, float], str] | Non
     found = cache.calibration(CALIBRATION)
     if found is not None and isinstance(found["value"], dict):
         return found["value"], f"measured {found['measured_at'][:10]} (cache)"
-    code = f"import json; from {__name__} import _probe; print(json.dumps(_probe()))"
-    env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())}
-    try:
-        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, env=env)
-        lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-        value = json.loads(lines[-1]) if done.returncode == 0 and lines else None
-    except (OSError, subprocess.TimeoutExpired, ValueError):
-        value = None
-    if not value:
+    value = in_own_process(__name__, "_probe()", torch.get_num_threads())
+    if value is None:
         return None
     how = (f"torch's TP plan on {_BLOCKS} feed-forward blocks, 2 fake ranks, in a process of its own, beside the "
            "same blocks on plain tensors, per DTensor op")  # fmt: skip

@@ -14,17 +14,14 @@ other inside each collective is in it. The bytes are priced apart, by the all-re
 
 from __future__ import annotations
 
-import json
 import os
-import socket
 import statistics
-import subprocess
-import sys
 import time
 
 import torch
 
 from lmledger.ledger.timing.steptime.cache import StepTimeCache
+from lmledger.ledger.timing.steptime.probes import in_own_process, on_gloo_ranks
 
 __all__ = ["FSDP2_COLLECTIVES", "fsdp2_collective_s", "price"]
 
@@ -44,15 +41,8 @@ def fsdp2_collective_s(world_size: int, cache: StepTimeCache, measure: bool = Tr
     if not measure:
         return None
     threads = max(1, (os.cpu_count() or 1) // world_size)
-    code = f"import json; from {__name__} import _main; print(json.dumps(_main({world_size}, {threads})))"
-    try:
-        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180,
-                              env={**os.environ, "OMP_NUM_THREADS": str(threads)})  # fmt: skip
-        lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-        times = json.loads(lines[-1]) if done.returncode == 0 and lines else None
-    except (OSError, subprocess.TimeoutExpired, ValueError):
-        times = None
-    if not times:
+    times = in_own_process(__name__, f"_main({world_size}, {threads})", threads)
+    if times is None:
         return None
     (few, many) = _UNITS
     extra = (times[f"fsdp{many}"] - times[f"plain{many}"]) - (times[f"fsdp{few}"] - times[f"plain{few}"])
@@ -82,14 +72,7 @@ def price(comm_ops: list, world_size: int, cache: StepTimeCache, measure: bool) 
 
 
 def _main(world_size: int, threads: int) -> dict[str, float]:
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    queue = mp.get_context("spawn").SimpleQueue()
-    mp.start_processes(_rank, args=(world_size, port, threads, queue), nprocs=world_size, start_method="spawn")
-    return queue.get()
+    return on_gloo_ranks(_rank, world_size, threads)
 
 
 def _rank(rank: int, world_size: int, port: int, threads: int, queue) -> None:

@@ -13,12 +13,8 @@ interpolated between the two lengths (none below the shorter, the longer's beyon
 
 from __future__ import annotations
 
-import json
 import os
-import socket
 import statistics
-import subprocess
-import sys
 import time
 
 import torch
@@ -27,6 +23,7 @@ from lmledger.ledger.count.ops import COMMUNICATION, OPTIMIZER, OpSummary
 from lmledger.ledger.hardware.interconnect import collective_kind
 from lmledger.ledger.timing.steptime.cache import StepTimeCache
 from lmledger.ledger.timing.steptime.fsdp2 import FSDP2_COLLECTIVES
+from lmledger.ledger.timing.steptime.probes import in_own_process, on_gloo_ranks
 
 __all__ = ["price", "rank_wait", "wait_seconds"]
 
@@ -43,15 +40,8 @@ def rank_wait(world_size: int, cache: StepTimeCache, measure: bool = True) -> tu
     if not measure:
         return None
     threads = max(1, (os.cpu_count() or 1) // world_size)
-    code = f"import json; from {__name__} import _main; print(json.dumps(_main({world_size}, {threads})))"
-    try:
-        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180,
-                              env={**os.environ, "OMP_NUM_THREADS": str(threads)})  # fmt: skip
-        lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-        value = json.loads(lines[-1]) if done.returncode == 0 and lines else None
-    except (OSError, subprocess.TimeoutExpired, ValueError):
-        value = None
-    if not value:
+    value = in_own_process(__name__, f"_main({world_size}, {threads})", threads)
+    if value is None:
         return None
     how = (f"segments of matmuls, each then a 4-byte all-reduce, on {world_size} gloo ranks here, against the "
            "segments and the all-reduces alone, per collective")  # fmt: skip
@@ -96,14 +86,7 @@ def price(
 
 
 def _main(world_size: int, threads: int) -> dict:
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    queue = mp.get_context("spawn").SimpleQueue()
-    mp.start_processes(_rank, args=(world_size, port, threads, queue), nprocs=world_size, start_method="spawn")
-    return queue.get()
+    return on_gloo_ranks(_rank, world_size, threads)
 
 
 def _rank(rank: int, world_size: int, port: int, threads: int, queue) -> None:
