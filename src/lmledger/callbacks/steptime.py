@@ -145,9 +145,11 @@ def predict_fit_step_time(
     ops = with_ddp_allreduce(prediction.ops, prediction)
     ranks_here = max(1, int(getattr(trainer, "num_devices", 1) or 1)) if not alone else 1
     if ranks_here > 1:
-        if trainer.local_rank == 0 and backend == "gloo" and pl_module.device.type == "cpu":
-            _calibrate_ranks(trainer.world_size, ranks_here, ops, settings)  # the other ranks wait at the barrier
-        _replay_together()
+        try:
+            if trainer.local_rank == 0 and backend == "gloo" and pl_module.device.type == "cpu":
+                _calibrate_ranks(trainer.world_size, ranks_here, ops, settings)  # the other ranks wait at the barrier
+        finally:  # a calibration that raises must not leave the others at the barrier for its timeout
+            _replay_together()
     loop = lightning_loop_seconds(**settings, measure=alone)
     loader = trainer.train_dataloader
     data = data_wait(loader) if isinstance(loader, torch.utils.data.DataLoader) else None

@@ -24,7 +24,6 @@ No Lightning import.
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -128,7 +127,7 @@ class OpRecord:
     # ops run with it off), which the real step drives from Python again (ledger/timing/steptime/calibrate.py).
     recompute: bool = field(default=False, compare=False)
     # Dispatched on DTensors (TP's, FSDP2's parameters in the optimizer): the rank runs it through DTensor's
-    # sharding propagation and its Python dispatch first, a host cost its local op does not pay (steptime/calibrate.py).
+    # sharding propagation and its Python dispatch first, a host cost its local op does not pay (steptime/dtensor.py).
     dtensor: bool = field(default=False, compare=False)
 
     @property
@@ -338,38 +337,26 @@ def _recomputing() -> bool:
     return torch.is_grad_enabled() and torch._C._current_graph_task_id() != -1
 
 
-def _local(tree: object) -> object:
-    """`tree` with each DTensor (TP's and FSDP2's sharded tensors) replaced by its local shard: an op on DTensors is
-    recorded as the rank runs it, at its shards' shapes, bytes and FLOPs (DTensor's sharding propagation and its own
-    dispatch run below this mode, unseen). As rankstate's FLOP counter counts it."""
+def _local(tree: object) -> tuple[object, bool]:
+    """(`tree` with each DTensor (TP's and FSDP2's sharded tensors) replaced by its local shard, whether it held one):
+    an op on DTensors is recorded as the rank runs it, at its shards' shapes, bytes and FLOPs (DTensor's sharding
+    propagation and its own dispatch run below this mode, unseen: steptime/dtensor.py prices them). As rankstate's
+    FLOP counter counts it."""
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # a torch built without torch.distributed
-        return tree
+        return tree, False
     from torch.utils._pytree import tree_map
 
-    return tree_map(lambda x: x._local_tensor if isinstance(x, DTensor) else x, tree)
+    found = []
 
+    def local(x: object) -> object:
+        if isinstance(x, DTensor):
+            found.append(True)
+            return x._local_tensor
+        return x
 
-def _has_dtensor(tree: object) -> bool:
-    """Whether an op's arguments hold a DTensor (at the top level, or in a list of them, as foreach ops take)."""
-    dtensor = _dtensor_type()
-    if dtensor is None:
-        return False
-    items = tree.values() if isinstance(tree, dict) else tree
-    for item in items:
-        if isinstance(item, dtensor) or (isinstance(item, (list, tuple)) and any(isinstance(x, dtensor) for x in item)):
-            return True
-    return False
-
-
-@functools.cache
-def _dtensor_type() -> type | None:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # a torch built without torch.distributed
-        return None
-    return DTensor
+    return tree_map(local, tree), bool(found)
 
 
 class OpRecorder(TorchDispatchMode):
@@ -435,8 +422,7 @@ class OpRecorder(TorchDispatchMode):
         return self._ids[address]
 
     def _record(self, func, args, kwargs, out) -> OpRecord:
-        on_dtensor = _has_dtensor(args) or _has_dtensor(kwargs)
-        args, kwargs, out = _local((args, kwargs, out)) if on_dtensor else (args, kwargs, out)
+        (args, kwargs, out), on_dtensor = _local((args, kwargs, out))
         packet = func._overloadpacket
         name = str(func)  # "aten.mm.default"
         namespace, op = _split_name(name)
