@@ -58,14 +58,14 @@ def why_not(row: dict) -> str | None:
     missing = [f for f in NEEDED if row.get(f) in (None, "", "unknown")]
     if missing:
         return f"{', '.join(missing)} unknown"
-    if row["pp"] > 1:
-        return f"pipeline parallelism (PP {row['pp']}) is not modelled yet (the next issue)"
+    if row["pp"] > 1 and row.get("vpp") in (None, "", "unknown"):
+        return f"PP {row['pp']} with an unknown number of chunks a rank (vpp)"
     if row["cp"] > 1:
         return f"context parallelism (CP {row['cp']}) is not modelled yet"
     if row["arch"] not in ("gpt", "mpt", "llama"):
         return f"arch {row['arch']}: only gpt, mpt and llama rows are built"
-    if row["tp"] * row["dp"] != row["gpus"]:
-        return f"TP {row['tp']} x DP {row['dp']} is not the {row['gpus']} GPUs"
+    if row["tp"] * row["pp"] * row["dp"] != row["gpus"]:
+        return f"TP {row['tp']} x PP {row['pp']} x DP {row['dp']} is not the {row['gpus']} GPUs"
     if row["global_batch"] % (row["micro_batch"] * row["dp"]):
         return f"global batch {row['global_batch']} is not a multiple of micro-batch x DP"
     return None
@@ -120,8 +120,10 @@ def layout_of(row: dict):
 
     sharding = "fsdp" if row["sharding"] in ("fsdp", "zero3", "hsdp") else "ddp"
     accumulate = row["global_batch"] // (row["micro_batch"] * row["dp"])
+    virtual = int(row.get("vpp") or 1) if row["pp"] > 1 else 1
     return Layout(tp=row["tp"], dp=row["dp"], sharding=sharding, micro_batch=row["micro_batch"], accumulate=accumulate,
-                  recompute=recompute_of(row))  # fmt: skip
+                  recompute=recompute_of(row), pp=row["pp"], virtual=virtual,
+                  schedule="interleaved" if virtual > 1 else "1f1b")  # fmt: skip
 
 
 def links_of(row: dict):

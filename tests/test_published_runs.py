@@ -19,7 +19,9 @@ ROWS = [
     "vtrain-s-0001,vTrain data/ground_truth_single.csv,a100-80gb,2,8,nvlink3,,megatron-deepspeed,gpt,16,1024,16,16,"
     "4096,50257,1024,2,1,1,1,1,none,2,4,full,unknown,fp16,unknown,iter_s,0.125463484,0,vTrain",
     "pp-row,a paper,a100-40gb,96,8,nvlink3,unknown,megatron,gpt,44,6144,64,64,24576,50257,2048,2,4,1,1,12,zero1,4,"
-    "1536,full,0,fp16,0,iter_s,10.0,1,pipeline parallel",
+    "1536,full,0,fp16,0,iter_s,10.0,1,pipeline parallel (a made-up value)",
+    "uneven-row,a paper,a100-40gb,96,8,nvlink3,unknown,megatron,gpt,45,6144,64,64,24576,50257,2048,2,4,1,1,12,zero1,4,"
+    "1536,full,0,fp16,0,iter_s,10.0,1,45 layers on 4 stages",
     "unknown-row,a paper,h100-sxm,8,8,nvlink4,,torchtitan,llama,32,4096,32,8,14336,128256,8192,1,1,1,1,8,fsdp,"
     "unknown,16,full,0,bf16,0,tokens_per_s_per_gpu,5000,0,micro-batch not printed",
 ]
@@ -41,9 +43,11 @@ def test_a_row_is_predicted_and_rows_it_cannot_predict_say_why(tmp_path):
     assert vtrain["error"] == vtrain["predicted"] / vtrain["published"] - 1 and vtrain["predicted"] == vtrain["step_s"]
     assert abs(vtrain["error"]) < 0.5  # the model's own accuracy is docs/time.md's table; here, a sane step
     assert sum(vtrain["breakdown_ms"].values()) / 1e3 == pytest.approx(vtrain["step_s"], abs=1e-4)  # ms rounded
-    assert found["pp-row"]["predicted"] is None and "pipeline parallelism" in found["pp-row"]["reason"]
+    piped = found["pp-row"]  # 1F1B over 4 stages, 32 micro-batches a replica: the bubble is there, not the whole step
+    assert 0 < piped["breakdown_ms"]["bubble"] < 0.5 * piped["step_s"] * 1e3 and piped["error"] is not None
+    assert found["uneven-row"]["predicted"] is None and "split evenly" in found["uneven-row"]["reason"]
     assert found["unknown-row"]["predicted"] is None and "micro_batch" in found["unknown-row"]["reason"]
-    assert "vTrain: 1 rows, median |error|" in done.stdout and "not predicted: 2 of 3 rows" in done.stdout
+    assert "vTrain: 1 rows, median |error|" in done.stdout and "not predicted: 2 of 4 rows" in done.stdout
 
 
 def test_a_missing_or_malformed_file_is_one_line_and_exit_2(tmp_path):

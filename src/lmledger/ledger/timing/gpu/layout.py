@@ -26,9 +26,10 @@ from dataclasses import dataclass
 import torch
 
 from lmledger.errors import UserError
-from lmledger.ledger.count.ops import OPTIMIZER, OpSummary
+from lmledger.ledger.count.ops import COMMUNICATION, OPTIMIZER, OpSummary
 from lmledger.ledger.dryrun.engine import NotTraced
 from lmledger.ledger.hardware.interconnect import Links
+from lmledger.ledger.sharding.schedule import Pipeline, timeline
 from lmledger.ledger.timing.gpu.frameworks import Kernels
 from lmledger.ledger.timing.gpu.step import predict_gpu_step
 from lmledger.ledger.timing.steptime.predict import CATEGORIES, NoStepTime, StepTime
@@ -48,21 +49,29 @@ class Layout:
     dp: int = 1
     sharding: str = "ddp"  # "ddp" (replicated state) or "fsdp" (fully sharded)
     micro_batch: int = 1
-    accumulate: int = 1
+    accumulate: int = 1  # micro-batches a data-parallel replica runs per step (through the pipeline, if any)
     recompute: str = "none"  # RECOMPUTE (module doc)
+    pp: int = 1  # pipeline stages
+    virtual: int = 1  # model chunks per pipeline rank (the interleaved schedule)
+    schedule: str = "1f1b"  # ledger.sharding.schedule.SCHEDULES
 
     def __post_init__(self) -> None:
         if self.sharding not in ("ddp", "fsdp"):
             raise UserError(f"sharding {self.sharding!r}: choose ddp (replicated) or fsdp (fully sharded)")
         if self.recompute not in (*RECOMPUTE, *_SELECTIVE):
             raise UserError(f"recompute {self.recompute!r}: choose one of {', '.join(RECOMPUTE)}")
-        for name in ("tp", "dp", "micro_batch", "accumulate"):
+        for name in ("tp", "dp", "micro_batch", "accumulate", "pp", "virtual"):
             if getattr(self, name) < 1:
                 raise UserError(f"{name} must be at least 1, got {getattr(self, name)}")
+        self.pipeline  # noqa: B018 - the schedule's own checks (interleaved: micro-batches a multiple of pp)
 
     @property
     def gpus(self) -> int:
-        return self.tp * self.dp
+        return self.tp * self.dp * self.pp
+
+    @property
+    def pipeline(self) -> Pipeline:
+        return Pipeline(self.pp, self.accumulate, self.schedule, self.virtual)
 
 
 class _SplitAdamW(torch.optim.Optimizer):
@@ -222,6 +231,8 @@ def step_at_layout(
         mean = {c: (none.seconds[c] + full.seconds[c]) / 2 for c in CATEGORIES}
         hidden = {k: (none.hidden.get(k, 0.0) + full.hidden.get(k, 0.0)) / 2 for k in none.hidden}
         return dataclasses.replace(none, seconds=mean, hidden=hidden)
+    if layout.pp > 1:
+        return _pipelined(config, seq, layout, precision, gpu, compute_dtype, kernels, links)
     priced = {}
     for layers in (1, 2):
         found = rank_ops(dataclasses.replace(config, n_layers=layers), seq, layout, precision)
@@ -244,3 +255,157 @@ def step_at_layout(
     ops = first.ops + depth * (priced[2][0].ops - first.ops)
     return dataclasses.replace(first, seconds=seconds, hidden=hidden, accumulate=layout.accumulate,
                                tokens=tokens * layout.accumulate, mfu=None, ops=ops)  # fmt: skip
+
+
+# --- pipeline parallel -------------------------------------------------------------------------------------------
+# A pipeline rank's step: its chunks' forwards and backwards for every micro-batch in the schedule's order
+# (ledger.sharding.schedule.timeline, the sends between stages on the link they cross), then its gradients'
+# data-parallel all-reduce and its optimizer, after the flush (Megatron-LM's and torch's schedules reduce once the
+# last backward is done). The step is the slowest rank's. Each chunk is priced from the one- and two-layer dry runs:
+# a layer's forward and backward, the embedding's on the first chunk, the final norm, LM head and loss on the last.
+BUBBLE = "bubble"  # a pipelined step's idle share on its slowest rank: the schedule's bubble and the sends it waits on
+
+
+def _seconds(ops: list, gpu, compute_dtype: str, kernels: Kernels, links: Links, world: int) -> dict[str, float]:
+    """Per-category seconds of `ops` run alone on one rank (empty: zeros)."""
+    if not ops:
+        return dict.fromkeys(CATEGORIES, 0.0)
+    found = predict_gpu_step(OpSummary.of(ops), gpu, compute_dtype=compute_dtype, kernels=kernels, links=links,
+                             world_size=world)  # fmt: skip
+    if isinstance(found, NoStepTime):
+        raise _Unpriced(found.reason)
+    return dict(found.seconds)
+
+
+class _Unpriced(Exception):
+    pass
+
+
+def _parts(ops: OpSummary, gpu, compute_dtype: str, kernels: Kernels, links: Links, world: int) -> dict[str, dict]:
+    """One micro-batch's forward and backward, the embedding's part of them, and the optimizer: per category."""
+    records = list(ops.ops)
+    pick = {
+        "forward": [op for op in records if op.phase == "forward"],
+        "backward": [op for op in records if op.phase == "backward"],
+        "embedding forward": [op for op in records if op.phase == "forward" and "embedding" in op.name],
+        "embedding backward": [op for op in records if op.phase == "backward" and "embedding" in op.name],
+        "optimizer": [op for op in records if op.category == OPTIMIZER],
+    }
+    return {k: _seconds(v, gpu, compute_dtype, kernels, links, world) for k, v in pick.items()}
+
+
+def _add(*terms: tuple[float, dict]) -> dict[str, float]:
+    """sum of weight x per-category seconds."""
+    out = dict.fromkeys(CATEGORIES, 0.0)
+    for weight, seconds in terms:
+        for k, v in seconds.items():
+            out[k] = out.get(k, 0.0) + weight * v
+    return out
+
+
+def _pipelined(config, seq, layout: Layout, precision, gpu, compute_dtype, kernels, links) -> StepTime | NoStepTime:
+    pipe = layout.pipeline
+    if config.n_layers % pipe.chunks:
+        return NoStepTime(f"{config.n_layers} layers do not split evenly into {pipe.chunks} pipeline chunks "
+                          f"(PP {layout.pp} x {layout.virtual} a rank)")  # fmt: skip
+    n = config.n_layers // pipe.chunks
+    stage = dataclasses.replace(layout, pp=1, virtual=1, accumulate=1, schedule="1f1b")
+    gpn = max(1, links.gpus_per_node)
+    # Megatron-LM's rank order (tp, dp, pp): a stage's TP and data-parallel groups span tp x dp consecutive ranks, so
+    # they stay in a node where those fit; the hand-over between stages crosses nodes unless the whole pipeline fits
+    inner = dataclasses.replace(links, num_nodes=-(-layout.tp * layout.dp // gpn))
+    try:
+        parts, grads = {}, {}
+        for layers in (1, 2):
+            found = rank_ops(dataclasses.replace(config, n_layers=layers), seq, stage, precision)
+            if isinstance(found, NotTraced):
+                return NoStepTime(found.reason)
+            parts[layers] = _parts(found[0], gpu, compute_dtype, kernels, inner, layout.dp)
+            grads[layers] = found[1]
+    except _Unpriced as err:
+        return NoStepTime(str(err))
+    one, two = parts[1], parts[2]
+    layer = {k: _add((1, two[k]), (-1, one[k])) for k in one}  # what each further layer adds
+    ends = {k: _add((1, one[k]), (-1, layer[k])) for k in one}  # the embedding, final norm, head, loss
+    embed = {"forward": one["embedding forward"], "backward": one["embedding backward"]}
+    head = {k: {c: max(0.0, v - embed[k].get(c, 0.0)) for c, v in ends[k].items()} for k in embed}
+
+    def chunk(j: int, phase: str) -> dict[str, float]:
+        return _add((n, layer[phase]), (j == 0, embed[phase]), (j == pipe.chunks - 1, head[phase]))
+
+    forward = [chunk(j, "forward") for j in range(pipe.chunks)]
+    backward = [chunk(j, "backward") for j in range(pipe.chunks)]
+    send = _send_seconds(layout, config.d_model * seq * layout.micro_batch, compute_dtype, links)
+    line = timeline(pipe, [sum(f.values()) for f in forward], [sum(b.values()) for b in backward], send)
+
+    # The ends' optimizer shared between the first rank (embedding) and the last (head) by their parameters' sizes
+    sizes = _parameter_sizes(config, sum(grads[1]))
+    embed_share = sum(sizes["embedding"]) / max(1, sum(sizes["embedding"]) + sum(sizes["head"]))
+    ranks = []
+    for r in range(pipe.stages):
+        chunks = [c * pipe.stages + r for c in range(pipe.virtual)]
+        first, last = r == 0, r == pipe.stages - 1
+        ends_here = first * embed_share + last * (1 - embed_share)
+        optimizer = _add((n * pipe.virtual, layer["optimizer"]), (ends_here, ends["optimizer"]))
+        held = sizes["layer"] * (n * pipe.virtual) + sizes["embedding"] * first + sizes["head"] * last
+        reduce = _reduce_seconds(held, layout, kernels, inner) if layout.sharding == "ddp" else 0.0
+        end = line.ends[r] + reduce + sum(optimizer.values())
+        compute = _add(*((pipe.micro_batches, forward[j]) for j in chunks),
+                       *((pipe.micro_batches, backward[j]) for j in chunks))  # fmt: skip
+        ranks.append((end, r, compute, optimizer, reduce))
+    end, r, compute, optimizer, reduce = max(ranks, key=lambda x: x[0])
+    seconds = _add((1, compute), (1, optimizer))
+    seconds[COMMUNICATION] = seconds.get(COMMUNICATION, 0.0) + reduce
+    seconds[BUBBLE] = max(0.0, end - sum(seconds.values()))
+    first = predict_gpu_step(OpSummary.of([]), gpu, compute_dtype=compute_dtype, kernels=kernels, links=links)
+    how = dict(first.how) if isinstance(first, StepTime) else {}
+    how[BUBBLE] = (f"{pipe.schedule} schedule, PP {pipe.stages} x {pipe.virtual} chunk(s) of {n} layer(s), "
+                   f"{pipe.micro_batches} micro-batches; the slowest rank is stage {r}; a send between stages "
+                   f"{send * 1e6:.3g} us")  # fmt: skip
+    tokens = layout.micro_batch * seq * pipe.micro_batches
+    return StepTime(seconds=seconds, ops=0, replayed=0, fallback=0, fallback_s=0.0, accumulate=pipe.micro_batches,
+                    tokens=tokens, how=how, priced_on=getattr(gpu, "key", gpu), hidden={})  # fmt: skip
+
+
+def _parameter_sizes(config, rank_grad_bytes: int) -> dict[str, list[int]]:
+    """Each parameter's gradient bytes on a rank, by where it sits: a block's ("layer", one block), the embedding's,
+    the head's (final norm and LM head): the one-layer rank's gradient bytes shared by the parameters' sizes."""
+    from lmledger.model import ToyLM
+
+    with torch.device("meta"):
+        named = list(ToyLM(dataclasses.replace(config, n_layers=1)).named_parameters())
+    per_element = rank_grad_bytes / max(1, sum(p.numel() for _, p in named))
+    out: dict[str, list[int]] = {"layer": [], "embedding": [], "head": []}
+    for name, p in named:
+        where = "layer" if name.startswith("blocks.") else "embedding" if "embed" in name else "head"
+        out[where].append(int(p.numel() * per_element))
+    return out
+
+
+def _send_seconds(layout: Layout, elements: int, compute_dtype: str, links: Links) -> float:
+    """One hand-over between pipeline stages: a micro-batch's hidden states (or their gradient), split over the TP
+    ranks that each send their share (Megatron-LM's scatter-gather across the TP group), on the link between the
+    stages' nodes."""
+    from lmledger.ledger.count.ops import OpRecord
+    from lmledger.ledger.timing.gpu import comm
+
+    width = 1 if compute_dtype == "fp8" else (4 if compute_dtype in ("fp32", "tf32") else 2)
+    gpn = max(1, links.gpus_per_node)
+    across = layout.gpus > gpn
+    hop = dataclasses.replace(links, num_nodes=2 if across else 1)
+    op = OpRecord("c10d.send (pipeline, predicted)", "forward", COMMUNICATION, 0, elements * width // layout.tp, 0,
+                  compute_dtype, group="pipeline", group_size=2)  # fmt: skip
+    return comm.collective(op, hop, 2)[0]
+
+
+def _reduce_seconds(grads: list[int], layout: Layout, kernels: Kernels, links: Links) -> float:
+    """A pipeline rank's data-parallel all-reduce of its gradients (bytes each), after the flush, on one stream."""
+    from lmledger.ledger.count.ops import OpRecord
+    from lmledger.ledger.timing.gpu import comm
+
+    if layout.dp <= 1 or not grads:
+        return 0.0
+    ops = [OpRecord("c10d.allreduce_ (DDP bucket, predicted)", "backward", COMMUNICATION, 0, size, 0, dtype,
+                    group="data_parallel", group_size=layout.dp) for size, dtype in _buckets(tuple(grads), "float32",
+                                                                                              kernels)]  # fmt: skip
+    return sum(comm.collective(op, links, layout.dp)[0] for op in ops)

@@ -1,0 +1,63 @@
+"""A pipelined step on a GPU (ledger/timing/gpu/layout.py): each stage priced from the dry run, run in its schedule."""
+
+import dataclasses
+
+import pytest
+
+from lmledger.ledger.hardware.interconnect import links_for
+from lmledger.ledger.timing.gpu import kernels_for
+from lmledger.ledger.timing.gpu.layout import BUBBLE, Layout, step_at_layout
+from lmledger.ledger.timing.steptime.predict import NoStepTime
+from lmledger.model import ModelConfig
+
+GPT = ModelConfig(vocab_size=50304, context_length=1024, d_model=1024, n_layers=8, n_heads=16, d_ff=4096, mlp="gelu",
+                  norm="layer", positions="learned", bias=True)  # fmt: skip
+SETTINGS = dict(compute_dtype="fp16", kernels=kernels_for("megatron"), links=links_for("a100-80gb", None, None, 8, 1))
+
+
+def step(config=GPT, **layout):
+    found = step_at_layout(config, 1024, Layout(**layout), "16-true", "a100-80gb", **SETTINGS)
+    assert not isinstance(found, NoStepTime), found
+    return found
+
+
+def test_one_micro_batch_through_two_stages_is_the_unpipelined_step_and_its_hand_overs():
+    # with one micro-batch nothing overlaps: each stage waits for the other, so the step is the whole model's forward
+    # and backward, less half the optimizer (each rank steps its own half), plus two sends and their latency
+    flat, piped = step(micro_batch=2), step(micro_batch=2, pp=2)
+    assert piped.total_s == pytest.approx(flat.total_s - flat.seconds["optimizer"] / 2, rel=0.05)
+    assert piped.seconds[BUBBLE] == pytest.approx(piped.total_s / 2, rel=0.2)  # each rank idles about half the step
+
+
+# A vocabulary small beside a layer, so that the stages are about equal (GPT's LM head at vocabulary 50304 is about
+# four of its layers' FLOPs: the last stage sets the pace, as it does in Megatron-LM's runs)
+SMALL_HEAD = dataclasses.replace(GPT, vocab_size=1024)
+
+
+@pytest.mark.parametrize("schedule,virtual", [("1f1b", 1), ("gpipe", 1), ("interleaved", 2)])
+def test_the_bubble_shrinks_with_micro_batches_as_the_schedule_says(schedule, virtual):
+    # pp 4: the idle share is about (pp - 1) / v over m + (pp - 1) / v micro-batches' time; not exactly: the ends make
+    # the first and last stages a little slower, and the sends between stages wait on the critical path (v times as
+    # many of them interleaved)
+    for m in (4, 16):
+        s = step(SMALL_HEAD, micro_batch=1, pp=4, accumulate=m, schedule=schedule, virtual=virtual)
+        want = 3 / virtual / (m + 3 / virtual)
+        assert s.seconds[BUBBLE] / s.total_s == pytest.approx(want, rel=0.5), (m, s.seconds)
+
+
+def test_more_stages_shorten_the_step_of_many_micro_batches():
+    one, two, four = (step(SMALL_HEAD, micro_batch=1, accumulate=32, pp=pp) for pp in (1, 2, 4))
+    assert one.total_s / two.total_s == pytest.approx(2.0, rel=0.15)
+    assert one.total_s / four.total_s == pytest.approx(4.0, rel=0.25)
+
+
+def test_a_depth_that_does_not_split_evenly_says_so():
+    found = step_at_layout(dataclasses.replace(GPT, n_layers=6), 1024, Layout(pp=4), "16-true", "a100-80gb",
+                           **SETTINGS)  # fmt: skip
+    assert isinstance(found, NoStepTime) and "split evenly" in found.reason
+
+
+def test_the_lm_head_makes_the_last_stage_the_pace_and_the_others_wait():
+    # GPT's head at vocabulary 50304: the other stages idle while the last one runs it, 32 times
+    balanced, heavy = step(SMALL_HEAD, accumulate=32, pp=2), step(accumulate=32, pp=2)
+    assert heavy.seconds[BUBBLE] / heavy.total_s > 2 * balanced.seconds[BUBBLE] / balanced.total_s
