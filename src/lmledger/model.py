@@ -244,6 +244,11 @@ class ToyLM(nn.Module):
         # Learned absolute positions (GPT-2's wpe); registered only then, so a RoPE model's keys are unchanged.
         self.pos_embed = nn.Embedding(cfg.context_length, cfg.d_model) if cfg.positions == "learned" else None
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        # The index of blocks[0] in the whole model: a pipeline stage (ledger.sharding.pipeline) keeps a slice of
+        # the blocks, and checkpointing picks blocks by their index in the whole model. A plain int beside a
+        # ModuleList rather than torchtitan's ModuleDict: FSDP, TP and the checkpoint wrappers find the blocks as a
+        # ModuleList's children, and the state-dict keys of the whole model stay blocks.0, blocks.1, ...
+        self.block_offset = 0
         self.norm = make_norm(cfg)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -281,18 +286,28 @@ class ToyLM(nn.Module):
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """idx: (batch, seq) token ids. Returns logits (batch, seq, vocab).
 
-        Given targets (batch, seq), returns the mean next-token cross-entropy instead."""
+        Given targets (batch, seq), returns the mean next-token cross-entropy instead. A pipeline stage
+        (ledger.sharding.pipeline) without `embed` takes the previous stage's hidden states (batch, seq, d_model)
+        as `idx`; one without `lm_head` returns its hidden states (after `norm`, where it has one)."""
         if idx.shape[1] > self.cfg.context_length:
             raise ConfigError(f"sequence length {idx.shape[1]} > context_length {self.cfg.context_length}")
-        x = self.embed(idx)
-        if self.pos_embed is not None:
-            x = x + self.pos_embed(torch.arange(idx.shape[1], device=idx.device))
-        for i, block in enumerate(self.blocks):
+        x = idx
+        if self.embed is not None:
+            x = self.embed(idx)
+            if self.pos_embed is not None:
+                x = x + self.pos_embed(torch.arange(idx.shape[1], device=idx.device))
+        for i, block in enumerate(self.blocks, start=self.block_offset):
             if self.training and self.cfg.is_checkpointed(i) and torch.is_grad_enabled():
                 x = checkpoint(block, x, use_reentrant=False)
             else:
                 x = block(x)
-        logits = self.lm_head(self.norm(x))
+        if self.norm is not None:
+            x = self.norm(x)
+        if self.lm_head is None:
+            if targets is not None:
+                raise ConfigError("a pipeline stage without the LM head returns hidden states: it takes no targets")
+            return x
+        logits = self.lm_head(x)
         if targets is None:
             return logits
         return F.cross_entropy(rearrange(logits, "b t v -> (b t) v").float(), rearrange(targets, "b t -> (b t)"))
