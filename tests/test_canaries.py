@@ -803,3 +803,71 @@ def test_model_parallel_strategy_leaves_a_launched_ranks_threads_alone(monkeypat
     monkeypatch.delenv("LOCAL_RANK")
     strategy._configure_launcher()  # the process that starts the others makes one
     assert strategy.launcher is not None
+
+
+def test_a_gloo_work_holds_its_tensor_until_it_dies():
+    """A gloo send's Work keeps the sent tensor alive until the Work object dies, waited or not. So what torch's
+    pipeline schedules keep of their sends (the Works in fwd_sends_to_wait, send_ops, send_work) keeps the stage
+    outputs and input gradients: ledger.sharding.pipeline._HOLDS counts them as long as each schedule keeps them."""
+    import datetime
+    import threading
+    import weakref
+
+    import torch.distributed as dist
+
+    store, groups = dist.HashStore(), [None, None]
+
+    def join(rank: int) -> None:  # two ranks of one gloo group in this process, each connecting from its thread
+        groups[rank] = dist.ProcessGroupGloo(dist.PrefixStore("canary", store), rank, 2, datetime.timedelta(seconds=30))
+
+    threads = [threading.Thread(target=join, args=(rank,)) for rank in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    sent, received = torch.ones(4), torch.empty(4)
+    storage = weakref.ref(sent.untyped_storage())
+    work = groups[0].send([sent], 1, 0)
+    groups[1].recv([received], 0, 0).wait()
+    work.wait()
+    del sent
+    assert storage() is not None and received.sum() == 4
+    del work
+    assert storage() is None
+
+
+def test_torch_pipeline_schedules_run_lmledgers_orders():
+    """torch's pipeline schedules order each rank's forwards and backwards as ledger.sharding.schedule.orders does
+    (pipeline_order, the schedule's IR: ScheduleGPipe and ScheduleInterleaved1F1B run theirs). Schedule1F1B runs
+    its own loop (warm-up min(m, pp - rank) forwards, then a backward and a forward in turn: the same order, held
+    by the real-rank tests in tests/ledger/test_pipeline_stages.py); its IR numbers the last rank's forwards 1..m,
+    where the loop runs 0..m-1."""
+    import torch.distributed as dist
+    from torch.distributed import pipelining
+    from torch.distributed.pipelining.schedules import _ComputationType
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from lmledger.ledger.sharding.schedule import Pipeline, orders
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already set up in this process")
+    kinds = {_ComputationType.FORWARD: "F", _ComputationType.FULL_BACKWARD: "B"}
+    classes = {"gpipe": pipelining.ScheduleGPipe, "1f1b": pipelining.Schedule1F1B}
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        for pipe in (Pipeline(4, 8, "gpipe"), Pipeline(4, 8, "1f1b"), Pipeline(4, 8, "interleaved", 2)):
+            stages = [pipelining.PipelineStage(torch.nn.Linear(2, 2), c * 4, pipe.chunks, torch.device("cpu"))
+                      for c in range(pipe.virtual)]  # fmt: skip
+            loss = lambda out, target: out.sum()  # noqa: E731
+            schedule = (
+                classes[pipe.schedule](stages[0], pipe.micro_batches, loss_fn=loss) if pipe.virtual == 1
+                else pipelining.ScheduleInterleaved1F1B(stages, pipe.micro_batches, loss_fn=loss)
+            )  # fmt: skip
+            for rank, ours in enumerate(orders(pipe)):
+                actions = [a for a in schedule.pipeline_order[rank] if a is not None and a.computation_type in kinds]
+                theirs = [(kinds[a.computation_type], a.microbatch_index, a.stage_index) for a in actions]
+                if pipe.schedule == "1f1b" and rank == pipe.stages - 1:
+                    theirs = [(k, i - 1 if k == "F" else i, j) for k, i, j in theirs]
+                assert theirs == ours, (pipe, rank)
+    finally:
+        dist.destroy_process_group()
