@@ -36,6 +36,7 @@ from lmledger.ledger.dryrun import fakecopy, manualopt
 from lmledger.ledger.dryrun.engine import NotTraced, OptimizerSpec, StepLedger
 from lmledger.ledger.dryrun.watch import Reading
 from lmledger.ledger.sharding.ddp import Bucket
+from lmledger.ledger.sharding.schedule import Pipeline
 
 __all__ = [
     "LOCAL_SHARDS",
@@ -79,6 +80,8 @@ class ShardedLedger(StepLedger):
                        swapped in (DeepSpeed, FSDP1): not yet held to a measurement
         tensor_parallel  the mesh's tensor-parallel size (1: data parallel only); world_size counts
                        every rank, data_parallel x tensor_parallel
+        pipeline, pipeline_rank   strategy "pipeline" (ledger.sharding.pipeline): the schedule, and which of its
+                       stages this rank is; comm_buffers are then the receive buffers the stage keeps
     """
 
     strategy: str = "ddp"
@@ -87,6 +90,8 @@ class ShardedLedger(StepLedger):
     comm_buffers: int = 0
     peak_checked: bool = True
     tensor_parallel: int = 1
+    pipeline: Pipeline | None = None
+    pipeline_rank: int = 0
 
 
 def sharded_ledger(result: StepLedger, strategy: str, world_size: int, *, state=None, **extra) -> ShardedLedger:

@@ -6,12 +6,14 @@ DistributedDataParallel or fully_shard. The trackers are the same (ledger.shardi
 
 Under DDP it drives the wrapper as Lightning does. Under automatic optimization, the micro-batches of an
 optimizer step but the last run under no_sync. Under manual optimization, the module's own training
-step runs inside DDP's forward. The Reducer is then prepared at each manual_backward. `spawn_gloo_ranks`
-starts W gloo processes on this CPU for it. Pure torch: no Lightning import.
+step runs inside DDP's forward. The Reducer is then prepared at each manual_backward. `measure_pipeline` is
+the twin of a pipeline rank (ledger.sharding.pipeline): torch.distributed.pipelining's stage and schedule on this
+rank. `spawn_gloo_ranks` starts W gloo processes on this CPU for them. Pure torch: no Lightning import.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import os
@@ -26,7 +28,7 @@ from torch import nn
 from lmledger.ledger.dryrun import engine as dryrun
 from lmledger.ledger.dryrun import fakecopy, manualopt
 from lmledger.ledger.dryrun.engine import StepFn, StepLedger
-from lmledger.ledger.sharding import tp
+from lmledger.ledger.sharding import pipeline, tp
 from lmledger.ledger.sharding.ddp import Bucket, DDPSettings
 from lmledger.ledger.sharding.fsdp2 import DEFAULT_FSDP, FSDPSettings, fsdp_units, make_mesh, shard_model
 from lmledger.ledger.sharding.rankstate import (
@@ -37,8 +39,9 @@ from lmledger.ledger.sharding.rankstate import (
     sharded_tracking,
     strategy_name,
 )
+from lmledger.ledger.sharding.schedule import Pipeline
 
-__all__ = ["measure_sharded", "spawn_gloo_ranks"]
+__all__ = ["measure_pipeline", "measure_sharded", "spawn_gloo_ranks"]
 
 _DEFAULT_DDP = DDPSettings()
 
@@ -137,6 +140,71 @@ def _measure_fsdp2(model, module, batch, step, optimizer, precision, fsdp, accum
         dataclasses.replace(result, **state), "fsdp2", world, comm_buffers=max(units, default=0) * 2,
         tensor_parallel=tensor_parallel,
     )  # fmt: skip
+
+
+def measure_pipeline(
+    chunks: list,
+    batch: tuple,
+    *,
+    pipe: Pipeline,
+    loss_fn: Callable,
+    optimizer: Callable,
+    precision: str | int = "32-true",
+) -> ShardedLedger:
+    """The twin of pipeline.predict_pipeline, on this rank of the initialised (real) default process group of
+    pipe.stages ranks: torch.distributed.pipelining's PipelineStage over this rank's chunks (of all pp x v
+    `chunks`), run by the schedule's torch class for two optimizer steps (torchtitan's order: zero_grad,
+    schedule.step(return_outputs=False), optimizer step), read by pipeline.read_rank_step."""
+    import torch.distributed as dist
+    from torch.distributed import pipelining
+
+    rank = dist.get_rank()
+    dtype, autocast = fakecopy.precision_dtypes(precision)
+    mine = [_copy_in_precision(c, precision) for c in pipeline.rank_chunks(chunks, pipe, rank)]
+    device = fakecopy.target_device(mine[0], None)
+    stages = [pipelining.PipelineStage(c, n * pipe.stages + rank, pipe.chunks, device) for n, c in enumerate(mine)]
+    kind = {"gpipe": pipelining.ScheduleGPipe, "1f1b": pipelining.Schedule1F1B}.get(pipe.schedule)
+    schedule = (
+        kind(stages[0], pipe.micro_batches, loss_fn=loss_fn) if kind
+        else pipelining.ScheduleInterleaved1F1B(stages, pipe.micro_batches, loss_fn=loss_fn)
+    )  # fmt: skip
+    model = nn.ModuleList(mine)
+    opt = optimizer(list(model.parameters()))
+    inputs, targets = fakecopy.cast_batch(batch, dtype)
+    first, last = any(s.is_first for s in stages), any(s.is_last for s in stages)
+    announce = [lambda phase: None]  # the reader's mark, told each action as the prediction tells its own
+    for stage in stages:
+        for name, phase in (("forward_one_chunk", "forward"), ("backward_one_chunk", "backward")):
+            setattr(stage, name, _announced(getattr(stage, name), announce, phase))
+
+    def step(mark: Callable[[str], None]) -> list | None:
+        announce[0] = mark
+        losses = [] if last else None
+        schedule.step(*((inputs,) if first else ()), **({"target": targets} if last else {}), losses=losses,
+                      return_outputs=False)  # fmt: skip
+        return losses
+
+    def kept() -> list[torch.Tensor]:  # the receive buffers each stage made at the first step
+        infos = [i for s in stages for r in (*s.args_recv_info.values(), *s.grad_recv_info.values()) for i in r]
+        return [i.buffer for i in infos if not i.is_root_arg and i.buffer is not None]
+
+    # The first schedule.step also runs each stage once more to learn its shapes (stage.py,
+    # _forward_metadata_inference) and makes the receive buffers: a step first, so the two read are the steady ones.
+    opt.zero_grad(set_to_none=True)
+    with torch.autocast(device.type, dtype=autocast, cache_enabled=False) if autocast else contextlib.nullcontext():
+        step(announce[0])
+    opt.step()
+    result = pipeline.read_rank_step(model, opt, (inputs, targets), step, micro_batches=pipe.micro_batches,
+                                     buffers=kept, autocast=autocast, device=device)  # fmt: skip
+    return pipeline.pipeline_ledger(result, pipe, rank, kept())
+
+
+def _announced(method: Callable, announce: list[Callable[[str], None]], phase: str) -> Callable:
+    def run(*args, **kwargs):
+        announce[0](phase)
+        return method(*args, **kwargs)
+
+    return run
 
 
 def _hand_over_buffers(ddp_model: nn.Module, world: int) -> dict[int, torch.Tensor]:
