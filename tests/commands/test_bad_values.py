@@ -74,6 +74,7 @@ BASES = {
     ("plan", "train-time"): ["--params", "1e9", "--tokens", "1e12", "--gpu", "h100-sxm", "--mfu", "0.5"],
     ("plan", "max-params"): ["--gpu", "h100-sxm"],
     ("plan", "max-batch"): [*TINY, "--gpu", "h100-sxm"],
+    ("plan", "layout"): [*TINY, "--gpu", "h100-sxm", "--num-gpus", "2"],
     ("account",): [*TINY],
 }
 # Flags that mean something only beside another: the bad value is given with it.

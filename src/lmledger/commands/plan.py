@@ -304,6 +304,64 @@ def _print_any_model_batch(result: dict, shown: str, params: int, wants_gpu: boo
               "kernels may hold more or less than these")  # fmt: skip
 
 
+def _top(text: str) -> int:
+    value = _parsed(text, int, "10")
+    if not 1 <= value <= 10_000:
+        raise argparse.ArgumentTypeError(f"{text!r} is not between 1 and 10,000 layouts to show")
+    return value
+
+
+def _layout_command(
+    *fit_args: str,
+    gpu: str | None = None,
+    num_gpus: Annotated[int, _gpu_count],
+    tokens: Annotated[float | None, _count] = None,
+    top: Annotated[int, _top] = 10,
+    json: bool = False,
+) -> None:
+    """the layouts of a fit config over N GPUs that fit, ranked by predicted time
+
+    Any other arguments are read as by `lmledger fit`: --config FILE and --a.b VALUE overrides (the global batch is
+    the config's: batch size x accumulation x its data-parallel ranks; --ledger.intra_node/inter_node name the links).
+
+    Args:
+        gpu: a key from `lmledger gpus` or a torch device name (default: the config's GPU, else h100-sxm)
+        num_gpus: GPUs to lay the model over
+        tokens: training tokens, e.g. 15T: each layout's days
+        top: how many ranked layouts to show (default 10)
+    """
+    from lmledger.accounting.layouts import plan_layouts
+
+    if not fit_args:
+        raise UserError("plan layout needs --config FILE (a `lmledger fit` config of the ToyLM)")
+    out = plan_layouts(list(fit_args), gpu, num_gpus, tokens, top)
+    if json:
+        print(dumps(out))
+        return
+    table = Table(title=f"layouts of {out['global_batch']} x {out['seq_len']} tokens a step on {out['num_gpus']} x "
+                  f"{out['gpu']}, ranked by predicted time ({out['fits']} of {out['searched']} fit)")  # fmt: skip
+    for name in ("TP", "PP", "DP", "micro", "recompute", "peak GB", "step ms", "MFU", "compute", "comm", "bubble",
+                 *(("days",) if tokens else ())):  # fmt: skip
+        table.add_column(name, justify="right")
+    for r in out["ranked"]:
+        b = r["breakdown_s"]
+        table.add_row(str(r["tensor_parallel"]), str(r["pipeline_parallel"]), f"{r['data_parallel']} {r['sharding']}",
+                      f"{r['micro_batch']}x{r['micro_batches']}", r["recompute"], f"{r['peak_bytes'] / GB:.1f}",
+                      f"{r['step_s'] * 1e3:,.0f}", f"{r['mfu']:.3f}", f"{b['compute'] * 1e3:,.0f}",
+                      f"{b['communication'] * 1e3:,.0f}", f"{b['bubble'] * 1e3:,.0f}",
+                      *((f"{r['days']:,.1f}",) if tokens else ()))  # fmt: skip
+    Console(width=max(Console().width, 120)).print(table)
+    reasons: dict[str, int] = {}
+    for r in out["dropped"]:
+        reason = re.sub(r" \(pipeline rank \d+\)", "", re.sub(r"[0-9.]+ GB", "N GB", r["dropped"]))
+        reasons[reason] = reasons.get(reason, 0) + 1
+    for reason, count in sorted(reasons.items(), key=lambda kv: -kv[1]):
+        print(f"dropped {count}: {reason}")
+    print(f"links: {out['links']['intra_node']} in a node of {out['links']['gpus_per_node']}, "
+          f"{out['links']['inter_node']} between nodes; not searched: {out['not_searched']}")  # fmt: skip
+
+
 def main(argv: list[str]) -> int:
-    verbs = {"train-time": _train_time_command, "max-params": _max_params_command, "max-batch": _max_batch_command}
+    verbs = {"train-time": _train_time_command, "max-params": _max_params_command, "max-batch": _max_batch_command,
+             "layout": _layout_command}  # fmt: skip
     return run_command("lmledger plan", verbs, argv, "Napkin math (CS336 lecture 2).", verb_name="verb")

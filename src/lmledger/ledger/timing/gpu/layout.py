@@ -29,12 +29,21 @@ from lmledger.errors import UserError
 from lmledger.ledger.count.ops import COMMUNICATION, OPTIMIZER, OpSummary
 from lmledger.ledger.dryrun.engine import NotTraced
 from lmledger.ledger.hardware.interconnect import Links
-from lmledger.ledger.sharding.schedule import Pipeline, timeline
+from lmledger.ledger.sharding.schedule import Pipeline, in_flight, timeline
 from lmledger.ledger.timing.gpu.frameworks import Kernels
 from lmledger.ledger.timing.gpu.step import predict_gpu_step
 from lmledger.ledger.timing.steptime.predict import CATEGORIES, NoStepTime, StepTime
 
-__all__ = ["RECOMPUTE", "Layout", "rank_ops", "step_at_layout"]
+__all__ = [
+    "BUBBLE",
+    "RECOMPUTE",
+    "Layout",
+    "RankMemory",
+    "memory_at_layout",
+    "rank_memories",
+    "rank_ops",
+    "step_at_layout",
+]
 
 RECOMPUTE = ("none", "full", "layer", "attention", "op")
 
@@ -85,6 +94,8 @@ class _SplitAdamW(torch.optim.Optimizer):
         super().__init__(params, dict(hyper))
         kinds = ([p for p in params if isinstance(p, DTensor)], [p for p in params if not isinstance(p, DTensor)])
         self.inner = [torch.optim.AdamW(group, **hyper) for group in kinds if group]
+        for optimizer in self.inner:  # one state, keyed by parameter: what the dry run counts as this optimizer's
+            optimizer.state = self.state
 
     def step(self, closure=None) -> None:
         for optimizer in self.inner:
@@ -124,9 +135,11 @@ def rank_ops(config, seq: int, layout: Layout, precision: str) -> tuple[OpSummar
     fsdp_dp = layout.dp if layout.sharding == "fsdp" else 1
     traced = "full" if layout.recompute == "full" else "none"
     found = _rank_ops(config, seq, layout.tp, fsdp_dp, layout.micro_batch, traced, precision)
-    if isinstance(found, NotTraced) or layout.recompute not in _SELECTIVE:
+    if isinstance(found, NotTraced):
         return found
-    ops, grads, forward = found
+    ops, grads, forward, _ = found
+    if layout.recompute not in _SELECTIVE:
+        return ops, grads, forward
     return _selective(ops, layout.recompute), grads, forward
 
 
@@ -185,7 +198,9 @@ def _rank_ops(config, seq: int, tp: int, fsdp_dp: int, micro_batch: int, recompu
     # Each gradient's bytes on this rank: the rank's total shared as the parameters' sizes are (TP splits most of
     # them alike), in the order backward makes them (the last layer's first)
     grads = tuple(int(total * n / sum(numels)) for n in reversed(numels)) if numels else ()
-    return found.ops, grads, int(found.flops_forward or 0)
+    state = int(found.params or 0) + total + int(found.optimizer or 0)
+    memory = (state, int(found.activations or 0), int(found.peak or 0))
+    return found.ops, grads, int(found.flops_forward or 0), memory
 
 
 def _buckets(grads: tuple[int, ...], dtype: str, kernels: Kernels) -> list[tuple[int, str]]:
@@ -255,6 +270,60 @@ def step_at_layout(
     ops = first.ops + depth * (priced[2][0].ops - first.ops)
     return dataclasses.replace(first, seconds=seconds, hidden=hidden, accumulate=layout.accumulate,
                                tokens=tokens * layout.accumulate, mfu=None, ops=ops)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """One rank's bytes at a layout: params, gradients and optimizer state; the saved activations of the micro-batches
+    it holds at once; its peak."""
+
+    state: int
+    activations: int
+    peak: int
+    stage: int = 0  # the pipeline rank it is (the one with the highest peak)
+
+
+def memory_at_layout(config, seq: int, layout: Layout, precision: str) -> RankMemory | NoStepTime:
+    """The rank with the highest peak (rank_memories)."""
+    found = rank_memories(config, seq, layout, precision)
+    return found if isinstance(found, NoStepTime) else max(found, key=lambda m: m.peak)
+
+
+def rank_memories(config, seq: int, layout: Layout, precision: str) -> list[RankMemory] | NoStepTime:
+    """Each pipeline rank's bytes (one rank without a pipeline) of the ToyLM `config` at `layout`: the one- and
+    two-layer dry runs (per rank, at the layout's TP and FSDP) extrapolated to the depth, each figure linear in it.
+    A pipeline rank holds its own layers' state (the first the embedding's, the last the head's, shared by their
+    sizes) and the activations of the micro-batches its schedule keeps in flight (ledger.sharding.schedule.in_flight);
+    its peak is the whole model's at its depth less the ends it does not hold, plus the further micro-batches'
+    activations. The step's transient (the logits and loss) stays in every rank's peak: high for all but the last."""
+    if layout.recompute in ("layer", "op"):  # priced as means; their memory lies between none and full: take none's
+        layout = dataclasses.replace(layout, recompute="none")
+    pipe = layout.pipeline
+    if config.n_layers % pipe.chunks:
+        return NoStepTime(f"{config.n_layers} layers do not split evenly into {pipe.chunks} pipeline chunks")
+    fsdp_dp = layout.dp if layout.sharding == "fsdp" else 1
+    traced = "full" if layout.recompute == "full" else "none"
+    found = {}
+    for layers in (1, 2):
+        got = _rank_ops(dataclasses.replace(config, n_layers=layers), seq, layout.tp, fsdp_dp, layout.micro_batch,
+                        traced, precision)  # fmt: skip
+        if isinstance(got, NotTraced):
+            return NoStepTime(got.reason)
+        found[layers] = got[3]
+    (s1, a1, p1), (s2, a2, p2) = found[1], found[2]
+    layer_state, layer_act, layer_peak = s2 - s1, a2 - a1, p2 - p1
+    end_state, end_act = s1 - layer_state, a1 - layer_act
+    n = config.n_layers // layout.pp
+    sizes = _parameter_sizes(config, 1)
+    share = sum(sizes["embedding"]) / max(1, sum(sizes["embedding"]) + sum(sizes["head"]))
+    ranks = []
+    for r in range(layout.pp):
+        ends = (r == 0) * share + (r == layout.pp - 1) * (1 - share) if layout.pp > 1 else 1.0
+        held = in_flight(pipe, r) / layout.virtual if layout.pp > 1 else 1  # micro-batches of the rank's layers
+        one = n * layer_act + ends * end_act  # one micro-batch's saved activations on this rank
+        peak = p1 + (n - 1) * layer_peak - (1 - ends) * (end_state + end_act) + (held - 1) * one
+        ranks.append(RankMemory(int(n * layer_state + ends * end_state), int(held * one), int(peak), r))
+    return ranks
 
 
 # --- pipeline parallel -------------------------------------------------------------------------------------------

@@ -1,0 +1,65 @@
+"""`plan layout --config FILE --gpu KEY --num-gpus N [--tokens D] [--top K]`: the layouts of a ToyLM config over N
+GPUs that fit, ranked by predicted tokens/s (ledger/timing/gpu/search.py), as one JSON shape the command prints."""
+
+from __future__ import annotations
+
+from lmledger.accounting.gpustep import _dry_precision, _kernels, _links, target_gpu
+from lmledger.accounting.steptime import trainer_time_settings
+
+__all__ = ["plan_layouts"]
+
+
+def _layout_json(c, num_gpus: int, tokens_per_step: int, tokens: float | None, peak_flops: float, flops_per_token):
+    layout, step = c.layout, c.step
+    out = {"tensor_parallel": layout.tp, "pipeline_parallel": layout.pp, "data_parallel": layout.dp,
+           "sharding": layout.sharding, "micro_batch": layout.micro_batch, "micro_batches": layout.accumulate,
+           "recompute": layout.recompute, "schedule": layout.schedule if layout.pp > 1 else None}  # fmt: skip
+    if c.memory is not None:
+        out["peak_bytes"] = c.memory.peak
+    if c.dropped:
+        return {**out, "dropped": c.dropped}
+    rate = c.tokens_per_s(tokens_per_step)
+    out.update(step_s=step.total_s, tokens_per_s=rate, mfu=flops_per_token * rate / (num_gpus * peak_flops),
+               breakdown_s=c.breakdown(), days=tokens / rate / 86400 if tokens else None)  # fmt: skip
+    return out
+
+
+def plan_layouts(argv: list[str], gpu: str | None, num_gpus: int, tokens: float | None, top: int) -> dict:
+    """The search for the config `argv` (`--config FILE` and fit overrides) on `num_gpus` of `gpu` (default: the GPU
+    the config would be priced on), at the config's global batch; `top` ranked layouts and every dropped one."""
+    from lmledger.errors import UserError
+    from lmledger.fitting.checks import named_classes
+    from lmledger.ledger.closedform.flops import model_flops_per_token
+    from lmledger.ledger.hardware.gpus import require_gpu
+    from lmledger.ledger.hardware.peak_flops import compute_dtype_for_precision
+    from lmledger.ledger.timing.gpu.search import search_layouts
+    from lmledger.run_config import load_run
+
+    if named_classes(argv):
+        raise UserError("plan layout searches layouts of lmledger's ToyLM configs; for another module, plan one layout "
+                        "with `lmledger account --config FILE --gpu KEY`")  # fmt: skip
+    spec = load_run(argv)
+    target, _ = target_gpu(spec.accelerator, gpu)
+    target = target or require_gpu("h100-sxm")
+    accumulate = trainer_time_settings(argv)["accumulate"]
+    global_batch = spec.batch_size * accumulate * max(1, spec.world_size // spec.tensor_parallel)
+    dtype = compute_dtype_for_precision(spec.precision)
+    dtype = dtype if dtype in ("bf16", "fp16", "fp32", "tf32") else "bf16"
+    links = _links(target, argv, num_gpus)
+    found = search_layouts(spec.config, spec.seq_len, num_gpus=num_gpus, global_batch=global_batch,
+                           capacity_bytes=target.memory_bytes, precision=_dry_precision(spec.precision), gpu=target,
+                           compute_dtype=dtype, kernels=_kernels(spec), links=links)  # fmt: skip
+    per_token = model_flops_per_token(spec.config, spec.seq_len)
+    peak = target.peak_flops[dtype]
+
+    def row(c):
+        return _layout_json(c, num_gpus, found.tokens_per_step, tokens, peak, per_token)
+
+    return {
+        "gpu": target.key, "num_gpus": num_gpus, "memory_bytes": target.memory_bytes, "global_batch": global_batch,
+        "seq_len": spec.seq_len, "tokens_per_step": found.tokens_per_step, "tokens": tokens,
+        "searched": len(found.ranked) + len(found.dropped), "fits": len(found.ranked),
+        "ranked": [row(c) for c in found.ranked[:top]], "dropped": [row(c) for c in found.dropped],
+        "links": {"intra_node": links.intra.name, "inter_node": links.inter.name, "gpus_per_node": links.gpus_per_node},
+        "not_searched": "context parallel (not modelled yet); interleaved pipeline schedules",
+    }  # fmt: skip

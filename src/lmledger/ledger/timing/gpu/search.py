@@ -1,0 +1,109 @@
+"""The layout search behind `lmledger plan layout`: every way to lay a ToyLM model over N GPUs at a global batch, the
+ones whose per-rank peak fits, ranked by predicted tokens/s.
+
+    searched    tensor parallel (a divisor of the node's GPUs that the heads and KV heads divide) x pipeline stages
+                (a divisor of the depth) x data parallel (the rest), replicated ("ddp") or fully sharded ("fsdp"),
+                x micro-batch (a power of two that divides a replica's share of the batch) x recompute (none or every
+                block), 1F1B when pipelined; context parallel is not searched (not modelled yet)
+    dropped     a layout whose batch does not divide, or whose highest per-rank peak (layout.memory_at_layout) is over
+                the GPU's memory: each with why
+    ranked      the rest by the predicted step (layout.step_at_layout), fastest first
+
+Each distinct (TP, FSDP's world, micro-batch, recompute) is dry-run once, at one and two layers: the pipeline depths
+and data-parallel widths that share them are priced from the same dry runs. Pure torch: no Lightning import.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lmledger.ledger.hardware.interconnect import Links
+from lmledger.ledger.timing.gpu.frameworks import Kernels
+from lmledger.ledger.timing.gpu.layout import BUBBLE, Layout, RankMemory, memory_at_layout, step_at_layout
+from lmledger.ledger.timing.steptime.predict import StepTime
+
+__all__ = ["Candidate", "Search", "candidates", "search_layouts"]
+
+MICRO_BATCHES = (1, 2, 4, 8)
+RECOMPUTES = ("none", "full")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    layout: Layout
+    memory: RankMemory | None = None
+    step: StepTime | None = None
+    dropped: str = ""  # why it is not ranked
+
+    def tokens_per_s(self, tokens_per_step: int) -> float:
+        return tokens_per_step / self.step.total_s
+
+    def breakdown(self) -> dict[str, float]:
+        """The step's seconds as compute, exposed communication, the pipeline's bubble and the host's wait."""
+        s = self.step.seconds
+        compute = sum(s.get(c, 0.0) for c in ("matmul", "attention", "other", "optimizer"))
+        return {"compute": compute, "communication": s.get("communication", 0.0), "bubble": s.get(BUBBLE, 0.0),
+                "host": s.get("host", 0.0)}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Search:
+    ranked: list[Candidate]  # fastest first
+    dropped: list[Candidate]
+    tokens_per_step: int
+    num_gpus: int
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidates(config, num_gpus: int, global_batch: int, gpus_per_node: int) -> tuple[list[Layout], list[Candidate]]:
+    """(the layouts to price, those dropped before any dry run: a batch that does not divide)."""
+    out, dropped = [], []
+    heads, kv = config.n_heads, getattr(config, "kv_heads", config.n_heads)
+    for tp in _divisors(min(gpus_per_node, num_gpus)):
+        if heads % tp or kv % tp or num_gpus % tp:
+            continue
+        for pp in _divisors(config.n_layers):
+            if num_gpus % (tp * pp):
+                continue
+            dp = num_gpus // (tp * pp)
+            if global_batch % dp:
+                dropped.append(Candidate(Layout(tp=tp, dp=dp, pp=pp), dropped=f"the global batch {global_batch} does "
+                                         f"not split over {dp} data-parallel replicas"))  # fmt: skip
+                continue
+            share = global_batch // dp
+            for mb in (b for b in MICRO_BATCHES if share % b == 0):
+                for sharding in ("ddp", "fsdp") if dp > 1 else ("ddp",):
+                    for recompute in RECOMPUTES:
+                        out.append(Layout(tp=tp, dp=dp, pp=pp, sharding=sharding, micro_batch=mb,
+                                          accumulate=share // mb, recompute=recompute))  # fmt: skip
+    return out, dropped
+
+
+def search_layouts(
+    config, seq: int, *, num_gpus: int, global_batch: int, capacity_bytes: int, precision: str, gpu,
+    compute_dtype: str, kernels: Kernels, links: Links,
+) -> Search:  # fmt: skip
+    """Every layout of `config` at `global_batch` sequences of `seq` tokens over `num_gpus` GPUs (module doc)."""
+    layouts, dropped = candidates(config, num_gpus, global_batch, max(1, links.gpus_per_node))
+    ranked = []
+    for layout in layouts:
+        memory = memory_at_layout(config, seq, layout, precision)
+        if not isinstance(memory, RankMemory):
+            dropped.append(Candidate(layout, dropped=memory.reason))
+            continue
+        if memory.peak > capacity_bytes:
+            where = f" (pipeline rank {memory.stage})" if layout.pp > 1 else ""
+            dropped.append(Candidate(layout, memory, dropped=f"its peak {memory.peak / 1e9:.1f} GB{where} is over "
+                                     f"the GPU's {capacity_bytes / 1e9:.0f} GB"))  # fmt: skip
+            continue
+        step = step_at_layout(config, seq, layout, precision, gpu, compute_dtype=compute_dtype, kernels=kernels,
+                              links=links)  # fmt: skip
+        if not isinstance(step, StepTime):
+            dropped.append(Candidate(layout, memory, dropped=step.reason))
+            continue
+        ranked.append(Candidate(layout, memory, step))
+    ranked.sort(key=lambda c: c.step.total_s)
+    return Search(ranked, dropped, global_batch * seq, num_gpus)

@@ -1,0 +1,78 @@
+"""plan layout's library (ledger/timing/gpu/layout.memory_at_layout, search.py): a rank's bytes at a layout from the
+one- and two-layer dry runs, held to the dry run of the whole depth, and the search that drops what does not fit."""
+
+import pytest
+import torch
+
+from lmledger.ledger.hardware.interconnect import links_for
+from lmledger.ledger.sharding.fsdp2 import FSDPSettings
+from lmledger.ledger.sharding.sharded import predict_sharded
+from lmledger.ledger.timing.gpu import kernels_for
+from lmledger.ledger.timing.gpu.layout import Layout, _megatron_tp, _SplitAdamW, memory_at_layout, rank_memories
+from lmledger.ledger.timing.gpu.search import search_layouts
+from lmledger.model import ModelConfig, ToyLM
+
+SMALL = ModelConfig(vocab_size=512, context_length=64, d_model=64, n_layers=4, n_heads=4, d_ff=256)
+
+
+def _whole(layout: Layout) -> tuple[int, int]:
+    """(state, peak) of the dry run of SMALL at its full depth, at `layout` (no pipeline)."""
+    with torch.device("meta"):
+        model = ToyLM(SMALL)
+    ids = torch.empty((layout.micro_batch, 64), dtype=torch.long, device="meta")
+    if layout.tp > 1:
+        strategy, optimizer = "fsdp2", (lambda p: _SplitAdamW(p, lr=1e-4, fused=True))
+        fsdp = FSDPSettings(tensor_parallel=layout.tp, shard=_megatron_tp(layout.sharding == "fsdp"))
+    else:
+        strategy, optimizer, fsdp = (
+            layout.sharding.replace("fsdp", "fsdp2"),
+            (lambda p: torch.optim.AdamW(p)),
+            FSDPSettings(),
+        )
+    world = layout.tp * (layout.dp if layout.sharding == "fsdp" else 1)
+    found = predict_sharded(model, (ids, ids.clone()), step=lambda m, b: m(*b), optimizer=optimizer,
+                            precision="bf16-true", strategy=strategy, world_size=world, fsdp=fsdp,
+                            activation_checkpointing=True if layout.recompute == "full" else None)  # fmt: skip
+    return found.params + found.grads + found.optimizer, found.peak
+
+
+@pytest.mark.parametrize("layout", [
+    Layout(micro_batch=2), Layout(micro_batch=2, recompute="full"), Layout(tp=2, micro_batch=2),
+    Layout(dp=2, sharding="fsdp", micro_batch=2),
+], ids=["ddp", "ddp-recompute", "tp2", "fsdp2"])  # fmt: skip
+def test_a_ranks_bytes_from_one_and_two_layers_are_the_whole_depths(layout):
+    state, peak = _whole(layout)
+    memory = memory_at_layout(SMALL, 64, layout, "bf16-true")
+    assert memory.state == pytest.approx(state, rel=0.01)
+    assert memory.peak == pytest.approx(peak, rel=0.03)
+
+
+def test_a_pipeline_rank_holds_its_layers_and_the_micro_batches_in_flight():
+    (flat,) = rank_memories(SMALL, 64, Layout(micro_batch=2), "bf16-true")
+    gpipe = rank_memories(SMALL, 64, Layout(micro_batch=2, pp=2, accumulate=8, schedule="gpipe"), "bf16-true")
+    onef = rank_memories(SMALL, 64, Layout(micro_batch=2, pp=2, accumulate=8), "bf16-true")
+    # the two ranks' state is the whole model's, split by where each parameter sits; the schedule does not move it
+    assert sum(r.state for r in gpipe) == pytest.approx(flat.state, abs=2) and [r.state for r in onef] == [
+        r.state for r in gpipe
+    ]
+    # GPipe holds all 8 micro-batches on each rank; 1F1B 2 on the first and 1 on the last
+    assert gpipe[0].activations == pytest.approx(4 * onef[0].activations, rel=0.01)
+    assert gpipe[1].activations == pytest.approx(8 * onef[1].activations, rel=0.01)
+
+
+def test_the_search_ranks_what_fits_and_says_why_the_rest_do_not():
+    settings = dict(precision="bf16-true", gpu="h100-sxm", compute_dtype="bf16", kernels=kernels_for("pytorch"),
+                    links=links_for("h100-sxm", None, None, 2, 1))  # fmt: skip
+    roomy = search_layouts(SMALL, 64, num_gpus=2, global_batch=4, capacity_bytes=80e9, **settings)
+    assert not [c for c in roomy.dropped if "over the GPU" in c.dropped]
+    steps = [c.step.total_s for c in roomy.ranked]
+    assert steps == sorted(steps) and len({c.layout for c in roomy.ranked}) == len(steps)
+    assert {(c.layout.tp, c.layout.pp) for c in roomy.ranked} == {(1, 1), (2, 1), (1, 2)}
+    # under a capacity between the layouts' peaks, those above it are dropped with their peak, the rest still ranked
+    peaks = sorted(c.memory.peak for c in roomy.ranked)
+    cap = peaks[len(peaks) // 2]
+    tight = search_layouts(SMALL, 64, num_gpus=2, global_batch=4, capacity_bytes=cap, **settings)
+    assert all(c.memory.peak <= cap for c in tight.ranked) and tight.ranked
+    over = [c for c in tight.dropped if "over the GPU" in c.dropped]
+    assert over and all(c.memory.peak > cap for c in over)
+    assert len(tight.ranked) + len(tight.dropped) == len(roomy.ranked) + len(roomy.dropped)
