@@ -96,6 +96,11 @@ def test_attention_causal_does_half_the_work_and_unfused_is_two_batched_matmuls_
     expected = (matmul_seconds(s, s, d, bh, "fp16", A100) + matmul_seconds(s, d, s, bh, "fp16", A100)
                 + stream_seconds(2 * square, A100))  # fmt: skip
     assert unfused_attention_seconds(bh, s, d, False, "fp16", A100) == pytest.approx(expected)
+    # Megatron's attention dropout: a kernel each way over the probabilities and a one-byte mask
+    for backward in (False, True):
+        plain = unfused_attention_seconds(bh, s, d, backward, "fp16", A100)
+        dropped = unfused_attention_seconds(bh, s, d, backward, "fp16", A100, dropout=True)
+        assert dropped - plain == pytest.approx(stream_seconds(2 * square + square // 2, A100))
 
 
 def test_nccl_all_reduce_in_an_a100_node_against_vtrains_nccl_tests_table():

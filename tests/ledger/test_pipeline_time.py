@@ -61,3 +61,17 @@ def test_the_lm_head_makes_the_last_stage_the_pace_and_the_others_wait():
     # GPT's head at vocabulary 50304: the other stages idle while the last one runs it, 32 times
     balanced, heavy = step(SMALL_HEAD, accumulate=32, pp=2), step(accumulate=32, pp=2)
     assert heavy.seconds[BUBBLE] / heavy.total_s > 2 * balanced.seconds[BUBBLE] / balanced.total_s
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_a_deep_host_bound_step_takes_at_least_its_launches(pp):
+    # Megatron-DeepSpeed launches at 20 us an op (frameworks.py): a one-layer step at micro-batch 2 keeps the GPU
+    # busier than the host, its further layers do not. Extrapolated in depth, a bigger micro-batch must never
+    # come out faster than a smaller one at the same number of micro-batches, nor the step shorter than its launches.
+    settings = dict(SETTINGS, kernels=kernels_for("megatron-deepspeed"))
+    gpt = dataclasses.replace(GPT, n_layers=12)
+    one, two = (step_at_layout(gpt, 1024, Layout(micro_batch=mb, accumulate=4, pp=pp, recompute="full"), "16-true",
+                               "a100-80gb", **settings) for mb in (1, 2))  # fmt: skip
+    assert two.total_s >= one.total_s
+    if pp == 1:
+        assert two.hidden["host"] + two.seconds["host"] >= 0.9 * one.hidden["host"] + 0.9 * one.seconds["host"]

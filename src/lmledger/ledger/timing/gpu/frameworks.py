@@ -59,6 +59,9 @@ class Kernels:
     serial_host: bool = False  # the host waits for each kernel before launching the next
     grad_reduce: str = "buckets"
     fp8_matmuls: bool = False  # linear layers in fp8 (torchao float8, Transformer Engine): see price._price_matmul
+    # The unfused attention's dropout on its probabilities, a kernel each way: Megatron-LM's GPT default
+    # (--attention-dropout 0.1), which vTrain's profiled GPT keeps (its src/model/gpt_model.py: attention_dropout_prob)
+    attention_dropout: bool = False
 
     def compiled(self) -> Kernels:
         """The same framework under torch.compile: elementwise runs fused, launched from Inductor's wrapper code."""
@@ -76,10 +79,11 @@ FRAMEWORKS: dict[str, Kernels] = {
         Kernels("compile", fuse_elementwise=True, host_forward_s=_C_LAUNCH_S, host_backward_s=_C_LAUNCH_S,
                 host_free_s=0.0, description="torch.compile: SDPA, elementwise runs fused by Inductor"),
         Kernels("megatron", attention="unfused", fuse_elementwise=True, ddp_overlap=False, grad_reduce="one",
+                attention_dropout=True,
                 description="Megatron-LM before FlashAttention: batched-matmul attention with a fused softmax, fused "
                 "layernorm, bias-GeLU and bias-dropout-add kernels, its gradient buffer all-reduced after backward"),
         Kernels("megatron-deepspeed", attention="unfused", fuse_elementwise=True, ddp_overlap=False,
-                grad_reduce="per-gradient", host_forward_s=_MEGATRON_DEEPSPEED_S,
+                grad_reduce="per-gradient", attention_dropout=True, host_forward_s=_MEGATRON_DEEPSPEED_S,
                 host_backward_s=_MEGATRON_DEEPSPEED_S, host_free_s=_MEGATRON_DEEPSPEED_S,
                 description="Megatron-DeepSpeed: Megatron-LM's kernels, each gradient all-reduced after backward "
                 "(vTrain's runs: no gradient bucketing)"),

@@ -122,14 +122,18 @@ def attention_peak(dtype: str, chip: Chip) -> float:
 
 
 def unfused_attention_seconds(
-    batch_heads: int, seq: int, head_dim: int, backward: bool, dtype: str, chip: Chip, element_bytes: int = 2
-) -> float:
+    batch_heads: int, seq: int, head_dim: int, backward: bool, dtype: str, chip: Chip, element_bytes: int = 2,
+    dropout: bool = False,
+) -> float:  # fmt: skip
     """Attention as Megatron-era trainers ran it: scores = q k^T and out = p v as batched matmuls, with a fused
     scale-mask-softmax between them (read and write the scores once); backward: four batched matmuls and the
-    softmax's backward (read the probabilities and their gradient, write the scores' gradient)."""
+    softmax's backward (read the probabilities and their gradient, write the scores' gradient). With `dropout`, the
+    probabilities' dropout is a kernel of its own each way (torch's native_dropout: read them, write them and a
+    one-byte mask; its backward reads the gradient and the mask and writes the gradient)."""
     scores = matmul_seconds(seq, seq, head_dim, batch_heads, dtype, chip, element_bytes)
     values = matmul_seconds(seq, head_dim, seq, batch_heads, dtype, chip, element_bytes)
     square = batch_heads * seq * seq * element_bytes
+    drop = stream_seconds(2 * square + square // element_bytes, chip) if dropout else 0.0
     if not backward:
-        return scores + values + stream_seconds(2 * square, chip)
-    return 2 * (scores + values) + stream_seconds(3 * square, chip)
+        return scores + values + stream_seconds(2 * square, chip) + drop
+    return 2 * (scores + values) + stream_seconds(3 * square, chip) + drop

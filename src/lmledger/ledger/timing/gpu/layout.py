@@ -32,7 +32,7 @@ from lmledger.ledger.hardware.interconnect import Links
 from lmledger.ledger.sharding.schedule import Pipeline, in_flight, timeline
 from lmledger.ledger.timing.gpu.frameworks import Kernels
 from lmledger.ledger.timing.gpu.step import predict_gpu_step
-from lmledger.ledger.timing.steptime.predict import CATEGORIES, NoStepTime, StepTime
+from lmledger.ledger.timing.steptime.predict import CATEGORIES, HOST, NoStepTime, StepTime
 
 __all__ = [
     "BUBBLE",
@@ -266,10 +266,21 @@ def step_at_layout(
     seconds = {c: max(0.0, at_depth(0, c) + extra * at_depth(1, c)) for c in CATEGORIES}
     first = priced[1][0]
     hidden = {k: max(0.0, v + depth * (priced[2][0].hidden.get(k, 0.0) - v)) for k, v in first.hidden.items()}
+    # The host's launches are linear in depth, but a shallow step's kernels can hide them where a deep one's cannot
+    # (a one-layer step kernel-bound, its further layers host-bound): the step is never shorter than its launches
+    issued = _issued(priced[1][0]) + depth * (_issued(priced[2][0]) - _issued(priced[1][0]))
+    issued += extra * (_issued(priced[1][1]) + depth * (_issued(priced[2][1]) - _issued(priced[1][1])))
+    seconds[HOST] += max(0.0, issued - sum(seconds.values()))
+    hidden[HOST] = max(0.0, issued - seconds[HOST])
     tokens = layout.micro_batch * seq
     ops = first.ops + depth * (priced[2][0].ops - first.ops)
     return dataclasses.replace(first, seconds=seconds, hidden=hidden, accumulate=layout.accumulate,
                                tokens=tokens * layout.accumulate, mfu=None, ops=ops)  # fmt: skip
+
+
+def _issued(step: StepTime) -> float:
+    """The host's time launching a priced step's kernels: what it left the GPU idle, and what hid under kernels."""
+    return step.seconds.get(HOST, 0.0) + step.hidden.get(HOST, 0.0)
 
 
 @dataclass(frozen=True)
@@ -338,16 +349,26 @@ BUBBLE = "bubble"  # a pipelined step's idle share on its slowest rank: the sche
 def _seconds(ops: list, gpu, compute_dtype: str, kernels: Kernels, links: Links, world: int) -> dict[str, float]:
     """Per-category seconds of `ops` run alone on one rank (empty: zeros)."""
     if not ops:
-        return dict.fromkeys(CATEGORIES, 0.0)
+        return dict.fromkeys((*CATEGORIES, _ISSUED), 0.0)
     found = predict_gpu_step(OpSummary.of(ops), gpu, compute_dtype=compute_dtype, kernels=kernels, links=links,
                              world_size=world)  # fmt: skip
     if isinstance(found, NoStepTime):
         raise _Unpriced(found.reason)
-    return dict(found.seconds)
+    return {**found.seconds, _ISSUED: _issued(found)}
 
 
 class _Unpriced(Exception):
     pass
+
+
+_ISSUED = "issued"  # beside a part's categories: the host's launch time, linear in depth (_issued)
+
+
+def _floored(seconds: dict[str, float]) -> dict[str, float]:
+    """A chunk's categories, its host wait raised so that the chunk takes at least its launches (step_at_layout)."""
+    out = {k: v for k, v in seconds.items() if k != _ISSUED}
+    out[HOST] = out.get(HOST, 0.0) + max(0.0, seconds.get(_ISSUED, 0.0) - sum(out.values()))
+    return out
 
 
 def _parts(ops: OpSummary, gpu, compute_dtype: str, kernels: Kernels, links: Links, world: int) -> dict[str, dict]:
@@ -402,8 +423,8 @@ def _pipelined(config, seq, layout: Layout, precision, gpu, compute_dtype, kerne
     def chunk(j: int, phase: str) -> dict[str, float]:
         return _add((n, layer[phase]), (j == 0, embed[phase]), (j == pipe.chunks - 1, head[phase]))
 
-    forward = [chunk(j, "forward") for j in range(pipe.chunks)]
-    backward = [chunk(j, "backward") for j in range(pipe.chunks)]
+    forward = [_floored(chunk(j, "forward")) for j in range(pipe.chunks)]
+    backward = [_floored(chunk(j, "backward")) for j in range(pipe.chunks)]
     send = _send_seconds(layout, config.d_model * seq * layout.micro_batch, compute_dtype, links)
     line = timeline(pipe, [sum(f.values()) for f in forward], [sum(b.values()) for b in backward], send)
 
@@ -415,7 +436,7 @@ def _pipelined(config, seq, layout: Layout, precision, gpu, compute_dtype, kerne
         chunks = [c * pipe.stages + r for c in range(pipe.virtual)]
         first, last = r == 0, r == pipe.stages - 1
         ends_here = first * embed_share + last * (1 - embed_share)
-        optimizer = _add((n * pipe.virtual, layer["optimizer"]), (ends_here, ends["optimizer"]))
+        optimizer = _floored(_add((n * pipe.virtual, layer["optimizer"]), (ends_here, ends["optimizer"])))
         held = sizes["layer"] * (n * pipe.virtual) + sizes["embedding"] * first + sizes["head"] * last
         reduce = _reduce_seconds(held, layout, kernels, inner) if layout.sharding == "ddp" else 0.0
         end = line.ends[r] + reduce + sum(optimizer.values())

@@ -130,7 +130,8 @@ def _price_attention(op: OpRecord, chip: Chip, kernels: Kernels, compute: str) -
         return attention_seconds(op.flops, 1 << 14, 1 << 14, 128, False, backward, kernel, dtype, chip)
     b, h, sq, sk, d, causal = shape
     if kernels.attention == "unfused" and sq == sk:
-        return unfused_attention_seconds(b * h, sq, d, backward, dtype, chip, _ELEMENT.get(op.dtype, 2))
+        return unfused_attention_seconds(b * h, sq, d, backward, dtype, chip, _ELEMENT.get(op.dtype, 2),
+                                         kernels.attention_dropout)  # fmt: skip
     return attention_seconds(op.flops, sq, sk, d, causal, backward, kernel, dtype, chip)
 
 
