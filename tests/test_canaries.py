@@ -871,3 +871,60 @@ def test_torch_pipeline_schedules_run_lmledgers_orders():
                 assert theirs == ours, (pipe, rank)
     finally:
         dist.destroy_process_group()
+
+
+def test_torch_context_parallel_refuses_the_cpu_attention_kernels():
+    """torch's context_parallel sends only the CUDA SDPA kernels (flash, efficient, cuDNN) to its ring attention. On
+    CPU tensors SDPA picks _scaled_dot_product_flash_attention_for_cpu, which DTensor has no sharding rule for; the
+    math backend's decomposition mixes DTensors and plain tensors. Refused so on the fake process group, real and
+    fake tensors alike (and on real gloo ranks: tests/ledger/test_context_parallel.py records the same line). So
+    ledger.sharding.context runs torch's ring itself (ring_attention) with the CPU flash kernel as its block op."""
+    import torch.nn.functional as F
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.tensor.experimental import context_parallel
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from lmledger.ledger.sharding.fsdp2 import fake_process_group
+
+    refused = "Operator aten._scaled_dot_product_flash_attention_for_cpu.default does not have a sharding strategy"
+
+    def attend(backend=None) -> None:
+        q, k, v = (torch.empty(1, 2, 16, 8) for _ in range(3))
+        with context_parallel(mesh, buffers=[q, k, v], buffer_seq_dims=[2, 2, 2]):
+            with sdpa_kernel(backend) if backend else contextlib.nullcontext():
+                F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    with fake_process_group(2) as mesh:
+        with pytest.raises(NotImplementedError, match=refused):
+            attend()
+        with FakeTensorMode(), pytest.raises(NotImplementedError, match=refused):
+            attend()
+        with pytest.raises(RuntimeError, match="got mixed torch.Tensor and DTensor"):
+            attend(SDPBackend.MATH)
+
+
+def test_torch_ring_attention_parts_lmledger_runs():
+    """What ledger.sharding.context takes from torch's context parallelism as it is: the options its ring reads (K|V
+    all-gathered by default, head-tail load balancing, merges and dK|dV in fp32); the head-tail order (rank r holds
+    chunks r and 2c - 1 - r), which torch drops silently where seq does not divide by 2c (check_context refuses it);
+    the ring's signatures; and the CPU flash kernel's (out, logsumexp), logsumexp fp32 (b, h, t) for bf16 inputs too,
+    whose backward takes the keywords the ring's backward passes."""
+    from torch.distributed.tensor.experimental._context_parallel import _attention, _load_balancer
+
+    options = _attention._ContextParallelOptions()
+    assert (options.rotate_method, options.enable_load_balance, options.convert_to_f32) == (
+        _attention._RotateMethod.ALL_GATHER, True, True)  # fmt: skip
+    assert _load_balancer._HeadTailLoadBalancer(8, 2, "cpu")._generate_indices().tolist() == [[0, 1, 6, 7, 2, 3, 4, 5]]
+    assert _load_balancer._create_default_load_balancer(30, 2, "cpu") is None
+    forward = list(inspect.signature(_attention._templated_ring_attention).parameters)
+    assert forward[:7] == ["group", "seq_dim", "op", "query", "key", "value", "is_causal"]
+    backward = list(inspect.signature(_attention._templated_ring_attention_backward).parameters)
+    assert backward[:11] == ["group", "seq_dim", "op", "grad_out", "grad_out_name", "query", "key", "value", "out",
+                             "logsumexp", "is_causal"]  # fmt: skip
+    q = torch.randn(1, 2, 8, 4, dtype=torch.bfloat16)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, q, q, is_causal=True)
+    assert (out.shape, lse.shape, lse.dtype) == (q.shape, (1, 2, 8), torch.float32)
+    grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default(
+        query=q, key=q, value=q, out=out, logsumexp=lse, is_causal=False, grad_out=out, dropout_p=0.0, scale=None
+    )
+    assert [g.shape for g in grads] == [q.shape] * 3
