@@ -60,12 +60,10 @@ def why_not(row: dict) -> str | None:
         return f"{', '.join(missing)} unknown"
     if row["pp"] > 1 and row.get("vpp") in (None, "", "unknown"):
         return f"PP {row['pp']} with an unknown number of chunks a rank (vpp)"
-    if row["cp"] > 1:
-        return f"context parallelism (CP {row['cp']}) is not modelled yet"
     if row["arch"] not in ("gpt", "mpt", "llama"):
         return f"arch {row['arch']}: only gpt, mpt and llama rows are built"
-    if row["tp"] * row["pp"] * row["dp"] != row["gpus"]:
-        return f"TP {row['tp']} x PP {row['pp']} x DP {row['dp']} is not the {row['gpus']} GPUs"
+    if row["tp"] * row["cp"] * row["pp"] * row["dp"] != row["gpus"]:
+        return f"TP {row['tp']} x CP {row['cp']} x PP {row['pp']} x DP {row['dp']} is not the {row['gpus']} GPUs"
     if row["global_batch"] % (row["micro_batch"] * row["dp"]):
         return f"global batch {row['global_batch']} is not a multiple of micro-batch x DP"
     return None
@@ -122,7 +120,7 @@ def layout_of(row: dict):
     accumulate = row["global_batch"] // (row["micro_batch"] * row["dp"])
     virtual = int(row.get("vpp") or 1) if row["pp"] > 1 else 1
     return Layout(tp=row["tp"], dp=row["dp"], sharding=sharding, micro_batch=row["micro_batch"], accumulate=accumulate,
-                  recompute=recompute_of(row), pp=row["pp"], virtual=virtual,
+                  recompute=recompute_of(row), pp=row["pp"], virtual=virtual, cp=row["cp"],
                   schedule="interleaved" if virtual > 1 else "1f1b")  # fmt: skip
 
 

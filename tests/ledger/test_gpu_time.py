@@ -12,7 +12,7 @@ import torch
 
 from lmledger.ledger.count.ops import COMMUNICATION, MATMUL, OTHER, OpRecord, OpSummary
 from lmledger.ledger.hardware.gpus import GPUS
-from lmledger.ledger.hardware.interconnect import INTERCONNECTS, Links
+from lmledger.ledger.hardware.interconnect import INTERCONNECTS, Links, links_for
 from lmledger.ledger.timing.gpu import arch, comm, kernels_for, predict_gpu_step
 from lmledger.ledger.timing.gpu.kernels import (
     attention_seconds,
@@ -101,6 +101,17 @@ def test_attention_causal_does_half_the_work_and_unfused_is_two_batched_matmuls_
         plain = unfused_attention_seconds(bh, s, d, backward, "fp16", A100)
         dropped = unfused_attention_seconds(bh, s, d, backward, "fp16", A100, dropout=True)
         assert dropped - plain == pytest.approx(stream_seconds(2 * square + square // 2, A100))
+
+
+def test_context_parallels_rotation_is_a_send_of_the_whole_buffer():
+    # torch's ring rotates K|V with all_to_all_single, the whole buffer to the next rank: a send, not an all-to-all's
+    # (n - 1)/n; inside a node while the group fits there
+    links = links_for("h100-sxm", None, None, 8, 4)
+    rotate = OpRecord("_c10d_functional.all_to_all_single.default", "backward", "communication", 0, 64 << 20, 64 << 20,
+                      "bfloat16", group="context_parallel", group_size=2)  # fmt: skip
+    spread = dataclasses.replace(rotate, group="data_parallel")
+    assert comm.collective(rotate, links, 2)[0] > 1.5 * comm.collective(spread, links.one(links.intra), 2)[0]
+    assert links.for_group("context_parallel", 4) is links.intra
 
 
 def test_nccl_all_reduce_in_an_a100_node_against_vtrains_nccl_tests_table():

@@ -75,3 +75,16 @@ def test_a_deep_host_bound_step_takes_at_least_its_launches(pp):
     assert two.total_s >= one.total_s
     if pp == 1:
         assert two.hidden["host"] + two.seconds["host"] >= 0.9 * one.hidden["host"] + 0.9 * one.seconds["host"]
+
+
+def test_context_parallel_halves_a_ranks_compute_and_adds_its_ring():
+    # Llama-style (RoPE: learned positions do not shard along the sequence), one sequence of 4096 split over 2 ranks
+    llama = ModelConfig(vocab_size=32000, context_length=4096, d_model=1024, n_layers=4, n_heads=16, d_ff=2816)
+    settings = dict(SETTINGS, compute_dtype="bf16", kernels=kernels_for("torchtitan"))
+    one, two = (step_at_layout(llama, 4096, Layout(cp=cp, sharding="fsdp"), "bf16-mixed", "a100-80gb", **settings)
+                for cp in (1, 2))  # fmt: skip
+    compute = [s.seconds["matmul"] + s.seconds["attention"] for s in (one, two)]
+    assert compute[1] == pytest.approx(compute[0] / 2, rel=0.15)
+    assert two.seconds["communication"] + two.hidden["communication"] > one.seconds["communication"]
+    learned = step_at_layout(GPT, 1024, Layout(cp=2), "16-true", "a100-80gb", **SETTINGS)
+    assert isinstance(learned, NoStepTime) and "position" in learned.reason

@@ -11,7 +11,8 @@ __all__ = ["plan_layouts"]
 
 def _layout_json(c, num_gpus: int, tokens_per_step: int, tokens: float | None, peak_flops: float, flops_per_token):
     layout, step = c.layout, c.step
-    out = {"tensor_parallel": layout.tp, "pipeline_parallel": layout.pp, "data_parallel": layout.dp,
+    out = {"tensor_parallel": layout.tp, "context_parallel": layout.cp, "pipeline_parallel": layout.pp,
+           "data_parallel": layout.dp,
            "sharding": layout.sharding, "micro_batch": layout.micro_batch, "micro_batches": layout.accumulate,
            "recompute": layout.recompute, "schedule": layout.schedule if layout.pp > 1 else None}  # fmt: skip
     if c.memory is not None:
@@ -61,5 +62,5 @@ def plan_layouts(argv: list[str], gpu: str | None, num_gpus: int, tokens: float 
         "searched": len(found.ranked) + len(found.dropped), "fits": len(found.ranked),
         "ranked": [row(c) for c in found.ranked[:top]], "dropped": [row(c) for c in found.dropped],
         "links": {"intra_node": links.intra.name, "inter_node": links.inter.name, "gpus_per_node": links.gpus_per_node},
-        "not_searched": "context parallel (not modelled yet); interleaved pipeline schedules",
+        "not_searched": "interleaved pipeline schedules; context parallel below a 16K-token context, and beside TP",
     }  # fmt: skip

@@ -340,12 +340,13 @@ def _layout_command(
         return
     table = Table(title=f"layouts of {out['global_batch']} x {out['seq_len']} tokens a step on {out['num_gpus']} x "
                   f"{out['gpu']}, ranked by predicted time ({out['fits']} of {out['searched']} fit)")  # fmt: skip
-    for name in ("TP", "PP", "DP", "micro", "recompute", "peak GB", "step ms", "MFU", "compute", "comm", "bubble",
+    for name in ("TP", "CP", "PP", "DP", "micro", "recompute", "peak GB", "step ms", "MFU", "compute", "comm", "bubble",
                  *(("days",) if tokens else ())):  # fmt: skip
         table.add_column(name, justify="right")
     for r in out["ranked"]:
         b = r["breakdown_s"]
-        table.add_row(str(r["tensor_parallel"]), str(r["pipeline_parallel"]), f"{r['data_parallel']} {r['sharding']}",
+        table.add_row(str(r["tensor_parallel"]), str(r["context_parallel"]), str(r["pipeline_parallel"]),
+                      f"{r['data_parallel']} {r['sharding']}",
                       f"{r['micro_batch']}x{r['micro_batches']}", r["recompute"], f"{r['peak_bytes'] / GB:.1f}",
                       f"{r['step_s'] * 1e3:,.0f}", f"{r['mfu']:.3f}", f"{b['compute'] * 1e3:,.0f}",
                       f"{b['communication'] * 1e3:,.0f}", f"{b['bubble'] * 1e3:,.0f}",

@@ -171,9 +171,10 @@ def _keys(scope: str | None) -> str:
 
 # -- what a collective costs on a link ---------------------------------------------------------------------
 
-# Groups whose ranks are contiguous (TP's inner mesh dimension, HSDP's shard groups): inside one node while they
-# fit in it. Every other group (data parallel, DDP's world, HSDP's replicas) strides across nodes.
-_CONTIGUOUS = ("tensor_parallel", "shard")
+# Groups whose ranks are contiguous (TP's inner mesh dimension, HSDP's shard groups, context parallel beside TP as
+# torchtitan places it): inside one node while they fit in it. Every other group (data parallel, DDP's world, HSDP's
+# replicas) strides across nodes.
+_CONTIGUOUS = ("tensor_parallel", "shard", "context_parallel")
 
 
 @dataclass(frozen=True)

@@ -51,6 +51,8 @@ def collective(op: object, links: Links, world_size: int) -> tuple[float, str | 
     kind = collective_kind(op.name)
     if kind is None:
         return 0.0, None
+    if kind == "all_to_all" and op.group == "context_parallel":
+        kind = "permute"  # the ring's rotation: all_to_all_single with the whole buffer to the next rank (a send)
     size = op.group_size or world_size
     link = links.for_group(op.group or "world", size)
     sent = wire_bytes(kind, max(op.bytes_read, op.bytes_written), size)

@@ -61,6 +61,7 @@ class Layout:
     accumulate: int = 1  # micro-batches a data-parallel replica runs per step (through the pipeline, if any)
     recompute: str = "none"  # RECOMPUTE (module doc)
     pp: int = 1  # pipeline stages
+    cp: int = 1  # context parallel: each sequence split over cp ranks (ledger.sharding.context: torch's ring attention)
     virtual: int = 1  # model chunks per pipeline rank (the interleaved schedule)
     schedule: str = "1f1b"  # ledger.sharding.schedule.SCHEDULES
 
@@ -69,14 +70,14 @@ class Layout:
             raise UserError(f"sharding {self.sharding!r}: choose ddp (replicated) or fsdp (fully sharded)")
         if self.recompute not in (*RECOMPUTE, *_SELECTIVE):
             raise UserError(f"recompute {self.recompute!r}: choose one of {', '.join(RECOMPUTE)}")
-        for name in ("tp", "dp", "micro_batch", "accumulate", "pp", "virtual"):
+        for name in ("tp", "dp", "micro_batch", "accumulate", "pp", "virtual", "cp"):
             if getattr(self, name) < 1:
                 raise UserError(f"{name} must be at least 1, got {getattr(self, name)}")
         self.pipeline  # noqa: B018 - the schedule's own checks (interleaved: micro-batches a multiple of pp)
 
     @property
     def gpus(self) -> int:
-        return self.tp * self.dp * self.pp
+        return self.tp * self.cp * self.dp * self.pp
 
     @property
     def pipeline(self) -> Pipeline:
@@ -132,9 +133,7 @@ def rank_ops(config, seq: int, layout: Layout, precision: str) -> tuple[OpSummar
     """(one micro-batch's step on one rank, each gradient's bytes, its forward FLOPs): the sharded dry run of the ToyLM
     `config` at `layout` (data parallel replicated: dry-run at the TP group alone; its all-reduce is added by
     step_at_layout). Cached per what decides it: a search or a table of runs meets the same shapes again."""
-    fsdp_dp = layout.dp if layout.sharding == "fsdp" else 1
-    traced = "full" if layout.recompute == "full" else "none"
-    found = _rank_ops(config, seq, layout.tp, fsdp_dp, layout.micro_batch, traced, precision)
+    found = _traced(config, seq, layout, precision)
     if isinstance(found, NotTraced):
         return found
     ops, grads, forward, _ = found
@@ -166,6 +165,24 @@ def _selective(ops: OpSummary, kind: str) -> OpSummary:
               for op in again]  # fmt: skip
     start = next((i for i, op in enumerate(records) if op.phase == "backward"), len(records))
     return OpSummary.of(records[:start] + copies + records[start:], ops.outside)
+
+
+def _traced(config, seq: int, layout: Layout, precision: str):
+    """_rank_ops' (ops, grads, forward FLOPs, (state, activations, peak)) of one rank at `layout` (recompute traced:
+    none or full), or NotTraced; under context parallel, ledger.sharding.context's rank (its ring in the dry run)."""
+    traced = "full" if layout.recompute == "full" else "none"
+    if layout.cp > 1:
+        from lmledger.ledger.sharding.context import context_rank
+
+        if layout.tp > 1:
+            return NotTraced("context parallel beside tensor parallel is not modelled yet")
+        try:
+            return context_rank(config, seq, layout.cp, layout.micro_batch, precision, traced, dp=layout.dp,
+                                sharding=layout.sharding)  # fmt: skip
+        except UserError as err:  # e.g. a sequence that does not split into 2 x cp, learned positions
+            return NotTraced(str(err))
+    fsdp_dp = layout.dp if layout.sharding == "fsdp" else 1
+    return _rank_ops(config, seq, layout.tp, fsdp_dp, layout.micro_batch, traced, precision)
 
 
 @functools.lru_cache(maxsize=256)
@@ -222,13 +239,14 @@ def _buckets(grads: tuple[int, ...], dtype: str, kernels: Kernels) -> list[tuple
 
 def _one(ops: OpSummary, grads: tuple[int, ...], layout: Layout, gpu, dtype: str, kernels: Kernels, links: Links):
     """(the whole step of one micro-batch, a further micro-batch's forward and backward) on the GPU."""
-    replicated = layout.sharding == "ddp" and layout.dp > 1
+    world = layout.dp * layout.cp  # a replicated state's gradients are all-reduced over the context ranks too
+    replicated = layout.sharding == "ddp" and world > 1
     grad_dtype = next((op.dtype for op in ops.ops if op.category == OPTIMIZER and op.dtype), "float32")
     buckets = _buckets(grads, grad_dtype, kernels) if replicated else []
-    whole = predict_gpu_step(ops, gpu, compute_dtype=dtype, kernels=kernels, links=links, world_size=layout.dp,
+    whole = predict_gpu_step(ops, gpu, compute_dtype=dtype, kernels=kernels, links=links, world_size=world,
                              buckets=buckets, bucket_group="data_parallel")  # fmt: skip
     micro = OpSummary.of([op for op in ops.ops if op.category != OPTIMIZER])
-    more = predict_gpu_step(micro, gpu, compute_dtype=dtype, kernels=kernels, links=links, world_size=layout.dp)
+    more = predict_gpu_step(micro, gpu, compute_dtype=dtype, kernels=kernels, links=links, world_size=world)
     return whole, more
 
 
@@ -312,12 +330,9 @@ def rank_memories(config, seq: int, layout: Layout, precision: str) -> list[Rank
     pipe = layout.pipeline
     if config.n_layers % pipe.chunks:
         return NoStepTime(f"{config.n_layers} layers do not split evenly into {pipe.chunks} pipeline chunks")
-    fsdp_dp = layout.dp if layout.sharding == "fsdp" else 1
-    traced = "full" if layout.recompute == "full" else "none"
     found = {}
     for layers in (1, 2):
-        got = _rank_ops(dataclasses.replace(config, n_layers=layers), seq, layout.tp, fsdp_dp, layout.micro_batch,
-                        traced, precision)  # fmt: skip
+        got = _traced(dataclasses.replace(config, n_layers=layers), seq, layout, precision)
         if isinstance(got, NotTraced):
             return NoStepTime(got.reason)
         found[layers] = got[3]
@@ -403,14 +418,14 @@ def _pipelined(config, seq, layout: Layout, precision, gpu, compute_dtype, kerne
     gpn = max(1, links.gpus_per_node)
     # Megatron-LM's rank order (tp, dp, pp): a stage's TP and data-parallel groups span tp x dp consecutive ranks, so
     # they stay in a node where those fit; the hand-over between stages crosses nodes unless the whole pipeline fits
-    inner = dataclasses.replace(links, num_nodes=-(-layout.tp * layout.dp // gpn))
+    inner = dataclasses.replace(links, num_nodes=-(-layout.tp * layout.cp * layout.dp // gpn))
     try:
         parts, grads = {}, {}
         for layers in (1, 2):
             found = rank_ops(dataclasses.replace(config, n_layers=layers), seq, stage, precision)
             if isinstance(found, NotTraced):
                 return NoStepTime(found.reason)
-            parts[layers] = _parts(found[0], gpu, compute_dtype, kernels, inner, layout.dp)
+            parts[layers] = _parts(found[0], gpu, compute_dtype, kernels, inner, layout.dp * layout.cp)
             grads[layers] = found[1]
     except _Unpriced as err:
         return NoStepTime(str(err))
@@ -493,9 +508,10 @@ def _reduce_seconds(grads: list[int], layout: Layout, kernels: Kernels, links: L
     from lmledger.ledger.count.ops import OpRecord
     from lmledger.ledger.timing.gpu import comm
 
-    if layout.dp <= 1 or not grads:
+    world = layout.dp * layout.cp
+    if world <= 1 or not grads:
         return 0.0
     ops = [OpRecord("c10d.allreduce_ (DDP bucket, predicted)", "backward", COMMUNICATION, 0, size, 0, dtype,
-                    group="data_parallel", group_size=layout.dp) for size, dtype in _buckets(tuple(grads), "float32",
+                    group="data_parallel", group_size=world) for size, dtype in _buckets(tuple(grads), "float32",
                                                                                               kernels)]  # fmt: skip
-    return sum(comm.collective(op, links, layout.dp)[0] for op in ops)
+    return sum(comm.collective(op, links, world)[0] for op in ops)

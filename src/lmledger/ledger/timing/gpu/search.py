@@ -1,10 +1,11 @@
 """The layout search behind `lmledger plan layout`: every way to lay a ToyLM model over N GPUs at a global batch, the
 ones whose per-rank peak fits, ranked by predicted tokens/s.
 
-    searched    tensor parallel (a divisor of the node's GPUs that the heads and KV heads divide) x pipeline stages
-                (a divisor of the depth) x data parallel (the rest), replicated ("ddp") or fully sharded ("fsdp"),
+    searched    tensor parallel (a divisor of the node's GPUs that the heads and KV heads divide) x context parallel
+                (2, 4, 8 from LONG_CONTEXT tokens up, without TP: the two are not composed yet) x pipeline stages (a
+                divisor of the depth) x data parallel (the rest), replicated ("ddp") or fully sharded ("fsdp"),
                 x micro-batch (a power of two that divides a replica's share of the batch) x recompute (none or every
-                block), 1F1B when pipelined; context parallel is not searched (not modelled yet)
+                block), 1F1B when pipelined
     dropped     a layout whose batch does not divide, or whose highest per-rank peak (layout.memory_at_layout) is over
                 the GPU's memory: each with why
     ranked      the rest by the predicted step (layout.step_at_layout), fastest first
@@ -15,8 +16,10 @@ and data-parallel widths that share them are priced from the same dry runs. Pure
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
+from lmledger.errors import UserError
 from lmledger.ledger.hardware.interconnect import Links
 from lmledger.ledger.timing.gpu.frameworks import Kernels
 from lmledger.ledger.timing.gpu.layout import BUBBLE, Layout, RankMemory, memory_at_layout, step_at_layout
@@ -26,6 +29,11 @@ __all__ = ["Candidate", "Search", "candidates", "search_layouts"]
 
 MICRO_BATCHES = (1, 2, 4, 8)
 RECOMPUTES = ("none", "full")
+SHARDINGS = ("ddp", "fsdp")
+SCHEDULES = (("1f1b", 1),)  # (schedule, model chunks a rank) of a pipelined layout
+# Context parallel is searched from this sequence length up: what it is for (torchtitan's Llama 3 runs use it at 64K
+# to 256K tokens), where a shorter sequence's shards would leave each rank's attention too small to pay for the ring
+LONG_CONTEXT = 16384
 
 
 @dataclass(frozen=True)
@@ -58,39 +66,57 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def candidates(config, num_gpus: int, global_batch: int, gpus_per_node: int) -> tuple[list[Layout], list[Candidate]]:
-    """(the layouts to price, those dropped before any dry run: a batch that does not divide)."""
+def candidates(
+    config, num_gpus: int, global_batch: int, gpus_per_node: int, *, shardings=SHARDINGS, recomputes=RECOMPUTES,
+    micro_batches=MICRO_BATCHES, schedules=SCHEDULES, cps=(1,),
+) -> tuple[list[Layout], list[Candidate]]:  # fmt: skip
+    """(the layouts to price, those dropped before any dry run: a batch or a depth that does not divide)."""
     out, dropped = [], []
     heads, kv = config.n_heads, getattr(config, "kv_heads", config.n_heads)
-    for tp in _divisors(min(gpus_per_node, num_gpus)):
-        if heads % tp or kv % tp or num_gpus % tp:
+    for tp, cp in itertools.product(_divisors(min(gpus_per_node, num_gpus)), cps):
+        if heads % tp or kv % tp or num_gpus % (tp * cp) or (cp > 1 and tp > 1):  # CP beside TP: not modelled yet
             continue
         for pp in _divisors(config.n_layers):
-            if num_gpus % (tp * pp):
+            if num_gpus % (tp * cp * pp):
                 continue
-            dp = num_gpus // (tp * pp)
+            dp = num_gpus // (tp * cp * pp)
             if global_batch % dp:
-                dropped.append(Candidate(Layout(tp=tp, dp=dp, pp=pp), dropped=f"the global batch {global_batch} does "
-                                         f"not split over {dp} data-parallel replicas"))  # fmt: skip
+                dropped.append(Candidate(Layout(tp=tp, dp=dp, pp=pp, cp=cp), dropped=f"the global batch {global_batch} "
+                                         f"does not split over {dp} data-parallel replicas"))  # fmt: skip
                 continue
             share = global_batch // dp
-            for mb in (b for b in MICRO_BATCHES if share % b == 0):
-                for sharding in ("ddp", "fsdp") if dp > 1 else ("ddp",):
-                    for recompute in RECOMPUTES:
-                        out.append(Layout(tp=tp, dp=dp, pp=pp, sharding=sharding, micro_batch=mb,
-                                          accumulate=share // mb, recompute=recompute))  # fmt: skip
+            for mb, sharding, recompute, (schedule, virtual) in itertools.product(
+                [b for b in micro_batches if share % b == 0], [s for s in shardings if dp * cp > 1 or s == "ddp"],
+                recomputes, schedules if pp > 1 else (("1f1b", 1),),
+            ):  # fmt: skip
+                settings = dict(tp=tp, dp=dp, pp=pp, cp=cp, sharding=sharding, micro_batch=mb, accumulate=share // mb,
+                                recompute=recompute, schedule=schedule, virtual=virtual)  # fmt: skip
+                try:
+                    layout = Layout(**settings)
+                except UserError as err:  # e.g. interleaving with micro-batches not a multiple of the stages
+                    dropped.append(Candidate(Layout(tp=tp, dp=dp, pp=pp, cp=cp, micro_batch=mb), dropped=str(err)))
+                    continue
+                if config.n_layers % (pp * virtual):
+                    dropped.append(Candidate(layout, dropped=f"{config.n_layers} layers do not split into "
+                                             f"{pp} x {virtual} chunks"))  # fmt: skip
+                    continue
+                out.append(layout)
     return out, dropped
 
 
 def search_layouts(
     config, seq: int, *, num_gpus: int, global_batch: int, capacity_bytes: int, precision: str, gpu,
-    compute_dtype: str, kernels: Kernels, links: Links,
+    compute_dtype: str, kernels: Kernels, links: Links, memory_precision: str | None = None, **space,
 ) -> Search:  # fmt: skip
-    """Every layout of `config` at `global_batch` sequences of `seq` tokens over `num_gpus` GPUs (module doc)."""
-    layouts, dropped = candidates(config, num_gpus, global_batch, max(1, links.gpus_per_node))
+    """Every layout of `config` at `global_batch` sequences of `seq` tokens over `num_gpus` GPUs (module doc); `space`
+    narrows or widens what is searched (candidates' shardings, recomputes, micro_batches, schedules). The bytes are
+    the dry run's at `memory_precision` where the trainer keeps other state than its kernels show (Megatron-LM: 16-bit
+    weights in the kernels, fp32 master weights and moments in its optimizer), else at `precision`."""
+    space.setdefault("cps", (1, 2, 4, 8) if seq >= LONG_CONTEXT else (1,))
+    layouts, dropped = candidates(config, num_gpus, global_batch, max(1, links.gpus_per_node), **space)
     ranked = []
     for layout in layouts:
-        memory = memory_at_layout(config, seq, layout, precision)
+        memory = memory_at_layout(config, seq, layout, memory_precision or precision)
         if not isinstance(memory, RankMemory):
             dropped.append(Candidate(layout, dropped=memory.reason))
             continue
