@@ -156,12 +156,22 @@ def predict(row: dict) -> dict:
         return {**out, "predicted": None, "error": None, "reason": reason}
     seconds = step.total_s
     tokens = row["global_batch"] * row["seq_len"]
-    value = {"iter_s": seconds, "tokens_per_s_per_gpu": tokens / seconds / row["gpus"]}.get(row["metric"])
+    value = {"iter_s": seconds, "tokens_per_s_per_gpu": tokens / seconds / row["gpus"],
+             "tflops_per_gpu": megatron_flops(row) / seconds / row["gpus"] / 1e12}.get(row["metric"])  # fmt: skip
     if value is None:
         return {**out, "predicted": None, "error": None, "reason": f"metric {row['metric']}: needs a FLOP convention",
                 "step_s": seconds}  # fmt: skip
     return {**out, "predicted": value, "error": value / row["value"] - 1, "step_s": seconds,
             "breakdown_ms": {k: round(v * 1e3, 2) for k, v in step.seconds.items() if v}}  # fmt: skip
+
+
+def megatron_flops(row: dict) -> float:
+    """A step's FLOPs as Megatron-LM and the trainers built on it log them (Narayanan et al. 2021, eq. 3: the
+    recomputed forward counted, factor 4 with full recompute, else 3): the convention of a row's TFLOP/s per GPU. Its
+    own rows (SC'21) say so; GPT-NeoX and Megatron-DeepSpeed log the same formula."""
+    b, s, layers, h, vocab = row["global_batch"], row["seq_len"], row["layers"], row["hidden"], row["vocab"]
+    factor = 4 if row["recompute"] == "full" else 3
+    return 24 * factor * b * s * layers * h * h * (1 + s / (6 * h) + vocab / (16 * layers * h))
 
 
 def summary(results: list[dict]) -> list[str]:

@@ -151,3 +151,22 @@ def test_a_fit_on_a_gpu_the_table_knows_is_priced_by_the_gpu_op_model(stdlib_dat
     assert ledger.step_time.replayed == 0
     predicted, measured = ledger.report.times["step time"]
     assert measured is not None and 0.33 < predicted / measured < 3, (predicted, measured)
+
+
+def test_plan_layout_ranks_the_layouts_that_fit(workdir, capsys):
+    """A micro ToyLM, 2 sequences a step, over 2 H100s (one layer: no pipeline): TP 1 x 2 replicas (replicated or
+    FSDP, micro-batch 1) and TP 2 (micro-batch 1 or 2), with and without recompute: 8 layouts, all fit."""
+    args = [*TINY, "--data.batch_size", "2", "--gpu", "h100-sxm", "--num-gpus", "2"]
+    out = run_json(capsys, "plan", "layout", *args, "--tokens", "1e9", "--json")
+    ranked = out["ranked"]
+    assert out["global_batch"] == 2 and out["tokens_per_step"] == 2 * 32 and out["fits"] == len(ranked) == 8
+    assert [r["step_s"] for r in ranked] == sorted(r["step_s"] for r in ranked)
+    assert {r["tensor_parallel"] for r in ranked} == {1, 2} and {r["sharding"] for r in ranked} == {"ddp", "fsdp"}
+    for r in ranked:
+        assert r["tensor_parallel"] * r["pipeline_parallel"] * r["data_parallel"] == 2
+        assert r["micro_batch"] * r["micro_batches"] * r["data_parallel"] == 2 and r["peak_bytes"] < out["memory_bytes"]
+        assert r["days"] == pytest.approx(1e9 / r["tokens_per_s"] / 86400)
+        assert sum(r["breakdown_s"].values()) == pytest.approx(r["step_s"], rel=1e-6)
+    assert lmledger(["plan", "layout", *args, "--top", "2"]) == 0
+    text = capsys.readouterr().out
+    assert "ranked by predicted time" in text and "links: NVLink 4" in text
