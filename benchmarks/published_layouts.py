@@ -77,17 +77,9 @@ def main() -> int:
     parser.add_argument("--only", help="comma-separated row ids")
     parser.add_argument("--sources", default=",".join(SOURCES), help="comma-separated prefixes of the source column")
     args = parser.parse_args()
-    path = Path(args.rows)
-    if not path.is_file():
-        print(f"published_layouts: no such file {path}", file=sys.stderr)
+    rows = runs.chosen_rows(args, "published_layouts")
+    if rows is None:
         return 2
-    try:
-        rows = runs.read_rows(path)
-    except (KeyError, ValueError) as err:
-        print(f"published_layouts: {path} is not in shared/published/README.md's format ({err})", file=sys.stderr)
-        return 2
-    if args.only:
-        rows = [r for r in rows if r["id"] in set(args.only.split(","))]
     rows = [r for r in rows if r["source"].startswith(tuple(args.sources.split(",")))]
     warnings.simplefilter("ignore")
     started, ranked = time.monotonic(), []

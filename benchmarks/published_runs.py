@@ -190,6 +190,21 @@ def summary(results: list[dict]) -> list[str]:
     return lines
 
 
+def chosen_rows(args, prog: str) -> list[dict] | None:
+    """The rows of `args.rows` (those named by `args.only`), or None after one line on stderr: no such file, or not
+    shared/published/README.md's format."""
+    path = Path(args.rows)
+    if not path.is_file():
+        print(f"{prog}: no such file {path}", file=sys.stderr)
+        return None
+    try:
+        rows = read_rows(path)
+    except (KeyError, ValueError) as err:
+        print(f"{prog}: {path} is not in shared/published/README.md's format ({err})", file=sys.stderr)
+        return None
+    return [r for r in rows if r["id"] in set(args.only.split(","))] if args.only else rows
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", required=True, help="a CSV in shared/published/README.md's format")
@@ -197,18 +212,9 @@ def main() -> int:
     parser.add_argument("--sources", help="comma-separated prefixes of the source column")
     parser.add_argument("--limit", type=int, help="the first N rows (after --only/--sources)")
     args = parser.parse_args()
-    path = Path(args.rows)
-    if not path.is_file():
-        print(f"published_runs: no such file {path}", file=sys.stderr)
+    rows = chosen_rows(args, "published_runs")
+    if rows is None:
         return 2
-    try:
-        rows = read_rows(path)
-    except (KeyError, ValueError) as err:
-        print(f"published_runs: {path} is not in shared/published/README.md's format ({err})", file=sys.stderr)
-        return 2
-    if args.only:
-        wanted = set(args.only.split(","))
-        rows = [r for r in rows if r["id"] in wanted]
     if args.sources:
         rows = [r for r in rows if r["source"].startswith(tuple(args.sources.split(",")))]
     rows = rows[: args.limit] if args.limit else rows

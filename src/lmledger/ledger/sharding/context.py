@@ -61,6 +61,7 @@ from lmledger.ledger.sharding.rankstate import (
     ShardedLedger,
     local_state_bytes,
     made_optimizers,
+    priced_rank,
     sharded_ledger,
     sharded_tracking,
 )
@@ -481,10 +482,4 @@ def _context_rank(config, seq, cp, micro_batch, precision, recompute, dp, shardi
         optimizer=lambda params: torch.optim.AdamW(params, fused=fused), precision=precision,
         fsdp=sharding == "fsdp", dp=dp, activation_checkpointing=recompute == "full",
     )  # fmt: skip
-    if isinstance(found, NotTraced):
-        return found
-    total = int(found.grads or 0)
-    numels = [p.numel() for p in model.parameters()]
-    grads = tuple(int(total * n / sum(numels)) for n in reversed(numels)) if numels else ()
-    state = int(found.params or 0) + total + int(found.optimizer or 0)
-    return found.ops, grads, int(found.flops_forward or 0), (state, int(found.activations or 0), int(found.peak or 0))
+    return found if isinstance(found, NotTraced) else priced_rank(found, model)

@@ -374,3 +374,15 @@ def made_optimizers(optimizer: object, module: nn.Module, params: list[nn.Parame
     specs = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
     made = [optimizer_factory(spec, module) for spec in specs]
     return [spec(params) if spec is not None else None for spec in made]
+
+
+def priced_rank(found: StepLedger, model: nn.Module) -> tuple:
+    """What the GPU op model prices of one rank's dry run `found` of `model` (ledger/timing/gpu/layout.py): (its ops,
+    each gradient's bytes in the order backward makes them, the forward's FLOPs, (state, activations, peak) bytes).
+    The gradients are the rank's total shared as the parameters' sizes are (TP splits most of them alike), the last
+    layer's first."""
+    total = int(found.grads or 0)
+    numels = [p.numel() for p in model.parameters()]
+    grads = tuple(int(total * n / sum(numels)) for n in reversed(numels)) if numels else ()
+    state = int(found.params or 0) + total + int(found.optimizer or 0)
+    return found.ops, grads, int(found.flops_forward or 0), (state, int(found.activations or 0), int(found.peak or 0))

@@ -188,6 +188,7 @@ def _traced(config, seq: int, layout: Layout, precision: str):
 @functools.lru_cache(maxsize=256)
 def _rank_ops(config, seq: int, tp: int, fsdp_dp: int, micro_batch: int, recompute: str, precision: str):
     from lmledger.ledger.sharding.fsdp2 import FSDPSettings
+    from lmledger.ledger.sharding.rankstate import priced_rank
     from lmledger.ledger.sharding.sharded import predict_sharded
     from lmledger.model import ToyLM
 
@@ -208,16 +209,7 @@ def _rank_ops(config, seq: int, tp: int, fsdp_dp: int, micro_batch: int, recompu
         strategy=strategy, world_size=world, fsdp=settings,
         activation_checkpointing=True if recompute == "full" else None,
     )  # fmt: skip
-    if isinstance(found, NotTraced):
-        return found
-    total = int(found.grads or 0)
-    numels = [p.numel() for p in model.parameters()]
-    # Each gradient's bytes on this rank: the rank's total shared as the parameters' sizes are (TP splits most of
-    # them alike), in the order backward makes them (the last layer's first)
-    grads = tuple(int(total * n / sum(numels)) for n in reversed(numels)) if numels else ()
-    state = int(found.params or 0) + total + int(found.optimizer or 0)
-    memory = (state, int(found.activations or 0), int(found.peak or 0))
-    return found.ops, grads, int(found.flops_forward or 0), memory
+    return found if isinstance(found, NotTraced) else priced_rank(found, model)
 
 
 def _buckets(grads: tuple[int, ...], dtype: str, kernels: Kernels) -> list[tuple[int, str]]:
