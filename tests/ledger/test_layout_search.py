@@ -76,3 +76,14 @@ def test_the_search_ranks_what_fits_and_says_why_the_rest_do_not():
     over = [c for c in tight.dropped if "over the GPU" in c.dropped]
     assert over and all(c.memory.peak > cap for c in over)
     assert len(tight.ranked) + len(tight.dropped) == len(roomy.ranked) + len(roomy.dropped)
+
+
+def test_a_deep_replicated_peak_holds_its_state_and_grows_with_the_micro_batch():
+    # Llama 3 70B's shape on one rank, every block recomputed: the one-layer run peaks in another phase than the
+    # two-layer one (its logits), so a peak extrapolated linearly in depth fell below the state at micro-batch 4
+    llama = ModelConfig(vocab_size=128256, context_length=8192, d_model=8192, n_layers=80, n_heads=64, n_kv_heads=8,
+                        d_ff=28672)  # fmt: skip
+    peaks = [memory_at_layout(llama, 8192, Layout(micro_batch=mb, recompute="full"), "bf16-true") for mb in (2, 4)]
+    for m in peaks:
+        assert m.peak >= m.state + m.activations
+    assert peaks[1].peak > peaks[0].peak

@@ -351,7 +351,15 @@ def _layout_command(
                       f"{r['step_s'] * 1e3:,.0f}", f"{r['mfu']:.3f}", f"{b['compute'] * 1e3:,.0f}",
                       f"{b['communication'] * 1e3:,.0f}", f"{b['bubble'] * 1e3:,.0f}",
                       *((f"{r['days']:,.1f}",) if tokens else ()))  # fmt: skip
-    Console(width=max(Console().width, 120)).print(table)
+    if out["ranked"]:
+        Console(width=max(Console().width, 120)).print(table)
+    else:
+        sized = [r for r in out["dropped"] if "peak_bytes" in r]
+        low = min(sized, key=lambda r: r["peak_bytes"], default=None)
+        print(f"none of the {out['searched']} layouts fits on {out['num_gpus']} x {out['gpu']}" + (
+            f": the lowest peak is {low['peak_bytes'] / GB:.1f} GB (TP {low['tensor_parallel']} x PP "
+            f"{low['pipeline_parallel']} x DP {low['data_parallel']}, micro-batch {low['micro_batch']}, recompute "
+            f"{low['recompute']}); more GPUs, or a GPU with more memory" if low else ""))  # fmt: skip
     reasons: dict[str, int] = {}
     for r in out["dropped"]:
         reason = re.sub(r" \(pipeline rank \d+\)", "", re.sub(r"[0-9.]+ GB", "N GB", r["dropped"]))

@@ -315,8 +315,8 @@ def rank_memories(config, seq: int, layout: Layout, precision: str) -> list[Rank
     two-layer dry runs (per rank, at the layout's TP and FSDP) extrapolated to the depth, each figure linear in it.
     A pipeline rank holds its own layers' state (the first the embedding's, the last the head's, shared by their
     sizes) and the activations of the micro-batches its schedule keeps in flight (ledger.sharding.schedule.in_flight);
-    its peak is the whole model's at its depth less the ends it does not hold, plus the further micro-batches'
-    activations. The step's transient (the logits and loss) stays in every rank's peak: high for all but the last."""
+    its peak adds the further micro-batches' activations to one micro-batch's (below). The step's transient (the
+    logits and loss) stays in every rank's peak: high for all but the last."""
     if layout.recompute in ("layer", "op"):  # priced as means; their memory lies between none and full: take none's
         layout = dataclasses.replace(layout, recompute="none")
     pipe = layout.pipeline
@@ -331,6 +331,13 @@ def rank_memories(config, seq: int, layout: Layout, precision: str) -> list[Rank
     (s1, a1, p1), (s2, a2, p2) = found[1], found[2]
     layer_state, layer_act, layer_peak = s2 - s1, a2 - a1, p2 - p1
     end_state, end_act = s1 - layer_state, a1 - layer_act
+    # The peak at depth. Replicated state: the state and every layer's saved activations add up, and what the peak
+    # holds beyond them (the logits and loss, a block recomputed) is one phase's, not linear in depth (where the
+    # peak's phase moves between the one- and two-layer runs, a linear peak falls below the state itself: 70B at TP
+    # 1): the two-layer run's. FSDP: a layer's saved activations count its gathered weights, which resharding frees
+    # before the peak, so they do not add up; the peak's own slope is the measure.
+    additive = layout.sharding != "fsdp"
+    transient = max(0, p2 - s2 - a2)
     n = config.n_layers // layout.pp
     sizes = _parameter_sizes(config, 1)
     share = sum(sizes["embedding"]) / max(1, sum(sizes["embedding"]) + sum(sizes["head"]))
@@ -339,8 +346,9 @@ def rank_memories(config, seq: int, layout: Layout, precision: str) -> list[Rank
         ends = (r == 0) * share + (r == layout.pp - 1) * (1 - share) if layout.pp > 1 else 1.0
         held = in_flight(pipe, r) / layout.virtual if layout.pp > 1 else 1  # micro-batches of the rank's layers
         one = n * layer_act + ends * end_act  # one micro-batch's saved activations on this rank
-        peak = p1 + (n - 1) * layer_peak - (1 - ends) * (end_state + end_act) + (held - 1) * one
-        ranks.append(RankMemory(int(n * layer_state + ends * end_state), int(held * one), int(peak), r))
+        state = n * layer_state + ends * end_state
+        first = state + one + transient if additive else p1 + (n - 1) * layer_peak - (1 - ends) * (end_state + end_act)
+        ranks.append(RankMemory(int(state), int(held * one), int(first + (held - 1) * one), r))
     return ranks
 
 
