@@ -269,3 +269,18 @@ def test_a_gpu_without_chip_figures_is_one_line():
         found = predict_gpu_step(OpSummary.of([]), gpu, compute_dtype="bf16", kernels=kernels)
         assert isinstance(found, NoStepTime) and f"has no dense {dtype} peak" in found.reason
     assert math.isfinite(H100.peak("bf16"))
+
+
+def test_the_optimizer_is_a_steady_steps_and_megatrons_steps_fp32_main_weights():
+    from lmledger.ledger.timing.gpu.price import price_op
+
+    links = links_for("a100-80gb", None, None, 8, 1)
+    adam = OpRecord("aten._fused_adamw_.default", "optimizer step", "optimizer", 0, 8 << 20, 6 << 20, "float16")
+    init = OpRecord("aten.zeros_like.default", "optimizer step", "optimizer", 0, 2 << 20, 2 << 20, "float16")
+    # the moments torch's AdamW zeroes at its first step are step 1's: a steady step makes none
+    assert price_op(init, A100, kernels_for("pytorch"), "fp16", links, 1).gpu_s == 0.0
+    plain = price_op(adam, A100, kernels_for("pytorch"), "fp16", links, 1).gpu_s
+    master = price_op(adam, A100, kernels_for("megatron"), "fp16", links, 1).gpu_s
+    # 1 Mi parameters: 14 bytes each over 16-bit state, 48 with Megatron's fp32 main weights (price.py's account)
+    assert plain == pytest.approx(stream_seconds(14 << 20, A100))
+    assert master == pytest.approx(stream_seconds(48 << 20, A100))

@@ -62,6 +62,8 @@ class Kernels:
     # The unfused attention's dropout on its probabilities, a kernel each way: Megatron-LM's GPT default
     # (--attention-dropout 0.1), which vTrain's profiled GPT keeps (its src/model/gpt_model.py: attention_dropout_prob)
     attention_dropout: bool = False
+    # 16-bit weights in the kernels, fp32 main weights and moments in the optimizer (Megatron-LM's, price.py)
+    master_weights: bool = False
 
     def compiled(self) -> Kernels:
         """The same framework under torch.compile: elementwise runs fused, launched from Inductor's wrapper code."""
@@ -79,17 +81,18 @@ FRAMEWORKS: dict[str, Kernels] = {
         Kernels("compile", fuse_elementwise=True, host_forward_s=_C_LAUNCH_S, host_backward_s=_C_LAUNCH_S,
                 host_free_s=0.0, description="torch.compile: SDPA, elementwise runs fused by Inductor"),
         Kernels("megatron", attention="unfused", fuse_elementwise=True, ddp_overlap=False, grad_reduce="one",
-                attention_dropout=True,
+                attention_dropout=True, master_weights=True,
                 description="Megatron-LM before FlashAttention: batched-matmul attention with a fused softmax, fused "
                 "layernorm, bias-GeLU and bias-dropout-add kernels, its gradient buffer all-reduced after backward"),
         Kernels("megatron-deepspeed", attention="unfused", fuse_elementwise=True, ddp_overlap=False,
-                grad_reduce="per-gradient", attention_dropout=True, host_forward_s=_MEGATRON_DEEPSPEED_S,
-                host_backward_s=_MEGATRON_DEEPSPEED_S, host_free_s=_MEGATRON_DEEPSPEED_S,
+                grad_reduce="per-gradient", attention_dropout=True, master_weights=True,
+                host_forward_s=_MEGATRON_DEEPSPEED_S, host_backward_s=_MEGATRON_DEEPSPEED_S,
+                host_free_s=_MEGATRON_DEEPSPEED_S,
                 description="Megatron-DeepSpeed: Megatron-LM's kernels, each gradient all-reduced after backward "
                 "(vTrain's runs: no gradient bucketing)"),
-        Kernels("megatron-core", attention="flash3", fuse_elementwise=True,
+        Kernels("megatron-core", attention="flash3", fuse_elementwise=True, master_weights=True,
                 description="Megatron-Core with Transformer Engine: cuDNN/FA3 attention and fused kernels"),
-        Kernels("nemo", attention="flash3", fuse_elementwise=True,
+        Kernels("nemo", attention="flash3", fuse_elementwise=True, master_weights=True,
                 description="NeMo (Megatron-Core, Transformer Engine)"),
         Kernels("llm-foundry", attention="triton",
                 description="MosaicML llm-foundry: its 2023 benchmarks' attn_impl default, triton (FlashAttention "

@@ -278,9 +278,11 @@ def step_at_layout(
     hidden = {k: max(0.0, v + depth * (priced[2][0].hidden.get(k, 0.0) - v)) for k, v in first.hidden.items()}
     # The host's launches are linear in depth, but a shallow step's kernels can hide them where a deep one's cannot
     # (a one-layer step kernel-bound, its further layers host-bound): the step is never shorter than its launches
+    # and the kernels still to run after the last one (the one-layer step's: its optimizer's end)
     issued = _issued(priced[1][0]) + depth * (_issued(priced[2][0]) - _issued(priced[1][0]))
     issued += extra * (_issued(priced[1][1]) + depth * (_issued(priced[2][1]) - _issued(priced[1][1])))
-    seconds[HOST] += max(0.0, issued - sum(seconds.values()))
+    tail = max(0.0, priced[1][0].total_s - _issued(priced[1][0]))
+    seconds[HOST] += max(0.0, issued + tail - sum(seconds.values()))
     hidden[HOST] = max(0.0, issued - seconds[HOST])
     tokens = layout.micro_batch * seq
     ops = first.ops + depth * (priced[2][0].ops - first.ops)

@@ -33,6 +33,14 @@ _ELEMENT = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
 # A multi-tensor (foreach, fused optimizer) kernel takes a bounded list of tensors per launch (torch's
 # MultiTensorApply: depth-dependent lists of up to 110 tensors): one launch per this many.
 _TENSORS_PER_LAUNCH = 64
+# The optimizer's state made at its first step (torch's AdamW zeroes each moment lazily): step 1's, which the dry run
+# records, not a steady step's
+_STATE_INIT = ("aten.zeros.", "aten.zeros_like.", "aten.empty.", "aten.empty_like.", "aten.full.", "aten.full_like.")
+# Megatron-LM's 16-bit optimizer (Float16OptimizerWithFloat16Params) steps fp32 main weights: a parameter's 16-bit
+# gradient copied to fp32 (2 bytes read, 4 written), unscaled and checked (4, 4), Adam over the fp32 weight,
+# gradient and moments (16, 12), the weight copied back to 16 bits (4, 2): 48 bytes, where the dry run's fused AdamW
+# over 16-bit weight, gradient and moments moves 14 (8 read, 6 written)
+_MASTER_ADAM_BYTES, _SIXTEEN_BIT_ADAM_BYTES = 48, 14
 
 
 @dataclass(frozen=True)
@@ -176,10 +184,15 @@ def price_op(op: OpRecord, chip: Chip, kernels: Kernels, compute: str, links: co
         seconds, kind = _price_attention(op, chip, kernels, compute), KERNEL
     elif op.bytes == 0 and op.flops == 0:
         seconds, kind = 0.0, FREE
+    elif op.category == OPTIMIZER and op.name.startswith(_STATE_INIT):
+        seconds, kind = 0.0, FREE
     else:
         launches = _launches(op)
         category = OPTIMIZER if op.category == OPTIMIZER else OTHER
-        return Priced(KERNEL, category, op.phase, stream_seconds(op.bytes, chip, launches),
+        nbytes = op.bytes
+        if category == OPTIMIZER and kernels.master_weights and "_fused_adam" in op.name and op.dtype != "float32":
+            nbytes = op.bytes * _MASTER_ADAM_BYTES // _SIXTEEN_BIT_ADAM_BYTES
+        return Priced(KERNEL, category, op.phase, stream_seconds(nbytes, chip, launches),
                       _host(op, KERNEL, kernels, launches), reads, writes)  # fmt: skip
     return Priced(kind, op.category, op.phase, seconds, _host(op, kind, kernels), reads, writes)
 
