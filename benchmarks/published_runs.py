@@ -37,9 +37,11 @@ INT_FIELDS = ("gpus", "gpus_per_node", "layers", "hidden", "heads", "kv_heads", 
 # Megatron-LM pads its vocabulary to a multiple of 128 x TP (--make-vocab-size-divisible-by 128); llm.c to 50304.
 _PAD_TO = {"megatron": 128, "megatron-deepspeed": 128, "megatron-core": 128, "nemo": 128, "llm.c": 128}
 # The precision each framework trains in, as a Lightning precision the dry run takes: Megatron-LM, llm.c and
-# torchtitan keep 16-bit weights and activations (fp32 master weights only in the optimizer); llm-foundry, nanoGPT
-# and the rest run autocast over fp32 weights.
-_TRUE_16 = ("megatron", "megatron-deepspeed", "megatron-core", "nemo", "llm.c", "torchtitan")
+# torchtitan keep 16-bit weights and activations (fp32 master weights only in the optimizer); llm-foundry's
+# benchmarks too (FSDP's PURE mixed precision gathers bf16 weights, and its low_precision_layernorm runs in bf16:
+# scripts/train/benchmarking/submit_benchmarks.py, yamls/pretrain/mpt-*.yaml); nanoGPT and the rest run autocast
+# over fp32 weights.
+_TRUE_16 = ("megatron", "megatron-deepspeed", "megatron-core", "nemo", "llm.c", "torchtitan", "llm-foundry")
 
 
 def read_rows(path: Path) -> list[dict]:
