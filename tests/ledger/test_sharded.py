@@ -5,6 +5,7 @@ on and off. Models are tiny and each real run is two steps."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 
 import pytest
@@ -23,6 +24,7 @@ TOY = ModelConfig(vocab_size=256, context_length=32, d_model=64, n_layers=2, n_h
 # (model, activation checkpointing, reshard_after_forward[, precision])
 CASES = [("toy", 0, True), ("toy", 1, True), ("toy", 0, False), ("llama", 0, True), ("llama", 1, True)]
 BF16 = [("toy", 0, True, "bf16-mixed"), ("llama", 1, True, "bf16-mixed")]
+FOUR = [CASES[0], CASES[3]]  # at 4 ranks
 
 
 def _batch() -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,11 +74,16 @@ def _predict(case, world_size: int):
     )  # fmt: skip
 
 
-def _check(cases, world_size: int) -> None:
-    ranks = spawn_gloo_ranks(_measure, world_size, cases)
+# The same case at the same world size predicts the same ledger: the tests after the first that needs one read it
+# from here (test_a_real_default_group_is_set_aside_and_restored predicts its own: the real group is its subject).
+_predicted = functools.cache(_predict)
+
+
+def _check(cases, world_size: int, ranks: list | None = None) -> None:
+    ranks = spawn_gloo_ranks(_measure, world_size, cases) if ranks is None else ranks
     assert not dist.is_initialized()
     for i, case in enumerate(cases):
-        predicted = _predict(case, world_size)
+        predicted = _predicted(case, world_size)
         assert not isinstance(predicted, NotTraced), predicted
         assert not dist.is_initialized()  # the fake process group is gone
         for rank in ranks:
@@ -91,13 +98,24 @@ def test_fsdp2_two_ranks_match_real_gloo_ranks():
     _check(CASES + BF16, 2)
 
 
-def test_fsdp2_four_ranks_match_real_gloo_ranks():
-    _check([CASES[0], CASES[3]], 4)
+def _measure_four() -> dict:
+    """One rank of the module's one 4-rank launch: FSDP2's FOUR cases, then hybrid sharding (2 replicas of 2)."""
+    return {"fsdp2": _measure(FOUR), "hsdp": _measure_hsdp(2)}
+
+
+@pytest.fixture(scope="module")
+def four_ranks() -> list[dict]:
+    """Both 4-rank tests' real ranks, from one launch: 4 processes' start-up once, not twice."""
+    return spawn_gloo_ranks(_measure_four, 4)
+
+
+def test_fsdp2_four_ranks_match_real_gloo_ranks(four_ranks):
+    _check(FOUR, 4, [rank["fsdp2"] for rank in four_ranks])
 
 
 def test_sharding_divides_the_state_and_follows_the_settings():
     whole = predict_sharded(*_model("toy", 0)[:1], _batch(), optimizer=_adamw, strategy="ddp", world_size=1)
-    two, three = (_predict(CASES[0], w) for w in (2, 3))
+    two, three = (_predicted(CASES[0], w) for w in (2, 3))
     shapes = [(tuple(p.shape), 4) for p in ToyLM(TOY).parameters()]
     for w, ledger in ((2, two), (3, three)):
         # FSDP2 chunks each tensor on dim 0 (ceil rows, padded): the closed form is exact per rank.
@@ -105,8 +123,8 @@ def test_sharding_divides_the_state_and_follows_the_settings():
         assert ledger.optimizer == 2 * ledger.params
     assert three.params > whole.params / 3  # padding: 2 rows of 3 do not divide
     assert two.peak < whole.peak
-    kept = _predict(CASES[2], 2)  # reshard_after_forward=False keeps the gathered blocks to backward
-    checkpointed = _predict(CASES[1], 2)
+    kept = _predicted(CASES[2], 2)  # reshard_after_forward=False keeps the gathered blocks to backward
+    checkpointed = _predicted(CASES[1], 2)
     assert kept.phase_peaks["forward"] > two.phase_peaks["forward"]
     assert checkpointed.peak < two.peak
 
@@ -228,13 +246,13 @@ def _measure_hsdp(shard_size: int):
     return measure_sharded(model, _batch(), optimizer=_adamw, strategy="fsdp2", fsdp=settings)
 
 
-def test_hsdp_matches_real_ranks_and_a_mesh_that_does_not_divide_is_one_line():
+def test_hsdp_matches_real_ranks_and_a_mesh_that_does_not_divide_is_one_line(four_ranks):
     # Hybrid sharding over 4 ranks: 2 replicas of 2 shards; each rank holds what FSDP2 over 2 ranks holds.
-    ranks = spawn_gloo_ranks(_measure_hsdp, 4, 2)
+    ranks = [rank["hsdp"] for rank in four_ranks]
     model, _ = _model("toy", 0)
     hsdp = predict_sharded(model, _batch(), optimizer=_adamw, strategy="fsdp2", world_size=4,
                            fsdp=FSDPSettings(shard_size=2))  # fmt: skip
-    two = _predict(CASES[0], 2)
+    two = _predicted(CASES[0], 2)
     assert (hsdp.params, hsdp.grads, hsdp.optimizer) == (two.params, two.grads, two.optimizer)
     for measured in ranks:
         assert (hsdp.params, hsdp.grads, hsdp.optimizer) == (measured.params, measured.grads, measured.optimizer)
