@@ -113,11 +113,11 @@ def test_tp_trains_as_one_process_and_is_predicted_per_rank(world):
     torch.manual_seed(0)
     reference = _losses(ToyLM(CFG))
     ranks = spawn_gloo_ranks(_rank, world, world)
+    predictions = [_predicted(world, case) for case in CASES[world]]  # one rank's step, which every rank runs
     for rank in ranks:
         for sequence_parallel, losses in rank["losses"].items():
             assert losses == pytest.approx(reference, rel=1e-5), (sequence_parallel, losses, reference)
-        for case, measured in zip(CASES[world], rank["measured"], strict=True):
-            predicted = _predicted(world, case)
+        for case, predicted, measured in zip(CASES[world], predictions, rank["measured"], strict=True):
             for line in (*STATE, "flops_forward", "flops_backward", "comm_buffers"):
                 assert predicted[line] == measured[line] > 0 or line == "comm_buffers", (case, line)
             assert abs(measured["activations"] / predicted["activations"] - 1) <= ACTIVATIONS_TOLERANCE, case
