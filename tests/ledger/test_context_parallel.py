@@ -5,6 +5,7 @@ own context_parallel refusing the CPU kernel), and the fake ranks against the cl
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections import Counter
 
 import pytest
@@ -74,6 +75,7 @@ def _rank_worker() -> tuple[str, list]:
     return refusal, measured
 
 
+@functools.cache  # two of CASES train in 32-true: the same two steps
 def _unsharded_losses(precision: str) -> list[float]:
     torch.manual_seed(0)
     model = ToyLM(TOY)

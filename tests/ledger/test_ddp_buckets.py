@@ -63,9 +63,9 @@ def _measure_all() -> dict:
 
 def test_ddp_per_rank_matches_two_real_gloo_ranks():
     ranks = spawn_gloo_ranks(_measure_all, 2)
+    single = predict_sharded(_model(), _batch(), optimizer=_adamw, strategy="ddp", world_size=1)  # no DDP settings
     for name, settings in SETTINGS.items():
         predicted = predict_sharded(_model(), _batch(), optimizer=_adamw, strategy="ddp", world_size=2, ddp=settings)
-        single = predict_sharded(_model(), _batch(), optimizer=_adamw, strategy="ddp", world_size=1)
         for rank in ranks:
             measured = rank[name]
             assert (predicted.params, predicted.grads, predicted.optimizer) == (
