@@ -9,7 +9,7 @@ import os
 import resource
 import signal
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -159,6 +159,25 @@ def plain_fsdp2_ranks(tmp_path_factory) -> dict[str, list[dict] | str]:
     from test_ledger_fsdp2 import launch_plain_fits
 
     return launch_plain_fits(tmp_path_factory.mktemp("plain"))
+
+
+@pytest.fixture(scope="session")
+def gloo_ranks() -> Iterator[Callable[..., list]]:
+    """spawn_gloo_ranks(target, world_size, *args) on gloo ranks started once per pytest process and world size
+    (rank_pool.RankPool): the real-rank tests' launches without a process start each (3-5 CPU-s a launch)."""
+    from rank_pool import RankPool
+
+    pools: dict[int, RankPool] = {}
+
+    def launch(target: Callable, world_size: int, *args: object) -> list:
+        pool = pools.get(world_size)
+        if pool is None or not pool.alive:  # first asked for, or ended by a rank that raised
+            pool = pools[world_size] = RankPool(world_size)
+        return pool.launch(target, args)
+
+    yield launch
+    for pool in pools.values():
+        pool.close()
 
 
 @contextlib.contextmanager

@@ -1,5 +1,5 @@
 """Context parallelism per rank (ledger/sharding/context.py): torch's ring attention with the CPU flash kernel, one
-rank's step predicted on fakes held to real gloo ranks (one spawn of 2 ranks runs every case, and records torch's
+rank's step predicted on fakes held to real gloo ranks (one launch of 2 ranks runs every case, and records torch's
 own context_parallel refusing the CPU kernel), and the fake ranks against the closed forms at 2 and 4 ranks."""
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from lmledger.ledger.count.ops import COMMUNICATION
 from lmledger.ledger.dryrun.engine import NotTraced, dry_run
 from lmledger.ledger.hardware.interconnect import collective_kind
 from lmledger.ledger.sharding import context
-from lmledger.ledger.sharding.realranks import spawn_gloo_ranks
 from lmledger.model import ModelConfig, ToyLM
 
 TOY = ModelConfig(vocab_size=64, context_length=32, d_model=32, n_layers=2, n_heads=2, d_ff=64)
@@ -91,11 +90,11 @@ def _unsharded_losses(precision: str) -> list[float]:
     return losses
 
 
-def test_real_ranks_hold_the_prediction():
+def test_real_ranks_hold_the_prediction(gloo_ranks):
     """On 2 gloo ranks: torch's context_parallel refuses the CPU attention kernel (its exact error); the ring as
     ring_attention runs it gives the whole batch's loss before and after an AdamW step, and each rank's state,
     saved activations and FLOPs equal the prediction's, its peak and every phase's within 3 %."""
-    results = spawn_gloo_ranks(_rank_worker, 2)
+    results = gloo_ranks(_rank_worker, 2)
     assert [refusal for refusal, _ in results] == [TORCH_REFUSAL] * 2
     torch.manual_seed(0)
     model = ToyLM(TOY)

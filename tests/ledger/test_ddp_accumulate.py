@@ -22,7 +22,7 @@ from rank_toy import model as _model
 
 from lmledger.ledger.dryrun.engine import NotTraced
 from lmledger.ledger.sharding.ddp import DDPSettings
-from lmledger.ledger.sharding.realranks import measure_sharded, spawn_gloo_ranks
+from lmledger.ledger.sharding.realranks import measure_sharded
 from lmledger.ledger.sharding.sharded import predict_sharded
 
 VIEW = {"copies": DDPSettings(), "bucket view": DDPSettings(gradient_as_bucket_view=True)}
@@ -88,8 +88,8 @@ def _measure_all() -> dict:
 
 
 @pytest.fixture(scope="module")
-def ranks() -> list[dict]:
-    return spawn_gloo_ranks(_measure_all, 2)
+def ranks(gloo_ranks) -> list[dict]:
+    return gloo_ranks(_measure_all, 2)
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ from rank_toy import batch as _batch
 from rank_toy import model as _model
 
 from lmledger.ledger.sharding.ddp import DEFAULT_FIRST_BUCKET_BYTES, MIB, DDPSettings, assign_buckets, rebuilt_buckets
-from lmledger.ledger.sharding.realranks import measure_sharded, spawn_gloo_ranks
+from lmledger.ledger.sharding.realranks import measure_sharded
 from lmledger.ledger.sharding.sharded import predict_sharded
 
 SETTINGS = {
@@ -61,8 +61,8 @@ def _measure_all() -> dict:
     }
 
 
-def test_ddp_per_rank_matches_two_real_gloo_ranks():
-    ranks = spawn_gloo_ranks(_measure_all, 2)
+def test_ddp_per_rank_matches_two_real_gloo_ranks(gloo_ranks):
+    ranks = gloo_ranks(_measure_all, 2)
     single = predict_sharded(_model(), _batch(), optimizer=_adamw, strategy="ddp", world_size=1)  # no DDP settings
     for name, settings in SETTINGS.items():
         predicted = predict_sharded(_model(), _batch(), optimizer=_adamw, strategy="ddp", world_size=2, ddp=settings)

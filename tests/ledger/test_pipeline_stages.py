@@ -1,6 +1,6 @@
 """Pipeline parallelism per stage (ledger/sharding/pipeline.py): the split, and each rank's step predicted in one
 process held to torch.distributed.pipelining on real gloo ranks (PipelineStage with Schedule1F1B, ScheduleGPipe,
-ScheduleInterleaved1F1B): the toy LM and a tiny Hugging Face Llama. One spawn of 2 ranks runs every case."""
+ScheduleInterleaved1F1B): the toy LM and a tiny Hugging Face Llama. One launch of 2 ranks runs every case."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from lmledger.errors import ConfigError
 from lmledger.ledger.dryrun.engine import NotTraced
 from lmledger.ledger.sharding.pipeline import predict_pipeline, rank_chunks, split_causal_lm, split_toy
-from lmledger.ledger.sharding.realranks import measure_pipeline, spawn_gloo_ranks
+from lmledger.ledger.sharding.realranks import measure_pipeline
 from lmledger.ledger.sharding.schedule import Pipeline, in_flight
 from lmledger.model import ModelConfig, ToyLM
 
@@ -80,9 +80,9 @@ def _predict(case, rank: int):
 
 
 @pytest.fixture(scope="module")
-def measured() -> list:
+def measured(gloo_ranks) -> list:
     """Every case on the same 2 real gloo ranks: measured[rank][case]."""
-    return spawn_gloo_ranks(_measure, 2, CASES)
+    return gloo_ranks(_measure, 2, CASES)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1].schedule}-v{c[1].virtual}-{c[2]}-ac{c[3]}")

@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from lmledger.hf import causal_lm_loss, checkpoint_layers
 from lmledger.ledger.dryrun.engine import NotTraced
 from lmledger.ledger.sharding import fsdp2
-from lmledger.ledger.sharding.realranks import measure_sharded, spawn_gloo_ranks
+from lmledger.ledger.sharding.realranks import measure_sharded
 from lmledger.ledger.sharding.sharded import FSDPSettings, fsdp2_shard_bytes, predict_sharded
 from lmledger.model import ModelConfig, ToyLM
 
@@ -79,8 +79,8 @@ def _predict(case, world_size: int):
 _predicted = functools.cache(_predict)
 
 
-def _check(cases, world_size: int, ranks: list | None = None) -> None:
-    ranks = spawn_gloo_ranks(_measure, world_size, cases) if ranks is None else ranks
+def _check(cases, world_size: int, ranks: list) -> None:
+    """`ranks`: each real rank's _measure(cases) at `world_size`."""
     assert not dist.is_initialized()
     for i, case in enumerate(cases):
         predicted = _predicted(case, world_size)
@@ -94,8 +94,8 @@ def _check(cases, world_size: int, ranks: list | None = None) -> None:
             assert abs(predicted.peak / measured.peak - 1) <= 0.03, (case, predicted.peak, measured.peak)
 
 
-def test_fsdp2_two_ranks_match_real_gloo_ranks():
-    _check(CASES + BF16, 2)
+def test_fsdp2_two_ranks_match_real_gloo_ranks(gloo_ranks):
+    _check(CASES + BF16, 2, gloo_ranks(_measure, 2, CASES + BF16))
 
 
 def _measure_four() -> dict:
@@ -104,9 +104,9 @@ def _measure_four() -> dict:
 
 
 @pytest.fixture(scope="module")
-def four_ranks() -> list[dict]:
-    """Both 4-rank tests' real ranks, from one launch: 4 processes' start-up once, not twice."""
-    return spawn_gloo_ranks(_measure_four, 4)
+def four_ranks(gloo_ranks) -> list[dict]:
+    """Both 4-rank tests' real ranks, from one launch."""
+    return gloo_ranks(_measure_four, 4)
 
 
 def test_fsdp2_four_ranks_match_real_gloo_ranks(four_ranks):

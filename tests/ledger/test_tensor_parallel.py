@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from lmledger.errors import ConfigError, UserError
-from lmledger.ledger.sharding.sharded import FSDPSettings, measure_sharded, predict_sharded, spawn_gloo_ranks
+from lmledger.ledger.sharding.sharded import FSDPSettings, measure_sharded, predict_sharded
 from lmledger.model import ModelConfig, ToyLM
 
 HERE = Path(__file__).resolve()
@@ -109,10 +109,10 @@ def _predicted(world: int, case: tuple) -> dict:
 
 
 @pytest.mark.parametrize("world", [2, 4], ids=["tp2", "dp2xtp2"])
-def test_tp_trains_as_one_process_and_is_predicted_per_rank(world):
+def test_tp_trains_as_one_process_and_is_predicted_per_rank(world, gloo_ranks):
     torch.manual_seed(0)
     reference = _losses(ToyLM(CFG))
-    ranks = spawn_gloo_ranks(_rank, world, world)
+    ranks = gloo_ranks(_rank, world, world)
     predictions = [_predicted(world, case) for case in CASES[world]]  # one rank's step, which every rank runs
     for rank in ranks:
         for sequence_parallel, losses in rank["losses"].items():
