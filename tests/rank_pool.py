@@ -60,19 +60,24 @@ class RankPool:
         with tempfile.TemporaryDirectory() as tmp:
             for tasks in self._tasks:
                 tasks.put((tmp, target, args))
-            waiting = set(range(self.world_size))
+            waiting, errors = set(range(self.world_size)), {}
             while waiting:
                 try:
-                    rank, error = self._results.get(timeout=1)
+                    rank, error = self._results.get(timeout=1 if not errors else 2)
                 except queue.Empty:
-                    if not self.alive:
-                        self.close()
-                        raise RuntimeError(f"a gloo rank of {self.world_size} died running {target.__name__}") from None
+                    if errors or not self.alive:  # a peer of a rank that raised may wait in a collective
+                        break
                     continue
-                if error is not None:
-                    self.close()
-                    raise RuntimeError(f"gloo rank {rank} of {self.world_size} raised in {target.__name__}:\n{error}")
                 waiting.discard(rank)
+                if error is not None:
+                    errors[rank] = error
+            if waiting or errors:
+                self.close()
+                said = "".join(f"\n--- rank {rank}:\n{error}" for rank, error in sorted(errors.items()))
+                raise RuntimeError(
+                    f"{target.__name__} on {self.world_size} gloo ranks: ranks {sorted(errors)} raised, "
+                    f"{sorted(waiting)} did not finish{said}"
+                )
             return [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(self.world_size)]
 
     def close(self) -> None:
