@@ -26,6 +26,9 @@ LINES = ("params", "grads", "optimizer", "activations", "peak", "flops_forward",
 
 # Heads and the MLP divide by 2; vocabulary 64 divides too (sequence parallel splits the embedding by rows).
 CFG = ModelConfig(vocab_size=64, context_length=16, d_model=32, n_layers=2, n_heads=4, d_ff=64)
+# GPT's options: a learned position table (sequence parallel adds each rank's shard of its rows), GeLU, LayerNorm
+GPT = ModelConfig(**{**CFG.__dict__, "positions": "learned", "mlp": "gelu", "norm": "layer", "bias": True})
+CONFIGS = {"llama": CFG, "gpt": GPT}
 STEPS = 4
 TP2 = ["--trainer.strategy", "lmledger.strategies.FSDP2Strategy", "--trainer.strategy.tensor_parallel_size", "2"]
 
@@ -53,11 +56,12 @@ def _losses(model: torch.nn.Module) -> list[float]:
     return out
 
 
-# (tensor parallel, sequence parallel, checkpointing, accumulate, precision): the matrix each rank measures
+# (tensor parallel, sequence parallel, checkpointing, accumulate, precision, model): the matrix each rank measures
 CASES = {
-    2: [(2, False, False, 1, "32-true"), (2, True, True, 2, "bf16-mixed")],
-    4: [(2, False, True, 2, "bf16-mixed")],
-}
+    2: [(2, False, False, 1, "32-true", "llama"), (2, True, True, 2, "bf16-mixed", "llama"),
+        (2, True, False, 1, "32-true", "gpt")],
+    4: [(2, False, True, 2, "bf16-mixed", "llama")],
+}  # fmt: skip
 
 
 def _figures(ledger) -> dict:
@@ -73,19 +77,19 @@ def _rank(world: int) -> dict:
     from lmledger.ledger.sharding.tp import toy_tp_plan
 
     losses = {}
-    for sequence_parallel in (False, True):
+    for name, sequence_parallel in (("llama", False), ("llama", True), ("gpt", True)):
         torch.manual_seed(0)
-        model = ToyLM(CFG)
+        model = ToyLM(CONFIGS[name])
         mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=TP_DIMS)
         toy_tp_plan(model, mesh["tensor_parallel"], sequence_parallel)
         shard_blocks(model, mesh["data_parallel"], FSDPSettings())
-        losses[sequence_parallel] = _losses(model)
+        losses[f"{name} sp={sequence_parallel}"] = _losses(model)
     measured = []
-    for tp, sp, ac, accumulate, precision in CASES[world]:
+    for tp, sp, ac, accumulate, precision, name in CASES[world]:
         torch.manual_seed(0)
         kwargs = dict(optimizer=_adamw, precision=precision, strategy="fsdp2", accumulate=accumulate,
                       fsdp=FSDPSettings(tensor_parallel=tp, sequence_parallel=sp))  # fmt: skip
-        module = ToyLM(CFG)
+        module = ToyLM(CONFIGS[name])
         ledger = (
             _with_checkpointed_blocks(lambda m, b, **k: measure_sharded(m, b, **k), module, _batch(), **kwargs)
             if ac
@@ -96,9 +100,9 @@ def _rank(world: int) -> dict:
 
 
 def _predicted(world: int, case: tuple) -> dict:
-    tp, sp, ac, accumulate, precision = case
+    tp, sp, ac, accumulate, precision, name = case
     with torch.device("meta"):
-        model = ToyLM(CFG)
+        model = ToyLM(CONFIGS[name])
     ledger = predict_sharded(
         model, _batch(), optimizer=_adamw, precision=precision, strategy="fsdp2", world_size=world,
         fsdp=FSDPSettings(tensor_parallel=tp, sequence_parallel=sp), activation_checkpointing=ac or None,
@@ -110,13 +114,15 @@ def _predicted(world: int, case: tuple) -> dict:
 
 @pytest.mark.parametrize("world", [2, 4], ids=["tp2", "dp2xtp2"])
 def test_tp_trains_as_one_process_and_is_predicted_per_rank(world, gloo_ranks):
-    torch.manual_seed(0)
-    reference = _losses(ToyLM(CFG))
+    reference = {}
+    for name, cfg in CONFIGS.items():
+        torch.manual_seed(0)
+        reference[name] = _losses(ToyLM(cfg))
     ranks = gloo_ranks(_rank, world, world)
     predictions = [_predicted(world, case) for case in CASES[world]]  # one rank's step, which every rank runs
     for rank in ranks:
-        for sequence_parallel, losses in rank["losses"].items():
-            assert losses == pytest.approx(reference, rel=1e-5), (sequence_parallel, losses, reference)
+        for run, losses in rank["losses"].items():
+            assert losses == pytest.approx(reference[run.split()[0]], rel=1e-5), (run, losses, reference)
         for case, predicted, measured in zip(CASES[world], predictions, rank["measured"], strict=True):
             for line in (*STATE, "flops_forward", "flops_backward", "comm_buffers"):
                 assert predicted[line] == measured[line] > 0 or line == "comm_buffers", (case, line)
@@ -155,13 +161,17 @@ def test_tp_divides_the_state_and_the_block_flops():
 # TP size, sequence parallel). Heads 4, KV heads 2, d_ff 64 and vocabulary 64 divide by the TP sizes.
 TP_ARCHS = [
     ({"mlp": "gelu", "norm": "layer", "positions": "learned", "bias": True}, 2, False),  # GPT: positions replicated
+    ({"mlp": "gelu", "norm": "layer", "positions": "learned", "bias": True}, 2, True),  # the table whole under SP too
     ({"n_kv_heads": 2}, 2, True),  # Llama's GQA
     ({"n_kv_heads": 2, "mlp": "gelu", "norm": "layer", "bias": True}, 2, True),
     ({"mlp": "gelu", "norm": "layer"}, 4, True),  # MPT
 ]
 
 
-@pytest.mark.parametrize("arch, tp, sp", TP_ARCHS, ids=["gpt-tp2", "gqa-tp2-sp", "gqa-gelu-bias-tp2-sp", "mpt-tp4-sp"])
+TP_IDS = ["gpt-tp2", "gpt-tp2-sp", "gqa-tp2-sp", "gqa-gelu-bias-tp2-sp", "mpt-tp4-sp"]
+
+
+@pytest.mark.parametrize("arch, tp, sp", TP_ARCHS, ids=TP_IDS)
 def test_tp_traces_the_architecture_options_and_splits_what_the_plan_splits(arch, tp, sp):
     """One rank of a TP-only mesh on the fake process group: every block Linear's weight and a colwise bias split
     by TP, a rowwise bias, the norms and a position table whole, the embedding and LM head split under sequence
@@ -250,10 +260,10 @@ def test_heads_or_hidden_not_dividing_by_tp_are_one_line():
     check_tensor_parallel(8, 64, 4, n_kv_heads=4)  # whole KV groups on each rank
 
 
-def test_tp_refuses_kv_heads_it_cannot_split_and_sequence_parallel_learned_positions_in_one_line():
+def test_tp_refuses_kv_heads_it_cannot_split_and_sequence_parallel_tied_embeddings_in_one_line():
     for arch, sp, message in [
         ({"n_kv_heads": 1}, False, "n_kv_heads 1 does not divide by tensor_parallel_size 2"),
-        ({"positions": "learned"}, True, "sequence parallel splits the embedding's output along the sequence, not a"),
+        ({"tie_embeddings": True}, True, "sequence parallel splits the embedding and the LM head apart"),
     ]:
         with torch.device("meta"):
             model = ToyLM(ModelConfig(**{**CFG.__dict__, **arch}))

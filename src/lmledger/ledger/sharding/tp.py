@@ -14,8 +14,10 @@ ToyLM (`toy_tp_plan`), per block:
     sequence_parallel (optional) the norms and the residual stream split along the sequence, the
                     embedding split by vocabulary rows and the LM head by vocabulary columns
 A Linear's bias splits with its columns (colwise) or stays whole (rowwise), as torch's styles do. A
-learned position table is replicated; sequence parallel refuses it (the embedding's output arrives split
-along the sequence, the table whole).
+learned position table stays whole on every rank; under sequence parallel each rank adds the rows of its
+own sequence shard (the table's output taken as replicated and sliced along the sequence: no
+communication forward, an all-gather of its gradient backward), as Megatron-LM adds positions before
+scattering the sequence.
 
 Under FakeTensorMode, `fully_shard` over a TP-sharded module fails building its 2-D mesh
 (DeviceMesh._concatenate reads the rank table with nonzero: DynamicOutputShapeException).
@@ -107,21 +109,17 @@ def check_toy_plan(cfg, tensor_parallel: int, sequence_parallel: bool = False) -
     check_tensor_parallel(cfg.n_heads, cfg.d_ff, tensor_parallel, n_kv_heads=getattr(cfg, "n_kv_heads", None))
     if sequence_parallel and cfg.tie_embeddings:
         raise ConfigError("sequence parallel splits the embedding and the LM head apart: set tie_embeddings false")
-    if sequence_parallel and getattr(cfg, "positions", "rope") == "learned":
-        raise ConfigError(
-            "sequence parallel splits the embedding's output along the sequence, not a learned position table: "
-            "set sequence_parallel false or positions rope"
-        )
 
 
-def toy_plan(sequence_parallel: bool = False, gated: bool = True) -> tuple[dict, dict]:
+def toy_plan(sequence_parallel: bool = False, gated: bool = True, learned: bool = False) -> tuple[dict, dict]:
     """(per-block plan, top-level plan) of lmledger's ToyLM, as parallelize_module takes them.
 
-    `gated`: a SwiGLU MLP (w1, w3, w2); False for a GeLU one (w1, w2)."""
+    `gated`: a SwiGLU MLP (w1, w3, w2); False for a GeLU one (w1, w2). `learned`: a learned position table."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         PrepareModuleInput,
+        PrepareModuleOutput,
         RowwiseParallel,
         SequenceParallel,
     )
@@ -147,6 +145,8 @@ def toy_plan(sequence_parallel: bool = False, gated: bool = True) -> tuple[dict,
             "norm": SequenceParallel(),
             "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
         }
+        if learned:  # the whole table's rows for the whole sequence, each rank keeping its shard's (module doc)
+            top["pos_embed"] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(0))
     return block, top
 
 
@@ -156,7 +156,9 @@ def toy_tp_plan(model: nn.Module, tp_mesh: object, sequence_parallel: bool = Fal
 
     size = tp_mesh.size()
     check_toy_plan(model.cfg, size, sequence_parallel)
-    block_plan, top_plan = toy_plan(sequence_parallel, gated=model.cfg.mlp == "swiglu")
+    block_plan, top_plan = toy_plan(
+        sequence_parallel, gated=model.cfg.mlp == "swiglu", learned=getattr(model, "pos_embed", None) is not None
+    )
     for wrapped in model.blocks:
         block = getattr(wrapped, "_checkpoint_wrapped_module", wrapped)  # torch's checkpoint_wrapper
         check_plan(block, block_plan)
