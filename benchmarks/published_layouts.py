@@ -54,7 +54,7 @@ def rank_row(row: dict) -> dict:
                            global_batch=row["global_batch"], capacity_bytes=gpu.memory_bytes, precision=precision,
                            gpu=gpu, compute_dtype=dtype, kernels=runs.kernels_of(row), links=runs.links_of(row),
                            memory_precision=precision.replace("-true", "-mixed"), shardings=(sharding,),
-                           recomputes=(layout.recompute,),
+                           recomputes=(layout.recompute,), sequence_parallel=layout.sequence_parallel,
                            schedules=((layout.schedule, layout.virtual),))  # fmt: skip
     best: dict[tuple[int, int], object] = {}
     for c in found.ranked:  # fastest first: the first of each (TP, PP) is its best micro-batch

@@ -123,7 +123,8 @@ def layout_of(row: dict):
     virtual = int(row.get("vpp") or 1) if row["pp"] > 1 else 1
     return Layout(tp=row["tp"], dp=row["dp"], sharding=sharding, micro_batch=row["micro_batch"], accumulate=accumulate,
                   recompute=recompute_of(row), pp=row["pp"], virtual=virtual, cp=row["cp"],
-                  schedule="interleaved" if virtual > 1 else "1f1b")  # fmt: skip
+                  schedule="interleaved" if virtual > 1 else "1f1b",
+                  sequence_parallel=row.get("seq_parallel") == "1" and row["tp"] > 1)  # fmt: skip
 
 
 def links_of(row: dict):

@@ -4,6 +4,7 @@ one- and two-layer dry runs, held to the dry run of the whole depth, and the sea
 import pytest
 import torch
 
+from lmledger.errors import UserError
 from lmledger.ledger.hardware.interconnect import links_for
 from lmledger.ledger.sharding.fsdp2 import FSDPSettings
 from lmledger.ledger.sharding.sharded import predict_sharded
@@ -13,16 +14,18 @@ from lmledger.ledger.timing.gpu.search import search_layouts
 from lmledger.model import ModelConfig, ToyLM
 
 SMALL = ModelConfig(vocab_size=512, context_length=64, d_model=64, n_layers=4, n_heads=4, d_ff=256)
+GPT = ModelConfig(**{**SMALL.__dict__, "positions": "learned", "mlp": "gelu", "norm": "layer", "bias": True})
 
 
-def _whole(layout: Layout) -> tuple[int, int]:
-    """(state, peak) of the dry run of SMALL at its full depth, at `layout` (no pipeline)."""
+def _whole(layout: Layout, config: ModelConfig = SMALL) -> tuple[int, int]:
+    """(state, peak) of the dry run of `config` at its full depth, at `layout` (no pipeline)."""
     with torch.device("meta"):
-        model = ToyLM(SMALL)
+        model = ToyLM(config)
     ids = torch.empty((layout.micro_batch, 64), dtype=torch.long, device="meta")
     if layout.tp > 1:
         strategy, optimizer = "fsdp2", (lambda p: _SplitAdamW(p, lr=1e-4, fused=True))
-        fsdp = FSDPSettings(tensor_parallel=layout.tp, shard=_megatron_tp(layout.sharding == "fsdp"))
+        fsdp = FSDPSettings(tensor_parallel=layout.tp,
+                            shard=_megatron_tp(layout.sharding == "fsdp", layout.sequence_parallel))  # fmt: skip
     else:
         strategy, optimizer, fsdp = (
             layout.sharding.replace("fsdp", "fsdp2"),
@@ -36,15 +39,35 @@ def _whole(layout: Layout) -> tuple[int, int]:
     return found.params + found.grads + found.optimizer, found.peak
 
 
-@pytest.mark.parametrize("layout", [
-    Layout(micro_batch=2), Layout(micro_batch=2, recompute="full"), Layout(tp=2, micro_batch=2),
-    Layout(dp=2, sharding="fsdp", micro_batch=2),
-], ids=["ddp", "ddp-recompute", "tp2", "fsdp2"])  # fmt: skip
-def test_a_ranks_bytes_from_one_and_two_layers_are_the_whole_depths(layout):
-    state, peak = _whole(layout)
-    memory = memory_at_layout(SMALL, 64, layout, "bf16-true")
+@pytest.mark.parametrize("layout, config", [
+    (Layout(micro_batch=2), SMALL), (Layout(micro_batch=2, recompute="full"), SMALL),
+    (Layout(tp=2, micro_batch=2), SMALL), (Layout(dp=2, sharding="fsdp", micro_batch=2), SMALL), (Layout(tp=2, micro_batch=2, sequence_parallel=True), GPT),
+], ids=["ddp", "ddp-recompute", "tp2", "fsdp2", "gpt-tp2-sp"])  # fmt: skip
+def test_a_ranks_bytes_from_one_and_two_layers_are_the_whole_depths(layout, config):
+    state, peak = _whole(layout, config)
+    memory = memory_at_layout(config, 64, layout, "bf16-true")
     assert memory.state == pytest.approx(state, rel=0.01)
     assert memory.peak == pytest.approx(peak, rel=0.03)
+
+
+def test_sequence_parallel_splits_a_tp_ranks_activations_and_the_search_runs_it():
+    """Under TP 2 with sequence parallel, a GPT rank's saved activations shrink (the norms' inputs and the residual
+    stream split too) and its state is unchanged; the search lays every TP layout out with it, unless the embedding
+    is tied to the head (sequence parallel splits the two apart)."""
+    from lmledger.ledger.timing.gpu.search import candidates
+
+    plain, split = (memory_at_layout(GPT, 64, Layout(tp=2, micro_batch=2, sequence_parallel=sp), "bf16-true")
+                    for sp in (False, True))  # fmt: skip
+    assert split.state == plain.state
+    # each of the 9 LayerNorms (2 a block, the final one) saves its bf16 input (2 x 64 x 64), half of it a rank
+    assert plain.activations - split.activations >= 9 * (2 * 64 * 64 * 2) // 2
+    layouts, _ = candidates(GPT, 4, 8, 4)
+    assert {layout.tp > 1 for layout in layouts} == {True, False}
+    assert all(layout.sequence_parallel == (layout.tp > 1) for layout in layouts)
+    tied, _ = candidates(ModelConfig(**{**GPT.__dict__, "tie_embeddings": True}), 4, 8, 4)
+    assert not any(layout.sequence_parallel for layout in tied)
+    with pytest.raises(UserError, match="sequence parallel splits the sequence over the TP ranks"):
+        Layout(sequence_parallel=True)
 
 
 def test_a_pipeline_rank_holds_its_layers_and_the_micro_batches_in_flight():

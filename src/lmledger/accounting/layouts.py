@@ -11,7 +11,8 @@ __all__ = ["plan_layouts"]
 
 def _layout_json(c, num_gpus: int, tokens_per_step: int, tokens: float | None, peak_flops: float, flops_per_token):
     layout, step = c.layout, c.step
-    out = {"tensor_parallel": layout.tp, "context_parallel": layout.cp, "pipeline_parallel": layout.pp,
+    out = {"tensor_parallel": layout.tp, "sequence_parallel": layout.sequence_parallel,
+           "context_parallel": layout.cp, "pipeline_parallel": layout.pp,
            "data_parallel": layout.dp,
            "sharding": layout.sharding, "micro_batch": layout.micro_batch, "micro_batches": layout.accumulate,
            "recompute": layout.recompute, "schedule": layout.schedule if layout.pp > 1 else None}  # fmt: skip

@@ -345,7 +345,8 @@ def _layout_command(
         table.add_column(name, justify="right")
     for r in out["ranked"]:
         b = r["breakdown_s"]
-        table.add_row(str(r["tensor_parallel"]), str(r["context_parallel"]), str(r["pipeline_parallel"]),
+        sp = " sp" if r["sequence_parallel"] else ""
+        table.add_row(f"{r['tensor_parallel']}{sp}", str(r["context_parallel"]), str(r["pipeline_parallel"]),
                       f"{r['data_parallel']} {r['sharding']}",
                       f"{r['micro_batch']}x{r['micro_batches']}", r["recompute"], f"{r['peak_bytes'] / GB:.1f}",
                       f"{r['step_s'] * 1e3:,.0f}", f"{r['mfu']:.3f}", f"{b['compute'] * 1e3:,.0f}",
@@ -366,6 +367,8 @@ def _layout_command(
         reasons[reason] = reasons.get(reason, 0) + 1
     for reason, count in sorted(reasons.items(), key=lambda kv: -kv[1]):
         print(f"dropped {count}: {reason}")
+    if any(r["sequence_parallel"] for r in out["ranked"]):
+        print("sp: tensor parallel with sequence parallel (the norms' and residual stream's activations split too)")
     print(f"links: {out['links']['intra_node']} in a node of {out['links']['gpus_per_node']}, "
           f"{out['links']['inter_node']} between nodes; not searched: {out['not_searched']}")  # fmt: skip
 

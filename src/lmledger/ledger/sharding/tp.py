@@ -111,10 +111,15 @@ def check_toy_plan(cfg, tensor_parallel: int, sequence_parallel: bool = False) -
         raise ConfigError("sequence parallel splits the embedding and the LM head apart: set tie_embeddings false")
 
 
-def toy_plan(sequence_parallel: bool = False, gated: bool = True, learned: bool = False) -> tuple[dict, dict]:
+def toy_plan(
+    sequence_parallel: bool = False, gated: bool = True, learned: bool = False, split_logits: bool = False
+) -> tuple[dict, dict]:
     """(per-block plan, top-level plan) of lmledger's ToyLM, as parallelize_module takes them.
 
-    `gated`: a SwiGLU MLP (w1, w3, w2); False for a GeLU one (w1, w2). `learned`: a learned position table."""
+    `gated`: a SwiGLU MLP (w1, w3, w2); False for a GeLU one (w1, w2). `learned`: a learned position table.
+    `split_logits`: Megatron-LM's ends, with or without sequence parallel: the embedding split by vocabulary rows and
+    the LM head by vocabulary columns, each rank's logits left as its vocabulary shard (the GPU model's dry runs: the
+    cross-entropy reads its shard; a trained module's loss would need torch's loss_parallel)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -147,18 +152,21 @@ def toy_plan(sequence_parallel: bool = False, gated: bool = True, learned: bool 
         }
         if learned:  # the whole table's rows for the whole sequence, each rank keeping its shard's (module doc)
             top["pos_embed"] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(0))
+    if split_logits:
+        stream = Shard(1) if sequence_parallel else Replicate()  # the residual stream's layout entering the head
+        top["embed"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=stream)
+        top["lm_head"] = ColwiseParallel(input_layouts=stream, output_layouts=Shard(-1), use_local_output=True)
     return block, top
 
 
-def toy_tp_plan(model: nn.Module, tp_mesh: object, sequence_parallel: bool = False) -> None:
-    """Tensor-parallelise lmledger's ToyLM in place over `tp_mesh` (module docstring)."""
+def toy_tp_plan(model: nn.Module, tp_mesh: object, sequence_parallel: bool = False, split_logits: bool = False) -> None:
+    """Tensor-parallelise lmledger's ToyLM in place over `tp_mesh` (module docstring; `split_logits`: toy_plan's)."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     size = tp_mesh.size()
     check_toy_plan(model.cfg, size, sequence_parallel)
-    block_plan, top_plan = toy_plan(
-        sequence_parallel, gated=model.cfg.mlp == "swiglu", learned=getattr(model, "pos_embed", None) is not None
-    )
+    learned = getattr(model, "pos_embed", None) is not None
+    block_plan, top_plan = toy_plan(sequence_parallel, model.cfg.mlp == "swiglu", learned, split_logits)
     for wrapped in model.blocks:
         block = getattr(wrapped, "_checkpoint_wrapped_module", wrapped)  # torch's checkpoint_wrapper
         check_plan(block, block_plan)

@@ -60,6 +60,9 @@ class Layout:
     micro_batch: int = 1
     accumulate: int = 1  # micro-batches a data-parallel replica runs per step (through the pipeline, if any)
     recompute: str = "none"  # RECOMPUTE (module doc)
+    # Megatron-LM's sequence parallelism (Korthikanti et al. 2022) beside TP: the norms, dropouts and residual stream
+    # split along the sequence, TP's all-reduces become a reduce-scatter and an all-gather (ledger.sharding.tp)
+    sequence_parallel: bool = False
     pp: int = 1  # pipeline stages
     cp: int = 1  # context parallel: each sequence split over cp ranks (ledger.sharding.context: torch's ring attention)
     virtual: int = 1  # model chunks per pipeline rank (the interleaved schedule)
@@ -73,6 +76,8 @@ class Layout:
         for name in ("tp", "dp", "micro_batch", "accumulate", "pp", "virtual", "cp"):
             if getattr(self, name) < 1:
                 raise UserError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.sequence_parallel and self.tp == 1:
+            raise UserError("sequence parallel splits the sequence over the TP ranks: it needs tp above 1")
         self.pipeline  # noqa: B018 - the schedule's own checks (interleaved: micro-batches a multiple of pp)
 
     @property
@@ -107,22 +112,15 @@ class _SplitAdamW(torch.optim.Optimizer):
             optimizer.zero_grad(set_to_none)
 
 
-def _megatron_tp(fsdp_too: bool):
-    """The shard function of FSDPSettings: the toy LM's TP plan, the embedding and LM head split by vocabulary (the
-    logits stay split: each rank's cross-entropy reads its shard), then FSDP2 over data parallel where asked."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
+def _megatron_tp(fsdp_too: bool, sequence_parallel: bool = False):
+    """The shard function of FSDPSettings: the toy LM's TP plan (with sequence parallel where asked), the embedding
+    and LM head split by vocabulary (the logits stay split: each rank's cross-entropy reads its shard), then FSDP2
+    over data parallel where asked."""
     from lmledger.ledger.sharding import tp
     from lmledger.ledger.sharding.fsdp2 import DEFAULT_FSDP, TP_DIMS, shard_blocks
 
     def shard(model, mesh) -> None:
-        tp_mesh = mesh[TP_DIMS[1]]
-        tp.toy_tp_plan(model, tp_mesh)
-        parallelize_module(model, tp_mesh, {
-            "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-            "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=True),
-        })  # fmt: skip
+        tp.toy_tp_plan(model, mesh[TP_DIMS[1]], sequence_parallel, split_logits=True)
         if fsdp_too:
             shard_blocks(model, mesh[TP_DIMS[0]], DEFAULT_FSDP)
 
@@ -182,11 +180,13 @@ def _traced(config, seq: int, layout: Layout, precision: str):
         except UserError as err:  # e.g. a sequence that does not split into 2 x cp, learned positions
             return NotTraced(str(err))
     fsdp_dp = layout.dp if layout.sharding == "fsdp" else 1
-    return _rank_ops(config, seq, layout.tp, fsdp_dp, layout.micro_batch, traced, precision)
+    return _rank_ops(config, seq, layout.tp, fsdp_dp, layout.micro_batch, traced, precision, layout.sequence_parallel)
 
 
 @functools.lru_cache(maxsize=256)
-def _rank_ops(config, seq: int, tp: int, fsdp_dp: int, micro_batch: int, recompute: str, precision: str):
+def _rank_ops(
+    config, seq: int, tp: int, fsdp_dp: int, micro_batch: int, recompute: str, precision: str, sp: bool = False
+):
     from lmledger.ledger.sharding.fsdp2 import FSDPSettings
     from lmledger.ledger.sharding.rankstate import priced_rank
     from lmledger.ledger.sharding.sharded import predict_sharded
@@ -200,7 +200,7 @@ def _rank_ops(config, seq: int, tp: int, fsdp_dp: int, micro_batch: int, recompu
     world = tp * fsdp_dp
     if tp > 1:
         strategy, optimizer = "fsdp2", (lambda params: _SplitAdamW(params, lr=1e-4, fused=fused))
-        settings = FSDPSettings(tensor_parallel=tp, shard=_megatron_tp(fsdp))
+        settings = FSDPSettings(tensor_parallel=tp, shard=_megatron_tp(fsdp, sp))
     else:
         strategy, optimizer = ("fsdp2" if fsdp else "ddp"), (lambda params: torch.optim.AdamW(params, fused=fused))
         settings = FSDPSettings()

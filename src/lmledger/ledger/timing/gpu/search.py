@@ -5,7 +5,9 @@ ones whose per-rank peak fits, ranked by predicted tokens/s.
                 (2, 4, 8 from LONG_CONTEXT tokens up, without TP: the two are not composed yet) x pipeline stages (a
                 divisor of the depth) x data parallel (the rest), replicated ("ddp") or fully sharded ("fsdp"),
                 x micro-batch (a power of two that divides a replica's share of the batch) x recompute (none or every
-                block), 1F1B when pipelined
+                block), 1F1B when pipelined; a TP layout runs sequence parallel (Megatron-LM's and torchtitan's
+                usual: the norms' and residual stream's activations split too, the same bytes on the wire) unless the
+                model ties its embedding to its head, or the search is told sequence_parallel=False
     dropped     a layout whose batch does not divide, or whose highest per-rank peak (layout.memory_at_layout) is over
                 the GPU's memory: each with why
     ranked      the rest by the predicted step (layout.step_at_layout), fastest first
@@ -68,10 +70,11 @@ def _divisors(n: int) -> list[int]:
 
 def candidates(
     config, num_gpus: int, global_batch: int, gpus_per_node: int, *, shardings=SHARDINGS, recomputes=RECOMPUTES,
-    micro_batches=MICRO_BATCHES, schedules=SCHEDULES, cps=(1,),
+    micro_batches=MICRO_BATCHES, schedules=SCHEDULES, cps=(1,), sequence_parallel=True,
 ) -> tuple[list[Layout], list[Candidate]]:  # fmt: skip
     """(the layouts to price, those dropped before any dry run: a batch or a depth that does not divide)."""
     out, dropped = [], []
+    sequence_parallel = sequence_parallel and not getattr(config, "tie_embeddings", False)
     heads, kv = config.n_heads, getattr(config, "kv_heads", config.n_heads)
     for tp, cp in itertools.product(_divisors(min(gpus_per_node, num_gpus)), cps):
         if heads % tp or kv % tp or num_gpus % (tp * cp) or (cp > 1 and tp > 1):  # CP beside TP: not modelled yet
@@ -90,7 +93,8 @@ def candidates(
                 recomputes, schedules if pp > 1 else (("1f1b", 1),),
             ):  # fmt: skip
                 settings = dict(tp=tp, dp=dp, pp=pp, cp=cp, sharding=sharding, micro_batch=mb, accumulate=share // mb,
-                                recompute=recompute, schedule=schedule, virtual=virtual)  # fmt: skip
+                                recompute=recompute, schedule=schedule, virtual=virtual,
+                                sequence_parallel=sequence_parallel and tp > 1)  # fmt: skip
                 try:
                     layout = Layout(**settings)
                 except UserError as err:  # e.g. interleaving with micro-batches not a multiple of the stages
@@ -109,7 +113,8 @@ def search_layouts(
     compute_dtype: str, kernels: Kernels, links: Links, memory_precision: str | None = None, **space,
 ) -> Search:  # fmt: skip
     """Every layout of `config` at `global_batch` sequences of `seq` tokens over `num_gpus` GPUs (module doc); `space`
-    narrows or widens what is searched (candidates' shardings, recomputes, micro_batches, schedules). The bytes are
+    narrows or widens what is searched (candidates' shardings, recomputes, micro_batches, schedules, cps,
+    sequence_parallel). The bytes are
     the dry run's at `memory_precision` where the trainer keeps other state than its kernels show (Megatron-LM: 16-bit
     weights in the kernels, fp32 master weights and moments in its optimizer), else at `precision`."""
     space.setdefault("cps", (1, 2, 4, 8) if seq >= LONG_CONTEXT else (1,))
