@@ -3,7 +3,8 @@ shared/published/runs-dev.csv [--only ID,...] [--sources PREFIX,...]`.
 
 For each row whose layout and global batch are printed (Megatron-LM SC'21 Table 1, Korthikanti et al.; TP and PP known,
 no context parallel), the layout search (ledger/timing/gpu/search.py) runs for that model, GPU count and global batch,
-with the row's framework's kernels, its sharding, recompute and schedule, the micro-batch searched (1, 2, 4, 8), each
+with the row's framework's kernels, its sharding, recompute, schedule and sequence parallelism (TP layouts run it where
+the row did), the micro-batch searched (1, 2, 4, 8), each
 rank's bytes as mixed precision keeps them (fp32 weights, gradients and moments: Megatron-LM's master weights). The
 ranked layouts are grouped by their (TP, PP), each at its best micro-batch: a row's rank is its published (TP, PP)'s
 place among them (1 is the fastest). One JSON line a row:
