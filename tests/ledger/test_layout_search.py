@@ -110,3 +110,13 @@ def test_a_deep_replicated_peak_holds_its_state_and_grows_with_the_micro_batch()
     for m in peaks:
         assert m.peak >= m.state + m.activations
     assert peaks[1].peak > peaks[0].peak
+
+
+def test_the_search_interleaves_two_chunks_a_rank_where_the_layers_and_micro_batches_divide():
+    from lmledger.ledger.timing.gpu.search import candidates
+
+    layouts, _ = candidates(SMALL, 4, 8, 4)  # 4 layers: PP 2 takes 2 x 2 chunks, PP 4 none
+    interleaved = [layout for layout in layouts if layout.schedule == "interleaved"]
+    assert interleaved and {(layout.pp, layout.virtual) for layout in interleaved} == {(2, 2)}
+    assert all(layout.accumulate % layout.pp == 0 for layout in interleaved)
+    assert {layout.pp for layout in layouts if layout.schedule == "1f1b"} == {1, 2, 4}

@@ -5,7 +5,8 @@ ones whose per-rank peak fits, ranked by predicted tokens/s.
                 (2, 4, 8 from LONG_CONTEXT tokens up, without TP: the two are not composed yet) x pipeline stages (a
                 divisor of the depth) x data parallel (the rest), replicated ("ddp") or fully sharded ("fsdp"),
                 x micro-batch (a power of two that divides a replica's share of the batch) x recompute (none or every
-                block), 1F1B when pipelined; a TP layout runs sequence parallel (Megatron-LM's and torchtitan's
+                block), 1F1B or interleaved 1F1B with 2 chunks a rank when pipelined (where the chunks and the
+                micro-batches divide); a TP layout runs sequence parallel (Megatron-LM's and torchtitan's
                 usual: the norms' and residual stream's activations split too, the same bytes on the wire) unless the
                 model ties its embedding to its head, or the search is told sequence_parallel=False
     dropped     a layout whose batch does not divide, or whose highest per-rank peak (layout.memory_at_layout) is over
@@ -21,7 +22,6 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from lmledger.errors import UserError
 from lmledger.ledger.hardware.interconnect import Links
 from lmledger.ledger.timing.gpu.frameworks import Kernels
 from lmledger.ledger.timing.gpu.layout import BUBBLE, Layout, RankMemory, memory_at_layout, step_at_layout
@@ -32,7 +32,7 @@ __all__ = ["Candidate", "Search", "candidates", "search_layouts"]
 MICRO_BATCHES = (1, 2, 4, 8)
 RECOMPUTES = ("none", "full")
 SHARDINGS = ("ddp", "fsdp")
-SCHEDULES = (("1f1b", 1),)  # (schedule, model chunks a rank) of a pipelined layout
+SCHEDULES = (("1f1b", 1), ("interleaved", 2))  # (schedule, model chunks a rank) of a pipelined layout
 # Context parallel is searched from this sequence length up: what it is for (torchtitan's Llama 3 runs use it at 64K
 # to 256K tokens), where a shorter sequence's shards would leave each rank's attention too small to pay for the ring
 LONG_CONTEXT = 16384
@@ -92,19 +92,12 @@ def candidates(
                 [b for b in micro_batches if share % b == 0], [s for s in shardings if dp * cp > 1 or s == "ddp"],
                 recomputes, schedules if pp > 1 else (("1f1b", 1),),
             ):  # fmt: skip
+                if virtual > 1 and (config.n_layers % (pp * virtual) or (share // mb) % pp):
+                    continue  # no such interleaving: chunks of whole layers, micro-batches in groups of the stages
                 settings = dict(tp=tp, dp=dp, pp=pp, cp=cp, sharding=sharding, micro_batch=mb, accumulate=share // mb,
                                 recompute=recompute, schedule=schedule, virtual=virtual,
                                 sequence_parallel=sequence_parallel and tp > 1)  # fmt: skip
-                try:
-                    layout = Layout(**settings)
-                except UserError as err:  # e.g. interleaving with micro-batches not a multiple of the stages
-                    dropped.append(Candidate(Layout(tp=tp, dp=dp, pp=pp, cp=cp, micro_batch=mb), dropped=str(err)))
-                    continue
-                if config.n_layers % (pp * virtual):
-                    dropped.append(Candidate(layout, dropped=f"{config.n_layers} layers do not split into "
-                                             f"{pp} x {virtual} chunks"))  # fmt: skip
-                    continue
-                out.append(layout)
+                out.append(Layout(**settings))
     return out, dropped
 
 
