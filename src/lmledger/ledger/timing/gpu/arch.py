@@ -7,6 +7,10 @@ it was fitted on. The chip's own numbers (SMs, L2, peaks, bandwidth) are in ledg
     hbm         the share of HBM bandwidth a streaming (elementwise, reduction) kernel reaches
     attention   kernel -> (forward, backward) efficiency of a FlashAttention-style kernel at head dim 128 and long
                 sequences, of the dense peak, counting the FLOPs the kernel does (causal: half)
+    sustained_clock
+                the share of the clock the datasheet's peak is computed at that the chip holds under sustained full
+                tensor-core load, at its power limit; None where the shares above were measured under such load. A
+                tensor-core kernel never runs faster than a full tile at that clock (kernels.sustained_share)
 
 Pure data: no torch.
 """
@@ -16,7 +20,16 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["ARCHES", "Arch", "GEMM_FLOOR_S", "GEMM_K_FILL", "KERNEL_FLOOR_S", "TILES", "attention_kernels"]
+__all__ = [
+    "ARCHES",
+    "Arch",
+    "GEMM_FLOOR_S",
+    "GEMM_K_FILL",
+    "KERNEL_FLOOR_S",
+    "TENSOR_DTYPES",
+    "TILES",
+    "attention_kernels",
+]
 
 
 @dataclass(frozen=True)
@@ -26,6 +39,7 @@ class Arch:
     hbm: float
     attention: Mapping[str, tuple[float, float]]
     source: str  # where the figures come from, one line, for the prediction's `how`
+    sustained_clock: float | None = None
 
 
 # The tile shapes a GEMM library chooses between, (rows, columns, efficiency relative to the largest). With the two
@@ -39,6 +53,23 @@ GEMM_FLOOR_S = 5e-6  # a GEMM launch's fixed cost (library heuristics, launch, t
 # A streaming kernel's fixed cost: about 1.2 us back to back inside a CUDA graph (pytorch/pytorch#161104: x + y on
 # 1024 floats, 2,000 times); eager launches of dependent kernels add about a microsecond of ramp and tail.
 KERNEL_FLOOR_S = 2e-6
+
+# The dtypes a tensor core runs: a power-limited clock caps them (kernels.sustained_share). FP32 on the CUDA cores
+# draws less: an 8xH100 node burning FP32 matmuls drew 580-650 W a GPU of its 700 W (huggingface/gpu-fryer#4).
+TENSOR_DTYPES = ("bf16", "fp16", "fp8", "tf32")
+# Hopper under sustained load. The 989 TFLOP/s peak is computed at 1830 MHz (stas00/ml-engineering,
+# compute/accelerator, "Clock speed"); at its 700 W limit a busy GH100 does not hold it: H200 runners "cannot
+# reliably sustain a locked 1830 MHz graphics/SM clock under full load ... 1500 MHz is a more realistic sustained
+# locked-clock target" (tile-ai/TileOPs#1588), an H800's clock fell from 1980 to 1575 MHz when its power passed the
+# limit (deepseek-ai/DeepGEMM#120), "matmuls on the H100 are primarily not compute or bandwidth limited, they are
+# power limited" (Horace He, thonking.ai, 2024: random data throttles where zeros do not). The matmul shares below
+# were measured on short GEMMs (XLA's table: up to 4096^3, a fifth of a millisecond each; stas00's MAMF: 100
+# iterations of its best shape, about 0.14 ms each), which finish before the limit pulls the clock down; a training
+# step's GEMMs run back to back for seconds. 1500 / 1830 = 0.82: a full tile at that clock reaches 0.88 x 0.82 =
+# 0.72 of the peak, 714 TFLOP/s, where a square 10240 bf16 product, long enough to throttle, measured 720 on an
+# H100 SXM (torch 2.7: zzc0721/torch-performance-test-data#79; its 4096 and 8192 squares ran at 789 and 798).
+# Not fitted to the published runs.
+_HOPPER_SUSTAINED_CLOCK = 1500 / 1830
 
 # FlashAttention-2 on the A100 (Dao 2023, arXiv 2307.08691): 50-73% of the peak over head dims 64 and 128, causal
 # and not, forward and backward; the forward at the top of that range, the backward lower.
@@ -67,6 +98,8 @@ ARCHES: dict[str, Arch] = {
         # shared/published/runs-dev.csv, 2026-12-04: 9.1%; 0.74 to 0.82 give 9.1% to 9.8%), a constant fitted to
         # those rows, which lands on mli's measurement. TF32: mli's square 8192 at 74% of 156: 0.76. HBM: `a * 1.2`
         # at 79% of the A100's 2,039 GB/s and 89% of the A800's 1,935 (mli): 0.85. fp32 (no tensor cores): none found.
+        # No sustained clock: mli's square 8192 products take about 5 ms each, and the runs are training steps, so
+        # 0.76 is a rate under sustained load already.
         Arch(
             "ampere",
             {"bf16": 0.76, "fp16": 0.76, "tf32": 0.76, "fp32": 0.85},
@@ -97,10 +130,15 @@ ARCHES: dict[str, Arch] = {
                 "efficient": (0.25, 0.20),
                 "triton": _FA1_HOPPER,
             },
-            "Hopper GEMMs fitted on XLA's H100 table, HBM at 90%, FlashAttention-2 at 31%/27% and -3 at 66%/57%",
+            "Hopper GEMMs fitted on XLA's H100 table, at most a full tile at the 700 W limit's sustained clock "
+            "(1500 of 1830 MHz), HBM at 90%, FlashAttention-2 at 31%/27% and -3 at 66%/57%",
+            sustained_clock=_HOPPER_SUSTAINED_CLOCK,
         ),
         # B200: bf16 and fp8 (e4m3) refitted on XLA's sm_100 table (medians 3.9% and 8.5% over 375 shapes; its best
-        # bf16 entry is 74% of 2.25 PFLOP/s). No attention, TF32 or HBM measurement found: Hopper's assumed.
+        # bf16 entry is 74% of 2.25 PFLOP/s). No attention, TF32 or HBM measurement found: Hopper's assumed. Its
+        # clock falls under sustained load too (1965 to about 1580 MHz over back-to-back attention kernels,
+        # flashinfer-ai/flashinfer#2899), but 0.70 already sits below its MAMF (77.6%, stas00) and no published B200
+        # run checks a sustained share: none set.
         Arch(
             "blackwell",
             {"bf16": 0.70, "fp16": 0.70, "fp8": 0.60, "tf32": 0.70, "fp32": 0.85},

@@ -3,9 +3,11 @@
     matmul      tile and wave quantization: for each tile shape a GEMM library picks between (arch.TILES), the tiles
                 of the output spread over the SMs in waves, each tile at the architecture's matmul efficiency and
                 paying a fixed depth (arch.GEMM_K_FILL); split-K where too few tiles fill the SMs; the fastest choice,
+                never faster than a full tile at the clock the chip sustains at its power limit (sustained_share),
                 plus a launch floor, and never faster than moving its operands at the HBM share
     attention   FlashAttention-style kernels at their published efficiency (arch.Arch.attention), falling for short
-                sequences and small head dims, counting the FLOPs the kernel does (causal: half); "unfused"
+                sequences and small head dims, counting the FLOPs the kernel does (causal: half), and held to the
+                same sustained share; "unfused"
                 (Megatron-era) attention as its two batched matmuls and a softmax
     streaming   everything else: bytes read and written at the architecture's HBM share, plus a floor per kernel
 
@@ -18,9 +20,25 @@ import math
 from dataclasses import dataclass
 
 from lmledger.ledger.hardware.gpus import GpuSpec, datasheet_peak
-from lmledger.ledger.timing.gpu.arch import ARCHES, GEMM_FLOOR_S, GEMM_K_FILL, KERNEL_FLOOR_S, TILES, Arch
+from lmledger.ledger.timing.gpu.arch import (
+    ARCHES,
+    GEMM_FLOOR_S,
+    GEMM_K_FILL,
+    KERNEL_FLOOR_S,
+    TENSOR_DTYPES,
+    TILES,
+    Arch,
+)
 
-__all__ = ["Chip", "attention_seconds", "chip_of", "matmul_seconds", "stream_seconds", "unfused_attention_seconds"]
+__all__ = [
+    "Chip",
+    "attention_seconds",
+    "chip_of",
+    "matmul_seconds",
+    "stream_seconds",
+    "sustained_share",
+    "unfused_attention_seconds",
+]
 
 _SPLITS = (1, 2, 3, 4, 6, 8, 12, 16)
 # Sequence length at which a FlashAttention-style kernel runs at half its long-sequence efficiency: few query
@@ -61,6 +79,16 @@ def chip_of(spec: GpuSpec) -> Chip:
     return Chip(spec, ARCHES[spec.arch])
 
 
+def sustained_share(dtype: str, chip: Chip) -> float:
+    """The share of the dense peak a tensor-core kernel in `dtype` sustains at the chip's power limit: a full tile
+    (arch.Arch.matmul) at the clock it holds under sustained load (arch.Arch.sustained_clock); 1.0 where none is set
+    or the dtype runs on the CUDA cores. Power grows with FLOP/s, so a kernel slower than this never throttles."""
+    clock = chip.arch.sustained_clock
+    if clock is None or dtype not in TENSOR_DTYPES:
+        return 1.0
+    return chip.arch.matmul.get(dtype, chip.arch.matmul["fp32"]) * clock
+
+
 def matmul_seconds(m: int, n: int, k: int, batch: int, dtype: str, chip: Chip, element_bytes: int = 2) -> float:
     """A [m, k] @ [k, n] product, `batch` times (bmm), in `dtype` (module doc)."""
     if min(m, n, k, batch) <= 0:
@@ -79,6 +107,7 @@ def matmul_seconds(m: int, n: int, k: int, batch: int, dtype: str, chip: Chip, e
             if split > 1:  # the partial products, written and summed in fp32
                 seconds += 2 * split * m * n * batch * 4 / chip.bandwidth
             best = min(best, seconds)
+    best = max(best, 2 * m * n * k * batch / (chip.peak(dtype) * sustained_share(dtype, chip)))
     moved = (m * k + k * n + m * n) * batch * element_bytes
     return max(best, moved / chip.bandwidth) + GEMM_FLOOR_S
 
@@ -107,7 +136,7 @@ def attention_seconds(
     forward_eff, backward_eff = chip.arch.attention.get(kernel, chip.arch.attention["flash2"])
     seq = min(seq_q, seq_k)
     efficiency = (backward_eff if backward else forward_eff) * seq / (seq + _SEQ_HALF[causal])
-    efficiency *= _head_dim_factor(head_dim)
+    efficiency = min(efficiency * _head_dim_factor(head_dim), sustained_share(dtype, chip))
     work = flops / 2 if causal and seq_q == seq_k else flops
     return work / (attention_peak(dtype, chip) * efficiency) + KERNEL_FLOOR_S
 

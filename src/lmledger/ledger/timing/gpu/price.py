@@ -21,6 +21,7 @@ from lmledger.ledger.timing.gpu.kernels import (
     attention_seconds,
     matmul_seconds,
     stream_seconds,
+    sustained_share,
     unfused_attention_seconds,
 )
 from lmledger.ledger.timing.roofline import peak_dtype
@@ -102,7 +103,7 @@ def _price_matmul(op: OpRecord, chip: Chip, compute: str, kernels: Kernels) -> f
         operands = (m * k + k * n) * (3 if kernels.fuse_elementwise else 5)
         return matmul_seconds(m, n, k, 1, "fp8", chip, 1) + stream_seconds(operands, chip, 2)
     if dims is None:  # a convolution or other: its FLOPs at a large GEMM's efficiency
-        eff = chip.arch.matmul.get(dtype, chip.arch.matmul["fp32"])
+        eff = min(chip.arch.matmul.get(dtype, chip.arch.matmul["fp32"]), sustained_share(dtype, chip))
         return op.flops / (chip.peak(dtype) * eff) + stream_seconds(0, chip)
     m, n, k, batch = dims
     element = 1 if dtype == "fp8" else _ELEMENT.get(op.dtype, 2)
