@@ -41,7 +41,8 @@ def _whole(layout: Layout, config: ModelConfig = SMALL) -> tuple[int, int]:
 
 @pytest.mark.parametrize("layout, config", [
     (Layout(micro_batch=2), SMALL), (Layout(micro_batch=2, recompute="full"), SMALL),
-    (Layout(tp=2, micro_batch=2), SMALL), (Layout(dp=2, sharding="fsdp", micro_batch=2), SMALL), (Layout(tp=2, micro_batch=2, sequence_parallel=True), GPT),
+    (Layout(tp=2, micro_batch=2), SMALL), (Layout(dp=2, sharding="fsdp", micro_batch=2), SMALL),
+    (Layout(tp=2, micro_batch=2, sequence_parallel=True), GPT),
 ], ids=["ddp", "ddp-recompute", "tp2", "fsdp2", "gpt-tp2-sp"])  # fmt: skip
 def test_a_ranks_bytes_from_one_and_two_layers_are_the_whole_depths(layout, config):
     state, peak = _whole(layout, config)
