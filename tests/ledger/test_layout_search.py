@@ -53,15 +53,17 @@ def test_a_ranks_bytes_from_one_and_two_layers_are_the_whole_depths(layout, conf
 
 def test_sequence_parallel_splits_a_tp_ranks_activations_and_the_search_runs_it():
     """Under TP 2 with sequence parallel, a GPT rank's saved activations shrink (the norms' inputs and the residual
-    stream split too) and its state is unchanged; the search lays every TP layout out with it, unless the embedding
-    is tied to the head (sequence parallel splits the two apart)."""
+    stream split too, and, Megatron-LM's column linears regathering their input in backward, the inputs of qkv and
+    w1) and its state is unchanged; the search lays every TP layout out with it, unless the embedding is tied to the
+    head (sequence parallel splits the two apart)."""
     from lmledger.ledger.timing.gpu.search import candidates
 
     plain, split = (memory_at_layout(GPT, 64, Layout(tp=2, micro_batch=2, sequence_parallel=sp), "bf16-true")
                     for sp in (False, True))  # fmt: skip
     assert split.state == plain.state
-    # each of the 9 LayerNorms (2 a block, the final one) saves its bf16 input (2 x 64 x 64), half of it a rank
-    assert plain.activations - split.activations >= 9 * (2 * 64 * 64 * 2) // 2
+    # each of the 9 LayerNorms (2 a block, the final one) saves its bf16 input (2 x 64 x 64), half of it a rank, and
+    # each of the 8 gather sites (attn's, the MLP's) its shard where TP alone saves the whole input
+    assert plain.activations - split.activations >= (9 + 8) * (2 * 64 * 64 * 2) // 2
     layouts, _ = candidates(GPT, 4, 8, 4)
     assert {layout.tp > 1 for layout in layouts} == {True, False}
     assert all(layout.sequence_parallel == (layout.tp > 1) for layout in layouts)
@@ -69,6 +71,28 @@ def test_sequence_parallel_splits_a_tp_ranks_activations_and_the_search_runs_it(
     assert not any(layout.sequence_parallel for layout in tied)
     with pytest.raises(UserError, match="sequence parallel splits the sequence over the TP ranks"):
         Layout(sequence_parallel=True)
+
+
+def test_plan_layouts_sequence_parallel_regathers_the_column_linears_inputs_as_megatron_lm():
+    """_megatron_tp's sequence parallel is Megatron-LM's (tp.toy_tp_plan's regather): against torch's styles, a GPT
+    rank at TP 2 holds the same state and saves, of the input of qkv and of w1 at each of the 4 layers, its
+    sequence shard (2 x 32 x 64, bf16) where torch's save the gathered (2 x 64 x 64): 4 x 2 x (2 x 64 x 64 x 2) / 2
+    bytes fewer, exactly."""
+    from lmledger.ledger.sharding.tp import toy_tp_plan
+
+    def rank(shard):
+        with torch.device("meta"):
+            model = ToyLM(GPT)
+        ids = torch.empty((2, 64), dtype=torch.long, device="meta")
+        return predict_sharded(model, (ids, ids.clone()), step=lambda m, b: m(*b), precision="bf16-true",
+                               optimizer=lambda p: _SplitAdamW(p, lr=1e-4, fused=True), strategy="fsdp2",
+                               world_size=2, fsdp=FSDPSettings(tensor_parallel=2, shard=shard))  # fmt: skip
+
+    torch_styles = rank(lambda model, mesh: toy_tp_plan(model, mesh["tensor_parallel"], True, split_logits=True))
+    megatron = rank(_megatron_tp(False, True))
+    assert megatron.params == torch_styles.params and megatron.flops_forward == torch_styles.flops_forward
+    assert torch_styles.activations - megatron.activations == 4 * 2 * (2 * 64 * 64 * 2) // 2
+    assert megatron.peak < torch_styles.peak
 
 
 def test_a_pipeline_rank_holds_its_layers_and_the_micro_batches_in_flight():

@@ -56,12 +56,23 @@ def _losses(model: torch.nn.Module) -> list[float]:
     return out
 
 
-# (tensor parallel, sequence parallel, checkpointing, accumulate, precision, model): the matrix each rank measures
+# (tensor parallel, sequence parallel, checkpointing, accumulate, precision, model): the matrix each rank measures.
+# Sequence parallel "regather": toy_tp_plan's regather, Megatron-LM's gathers fused with the column linears.
 CASES = {
     2: [(2, False, False, 1, "32-true", "llama"), (2, True, True, 2, "bf16-mixed", "llama"),
-        (2, True, False, 1, "32-true", "gpt")],
+        (2, True, False, 1, "32-true", "gpt"), (2, "regather", True, 2, "bf16-mixed", "llama"),
+        (2, "regather", False, 1, "32-true", "gpt")],
     4: [(2, False, True, 2, "bf16-mixed", "llama")],
 }  # fmt: skip
+
+
+def _settings(tp: int, sp: bool | str) -> FSDPSettings:
+    """A case's FSDP2 x TP settings: the ToyLM plan, with sequence parallel, or with it regathered."""
+    if sp == "regather":
+        from lmledger.ledger.sharding.tp import toy_tp_plan
+
+        return FSDPSettings(tensor_parallel=tp, tp_plan=lambda m, mesh: toy_tp_plan(m, mesh, True, regather=True))
+    return FSDPSettings(tensor_parallel=tp, sequence_parallel=sp)
 
 
 def _figures(ledger) -> dict:
@@ -77,18 +88,20 @@ def _rank(world: int) -> dict:
     from lmledger.ledger.sharding.tp import toy_tp_plan
 
     losses = {}
-    for name, sequence_parallel in (("llama", False), ("llama", True), ("gpt", True)):
+    runs = (("llama", False, False), ("llama", True, False), ("gpt", True, False), ("llama", True, True),
+            ("gpt", True, True))  # fmt: skip
+    for name, sequence_parallel, regather in runs:
         torch.manual_seed(0)
         model = ToyLM(CONFIGS[name])
         mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=TP_DIMS)
-        toy_tp_plan(model, mesh["tensor_parallel"], sequence_parallel)
+        toy_tp_plan(model, mesh["tensor_parallel"], sequence_parallel, regather=regather)
         shard_blocks(model, mesh["data_parallel"], FSDPSettings())
-        losses[f"{name} sp={sequence_parallel}"] = _losses(model)
+        losses[f"{name} sp={sequence_parallel}{' regather' if regather else ''}"] = _losses(model)
     measured = []
     for tp, sp, ac, accumulate, precision, name in CASES[world]:
         torch.manual_seed(0)
         kwargs = dict(optimizer=_adamw, precision=precision, strategy="fsdp2", accumulate=accumulate,
-                      fsdp=FSDPSettings(tensor_parallel=tp, sequence_parallel=sp))  # fmt: skip
+                      fsdp=_settings(tp, sp))  # fmt: skip
         module = ToyLM(CONFIGS[name])
         ledger = (
             _with_checkpointed_blocks(lambda m, b, **k: measure_sharded(m, b, **k), module, _batch(), **kwargs)
@@ -105,7 +118,7 @@ def _predicted(world: int, case: tuple) -> dict:
         model = ToyLM(CONFIGS[name])
     ledger = predict_sharded(
         model, _batch(), optimizer=_adamw, precision=precision, strategy="fsdp2", world_size=world,
-        fsdp=FSDPSettings(tensor_parallel=tp, sequence_parallel=sp), activation_checkpointing=ac or None,
+        fsdp=_settings(tp, sp), activation_checkpointing=ac or None,
         accumulate=accumulate,
     )  # fmt: skip
     assert ledger.tensor_parallel == tp and ledger.world_size == world
@@ -155,6 +168,52 @@ def test_tp_divides_the_state_and_the_block_flops():
     assert sum(op.bytes_written for op in optimizer) < sum(
         op.bytes_written for op in one.ops.ops if op.category == "optimizer"
     )  # AdamW steps the rank's shards, not the whole model
+
+
+@pytest.mark.parametrize("name, precision, casts", [("llama", "32-true", 0), ("gpt", "bf16-true", 0),
+                                                     ("llama", "bf16-mixed", 1)])  # fmt: skip
+def test_regather_saves_the_sequence_shard_and_gathers_it_again_in_backward(name, precision, casts):
+    """toy_tp_plan's regather (Megatron-LM's sequence-parallel column linears) against torch's styles, one rank of TP
+    t = 2 on fake ranks: the same state and FLOPs, the same forward collectives, one more all-gather in backward a
+    gather site (attn's and the MLP's: 2 a layer), and fewer saved bytes by exactly the gathered inputs less the
+    shards now saved: torch's styles save the (b, s, d) input of qkv and of w1 (w3 shares it) whole, the regather
+    the rank's (b, s / t, d) shard, n_layers x 2 x b s d x bytes x (1 - 1 / t). Under bf16-mixed SwiGLU (`casts`),
+    autocast casts the gathered input for w1 and for w3 apart (the dry run, as Lightning, keeps no cast cache), so
+    torch's styles save the MLP's bf16 input twice: one b s d x bytes a layer more; the regather casts the shard
+    once, before it is gathered."""
+    from collections import Counter
+
+    from lmledger.ledger.hardware.interconnect import collective_kind
+
+    cfg, t = CONFIGS[name], 2
+    ledgers = {sp: _predicted_ledger(cfg, precision, sp, t) for sp in (True, "regather")}
+    torch_styles, regathered = ledgers[True], ledgers["regather"]
+    for line in (*STATE, "flops_forward", "flops_backward"):
+        assert getattr(regathered, line) == getattr(torch_styles, line) > 0, line
+    width = 4 if precision == "32-true" else 2
+    b, s, d = 2, CFG.context_length, cfg.d_model
+    saved = cfg.n_layers * (2 * b * s * d * width * (t - 1) // t + casts * b * s * d * width)
+    assert torch_styles.activations - regathered.activations == saved
+
+    def collectives(ledger, phase):
+        return Counter(collective_kind(op.name) for op in ledger.ops.ops if op.category == "communication"
+                       and op.phase == phase and collective_kind(op.name))  # fmt: skip
+
+    assert collectives(regathered, "forward") == collectives(torch_styles, "forward")
+    more = collectives(regathered, "backward") - collectives(torch_styles, "backward")
+    assert more == {"all_gather": 2 * cfg.n_layers}, more
+    assert collectives(torch_styles, "backward") - collectives(regathered, "backward") == Counter()
+    with pytest.raises(UserError, match="regather fuses sequence parallel's all-gathers"):
+        from lmledger.ledger.sharding.tp import toy_tp_plan
+
+        toy_tp_plan(ToyLM(cfg), None, sequence_parallel=False, regather=True)
+
+
+def _predicted_ledger(cfg: ModelConfig, precision: str, sp: bool | str, tp: int):
+    with torch.device("meta"):
+        model = ToyLM(cfg)
+    return predict_sharded(model, _batch(), optimizer=_adamw, precision=precision, strategy="fsdp2", world_size=tp,
+                           fsdp=_settings(tp, sp))  # fmt: skip
 
 
 # The architecture options (model.ModelConfig) under TP, with sequence parallel where the plan takes it: (options,

@@ -13,6 +13,10 @@ ToyLM (`toy_tp_plan`), per block:
     mlp.w2          rowwise (down)
     sequence_parallel (optional) the norms and the residual stream split along the sequence, the
                     embedding split by vocabulary rows and the LM head by vocabulary columns
+    regather        (optional, with sequence_parallel) Megatron-LM's sequence-parallel column linears: the
+                    all-gather of the sequence shard feeding attn.qkv, and the one feeding mlp.w1 (and w3),
+                    fused with those linears (_GatheredLinears), which save the rank's shard and gather it
+                    again in backward, where torch's styles save the gathered, whole sequence
 A Linear's bias splits with its columns (colwise) or stays whole (rowwise), as torch's styles do. A
 learned position table stays whole on every rank; under sequence parallel each rank adds the rows of its
 own sequence shard (the table's output taken as replicated and sliced along the sequence: no
@@ -34,7 +38,7 @@ from unittest import mock
 import torch
 from torch import nn
 
-from lmledger.errors import ConfigError
+from lmledger.errors import ConfigError, UserError
 
 __all__ = [
     "apply_plan",
@@ -46,6 +50,7 @@ __all__ = [
     "check_toy_plan",
     "meshes_outside_fake_mode",
     "replay_configure_model",
+    "RegatheredColwise",
     "toy_tp_plan",
 ]
 
@@ -112,14 +117,20 @@ def check_toy_plan(cfg, tensor_parallel: int, sequence_parallel: bool = False) -
 
 
 def toy_plan(
-    sequence_parallel: bool = False, gated: bool = True, learned: bool = False, split_logits: bool = False
+    sequence_parallel: bool = False,
+    gated: bool = True,
+    learned: bool = False,
+    split_logits: bool = False,
+    regather: bool = False,
 ) -> tuple[dict, dict]:
     """(per-block plan, top-level plan) of lmledger's ToyLM, as parallelize_module takes them.
 
     `gated`: a SwiGLU MLP (w1, w3, w2); False for a GeLU one (w1, w2). `learned`: a learned position table.
     `split_logits`: Megatron-LM's ends, with or without sequence parallel: the embedding split by vocabulary rows and
     the LM head by vocabulary columns, each rank's logits left as its vocabulary shard (the GPU model's dry runs: the
-    cross-entropy reads its shard; a trained module's loss would need torch's loss_parallel)."""
+    cross-entropy reads its shard; a trained module's loss would need torch's loss_parallel). `regather` (with
+    `sequence_parallel` only): attn's and mlp's gathers fused with their column linears, as Megatron-LM's
+    (RegatheredColwise)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -142,9 +153,18 @@ def toy_plan(
         def gather():  # the norms' sequence shards gathered for attention and the MLP
             return PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
 
-        block.update(
-            {"attn_norm": SequenceParallel(), "mlp_norm": SequenceParallel(), "attn": gather(), "mlp": gather()}
-        )
+        block.update({"attn_norm": SequenceParallel(), "mlp_norm": SequenceParallel()})
+        if regather:  # the gathers fused with qkv and w1 (w3): these are no longer ColwiseParallel
+            from torch.distributed.tensor.parallel import ParallelStyle
+
+            ParallelStyle.register(RegatheredColwise)  # parallelize_module takes a ParallelStyle
+            for name in ("attn.qkv", "mlp.w1", "mlp.w3"):
+                block.pop(name, None)
+            block.update(
+                {"attn": RegatheredColwise(("qkv",)), "mlp": RegatheredColwise(("w1", "w3") if gated else ("w1",))}
+            )
+        else:
+            block.update({"attn": gather(), "mlp": gather()})
         top = {
             "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
             "norm": SequenceParallel(),
@@ -159,14 +179,25 @@ def toy_plan(
     return block, top
 
 
-def toy_tp_plan(model: nn.Module, tp_mesh: object, sequence_parallel: bool = False, split_logits: bool = False) -> None:
-    """Tensor-parallelise lmledger's ToyLM in place over `tp_mesh` (module docstring; `split_logits`: toy_plan's)."""
+def toy_tp_plan(
+    model: nn.Module,
+    tp_mesh: object,
+    sequence_parallel: bool = False,
+    split_logits: bool = False,
+    regather: bool = False,
+) -> None:
+    """Tensor-parallelise lmledger's ToyLM in place over `tp_mesh` (module docstring; `split_logits` and `regather`:
+    toy_plan's; `regather` without sequence parallel is a UserError)."""
     from torch.distributed.tensor.parallel import parallelize_module
 
+    if regather and not sequence_parallel:
+        raise UserError(
+            "regather fuses sequence parallel's all-gathers with the column linears: it needs sequence_parallel"
+        )
     size = tp_mesh.size()
     check_toy_plan(model.cfg, size, sequence_parallel)
     learned = getattr(model, "pos_embed", None) is not None
-    block_plan, top_plan = toy_plan(sequence_parallel, model.cfg.mlp == "swiglu", learned, split_logits)
+    block_plan, top_plan = toy_plan(sequence_parallel, model.cfg.mlp == "swiglu", learned, split_logits, regather)
     for wrapped in model.blocks:
         block = getattr(wrapped, "_checkpoint_wrapped_module", wrapped)  # torch's checkpoint_wrapper
         check_plan(block, block_plan)
@@ -175,6 +206,183 @@ def toy_tp_plan(model: nn.Module, tp_mesh: object, sequence_parallel: bool = Fal
         block.attn.n_kv_heads //= size
     if top_plan:
         parallelize_module(model, tp_mesh, top_plan)
+
+
+# --------------------------------------------------------------------------------------------
+# Megatron-LM's sequence-parallel column linears: the gather fused with the matmuls
+# --------------------------------------------------------------------------------------------
+
+
+# The TP group as _c10d_functional's ops name it: (its registered name, its size). Those ops are what torch's
+# functional collectives (and DTensor's redistribute) run; called as ops, each is waited on where the code says
+# (funcol's wrappers wait at once under fake tensors, which would record Megatron's overlapped collectives as serial).
+
+
+def _gather_start(shard: torch.Tensor, group: tuple[str, int]) -> torch.Tensor:
+    """The TP group's sequence shards (b, s / t, h) all-gathered, stacked as (t b, s / t, h): in flight until
+    _gather_end waits for it."""
+    name, size = group
+    return torch.ops._c10d_functional.all_gather_into_tensor(shard.contiguous(), size, name)
+
+
+def _gather_end(gathered: torch.Tensor, batch: int) -> torch.Tensor:
+    """_gather_start's shards waited for, laid along the sequence: (b, s, h) (a view at b = 1, else a copy, as torch's
+    functional all-gather along the sequence makes for DTensor)."""
+    gathered = torch.ops._c10d_functional.wait_tensor(gathered)
+    t = gathered.shape[0] // batch
+    return gathered.view(t, batch, *gathered.shape[1:]).transpose(0, 1).reshape(batch, -1, gathered.shape[-1])
+
+
+def _scatter_start(full: torch.Tensor, group: tuple[str, int]) -> torch.Tensor:
+    """(b, s, h) summed over the TP group and split along the sequence, each rank's (b, s / t, h): in flight until
+    waited for (torch.ops._c10d_functional.wait_tensor)."""
+    name, size = group
+    b, s, h = full.shape
+    stacked = full.view(b, size, s // size, h).transpose(0, 1).reshape(size * b, s // size, h)
+    return torch.ops._c10d_functional.reduce_scatter_tensor(stacked, "sum", size, name)
+
+
+class _GatheredLinears(torch.autograd.Function):
+    """Megatron-LM's LinearWithGradAccumulationAndAsyncCommunication with sequence_parallel (Korthikanti et al.
+    2022, section 4.2.2), for one or several column linears reading one input.
+
+    apply(shard, group, weight, bias, weight, bias, ...) -> (each linear's output): `shard` the rank's sequence
+    shard (b, s / t, h), a local tensor; the weights and biases the TP-sharded DTensors (or their casts; a bias may
+    be None), whose local column shards it multiplies. Forward: the shard all-gathered over the TP group, then each
+    matmul on the whole sequence. Saved: the SHARD and the weights (the DTensors, so that an autocast cast of a
+    weight is still told apart from the activations, as it is under torch's styles). Backward: the shard gathered
+    again, the weight and bias grads from it (DTensors, as the parameters'), the input grads summed over the
+    linears and reduce-scattered back to the sequence shard. The collectives are the _c10d_functional ops that
+    torch's functional collectives (and DTensor's redistribute) run: the dry run's fake process group records them,
+    and the time model prices them."""
+
+    @staticmethod
+    def forward(ctx, shard, group, *params):
+        local = [_local_of(p) for p in params]
+        full = _gather_end(_gather_start(shard, group), shard.shape[0])
+        ctx.group = group
+        ctx.specs = [_spec_of(p) for p in params]
+        ctx.save_for_backward(shard, *params[0::2])
+        return tuple(torch.nn.functional.linear(full, w, b) for w, b in zip(local[0::2], local[1::2], strict=True))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        # Megatron-LM's order: the shard's gather issued, the input grad's matmul while it runs, then the gather
+        # read; the input grad's reduce-scatter issued, the weight grads' matmuls while it runs, then it is read.
+        # The dry run records them in this order, and the GPU model's streams overlap them as NCCL's would.
+        shard, *weights = ctx.saved_tensors
+        gathered = _gather_start(shard, ctx.group)  # gathered again: the forward kept only the shard
+        flats = [grad.reshape(-1, grad.shape[-1]) for grad in grads]
+        grad_full = None
+        for flat, weight in zip(flats, weights, strict=True):
+            part = torch.mm(flat, _local_of(weight))  # linear's backward, as mm's: FLOPs and records as torch's
+            grad_full = part if grad_full is None else grad_full + part
+        full = _gather_end(gathered, shard.shape[0])
+        grad_full = grad_full.view(*full.shape[:-1], grad_full.shape[-1])
+        scattered = _scatter_start(grad_full, ctx.group)
+        rows = full.reshape(-1, full.shape[-1])
+        grad_params = []
+        for i, flat in enumerate(flats):
+            weight_spec, bias_spec = ctx.specs[2 * i], ctx.specs[2 * i + 1]
+            grad_params.append(_like(torch.mm(flat.t(), rows), weight_spec))
+            grad_params.append(None if bias_spec is False else _like(flat.sum(0), bias_spec))
+        return torch.ops._c10d_functional.wait_tensor(scattered), None, *grad_params
+
+
+def _local_of(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A DTensor's local shard itself (inside _GatheredLinears, where autograd does not follow it): no view op is
+    dispatched, so the dry run records none (the GPU op model would count a view of the weight in a fused elementwise
+    kernel's bytes); else `t`."""
+    return getattr(t, "_local_tensor", t)
+
+
+def _spec_of(t: torch.Tensor | None) -> object:
+    """What a grad of `t` is made as: False for no tensor, None for a plain one, else the DTensor's layout."""
+    if t is None:
+        return False
+    return (t.device_mesh, t.placements, t.shape, t.stride()) if hasattr(t, "to_local") else None
+
+
+def _like(grad: torch.Tensor, spec: object) -> torch.Tensor:
+    """A local grad as the DTensor `spec` (_spec_of) says, or as it is."""
+    if not spec:
+        return grad
+    from torch.distributed.tensor import DTensor
+
+    mesh, placements, shape, stride = spec
+    return DTensor.from_local(grad, mesh, placements, run_check=False, shape=shape, stride=stride)
+
+
+class RegatheredColwise:
+    """A parallel style for a module whose column linears `names` (attn's qkv; the MLP's w1, and w3) read its input:
+    Megatron-LM's sequence-parallel gather, fused with them (_GatheredLinears).
+
+    Each linear's weight and bias split by output rows, as ColwiseParallel splits them, without its hooks. A forward
+    pre-hook on the module takes its input, the norm's sequence shard (a DTensor Shard(1) or its local tensor), as
+    the local shard, and runs the gather and every linear's matmul on it once (one gather for SwiGLU's w1 and w3,
+    Megatron's fused fc1); each linear, called on that shard, returns its output: the rank's columns over the whole
+    sequence, a local tensor, as ColwiseParallel's. The model's code is unchanged. State lives on the modules and
+    the hooks are partials and bound methods, so a deep copy of the module is a working copy."""
+
+    def __init__(self, names: tuple[str, ...]) -> None:
+        self.names = names
+
+    def _apply(self, module: nn.Module, device_mesh: object) -> nn.Module:
+        import types
+        from functools import partial
+
+        from torch.distributed.tensor.parallel import ColwiseParallel
+
+        colwise = ColwiseParallel()
+        process_group = device_mesh.get_group()
+        group = (process_group.group_name, process_group.size())
+        for name in self.names:
+            linear = getattr(module, name)
+            colwise._partition_linear_fn("", linear, device_mesh)
+            linear.forward = types.MethodType(_regathered_linear, linear)
+            linear._regather_group = group
+        module.register_forward_pre_hook(partial(_regather, self.names, group))
+        module.register_forward_hook(partial(_forget_regathered, self.names))
+        return module
+
+
+def _gathered(linears: list, shard: torch.Tensor, group: tuple) -> tuple[torch.Tensor, ...]:
+    """The column linears' outputs over the whole sequence from the rank's sequence shard (_GatheredLinears)."""
+    params = []
+    for linear in linears:
+        params += [_cast(shard, linear.weight), None if linear.bias is None else _cast(shard, linear.bias)]
+    return _GatheredLinears.apply(_cast(shard, shard), group, *params)
+
+
+def _regather(names: tuple, group: tuple, module: nn.Module, args: tuple) -> tuple:
+    """RegatheredColwise's pre-hook: the input as its local shard, each linear's output computed and left on it."""
+    x, *rest = args
+    shard = x.to_local() if hasattr(x, "to_local") else x
+    linears = [getattr(module, name) for name in names]
+    for linear, out in zip(linears, _gathered(linears, shard, group), strict=True):
+        linear.__dict__["_regathered"] = (shard, out)
+    return (shard, *rest)
+
+
+def _regathered_linear(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """A RegatheredColwise linear's forward: the output its module's pre-hook left for this input, else its own."""
+    shard, out = self.__dict__.pop("_regathered", (None, None))
+    if shard is x:
+        return out
+    return _gathered([self], x.to_local() if hasattr(x, "to_local") else x, self._regather_group)[0]
+
+
+def _forget_regathered(names: tuple, module: nn.Module, _args: tuple, _out: object) -> None:
+    for name in names:
+        getattr(module, name).__dict__.pop("_regathered", None)
+
+
+def _cast(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """`t` in autocast's dtype where x's device autocasts (what F.linear would cast it to), else as it is."""
+    device = x.device.type
+    if device in ("cpu", "cuda", "xpu", "mps") and torch.is_autocast_enabled(device):
+        return t.to(torch.get_autocast_dtype(device))
+    return t
 
 
 def check_plan(module: nn.Module, plan: dict) -> None:

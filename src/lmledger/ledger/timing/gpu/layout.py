@@ -120,7 +120,7 @@ def _megatron_tp(fsdp_too: bool, sequence_parallel: bool = False):
     from lmledger.ledger.sharding.fsdp2 import DEFAULT_FSDP, TP_DIMS, shard_blocks
 
     def shard(model, mesh) -> None:
-        tp.toy_tp_plan(model, mesh[TP_DIMS[1]], sequence_parallel, split_logits=True)
+        tp.toy_tp_plan(model, mesh[TP_DIMS[1]], sequence_parallel, split_logits=True, regather=sequence_parallel)
         if fsdp_too:
             shard_blocks(model, mesh[TP_DIMS[0]], DEFAULT_FSDP)
 
