@@ -165,6 +165,7 @@ def test_plan_layout_ranks_the_layouts_that_fit(workdir, capsys):
     for r in ranked:
         assert r["tensor_parallel"] * r["pipeline_parallel"] * r["data_parallel"] == 2
         assert r["sequence_parallel"] == (r["tensor_parallel"] > 1)  # tiny.yaml's embedding is its own
+        assert r["schedule"] is None and r["chunks_per_rank"] == 1  # one layer: no pipeline to interleave
         assert r["micro_batch"] * r["micro_batches"] * r["data_parallel"] == 2 and r["peak_bytes"] < out["memory_bytes"]
         assert r["days"] == pytest.approx(1e9 / r["tokens_per_s"] / 86400)
         assert sum(r["breakdown_s"].values()) == pytest.approx(r["step_s"], rel=1e-6)

@@ -15,7 +15,8 @@ def _layout_json(c, num_gpus: int, tokens_per_step: int, tokens: float | None, p
            "context_parallel": layout.cp, "pipeline_parallel": layout.pp,
            "data_parallel": layout.dp,
            "sharding": layout.sharding, "micro_batch": layout.micro_batch, "micro_batches": layout.accumulate,
-           "recompute": layout.recompute, "schedule": layout.schedule if layout.pp > 1 else None}  # fmt: skip
+           "recompute": layout.recompute, "schedule": layout.schedule if layout.pp > 1 else None,
+           "chunks_per_rank": layout.virtual}  # fmt: skip
     if c.memory is not None:
         out["peak_bytes"] = c.memory.peak
     if c.dropped:

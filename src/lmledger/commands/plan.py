@@ -346,7 +346,8 @@ def _layout_command(
     for r in out["ranked"]:
         b = r["breakdown_s"]
         sp = " sp" if r["sequence_parallel"] else ""
-        table.add_row(f"{r['tensor_parallel']}{sp}", str(r["context_parallel"]), str(r["pipeline_parallel"]),
+        chunks = f" x{r['chunks_per_rank']}" if r["chunks_per_rank"] > 1 else ""  # interleaved: chunks a rank
+        table.add_row(f"{r['tensor_parallel']}{sp}", str(r["context_parallel"]), f"{r['pipeline_parallel']}{chunks}",
                       f"{r['data_parallel']} {r['sharding']}",
                       f"{r['micro_batch']}x{r['micro_batches']}", r["recompute"], f"{r['peak_bytes'] / GB:.1f}",
                       f"{r['step_s'] * 1e3:,.0f}", f"{r['mfu']:.3f}", f"{b['compute'] * 1e3:,.0f}",
@@ -369,6 +370,8 @@ def _layout_command(
         print(f"dropped {count}: {reason}")
     if any(r["sequence_parallel"] for r in out["ranked"]):
         print("sp: tensor parallel with sequence parallel (the norms' and residual stream's activations split too)")
+    if any(r["chunks_per_rank"] > 1 for r in out["ranked"]):
+        print("PP n x2: interleaved 1F1B, 2 model chunks a pipeline rank")
     print(f"links: {out['links']['intra_node']} in a node of {out['links']['gpus_per_node']}, "
           f"{out['links']['inter_node']} between nodes; not searched: {out['not_searched']}")  # fmt: skip
 
