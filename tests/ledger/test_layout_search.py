@@ -1,6 +1,8 @@
 """plan layout's library (ledger/timing/gpu/layout.memory_at_layout, search.py): a rank's bytes at a layout from the
 one- and two-layer dry runs, held to the dry run of the whole depth, and the search that drops what does not fit."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -9,7 +11,14 @@ from lmledger.ledger.hardware.interconnect import links_for
 from lmledger.ledger.sharding.fsdp2 import FSDPSettings
 from lmledger.ledger.sharding.sharded import predict_sharded
 from lmledger.ledger.timing.gpu import kernels_for
-from lmledger.ledger.timing.gpu.layout import Layout, _megatron_tp, _SplitAdamW, memory_at_layout, rank_memories
+from lmledger.ledger.timing.gpu.layout import (
+    Layout,
+    _megatron_tp,
+    _SplitAdamW,
+    memory_at_layout,
+    rank_memories,
+    step_at_layout,
+)
 from lmledger.ledger.timing.gpu.search import search_layouts
 from lmledger.model import ModelConfig, ToyLM
 
@@ -145,3 +154,25 @@ def test_the_search_interleaves_two_chunks_a_rank_where_the_layers_and_micro_bat
     assert interleaved and {(layout.pp, layout.virtual) for layout in interleaved} == {(2, 2)}
     assert all(layout.accumulate % layout.pp == 0 for layout in interleaved)
     assert {layout.pp for layout in layouts if layout.schedule == "1f1b"} == {1, 2, 4}
+
+
+def test_a_replicated_steps_all_reduce_is_priced_at_depth_and_hides_no_tp_collective():
+    """Replicated data parallelism adds its gradients' all-reduce to a TP step and takes nothing away. Llama 3 70B's
+    shape at TP 8 over 16 nodes, 2 micro-batches of 2 x 8192 tokens: a line through the one- and two-layer steps had
+    priced the replicated step 1.0 s shorter than TP 8 alone (a one-layer backward hides little of the embedding's
+    all-reduce, a two-layer one more, and that fall, taken per layer, cut TP's all-reduces out of the deep step).
+    Priced at depth, it is no shorter, its exposed communication no less, and the all-reduce's own seconds (exposed
+    and hidden) grow with the depth."""
+    llama = ModelConfig(vocab_size=128256, context_length=8192, d_model=8192, n_layers=80, n_heads=64, n_kv_heads=8,
+                        d_ff=28672)  # fmt: skip
+    settings = dict(compute_dtype="bf16", kernels=kernels_for("compile"),
+                    links=links_for("h100-sxm", None, None, 8, 16))  # fmt: skip
+    layout = Layout(tp=8, micro_batch=2, accumulate=2, recompute="full", sequence_parallel=True)
+    alone = step_at_layout(llama, 8192, layout, "bf16-true", "h100-sxm", **settings)
+    steps = {n: step_at_layout(dataclasses.replace(llama, n_layers=n), 8192, dataclasses.replace(layout, dp=16),
+                               "bf16-true", "h100-sxm", **settings) for n in (40, 80)}  # fmt: skip
+    replicated = steps[80]
+    assert replicated.total_s >= alone.total_s
+    assert replicated.seconds["communication"] >= alone.seconds["communication"]
+    reduce = {n: s.seconds["communication"] + s.hidden["communication"] for n, s in steps.items()}
+    assert reduce[80] > reduce[40]

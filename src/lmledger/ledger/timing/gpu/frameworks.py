@@ -17,9 +17,10 @@ never a correction factor per source of measurements.
                       16-bit matmul of the dry run runs as a scaled e4m3 one, after its operands' amax and cast
     ddp_overlap       DDP's gradient buckets all-reduce while backward runs (torch's DDP, FSDP); False: after it
                       (Megatron-LM's local DDP without --overlap-grad-reduce, as vTrain's runs were configured)
-    grad_reduce       how replicated data parallelism all-reduces the gradients: "buckets" (torch DDP's 25 MiB),
-                      "one" (Megatron-LM's one contiguous buffer) or "per-gradient" (one all-reduce a gradient:
-                      Megatron-DeepSpeed without gradient bucketing, as vTrain ran it)
+    grad_reduce       how replicated data parallelism all-reduces the gradients: "buckets" (torch DDP's 25 MiB)
+                      or "one" (Megatron-LM's one contiguous buffer; DeepSpeed's engine without ZeRO flattens the
+                      gradients into buffers of up to 500M elements, one all-reduce each: its
+                      buffered_allreduce_fallback, which Megatron-DeepSpeed's runs take)
 
 Pure data: no torch.
 """
@@ -85,11 +86,11 @@ FRAMEWORKS: dict[str, Kernels] = {
                 description="Megatron-LM before FlashAttention: batched-matmul attention with a fused softmax, fused "
                 "layernorm, bias-GeLU and bias-dropout-add kernels, its gradient buffer all-reduced after backward"),
         Kernels("megatron-deepspeed", attention="unfused", fuse_elementwise=True, ddp_overlap=False,
-                grad_reduce="per-gradient", attention_dropout=True, master_weights=True,
+                grad_reduce="one", attention_dropout=True, master_weights=True,
                 host_forward_s=_MEGATRON_DEEPSPEED_S, host_backward_s=_MEGATRON_DEEPSPEED_S,
                 host_free_s=_MEGATRON_DEEPSPEED_S,
-                description="Megatron-DeepSpeed: Megatron-LM's kernels, each gradient all-reduced after backward "
-                "(vTrain's runs: no gradient bucketing)"),
+                description="Megatron-DeepSpeed: Megatron-LM's kernels, the gradients flattened and all-reduced "
+                "after backward (DeepSpeed's engine without ZeRO; vTrain's runs: no overlap with backward)"),
         Kernels("megatron-core", attention="flash3", fuse_elementwise=True, master_weights=True,
                 description="Megatron-Core with Transformer Engine: cuDNN/FA3 attention and fused kernels"),
         Kernels("nemo", attention="flash3", fuse_elementwise=True, master_weights=True,

@@ -213,11 +213,8 @@ def _rank_ops(
 
 
 def _buckets(grads: tuple[int, ...], dtype: str, kernels: Kernels) -> list[tuple[int, str]]:
-    """The data-parallel all-reduces of a replicated step: torch DDP's 25 MiB buckets, one bucket of every gradient
-    (Megatron-LM's contiguous buffer), or one all-reduce a gradient (no bucketing: Megatron-DeepSpeed as vTrain ran
-    it)."""
-    if kernels.grad_reduce == "per-gradient":
-        return [(n, dtype) for n in grads if n]
+    """The data-parallel all-reduces of a replicated step: torch DDP's 25 MiB buckets, or one bucket of every gradient
+    (Megatron-LM's contiguous buffer, DeepSpeed's flattened one)."""
     grad_bytes = sum(grads)
     if kernels.grad_reduce == "one":
         return [(grad_bytes, dtype)] if grad_bytes else []
@@ -229,17 +226,42 @@ def _buckets(grads: tuple[int, ...], dtype: str, kernels: Kernels) -> list[tuple
     return out
 
 
-def _one(ops: OpSummary, grads: tuple[int, ...], layout: Layout, gpu, dtype: str, kernels: Kernels, links: Links):
-    """(the whole step of one micro-batch, a further micro-batch's forward and backward) on the GPU."""
-    world = layout.dp * layout.cp  # a replicated state's gradients are all-reduced over the context ranks too
-    replicated = layout.sharding == "ddp" and world > 1
-    grad_dtype = next((op.dtype for op in ops.ops if op.category == OPTIMIZER and op.dtype), "float32")
-    buckets = _buckets(grads, grad_dtype, kernels) if replicated else []
-    whole = predict_gpu_step(ops, gpu, compute_dtype=dtype, kernels=kernels, links=links, world_size=world,
-                             buckets=buckets, bucket_group="data_parallel")  # fmt: skip
+def _one(ops: OpSummary, layout: Layout, gpu, dtype: str, kernels: Kernels, links: Links):
+    """(the whole step of one micro-batch, a further micro-batch's forward and backward, the last micro-batch's
+    backward alone) on the GPU, without replicated data parallelism's gradient all-reduce (_data_parallel_reduce)."""
+    world = layout.dp * layout.cp
+    settings = dict(compute_dtype=dtype, kernels=kernels, links=links, world_size=world)
+    whole = predict_gpu_step(ops, gpu, **settings)
     micro = OpSummary.of([op for op in ops.ops if op.category != OPTIMIZER])
-    more = predict_gpu_step(micro, gpu, compute_dtype=dtype, kernels=kernels, links=links, world_size=world)
-    return whole, more
+    more = predict_gpu_step(micro, gpu, **settings)
+    backward = predict_gpu_step(OpSummary.of([op for op in ops.ops if op.phase == "backward"]), gpu, **settings)
+    return whole, more, backward
+
+
+def _data_parallel_reduce(
+    grads: tuple[tuple[int, ...], tuple[int, ...]], depth: int, backward_s: float, dtype: str, layout: Layout,
+    kernels: Kernels, links: Links,
+) -> tuple[float, float]:  # fmt: skip
+    """(exposed, hidden) seconds of a replicated step's gradient all-reduce at the model's depth, once a step (after
+    the last micro-batch's backward, as DDP's no_sync accumulates). Its buckets (_buckets) hold the one-layer run's
+    gradient bytes and `depth` more layers' (the two-layer run's extra ones); each is ready once the backward's share of
+    its bytes is done (step.with_buckets' placement) and they run in order on one stream, so the tail past the
+    `backward_s` window is exposed; without overlap (Megatron-LM's local DDP) they all run after it. Priced at depth
+    rather than from the one- and two-layer steps: how much of the all-reduce a backward hides is not linear in
+    depth (a one-layer step exposes nearly all of it, a deep one little), and a line through the two had cut the
+    per-layer collectives that follow (TP's) out of the deep step."""
+    one, two = grads
+    at_depth = (sum(one) + depth * max(0, sum(two) - sum(one)),)  # the buckets take the bytes alone
+    buckets = _buckets(at_depth, dtype, kernels)
+    times = _reduce_times(buckets, layout, links)
+    if not kernels.ddp_overlap:
+        return sum(times), 0.0
+    total, done, end = sum(size for size, _ in buckets) or 1, 0, 0.0
+    for (size, _), seconds in zip(buckets, times, strict=True):
+        done += size
+        end = max(end, backward_s * done / total) + seconds
+    exposed = max(0.0, end - backward_s)
+    return exposed, sum(times) - exposed
 
 
 def step_at_layout(
@@ -258,13 +280,14 @@ def step_at_layout(
         return dataclasses.replace(none, seconds=mean, hidden=hidden)
     if layout.pp > 1:
         return _pipelined(config, seq, layout, precision, gpu, compute_dtype, kernels, links)
-    priced = {}
+    priced, grads, grad_dtype = {}, {}, "float32"
     for layers in (1, 2):
         found = rank_ops(dataclasses.replace(config, n_layers=layers), seq, layout, precision)
         if isinstance(found, NotTraced):
             return NoStepTime(found.reason)
-        ops, grads, _ = found
-        priced[layers] = _one(ops, grads, layout, gpu, compute_dtype, kernels, links)
+        ops, grads[layers], _ = found
+        grad_dtype = next((op.dtype for op in ops.ops if op.category == OPTIMIZER and op.dtype), "float32")
+        priced[layers] = _one(ops, layout, gpu, compute_dtype, kernels, links)
         if isinstance(priced[layers][0], NoStepTime):
             return priced[layers][0]
     depth, extra = config.n_layers - 1, layout.accumulate - 1
@@ -276,6 +299,12 @@ def step_at_layout(
     seconds = {c: max(0.0, at_depth(0, c) + extra * at_depth(1, c)) for c in CATEGORIES}
     first = priced[1][0]
     hidden = {k: max(0.0, v + depth * (priced[2][0].hidden.get(k, 0.0) - v)) for k, v in first.hidden.items()}
+    if layout.sharding == "ddp" and layout.dp * layout.cp > 1:  # replicated: the gradients' all-reduce, at depth
+        backward_s = priced[1][2].total_s + depth * (priced[2][2].total_s - priced[1][2].total_s)
+        exposed, overlapped = _data_parallel_reduce((grads[1], grads[2]), depth, backward_s, grad_dtype, layout,
+                                                    kernels, links)  # fmt: skip
+        seconds[COMMUNICATION] += exposed
+        hidden[COMMUNICATION] = hidden.get(COMMUNICATION, 0.0) + overlapped
     # The host's launches are linear in depth, but a shallow step's kernels can hide them where a deep one's cannot
     # (a one-layer step kernel-bound, its further layers host-bound): the step is never shorter than its launches
     # and the kernels still to run after the last one (the one-layer step's: its optimizer's end)
@@ -507,13 +536,17 @@ def _send_seconds(layout: Layout, elements: int, compute_dtype: str, links: Link
 
 def _reduce_seconds(grads: list[int], layout: Layout, kernels: Kernels, links: Links) -> float:
     """A pipeline rank's data-parallel all-reduce of its gradients (bytes each), after the flush, on one stream."""
+    if layout.dp * layout.cp <= 1 or not grads:
+        return 0.0
+    return sum(_reduce_times(_buckets(tuple(grads), "float32", kernels), layout, links))
+
+
+def _reduce_times(buckets: list[tuple[int, str]], layout: Layout, links: Links) -> list[float]:
+    """Each data-parallel all-reduce's seconds (buckets: nbytes, dtype) over the layout's dp x cp ranks."""
     from lmledger.ledger.count.ops import OpRecord
     from lmledger.ledger.timing.gpu import comm
 
     world = layout.dp * layout.cp
-    if world <= 1 or not grads:
-        return 0.0
     ops = [OpRecord("c10d.allreduce_ (DDP bucket, predicted)", "backward", COMMUNICATION, 0, size, 0, dtype,
-                    group="data_parallel", group_size=world) for size, dtype in _buckets(tuple(grads), "float32",
-                                                                                              kernels)]  # fmt: skip
-    return sum(comm.collective(op, links, world)[0] for op in ops)
+                    group="data_parallel", group_size=world) for size, dtype in buckets]  # fmt: skip
+    return [comm.collective(op, links, world)[0] for op in ops]
