@@ -72,6 +72,7 @@ def run_from_config(config, scale: TrainerScale | None = None) -> Run:
         strategy=scale.strategy,
         world_size=scale.world_size,
         tensor_parallel=scale.tensor_parallel,
+        sequence_parallel=scale.tensor_parallel > 1 and bool(config.model.get("sequence_parallel")),
         device=predicted_device(trainer.accelerator),
         fp8=config.model.get("fp8"),
         compiled=bool(config.model.get("compile")),

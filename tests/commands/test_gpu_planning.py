@@ -172,3 +172,16 @@ def test_plan_layout_ranks_the_layouts_that_fit(workdir, capsys):
     assert lmledger(["plan", "layout", *args, "--top", "8"]) == 0
     text = capsys.readouterr().out
     assert "ranked by predicted time" in text and "links: NVLink 4" in text and "sp: tensor parallel with" in text
+
+
+def test_a_tp_configs_gpu_step_takes_its_sequence_parallel(workdir, capsys):
+    """A TP config with `--model.sequence_parallel true` is priced on the GPU with it, as fit runs it: TP's
+    all-reduces become reduce-scatters and all-gathers (more collectives); without the flag, plain TP
+    (accounting.gpustep, behind account --gpu, plan train-time and plan max-batch). plan layout tries it itself."""
+    tp2 = [*TINY, "--trainer.devices", "2", "--trainer.strategy", "lmledger.strategies.FSDP2Strategy",
+           "--trainer.strategy.tensor_parallel_size", "2", "--gpu", "h100-sxm", "--json"]  # fmt: skip
+    plain = run_json(capsys, "account", *tp2)["time"]["predicted"]
+    split = run_json(capsys, "account", *tp2, "--model.sequence_parallel", "true")["time"]["predicted"]
+    assert plain["layout"]["tensor_parallel"] == split["layout"]["tensor_parallel"] == 2
+    assert (plain["layout"]["sequence_parallel"], split["layout"]["sequence_parallel"]) == (False, True)
+    assert split["collectives"] > plain["collectives"] > 0

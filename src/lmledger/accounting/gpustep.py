@@ -83,7 +83,8 @@ def toy_gpu_step(spec: Run, argv: list[str], gpu: GpuSpec, accumulate: int = 1, 
         return no_step_time(f"{world} GPUs do not divide into tensor-parallel groups of {tp}")
     sharded = spec.strategy in ("fsdp", "fsdp2") or spec.strategy.startswith("deepspeed_stage_3")
     layout = Layout(tp=tp, dp=world // tp, sharding="fsdp" if sharded else "ddp", micro_batch=spec.batch_size,
-                    accumulate=accumulate, recompute=_recompute(spec))  # fmt: skip
+                    accumulate=accumulate, recompute=_recompute(spec),
+                    sequence_parallel=spec.sequence_parallel and tp > 1)  # fmt: skip
     dtype = compute_dtype_for_precision(spec.precision)
     dtype = dtype if dtype in ("bf16", "fp16", "fp32", "tf32") else "bf16"
     step = step_at_layout(spec.config, spec.seq_len, layout, _dry_precision(spec.precision), gpu,
@@ -148,6 +149,7 @@ def _dry_precision(precision: str) -> str:
 
 
 def _layout_json(layout, world: int) -> dict:
-    return {"gpus": world, "tensor_parallel": layout.tp, "data_parallel": layout.dp, "sharding": layout.sharding,
+    return {"gpus": world, "tensor_parallel": layout.tp, "sequence_parallel": layout.sequence_parallel,
+            "data_parallel": layout.dp, "sharding": layout.sharding,
             "micro_batch": layout.micro_batch, "accumulate": layout.accumulate,
             "recompute": layout.recompute}  # fmt: skip

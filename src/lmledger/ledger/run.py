@@ -35,6 +35,7 @@ class Run:
         strategy         a ledger.closedform.memory strategy name (`sharding`): ddp, fsdp (FSDP1), fsdp2, zero2,
                          deepspeed_stage_N
         tensor_parallel  ModelParallelStrategy's tensor-parallel size (fsdp2 x TP); 1 for every other strategy
+        sequence_parallel  LitLM's sequence parallel beside TP (only with tensor_parallel above 1)
         compiled / fp8   LitLM's compile and fp8 switches
         accelerator, data_path, vocab_from_data
                          what a config said (account and sweep print them)
@@ -48,6 +49,7 @@ class Run:
     strategy: str = "ddp"
     world_size: int = 1
     tensor_parallel: int = 1
+    sequence_parallel: bool = False
     device: torch.device = torch.device("cpu")
     weights_dtype: torch.dtype | None = None
     momentum: float = 0.9
