@@ -227,15 +227,23 @@ def _buckets(grads: tuple[int, ...], dtype: str, kernels: Kernels) -> list[tuple
 
 
 def _one(ops: OpSummary, layout: Layout, gpu, dtype: str, kernels: Kernels, links: Links):
-    """(the whole step of one micro-batch, a further micro-batch's forward and backward, the last micro-batch's
-    backward alone) on the GPU, without replicated data parallelism's gradient all-reduce (_data_parallel_reduce)."""
+    """(the whole step of one micro-batch, a further micro-batch's forward and backward, and where the state is
+    replicated the backward alone: the window its gradient all-reduce hides under) on the GPU, without that
+    all-reduce (_data_parallel_reduce)."""
     world = layout.dp * layout.cp
     settings = dict(compute_dtype=dtype, kernels=kernels, links=links, world_size=world)
     whole = predict_gpu_step(ops, gpu, **settings)
     micro = OpSummary.of([op for op in ops.ops if op.category != OPTIMIZER])
     more = predict_gpu_step(micro, gpu, **settings)
-    backward = predict_gpu_step(OpSummary.of([op for op in ops.ops if op.phase == "backward"]), gpu, **settings)
+    backward = None
+    if _replicated(layout):
+        backward = predict_gpu_step(OpSummary.of([op for op in ops.ops if op.phase == "backward"]), gpu, **settings)
     return whole, more, backward
+
+
+def _replicated(layout: Layout) -> bool:
+    """Replicated data parallelism over more than one rank: the step all-reduces its gradients."""
+    return layout.sharding == "ddp" and layout.dp * layout.cp > 1
 
 
 def _data_parallel_reduce(
@@ -299,7 +307,7 @@ def step_at_layout(
     seconds = {c: max(0.0, at_depth(0, c) + extra * at_depth(1, c)) for c in CATEGORIES}
     first = priced[1][0]
     hidden = {k: max(0.0, v + depth * (priced[2][0].hidden.get(k, 0.0) - v)) for k, v in first.hidden.items()}
-    if layout.sharding == "ddp" and layout.dp * layout.cp > 1:  # replicated: the gradients' all-reduce, at depth
+    if _replicated(layout):  # the gradients' all-reduce, at depth
         backward_s = priced[1][2].total_s + depth * (priced[2][2].total_s - priced[1][2].total_s)
         exposed, overlapped = _data_parallel_reduce((grads[1], grads[2]), depth, backward_s, grad_dtype, layout,
                                                     kernels, links)  # fmt: skip

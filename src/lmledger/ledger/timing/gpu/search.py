@@ -72,7 +72,8 @@ def candidates(
     config, num_gpus: int, global_batch: int, gpus_per_node: int, *, shardings=SHARDINGS, recomputes=RECOMPUTES,
     micro_batches=MICRO_BATCHES, schedules=SCHEDULES, cps=(1,), sequence_parallel=True,
 ) -> tuple[list[Layout], list[Candidate]]:  # fmt: skip
-    """(the layouts to price, those dropped before any dry run: a batch or a depth that does not divide)."""
+    """(the layouts to price, those dropped before any dry run: a global batch that does not divide over the
+    data-parallel replicas)."""
     out, dropped = [], []
     sequence_parallel = sequence_parallel and not getattr(config, "tie_embeddings", False)
     heads, kv = config.n_heads, getattr(config, "kv_heads", config.n_heads)
