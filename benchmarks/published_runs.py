@@ -116,6 +116,7 @@ def recompute_of(row: dict) -> str:
 
 
 def layout_of(row: dict):
+    """The row's layout; an uninterleaved pipeline runs its framework's schedule (Megatron-DeepSpeed: DeepSpeed's)."""
     from lmledger.ledger.timing.gpu.layout import Layout
 
     sharding = "fsdp" if row["sharding"] in ("fsdp", "zero3", "hsdp") else "ddp"
@@ -123,7 +124,7 @@ def layout_of(row: dict):
     virtual = int(row.get("vpp") or 1) if row["pp"] > 1 else 1
     return Layout(tp=row["tp"], dp=row["dp"], sharding=sharding, micro_batch=row["micro_batch"], accumulate=accumulate,
                   recompute=recompute_of(row), pp=row["pp"], virtual=virtual, cp=row["cp"],
-                  schedule="interleaved" if virtual > 1 else "1f1b",
+                  schedule="interleaved" if virtual > 1 else kernels_of(row).pipeline_schedule,
                   sequence_parallel=row.get("seq_parallel") == "1" and row["tp"] > 1)  # fmt: skip
 
 

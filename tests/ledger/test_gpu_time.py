@@ -21,7 +21,7 @@ from lmledger.ledger.timing.gpu.kernels import (
     stream_seconds,
     unfused_attention_seconds,
 )
-from lmledger.ledger.timing.gpu.price import COLLECTIVE, FREE, KERNEL, WAIT, Priced, fused
+from lmledger.ledger.timing.gpu.price import COLLECTIVE, FREE, KERNEL, WAIT, Priced, fused, price_ops
 from lmledger.ledger.timing.gpu.simulate import simulate
 
 H100, A100 = chip_of(GPUS["h100-sxm"]), chip_of(GPUS["a100-80gb"])
@@ -242,6 +242,30 @@ def test_ddp_buckets_hide_under_backward_and_megatrons_unbucketed_all_reduce_doe
     assert torch_ddp.seconds["communication"] == pytest.approx(one_bucket, rel=0.05)
     assert megatron.seconds["communication"] == pytest.approx(4 * one_bucket, rel=0.05)
     assert torch_ddp.hidden["communication"] == pytest.approx(3 * one_bucket, rel=0.05)
+
+
+def test_megatrons_own_tp_layers_dispatch_no_dtensor_view_nor_wait_around_a_collective():
+    # the dry run's DTensor row-parallel linear: view, all_reduce, wait_tensor, view, then the residual add
+    mb = 1 << 20
+    ops = [_mm("forward"), OpRecord("aten.view.default", "forward", OTHER, 0, 0, 0, "float16"),
+           OpRecord("_c10d_functional.all_reduce.default", "forward", COMMUNICATION, 0, mb, mb, "float16",
+                    group="tensor_parallel", group_size=2),
+           OpRecord("_c10d_functional.wait_tensor.default", "forward", COMMUNICATION, 0, 0, 0, "float16",
+                    group="tensor_parallel", group_size=2),
+           OpRecord("aten.view.default", "forward", OTHER, 0, 0, 0, "float16"),
+           OpRecord("aten.view.default", "forward", OTHER, 0, 0, 0, "float16"),
+           OpRecord("aten.add.Tensor", "forward", OTHER, 0, 2 * mb, mb, "float16")]  # fmt: skip
+    links = Links(INTERCONNECTS["nvlink3"], INTERCONNECTS["ib-hdr"], 8, 1)
+    megatron = kernels_for("megatron-deepspeed")
+    own = price_ops(ops, A100, dataclasses.replace(megatron, fuse_elementwise=False), "fp16", links, 2)
+    as_dtensor = price_ops(ops, A100, dataclasses.replace(megatron, fuse_elementwise=False, dtensor_tp=True), "fp16",
+                           links, 2)  # fmt: skip
+    assert [p.gpu_s for p in own] == [p.gpu_s for p in as_dtensor]  # the GPU runs the same kernels
+    # the view before the all-reduce, the wait and the view after it cost no host; the all-reduce's call, the second
+    # view (the model's own) and the kernels do
+    assert [p.host_s == 0 for p in own] == [False, True, False, True, True, False, False]
+    assert not any(p.host_s == 0 for p in as_dtensor)
+    assert kernels_for("torchtitan").dtensor_tp and not kernels_for("megatron").dtensor_tp
 
 
 def test_an_elementwise_run_fuses_into_one_kernel_moving_only_what_enters_and_leaves_it():

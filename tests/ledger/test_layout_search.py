@@ -6,9 +6,11 @@ import dataclasses
 import pytest
 import torch
 
-from lmledger.errors import UserError
+from lmledger.errors import ConfigError, UserError
 from lmledger.ledger.hardware.interconnect import links_for
 from lmledger.ledger.sharding.fsdp2 import FSDPSettings
+from lmledger.ledger.sharding.pipeline import _released_after
+from lmledger.ledger.sharding.schedule import Pipeline
 from lmledger.ledger.sharding.sharded import predict_sharded
 from lmledger.ledger.timing.gpu import kernels_for
 from lmledger.ledger.timing.gpu.layout import (
@@ -176,3 +178,14 @@ def test_a_replicated_steps_all_reduce_is_priced_at_depth_and_hides_no_tp_collec
     assert replicated.seconds["communication"] >= alone.seconds["communication"]
     reduce = {n: s.seconds["communication"] + s.hidden["communication"] for n, s in steps.items()}
     assert reduce[80] > reduce[40]
+
+
+def test_a_framework_with_its_own_pipeline_engine_is_searched_under_its_schedule():
+    from lmledger.ledger.timing.gpu.search import candidates, schedules_for
+
+    # Megatron-DeepSpeed pipelines under DeepSpeed's TrainSchedule, which has no interleaving
+    layouts, _ = candidates(SMALL, 4, 8, 4, schedules=schedules_for(kernels_for("megatron-deepspeed")))
+    assert {(layout.schedule, layout.virtual) for layout in layouts if layout.pp > 1} == {("deepspeed", 1)}
+    assert schedules_for(kernels_for("torchtitan")) == (("1f1b", 1), ("interleaved", 2))
+    with pytest.raises(ConfigError, match="no 'deepspeed' schedule"):  # torch's pipelining runs no such stage
+        _released_after(Pipeline(2, 4, "deepspeed"), 0)

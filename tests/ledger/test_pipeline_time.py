@@ -65,7 +65,7 @@ def test_the_lm_head_makes_the_last_stage_the_pace_and_the_others_wait():
 
 @pytest.mark.parametrize("pp", [1, 2])
 def test_a_deep_host_bound_step_takes_at_least_its_launches(pp):
-    # Megatron-DeepSpeed launches at 20 us an op (frameworks.py): a one-layer step at micro-batch 2 keeps the GPU
+    # Megatron-DeepSpeed launches at 21 us an op (frameworks.py): a one-layer step at micro-batch 2 keeps the GPU
     # busier than the host, its further layers do not. Extrapolated in depth, a bigger micro-batch must never
     # come out faster than a smaller one at the same number of micro-batches, nor the step shorter than its launches.
     settings = dict(SETTINGS, kernels=kernels_for("megatron-deepspeed"))

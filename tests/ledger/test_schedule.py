@@ -18,7 +18,8 @@ def test_equal_stages_take_the_papers_bubble(schedule, virtual):
 
 
 def test_each_order_runs_every_forward_and_backward_once():
-    for pipe in (Pipeline(3, 5, "gpipe"), Pipeline(3, 5, "1f1b"), Pipeline(3, 6, "interleaved", 3)):
+    for pipe in (Pipeline(3, 5, "gpipe"), Pipeline(3, 5, "1f1b"), Pipeline(3, 6, "interleaved", 3),
+                 Pipeline(3, 5, "deepspeed")):  # fmt: skip
         for r, actions in enumerate(orders(pipe)):
             want = {(k, i, c * pipe.stages + r) for k in (FORWARD, BACKWARD) for i in range(pipe.micro_batches)
                     for c in range(pipe.virtual)}  # fmt: skip
@@ -32,6 +33,10 @@ def test_activations_in_flight():
     assert [in_flight(Pipeline(4, 8, "gpipe"), r) for r in range(4)] == [8] * 4
     assert [in_flight(Pipeline(4, 8, "1f1b"), r) for r in range(4)] == [4, 3, 2, 1]
     assert [in_flight(Pipeline(4, 2, "1f1b"), r) for r in range(4)] == [2, 2, 2, 1]  # fewer micro-batches than stages
+    for m in (2, 8):  # DeepSpeed's TrainSchedule holds what 1F1B holds
+        assert [in_flight(Pipeline(4, m, "deepspeed"), r) for r in range(4)] == [
+            in_flight(Pipeline(4, m, "1f1b"), r) for r in range(4)
+        ]
     # interleaved, v chunks of 1/v the layers: the first rank holds pp (1 + (pp - 1) / (pp v)) stages' worth
     # (Korthikanti et al. 2022, section 4.2.3): 5.5 at pp 4, v 2
     for v in (2, 4):
@@ -51,3 +56,18 @@ def test_the_last_stage_slower_sets_the_pace_and_sends_add_on_the_critical_path(
 def test_bad_pipelines_are_one_line(args):
     with pytest.raises(ConfigError):
         Pipeline(*args)
+
+
+def test_deepspeeds_lockstep_is_1f1bs_work_and_its_blocking_sends_hold_both_ranks():
+    # DeepSpeed's TrainSchedule: with free hand-overs it takes what 1F1B takes, stages equal or not, since each rank
+    # runs the same forwards and backwards in an order its neighbours keep pace with
+    for forward, backward in (([1] * 4, [2] * 4), ([1, 3, 1, 1], [2, 6, 2, 2]), ([1, 1, 1, 1.5], [2, 2, 2, 3])):
+        for m in (2, 8):
+            lockstep = timeline(Pipeline(4, m, "deepspeed"), forward, backward)
+            assert lockstep.seconds == pytest.approx(timeline(Pipeline(4, m, "1f1b"), forward, backward).seconds)
+    # each send blocks its rank and the receiving one (NCCL point-to-point, paired): on 2 stages every forward's
+    # output and every backward's gradient crosses, so both ranks carry all 2m hand-overs on top of 1F1B's step
+    for m in (2, 8):
+        lockstep = timeline(Pipeline(2, m, "deepspeed"), [1, 1], [2, 2], send_s=0.1)
+        assert lockstep.seconds == pytest.approx((m + 1) * 3 + 2 * m * 0.1)
+        assert lockstep.seconds > timeline(Pipeline(2, m, "1f1b"), [1, 1], [2, 2], send_s=0.1).seconds

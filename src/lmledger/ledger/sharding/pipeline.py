@@ -191,6 +191,9 @@ _HOLDS = {
 def _released_after(pipe: Pipeline, rank: int) -> list[int]:
     """For each of the rank's actions, the index of the action after which the schedule's loop drops what it kept
     of it beyond the stage's fwd_cache (len(actions): the step's end)."""
+    if pipe.schedule not in _HOLDS:
+        raise ConfigError(f"torch's pipelining has no {pipe.schedule!r} schedule to run a stage under: choose one of "
+                          f"{', '.join(_HOLDS)}")  # fmt: skip
     actions = orders(pipe)[rank]
     end, hold, last = len(actions), _HOLDS[pipe.schedule], pipe.chunks - 1
 

@@ -10,6 +10,13 @@ in memory, and how long it takes. One description serves the memory (`in_flight`
                   (Narayanan et al., SC'21, section 2.2.2; Megatron-LM's and torch's ScheduleInterleaved1F1B): the
                   bubble is (pp - 1) / v of a stage's time, and m must be a multiple of pp
 
+    deepspeed     DeepSpeed's PipelineEngine (TrainSchedule, deepspeed/runtime/pipe/schedule.py), which
+                  Megatron-DeepSpeed trains with: the step is 2(m + pp - 1) slots, and in each a rank runs one forward
+                  or one backward (even ranks start on a forward, odd ranks on a backward slot) or idles. A rank sends
+                  a result in its next slot, and each send is blocking, paired with its neighbour's receive: so the
+                  ranks run in lockstep and every slot waits for its slowest neighbour, where 1F1B lets a fast stage
+                  run ahead. Same work as 1F1B, same activations held
+
 `timeline` runs the orders against each other: an action starts once its rank is free and what it needs is done
 (a forward the previous virtual stage's forward of that micro-batch, a backward the next stage's backward), plus
 the point-to-point send between the two ranks. The bubble is what that leaves idle. Pure arithmetic: no torch.
@@ -23,7 +30,7 @@ from lmledger.errors import ConfigError
 
 __all__ = ["SCHEDULES", "Pipeline", "Timeline", "in_flight", "orders", "timeline"]
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "deepspeed")
 FORWARD, BACKWARD = "F", "B"
 
 
@@ -58,6 +65,8 @@ def orders(pipe: Pipeline) -> list[list[Action]]:
     """Each pipeline rank's actions in the order it runs them (module doc). Virtual stage c * pp + r is rank r's
     chunk c."""
     pp, m, v = pipe.stages, pipe.micro_batches, pipe.virtual
+    if pipe.schedule == "deepspeed":
+        return [[a for a in cmds if a[0] in (FORWARD, BACKWARD)] for cmds in _lockstep(pipe)]
     out = []
     for r in range(pp):
         if pipe.schedule == "gpipe":
@@ -83,6 +92,72 @@ def orders(pipe: Pipeline) -> list[list[Action]]:
         actions += [backward(k) for k in range(total - warmup, total)]
         out.append(actions)
     return out
+
+
+SEND, RECEIVE = "send", "receive"  # a blocking hand-over's two ends, (SEND or RECEIVE, micro-batch, peer rank)
+
+
+def _lockstep(pipe: Pipeline) -> list[list[tuple[str, int, int]]]:
+    """Each rank's commands under DeepSpeed's TrainSchedule (module doc), its sends and receives among them: slot t
+    of rank r holds a forward of micro-batch t//2 - r//2 where t and r have the same parity, else a backward of
+    t//2 - pp + (r + 1)//2 (t even) or (t - 1)//2 - pp + 1 + r//2 (t odd); a receive comes before the slot's
+    compute, and the previous slot's result is sent first (a forward slot sends the gradient back, then receives)."""
+    pp, m = pipe.stages, pipe.micro_batches
+    out = []
+    for r in range(pp):
+        cmds: list[tuple[str, int, int]] = []
+        prev = None  # (kind, micro-batch) of the rank's previous slot
+        for t in range(2 * (m + pp - 1)):
+            forward = t % 2 == r % 2
+            if forward:
+                i = t // 2 - r // 2 if t % 2 == 0 else (t - 1) // 2 - r // 2
+            else:
+                i = t // 2 - pp + (r + 1) // 2 if t % 2 == 0 else (t - 1) // 2 - pp + 1 + r // 2
+            valid = 0 <= i < m
+            if forward and r > 0:  # DeepSpeed's order: receive this slot's input, then send the last gradient
+                cmds += [(RECEIVE, i, r - 1)] if valid else []
+                cmds += [(SEND, prev[1], r - 1)] if prev and prev[0] == BACKWARD else []
+            elif not forward and r < pp - 1:  # send the last activation, then receive this slot's gradient
+                cmds += [(SEND, prev[1], r + 1)] if prev and prev[0] == FORWARD else []
+                cmds += [(RECEIVE, i, r + 1)] if valid else []
+            if valid:
+                cmds.append((FORWARD if forward else BACKWARD, i, r))
+            prev = (FORWARD if forward else BACKWARD, i) if valid else None
+        out.append(cmds)
+    return out
+
+
+def _lockstep_timeline(pipe: Pipeline, forward_s: list[float], backward_s: list[float], send_s: float) -> Timeline:
+    """DeepSpeed's lockstep run: a rank's commands one after another, each send and its receive starting together
+    once both ranks reach them (blocking NCCL point-to-point) and taking `send_s`."""
+    plan = _lockstep(pipe)
+    pp = pipe.stages
+    free, busy, at = [0.0] * pp, [0.0] * pp, [0] * pp
+    left = sum(len(p) for p in plan)
+    while left:
+        moved = False
+        for r in range(pp):
+            while at[r] < len(plan[r]):
+                kind, i, peer = plan[r][at[r]]
+                if kind in (FORWARD, BACKWARD):
+                    seconds = (forward_s if kind == FORWARD else backward_s)[r]
+                    free[r] += seconds
+                    busy[r] += seconds
+                    at[r] += 1
+                    left -= 1
+                    moved = True
+                    continue
+                other = (RECEIVE if kind == SEND else SEND, i, r)
+                if at[peer] >= len(plan[peer]) or plan[peer][at[peer]] != other:
+                    break  # the peer has not reached the other end yet
+                free[r] = free[peer] = max(free[r], free[peer]) + send_s
+                at[r] += 1
+                at[peer] += 1
+                left -= 2
+                moved = True
+        if not moved:
+            raise RuntimeError(f"pipeline schedule {pipe} deadlocks")
+    return Timeline(max(free), tuple(busy), tuple(free))
 
 
 def in_flight(pipe: Pipeline, rank: int) -> int:
@@ -112,6 +187,8 @@ def timeline(pipe: Pipeline, forward_s: list[float], backward_s: list[float], se
     pipe.chunks), each hand-over between ranks taking `send_s` (activations forward, their gradients back)."""
     if len(forward_s) != pipe.chunks or len(backward_s) != pipe.chunks:
         raise ValueError(f"times for {pipe.chunks} virtual stages expected")
+    if pipe.schedule == "deepspeed":
+        return _lockstep_timeline(pipe, forward_s, backward_s, send_s)
     plan = orders(pipe)
     pp, last = pipe.stages, pipe.chunks - 1
     done: dict[Action, float] = {}

@@ -17,6 +17,12 @@ never a correction factor per source of measurements.
                       16-bit matmul of the dry run runs as a scaled e4m3 one, after its operands' amax and cast
     ddp_overlap       DDP's gradient buckets all-reduce while backward runs (torch's DDP, FSDP); False: after it
                       (Megatron-LM's local DDP without --overlap-grad-reduce, as vTrain's runs were configured)
+    dtensor_tp        the framework's tensor parallelism is DTensor's, as the dry run's is (torch's parallelize_module:
+                      torchtitan, Lightning); False: its own TP layers (Megatron-LM's), which call each collective once,
+                      so the host does not dispatch DTensor's views around a collective nor the functional wait
+    pipeline_schedule the schedule a pipelined run of the framework takes (ledger.sharding.schedule): "1f1b"
+                      (Megatron-LM, torch's pipelining), "deepspeed" (DeepSpeed's PipelineEngine, which
+                      Megatron-DeepSpeed trains with)
     grad_reduce       how replicated data parallelism all-reduces the gradients: "buckets" (torch DDP's 25 MiB)
                       or "one" (Megatron-LM's one contiguous buffer; DeepSpeed's engine without ZeRO flattens the
                       gradients into buffers of up to 500M elements, one all-reduce each: its
@@ -40,11 +46,12 @@ __all__ = ["FRAMEWORKS", "Kernels", "kernels_for"]
 # a launch (ggml-org/llama.cpp#1192).
 _EAGER_FORWARD_S, _EAGER_BACKWARD_S, _VIEW_S = 8.6e-6, 4.3e-6, 1.5e-6
 _C_LAUNCH_S = 3e-6
-# Megatron-DeepSpeed's host per dispatched op, views and backward ops alike, fitted on vTrain's 375 single- and
-# multi-node rows (A100s): their steps at small batch and width run about 17 us an op of the dry run's whatever the
-# GPU does (3.4-3.9 ms a layer per micro-batch at hidden 1024, TP 1, 165 ops), which Megatron's Python, its TP
-# mappings and DeepSpeed's checkpointing cost on their hosts; the fit over all rows of the simulation: 20 us.
-_MEGATRON_DEEPSPEED_S = 20e-6
+# Megatron-DeepSpeed's host per dispatched op, views and backward ops alike, fitted on vTrain's 777 single- and
+# multi-node rows (A100s): at small batch and width their steps take about 3.1-3.5 ms a layer per micro-batch whatever
+# the GPU does (hidden 1024 and 2048, TP 1 and 2, 165 ops a layer at TP 1), which Megatron's Python, its TP mappings
+# and DeepSpeed's checkpointing cost on their hosts. The fit over all rows of the simulation, the DTensor-only ops
+# left out (dtensor_tp): 21 us (2026-12-05; 20, 21, 22 and 24 us gave medians of 7.7%, 6.9%, 7.2% and 10.5%).
+_MEGATRON_DEEPSPEED_S = 21e-6
 
 
 @dataclass(frozen=True)
@@ -65,6 +72,8 @@ class Kernels:
     attention_dropout: bool = False
     # 16-bit weights in the kernels, fp32 main weights and moments in the optimizer (Megatron-LM's, price.py)
     master_weights: bool = False
+    dtensor_tp: bool = True
+    pipeline_schedule: str = "1f1b"
 
     def compiled(self) -> Kernels:
         """The same framework under torch.compile: elementwise runs fused, launched from Inductor's wrapper code."""
@@ -82,18 +91,18 @@ FRAMEWORKS: dict[str, Kernels] = {
         Kernels("compile", fuse_elementwise=True, host_forward_s=_C_LAUNCH_S, host_backward_s=_C_LAUNCH_S,
                 host_free_s=0.0, description="torch.compile: SDPA, elementwise runs fused by Inductor"),
         Kernels("megatron", attention="unfused", fuse_elementwise=True, ddp_overlap=False, grad_reduce="one",
-                attention_dropout=True, master_weights=True,
+                attention_dropout=True, master_weights=True, dtensor_tp=False,
                 description="Megatron-LM before FlashAttention: batched-matmul attention with a fused softmax, fused "
                 "layernorm, bias-GeLU and bias-dropout-add kernels, its gradient buffer all-reduced after backward"),
         Kernels("megatron-deepspeed", attention="unfused", fuse_elementwise=True, ddp_overlap=False,
-                grad_reduce="one", attention_dropout=True, master_weights=True,
-                host_forward_s=_MEGATRON_DEEPSPEED_S, host_backward_s=_MEGATRON_DEEPSPEED_S,
-                host_free_s=_MEGATRON_DEEPSPEED_S,
+                grad_reduce="one", attention_dropout=True, master_weights=True, dtensor_tp=False,
+                pipeline_schedule="deepspeed", host_forward_s=_MEGATRON_DEEPSPEED_S,
+                host_backward_s=_MEGATRON_DEEPSPEED_S, host_free_s=_MEGATRON_DEEPSPEED_S,
                 description="Megatron-DeepSpeed: Megatron-LM's kernels, the gradients flattened and all-reduced "
                 "after backward (DeepSpeed's engine without ZeRO; vTrain's runs: no overlap with backward)"),
-        Kernels("megatron-core", attention="flash3", fuse_elementwise=True, master_weights=True,
+        Kernels("megatron-core", attention="flash3", fuse_elementwise=True, master_weights=True, dtensor_tp=False,
                 description="Megatron-Core with Transformer Engine: cuDNN/FA3 attention and fused kernels"),
-        Kernels("nemo", attention="flash3", fuse_elementwise=True, master_weights=True,
+        Kernels("nemo", attention="flash3", fuse_elementwise=True, master_weights=True, dtensor_tp=False,
                 description="NeMo (Megatron-Core, Transformer Engine)"),
         Kernels("llm-foundry", attention="triton",
                 description="MosaicML llm-foundry: its 2023 benchmarks' attn_impl default, triton (FlashAttention "

@@ -315,10 +315,15 @@ def step_at_layout(
         hidden[COMMUNICATION] = hidden.get(COMMUNICATION, 0.0) + overlapped
     # The host's launches are linear in depth, but a shallow step's kernels can hide them where a deep one's cannot
     # (a one-layer step kernel-bound, its further layers host-bound): the step is never shorter than its launches
-    # and the kernels still to run after the last one (the one-layer step's: its optimizer's end)
+    # and the kernels still to run after the last one (the one-layer step's: its optimizer's end). Where the deep
+    # step's GPU work is shorter than its launches it is host-bound, and that is the step: the exposed host
+    # extrapolated from one and two layers would count the second layer's newly exposed launches once a layer.
     issued = _issued(priced[1][0]) + depth * (_issued(priced[2][0]) - _issued(priced[1][0]))
     issued += extra * (_issued(priced[1][1]) + depth * (_issued(priced[2][1]) - _issued(priced[1][1])))
     tail = max(0.0, priced[1][0].total_s - _issued(priced[1][0]))
+    busy = sum(v for c, v in seconds.items() if c != HOST)
+    if busy <= issued:
+        seconds[HOST] = issued + tail - busy
     seconds[HOST] += max(0.0, issued + tail - sum(seconds.values()))
     hidden[HOST] = max(0.0, issued - seconds[HOST])
     tokens = layout.micro_batch * seq

@@ -10,6 +10,7 @@ kernel first (`fused`).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -201,7 +202,22 @@ def price_op(op: OpRecord, chip: Chip, kernels: Kernels, compute: str, links: co
 def price_ops(ops: list[OpRecord], chip: Chip, kernels: Kernels, compute: str, links: comm.Links, world: int):
     """Every op priced, with the framework's fusion applied (`fused`)."""
     priced = [price_op(op, chip, kernels, compute, links, world) for op in ops]
+    if not kernels.dtensor_tp:
+        priced = _own_tensor_parallel(ops, priced)
     return fused(ops, priced, chip) if kernels.fuse_elementwise else priced
+
+
+def _own_tensor_parallel(ops: list[OpRecord], priced: list[Priced]) -> list[Priced]:
+    """The host as a framework with its own TP layers runs the dry run's DTensor step (frameworks.Kernels.dtensor_tp):
+    Megatron-LM calls torch.distributed.all_reduce once, so the functional collective's wait_tensor and the views
+    DTensor puts at a collective's two sides dispatch nothing on its host. Their GPU side is unchanged."""
+    out = list(priced)
+    for i, (op, p) in enumerate(zip(ops, priced, strict=True)):
+        beside = (ops[k] for k in (i - 1, i + 1) if 0 <= k < len(ops))
+        wrapping = p.kind == FREE and any(o.category == COMMUNICATION and o.phase == op.phase for o in beside)
+        if p.kind == WAIT or wrapping:
+            out[i] = dataclasses.replace(p, host_s=0.0)
+    return out
 
 
 def _fusable(op: OpRecord, p: Priced) -> bool:

@@ -27,7 +27,7 @@ from lmledger.ledger.timing.gpu.frameworks import Kernels
 from lmledger.ledger.timing.gpu.layout import BUBBLE, Layout, RankMemory, memory_at_layout, step_at_layout
 from lmledger.ledger.timing.steptime.predict import StepTime
 
-__all__ = ["Candidate", "Search", "candidates", "search_layouts"]
+__all__ = ["Candidate", "Search", "candidates", "schedules_for", "search_layouts"]
 
 MICRO_BATCHES = (1, 2, 4, 8)
 RECOMPUTES = ("none", "full")
@@ -102,6 +102,12 @@ def candidates(
     return out, dropped
 
 
+def schedules_for(kernels: Kernels) -> tuple[tuple[str, int], ...]:
+    """The (schedule, chunks a rank) a framework's pipelines can run: 1F1B and interleaved 1F1B, or the framework's
+    own engine's (DeepSpeed's TrainSchedule, which Megatron-DeepSpeed takes: no interleaving)."""
+    return SCHEDULES if kernels.pipeline_schedule == "1f1b" else ((kernels.pipeline_schedule, 1),)
+
+
 def search_layouts(
     config, seq: int, *, num_gpus: int, global_batch: int, capacity_bytes: int, precision: str, gpu,
     compute_dtype: str, kernels: Kernels, links: Links, memory_precision: str | None = None, **space,
@@ -112,6 +118,7 @@ def search_layouts(
     the dry run's at `memory_precision` where the trainer keeps other state than its kernels show (Megatron-LM: 16-bit
     weights in the kernels, fp32 master weights and moments in its optimizer), else at `precision`."""
     space.setdefault("cps", (1, 2, 4, 8) if seq >= LONG_CONTEXT else (1,))
+    space.setdefault("schedules", schedules_for(kernels))
     layouts, dropped = candidates(config, num_gpus, global_batch, max(1, links.gpus_per_node), **space)
     ranked = []
     for layout in layouts:
