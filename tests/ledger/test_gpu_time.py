@@ -282,6 +282,12 @@ def test_an_elementwise_run_fuses_into_one_kernel_moving_only_what_enters_and_le
     assert len(out) == 2 and out[0].ops == 3
     assert out[0].gpu_s == pytest.approx(stream_seconds(8 * mb, H100))  # read storage 1, write storage 4
     assert out[0].host_s == pytest.approx(5e-6)
+    # a framework that fuses only inside its blocks (Megatron-LM: its loss is eager) runs a run that opens or closes
+    # its phase op by op, and still fuses one between two matmuls
+    assert fused(chain, priced, H100, ends=False) == priced
+    inner = fused([_mm("forward"), *chain], [_k(1e-6, 5e-6, category=MATMUL), *priced], H100, ends=False)
+    assert len(inner) == 3 and inner[1].ops == 3
+    assert not kernels_for("megatron-deepspeed").fuse_loss and kernels_for("compile").fuse_loss
 
 
 @pytest.fixture(scope="module")

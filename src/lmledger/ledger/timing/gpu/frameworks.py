@@ -9,6 +9,9 @@ never a correction factor per source of measurements.
     fuse_elementwise  runs of elementwise and reduction ops between two matmuls run as one kernel that moves only
                       what enters and leaves the run (torch.compile's Inductor; llm.c's and Megatron's hand-fused
                       layernorm, bias-GeLU and bias-dropout-add kernels)
+    fuse_loss         with fuse_elementwise: the runs that open and close a pass (the embedding's, the loss and its
+                      gradient) fuse too (Inductor, llm.c's fused classifier); False: they run op by op (Megatron-LM's
+                      vocab-parallel cross-entropy is eager PyTorch, its hand-fused kernels are the blocks')
     host_forward_s, host_backward_s
                       the host's time to launch one kernel in the forward pass (Python, module calls, the dispatcher)
                       and in the backward pass (autograd's C++ engine), and per optimizer launch
@@ -50,7 +53,7 @@ _C_LAUNCH_S = 3e-6
 # multi-node rows (A100s): at small batch and width their steps take about 3.1-3.5 ms a layer per micro-batch whatever
 # the GPU does (hidden 1024 and 2048, TP 1 and 2, 165 ops a layer at TP 1), which Megatron's Python, its TP mappings
 # and DeepSpeed's checkpointing cost on their hosts. The fit over all rows of the simulation, the DTensor-only ops
-# left out (dtensor_tp): 21 us (2026-12-05; 20, 21, 22 and 24 us gave medians of 7.7%, 6.9%, 7.2% and 10.5%).
+# left out (dtensor_tp), the loss unfused (fuse_loss): 21 us (2026-12-05; 20, 21 and 22 us: medians 6.7%, 6.1%, 7.1%).
 _MEGATRON_DEEPSPEED_S = 21e-6
 
 
@@ -73,6 +76,7 @@ class Kernels:
     # 16-bit weights in the kernels, fp32 main weights and moments in the optimizer (Megatron-LM's, price.py)
     master_weights: bool = False
     dtensor_tp: bool = True
+    fuse_loss: bool = True
     pipeline_schedule: str = "1f1b"
 
     def compiled(self) -> Kernels:
@@ -91,11 +95,11 @@ FRAMEWORKS: dict[str, Kernels] = {
         Kernels("compile", fuse_elementwise=True, host_forward_s=_C_LAUNCH_S, host_backward_s=_C_LAUNCH_S,
                 host_free_s=0.0, description="torch.compile: SDPA, elementwise runs fused by Inductor"),
         Kernels("megatron", attention="unfused", fuse_elementwise=True, ddp_overlap=False, grad_reduce="one",
-                attention_dropout=True, master_weights=True, dtensor_tp=False,
+                attention_dropout=True, master_weights=True, dtensor_tp=False, fuse_loss=False,
                 description="Megatron-LM before FlashAttention: batched-matmul attention with a fused softmax, fused "
                 "layernorm, bias-GeLU and bias-dropout-add kernels, its gradient buffer all-reduced after backward"),
         Kernels("megatron-deepspeed", attention="unfused", fuse_elementwise=True, ddp_overlap=False,
-                grad_reduce="one", attention_dropout=True, master_weights=True, dtensor_tp=False,
+                grad_reduce="one", attention_dropout=True, master_weights=True, dtensor_tp=False, fuse_loss=False,
                 pipeline_schedule="deepspeed", host_forward_s=_MEGATRON_DEEPSPEED_S,
                 host_backward_s=_MEGATRON_DEEPSPEED_S, host_free_s=_MEGATRON_DEEPSPEED_S,
                 description="Megatron-DeepSpeed: Megatron-LM's kernels, the gradients flattened and all-reduced "

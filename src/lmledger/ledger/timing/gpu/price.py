@@ -204,7 +204,7 @@ def price_ops(ops: list[OpRecord], chip: Chip, kernels: Kernels, compute: str, l
     priced = [price_op(op, chip, kernels, compute, links, world) for op in ops]
     if not kernels.dtensor_tp:
         priced = _own_tensor_parallel(ops, priced)
-    return fused(ops, priced, chip) if kernels.fuse_elementwise else priced
+    return fused(ops, priced, chip, ends=kernels.fuse_loss) if kernels.fuse_elementwise else priced
 
 
 def _own_tensor_parallel(ops: list[OpRecord], priced: list[Priced]) -> list[Priced]:
@@ -224,10 +224,13 @@ def _fusable(op: OpRecord, p: Priced) -> bool:
     return p.kind in (KERNEL, FREE) and p.category in (OTHER,) and op.category == OTHER
 
 
-def fused(ops: list[OpRecord], priced: list[Priced], chip: Chip) -> list[Priced]:
+def fused(ops: list[OpRecord], priced: list[Priced], chip: Chip, ends: bool = True) -> list[Priced]:
     """Each maximal run of elementwise and reduction ops (category other, views among them) within one phase becomes
     one kernel moving only the storages that enter the run from before it and those it writes that are read after it
-    (or never read again in the step: gradients, state). Matmuls, attention, collectives and optimizer ops end a run."""
+    (or never read again in the step: gradients, state). Matmuls, attention, collectives and optimizer ops end a run.
+    `ends` False: a run that opens or closes its phase (the embedding's before the first matmul, the loss after the
+    LM head, the loss's gradient before the head's backward) stays op by op, as a framework runs them that fuses only
+    inside its blocks (frameworks.Kernels.fuse_loss)."""
     last_read: dict[int, int] = {}
     for i, op in enumerate(ops):
         for key, _ in op.storages:
@@ -242,7 +245,12 @@ def fused(ops: list[OpRecord], priced: list[Priced], chip: Chip) -> list[Priced]
         j = i
         while j < len(ops) and _fusable(ops[j], priced[j]) and ops[j].phase == ops[i].phase:
             j += 1
-        out.append(_one_kernel(ops[i:j], priced[i:j], last_read, j, chip))
+        opens = i == 0 or ops[i - 1].phase != ops[i].phase
+        closes = j == len(ops) or ops[j].phase != ops[i].phase
+        if ends or not (opens or closes):
+            out.append(_one_kernel(ops[i:j], priced[i:j], last_read, j, chip))
+        else:
+            out.extend(priced[i:j])
         i = j
     return out
 
