@@ -98,8 +98,11 @@ def kernels_of(row: dict):
     import dataclasses as dc
 
     from lmledger.ledger.timing.gpu import kernels_for
+    from lmledger.ledger.timing.gpu.frameworks import FRAMEWORKS
 
-    framework = row["framework"] if row["framework"] != "other" else "pytorch"
+    framework = row["framework"]
+    if framework == "other":  # named in the notes (shared/published/README.md): a framework of ours, else eager PyTorch
+        framework = next((name for name in FRAMEWORKS if row.get("notes", "").lower().startswith(name)), "pytorch")
     kernels = kernels_for(framework, compiled=row.get("compile") == "1")
     return dc.replace(kernels, fp8_matmuls=True) if row["precision"] == "fp8" else kernels
 

@@ -57,3 +57,13 @@ def test_a_missing_or_malformed_file_is_one_line_and_exit_2(tmp_path):
     bad.write_text("a,b\n1,2\n")
     done = _run("--rows", str(bad))
     assert done.returncode == 2 and "Traceback" not in done.stderr and "format" in done.stderr
+
+
+def test_an_other_rows_framework_is_the_one_its_notes_name(monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    import published_runs
+
+    row = {"framework": "other", "precision": "fp16", "compile": "0"}
+    neox = published_runs.kernels_of({**row, "notes": "gpt-neox library (Megatron + DeepSpeed based); rotary"})
+    assert neox.name == "gpt-neox" and neox.pipeline_schedule == "deepspeed" and not neox.fuse_loss
+    assert published_runs.kernels_of({**row, "notes": "metaseq FSDP + Megatron TP 8"}).name == "pytorch"

@@ -104,6 +104,12 @@ FRAMEWORKS: dict[str, Kernels] = {
                 host_backward_s=_MEGATRON_DEEPSPEED_S, host_free_s=_MEGATRON_DEEPSPEED_S,
                 description="Megatron-DeepSpeed: Megatron-LM's kernels, the gradients flattened and all-reduced "
                 "after backward (DeepSpeed's engine without ZeRO; vTrain's runs: no overlap with backward)"),
+        Kernels("gpt-neox", attention="unfused", fuse_elementwise=True, ddp_overlap=False, grad_reduce="one",
+                attention_dropout=True, master_weights=True, dtensor_tp=False, fuse_loss=False,
+                pipeline_schedule="deepspeed", host_forward_s=_MEGATRON_DEEPSPEED_S,
+                host_backward_s=_MEGATRON_DEEPSPEED_S, host_free_s=_MEGATRON_DEEPSPEED_S,
+                description="EleutherAI's GPT-NeoX (2022): Megatron-LM's model code and fused kernels on DeepSpeed's "
+                "engine and pipeline, as Megatron-DeepSpeed"),
         Kernels("megatron-core", attention="flash3", fuse_elementwise=True, master_weights=True, dtensor_tp=False,
                 description="Megatron-Core with Transformer Engine: cuDNN/FA3 attention and fused kernels"),
         Kernels("nemo", attention="flash3", fuse_elementwise=True, master_weights=True, dtensor_tp=False,
