@@ -371,7 +371,7 @@ def _layout_command(
     if any(r["sequence_parallel"] for r in out["ranked"]):
         print("sp: tensor parallel with sequence parallel (the norms' and residual stream's activations split too)")
     if any(r["chunks_per_rank"] > 1 for r in out["ranked"]):
-        print("PP n x2: interleaved 1F1B, 2 model chunks a pipeline rank")
+        print("PP n xv: interleaved 1F1B, v model chunks a pipeline rank")
     print(f"links: {out['links']['intra_node']} in a node of {out['links']['gpus_per_node']}, "
           f"{out['links']['inter_node']} between nodes; not searched: {out['not_searched']}")  # fmt: skip
 

@@ -5,8 +5,8 @@ ones whose per-rank peak fits, ranked by predicted tokens/s.
                 (2, 4, 8 from LONG_CONTEXT tokens up, without TP: the two are not composed yet) x pipeline stages (a
                 divisor of the depth) x data parallel (the rest), replicated ("ddp") or fully sharded ("fsdp"),
                 x micro-batch (a power of two that divides a replica's share of the batch) x recompute (none or every
-                block), 1F1B or interleaved 1F1B with 2 chunks a rank when pipelined (where the chunks and the
-                micro-batches divide); a TP layout runs sequence parallel (Megatron-LM's and torchtitan's
+                block), 1F1B or interleaved 1F1B with 2, 3 or 4 chunks a rank when pipelined (where the chunks and
+                the micro-batches divide); a TP layout runs sequence parallel (Megatron-LM's and torchtitan's
                 usual: the norms' and residual stream's activations split too, the same bytes on the wire) unless the
                 model ties its embedding to its head, or the search is told sequence_parallel=False
     dropped     a layout whose batch does not divide, or whose highest per-rank peak (layout.memory_at_layout) is over
@@ -32,7 +32,9 @@ __all__ = ["Candidate", "Search", "candidates", "schedules_for", "search_layouts
 MICRO_BATCHES = (1, 2, 4, 8)
 RECOMPUTES = ("none", "full")
 SHARDINGS = ("ddp", "fsdp")
-SCHEDULES = (("1f1b", 1), ("interleaved", 2))  # (schedule, model chunks a rank) of a pipelined layout
+# (schedule, model chunks a rank) of a pipelined layout: Megatron-LM's runs interleave 2 to 4 (Korthikanti et al.'s
+# 3); more chunks shrink the bubble as 1/v, but send v times as often and hold a chunk more in flight
+SCHEDULES = (("1f1b", 1), ("interleaved", 2), ("interleaved", 3), ("interleaved", 4))
 # Context parallel is searched from this sequence length up: what it is for (torchtitan's Llama 3 runs use it at 64K
 # to 256K tokens), where a shorter sequence's shards would leave each rank's attention too small to pay for the ring
 LONG_CONTEXT = 16384
