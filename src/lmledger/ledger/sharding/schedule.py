@@ -131,33 +131,41 @@ def _lockstep_timeline(pipe: Pipeline, forward_s: list[float], backward_s: list[
     """DeepSpeed's lockstep run: a rank's commands one after another, each send and its receive starting together
     once both ranks reach them (blocking NCCL point-to-point) and taking `send_s`."""
     plan = _lockstep(pipe)
-    pp = pipe.stages
-    free, busy, at = [0.0] * pp, [0.0] * pp, [0] * pp
+    free, busy = [0.0] * pipe.stages, [0.0] * pipe.stages
+
+    def advance(r: int, at: list[int]) -> int:
+        kind, i, peer = plan[r][at[r]]
+        if kind in (FORWARD, BACKWARD):
+            seconds = (forward_s if kind == FORWARD else backward_s)[r]
+            free[r] += seconds
+            busy[r] += seconds
+            at[r] += 1
+            return 1
+        if at[peer] >= len(plan[peer]) or plan[peer][at[peer]] != (RECEIVE if kind == SEND else SEND, i, r):
+            return 0  # the peer has not reached the other end yet
+        free[r] = free[peer] = max(free[r], free[peer]) + send_s
+        at[r] += 1
+        at[peer] += 1
+        return 2
+
+    _drain(plan, advance, pipe)
+    return Timeline(max(free), tuple(busy), tuple(free))
+
+
+def _drain(plan: list[list], advance, pipe: Pipeline) -> None:
+    """Run every rank's orders against each other: `advance(rank, at)` takes the rank's next command(s) where what
+    they wait for is done (moving `at`, returning how many commands it took) or returns 0; a plan that stops with
+    commands left waits on itself: a bug in the orders, never a user's input."""
+    at = [0] * len(plan)
     left = sum(len(p) for p in plan)
     while left:
         moved = False
-        for r in range(pp):
-            while at[r] < len(plan[r]):
-                kind, i, peer = plan[r][at[r]]
-                if kind in (FORWARD, BACKWARD):
-                    seconds = (forward_s if kind == FORWARD else backward_s)[r]
-                    free[r] += seconds
-                    busy[r] += seconds
-                    at[r] += 1
-                    left -= 1
-                    moved = True
-                    continue
-                other = (RECEIVE if kind == SEND else SEND, i, r)
-                if at[peer] >= len(plan[peer]) or plan[peer][at[peer]] != other:
-                    break  # the peer has not reached the other end yet
-                free[r] = free[peer] = max(free[r], free[peer]) + send_s
-                at[r] += 1
-                at[peer] += 1
-                left -= 2
+        for r in range(len(plan)):
+            while at[r] < len(plan[r]) and (taken := advance(r, at)):
+                left -= taken
                 moved = True
         if not moved:
             raise RuntimeError(f"pipeline schedule {pipe} deadlocks")
-    return Timeline(max(free), tuple(busy), tuple(free))
 
 
 def in_flight(pipe: Pipeline, rank: int) -> int:
@@ -194,28 +202,23 @@ def timeline(pipe: Pipeline, forward_s: list[float], backward_s: list[float], se
     done: dict[Action, float] = {}
     free = [0.0] * pp
     busy = [0.0] * pp
-    at = [0] * pp
-    left = sum(len(p) for p in plan)
-    while left:
-        moved = False
-        for r in range(pp):
-            while at[r] < len(plan[r]):
-                kind, i, j = plan[r][at[r]]
-                if kind == FORWARD:
-                    needs = [((FORWARD, i, j - 1), send_s)] if j > 0 else []
-                    seconds = forward_s[j]
-                else:
-                    needs = [((FORWARD, i, j), 0.0)]
-                    needs += [((BACKWARD, i, j + 1), send_s)] if j < last else []
-                    seconds = backward_s[j]
-                if any(need not in done for need, _ in needs):
-                    break
-                start = max([free[r], *(done[need] + (s if pp > 1 else 0.0) for need, s in needs)])
-                free[r] = done[(kind, i, j)] = start + seconds
-                busy[r] += seconds
-                at[r] += 1
-                left -= 1
-                moved = True
-        if not moved:  # an order that waits on itself: a bug in orders(), never a user's input
-            raise RuntimeError(f"pipeline schedule {pipe} deadlocks")
+
+    def advance(r: int, at: list[int]) -> int:
+        kind, i, j = plan[r][at[r]]
+        if kind == FORWARD:
+            needs = [((FORWARD, i, j - 1), send_s)] if j > 0 else []
+            seconds = forward_s[j]
+        else:
+            needs = [((FORWARD, i, j), 0.0)]
+            needs += [((BACKWARD, i, j + 1), send_s)] if j < last else []
+            seconds = backward_s[j]
+        if any(need not in done for need, _ in needs):
+            return 0
+        start = max([free[r], *(done[need] + (s if pp > 1 else 0.0) for need, s in needs)])
+        free[r] = done[(kind, i, j)] = start + seconds
+        busy[r] += seconds
+        at[r] += 1
+        return 1
+
+    _drain(plan, advance, pipe)
     return Timeline(max(free), tuple(busy), tuple(free))
