@@ -102,7 +102,8 @@ def kernels_of(row: dict):
 
     framework = row["framework"]
     if framework == "other":  # named in the notes (shared/published/README.md): a framework of ours, else eager PyTorch
-        framework = next((name for name in FRAMEWORKS if row.get("notes", "").lower().startswith(name)), "pytorch")
+        named = [name for name in FRAMEWORKS if row.get("notes", "").lower().startswith(name)]
+        framework = max(named, key=len, default="pytorch")  # "megatron-core ..." is not Megatron-LM's
     kernels = kernels_for(framework, compiled=row.get("compile") == "1")
     return dc.replace(kernels, fp8_matmuls=True) if row["precision"] == "fp8" else kernels
 

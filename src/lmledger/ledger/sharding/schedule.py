@@ -100,8 +100,8 @@ SEND, RECEIVE = "send", "receive"  # a blocking hand-over's two ends, (SEND or R
 def _lockstep(pipe: Pipeline) -> list[list[tuple[str, int, int]]]:
     """Each rank's commands under DeepSpeed's TrainSchedule (module doc), its sends and receives among them: slot t
     of rank r holds a forward of micro-batch t//2 - r//2 where t and r have the same parity, else a backward of
-    t//2 - pp + (r + 1)//2 (t even) or (t - 1)//2 - pp + 1 + r//2 (t odd); a receive comes before the slot's
-    compute, and the previous slot's result is sent first (a forward slot sends the gradient back, then receives)."""
+    t//2 - pp + 1 + r//2 (DeepSpeed's four parity cases, folded); a receive comes before the slot's compute, and the
+    previous slot's result is sent first (a forward slot sends the gradient back, then receives)."""
     pp, m = pipe.stages, pipe.micro_batches
     out = []
     for r in range(pp):
@@ -109,10 +109,7 @@ def _lockstep(pipe: Pipeline) -> list[list[tuple[str, int, int]]]:
         prev = None  # (kind, micro-batch) of the rank's previous slot
         for t in range(2 * (m + pp - 1)):
             forward = t % 2 == r % 2
-            if forward:
-                i = t // 2 - r // 2 if t % 2 == 0 else (t - 1) // 2 - r // 2
-            else:
-                i = t // 2 - pp + (r + 1) // 2 if t % 2 == 0 else (t - 1) // 2 - pp + 1 + r // 2
+            i = t // 2 - r // 2 if forward else t // 2 - pp + 1 + r // 2
             valid = 0 <= i < m
             if forward and r > 0:  # DeepSpeed's order: receive this slot's input, then send the last gradient
                 cmds += [(RECEIVE, i, r - 1)] if valid else []

@@ -88,6 +88,14 @@ class Kernels:
                                    description=f"{self.description}, under torch.compile")  # fmt: skip
 
 
+_MEGATRON_DEEPSPEED = Kernels(
+    "megatron-deepspeed", attention="unfused", fuse_elementwise=True, ddp_overlap=False, grad_reduce="one",
+    attention_dropout=True, master_weights=True, dtensor_tp=False, fuse_loss=False, pipeline_schedule="deepspeed",
+    host_forward_s=_MEGATRON_DEEPSPEED_S, host_backward_s=_MEGATRON_DEEPSPEED_S, host_free_s=_MEGATRON_DEEPSPEED_S,
+    description="Megatron-DeepSpeed: Megatron-LM's kernels, the gradients flattened and all-reduced after backward "
+    "(DeepSpeed's engine without ZeRO; vTrain's runs: no overlap with backward)",
+)  # fmt: skip
+
 FRAMEWORKS: dict[str, Kernels] = {
     k.name: k
     for k in (
@@ -98,18 +106,9 @@ FRAMEWORKS: dict[str, Kernels] = {
                 attention_dropout=True, master_weights=True, dtensor_tp=False, fuse_loss=False,
                 description="Megatron-LM before FlashAttention: batched-matmul attention with a fused softmax, fused "
                 "layernorm, bias-GeLU and bias-dropout-add kernels, its gradient buffer all-reduced after backward"),
-        Kernels("megatron-deepspeed", attention="unfused", fuse_elementwise=True, ddp_overlap=False,
-                grad_reduce="one", attention_dropout=True, master_weights=True, dtensor_tp=False, fuse_loss=False,
-                pipeline_schedule="deepspeed", host_forward_s=_MEGATRON_DEEPSPEED_S,
-                host_backward_s=_MEGATRON_DEEPSPEED_S, host_free_s=_MEGATRON_DEEPSPEED_S,
-                description="Megatron-DeepSpeed: Megatron-LM's kernels, the gradients flattened and all-reduced "
-                "after backward (DeepSpeed's engine without ZeRO; vTrain's runs: no overlap with backward)"),
-        Kernels("gpt-neox", attention="unfused", fuse_elementwise=True, ddp_overlap=False, grad_reduce="one",
-                attention_dropout=True, master_weights=True, dtensor_tp=False, fuse_loss=False,
-                pipeline_schedule="deepspeed", host_forward_s=_MEGATRON_DEEPSPEED_S,
-                host_backward_s=_MEGATRON_DEEPSPEED_S, host_free_s=_MEGATRON_DEEPSPEED_S,
-                description="EleutherAI's GPT-NeoX (2022): Megatron-LM's model code and fused kernels on DeepSpeed's "
-                "engine and pipeline, as Megatron-DeepSpeed"),
+        _MEGATRON_DEEPSPEED,
+        dataclasses.replace(_MEGATRON_DEEPSPEED, name="gpt-neox", description="EleutherAI's GPT-NeoX (2022): "
+                            "Megatron-LM's model code and fused kernels on DeepSpeed's engine and pipeline"),
         Kernels("megatron-core", attention="flash3", fuse_elementwise=True, master_weights=True, dtensor_tp=False,
                 description="Megatron-Core with Transformer Engine: cuDNN/FA3 attention and fused kernels"),
         Kernels("nemo", attention="flash3", fuse_elementwise=True, master_weights=True, dtensor_tp=False,

@@ -322,9 +322,10 @@ def step_at_layout(
     issued += extra * (_issued(priced[1][1]) + depth * (_issued(priced[2][1]) - _issued(priced[1][1])))
     tail = max(0.0, priced[1][0].total_s - _issued(priced[1][0]))
     busy = sum(v for c, v in seconds.items() if c != HOST)
-    if busy <= issued:
+    if busy <= issued:  # host-bound
         seconds[HOST] = issued + tail - busy
-    seconds[HOST] += max(0.0, issued + tail - sum(seconds.values()))
+    else:
+        seconds[HOST] += max(0.0, issued + tail - sum(seconds.values()))
     hidden[HOST] = max(0.0, issued - seconds[HOST])
     tokens = layout.micro_batch * seq
     ops = first.ops + depth * (priced[2][0].ops - first.ops)

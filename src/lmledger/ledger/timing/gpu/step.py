@@ -29,9 +29,7 @@ from lmledger.ledger.timing.steptime.predict import DATA_WAIT, HOST, NoStepTime,
 __all__ = ["predict_gpu_step", "with_buckets"]
 
 
-def with_buckets(
-    ops: list[OpRecord], buckets: list[tuple[int, str]], world: int, overlap: bool, group: str = "world"
-) -> list[OpRecord]:
+def with_buckets(ops: list[OpRecord], buckets: list[tuple[int, str]], world: int, overlap: bool) -> list[OpRecord]:
     """`ops` with DDP's bucket all-reduces (nbytes, dtype), in the order the Reducer fills them, placed in backward:
     each after the backward op by which that share of the backward's FLOPs is done, as its gradients are ready
     (gradients come out in reverse layer order, about in step with the backward's work); with `overlap` False, all
@@ -42,7 +40,7 @@ def with_buckets(
     if not backward:
         return ops
     records = [OpRecord("c10d.allreduce_ (DDP bucket, predicted)", "backward", COMMUNICATION, 0, nbytes, 0, dtype,
-                        group=group, group_size=world) for nbytes, dtype in buckets]  # fmt: skip
+                        group="world", group_size=world) for nbytes, dtype in buckets]  # fmt: skip
     place: dict[int, list[OpRecord]] = {}
     if not overlap:
         place[backward[-1]] = records
@@ -77,7 +75,6 @@ def predict_gpu_step(
     links: Links | None = None,
     world_size: int = 1,
     buckets: list[tuple[int, str]] = (),
-    bucket_group: str = "world",
     tokens: int | None = None,
     samples: int = 0,
     accumulate: int = 1,
@@ -86,7 +83,7 @@ def predict_gpu_step(
 ) -> StepTime | NoStepTime:
     """One step of `ops` (a dry run's, one rank's) on `gpu` (a table key or GpuSpec), as the framework `kernels`
     runs them (default eager PyTorch), its collectives on `links` (default: the GPU's usual node), DDP's `buckets`
-    (nbytes, dtype) placed in backward, all-reduced over `bucket_group` of `world_size` ranks. `tokens`, `samples`
+    (nbytes, dtype) placed in backward, all-reduced over the `world_size` ranks. `tokens`, `samples`
     per micro-batch; `loop_s` a trainer's host time per batch; `model_flops` per step, for MFU against the dense
     peak of `compute_dtype`."""
     spec = _gpu(gpu)
@@ -100,7 +97,7 @@ def predict_gpu_step(
             why = f"{spec.name} has no dense {dtype} peak in the table: its {dtype} kernels do not run there"
             return NoStepTime(why)
     links = links or default_links(spec.key)
-    records = with_buckets(list(ops.ops), list(buckets), world_size, kernels.ddp_overlap, bucket_group)
+    records = with_buckets(list(ops.ops), list(buckets), world_size, kernels.ddp_overlap)
     priced = price_ops(records, chip, kernels, compute_dtype, links, world_size)
     tail = loop_s * accumulate
     full = simulate(priced, tail_host_s=tail, serial=kernels.serial_host)
