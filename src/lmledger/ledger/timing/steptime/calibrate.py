@@ -25,11 +25,7 @@ No Lightning import.
 from __future__ import annotations
 
 import hashlib
-import json
-import os
 import statistics
-import subprocess
-import sys
 import time
 from dataclasses import dataclass
 
@@ -38,6 +34,7 @@ import torch
 from lmledger.ledger.count.ops import OpRecorder, Outside
 from lmledger.ledger.hardware.interconnect import Interconnect, Links, default_links, wire_bytes
 from lmledger.ledger.timing.steptime.cache import StepTimeCache
+from lmledger.ledger.timing.steptime.probes import in_own_process, on_gloo_ranks
 from lmledger.ledger.timing.steptime.replay import (
     Replayer,
     as_recorded,
@@ -332,7 +329,15 @@ def data_wait(loader: object, batches: int = 3) -> DataWait | None:
 # (2026-12-04) 0.5 ms at 64 KiB, 2.5-3.6 ms at 1 MiB, 12-20 ms at 16 MiB, so a step's collectives are priced along the
 # measured points (gloo_seconds), not by a latency and bandwidth fitted through them.
 _PROBE_SIZES = tuple(1 << k for k in range(12, 25, 2))
-_PROBE_REPEATS = 9
+# A small all-reduce between two gloo ranks on the 2-core VM takes either about 0.5 or about 3 ms (2026-12-05), the
+# mode sticking while the calls come back to back and flipping when the ranks compute between them, as a step's
+# ranks do. So each sample follows a short segment of matmuls, the sizes take turns, and a size's time is the mean of
+# its samples over every launch: the mixture a step pays. Medians of back-to-back calls read 0.84 and 3.17 ms at
+# 1 MiB in two launches; these means, five probes in a row, 2.2-3.0 ms.
+_PROBE_ROUNDS = 16
+_PROBE_MATMULS = 10  # 128 x 128 matmuls before each sample: about 0.5 ms at one thread on the VM
+# Rank processes started afresh this many times: the scheduler places the ranks' and gloo's threads anew each time.
+_LAUNCHES = 3
 
 
 def collective_model(
@@ -358,8 +363,8 @@ def collective_model(
         value = _time_gloo(world_size)
         if value is None:
             return table, said + " (gloo ranks would not start here)"
-        how = (f"all_reduce on {world_size} gloo ranks here, {_PROBE_SIZES[0]}..{_PROBE_SIZES[-1]} bytes, median of "
-               f"{_PROBE_REPEATS}, then of {_LAUNCHES} launches of the ranks")  # fmt: skip
+        how = (f"all_reduce on {world_size} gloo ranks here, {_PROBE_SIZES[0]}..{_PROBE_SIZES[-1]} bytes, each "
+               f"call after compute, the mean of {_PROBE_ROUNDS} a size in each of {_LAUNCHES} launches")  # fmt: skip
         cache.set_calibration(name, value, how + "; least squares alpha + n/beta")
         found = cache.calibration(name)
     value = found["value"]
@@ -397,18 +402,9 @@ def gloo_seconds(op: object, world_size: int, cache: StepTimeCache) -> float | N
 
 
 def _time_gloo(world_size: int) -> dict | None:
-    """Spawn `world_size` gloo ranks in a process of their own and fit their all-reduce times."""
-    code = (
-        "import sys, json; from lmledger.ledger.timing.steptime.calibrate import _gloo_main; "
-        f"print(json.dumps(_gloo_main({world_size})))"
-    )
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    try:
-        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
-        lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-        times = json.loads(lines[-1]) if done.returncode == 0 and lines else None
-    except (OSError, subprocess.TimeoutExpired, ValueError):
-        return None
+    """`world_size` gloo ranks spawned from a process of their own, their all-reduce's mean time per probe size and
+    the latency and bandwidth fitted through them."""
+    times = in_own_process(__name__, f"_gloo_main({world_size})", 1, timeout_s=120)
     if not times:
         return None
     sizes = [float(s) for s in times]
@@ -423,26 +419,9 @@ def _time_gloo(world_size: int) -> dict | None:
     return {"alpha_s": alpha, "bytes_per_s": 1.0 / slope, "times": times}
 
 
-# Rank processes started afresh this many times, each size's time their median: the same probe read 1.0 ms at 1 MiB
-# in one launch and 3.9-4.2 in others (2026-12-04, 2-core VM), as the scheduler placed the ranks' and gloo's threads,
-# where the fits' TP steps spent 3.2-3.7 ms in each.
-_LAUNCHES = 3
-
-
 def _gloo_main(world_size: int) -> dict[str, float]:
-    import socket
-
-    import torch.multiprocessing as mp
-
-    runs = []
-    for _ in range(_LAUNCHES):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        queue = mp.get_context("spawn").SimpleQueue()
-        mp.start_processes(_gloo_rank, args=(world_size, port, queue), nprocs=world_size, start_method="spawn")
-        runs.append(queue.get())
-    return {size: statistics.median(run[size] for run in runs) for size in runs[0]}
+    runs = [on_gloo_ranks(_gloo_rank, world_size) for _ in range(_LAUNCHES)]
+    return {size: statistics.mean(run[size] for run in runs) for size in runs[0]}
 
 
 def _gloo_rank(rank: int, world_size: int, port: int, queue) -> None:
@@ -451,19 +430,20 @@ def _gloo_rank(rank: int, world_size: int, port: int, queue) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     try:
-        out = {}
-        for size in _PROBE_SIZES:
-            t = torch.ones(size // 4)
-            for _ in range(2):
-                dist.all_reduce(t)
-            samples = []
-            for _ in range(_PROBE_REPEATS):
+        a = torch.randn(128, 128)
+        buffers = {size: torch.ones(size // 4) for size in _PROBE_SIZES}
+        for t in buffers.values():
+            dist.all_reduce(t)
+        samples: dict[int, list[float]] = {size: [] for size in _PROBE_SIZES}
+        for _ in range(_PROBE_ROUNDS):
+            for size, t in buffers.items():
+                for _ in range(_PROBE_MATMULS):
+                    a @ a
                 dist.barrier()
                 started = time.perf_counter()
                 dist.all_reduce(t)
-                samples.append(time.perf_counter() - started)
-            out[str(size)] = statistics.median(samples)
+                samples[size].append(time.perf_counter() - started)
         if rank == 0:
-            queue.put(out)
+            queue.put({str(size): statistics.mean(v) for size, v in samples.items()})
     finally:
         dist.destroy_process_group()

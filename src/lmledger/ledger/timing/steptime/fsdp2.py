@@ -57,16 +57,18 @@ def fsdp2_collective_s(world_size: int, cache: StepTimeCache, measure: bool = Tr
 def price(comm_ops: list, world_size: int, cache: StepTimeCache, measure: bool) -> tuple[float, str]:
     """(seconds to add, how) for a step's collectives on gloo: FSDP2's all-gathers and reduce-scatters at their
     measured cost per collective in place of a bare all-reduce's at the smallest probe size; their bytes stay priced
-    along the all-reduce's points (calibrate.gloo_seconds)."""
+    along the all-reduce's points (calibrate.gloo_seconds). The difference may be negative: a lone all-reduce after
+    compute pays gloo's slow mode now and then (calibrate._PROBE_ROUNDS), where FSDP2's, issued back to back inside
+    the step, ran at 1.3-1.6 ms each in six launches (2026-12-05)."""
     fsdp = [op for op in comm_ops if op.name.startswith(FSDP2_COLLECTIVES)]
     found = fsdp2_collective_s(world_size, cache, measure) if fsdp else None
     times = (cache.calibration(f"gloo_allreduce_w{world_size}") or {}).get("value", {}).get("times")
     if found is None or not times:
         return 0.0, ""
     per, measured = found
-    extra = max(0.0, per - min(times.items(), key=lambda item: float(item[0]))[1])
+    extra = per - min(times.items(), key=lambda item: float(item[0]))[1]
     return len(fsdp) * extra, (
-        f"; {len(fsdp)} of them FSDP2's, each {extra * 1e3:.3g} ms more for FSDP2's hooks, copies and wait on gloo "
+        f"; {len(fsdp)} of them FSDP2's, each {extra * 1e3:+.3g} ms for FSDP2's hooks, copies and wait on gloo "
         f"({measured})"
     )
 
