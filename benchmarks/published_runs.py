@@ -93,6 +93,14 @@ def precision_of(row: dict) -> tuple[str, str]:
     return f"{half}-{kind}", "fp16" if row["precision"] == "fp16" else "bf16"
 
 
+def gpu_of(row: dict) -> str:
+    """The GPU the row ran on: an `h100-sxm` row whose notes say HBM2e ran on Meta's Grand Teton H100, 96 GB of HBM2e
+    at a 500 W limit (shared/published/README.md; torchtitan's docs/performance.md), the table's `h100-sxm-500w`."""
+    if row["gpu"] == "h100-sxm" and "hbm2e" in row.get("notes", "").lower():
+        return "h100-sxm-500w"
+    return row["gpu"]
+
+
 def kernels_of(row: dict):
     """The row's framework's kernels (frameworks.py), compiled where the row says, with fp8 linears for fp8 rows."""
     import dataclasses as dc
@@ -154,7 +162,7 @@ def predict(row: dict) -> dict:
     if reason is None:
         try:
             precision, dtype = precision_of(row)
-            step = _step(model_config(row, row["layers"]), row["seq_len"], layout_of(row), precision, row["gpu"],
+            step = _step(model_config(row, row["layers"]), row["seq_len"], layout_of(row), precision, gpu_of(row),
                          dtype, kernels_of(row), links_of(row))  # fmt: skip
         except Exception as err:  # noqa: BLE001 - a row the kit cannot build or trace: recorded, the rest go on
             step, reason = None, f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"

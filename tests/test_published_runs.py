@@ -68,3 +68,20 @@ def test_an_other_rows_framework_is_the_one_its_notes_name(monkeypatch):
     assert neox.name == "gpt-neox" and neox.pipeline_schedule == "deepspeed" and not neox.fuse_loss
     assert published_runs.kernels_of({**row, "notes": "metaseq FSDP + Megatron TP 8"}).name == "pytorch"
     assert published_runs.kernels_of({**row, "notes": "megatron-core with TE"}).name == "megatron-core"  # not megatron
+
+
+def test_an_h100_row_whose_notes_say_hbm2e_runs_on_the_500_w_part(monkeypatch):
+    """torchtitan's H100s are Meta's Grand Teton parts (96 GB HBM2e, 500 W), written `h100-sxm` with a note: they are
+    priced on the table's h100-sxm-500w, slower in both compute and memory than the SXM part."""
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    import published_runs
+
+    from lmledger.ledger.hardware.gpus import GPUS
+
+    note = "GPU is the H100 96GB HBM2e part at 500 W (Grand Teton) not the standard 80GB SXM"
+    assert published_runs.gpu_of({"gpu": "h100-sxm", "notes": note}) == "h100-sxm-500w"
+    assert published_runs.gpu_of({"gpu": "h100-sxm", "notes": "Table 1"}) == "h100-sxm"
+    assert published_runs.gpu_of({"gpu": "a100-80gb", "notes": "HBM2e"}) == "a100-80gb"  # every A100 80GB's is
+    slow, sxm, nvl = GPUS["h100-sxm-500w"], GPUS["h100-sxm"], GPUS["h100-nvl"]
+    assert nvl.peak_flops["bf16"] < slow.peak_flops["bf16"] < sxm.peak_flops["bf16"]  # "between SXM and NVL"
+    assert slow.bandwidth_bytes_per_s < sxm.bandwidth_bytes_per_s and slow.sms == sxm.sms

@@ -95,6 +95,10 @@ _A100_PEAKS = _peaks(19.5 * _T, 19.5 * _T, 156 * _T, 312 * _T, 312 * _T, None, 6
 _HOPPER_SXM_PEAKS = _peaks(67 * _T, 67 * _T, 494.7 * _T, 989.4 * _T, 989.4 * _T, 1978.9 * _T, 1978.9 * _T)
 # The NVL parts (dual-slot PCIe, 350-400 W): the H100 NVL and H200 NVL datasheets agree.
 _HOPPER_NVL_PEAKS = _peaks(60 * _T, 60 * _T, 417.5 * _T, 835 * _T, 835 * _T, 1670 * _T, 1670 * _T)
+_HOPPER_500W_PEAKS = {
+    dtype: nvl + (sxm - nvl) * (500 - 400) / (700 - 400)
+    for (dtype, sxm), nvl in zip(_HOPPER_SXM_PEAKS.items(), _HOPPER_NVL_PEAKS.values(), strict=True)
+}
 _V100_SXM2_PEAKS = _peaks(7.8 * _T, 15.7 * _T, None, None, 125 * _T, None, None)
 _V100_PCIE_PEAKS = _peaks(7 * _T, 14 * _T, None, None, 112 * _T, None, None)
 _CDNA3_PEAKS = _peaks(163.4 * _T, 163.4 * _T, 653.7 * _T, 1307.4 * _T, 1307.4 * _T, 2614.9 * _T, 2614.9 * _T)
@@ -117,6 +121,11 @@ GPUS: dict[str, GpuSpec] = {
             2.0 * _T,
         ),
         GpuSpec("h100-nvl", "NVIDIA H100 NVL 94GB", _HOPPER_NVL_PEAKS, int(94 * GB), 3.9 * _T),
+        # Meta's Grand Teton H100: the SXM5 die with 96 GB of HBM2e at 2.4 TB/s, run at a 500 W power limit
+        # (torchtitan docs/performance.md). No datasheet: "the actual peak TFLOPs should be between SXM and NVL, and we
+        # don't know the exact value" (torchtitan, arXiv 2410.06511). Taken on the line between the NVL's peaks at
+        # 400 W and the SXM's at 700 W, a third of the way: throughput in proportion to the power limit between them.
+        GpuSpec("h100-sxm-500w", "NVIDIA H100 SXM5 96GB HBM2e at 500 W", _HOPPER_500W_PEAKS, int(96 * GB), 2.4 * _T),
         # NVIDIA H200 Tensor Core GPU datasheet (SXM and NVL columns): H100 compute, more and faster HBM3e.
         GpuSpec("h200", "NVIDIA H200 SXM 141GB", _HOPPER_SXM_PEAKS, int(141 * GB), 4.8 * _T),
         GpuSpec("h200-nvl", "NVIDIA H200 NVL 141GB", _HOPPER_NVL_PEAKS, int(141 * GB), 4.8 * _T),
