@@ -137,7 +137,15 @@ def layout_of(row: dict):
     return Layout(tp=row["tp"], dp=row["dp"], sharding=sharding, micro_batch=row["micro_batch"], accumulate=accumulate,
                   recompute=recompute_of(row), pp=row["pp"], virtual=virtual, cp=row["cp"],
                   schedule="interleaved" if virtual > 1 else kernels_of(row).pipeline_schedule,
-                  sequence_parallel=row.get("seq_parallel") == "1" and row["tp"] > 1)  # fmt: skip
+                  sequence_parallel=sequence_parallel_of(row) and row["tp"] > 1)  # fmt: skip
+
+
+def sequence_parallel_of(row: dict) -> bool:
+    """The row's sequence parallel; where it is `unknown`, its framework's: torchtitan's TP plan always shards the
+    norms' sequence over the TP ranks (SequenceParallel on every norm in its apply_tp), others' is off."""
+    if row.get("seq_parallel") in (None, "", "unknown"):
+        return row["framework"] == "torchtitan"
+    return row["seq_parallel"] == "1"
 
 
 def links_of(row: dict):

@@ -85,3 +85,14 @@ def test_an_h100_row_whose_notes_say_hbm2e_runs_on_the_500_w_part(monkeypatch):
     slow, sxm, nvl = GPUS["h100-sxm-500w"], GPUS["h100-sxm"], GPUS["h100-nvl"]
     assert nvl.peak_flops["bf16"] < slow.peak_flops["bf16"] < sxm.peak_flops["bf16"]  # "between SXM and NVL"
     assert slow.bandwidth_bytes_per_s < sxm.bandwidth_bytes_per_s and slow.sms == sxm.sms
+
+
+def test_an_unknown_sequence_parallel_is_the_frameworks_default(monkeypatch):
+    """torchtitan's TP plan always shards its norms' sequence; a row that leaves it unknown runs so, others not."""
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    import published_runs
+
+    sp = published_runs.sequence_parallel_of
+    assert sp({"framework": "torchtitan", "seq_parallel": "unknown"}) and sp({"framework": "x", "seq_parallel": "1"})
+    assert not sp({"framework": "megatron", "seq_parallel": "unknown"})
+    assert not sp({"framework": "torchtitan", "seq_parallel": "0"})  # a row that says so is taken at its word
