@@ -291,6 +291,7 @@ def seeded_step_time_cache(cache_dir: Path, ranks: int = 2) -> Path:
     so the fit's local rank 0 measures only the rest (the ranks' wait, its per-op costs) before they replay."""
     from lmledger.callbacks.steptime import loop_calibration_name
     from lmledger.ledger.timing.steptime.cache import STEP_TIMES_FILE, StepTimeCache
+    from lmledger.ledger.timing.steptime.calibrate import gloo_calibration
 
     with one_intra_op_thread():
         one = StepTimeCache(torch.device("cpu"), cache_dir / STEP_TIMES_FILE)
@@ -298,6 +299,6 @@ def seeded_step_time_cache(cache_dir: Path, ranks: int = 2) -> Path:
     one.set_calibration(loop_calibration_name(False, True), {"base_s": 1e-3, "per_log_s": 1e-3}, "seeded")
     one.save()
     times = {str(4**k): 5e-4 * 2 ** (k - 6) for k in range(6, 13)}  # 4 KiB .. 16 MiB, as the probe takes them
-    layout.set_calibration(f"gloo_allreduce_w{ranks}", {"alpha_s": 5e-4, "bytes_per_s": 1e9, "times": times}, "seeded")
+    layout.set_calibration(gloo_calibration(ranks), {"alpha_s": 5e-4, "bytes_per_s": 1e9, "times": times}, "seeded")
     layout.save()
     return layout.path

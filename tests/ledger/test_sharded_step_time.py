@@ -9,7 +9,7 @@ import torch
 from lmledger.ledger.count.ops import COMMUNICATION, OpRecord
 from lmledger.ledger.timing.steptime import fsdp2, rankwait
 from lmledger.ledger.timing.steptime.cache import StepTimeCache
-from lmledger.ledger.timing.steptime.calibrate import gloo_seconds
+from lmledger.ledger.timing.steptime.calibrate import gloo_calibration, gloo_seconds
 from lmledger.ledger.timing.steptime.fsdp2 import fsdp2_collective_s
 
 MB = 1 << 20
@@ -23,7 +23,7 @@ def _collective(name: str, nbytes: int, group_size: int = 2) -> OpRecord:
 @pytest.fixture
 def seeded(tmp_path) -> StepTimeCache:
     cache = StepTimeCache(torch.device("cpu"), tmp_path / "step-times.json", ranks=2)
-    cache.set_calibration("gloo_allreduce_w2", {"alpha_s": 1e-3, "bytes_per_s": 1e9, "times": TIMES}, "seeded")
+    cache.set_calibration(gloo_calibration(2), {"alpha_s": 1e-3, "bytes_per_s": 1e9, "times": TIMES}, "seeded")
     return cache
 
 
@@ -102,7 +102,7 @@ def test_gloos_all_reduce_and_the_ranks_wait_are_probed_on_gloo_ranks_and_cached
 
     cache = StepTimeCache(torch.device("cpu"), tmp_path / "step-times.json", ranks=2)
     collective_model(2, cache)
-    times = cache.calibration("gloo_allreduce_w2")["value"]["times"]
+    times = cache.calibration(gloo_calibration(2))["value"]["times"]
     assert [int(size) for size in times] == [4**k for k in range(6, 13)] and all(0 < t < 1 for t in times.values())
     assert times[str(16 * MB)] > times["4096"]  # 4,000 times the bytes
     assert rank_wait(2, cache, measure=False) is None
@@ -110,3 +110,12 @@ def test_gloos_all_reduce_and_the_ranks_wait_are_probed_on_gloo_ranks_and_cached
     (short, long) = value["points"]  # [segment s, wait s] each
     assert how == "measured now" and 0 < short[0] < long[0] < 1 and 0 <= short[1] < 0.05 and 0 <= long[1] < 0.05
     assert rank_wait(2, StepTimeCache(torch.device("cpu"), tmp_path / "step-times.json", ranks=2), False) is not None
+
+
+def test_a_cache_holding_the_earlier_probes_points_measures_again(tmp_path):
+    """The probe before 2026-12-05 took medians of back-to-back calls (one of gloo's two modes): its points, under
+    their old name, are not read, so a fit with such a cache probes again rather than price along them."""
+    cache = StepTimeCache(torch.device("cpu"), tmp_path / "step-times.json", ranks=2)
+    cache.set_calibration("gloo_allreduce_w2", {"alpha_s": 1e-3, "bytes_per_s": 1e9, "times": TIMES}, "median of 9")
+    assert gloo_seconds(_collective("c10d.allreduce_", MB), 2, cache) is None
+    assert gloo_calibration(2) != "gloo_allreduce_w2"

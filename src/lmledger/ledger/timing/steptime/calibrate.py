@@ -47,6 +47,7 @@ from lmledger.ledger.timing.steptime.replay import (
 __all__ = [
     "DataWait",
     "collective_model",
+    "gloo_calibration",
     "data_wait",
     "optimizer_seconds",
     "outside_per_dispatch",
@@ -340,6 +341,12 @@ _PROBE_MATMULS = 10  # 128 x 128 matmuls before each sample: about 0.5 ms at one
 _LAUNCHES = 3
 
 
+def gloo_calibration(world_size: int) -> str:
+    """The cache's name for the all-reduce probe's points on `world_size` gloo ranks. Named for this probe: a cache
+    holding the earlier one's (medians of back-to-back calls, one mode of the two) measures again."""
+    return f"gloo_allreduce_mixture_w{world_size}"
+
+
 def collective_model(
     world_size: int, cache: StepTimeCache, backend: str = "gloo", measure: bool = True, links: Links | None = None
 ) -> tuple[Links, str]:
@@ -355,7 +362,7 @@ def collective_model(
     said = f"table, not measured: {table.intra.name} in a node, {table.inter.name} between nodes"
     if backend != "gloo":
         return table, said
-    name = f"gloo_allreduce_w{world_size}"
+    name = gloo_calibration(world_size)
     found = cache.calibration(name)
     if found is None and not measure:
         return table, said + " (gloo's collectives are calibrated by a one-process fit or `lmledger account`)"
@@ -381,7 +388,7 @@ def gloo_seconds(op: object, world_size: int, cache: StepTimeCache) -> float | N
     two probe sizes around it, past the largest along the last two. None where nothing is cached."""
     from lmledger.ledger.hardware.interconnect import collective_kind
 
-    found = cache.calibration(f"gloo_allreduce_w{world_size}")
+    found = cache.calibration(gloo_calibration(world_size))
     times = found["value"].get("times") if found is not None and isinstance(found["value"], dict) else None
     if not isinstance(times, dict) or len(times) < 2:
         return None

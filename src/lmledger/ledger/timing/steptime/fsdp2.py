@@ -21,6 +21,7 @@ import time
 import torch
 
 from lmledger.ledger.timing.steptime.cache import StepTimeCache
+from lmledger.ledger.timing.steptime.calibrate import gloo_calibration
 from lmledger.ledger.timing.steptime.probes import in_own_process, on_gloo_ranks
 
 __all__ = ["FSDP2_COLLECTIVES", "fsdp2_collective_s", "price"]
@@ -62,7 +63,7 @@ def price(comm_ops: list, world_size: int, cache: StepTimeCache, measure: bool) 
     the step, ran at 1.3-1.6 ms each in six launches (2026-12-05)."""
     fsdp = [op for op in comm_ops if op.name.startswith(FSDP2_COLLECTIVES)]
     found = fsdp2_collective_s(world_size, cache, measure) if fsdp else None
-    times = (cache.calibration(f"gloo_allreduce_w{world_size}") or {}).get("value", {}).get("times")
+    times = (cache.calibration(gloo_calibration(world_size)) or {}).get("value", {}).get("times")
     if found is None or not times:
         return 0.0, ""
     per, measured = found
