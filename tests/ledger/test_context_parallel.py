@@ -148,6 +148,46 @@ def test_fake_ranks_against_the_closed_forms():
             assert {(op.group, op.group_size) for op in ops} == {(context.CP_GROUP, cp)}
 
 
+def test_beside_tensor_parallel_against_the_closed_forms():
+    """CP beside TP 2 on fakes (torchtitan's mesh), FSDP2 over the cp ranks: the state is TP x FSDP2's over as many
+    data-parallel ranks; the ring passes the rank's own heads (ring_traffic at tp 2) while TP's collectives keep their
+    group; the saved activations are TP's at the whole sequence by 1 / cp, but for what does not shrink with the
+    rank's tokens (the gathered weights, the loss), the same at cp 2 and 4 and no more than the rank's weights; the
+    ranks differ by the head merge's copy of 1 / tp of the width. Sequence parallel's state is the same. Then: after a
+    TP-only world, a CP x TP world dry-runs (DTensor's sharding caches keep the earlier world's equal meshes, whose
+    groups are gone: ledger.sharding.fsdp2._forget_meshes)."""
+    from lmledger.ledger.sharding.sharded import FSDPSettings, predict_sharded
+
+    cfg = dataclasses.replace(TOY, context_length=64, n_heads=4)
+    with torch.device("meta"):
+        model = ToyLM(cfg)
+    seq = 64
+    batch = (torch.empty(BATCH, seq, dtype=torch.long, device="meta"),) * 2
+    beyond = {}
+    for cp, rank, rotate, sp in ((2, 0, "allgather", False), (2, 1, "alltoall", False), (4, 3, "allgather", False),
+                                 (4, 0, "alltoall", False), (2, 0, "alltoall", True)):  # fmt: skip
+        tp_fsdp = predict_sharded(model, batch, step=_step, optimizer=_adamw, strategy="fsdp2", world_size=2 * cp,
+                                  fsdp=FSDPSettings(tensor_parallel=2, sequence_parallel=sp))  # fmt: skip
+        ledger = context.predict_context(model, batch, cp=cp, rank=rank, tp=2, rotate=rotate, step=_step,
+                                         optimizer=_adamw, sequence_parallel=sp)  # fmt: skip
+        case = (cp, rank, rotate, sp)
+        assert (ledger.world_size, ledger.tensor_parallel) == (2 * cp, 2), case
+        state = ("params", "grads", "optimizer", "comm_buffers")
+        assert [getattr(ledger, f) for f in state] == [getattr(tp_fsdp, f) for f in state], case
+        for phase, ring in context.ring_traffic(cfg, seq, cp, BATCH, "32-true", rotate, tp=2).items():
+            ops = [op for op in ledger.ops.ops if op.phase == phase and op.group == context.CP_GROUP
+                   and collective_kind(op.name)]  # fmt: skip
+            assert [(collective_kind(op.name), op.bytes_read) for op in ops] == ring, (case, phase)
+        groups = {(op.group, op.group_size) for op in ledger.ops.ops if op.category == COMMUNICATION and op.group}
+        assert groups == {(context.CP_GROUP, cp), ("tensor_parallel", 2), ("data_parallel", cp)}, case
+        if not sp:
+            merge = context.merge_copy_bytes(cfg, seq, cp, BATCH, "32-true", rank) // 2
+            whole = tp_fsdp.activations  # FSDP2 over cp ranks without the ring: every token on each rank
+            beyond[case] = (ledger.activations - merge - whole / cp) / (1 - 1 / cp)
+            assert 0 < beyond[case] <= ledger.params * cp + 8, beyond  # the weights gathered whole, and the loss
+    assert max(beyond.values()) - min(beyond.values()) <= 1, beyond  # one amount, whatever cp and rank
+
+
 def test_context_rank_for_the_gpu_model():
     """context_rank gives layout._rank_ops's shape, cached; FSDP2 over dp x cp ranks shards the state dp x cp ways
     and puts its collectives in data_parallel; recompute runs the ring's forward again in backward."""
@@ -176,6 +216,8 @@ def test_context_rank_for_the_gpu_model():
         (lambda: context.ring_attention(None, "ring").__enter__(), "rotate method 'ring'"),
         (lambda: context.context_rank(TOY, 32, 2, 1, "32-true", "op"), "recompute 'op'"),
         (lambda: context.context_rank(TOY, 32, 2, 1, "32-true", sharding="zero"), "sharding 'zero'"),
+        (lambda: context.predict_context(ToyLM(TOY), (torch.zeros(1, 32, dtype=torch.long),) * 2, cp=2, tp=0),
+         "tensor-parallel size must be a positive"),
         (lambda: context.cp_module(ToyLM(dataclasses.replace(TOY, positions="learned")), 32, 2, 0),
          "context parallel needs rotary positions"),
     ],

@@ -12,11 +12,11 @@ from lmledger.ledger.sharding.fsdp2 import FSDPSettings
 from lmledger.ledger.sharding.pipeline import _released_after
 from lmledger.ledger.sharding.schedule import Pipeline
 from lmledger.ledger.sharding.sharded import predict_sharded
+from lmledger.ledger.sharding.tp import SplitAdamW
 from lmledger.ledger.timing.gpu import kernels_for
 from lmledger.ledger.timing.gpu.layout import (
     Layout,
     _megatron_tp,
-    _SplitAdamW,
     memory_at_layout,
     rank_memories,
     step_at_layout,
@@ -34,7 +34,7 @@ def _whole(layout: Layout, config: ModelConfig = SMALL) -> tuple[int, int]:
         model = ToyLM(config)
     ids = torch.empty((layout.micro_batch, 64), dtype=torch.long, device="meta")
     if layout.tp > 1:
-        strategy, optimizer = "fsdp2", (lambda p: _SplitAdamW(p, lr=1e-4, fused=True))
+        strategy, optimizer = "fsdp2", (lambda p: SplitAdamW(p, lr=1e-4, fused=True))
         fsdp = FSDPSettings(tensor_parallel=layout.tp,
                             shard=_megatron_tp(layout.sharding == "fsdp", layout.sequence_parallel))  # fmt: skip
     else:
@@ -96,7 +96,7 @@ def test_plan_layouts_sequence_parallel_regathers_the_column_linears_inputs_as_m
             model = ToyLM(GPT)
         ids = torch.empty((2, 64), dtype=torch.long, device="meta")
         return predict_sharded(model, (ids, ids.clone()), step=lambda m, b: m(*b), precision="bf16-true",
-                               optimizer=lambda p: _SplitAdamW(p, lr=1e-4, fused=True), strategy="fsdp2",
+                               optimizer=lambda p: SplitAdamW(p, lr=1e-4, fused=True), strategy="fsdp2",
                                world_size=2, fsdp=FSDPSettings(tensor_parallel=2, shard=shard))  # fmt: skip
 
     torch_styles = rank(lambda model, mesh: toy_tp_plan(model, mesh["tensor_parallel"], True, split_logits=True))

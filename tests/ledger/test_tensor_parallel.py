@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from lmledger.errors import ConfigError, UserError
+from lmledger.ledger.dryrun.engine import NotTraced
 from lmledger.ledger.sharding.sharded import FSDPSettings, measure_sharded, predict_sharded
 from lmledger.model import ModelConfig, ToyLM
 
@@ -64,6 +65,9 @@ CASES = {
         (2, "regather", False, 1, "32-true", "gpt")],
     4: [(2, False, True, 2, "bf16-mixed", "llama")],
 }  # fmt: skip
+# Context parallel 2 beside TP 2 on the 4 ranks (ledger.sharding.context): (FSDP2 over the cp ranks or replicated,
+# the ring's rotate method, precision, checkpointing, sequence parallel)
+CONTEXT = [(True, "allgather", "32-true", False, False), (False, "alltoall", "bf16-mixed", True, True)]
 
 
 def _settings(tp: int, sp: bool | str) -> FSDPSettings:
@@ -110,7 +114,29 @@ def _rank(world: int) -> dict:
             else measure_sharded(module, _batch(), **kwargs)
         )
         measured.append(_figures(ledger))
-    return {"losses": losses, "measured": measured}
+    return {"losses": losses, "measured": measured, "context": _context_rank() if world == 4 else []}
+
+
+def _context_rank() -> list:
+    """This real rank's CONTEXT steps on a (cp 2, tp 2) mesh: (its ledger, the two steps' losses over the ranks)."""
+    from lmledger.ledger.sharding.context import measure_context
+
+    out = []
+    for fsdp, rotate, precision, ac, sp in CONTEXT:
+        torch.manual_seed(0)
+        out.append(measure_context(ToyLM(CFG), _batch(), rotate=rotate, optimizer=_adamw, precision=precision,
+                                   fsdp=fsdp, tp=2, sequence_parallel=sp, activation_checkpointing=ac))  # fmt: skip
+    return out
+
+
+_LAUNCHED: dict[int, list] = {}
+
+
+def _launched(world: int, gloo_ranks) -> list:
+    """Each real rank's _rank(world): one launch a world size, which the tests of that size share."""
+    if world not in _LAUNCHED:
+        _LAUNCHED[world] = gloo_ranks(_rank, world, world)
+    return _LAUNCHED[world]
 
 
 def _predicted(world: int, case: tuple) -> dict:
@@ -132,7 +158,7 @@ def test_tp_trains_as_one_process_and_is_predicted_per_rank(world, gloo_ranks):
     for name, cfg in CONFIGS.items():
         torch.manual_seed(0)
         reference[name] = _losses(ToyLM(cfg))
-    ranks = gloo_ranks(_rank, world, world)
+    ranks = _launched(world, gloo_ranks)
     predictions = [_predicted(world, case) for case in CASES[world]]  # one rank's step, which every rank runs
     for rank in ranks:
         for run, losses in rank["losses"].items():
@@ -142,6 +168,35 @@ def test_tp_trains_as_one_process_and_is_predicted_per_rank(world, gloo_ranks):
                 assert predicted[line] == measured[line] > 0 or line == "comm_buffers", (case, line)
             assert abs(measured["activations"] / predicted["activations"] - 1) <= ACTIVATIONS_TOLERANCE, case
             assert abs(measured["peak"] / predicted["peak"] - 1) <= PEAK_TOLERANCE, (case, predicted, measured)
+
+
+def test_context_parallel_beside_tp_is_predicted_per_rank(gloo_ranks):
+    """CP 2 x TP 2 on 4 real ranks (torchtitan's mesh, TP innermost): the ring passes each rank's own heads, and the
+    whole batch's loss is one process's; each rank's state, saved activations, FLOPs and FSDP2's buffers equal
+    the prediction of its CP rank on fakes, its peak and each phase's within 3 %."""
+    from lmledger.ledger.sharding.context import predict_context
+
+    ranks = _launched(4, gloo_ranks)
+    with torch.device("meta"):
+        model = ToyLM(CFG)
+    torch.manual_seed(0)
+    expected = _losses(ToyLM(CFG))[:2]  # one process in fp32: bf16-mixed's within 2e-3 of it
+    for index, (fsdp, rotate, precision, ac, sp) in enumerate(CONTEXT):
+        for rank, result in enumerate(ranks):
+            real, losses = result["context"][index]
+            case = (fsdp, rotate, precision, ac, sp, rank)
+            predicted = predict_context(
+                model, _batch(), cp=2, rank=rank // 2, tp=2, rotate=rotate, optimizer=_adamw, precision=precision,
+                fsdp=fsdp, sequence_parallel=sp, activation_checkpointing=ac,
+            )  # fmt: skip
+            assert not isinstance(predicted, NotTraced), (case, predicted)
+            assert (predicted.world_size, predicted.tensor_parallel) == (real.world_size, 2) == (4, 2), case
+            for line in (*STATE, "activations", "flops_forward", "flops_backward", "comm_buffers"):
+                assert getattr(predicted, line) == getattr(real, line), (case, line)
+            assert abs(predicted.peak / real.peak - 1) <= PEAK_TOLERANCE, case
+            for phase, peak in real.phase_peaks.items():
+                assert abs(predicted.phase_peaks[phase] / peak - 1) <= PEAK_TOLERANCE, (case, phase)
+            assert losses == pytest.approx(expected, rel=1e-5 if precision == "32-true" else 2e-3), case
 
 
 def test_tp_divides_the_state_and_the_block_flops():

@@ -256,23 +256,33 @@ def predict_context(
     precision: str | int = "32-true",
     fsdp: bool = True,
     dp: int = 1,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    split_logits: bool = False,
     activation_checkpointing: bool = False,
 ) -> ShardedLedger | NotTraced:
     """One context-parallel rank's steady-state step of the toy LM `module` on the whole-sequence `batch` ((inputs,
     targets), (batch, seq)): the rank's tokens and positions (cp_batch, cp_module), ring attention over a fake group
     of cp ranks, FSDP2 over all dp x cp ranks (fsdp=True) or the state replicated; the blocks checkpointed with
-    activation_checkpointing. A ShardedLedger with strategy "context_parallel", world_size dp x cp."""
+    activation_checkpointing. With tp > 1, each rank also holds 1 / tp of every block by the toy LM's TP plan
+    (ledger.sharding.tp.toy_tp_plan, with `sequence_parallel` and `split_logits`), on torchtitan's mesh (dp, cp, tp):
+    the ring then passes the rank's own heads. A ShardedLedger with strategy "context_parallel", world dp x cp x tp."""
     seq = fakecopy.batch_tensors(batch)[0].shape[1]
     check_context(seq, cp)
-    if not isinstance(dp, int) or dp < 1:
-        raise ConfigError(f"data-parallel size must be a positive whole number of ranks, got {dp!r}")
+    for name, size in (("data-parallel", dp), ("tensor-parallel", tp)):
+        if not isinstance(size, int) or size < 1:
+            raise ConfigError(f"{name} size must be a positive whole number of ranks, got {size!r}")
     local = cp_module(module, seq, cp, rank)
     if activation_checkpointing:
         local = _checkpointed(local)
-    world = dp * cp
+    world = dp * cp * tp
     with fake_process_group(world) as mesh, _rank_chunks_only(), meshes_outside_fake_mode():
-        group = mesh.get_group() if dp == 1 else _cp_group(dp, cp)
-        wrap = (lambda model: shard_blocks(model, mesh, DEFAULT_FSDP)) if fsdp else None
+        if tp > 1:
+            mesh = _cp_mesh(dp, cp, tp)
+            group = mesh[CP_GROUP].get_group()
+        else:
+            group = mesh.get_group() if dp == 1 else _cp_group(dp, cp)
+        wrap = _sharding(mesh, tp, fsdp, sequence_parallel, split_logits)
         fake = FakeCopy(local, cp_batch(batch, cp, rank), step, optimizer, precision, None, wrap=wrap)
         if isinstance(fake.error, NotTraced):
             return fake.error
@@ -280,9 +290,47 @@ def predict_context(
             result = fake.ledger()
         if isinstance(result, NotTraced):
             return result
-        result = _name_groups(result, group.group_name, cp)
+        tp_group = mesh["tensor_parallel"].get_group().group_name if tp > 1 else None
+        result = _name_groups(result, group.group_name, cp, tp_group, tp)
         units = fsdp_units(fake.model) if fsdp else []
-    return sharded_ledger(result, "context_parallel", world, comm_buffers=max(units, default=0) * 2)
+    return sharded_ledger(result, "context_parallel", world, comm_buffers=max(units, default=0) * 2,
+                          tensor_parallel=tp)  # fmt: skip
+
+
+def _sharding(mesh: object, tp: int, fsdp: bool, sequence_parallel: bool, split_logits: bool):
+    """The wrap of a CP rank's model: the TP plan on the mesh's tensor_parallel dimension (tp > 1), then FSDP2 over
+    its data-parallel ranks, dp x cp (fsdp); None where neither applies. Call it outside FakeTensorMode: flattening
+    dp x cp reads the rank table with nonzero (tp.meshes_outside_fake_mode's reason)."""
+    if tp == 1:
+        return (lambda model: shard_blocks(model, mesh, DEFAULT_FSDP)) if fsdp else None
+    data_parallel = _fsdp_mesh(mesh) if fsdp else None  # here, outside the fake copy's FakeTensorMode
+
+    def wrap(model: nn.Module) -> None:
+        from lmledger.ledger.sharding import tp as tensor_parallel
+
+        tensor_parallel.toy_tp_plan(model, mesh["tensor_parallel"], sequence_parallel, split_logits=split_logits,
+                                    regather=sequence_parallel)  # fmt: skip
+        if data_parallel is not None:
+            shard_blocks(model, data_parallel, DEFAULT_FSDP)
+
+    return wrap
+
+
+def _cp_mesh(dp: int, cp: int, tp: int) -> object:
+    """torchtitan's mesh of a CP x TP layout over the world: (data_parallel, context_parallel, tensor_parallel), TP
+    innermost (its ranks adjacent, in a node), CP next."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (dp, cp, tp), mesh_dim_names=("data_parallel", CP_GROUP, "tensor_parallel"))
+
+
+def _fsdp_mesh(mesh: object) -> object:
+    """FSDP2's mesh beside TP: the dp x cp ranks flattened (torchtitan's dp_shard_cp), or the one dimension of them
+    that is wider than 1."""
+    dims = [d for d in ("data_parallel", CP_GROUP) if d in mesh.mesh_dim_names]
+    if len(dims) == 1 or mesh["data_parallel"].size() == 1:
+        return mesh[dims[-1]]
+    return mesh["data_parallel", CP_GROUP]._flatten("data_parallel_context_parallel")
 
 
 def _checkpointed(module: nn.Module) -> nn.Module:
@@ -302,9 +350,10 @@ def _cp_group(dp: int, cp: int) -> object:
     return init_device_mesh("cpu", (dp, cp), mesh_dim_names=("data_parallel", CP_GROUP))[CP_GROUP].get_group()
 
 
-def _name_groups(result, ring_group: str, cp: int):
-    """`result` with the ring's collectives (functional ones on its group) in group CP_GROUP of size cp, and FSDP2's
-    (c10d's, over the dp x cp ranks) in "data_parallel", the name fsdp2's own prediction gives them."""
+def _name_groups(result, ring_group: str, cp: int, tp_group: str | None = None, tp: int = 1):
+    """`result` with the ring's collectives (functional ones on its group) in group CP_GROUP of size cp, TP's (on
+    `tp_group`) in "tensor_parallel" of size tp, and FSDP2's (c10d's, over the dp x cp ranks) in "data_parallel", the
+    name fsdp2's own prediction gives them."""
     from lmledger.ledger.count.ops import OpSummary
 
     if result.ops is None:
@@ -313,6 +362,8 @@ def _name_groups(result, ring_group: str, cp: int):
     for op in result.ops.ops:
         if op.group == ring_group and op.name.startswith("_c10d_functional."):
             op = dataclasses.replace(op, group=CP_GROUP, group_size=cp)
+        elif op.group and op.group == tp_group:
+            op = dataclasses.replace(op, group="tensor_parallel", group_size=tp)
         elif op.group:
             op = dataclasses.replace(op, group="data_parallel")
         ops.append(op)
@@ -328,17 +379,25 @@ def measure_context(
     optimizer: object = None,
     precision: str | int = "32-true",
     fsdp: bool = True,
+    tp: int = 1,
+    sequence_parallel: bool = False,
     activation_checkpointing: bool = False,
 ) -> tuple[ShardedLedger, list[float]]:
-    """The twin of predict_context on this rank of the initialised (real) default process group, all of whose
-    ranks are the context-parallel group (dp 1): the same step on real tensors, two optimizer steps read by the
-    dry run's reader (step 1's state, FLOPs and saved activations, step 2's peak), and the two steps' losses averaged
-    over the ranks (the whole batch's mean: every rank holds as many tokens). Replicated (fsdp=False), each gradient
-    is all-reduced in place as it is made (the data-parallel reduction the prediction leaves to its caller)."""
+    """The twin of predict_context on this rank of the initialised (real) default process group, whose ranks are
+    the context-parallel group (dp 1) or, with tp > 1, a (cp, tp) mesh: the same step on real tensors, two optimizer
+    steps read by the dry run's reader (step 1's state, FLOPs and saved activations, step 2's peak), and the two
+    steps' losses averaged over the ranks (the whole batch's mean: every rank holds as many tokens, and TP's ranks
+    the same ones). Replicated (fsdp=False), each gradient is all-reduced over the cp ranks as it is made (the
+    data-parallel reduction the prediction leaves to its caller)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    rank, cp = dist.get_rank(), dist.get_world_size()
+    world = dist.get_world_size()
+    if not isinstance(tp, int) or tp < 1 or world % tp:
+        raise ConfigError(f"tensor-parallel size {tp!r} does not divide the {world} ranks")
+    cp = world // tp
+    mesh = init_device_mesh("cpu", (1, cp, tp), mesh_dim_names=("data_parallel", CP_GROUP, "tensor_parallel"))
+    group, rank = mesh[CP_GROUP].get_group(), mesh[CP_GROUP].get_local_rank()
     seq = fakecopy.batch_tensors(batch)[0].shape[1]
     check_context(seq, cp)
     dtype, autocast = fakecopy.precision_dtypes(precision)
@@ -348,11 +407,12 @@ def measure_context(
     model = cp_module(model, seq, cp, rank)
     if activation_checkpointing:
         model = _checkpointed(model)
-    if fsdp:
-        shard_blocks(model, init_device_mesh("cpu", (cp,)), DEFAULT_FSDP)
-    else:
+    wrap = _sharding(mesh if tp > 1 else mesh[CP_GROUP], tp, fsdp, sequence_parallel, False)
+    if wrap is not None:
+        wrap(model)
+    if not fsdp:
         for p in model.parameters():
-            p.register_post_accumulate_grad_hook(lambda p: dist.all_reduce(p.grad.div_(cp)))
+            p.register_post_accumulate_grad_hook(lambda p: _all_reduce_grad(p, group, cp))
     opts = made_optimizers(optimizer, module, list(model.parameters()))
     device = fakecopy.target_device(model, None)
     losses: list[float] = []
@@ -364,16 +424,25 @@ def measure_context(
         return loss
 
     local = fakecopy.cast_batch(cp_batch(batch, cp, rank), dtype)
-    with sharded_tracking(), ring_attention(dist.group.WORLD, rotate):
+    with sharded_tracking(), ring_attention(group, rotate):
         result = dryrun.ledger_of_step(model, local, recorded, opts[0], autocast, device)
     state = local_state_bytes(model, opts)
     mean = torch.tensor(losses, dtype=torch.float64)
     dist.all_reduce(mean)
     units = fsdp_units(model) if fsdp else []
     ledger = sharded_ledger(
-        dataclasses.replace(result, **state), "context_parallel", cp, comm_buffers=max(units, default=0) * 2
-    )
-    return ledger, (mean / cp).tolist()
+        dataclasses.replace(result, **state), "context_parallel", world, comm_buffers=max(units, default=0) * 2,
+        tensor_parallel=tp,
+    )  # fmt: skip
+    return ledger, (mean / world).tolist()
+
+
+def _all_reduce_grad(p: torch.Tensor, group: object, cp: int) -> None:
+    """A replicated gradient's mean over the cp ranks, in place (a TP shard's local tensor under TP)."""
+    import torch.distributed as dist
+
+    grad = p.grad._local_tensor if hasattr(p.grad, "_local_tensor") else p.grad
+    dist.all_reduce(grad.div_(cp), group=group)
 
 
 # --------------------------------------------------------------------------------------------
@@ -394,18 +463,19 @@ def ring_traffic(
     precision: str | int,
     rotate: str = "allgather",
     recompute: str = "none",
+    tp: int = 1,
 ) -> dict[str, list[tuple[str, int]]]:
     """The ring's collectives of one rank's step on paper, per phase: (kind, bytes of the buffer each rank puts in)
-    for every layer, in torch's order. K|V is 2 x micro_batch x n_heads x seq / cp x head_dim elements in the
-    compute dtype (the toy LM repeats grouped K and V per query head before SDPA); dK|dV the same count in fp32
-    (_cp_options.convert_to_f32).
+    for every layer, in torch's order. K|V is 2 x micro_batch x n_heads / tp x seq / cp x head_dim elements in the
+    compute dtype (the toy LM repeats grouped K and V per query head before SDPA; TP leaves each rank its heads);
+    dK|dV the same count in fp32 (_cp_options.convert_to_f32).
 
         forward    "allgather": one all-gather (out: cp x K|V); "alltoall": cp - 1 permutes of K|V
         backward   K|V again as forward, then cp permutes of dK|dV (the last one brings each rank its own home);
                    with recompute "full" the forward's ring runs first again
     A permute is torch's all_to_all_single sending the whole buffer to the next rank."""
     check_context(seq, cp)
-    kv = 2 * micro_batch * config.n_heads * (seq // cp) * config.head_dim
+    kv = 2 * micro_batch * config.n_heads // tp * (seq // cp) * config.head_dim
     kv_bytes, dkv_bytes = kv * _compute_bytes(precision), kv * 4
     fwd = [("all_gather", kv_bytes)] if rotate == "allgather" else [("all_to_all", kv_bytes)] * (cp - 1)
     bwd = (fwd if recompute == "full" else []) + fwd + [("all_to_all", dkv_bytes)] * cp
@@ -443,6 +513,8 @@ def context_rank(
     sharding: str = "fsdp",
     rotate: str = "allgather",
     rank: int = 0,
+    tp: int = 1,
+    sequence_parallel: bool = False,
 ) -> tuple:
     """(ops, grads, forward FLOPs, (state, activations, peak)) of one context-parallel rank's step of the ToyLM
     `config` (its whole depth) at micro-batch x seq tokens a sample, the shape `_rank_ops` in
@@ -458,7 +530,9 @@ def context_rank(
     the selective kinds are the caller's transformation of the "none" ops, as layout.rank_ops makes them. sharding
     "fsdp": FSDP2 over the dp x cp ranks (torchtitan's dp_shard_cp); "ddp": the state replicated, its gradient
     all-reduce over dp x cp ranks left to the caller (its buckets from `grads`). AdamW, fused unless 16-mixed (the
-    caller's rule). Cached: a search meets the same shapes again."""
+    caller's rule; with tp > 1, ledger.sharding.tp.SplitAdamW). tp > 1: the toy LM's TP plan beside the ring, with
+    `sequence_parallel`, its head split by vocabulary (Megatron-LM's vocab-parallel loss, as layout._rank_ops has it);
+    TP's collectives in group "tensor_parallel" of size tp. Cached: a search meets the same shapes again."""
     if recompute not in ("none", "full"):
         raise ConfigError(f"recompute {recompute!r}: context_rank traces none or full; apply a selective one to 'none'")
     if sharding not in ("fsdp", "ddp"):
@@ -466,20 +540,24 @@ def context_rank(
     if micro_batch < 1:
         raise ConfigError(f"micro_batch must be at least 1, got {micro_batch}")
     check_context(seq, cp)
-    return _context_rank(config, seq, cp, micro_batch, precision, recompute, dp, sharding, rotate, rank)
+    return _context_rank(config, seq, cp, micro_batch, precision, recompute, dp, sharding, rotate, rank, tp,
+                         sequence_parallel and tp > 1)  # fmt: skip
 
 
 @functools.lru_cache(maxsize=128)
-def _context_rank(config, seq, cp, micro_batch, precision, recompute, dp, sharding, rotate, rank):
+def _context_rank(config, seq, cp, micro_batch, precision, recompute, dp, sharding, rotate, rank, tp, sp):
+    from lmledger.ledger.sharding.tp import SplitAdamW
     from lmledger.model import ToyLM
 
     with torch.device("meta"):
         model = ToyLM(dataclasses.replace(config, activation_checkpointing=0))
     ids = torch.empty((micro_batch, seq), dtype=torch.long, device="meta")
     fused = not precision.startswith("16-mixed")
+    adamw = SplitAdamW if tp > 1 else torch.optim.AdamW
     found = predict_context(
         model, (ids, ids.clone()), cp=cp, rank=rank, rotate=rotate, step=lambda m, b: m(*b),
-        optimizer=lambda params: torch.optim.AdamW(params, fused=fused), precision=precision,
-        fsdp=sharding == "fsdp", dp=dp, activation_checkpointing=recompute == "full",
+        optimizer=lambda params: adamw(params, lr=1e-4, fused=fused), precision=precision,
+        fsdp=sharding == "fsdp", dp=dp, tp=tp, sequence_parallel=sp, split_logits=tp > 1,
+        activation_checkpointing=recompute == "full",
     )  # fmt: skip
     return found if isinstance(found, NotTraced) else priced_rank(found, model)

@@ -108,10 +108,14 @@ def fake_process_group(world_size: int, shard_size: int | None = None, tensor_pa
             yield make_mesh(init_device_mesh, world_size, shard_size, tensor_parallel)
         finally:
             dist.destroy_process_group()
+            _forget_meshes()
         return
     if tensor_parallel > 1:
-        with _fake_2d_beside(world_size, tensor_parallel) as mesh:
-            yield mesh
+        try:
+            with _fake_2d_beside(world_size, tensor_parallel) as mesh:
+                yield mesh
+        finally:
+            _forget_meshes()
         return
     if shard_size is not None and shard_size != world_size:
         raise _Unavailable("a 2-D (HSDP) mesh beside this process's own process group is not built yet")
@@ -128,6 +132,18 @@ def fake_process_group(world_size: int, shard_size: int | None = None, tensor_pa
         yield DeviceMesh.from_group(group, "cpu")
     finally:
         dist.destroy_process_group(group)
+        _forget_meshes()
+
+
+def _forget_meshes() -> None:
+    """Empty DTensor's sharding-propagation caches (the C++ fast path's and Python's) as a fake world ends. Their
+    entries keep output specs, meshes included, and a mesh equals any other of the same ranks, shape and names
+    whatever its groups: a later world's equal mesh (the tensor-parallel row of (dp, tp) and of (dp, cp, tp)) was
+    handed the gone world's, whose group names then resolve to another group or to none ("Could not resolve the
+    process group registered under the name 3"). torch's own debug helper clears both."""
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()
 
 
 def make_mesh(init_device_mesh: Callable, world_size: int, shard_size: int | None, tensor_parallel: int = 1) -> object:

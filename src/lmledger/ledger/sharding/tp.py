@@ -51,8 +51,32 @@ __all__ = [
     "meshes_outside_fake_mode",
     "replay_configure_model",
     "RegatheredColwise",
+    "SplitAdamW",
     "toy_tp_plan",
 ]
+
+
+class SplitAdamW(torch.optim.Optimizer):
+    """AdamW over a TP rank's DTensor parameters and its plain ones (norms) apart: torch's fused and foreach kernels
+    take one kind a call, and Megatron's fused Adam steps both."""
+
+    def __init__(self, params, **hyper) -> None:
+        from torch.distributed.tensor import DTensor
+
+        params = list(params)
+        super().__init__(params, dict(hyper))
+        kinds = ([p for p in params if isinstance(p, DTensor)], [p for p in params if not isinstance(p, DTensor)])
+        self.inner = [torch.optim.AdamW(group, **hyper) for group in kinds if group]
+        for optimizer in self.inner:  # one state, keyed by parameter: what the dry run counts as this optimizer's
+            optimizer.state = self.state
+
+    def step(self, closure=None) -> None:
+        for optimizer in self.inner:
+            optimizer.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for optimizer in self.inner:
+            optimizer.zero_grad(set_to_none)
 
 
 def by_mesh(tensors: list) -> dict[int, list]:

@@ -89,29 +89,6 @@ class Layout:
         return Pipeline(self.pp, self.accumulate, self.schedule, self.virtual)
 
 
-class _SplitAdamW(torch.optim.Optimizer):
-    """AdamW over a TP rank's DTensor parameters and its plain ones (norms) apart: torch's fused and foreach kernels
-    take one kind a call, and Megatron's fused Adam steps both."""
-
-    def __init__(self, params, **hyper) -> None:
-        from torch.distributed.tensor import DTensor
-
-        params = list(params)
-        super().__init__(params, dict(hyper))
-        kinds = ([p for p in params if isinstance(p, DTensor)], [p for p in params if not isinstance(p, DTensor)])
-        self.inner = [torch.optim.AdamW(group, **hyper) for group in kinds if group]
-        for optimizer in self.inner:  # one state, keyed by parameter: what the dry run counts as this optimizer's
-            optimizer.state = self.state
-
-    def step(self, closure=None) -> None:
-        for optimizer in self.inner:
-            optimizer.step()
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for optimizer in self.inner:
-            optimizer.zero_grad(set_to_none)
-
-
 def _megatron_tp(fsdp_too: bool, sequence_parallel: bool = False):
     """The shard function of FSDPSettings: the toy LM's TP plan (with sequence parallel where asked), the embedding
     and LM head split by vocabulary (the logits stay split: each rank's cross-entropy reads its shard), then FSDP2
@@ -167,16 +144,16 @@ def _selective(ops: OpSummary, kind: str) -> OpSummary:
 
 def _traced(config, seq: int, layout: Layout, precision: str):
     """_rank_ops' (ops, grads, forward FLOPs, (state, activations, peak)) of one rank at `layout` (recompute traced:
-    none or full), or NotTraced; under context parallel, ledger.sharding.context's rank (its ring in the dry run)."""
+    none or full), or NotTraced; under context parallel, ledger.sharding.context's rank (its ring in the dry run, beside
+    TP where the layout has it)."""
     traced = "full" if layout.recompute == "full" else "none"
     if layout.cp > 1:
         from lmledger.ledger.sharding.context import context_rank
 
-        if layout.tp > 1:
-            return NotTraced("context parallel beside tensor parallel is not modelled yet")
         try:
             return context_rank(config, seq, layout.cp, layout.micro_batch, precision, traced, dp=layout.dp,
-                                sharding=layout.sharding)  # fmt: skip
+                                sharding=layout.sharding, tp=layout.tp,
+                                sequence_parallel=layout.sequence_parallel)  # fmt: skip
         except UserError as err:  # e.g. a sequence that does not split into 2 x cp, learned positions
             return NotTraced(str(err))
     fsdp_dp = layout.dp if layout.sharding == "fsdp" else 1
@@ -190,6 +167,7 @@ def _rank_ops(
     from lmledger.ledger.sharding.fsdp2 import FSDPSettings
     from lmledger.ledger.sharding.rankstate import priced_rank
     from lmledger.ledger.sharding.sharded import predict_sharded
+    from lmledger.ledger.sharding.tp import SplitAdamW
     from lmledger.model import ToyLM
 
     with torch.device("meta"):
@@ -199,7 +177,7 @@ def _rank_ops(
     fsdp = fsdp_dp > 1
     world = tp * fsdp_dp
     if tp > 1:
-        strategy, optimizer = "fsdp2", (lambda params: _SplitAdamW(params, lr=1e-4, fused=fused))
+        strategy, optimizer = "fsdp2", (lambda params: SplitAdamW(params, lr=1e-4, fused=fused))
         settings = FSDPSettings(tensor_parallel=tp, shard=_megatron_tp(fsdp, sp))
     else:
         strategy, optimizer = ("fsdp2" if fsdp else "ddp"), (lambda params: torch.optim.AdamW(params, fused=fused))
@@ -286,6 +264,8 @@ def step_at_layout(
         mean = {c: (none.seconds[c] + full.seconds[c]) / 2 for c in CATEGORIES}
         hidden = {k: (none.hidden.get(k, 0.0) + full.hidden.get(k, 0.0)) / 2 for k in none.hidden}
         return dataclasses.replace(none, seconds=mean, hidden=hidden)
+    if layout.cp > 1:  # a CP group's ranks lie tp apart (torchtitan's mesh (dp, cp, tp)): it spans cp x tp ranks
+        links = dataclasses.replace(links, context_stride=layout.tp)
     if layout.pp > 1:
         return _pipelined(config, seq, layout, precision, gpu, compute_dtype, kernels, links)
     priced, grads, grad_dtype = {}, {}, "float32"
