@@ -163,3 +163,18 @@ def test_a_rate_beyond_every_known_link_is_used_and_noted(scope, rate, noted):
     link = resolve_interconnect(rate, scope)
     assert (link.note is None) == (noted is None) and (noted is None or noted in link.note), link.note
     assert link.bytes_per_s == resolve_interconnect(rate).bytes_per_s
+
+
+def test_a_context_parallel_group_beside_tp_spans_tp_ranks_a_member():
+    """torchtitan's mesh (dp, cp, tp): a CP group's members lie TP's size apart, so CP 2 beside TP 8 crosses nodes
+    where CP 2 beside TP 4 stays in one; a contiguous group that crosses nodes puts its members' NICs to work."""
+    import dataclasses
+
+    links = default_links("h100-sxm", 8, 4)
+    assert links.for_group("context_parallel", 2) == links.intra
+    beside_8, beside_4 = (dataclasses.replace(links, context_stride=tp) for tp in (8, 4))
+    assert beside_8.for_group("context_parallel", 2) == links.inter
+    assert beside_4.for_group("context_parallel", 2) == links.intra
+    assert beside_8.for_group("tensor_parallel", 8) == links.intra  # TP's own group is the node
+    assert (beside_8.per_node("context_parallel", 2), beside_4.per_node("context_parallel", 4)) == (1, 2)
+    assert links.per_node("context_parallel", 16) == 8 and links.per_node("data_parallel", 32) == 8

@@ -21,7 +21,7 @@ from lmledger.ledger.timing.gpu.layout import (
     rank_memories,
     step_at_layout,
 )
-from lmledger.ledger.timing.gpu.search import search_layouts
+from lmledger.ledger.timing.gpu.search import LONG_CONTEXT, search_layouts
 from lmledger.model import ModelConfig, ToyLM
 
 SMALL = ModelConfig(vocab_size=512, context_length=64, d_model=64, n_layers=4, n_heads=4, d_ff=256)
@@ -196,3 +196,18 @@ def test_a_framework_with_its_own_pipeline_engine_is_searched_under_its_schedule
     assert schedules_for(kernels_for("torchtitan"))[:2] == (("1f1b", 1), ("interleaved", 2))
     with pytest.raises(ConfigError, match="no 'deepspeed' schedule"):  # torch's pipelining runs no such stage
         _released_after(Pipeline(2, 4, "deepspeed"), 0)
+
+
+def test_from_a_long_context_up_the_search_lays_context_parallel_beside_tp_one_sequence_a_micro_batch():
+    long = dataclasses.replace(SMALL, context_length=LONG_CONTEXT, n_layers=2)
+    settings = dict(precision="bf16-true", gpu="h100-sxm", compute_dtype="bf16", kernels=kernels_for("torchtitan"),
+                    links=links_for("h100-sxm", None, None, 4, 1), recomputes=("full",), shardings=("fsdp",),
+                    schedules=(("1f1b", 1),), cps=(1, 2))  # fmt: skip
+    found = search_layouts(long, LONG_CONTEXT, num_gpus=4, global_batch=2, capacity_bytes=80e9, **settings)
+    laid = {(c.layout.tp, c.layout.cp) for c in found.ranked}
+    assert {(1, 2), (2, 2), (2, 1)} <= laid, laid  # CP alone and beside TP, TP alone
+    assert all(c.layout.micro_batch == 1 for c in found.ranked if c.layout.cp > 1)
+    beside = next(c for c in found.ranked if (c.layout.tp, c.layout.cp) == (2, 2))
+    assert beside.layout.sequence_parallel and beside.memory.peak < next(
+        c.memory.peak for c in found.ranked if (c.layout.tp, c.layout.cp, c.layout.pp) == (2, 1, 1)
+    )

@@ -90,3 +90,24 @@ def test_context_parallel_halves_a_ranks_compute_and_adds_its_ring():
     assert two.seconds["communication"] + two.hidden["communication"] > one.seconds["communication"]
     learned = step_at_layout(GPT, 1024, Layout(cp=2), "16-true", "a100-80gb", **SETTINGS)
     assert isinstance(learned, NoStepTime) and "position" in learned.reason
+
+
+def test_context_parallel_beside_tensor_parallel_halves_tps_compute_and_crosses_nodes_past_a_node():
+    # Llama-style at 8192 tokens: TP 2 (sequence parallel) with CP 2 beside it computes half of TP 2's rank; the ring of
+    # CP 2 beside TP 8 spans 16 ranks, two nodes of 8, so its collectives (and FSDP2's over the same two ranks) cost
+    # more than where the 16 ranks share a node
+    llama = ModelConfig(vocab_size=32000, context_length=8192, d_model=2048, n_layers=4, n_heads=16, d_ff=5632)
+    settings = dict(SETTINGS, compute_dtype="bf16", kernels=kernels_for("torchtitan"))
+
+    def at(links=SETTINGS["links"], **layout):
+        found = step_at_layout(llama, 8192, Layout(sharding="fsdp", sequence_parallel=True, **layout), "bf16-mixed",
+                               "a100-80gb", **dict(settings, links=links))  # fmt: skip
+        assert not isinstance(found, NoStepTime), found
+        return found
+
+    tp, both = at(tp=2), at(tp=2, cp=2)
+    compute = [s.seconds["matmul"] + s.seconds["attention"] for s in (tp, both)]
+    assert compute[1] == pytest.approx(compute[0] / 2, rel=0.15)
+    two_nodes, one_node = (at(links=links_for("a100-80gb", None, None, gpn, 16 // gpn), tp=8, cp=2) for gpn in (8, 16))
+    ring = [s.seconds["communication"] + s.hidden.get("communication", 0.0) for s in (two_nodes, one_node)]
+    assert ring[0] > 1.2 * ring[1]

@@ -64,6 +64,5 @@ def plan_layouts(argv: list[str], gpu: str | None, num_gpus: int, tokens: float 
         "searched": len(found.ranked) + len(found.dropped), "fits": len(found.ranked),
         "ranked": [row(c) for c in found.ranked[:top]], "dropped": [row(c) for c in found.dropped],
         "links": {"intra_node": links.intra.name, "inter_node": links.inter.name, "gpus_per_node": links.gpus_per_node},
-        "not_searched": "interleaving beyond 4 chunks a rank; context parallel below a 16K-token context, and "
-                        "beside TP",
+        "not_searched": "interleaving beyond 4 chunks a rank; context parallel below a 16K-token context",
     }  # fmt: skip

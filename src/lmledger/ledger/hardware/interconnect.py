@@ -179,20 +179,34 @@ _CONTIGUOUS = ("tensor_parallel", "shard", "context_parallel")
 
 @dataclass(frozen=True)
 class Links:
-    """A run's two links, and the node they are split at: `gpus_per_node` ranks a node, `num_nodes` nodes."""
+    """A run's two links, and the node they are split at: `gpus_per_node` ranks a node, `num_nodes` nodes.
+    `context_stride`: the ranks from one member of a context-parallel group to the next, TP's size where TP sits
+    inside it (torchtitan's mesh (dp, cp, tp)), so a CP group of c ranks spans c x context_stride."""
 
     intra: Interconnect
     inter: Interconnect
     gpus_per_node: int = 8
     num_nodes: int = 1
+    context_stride: int = 1
+
+    def span(self, group: str, group_size: int) -> int:
+        """How many consecutive ranks a contiguous group's members lie within."""
+        return group_size * self.context_stride if group == "context_parallel" else group_size
 
     def for_group(self, group: str, group_size: int) -> Interconnect:
         """The link a collective over `group` (a mesh dimension's name, ops.OpRecord.group) crosses."""
         if self.num_nodes <= 1:
             return self.intra
         if group in _CONTIGUOUS:
-            return self.intra if group_size <= self.gpus_per_node else self.inter
+            return self.intra if self.span(group, group_size) <= self.gpus_per_node else self.inter
         return self.inter
+
+    def per_node(self, group: str, group_size: int) -> int:
+        """How many of a group's members share a node: a contiguous group fills its nodes (a CP group beside TP
+        one rank in context_stride), another strides across all of them."""
+        if group in _CONTIGUOUS:
+            return max(1, min(group_size, self.gpus_per_node // max(1, self.span(group, group_size) // group_size)))
+        return max(1, group_size // max(1, self.num_nodes))
 
     @staticmethod
     def one(link: Interconnect) -> Links:

@@ -59,7 +59,8 @@ def collective(op: object, links: Links, world_size: int) -> tuple[float, str | 
     if not sent:
         return 0.0, op.group or "world"
     rate = link.bytes_per_s * nccl_efficiency(link) * _rails(op.group or "world", size, link, links)
-    nodes = -(-size // max(1, links.gpus_per_node)) if link.scope == "inter-node" else 1
+    span = links.span(op.group or "world", size)
+    nodes = min(size, -(-span // max(1, links.gpus_per_node))) if link.scope == "inter-node" else 1
     seconds = _ring_latency(kind, size, nodes) + sent / rate
     if kind == "all_reduce" and nodes > 1:
         seconds = min(seconds, _tree_latency(size, nodes) + sent / (rate * _TREE_SHARE))
@@ -73,8 +74,7 @@ def _rails(group: str, size: int, link: Interconnect, links: Links) -> float:
     rank a node (TP filling the node) has its rank's NIC alone."""
     if link.scope != "inter-node" or links.num_nodes <= 1:
         return 1.0
-    local = min(size, links.gpus_per_node) if group in ("tensor_parallel", "shard") else size // links.num_nodes
-    local = max(1, local)
+    local = links.per_node(group, size)
     cap = links.intra.bytes_per_s * nccl_efficiency(links.intra) / (link.bytes_per_s * nccl_efficiency(link))
     return min(float(local), max(1.0, cap))
 

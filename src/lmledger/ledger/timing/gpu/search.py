@@ -2,9 +2,11 @@
 ones whose per-rank peak fits, ranked by predicted tokens/s.
 
     searched    tensor parallel (a divisor of the node's GPUs that the heads and KV heads divide) x context parallel
-                (2, 4, 8 from LONG_CONTEXT tokens up, without TP: the two are not composed yet) x pipeline stages (a
+                (2, 4, 8 from LONG_CONTEXT tokens up, beside TP on torchtitan's mesh (dp, cp, tp)) x pipeline stages (a
                 divisor of the depth) x data parallel (the rest), replicated ("ddp") or fully sharded ("fsdp"),
-                x micro-batch (a power of two that divides a replica's share of the batch) x recompute (none or every
+                x micro-batch (a power of two that divides a replica's share of the batch; one sequence under context
+                parallel, as torchtitan runs it: b sequences over c ranks hold the tokens one over c / b does, and the
+                search would dry-run each pair) x recompute (none or every
                 block), 1F1B or interleaved 1F1B with 2, 3 or 4 chunks a rank when pipelined (where the chunks and
                 the micro-batches divide); a TP layout runs sequence parallel (Megatron-LM's and torchtitan's
                 usual: the norms' and residual stream's activations split too, the same bytes on the wire) unless the
@@ -80,7 +82,7 @@ def candidates(
     sequence_parallel = sequence_parallel and not getattr(config, "tie_embeddings", False)
     heads, kv = config.n_heads, getattr(config, "kv_heads", config.n_heads)
     for tp, cp in itertools.product(_divisors(min(gpus_per_node, num_gpus)), cps):
-        if heads % tp or kv % tp or num_gpus % (tp * cp) or (cp > 1 and tp > 1):  # CP beside TP: not modelled yet
+        if heads % tp or kv % tp or num_gpus % (tp * cp):
             continue
         for pp in _divisors(config.n_layers):
             if num_gpus % (tp * cp * pp):
@@ -92,7 +94,8 @@ def candidates(
                 continue
             share = global_batch // dp
             for mb, sharding, recompute, (schedule, virtual) in itertools.product(
-                [b for b in micro_batches if share % b == 0], [s for s in shardings if dp * cp > 1 or s == "ddp"],
+                [b for b in micro_batches if share % b == 0 and (cp == 1 or b == 1)],
+                [s for s in shardings if dp * cp > 1 or s == "ddp"],
                 recomputes, schedules if pp > 1 else (("1f1b", 1),),
             ):  # fmt: skip
                 if virtual > 1 and (config.n_layers % (pp * virtual) or (share // mb) % pp):
