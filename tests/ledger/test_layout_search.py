@@ -199,7 +199,7 @@ def test_a_framework_with_its_own_pipeline_engine_is_searched_under_its_schedule
 
 
 def test_from_a_long_context_up_the_search_lays_context_parallel_beside_tp_one_sequence_a_micro_batch():
-    long = dataclasses.replace(SMALL, context_length=LONG_CONTEXT, n_layers=2)
+    long = dataclasses.replace(SMALL, context_length=LONG_CONTEXT, n_layers=1)  # one layer: no pipeline to search
     settings = dict(precision="bf16-true", gpu="h100-sxm", compute_dtype="bf16", kernels=kernels_for("torchtitan"),
                     links=links_for("h100-sxm", None, None, 4, 1), recomputes=("full",), shardings=("fsdp",),
                     schedules=(("1f1b", 1),), cps=(1, 2))  # fmt: skip

@@ -182,13 +182,15 @@ def test_context_parallel_beside_tp_is_predicted_per_rank(gloo_ranks):
     torch.manual_seed(0)
     expected = _losses(ToyLM(CFG))[:2]  # one process in fp32: bf16-mixed's within 2e-3 of it
     for index, (fsdp, rotate, precision, ac, sp) in enumerate(CONTEXT):
+        predictions = [  # one per CP rank: a TP group's ranks run the same step
+            predict_context(model, _batch(), cp=2, rank=cp_rank, tp=2, rotate=rotate, optimizer=_adamw,
+                            precision=precision, fsdp=fsdp, sequence_parallel=sp, activation_checkpointing=ac)
+            for cp_rank in range(2)
+        ]  # fmt: skip
         for rank, result in enumerate(ranks):
             real, losses = result["context"][index]
             case = (fsdp, rotate, precision, ac, sp, rank)
-            predicted = predict_context(
-                model, _batch(), cp=2, rank=rank // 2, tp=2, rotate=rotate, optimizer=_adamw, precision=precision,
-                fsdp=fsdp, sequence_parallel=sp, activation_checkpointing=ac,
-            )  # fmt: skip
+            predicted = predictions[rank // 2]
             assert not isinstance(predicted, NotTraced), (case, predicted)
             assert (predicted.world_size, predicted.tensor_parallel) == (real.world_size, 2) == (4, 2), case
             for line in (*STATE, "activations", "flops_forward", "flops_backward", "comm_buffers"):
