@@ -121,7 +121,8 @@ def test_a_pipeline_rank_holds_its_layers_and_the_micro_batches_in_flight():
 
 def test_the_search_ranks_what_fits_and_says_why_the_rest_do_not():
     settings = dict(precision="bf16-true", gpu="h100-sxm", compute_dtype="bf16", kernels=kernels_for("pytorch"),
-                    links=links_for("h100-sxm", None, None, 2, 1), recomputes=("full",))  # fmt: skip
+                    links=links_for("h100-sxm", None, None, 2, 1), recomputes=("full",),
+                    micro_batches=(1, 2))  # fmt: skip
     roomy = search_layouts(SMALL, 64, num_gpus=2, global_batch=4, capacity_bytes=80e9, **settings)
     assert not [c for c in roomy.dropped if "over the GPU" in c.dropped]
     steps = [c.step.total_s for c in roomy.ranked]

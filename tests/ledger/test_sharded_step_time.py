@@ -92,16 +92,18 @@ def test_each_collective_waits_for_the_other_ranks_by_the_compute_before_it(seed
     assert "3 collectives' wait for the other ranks" in how
 
 
-def test_gloos_all_reduce_and_the_ranks_wait_are_probed_on_gloo_ranks_and_cached(tmp_path):
+def test_gloos_all_reduce_and_the_ranks_wait_are_probed_on_gloo_ranks_and_cached(tmp_path, monkeypatch):
     """The two probes a multi-rank fit's rank 0 runs besides FSDP2's: all-reduce at seven sizes (each call after a
-    little compute, the mean over three launches of the ranks), and the wait after a short and a long segment of
-    compute. Bounds wide: a busy machine slows everything; the long segment's wait is not below the short one's by
-    more than noise."""
-    from lmledger.ledger.timing.steptime.calibrate import collective_model
+    little compute, the mean over the launches of the ranks: one here, for the suite's time, where a fit takes three),
+    and the wait after a short and a long segment of compute. Bounds wide: a busy machine slows everything; the long
+    segment's wait is not below the short one's by more than noise."""
+    from lmledger.ledger.timing.steptime import calibrate
     from lmledger.ledger.timing.steptime.rankwait import rank_wait
 
+    monkeypatch.setattr(calibrate, "_LAUNCHES", 1)
     cache = StepTimeCache(torch.device("cpu"), tmp_path / "step-times.json", ranks=2)
-    collective_model(2, cache)
+    calibrate.collective_model(2, cache)
+    assert "in each of 1 launches" in cache.calibration(gloo_calibration(2))["method"]
     times = cache.calibration(gloo_calibration(2))["value"]["times"]
     assert [int(size) for size in times] == [4**k for k in range(6, 13)] and all(0 < t < 1 for t in times.values())
     assert times[str(16 * MB)] > times["4096"]  # 4,000 times the bytes

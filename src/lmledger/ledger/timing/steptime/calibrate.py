@@ -411,7 +411,7 @@ def gloo_seconds(op: object, world_size: int, cache: StepTimeCache) -> float | N
 def _time_gloo(world_size: int) -> dict | None:
     """`world_size` gloo ranks spawned from a process of their own, their all-reduce's mean time per probe size and
     the latency and bandwidth fitted through them."""
-    times = in_own_process(__name__, f"_gloo_main({world_size})", 1, timeout_s=120)
+    times = in_own_process(__name__, f"_gloo_main({world_size}, {_LAUNCHES})", 1, timeout_s=120)
     if not times:
         return None
     sizes = [float(s) for s in times]
@@ -426,8 +426,8 @@ def _time_gloo(world_size: int) -> dict | None:
     return {"alpha_s": alpha, "bytes_per_s": 1.0 / slope, "times": times}
 
 
-def _gloo_main(world_size: int) -> dict[str, float]:
-    runs = [on_gloo_ranks(_gloo_rank, world_size) for _ in range(_LAUNCHES)]
+def _gloo_main(world_size: int, launches: int) -> dict[str, float]:
+    runs = [on_gloo_ranks(_gloo_rank, world_size) for _ in range(launches)]
     return {size: statistics.mean(run[size] for run in runs) for size in runs[0]}
 
 
