@@ -151,7 +151,9 @@ def _traced(config, seq: int, layout: Layout, precision: str):
         from lmledger.ledger.sharding.context import context_rank
 
         try:
-            return context_rank(config, seq, layout.cp, layout.micro_batch, precision, traced, dp=layout.dp,
+            # replicated, a rank's step is the same at any data-parallel width (its all-reduce is the caller's)
+            dp = layout.dp if layout.sharding == "fsdp" else 1
+            return context_rank(config, seq, layout.cp, layout.micro_batch, precision, traced, dp=dp,
                                 sharding=layout.sharding, tp=layout.tp,
                                 sequence_parallel=layout.sequence_parallel)  # fmt: skip
         except UserError as err:  # e.g. a sequence that does not split into 2 x cp, learned positions

@@ -15,7 +15,7 @@ ones whose per-rank peak fits, ranked by predicted tokens/s.
                 the GPU's memory: each with why
     ranked      the rest by the predicted step (layout.step_at_layout), fastest first
 
-Each distinct (TP, FSDP's world, micro-batch, recompute) is dry-run once, at one and two layers: the pipeline depths
+Each distinct (TP, CP, FSDP's world, micro-batch, recompute) is dry-run once, at one and two layers: the pipeline depths
 and data-parallel widths that share them are priced from the same dry runs. Pure torch: no Lightning import.
 """
 
