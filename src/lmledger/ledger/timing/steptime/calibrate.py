@@ -431,11 +431,11 @@ def _gloo_main(world_size: int, launches: int) -> dict[str, float]:
     return {size: statistics.mean(run[size] for run in runs) for size in runs[0]}
 
 
-def _gloo_rank(rank: int, world_size: int, port: int, queue) -> None:
+def _gloo_rank(rank: int, world_size: int, init_method: str, queue) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size)
     try:
         a = torch.randn(128, 128)
         buffers = {size: torch.ones(size // 4) for size in _PROBE_SIZES}

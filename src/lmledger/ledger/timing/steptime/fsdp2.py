@@ -78,13 +78,13 @@ def _main(world_size: int, threads: int) -> dict[str, float]:
     return on_gloo_ranks(_rank, world_size, threads)
 
 
-def _rank(rank: int, world_size: int, port: int, threads: int, queue) -> None:
+def _rank(rank: int, world_size: int, init_method: str, threads: int, queue) -> None:
     import torch.distributed as dist
     from torch import nn
     from torch.distributed.fsdp import fully_shard
 
     torch.set_num_threads(threads)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size)
     try:
         x = torch.randn(4, _WIDTH)
         out = {}

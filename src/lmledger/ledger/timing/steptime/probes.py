@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from collections.abc import Callable
@@ -30,13 +29,16 @@ def in_own_process(module: str, call: str, threads: int, timeout_s: float = 180)
 
 
 def on_gloo_ranks(rank_fn: Callable, world_size: int, *args: object) -> object:
-    """What rank 0 of `world_size` spawned processes puts on the queue: each runs rank_fn(rank, world_size, port,
-    *args, queue), `port` a free one on 127.0.0.1 for their gloo process group."""
+    """What rank 0 of `world_size` spawned processes puts on the queue: each runs rank_fn(rank, world_size,
+    init_method, *args, queue), `init_method` a file store of their own for their gloo process group. A file, not a
+    TCP port: a port found free here may be taken by another process before the ranks bind it."""
+    import tempfile
+
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    queue = mp.get_context("spawn").SimpleQueue()
-    mp.start_processes(rank_fn, args=(world_size, port, *args, queue), nprocs=world_size, start_method="spawn")
-    return queue.get()
+    with tempfile.TemporaryDirectory(prefix="lmledger-probe-") as tmp:
+        init_method = f"file://{os.path.join(tmp, 'store')}"
+        queue = mp.get_context("spawn").SimpleQueue()
+        mp.start_processes(rank_fn, args=(world_size, init_method, *args, queue), nprocs=world_size,
+                           start_method="spawn")  # fmt: skip
+        return queue.get()

@@ -89,11 +89,11 @@ def _main(world_size: int, threads: int) -> dict:
     return on_gloo_ranks(_rank, world_size, threads)
 
 
-def _rank(rank: int, world_size: int, port: int, threads: int, queue) -> None:
+def _rank(rank: int, world_size: int, init_method: str, threads: int, queue) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(threads)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size)
     try:
         a, tiny = torch.randn(128, 128), torch.ones(1)
 
