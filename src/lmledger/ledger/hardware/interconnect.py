@@ -205,7 +205,8 @@ class Links:
         """How many of a group's members share a node: a contiguous group fills its nodes (a CP group beside TP
         one rank in context_stride), another strides across all of them."""
         if group in _CONTIGUOUS:
-            return max(1, min(group_size, self.gpus_per_node // max(1, self.span(group, group_size) // group_size)))
+            stride = self.context_stride if group == "context_parallel" else 1
+            return max(1, min(group_size, self.gpus_per_node // stride))
         return max(1, group_size // max(1, self.num_nodes))
 
     @staticmethod

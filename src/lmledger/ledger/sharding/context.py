@@ -276,12 +276,9 @@ def predict_context(
     if activation_checkpointing:
         local = _checkpointed(local)
     world = dp * cp * tp
-    with fake_process_group(world) as mesh, _rank_chunks_only(), meshes_outside_fake_mode():
-        if tp > 1:
-            mesh = _cp_mesh(dp, cp, tp)
-            group = mesh[CP_GROUP].get_group()
-        else:
-            group = mesh.get_group() if dp == 1 else _cp_group(dp, cp)
+    with fake_process_group(world), _rank_chunks_only(), meshes_outside_fake_mode():
+        mesh = _cp_mesh(dp, cp, tp)
+        group = mesh[CP_GROUP].get_group()
         wrap = _sharding(mesh, tp, fsdp, sequence_parallel, split_logits)
         fake = FakeCopy(local, cp_batch(batch, cp, rank), step, optimizer, precision, None, wrap=wrap)
         if isinstance(fake.error, NotTraced):
@@ -301,9 +298,9 @@ def _sharding(mesh: object, tp: int, fsdp: bool, sequence_parallel: bool, split_
     """The wrap of a CP rank's model: the TP plan on the mesh's tensor_parallel dimension (tp > 1), then FSDP2 over
     its data-parallel ranks, dp x cp (fsdp); None where neither applies. Call it outside FakeTensorMode: flattening
     dp x cp reads the rank table with nonzero (tp.meshes_outside_fake_mode's reason)."""
-    if tp == 1:
-        return (lambda model: shard_blocks(model, mesh, DEFAULT_FSDP)) if fsdp else None
     data_parallel = _fsdp_mesh(mesh) if fsdp else None  # here, outside the fake copy's FakeTensorMode
+    if tp == 1:
+        return (lambda model: shard_blocks(model, data_parallel, DEFAULT_FSDP)) if fsdp else None
 
     def wrap(model: nn.Module) -> None:
         from lmledger.ledger.sharding import tp as tensor_parallel
@@ -317,19 +314,17 @@ def _sharding(mesh: object, tp: int, fsdp: bool, sequence_parallel: bool, split_
 
 
 def _cp_mesh(dp: int, cp: int, tp: int) -> object:
-    """torchtitan's mesh of a CP x TP layout over the world: (data_parallel, context_parallel, tensor_parallel), TP
-    innermost (its ranks adjacent, in a node), CP next."""
+    """torchtitan's mesh of a CP layout over the world: (data_parallel, context_parallel, tensor_parallel), TP
+    innermost (its ranks adjacent, in a node), CP next; a dimension of size 1 where the layout has none."""
     from torch.distributed.device_mesh import init_device_mesh
 
     return init_device_mesh("cpu", (dp, cp, tp), mesh_dim_names=("data_parallel", CP_GROUP, "tensor_parallel"))
 
 
 def _fsdp_mesh(mesh: object) -> object:
-    """FSDP2's mesh beside TP: the dp x cp ranks flattened (torchtitan's dp_shard_cp), or the one dimension of them
-    that is wider than 1."""
-    dims = [d for d in ("data_parallel", CP_GROUP) if d in mesh.mesh_dim_names]
-    if len(dims) == 1 or mesh["data_parallel"].size() == 1:
-        return mesh[dims[-1]]
+    """FSDP2's mesh of a _cp_mesh: its dp x cp ranks flattened (torchtitan's dp_shard_cp), or the cp ranks alone."""
+    if mesh["data_parallel"].size() == 1:
+        return mesh[CP_GROUP]
     return mesh["data_parallel", CP_GROUP]._flatten("data_parallel_context_parallel")
 
 
@@ -341,13 +336,6 @@ def _checkpointed(module: nn.Module) -> nn.Module:
     if isinstance(found, NotTraced):
         raise UserError(found.reason)
     return found
-
-
-def _cp_group(dp: int, cp: int) -> object:
-    """The context-parallel group of a (dp, cp) mesh over the fake world: this process's row."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    return init_device_mesh("cpu", (dp, cp), mesh_dim_names=("data_parallel", CP_GROUP))[CP_GROUP].get_group()
 
 
 def _name_groups(result, ring_group: str, cp: int, tp_group: str | None = None, tp: int = 1):
@@ -390,13 +378,12 @@ def measure_context(
     the same ones). Replicated (fsdp=False), each gradient is all-reduced over the cp ranks as it is made (the
     data-parallel reduction the prediction leaves to its caller)."""
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
 
     world = dist.get_world_size()
     if not isinstance(tp, int) or tp < 1 or world % tp:
         raise ConfigError(f"tensor-parallel size {tp!r} does not divide the {world} ranks")
     cp = world // tp
-    mesh = init_device_mesh("cpu", (1, cp, tp), mesh_dim_names=("data_parallel", CP_GROUP, "tensor_parallel"))
+    mesh = _cp_mesh(1, cp, tp)
     group, rank = mesh[CP_GROUP].get_group(), mesh[CP_GROUP].get_local_rank()
     seq = fakecopy.batch_tensors(batch)[0].shape[1]
     check_context(seq, cp)
@@ -407,7 +394,7 @@ def measure_context(
     model = cp_module(model, seq, cp, rank)
     if activation_checkpointing:
         model = _checkpointed(model)
-    wrap = _sharding(mesh if tp > 1 else mesh[CP_GROUP], tp, fsdp, sequence_parallel, False)
+    wrap = _sharding(mesh, tp, fsdp, sequence_parallel, False)
     if wrap is not None:
         wrap(model)
     if not fsdp:
