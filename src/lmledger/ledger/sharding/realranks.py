@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 import itertools
 import os
+import sys
 import tempfile
 import weakref
 from collections.abc import Callable
@@ -357,20 +358,28 @@ def spawn_gloo_ranks(target: Callable, world_size: int, *args: object) -> list:
 
 
 def _rank_main(rank: int, world_size: int, tmp: str, target: Callable, args: tuple) -> None:
+    import faulthandler
+
     import torch.distributed as dist
 
+    faulthandler.enable()  # a rank that aborts in C++ prints its Python stacks to the test's stderr
     torch.set_num_threads(1)
     store = dist.FileStore(os.path.join(tmp, "store"), world_size)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
     try:
         result = _without_ops(target(*args))
         torch.save(result, os.path.join(tmp, f"rank{rank}.pt"))
-        # No rank tears down while a peer's gloo threads still run its last collective (FSDP2's are async): a
-        # spawned rank aborted at exit once in CI, "terminate called without an active exception". A rank that
-        # raised never gets here; spawn's join ends the others.
+        # No rank tears down while a peer's gloo threads still run its last collective (FSDP2's are async). A rank
+        # that raised never gets here; spawn's join ends the others.
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    # Its result is on disk: leave without the interpreter's finalization, where objects still holding gloo
+    # groups (a mesh, FSDP2's state) are torn down beside gloo's threads. Twice in CI a rank aborted there,
+    # after a barrier, "terminate called without an active exception" (torch's #179291 is the same SIGABRT).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _without_ops(result: object) -> object:
