@@ -78,11 +78,14 @@ _FA2_AMPERE = (0.70, 0.60)
 # TFLOP/s on an H100 at head dim 128, sequence 1k-16k (pytorch/benchmark#2296), 0.29-0.31 of 989; FA2's paper says
 # up to 335 TFLOP/s there. Backward: as on the A100, 0.85 of the forward.
 _FA2_HOPPER = (0.31, 0.27)
-# FlashAttention (v1) and its Triton port (llm-foundry's attn_impl "triton", the default of its 2023 benchmarks): FA2's
-# paper puts FlashAttention at 25-40% of the A100's peak, FA2 1.7-3x faster. Taken at the top of that range forward and
-# the bottom backward; on Hopper at FlashAttention-2's share there scaled alike (0.31/0.70).
-_FA1_AMPERE = (0.40, 0.25)
-_FA1_HOPPER = (0.18, 0.11)
+# FlashAttention's Triton port (llm-foundry's attn_impl "triton", the default of its 2023 benchmarks), from Triton's
+# own regression table of its fused attention on an A100 (openai/triton python/test/regression/test_performance.py,
+# early 2023, the pre-MLIR kernels llm-foundry pinned): causal, fp16, head dim 64, 4096 tokens, 0.37 of the peak
+# forward and 0.25 backward (the masked half not counted). Long sequences: 0.37 / (4096 / (4096 + 512)) = 0.42 and
+# 0.25 / 0.889 = 0.28 (kernels._SEQ_HALF); no measurement at another head dim, so taken at every one
+# (kernels._FLAT_HEAD_DIM). On Hopper, which it predates, at FlashAttention-2's share there scaled alike (0.31 / 0.70).
+_FA1_AMPERE = (0.42, 0.28)
+_FA1_HOPPER = (0.185, 0.125)
 # FlashAttention-3 on the H100 (Shah et al. 2024, arXiv 2407.08608), head dim 128, non-causal, long sequences:
 # forward about 648 TFLOP/s, backward about 561: 0.66 and 0.57. cuDNN's fused attention reaches the same there.
 _FA3_HOPPER = (0.66, 0.57)

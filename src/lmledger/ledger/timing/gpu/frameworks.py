@@ -9,9 +9,11 @@ never a correction factor per source of measurements.
     fuse_elementwise  runs of elementwise and reduction ops between two matmuls run as one kernel that moves only
                       what enters and leaves the run (torch.compile's Inductor; llm.c's and Megatron's hand-fused
                       layernorm, bias-GeLU and bias-dropout-add kernels)
-    fuse_loss         with fuse_elementwise: the runs that open and close a pass (the embedding's, the loss and its
-                      gradient) fuse too (Inductor, llm.c's fused classifier); False: they run op by op (Megatron-LM's
-                      vocab-parallel cross-entropy is eager PyTorch, its hand-fused kernels are the blocks')
+    fuse_loss         the cross-entropy loss and its gradient run as one kernel each (Inductor, llm.c's fused
+                      classifier, flash-attn's fused cross-entropy, which llm-foundry's MPT defaults to); with
+                      fuse_elementwise, the embedding's runs at the pass's ends fuse too. False: they run op by op
+                      (eager PyTorch; Megatron-LM's vocab-parallel cross-entropy is eager, its hand-fused kernels are
+                      the blocks')
     host_forward_s, host_backward_s
                       the host's time to launch one kernel in the forward pass (Python, module calls, the dispatcher)
                       and in the backward pass (autograd's C++ engine), and per optimizer launch
@@ -76,14 +78,15 @@ class Kernels:
     # 16-bit weights in the kernels, fp32 main weights and moments in the optimizer (Megatron-LM's, price.py)
     master_weights: bool = False
     dtensor_tp: bool = True
-    fuse_loss: bool = True
+    fuse_loss: bool = False
     pipeline_schedule: str = "1f1b"
 
     def compiled(self) -> Kernels:
         """The same framework under torch.compile: elementwise runs fused, launched from Inductor's wrapper code."""
         if self.fuse_elementwise:
             return self
-        return dataclasses.replace(self, name=f"{self.name}+compile", fuse_elementwise=True, host_forward_s=_C_LAUNCH_S,
+        return dataclasses.replace(self, name=f"{self.name}+compile", fuse_elementwise=True, fuse_loss=True,
+                                   host_forward_s=_C_LAUNCH_S,
                                    host_backward_s=_C_LAUNCH_S, host_free_s=0.0,
                                    description=f"{self.description}, under torch.compile")  # fmt: skip
 
@@ -100,8 +103,9 @@ FRAMEWORKS: dict[str, Kernels] = {
     k.name: k
     for k in (
         Kernels("pytorch", description="eager PyTorch (Lightning, HF Trainer): torch's SDPA, one kernel per op"),
-        Kernels("compile", fuse_elementwise=True, host_forward_s=_C_LAUNCH_S, host_backward_s=_C_LAUNCH_S,
-                host_free_s=0.0, description="torch.compile: SDPA, elementwise runs fused by Inductor"),
+        Kernels("compile", fuse_elementwise=True, fuse_loss=True, host_forward_s=_C_LAUNCH_S,
+                host_backward_s=_C_LAUNCH_S, host_free_s=0.0,
+                description="torch.compile: SDPA, elementwise runs fused by Inductor"),
         Kernels("megatron", attention="unfused", fuse_elementwise=True, ddp_overlap=False, grad_reduce="one",
                 attention_dropout=True, master_weights=True, dtensor_tp=False, fuse_loss=False,
                 description="Megatron-LM before FlashAttention: batched-matmul attention with a fused softmax, fused "
@@ -109,18 +113,20 @@ FRAMEWORKS: dict[str, Kernels] = {
         _MEGATRON_DEEPSPEED,
         dataclasses.replace(_MEGATRON_DEEPSPEED, name="gpt-neox", description="EleutherAI's GPT-NeoX (2022): "
                             "Megatron-LM's model code and fused kernels on DeepSpeed's engine and pipeline"),
-        Kernels("megatron-core", attention="flash3", fuse_elementwise=True, master_weights=True, dtensor_tp=False,
+        Kernels("megatron-core", attention="flash3", fuse_elementwise=True, fuse_loss=True, master_weights=True,
+                dtensor_tp=False,
                 description="Megatron-Core with Transformer Engine: cuDNN/FA3 attention and fused kernels"),
-        Kernels("nemo", attention="flash3", fuse_elementwise=True, master_weights=True, dtensor_tp=False,
-                description="NeMo (Megatron-Core, Transformer Engine)"),
-        Kernels("llm-foundry", attention="triton",
+        Kernels("nemo", attention="flash3", fuse_elementwise=True, fuse_loss=True, master_weights=True,
+                dtensor_tp=False, description="NeMo (Megatron-Core, Transformer Engine)"),
+        Kernels("llm-foundry", attention="triton", fuse_loss=True,
                 description="MosaicML llm-foundry: its 2023 benchmarks' attn_impl default, triton (FlashAttention "
-                "ported to Triton; scripts/train/benchmarking/submit_benchmarks.py), eager elementwise ops"),
+                "ported to Triton; scripts/train/benchmarking/submit_benchmarks.py), eager elementwise ops, and "
+                "flash-attn's fused cross-entropy (ComposerMPTCausalLM's loss_fn default, fused_crossentropy)"),
         Kernels("torchtitan", attention="flash2",
                 description="torchtitan: torch's SDPA (flash backend), eager unless compiled"),
         Kernels("nanogpt", attention="flash2",
                 description="nanoGPT: torch's SDPA (flash backend), eager unless compiled"),
-        Kernels("llm.c", attention="cudnn", fuse_elementwise=True, host_forward_s=_C_LAUNCH_S,
+        Kernels("llm.c", attention="cudnn", fuse_elementwise=True, fuse_loss=True, host_forward_s=_C_LAUNCH_S,
                 host_backward_s=_C_LAUNCH_S, host_free_s=0.0,
                 description="llm.c: C/CUDA, cuDNN attention, hand-fused kernels, no Python"),
     )

@@ -47,6 +47,8 @@ _SPLITS = (1, 2, 3, 4, 6, 8, 12, 16)
 # 1.15 (FlashAttention-3's forward: about 497, 648 and 756 TFLOP/s at head dims 64, 128 and 256).
 _SEQ_HALF = {False: 128, True: 512}
 _HEAD_DIM = ((64, 0.8), (128, 1.0), (256, 1.15))
+# Kernels whose share was measured at one head dim only (arch._FA1_AMPERE), taken at every head dim
+_FLAT_HEAD_DIM = ("triton",)
 
 
 @dataclass(frozen=True)
@@ -136,7 +138,8 @@ def attention_seconds(
     forward_eff, backward_eff = chip.arch.attention.get(kernel, chip.arch.attention["flash2"])
     seq = min(seq_q, seq_k)
     efficiency = (backward_eff if backward else forward_eff) * seq / (seq + _SEQ_HALF[causal])
-    efficiency = min(efficiency * _head_dim_factor(head_dim), sustained_share(dtype, chip))
+    by_head_dim = 1.0 if kernel in _FLAT_HEAD_DIM else _head_dim_factor(head_dim)
+    efficiency = min(efficiency * by_head_dim, sustained_share(dtype, chip))
     work = flops / 2 if causal and seq_q == seq_k else flops
     return work / (attention_peak(dtype, chip) * efficiency) + KERNEL_FLOOR_S
 

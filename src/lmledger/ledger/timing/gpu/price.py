@@ -204,7 +204,9 @@ def price_ops(ops: list[OpRecord], chip: Chip, kernels: Kernels, compute: str, l
     priced = [price_op(op, chip, kernels, compute, links, world) for op in ops]
     if not kernels.dtensor_tp:
         priced = _own_tensor_parallel(ops, priced)
-    return fused(ops, priced, chip, ends=kernels.fuse_loss) if kernels.fuse_elementwise else priced
+    if not (kernels.fuse_elementwise or kernels.fuse_loss):
+        return priced
+    return fused(ops, priced, chip, inner=kernels.fuse_elementwise, loss=kernels.fuse_loss)
 
 
 def _own_tensor_parallel(ops: list[OpRecord], priced: list[Priced]) -> list[Priced]:
@@ -224,13 +226,18 @@ def _fusable(op: OpRecord, p: Priced) -> bool:
     return p.kind in (KERNEL, FREE) and p.category in (OTHER,) and op.category == OTHER
 
 
-def fused(ops: list[OpRecord], priced: list[Priced], chip: Chip, ends: bool = True) -> list[Priced]:
+# The ops of a cross-entropy loss as the dry run records it (F.cross_entropy's decomposition, forward and backward)
+_LOSS_OPS = ("aten._log_softmax.", "aten.nll_loss", "aten._log_softmax_backward_data.")
+
+
+def fused(ops: list[OpRecord], priced: list[Priced], chip: Chip, inner: bool = True, loss: bool = True) -> list[Priced]:
     """Each maximal run of elementwise and reduction ops (category other, views among them) within one phase becomes
     one kernel moving only the storages that enter the run from before it and those it writes that are read after it
     (or never read again in the step: gradients, state). Matmuls, attention, collectives and optimizer ops end a run.
-    `ends` False: a run that opens or closes its phase (the embedding's before the first matmul, the loss after the
-    LM head, the loss's gradient before the head's backward) stays op by op, as a framework runs them that fuses only
-    inside its blocks (frameworks.Kernels.fuse_loss)."""
+    Which runs fuse (frameworks.Kernels): a run holding the loss's ops (its forward, after the LM head, and its
+    gradient) where `loss`; any other where `inner`, but one that opens or closes its phase (the embedding's) only
+    where both: a framework that fuses inside its blocks alone (Megatron-LM) runs its embedding and loss op by op,
+    one with a fused loss kernel alone (llm-foundry's) its embedding too."""
     last_read: dict[int, int] = {}
     for i, op in enumerate(ops):
         for key, _ in op.storages:
@@ -245,9 +252,13 @@ def fused(ops: list[OpRecord], priced: list[Priced], chip: Chip, ends: bool = Tr
         j = i
         while j < len(ops) and _fusable(ops[j], priced[j]) and ops[j].phase == ops[i].phase:
             j += 1
-        opens = i == 0 or ops[i - 1].phase != ops[i].phase
-        closes = j == len(ops) or ops[j].phase != ops[i].phase
-        if ends or not (opens or closes):
+        if any(op.name.startswith(_LOSS_OPS) for op in ops[i:j]):
+            fuse = loss
+        elif i == 0 or ops[i - 1].phase != ops[i].phase or j == len(ops) or ops[j].phase != ops[i].phase:
+            fuse = inner and loss
+        else:
+            fuse = inner
+        if fuse:
             out.append(_one_kernel(ops[i:j], priced[i:j], last_read, j, chip))
         else:
             out.extend(priced[i:j])
