@@ -28,10 +28,6 @@ from lmledger.callbacks import Ledger
 from lmledger.lit import LitLM
 from lmledger.model import ModelConfig
 
-# Alone, with test_fsdp2_accumulate.py, whose ranks are launched with these (conftest.plain_fsdp2_ranks): real gloo
-# ranks' peaks depend on when their asynchronous collectives finish (see there).
-pytestmark = pytest.mark.alone
-
 HERE = Path(__file__).resolve()
 STATE = ("params", "grads", "optimizer")
 PEAK_TOLERANCE = 0.03

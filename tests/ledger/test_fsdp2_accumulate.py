@@ -29,11 +29,6 @@ from lmledger.ledger.dryrun.engine import NotTraced
 from lmledger.ledger.sharding.realranks import measure_sharded, spawn_gloo_ranks
 from lmledger.ledger.sharding.sharded import FSDPSettings, predict_sharded
 
-# Alone: real gloo ranks' peaks depend on when their asynchronous collectives finish. Beside a second pytest
-# worker (2026-12-03) a rank's peak in the later micro-batches of (4, False) grew by one 128 KiB reduce-scatter
-# buffer (3.9%), which a quiet machine never showed; the prediction does not model that timing.
-pytestmark = pytest.mark.alone
-
 HERE = Path(__file__).resolve()
 PEAK_TOLERANCE = 0.03
 # (accumulate or a manual step, reshard_after_forward)

@@ -143,6 +143,34 @@ def test_a_real_default_group_is_set_aside_and_restored(tmp_path):
         dist.destroy_process_group()
 
 
+def test_a_collective_returns_once_the_backends_thread_has_let_go_of_its_tensors(monkeypatch):
+    """gloo wakes the caller before its worker drops the tensors: a buffer the program frees next would die later,
+    in that thread (a real rank's peak one reduce-scatter buffer high under load). Here a stand-in collective
+    whose thread lets go 50 ms after the caller wakes."""
+    import threading
+    import time
+
+    from lmledger.ledger.sharding.rankstate import _holders, collectives_let_go
+
+    def late(tensor, *args, **kwargs):
+        held = [tensor.detach()]  # the worker's tensor, on the caller's storage
+        threading.Thread(target=lambda: (time.sleep(0.05), held.clear())).start()
+
+    monkeypatch.setattr(dist, "all_reduce", late)
+    buffer = torch.ones(4)
+    before = _holders(buffer)
+    dist.all_reduce(buffer)
+    assert _holders(buffer) > before  # unwrapped: still held when the call returns
+    time.sleep(0.2)
+    with collectives_let_go():
+        dist.all_reduce(buffer)
+        assert _holders(buffer) == before
+        dist.all_reduce(buffer, async_op=True)  # an async call's tensors stay with its Work until wait()
+        assert _holders(buffer) > before
+    time.sleep(0.2)
+    assert dist.all_reduce is late  # restored
+
+
 @pytest.mark.parametrize("strategy", ["tensor_parallel", "pipeline"])
 def test_strategies_not_modelled_are_one_line(strategy):
     result = predict_sharded(ToyLM(TOY), _batch(), strategy=strategy, world_size=2)

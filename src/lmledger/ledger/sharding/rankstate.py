@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from unittest import mock
 
@@ -239,6 +239,57 @@ def following_resizes():
     return mock.patch.object(torch.UntypedStorage, "resize_", _resize_seen)
 
 
+# torch.distributed's one-tensor collectives FSDP2 and DDP's comm hooks call synchronously
+_SYNC_COLLECTIVES = ("reduce_scatter_single", "all_gather_single", "reduce_scatter_tensor", "all_gather_into_tensor",
+                     "all_reduce")  # fmt: skip
+_LET_GO_S = 2.0  # the most a collective waits for gloo's thread (it lets go within microseconds unless descheduled)
+
+
+@contextmanager
+def collectives_let_go() -> Iterator[None]:
+    """While it is open, a synchronous collective returns once the backend's threads have let go of its tensors.
+
+    gloo runs a collective on a worker thread that wakes the caller, then drops its references to the tensors: on a
+    busy machine the caller may run on first, and a buffer the program has already freed (FSDP2's reduce-scatter
+    input) dies later, in that thread, beside the next allocation. So a real gloo rank's measured peak depended on
+    thread timing; now a buffer dies when the program lets it go, as the prediction's fake group has it."""
+    import time
+
+    import torch.distributed as dist
+
+    def waiting(collective):
+        def call(*args, **kwargs):
+            tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+            before = [_holders(t) for t in tensors]
+            out = collective(*args, **kwargs)
+            deadline = time.monotonic() + _LET_GO_S
+            while not kwargs.get("async_op") and time.monotonic() < deadline:
+                if all(_holders(t) <= n for t, n in zip(tensors, before, strict=True)):
+                    break
+                time.sleep(1e-5)
+            return out
+
+        return call
+
+    with ExitStack() as stack:
+        for name in _SYNC_COLLECTIVES:
+            if hasattr(dist, name):
+                stack.enter_context(mock.patch.object(dist, name, waiting(getattr(dist, name))))
+        yield
+
+
+def _holders(tensor: torch.Tensor) -> int:
+    """How many references hold the tensor and its storage (the backend's copies of it, or views)."""
+    return tensor._use_count() + torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)
+
+
+@contextmanager
+def _real_rank_tracking() -> Iterator[None]:
+    """What a rank's tracker needs open on real ranks: FSDP2's resizes seen, collectives' buffers let go."""
+    with following_resizes(), collectives_let_go():
+        yield
+
+
 def _count_local_without_decomposing(self, func, types, args=(), kwargs=None):
     """ledger.count.flopcounter's counter of a real step (StepFlopCounter's mode), on the local shards."""
     out = func(*args, **(kwargs or {}))
@@ -270,7 +321,7 @@ def sharded_tracking(extra: tuple[torch.Tensor, ...] = ()) -> Iterator[None]:
         mock.patch.object(dryrun, "MemoryTracker", tracker_type),
         mock.patch.object(manualopt, "MemoryTracker", tracker_type),
         local_flops(),
-        following_resizes(),
+        _real_rank_tracking(),
     ):
         yield
 
@@ -278,7 +329,7 @@ def sharded_tracking(extra: tuple[torch.Tensor, ...] = ()) -> Iterator[None]:
 # A rank's tensors by their local shards, for the one step reader (dryrun.watch): a fit's FSDP2 or
 # tensor-parallel rank reads its step so.
 LOCAL_SHARDS = Reading(
-    tracker=ShardedTracker, state=local_state_bytes, while_tracking=following_resizes, while_counting=local_flops
+    tracker=ShardedTracker, state=local_state_bytes, while_tracking=_real_rank_tracking, while_counting=local_flops
 )
 
 

@@ -352,7 +352,7 @@ def spawn_gloo_ranks(target: Callable, world_size: int, *args: object) -> list:
 
     with tempfile.TemporaryDirectory() as tmp:
         mp.start_processes(
-            _rank_main, args=(world_size, tmp, target, args), nprocs=world_size, join=True, start_method="spawn"
+            _spawned_rank, args=(world_size, tmp, target, args), nprocs=world_size, join=True, start_method="spawn"
         )
         return [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
 
@@ -374,9 +374,14 @@ def _rank_main(rank: int, world_size: int, tmp: str, target: Callable, args: tup
         dist.barrier()
     finally:
         dist.destroy_process_group()
-    # Its result is on disk: leave without the interpreter's finalization, where objects still holding gloo
-    # groups (a mesh, FSDP2's state) are torn down beside gloo's threads. Twice in CI a rank aborted there,
-    # after a barrier, "terminate called without an active exception" (torch's #179291 is the same SIGABRT).
+
+
+def _spawned_rank(rank: int, world_size: int, tmp: str, target: Callable, args: tuple) -> None:
+    """_rank_main in a process of its own, which then leaves without the interpreter's finalization: its result is
+    on disk, and there objects still holding gloo groups (a mesh, FSDP2's state) are torn down beside gloo's
+    threads. Twice in CI a rank aborted so, after a barrier, "terminate called without an active exception"
+    (torch's #179291 is the same SIGABRT). A rank that raised leaves as spawn has it, with its traceback."""
+    _rank_main(rank, world_size, tmp, target, args)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
