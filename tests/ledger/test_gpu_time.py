@@ -31,8 +31,12 @@ def _tflops(m, n, k, chip, batch=1, dtype="bf16"):
     return 2 * m * n * k * batch / matmul_seconds(m, n, k, batch, dtype, chip) / 1e12
 
 
+# The H100 as a short benchmark GEMM sees it: its clock not yet pulled down by the power limit
+H100_BURST = dataclasses.replace(H100, arch=dataclasses.replace(arch.ARCHES["hopper"], sustained_clock=None))
+
 # XLA's measured H100 bf16 matmul table (openxla/xla, xla/service/gpu/model/matmul_interpolator_data.h, sm_90), TFLOP/s:
-# (b, m, n, k) -> measured. The model's tile constants were fitted on the whole table; these few are held here.
+# (b, m, n, k) -> measured. The model's tile constants were fitted on the whole table (short GEMMs: the burst clock);
+# these few are held here.
 XLA_H100 = {(1, 4096, 4096, 4096): 780.2, (1, 4096, 4096, 1024): 685.2, (1, 4096, 1024, 1024): 497.6,
             (1, 4096, 4096, 256): 398.6, (1, 256, 4096, 4096): 418.4, (4, 4096, 4096, 4096): 788.7,
             (1, 4096, 512, 512): 240.1}  # fmt: skip
@@ -41,11 +45,7 @@ XLA_H100 = {(1, 4096, 4096, 4096): 780.2, (1, 4096, 4096, 1024): 685.2, (1, 4096
 @pytest.mark.parametrize("shape", list(XLA_H100))
 def test_matmuls_on_h100_within_a_fifth_of_xlas_measured_table(shape):
     b, m, n, k = shape
-    assert _tflops(m, n, k, H100, b) == pytest.approx(XLA_H100[shape], rel=0.2)
-
-
-# The H100 as a short benchmark GEMM sees it: its clock not yet pulled down by the power limit
-H100_BURST = dataclasses.replace(H100, arch=dataclasses.replace(arch.ARCHES["hopper"], sustained_clock=None))
+    assert _tflops(m, n, k, H100_BURST, b) == pytest.approx(XLA_H100[shape], rel=0.2)
 
 
 def test_matmul_tiles_and_waves_worked_by_hand():
@@ -63,29 +63,31 @@ def test_matmul_tiles_and_waves_worked_by_hand():
 
 
 def test_hopper_gemms_run_no_faster_than_a_full_tile_at_the_clock_its_power_limit_sustains():
-    """Under sustained load a 700 W H100 holds about 1500 of the 1830 MHz its peak is computed at (arch.py): a large
-    GEMM runs at a full tile at that clock, 0.88 x 1500/1830 of 989.4 TFLOP/s, where a square 10240 bf16 product
-    measured 720 (and under the best shape of a search, 794.5); one too small to reach that rate is priced as before;
-    the A100's share (measured under sustained load) and FP32 on the CUDA cores are not held to one."""
-    sustained = 989.4 * 0.88 * 1500 / 1830
+    """Through a training step a 700 W H100 holds about 1300 of the 1830 MHz its peak is computed at (arch.py, fitted
+    on the published H100 runs): a large GEMM runs at a full tile at that clock, 0.88 x 1300/1830 of 989.4 TFLOP/s,
+    below a GEMM loop's 1500 MHz, where a square 10240 bf16 product measured 720 (and the best shape of a search
+    794.5); one too small to reach that rate is priced as before; the A100's share (measured under sustained load)
+    and FP32 on the CUDA cores are not held to one."""
+    sustained = 989.4 * 0.88 * 1300 / 1830
     assert _tflops(16384, 24576, 8192, H100) == pytest.approx(sustained, rel=0.01)  # a 70B model's QKV projection
-    assert _tflops(16384, 24576, 8192, H100_BURST) > 1.15 * sustained
-    assert _tflops(10240, 10240, 10240, H100) == pytest.approx(720, rel=0.02)
-    assert _tflops(10240, 10240, 10240, H100) < 794.5 < _tflops(10240, 10240, 10240, H100_BURST)
+    assert _tflops(16384, 24576, 8192, H100_BURST) > 1.3 * sustained
+    assert _tflops(10240, 10240, 10240, H100) == pytest.approx(sustained, rel=0.02)
+    assert _tflops(10240, 10240, 10240, H100) < 720 < 794.5 < _tflops(10240, 10240, 10240, H100_BURST)
     assert _tflops(4096, 4096, 512, H100) == pytest.approx(_tflops(4096, 4096, 512, H100_BURST), rel=1e-12)
-    assert _tflops(8192, 8192, 8192, H100, dtype="fp8") == pytest.approx(1979 * 0.845 * 1500 / 1830, rel=0.01)
+    assert _tflops(8192, 8192, 8192, H100, dtype="fp8") == pytest.approx(1979 * 0.845 * 1300 / 1830, rel=0.01)
     assert _tflops(8192, 8192, 8192, H100, dtype="fp32") == pytest.approx(
         _tflops(8192, 8192, 8192, H100_BURST, dtype="fp32"), rel=1e-12
     )
     a100_plain = dataclasses.replace(A100, arch=dataclasses.replace(arch.ARCHES["ampere"], sustained_clock=None))
     assert _tflops(8192, 8192, 8192, A100) == _tflops(8192, 8192, 8192, a100_plain)
-    # FlashAttention-3 at head dim 256 (756 TFLOP/s in its paper's forward) is held to the same rate; at 128 it is not
+    # FlashAttention-3 at head dims 256 and 128 (756 and 648 TFLOP/s in its paper's forward) is held to the same
+    # rate; FlashAttention-2 there (0.31 of the peak) is not
     flops, s = 4 * 8 * 16 * 8192 * 8192 * 256, 8192
-    fa3 = attention_seconds(flops, s, s, 256, False, False, "flash3", "bf16", H100) - arch.KERNEL_FLOOR_S
-    assert flops / fa3 / 1e12 == pytest.approx(sustained, rel=1e-9)
-    flops128 = flops // 2
-    at128 = attention_seconds(flops128, s, s, 128, False, False, "flash3", "bf16", H100)
-    assert at128 == attention_seconds(flops128, s, s, 128, False, False, "flash3", "bf16", H100_BURST)
+    for head_dim in (256, 128):
+        fa3 = attention_seconds(flops, s, s, head_dim, False, False, "flash3", "bf16", H100) - arch.KERNEL_FLOOR_S
+        assert flops / fa3 / 1e12 == pytest.approx(sustained, rel=1e-9)
+    fa2 = attention_seconds(flops, s, s, 128, False, False, "flash2", "bf16", H100)
+    assert fa2 == attention_seconds(flops, s, s, 128, False, False, "flash2", "bf16", H100_BURST)
 
 
 def test_matmul_efficiency_falls_for_small_and_skinny_shapes_and_holds_to_its_bytes():
