@@ -143,10 +143,10 @@ def test_a_real_default_group_is_set_aside_and_restored(tmp_path):
         dist.destroy_process_group()
 
 
-def test_a_collective_returns_once_the_backends_thread_has_let_go_of_its_tensors(monkeypatch):
+def test_a_collective_returns_once_the_backends_thread_has_let_go_of_its_tensors(monkeypatch, tmp_path):
     """gloo wakes the caller before its worker drops the tensors: a buffer the program frees next would die later,
     in that thread (a real rank's peak one reduce-scatter buffer high under load). Here a stand-in collective
-    whose thread lets go 50 ms after the caller wakes."""
+    whose thread lets go 50 ms after the caller wakes, on a gloo group and on none (NCCL's case: untouched)."""
     import threading
     import time
 
@@ -159,16 +159,24 @@ def test_a_collective_returns_once_the_backends_thread_has_let_go_of_its_tensors
     monkeypatch.setattr(dist, "all_reduce", late)
     buffer = torch.ones(4)
     before = _holders(buffer)
-    dist.all_reduce(buffer)
-    assert _holders(buffer) > before  # unwrapped: still held when the call returns
-    time.sleep(0.2)
     with collectives_let_go():
-        dist.all_reduce(buffer)
-        assert _holders(buffer) == before
-        dist.all_reduce(buffer, async_op=True)  # an async call's tensors stay with its Work until wait()
+        dist.all_reduce(buffer)  # no gloo group: returned at once
         assert _holders(buffer) > before
     time.sleep(0.2)
-    assert dist.all_reduce is late  # restored
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        dist.all_reduce(buffer)
+        assert _holders(buffer) > before  # unwrapped: still held when the call returns
+        time.sleep(0.2)
+        with collectives_let_go():
+            dist.all_reduce(buffer)
+            assert _holders(buffer) == before
+            dist.all_reduce(buffer, async_op=True)  # an async call's tensors stay with its Work until wait()
+            assert _holders(buffer) > before
+        time.sleep(0.2)
+        assert dist.all_reduce is late  # restored
+    finally:
+        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("strategy", ["tensor_parallel", "pipeline"])
