@@ -72,7 +72,7 @@ TENSOR_DTYPES = ("bf16", "fp16", "fp8", "tf32")
 # them. So the clock is fitted, the only Hopper constant fitted to runs: 1300 MHz minimises the mean of the median
 # |error| of the two sources with ten or more H100 rows (benchmarks/published_runs.py on runs-dev.csv, 2026-12-05:
 # llm-foundry's 39 and torchtitan's 15 rows, 6.3%; 1250, 1275, 1325 and 1350 MHz give 7.4%, 6.7%, 7.1% and 7.4%;
-# 1500 gave 12.0%), where llm.c's and modded-nanogpt's H100 rows are 3% and 6% fast. 0.88 x 1300/1830 = 0.625 of
+# 1500 gave 12.0%), where llm.c's and modded-nanogpt's H100 rows are 3.1% and 5.5% fast. 0.88 x 1300/1830 = 0.625 of
 # the bf16 peak, 618 TFLOP/s.
 _HOPPER_SUSTAINED_CLOCK = 1300 / 1830
 
