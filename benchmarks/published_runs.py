@@ -34,8 +34,9 @@ NEEDED = ("gpu", "gpus", "layers", "hidden", "heads", "kv_heads", "ffn_hidden", 
           "dp", "micro_batch", "global_batch", "precision", "recompute")  # fmt: skip
 INT_FIELDS = ("gpus", "gpus_per_node", "layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab", "seq_len", "tp",
               "pp", "cp", "dp", "micro_batch", "global_batch")  # fmt: skip
-# Megatron-LM pads its vocabulary to a multiple of 128 x TP (--make-vocab-size-divisible-by 128); llm.c to 50304.
-_PAD_TO = {"megatron": 128, "megatron-deepspeed": 128, "megatron-core": 128, "nemo": 128, "llm.c": 128}
+# Megatron-LM pads its vocabulary to a multiple of 128 x TP (--make-vocab-size-divisible-by 128), as GPT-NeoX does
+# (neox_args.make_vocab_size_divisible_by = 128: 20B's 50257 runs as 50432); llm.c to 50304.
+_PAD_TO = {"megatron": 128, "megatron-deepspeed": 128, "megatron-core": 128, "nemo": 128, "llm.c": 128, "gpt-neox": 128}
 # The precision each framework trains in, as a Lightning precision the dry run takes: Megatron-LM, llm.c and
 # torchtitan keep 16-bit weights and activations (fp32 master weights only in the optimizer); llm-foundry's
 # benchmarks too (FSDP's PURE mixed precision gathers bf16 weights, and its low_precision_layernorm runs in bf16:
@@ -71,11 +72,16 @@ def why_not(row: dict) -> str | None:
     return None
 
 
+def padded_vocab(row: dict) -> int:
+    framework = framework_of(row)
+    pad = _PAD_TO.get(framework, 1) * (row["tp"] if framework != "llm.c" else 1)
+    return -(-row["vocab"] // pad) * pad
+
+
 def model_config(row: dict, layers: int):
     from lmledger.model import ModelConfig
 
-    pad = _PAD_TO.get(row["framework"], 1) * (row["tp"] if row["framework"] != "llm.c" else 1)
-    vocab = -(-row["vocab"] // pad) * pad
+    vocab = padded_vocab(row)
     fields = {f.name for f in dataclasses.fields(ModelConfig)}
     arch = {}
     if row["arch"] in ("gpt", "mpt") and "mlp" in fields:
@@ -101,18 +107,24 @@ def gpu_of(row: dict) -> str:
     return row["gpu"]
 
 
+def framework_of(row: dict) -> str:
+    """The row's framework; an `other` row's is the one its notes start with where it is one of ours
+    (shared/published/README.md), else eager PyTorch."""
+    from lmledger.ledger.timing.gpu.frameworks import FRAMEWORKS
+
+    if row["framework"] != "other":
+        return row["framework"]
+    named = [name for name in FRAMEWORKS if row.get("notes", "").lower().startswith(name)]
+    return max(named, key=len, default="pytorch")  # "megatron-core ..." is not Megatron-LM's
+
+
 def kernels_of(row: dict):
     """The row's framework's kernels (frameworks.py), compiled where the row says, with fp8 linears for fp8 rows."""
     import dataclasses as dc
 
     from lmledger.ledger.timing.gpu import kernels_for
-    from lmledger.ledger.timing.gpu.frameworks import FRAMEWORKS
 
-    framework = row["framework"]
-    if framework == "other":  # named in the notes (shared/published/README.md): a framework of ours, else eager PyTorch
-        named = [name for name in FRAMEWORKS if row.get("notes", "").lower().startswith(name)]
-        framework = max(named, key=len, default="pytorch")  # "megatron-core ..." is not Megatron-LM's
-    kernels = kernels_for(framework, compiled=row.get("compile") == "1")
+    kernels = kernels_for(framework_of(row), compiled=row.get("compile") == "1")
     return dc.replace(kernels, fp8_matmuls=True) if row["precision"] == "fp8" else kernels
 
 
@@ -181,7 +193,7 @@ def predict(row: dict) -> dict:
     seconds = step.total_s
     tokens = row["global_batch"] * row["seq_len"]
     value = {"iter_s": seconds, "tokens_per_s_per_gpu": tokens / seconds / row["gpus"],
-             "tflops_per_gpu": megatron_flops(row) / seconds / row["gpus"] / 1e12}.get(row["metric"])  # fmt: skip
+             "tflops_per_gpu": logged_flops(row) / seconds / row["gpus"] / 1e12}.get(row["metric"])  # fmt: skip
     if value is None:
         return {**out, "predicted": None, "error": None, "reason": f"metric {row['metric']}: needs a FLOP convention",
                 "step_s": seconds}  # fmt: skip
@@ -189,13 +201,28 @@ def predict(row: dict) -> dict:
             "breakdown_ms": {k: round(v * 1e3, 2) for k, v in step.seconds.items() if v}}  # fmt: skip
 
 
-def megatron_flops(row: dict) -> float:
-    """A step's FLOPs as Megatron-LM and the trainers built on it log them (Narayanan et al. 2021, eq. 3: the
-    recomputed forward counted, factor 4 with full recompute, else 3): the convention of a row's TFLOP/s per GPU. Its
-    own rows (SC'21) say so; GPT-NeoX and Megatron-DeepSpeed log the same formula."""
+def logged_flops(row: dict) -> float:
+    """A step's FLOPs as the row's framework logs them, the convention of its TFLOP/s per GPU: GPT-NeoX's own (below),
+    else Megatron-LM's (Narayanan et al. 2021, eq. 3: the recomputed forward counted, factor 4 with full recompute,
+    else 3). Megatron-LM's rows (SC'21) say so; Megatron-DeepSpeed logs the same formula."""
+    if framework_of(row) == "gpt-neox":
+        return neox_flops(row)
     b, s, layers, h, vocab = row["global_batch"], row["seq_len"], row["layers"], row["hidden"], row["vocab"]
     factor = 4 if row["recompute"] == "full" else 3
     return 24 * factor * b * s * layers * h * h * (1 + s / (6 * h) + vocab / (16 * layers * h))
+
+
+def neox_flops(row: dict) -> float:
+    """GPT-NeoX's logged FLOPs from its 20B release (c560814b, Feb 2022) until September 2023 (5f364017 moved it to
+    eq. 3): tokens x (6 P + 60 s h l), recompute not counted (megatron/logging.py, get_flops). P is its
+    get_total_params: the parameters of every model-parallel rank summed, so a TP-replicated norm or bias counts TP
+    times, and a pipeline's embedding twice (on its first and last stage; 20B unties it, the default ties it)."""
+    tp, h, f, layers, vocab = row["tp"], row["hidden"], row["ffn_hidden"], row["layers"], padded_vocab(row)
+    matrices = layers * (4 * h * h + 2 * h * f + 3 * h + f)  # QKV, out and MLP weights; their column-parallel biases
+    replicated = layers * 6 * h + 2 * h  # two LayerNorms, the out and MLP-out biases a layer; the final LayerNorm
+    params = matrices + tp * replicated + (2 if row["pp"] > 1 else 1) * vocab * h
+    s = row["seq_len"]
+    return row["global_batch"] * s * (6 * params + 60 * s * h * layers)
 
 
 def summary(results: list[dict]) -> list[str]:

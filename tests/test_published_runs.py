@@ -96,3 +96,20 @@ def test_an_unknown_sequence_parallel_is_the_frameworks_default(monkeypatch):
     assert sp({"framework": "torchtitan", "seq_parallel": "unknown"}) and sp({"framework": "x", "seq_parallel": "1"})
     assert not sp({"framework": "megatron", "seq_parallel": "unknown"})
     assert not sp({"framework": "torchtitan", "seq_parallel": "0"})  # a row that says so is taken at its word
+
+
+def test_a_gpt_neox_rows_flops_are_its_2022_loggers_and_count_its_20b_model_as_published(monkeypatch):
+    """GPT-NeoX logged tokens x (6 P + 60 s h l) until 2023, P summed over its model-parallel ranks; with 20B's shape
+    and layout, P is the 20,556,201,984 parameters its model card prints, and its vocabulary pads to 50,432."""
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    import published_runs
+
+    row = dict(zip(HEADER.split(","), ROWS[1].split(","), strict=True))
+    row = {**row, **{k: int(row[k]) for k in published_runs.INT_FIELDS}, "framework": "gpt-neox", "vocab": 50257}
+    b, s, h, layers = row["global_batch"], row["seq_len"], row["hidden"], row["layers"]
+    params = (published_runs.logged_flops(row) / (b * s) - 60 * s * h * layers) / 6
+    assert params == 20_556_201_984 and published_runs.padded_vocab(row) == 50_432
+    megatron = {**row, "framework": "megatron"}  # eq. 3 with full recompute: 96 B s l h^2 (1 + s/6h + V/16lh)
+    eq3 = 96 * b * s * layers * h * h * (1 + s / (6 * h) + 50257 / (16 * layers * h))
+    assert published_runs.logged_flops(megatron) == pytest.approx(eq3, rel=1e-12)
+    assert published_runs.logged_flops(row) < 0.95 * eq3  # recompute not counted: NeoX's TFLOP/s is a longer step
