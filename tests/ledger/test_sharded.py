@@ -4,6 +4,7 @@ on and off. Models are tiny and each real run is two steps."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
@@ -175,6 +176,45 @@ def test_a_collective_returns_once_the_backends_thread_has_let_go_of_its_tensors
             assert _holders(buffer) > before
         time.sleep(0.2)
         assert dist.all_reduce is late  # restored
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_functional_collective_returns_once_the_backends_thread_has_let_go(monkeypatch, tmp_path):
+    """Tensor parallelism's collectives are DTensor's functional ones, whose Work holds the output (and the inputs)
+    in torch's registry until the wait, then in gloo's thread a moment longer. A stand-in wait whose thread keeps
+    as many references 50 ms more: under collectives_let_go the collective returns once they are gone."""
+    import threading
+    import time
+
+    import torch.distributed._functional_collectives as funcol
+
+    from lmledger.ledger.sharding.rankstate import _holders, collectives_let_go
+
+    real = funcol.wait_tensor
+
+    def late(tensor):
+        holding = _holders(tensor)  # the Work's references among them
+        out = real(tensor)  # the registry lets go of the Work
+        held = [tensor.detach() for _ in range(holding - _holders(tensor))]  # gloo's thread, holding as many
+        threading.Thread(target=lambda: (time.sleep(0.05), held.clear())).start()
+        return out
+
+    monkeypatch.setattr(funcol, "wait_tensor", late)
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        fresh = _holders(torch.ones(4))
+        funcol.all_reduce(torch.ones(4), "sum", dist.group.WORLD).wait()  # gloo's first collective sets up for a second
+        returned_held = []
+        for let_go in (False, True):
+            with collectives_let_go() if let_go else contextlib.nullcontext():
+                reduced = funcol.all_reduce(torch.ones(4), "sum", dist.group.WORLD)
+                funcol.wait_tensor(reduced.elem)  # under collectives_let_go, already done as it was issued
+                returned_held.append(_holders(reduced.elem) > fresh)
+            time.sleep(0.2)
+            assert reduced.tolist() == [1.0] * 4 and _holders(reduced.elem) == fresh
+        assert returned_held == [True, False]
+        assert funcol.wait_tensor is late and funcol._maybe_wrap_tensor.__module__ == funcol.__name__  # restored
     finally:
         dist.destroy_process_group()
 

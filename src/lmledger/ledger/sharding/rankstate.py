@@ -277,6 +277,34 @@ def collectives_let_go() -> Iterator[None]:
         for name in _SYNC_COLLECTIVES:
             if hasattr(dist, name):
                 stack.enter_context(mock.patch.object(dist, name, waiting(getattr(dist, name))))
+        stack.enter_context(_functional_collectives_let_go())
+        yield
+
+
+@contextmanager
+def _functional_collectives_let_go() -> Iterator[None]:
+    """The same for DTensor's functional collectives (tensor parallelism), which return their output before it is
+    done: on a gloo group each is waited for as it is issued (as under tracing), and returns once its Work, which
+    holds the output and the inputs, is gone. The output is fresh from the collective, so that is when nothing but
+    the caller holds it. A Work lives in torch's registry until its wait, then in gloo's thread a moment longer."""
+    import time
+
+    import torch.distributed._functional_collectives as funcol
+
+    original = funcol._maybe_wrap_tensor
+    fresh = _holders(torch.empty(1))  # a tensor one Python object holds, as the caller holds the output
+
+    def wrap(tensor):
+        if tensor.device.type != "cpu" or not _on_gloo(None):
+            return original(tensor)  # NCCL keeps its tensors until the GPU is done; the fake group holds none
+        with torch.no_grad():
+            funcol.wait_tensor(tensor)
+        deadline = time.monotonic() + _LET_GO_S
+        while _holders(tensor) > fresh and time.monotonic() < deadline:
+            time.sleep(1e-5)
+        return original(tensor)
+
+    with mock.patch.object(funcol, "_maybe_wrap_tensor", wrap):
         yield
 
 
