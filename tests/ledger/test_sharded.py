@@ -214,6 +214,10 @@ def test_a_functional_collective_returns_once_the_backends_thread_has_let_go(mon
             time.sleep(0.2)
             assert reduced.tolist() == [1.0] * 4 and _holders(reduced.elem) == fresh
         assert returned_held == [True, False]
+        with collectives_let_go():  # one Work for a list: the first wait cannot free it, so it is not waited so
+            started = time.monotonic()
+            pair = funcol.all_reduce_coalesced([torch.ones(2), torch.ones(3)], "sum", dist.group.WORLD)
+            assert [t.tolist() for t in pair] == [[1.0] * 2, [1.0] * 3] and time.monotonic() - started < 1.0
         assert funcol.wait_tensor is late and funcol._maybe_wrap_tensor.__module__ == funcol.__name__  # restored
     finally:
         dist.destroy_process_group()

@@ -281,6 +281,11 @@ def collectives_let_go() -> Iterator[None]:
         yield
 
 
+# The functional collectives whose output is fresh from the op and alone in its Work (DTensor's, context parallel's):
+# not the coalesced ones, whose Work holds a list, nor the point-to-point ones, which return the caller's tensor.
+_FRESH_OUTPUT_COLLECTIVES = ("all_reduce", "all_gather_single", "reduce_scatter_single", "all_to_all_single")
+
+
 @contextmanager
 def _functional_collectives_let_go() -> Iterator[None]:
     """The same for DTensor's functional collectives (tensor parallelism), which return their output before it is
@@ -293,9 +298,10 @@ def _functional_collectives_let_go() -> Iterator[None]:
 
     original = funcol._maybe_wrap_tensor
     fresh = _holders(torch.empty(1))  # a tensor one Python object holds, as the caller holds the output
+    inside: list[str] = []  # the fresh-output collective being issued, if any
 
     def wrap(tensor):
-        if tensor.device.type != "cpu" or not _on_gloo(None):
+        if not inside or tensor.device.type != "cpu" or not _on_gloo(None):
             return original(tensor)  # NCCL keeps its tensors until the GPU is done; the fake group holds none
         with torch.no_grad():
             funcol.wait_tensor(tensor)
@@ -304,7 +310,21 @@ def _functional_collectives_let_go() -> Iterator[None]:
             time.sleep(1e-5)
         return original(tensor)
 
-    with mock.patch.object(funcol, "_maybe_wrap_tensor", wrap):
+    def issuing(name, collective):
+        def call(*args, **kwargs):
+            inside.append(name)
+            try:
+                return collective(*args, **kwargs)
+            finally:
+                inside.pop()
+
+        return call
+
+    with ExitStack() as stack:
+        stack.enter_context(mock.patch.object(funcol, "_maybe_wrap_tensor", wrap))
+        for name in _FRESH_OUTPUT_COLLECTIVES:
+            if hasattr(funcol, name):
+                stack.enter_context(mock.patch.object(funcol, name, issuing(name, getattr(funcol, name))))
         yield
 
 
