@@ -79,6 +79,19 @@ def test_a_deep_host_bound_step_takes_at_least_its_launches(pp):
         assert two.hidden["host"] + two.seconds["host"] >= 0.9 * one.hidden["host"] + 0.9 * one.seconds["host"]
 
 
+def test_a_deep_host_bound_step_still_runs_its_optimizer_and_all_reduce_after_its_last_launch():
+    # 24 layers at micro-batch 1 launch for longer than their kernels run; the gradients' all-reduce (after backward,
+    # unbucketed) and the optimizer's kernels, grown with the depth, still run after the host's last launch
+    settings = dict(SETTINGS, kernels=kernels_for("megatron-deepspeed"))
+    gpt = dataclasses.replace(GPT, n_layers=24)
+    found = step_at_layout(gpt, 1024, Layout(micro_batch=1, accumulate=4, dp=2, recompute="full"), "16-true",
+                           "a100-80gb", **settings)  # fmt: skip
+    launches = found.seconds["host"] + found.hidden["host"]
+    after = found.seconds["optimizer"] + found.seconds["communication"]
+    assert launches > 0.9 * found.total_s and after > 0.02 * found.total_s
+    assert found.total_s >= launches + 0.98 * after
+
+
 def test_context_parallel_halves_a_ranks_compute_and_adds_its_ring():
     # Llama-style (RoPE: learned positions do not shard along the sequence), one sequence of 4096 split over 2 ranks
     llama = ModelConfig(vocab_size=32000, context_length=4096, d_model=1024, n_layers=4, n_heads=16, d_ff=2816)

@@ -289,6 +289,7 @@ def step_at_layout(
     seconds = {c: max(0.0, at_depth(0, c) + extra * at_depth(1, c)) for c in CATEGORIES}
     first = priced[1][0]
     hidden = {k: max(0.0, v + depth * (priced[2][0].hidden.get(k, 0.0) - v)) for k, v in first.hidden.items()}
+    exposed = 0.0
     if _replicated(layout):  # the gradients' all-reduce, at depth
         backward_s = priced[1][2].total_s + depth * (priced[2][2].total_s - priced[1][2].total_s)
         exposed, overlapped = _data_parallel_reduce((grads[1], grads[2]), depth, backward_s, grad_dtype, layout,
@@ -302,7 +303,10 @@ def step_at_layout(
     # extrapolated from one and two layers would count the second layer's newly exposed launches once a layer.
     issued = _issued(priced[1][0]) + depth * (_issued(priced[2][0]) - _issued(priced[1][0]))
     issued += extra * (_issued(priced[1][1]) + depth * (_issued(priced[2][1]) - _issued(priced[1][1])))
+    # After the last launch the GPU still runs what the last ops queued: the one-layer step's tail, with the optimizer's
+    # kernels grown to the model's depth and the gradients' exposed all-reduce before them
     tail = max(0.0, priced[1][0].total_s - _issued(priced[1][0]))
+    tail += max(0.0, seconds[OPTIMIZER] - priced[1][0].seconds[OPTIMIZER]) + exposed
     busy = sum(v for c, v in seconds.items() if c != HOST)
     if busy <= issued:  # host-bound
         seconds[HOST] = issued + tail - busy
