@@ -391,8 +391,10 @@ def test_the_optimizer_is_a_steady_steps_and_megatrons_steps_fp32_main_weights()
     links = links_for("a100-80gb", None, None, 8, 1)
     adam = OpRecord("aten._fused_adamw_.default", "optimizer step", "optimizer", 0, 8 << 20, 6 << 20, "float16")
     init = OpRecord("aten.zeros_like.default", "optimizer step", "optimizer", 0, 2 << 20, 2 << 20, "float16")
-    # the moments torch's AdamW zeroes at its first step are step 1's: a steady step makes none
-    assert price_op(init, A100, kernels_for("pytorch"), "fp16", links, 1).gpu_s == 0.0
+    # the moments torch's AdamW zeroes at its first step are step 1's: a steady step makes none, nor dispatches them
+    for framework in ("pytorch", "megatron-deepspeed"):
+        made = price_op(init, A100, kernels_for(framework), "fp16", links, 1)
+        assert (made.gpu_s, made.host_s) == (0.0, 0.0)
     plain = price_op(adam, A100, kernels_for("pytorch"), "fp16", links, 1).gpu_s
     master = price_op(adam, A100, kernels_for("megatron"), "fp16", links, 1).gpu_s
     # 1 Mi parameters: 14 bytes each over 16-bit state, 48 with Megatron's fp32 main weights (price.py's account)

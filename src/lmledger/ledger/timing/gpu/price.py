@@ -36,7 +36,7 @@ _ELEMENT = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
 # MultiTensorApply: depth-dependent lists of up to 110 tensors): one launch per this many.
 _TENSORS_PER_LAUNCH = 64
 # The optimizer's state made at its first step (torch's AdamW zeroes each moment lazily): step 1's, which the dry run
-# records, not a steady step's
+# records, not a steady step's: neither a kernel nor a dispatch on the host
 _STATE_INIT = ("aten.zeros.", "aten.zeros_like.", "aten.empty.", "aten.empty_like.", "aten.full.", "aten.full_like.")
 # Megatron-LM's 16-bit optimizer (Float16OptimizerWithFloat16Params) steps fp32 main weights: a parameter's 16-bit
 # gradient copied to fp32 (2 bytes read, 4 written), unscaled and checked (4, 4), Adam over the fp32 weight,
@@ -187,7 +187,7 @@ def price_op(op: OpRecord, chip: Chip, kernels: Kernels, compute: str, links: co
     elif op.bytes == 0 and op.flops == 0:
         seconds, kind = 0.0, FREE
     elif op.category == OPTIMIZER and op.name.startswith(_STATE_INIT):
-        seconds, kind = 0.0, FREE
+        return Priced(FREE, op.category, op.phase, 0.0, 0.0, reads, writes)
     else:
         launches = _launches(op)
         category = OPTIMIZER if op.category == OPTIMIZER else OTHER
