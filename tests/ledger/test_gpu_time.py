@@ -210,6 +210,27 @@ def test_a_launch_bound_step_is_the_hosts_and_a_kernel_bound_one_the_gpus():
     assert simulate(big, serial=True).seconds == pytest.approx(100 * 110e-6)
 
 
+def test_a_loss_read_back_between_forward_and_backward_exposes_the_forwards_last_kernels():
+    """DeepSpeed's engine (v0.9.3 to early 2024) reads each micro-batch's loss back before its backward: the LM head's
+    and the loss's kernels at the forward's end no longer hide under the backward's launches."""
+    head = OpRecord("aten.mm.default", "forward", MATMUL, 2 * 4096**3, 4 * 4096**2, 2 * 4096**2, "float16",
+                    ((4096, 4096), (4096, 4096)))  # fmt: skip
+    launches = [OpRecord("aten.add.Tensor", "backward", OTHER, 0, 8, 4, "float16") for _ in range(40)]
+    links = links_for("a100-80gb", None, None, 8, 1)
+    kernels = kernels_for("megatron-deepspeed")
+    assert kernels.loss_sync and not kernels_for("gpt-neox").loss_sync and not kernels_for("pytorch").loss_sync
+    step = [head, *launches]
+    synced = price_ops(step, A100, kernels, "fp16", links, 1)
+    assert [p.sync for p in synced] == [False, True] + [False] * 39
+    free = dataclasses.replace(kernels, loss_sync=False)
+    mm = synced[0].gpu_s
+    host = sum(p.host_s for p in synced)
+    assert simulate(price_ops(step, A100, free, "fp16", links, 1)).seconds == pytest.approx(host + 2e-6, rel=0.01)
+    # with the read-back the backward's launches start once the matmul is done: the two add
+    assert simulate(synced).seconds == pytest.approx(mm + host, rel=0.01)
+    assert mm > 0.2e-3 and host > 0.5e-3  # both large enough for the difference to be the matmul's
+
+
 def test_a_collective_overlaps_what_does_not_read_it_and_a_wait_exposes_it():
     ar = Priced(COLLECTIVE, COMMUNICATION, "backward", 300e-6, 0.0, (1,), (2,), stream="tp all_reduce")
     compute = [_k(100e-6, 0.0, phase="backward") for _ in range(5)]

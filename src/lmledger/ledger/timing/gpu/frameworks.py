@@ -32,6 +32,9 @@ never a correction factor per source of measurements.
                       or "one" (Megatron-LM's one contiguous buffer; DeepSpeed's engine without ZeRO flattens the
                       gradients into buffers of up to 500M elements, one all-reduce each: its
                       buffered_allreduce_fallback, which Megatron-DeepSpeed's runs take)
+    loss_sync         the host reads each micro-batch's loss back (a device sync) before its backward, so the
+                      forward's last kernels (the LM head's, the loss's) do not hide under the backward's launches:
+                      DeepSpeed's engine from v0.9.3 to early 2024 (below)
 
 Pure data: no torch.
 """
@@ -55,7 +58,8 @@ _C_LAUNCH_S = 3e-6
 # multi-node rows (A100s): at small batch and width their steps take about 3.1-3.5 ms a layer per micro-batch whatever
 # the GPU does (hidden 1024 and 2048, TP 1 and 2, 165 ops a layer at TP 1), which Megatron's Python, its TP mappings
 # and DeepSpeed's checkpointing cost on their hosts. The fit over all rows of the simulation, the DTensor-only ops
-# left out (dtensor_tp), the loss unfused (fuse_loss): 21 us (2026-12-05; 20, 21 and 22 us: medians 6.7%, 6.1%, 7.1%).
+# left out (dtensor_tp), the loss unfused (fuse_loss), the loss read back (loss_sync): 21 us (refitted 2026-12-05 on
+# vTrain's 777 rows: 20, 21 and 22 us give medians of 7.3%, 5.7% and 6.4%).
 _MEGATRON_DEEPSPEED_S = 21e-6
 
 
@@ -80,6 +84,10 @@ class Kernels:
     dtensor_tp: bool = True
     fuse_loss: bool = False
     pipeline_schedule: str = "1f1b"
+    # DeepSpeed's engine from v0.9.3 (May 2023, #3428: `self.losses.append(loss.mean().item())` in
+    # DeepSpeedEngine.backward outside the accumulation boundary, which the PipelineEngine never reaches mid-batch)
+    # until #5135 (February 2024): Megatron-DeepSpeed's runs of that time, vTrain's (DeepSpeed v0.9.5)
+    loss_sync: bool = False
 
     def compiled(self) -> Kernels:
         """The same framework under torch.compile: elementwise runs fused, launched from Inductor's wrapper code."""
@@ -94,6 +102,7 @@ class Kernels:
 _MEGATRON_DEEPSPEED = Kernels(
     "megatron-deepspeed", attention="unfused", fuse_elementwise=True, ddp_overlap=False, grad_reduce="one",
     attention_dropout=True, master_weights=True, dtensor_tp=False, fuse_loss=False, pipeline_schedule="deepspeed",
+    loss_sync=True,
     host_forward_s=_MEGATRON_DEEPSPEED_S, host_backward_s=_MEGATRON_DEEPSPEED_S, host_free_s=_MEGATRON_DEEPSPEED_S,
     description="Megatron-DeepSpeed: Megatron-LM's kernels, the gradients flattened and all-reduced after backward "
     "(DeepSpeed's engine without ZeRO; vTrain's runs: no overlap with backward)",
@@ -111,8 +120,8 @@ FRAMEWORKS: dict[str, Kernels] = {
                 description="Megatron-LM before FlashAttention: batched-matmul attention with a fused softmax, fused "
                 "layernorm, bias-GeLU and bias-dropout-add kernels, its gradient buffer all-reduced after backward"),
         _MEGATRON_DEEPSPEED,
-        dataclasses.replace(_MEGATRON_DEEPSPEED, name="gpt-neox", description="EleutherAI's GPT-NeoX (2022): "
-                            "Megatron-LM's model code and fused kernels on DeepSpeed's engine and pipeline"),
+        dataclasses.replace(_MEGATRON_DEEPSPEED, name="gpt-neox", loss_sync=False, description="EleutherAI's GPT-NeoX "
+                            "(2022): Megatron-LM's model code and fused kernels on DeepSpeed's engine and pipeline"),
         Kernels("megatron-core", attention="flash3", fuse_elementwise=True, fuse_loss=True, master_weights=True,
                 dtensor_tp=False,
                 description="Megatron-Core with Transformer Engine: cuDNN/FA3 attention and fused kernels"),

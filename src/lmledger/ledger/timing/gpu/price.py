@@ -62,6 +62,7 @@ class Priced:
     # all-gathers, which torch's FSDP2 copies in and gathers on streams of their own that wait only for their input
     # (get_all_gather_streams in forward and pre-backward): so the next block's gather overlaps this one's compute
     after_compute: bool = True
+    sync: bool = False  # the host waits for the device (every stream) before issuing it
 
 
 def _specs(op: OpRecord) -> list[TensorSpec]:
@@ -202,11 +203,22 @@ def price_op(op: OpRecord, chip: Chip, kernels: Kernels, compute: str, links: co
 def price_ops(ops: list[OpRecord], chip: Chip, kernels: Kernels, compute: str, links: comm.Links, world: int):
     """Every op priced, with the framework's fusion applied (`fused`)."""
     priced = [price_op(op, chip, kernels, compute, links, world) for op in ops]
+    if kernels.loss_sync:
+        priced = _loss_read_back(ops, priced)
     if not kernels.dtensor_tp:
         priced = _own_tensor_parallel(ops, priced)
     if not (kernels.fuse_elementwise or kernels.fuse_loss):
         return priced
     return fused(ops, priced, chip, inner=kernels.fuse_elementwise, loss=kernels.fuse_loss)
+
+
+def _loss_read_back(ops: list[OpRecord], priced: list[Priced]) -> list[Priced]:
+    """The host reads the loss back between forward and backward (frameworks.Kernels.loss_sync): the backward's first
+    op waits for the device, so the forward's last kernels (the LM head's, the loss's) do not hide under it."""
+    first = next((i for i, op in enumerate(ops) if op.phase == "backward"), None)
+    if first is None or not any(op.phase == "forward" for op in ops[:first]):
+        return priced
+    return [dataclasses.replace(p, sync=True) if i == first else p for i, p in enumerate(priced)]
 
 
 def _own_tensor_parallel(ops: list[OpRecord], priced: list[Priced]) -> list[Priced]:
@@ -280,10 +292,11 @@ def _one_kernel(run: list[OpRecord], priced: list[Priced], last_read: dict[int, 
     leaving = {key: n for key, n in written.items() if last_read.get(key, end) >= end or key not in last_read}
     moved = sum(entering.values()) + sum(leaving.values())
     kernels = [p for p in priced if p.kind == KERNEL]
+    sync = any(p.sync for p in priced)
     if not kernels:  # views only
-        return Priced(FREE, OTHER, run[0].phase, 0.0, sum(p.host_s for p in priced), ops=len(run))
+        return Priced(FREE, OTHER, run[0].phase, 0.0, sum(p.host_s for p in priced), ops=len(run), sync=sync)
     reads = tuple(entering)
     # One launch; the run's views and metadata ops still cost the host what they cost it (nothing under compile)
     host = max(p.host_s for p in kernels) + sum(p.host_s for p in priced if p.kind == FREE)
     return Priced(KERNEL, OTHER, run[0].phase, stream_seconds(moved, chip), host, reads, tuple(written),
-                  ops=len(run))  # fmt: skip
+                  ops=len(run), sync=sync)  # fmt: skip

@@ -8,6 +8,7 @@ starts once the host has issued it, its stream is free and the storages it reads
                 all-gathers, on streams of their own: price.Priced.after_compute): it then overlaps the compute
                 that follows until something reads it
     wait        the compute stream waits for the collective whose output it names
+    sync        an op the host issues only after the device is idle (a `.item()` before it: price.Priced.sync)
     optimizer   its first op waits for every collective in flight (DDP's and FSDP's gradient reductions finish
                 before the step), and the step ends when the host and every stream are done
 
@@ -46,6 +47,8 @@ def simulate(
     collectives = 0.0
     barrier_done = False
     for p in priced:
+        if p.sync:  # a device synchronize before it: the host waits for every stream
+            issued = max(issued, compute, *streams.values())
         if serial and p.kind == KERNEL:  # the host waits for the GPU before each launch (a synchronising stack)
             issued = max(issued, compute)
         issued += p.host_s * host
