@@ -216,7 +216,7 @@ def _loss_read_back(ops: list[OpRecord], priced: list[Priced]) -> list[Priced]:
     """The host reads the loss back between forward and backward (frameworks.Kernels.loss_sync): the backward's first
     op waits for the device, so the forward's last kernels (the LM head's, the loss's) do not hide under it."""
     first = next((i for i, op in enumerate(ops) if op.phase == "backward"), None)
-    if first is None or not any(op.phase == "forward" for op in ops[:first]):
+    if not first:  # no backward, or no forward before it (a pipeline stage's backward priced alone)
         return priced
     return [dataclasses.replace(p, sync=True) if i == first else p for i, p in enumerate(priced)]
 
