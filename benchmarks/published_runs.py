@@ -192,13 +192,38 @@ def predict(row: dict) -> dict:
         return {**out, "predicted": None, "error": None, "reason": reason}
     seconds = step.total_s
     tokens = row["global_batch"] * row["seq_len"]
-    value = {"iter_s": seconds, "tokens_per_s_per_gpu": tokens / seconds / row["gpus"],
-             "tflops_per_gpu": logged_flops(row) / seconds / row["gpus"] / 1e12}.get(row["metric"])  # fmt: skip
+    metric = {"iter_s": lambda: seconds, "tokens_per_s_per_gpu": lambda: tokens / seconds / row["gpus"],
+              "tflops_per_gpu": lambda: logged_flops(row) / seconds / row["gpus"] / 1e12,
+              "mfu": lambda: mfu_of(row, seconds)}.get(row["metric"])  # fmt: skip
+    value = metric() if metric else None
     if value is None:
-        return {**out, "predicted": None, "error": None, "reason": f"metric {row['metric']}: needs a FLOP convention",
-                "step_s": seconds}  # fmt: skip
+        why = f"no {row['precision']} peak on {row['gpu']}" if row["metric"] == "mfu" else "not one of README.md's"
+        return {**out, "predicted": None, "error": None, "reason": f"metric {row['metric']}: {why}", "step_s": seconds}
     return {**out, "predicted": value, "error": value / row["value"] - 1, "step_s": seconds,
             "breakdown_ms": {k: round(v * 1e3, 2) for k, v in step.seconds.items() if v}}  # fmt: skip
+
+
+# The MFU numerator each framework prints (ledger/closedform/flops.MFU_CONVENTIONS), checked against rows that print
+# both an MFU and a throughput (tests/test_published_runs.py; runs-dev.csv's 124 such rows). PaLM's 6 N + 12 L H Q T
+# is Megatron-LM's (Korthikanti et al.: its 4 rows within 0.4%) and llm-foundry's (0.3% in the median of 109, 3.6% at
+# worst); torchtitan's logger of 2024 counted 6 x every parameter, the token embedding too, + 12 L H Q T (its 11 rows
+# within 0.6%): nanoGPT's count, for a model without a learned position table.
+_MFU_CONVENTION = {"torchtitan": "nanogpt", "nanogpt": "nanogpt"}
+
+
+def mfu_of(row: dict, seconds: float) -> float | None:
+    """The row's MFU at a step of `seconds`: its framework's model FLOPs per token (_MFU_CONVENTION, else PaLM's) over
+    the dense peak of the row's `gpu` and precision, the datasheet figure sources divide by (torchtitan's 500 W H100
+    rows print MFU at the SXM part's peak; an fp8 row's is the fp8 peak); None where the datasheet has no such peak."""
+    from lmledger.ledger.closedform.flops import flops_per_token_by_convention
+    from lmledger.ledger.hardware.gpus import require_gpu
+
+    convention = _MFU_CONVENTION.get(framework_of(row), "palm")
+    per_token = flops_per_token_by_convention(model_config(row, row["layers"]), row["seq_len"])[convention]
+    peak = require_gpu(row["gpu"]).peak_flops[row["precision"]]
+    if not peak:
+        return None  # the chip has no such tensor-core rate (bf16 on a V100, fp8 on an A100)
+    return per_token * row["global_batch"] * row["seq_len"] / seconds / row["gpus"] / peak
 
 
 def logged_flops(row: dict) -> float:

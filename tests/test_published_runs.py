@@ -24,6 +24,9 @@ ROWS = [
     "1536,full,0,fp16,0,iter_s,10.0,1,45 layers on 4 stages",
     "unknown-row,a paper,h100-sxm,8,8,nvlink4,,torchtitan,llama,32,4096,32,8,14336,128256,8192,1,1,1,1,8,fsdp,"
     "unknown,16,full,0,bf16,0,tokens_per_s_per_gpu,5000,0,micro-batch not printed",
+    # vTrain's first row again, as an MFU (a made-up value): the same dry run, read in PaLM's count
+    "mfu-row,a paper,a100-80gb,2,8,nvlink3,,megatron-deepspeed,gpt,16,1024,16,16,"
+    "4096,50257,1024,2,1,1,1,1,none,2,4,full,unknown,fp16,unknown,mfu,0.2,0,vTrain's shape",
 ]
 
 
@@ -47,7 +50,12 @@ def test_a_row_is_predicted_and_rows_it_cannot_predict_say_why(tmp_path):
     assert 0 < piped["breakdown_ms"]["bubble"] < 0.5 * piped["step_s"] * 1e3 and piped["error"] is not None
     assert found["uneven-row"]["predicted"] is None and "split evenly" in found["uneven-row"]["reason"]
     assert found["unknown-row"]["predicted"] is None and "micro_batch" in found["unknown-row"]["reason"]
-    assert "vTrain: 1 rows, median |error|" in done.stdout and "not predicted: 2 of 4 rows" in done.stdout
+    mfu = found["mfu-row"]  # 6 N + 12 L H Q T per token, 4 x 1024 tokens, over 2 GPUs' 312 TFLOP/s
+    assert mfu["step_s"] == vtrain["step_s"] and mfu["error"] == mfu["predicted"] / 0.2 - 1
+    n_matmul = 16 * 12 * 1024 * 1024 + 50432 * 1024  # the vocabulary padded to a multiple of 128 x TP 2
+    flops = 4 * 1024 * (6 * n_matmul + 12 * 16 * 1024 * 1024)
+    assert mfu["predicted"] == pytest.approx(flops / mfu["step_s"] / 2 / 312e12, rel=1e-9)
+    assert "vTrain: 1 rows, median |error|" in done.stdout and "not predicted: 2 of 5 rows" in done.stdout
 
 
 def test_a_missing_or_malformed_file_is_one_line_and_exit_2(tmp_path):
@@ -113,3 +121,43 @@ def test_a_gpt_neox_rows_flops_are_its_2022_loggers_and_count_its_20b_model_as_p
     eq3 = 96 * b * s * layers * h * h * (1 + s / (6 * h) + 50257 / (16 * layers * h))
     assert published_runs.logged_flops(megatron) == pytest.approx(eq3, rel=1e-12)
     assert published_runs.logged_flops(row) < 0.95 * eq3  # recompute not counted: NeoX's TFLOP/s is a longer step
+
+
+@pytest.mark.parametrize(
+    ("line", "printed"),
+    [  # rows that print an MFU beside their step or throughput (their notes in shared/published/runs-dev.csv)
+        (
+            "korthikanti-22b-sel,Korthikanti et al. 2022 Table 5,a100-80gb,8,8,nvlink3,,megatron,gpt,48,6144,64,64,"
+            "24576,51200,2048,8,1,1,1,1,none,4,4,selective,1,fp16,0,iter_s,1.1,0,MFU 41.5%",
+            0.415,
+        ),
+        (
+            "tt-202408-04,torchtitan docs/performance.md (Aug 2024),a100-80gb,64,8,nvlink3,unknown,torchtitan,llama,32,"
+            "4096,32,8,14336,128256,8192,1,1,1,1,64,fsdp,1,64,selective,0,bf16,unknown,tokens_per_s_per_gpu,2904,0,"
+            "MFU 56.8%",
+            0.568,
+        ),
+        (
+            "mosaic-a100-80-0002,llm-foundry benchmarking README (A100 80GB),a100-80gb,8,8,nvlink3,,llm-foundry,mpt,48,"
+            "7168,56,56,28672,50368,8192,1,1,1,1,8,fsdp,1,168,full,0,bf16,unknown,tokens_per_s_per_gpu,574,1,"
+            "MFU 39.38%",
+            0.3938,
+        ),
+    ],
+)
+def test_an_mfu_is_read_in_the_convention_its_framework_prints(monkeypatch, line, printed):
+    """An `mfu` row is predicted as its framework counts MFU: at the row's published step, mfu_of gives back the MFU
+    the source prints beside it. Another framework's count would not (torchtitan's 2024 logger counts the token
+    embedding, PaLM's count does not: 5% apart on Llama 3 8B)."""
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    import published_runs
+
+    row = dict(zip(HEADER.split(","), line.split(","), strict=True))
+    row = {**row, **{k: int(row[k]) for k in published_runs.INT_FIELDS}, "value": float(row["value"])}
+    tokens = row["global_batch"] * row["seq_len"]
+    seconds = row["value"] if row["metric"] == "iter_s" else tokens / row["value"] / row["gpus"]
+    assert published_runs.mfu_of(row, seconds) == pytest.approx(printed, rel=0.01)
+    if row["framework"] == "torchtitan":
+        palm = published_runs.mfu_of({**row, "framework": "megatron"}, seconds)
+        assert abs(palm / printed - 1) > 0.04
+    assert published_runs.mfu_of({**row, "gpu": "v100-32gb", "precision": "bf16"}, seconds) is None  # no bf16 peak
