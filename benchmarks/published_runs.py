@@ -211,27 +211,37 @@ def predict(row: dict) -> dict:
 _MFU_CONVENTION = {"torchtitan": "nanogpt", "nanogpt": "nanogpt"}
 
 
-def mfu_of(row: dict, seconds: float) -> float | None:
-    """The row's MFU at a step of `seconds`: its framework's model FLOPs per token (_MFU_CONVENTION, else PaLM's) over
-    the dense peak of the row's `gpu` and precision, the datasheet figure sources divide by (torchtitan's 500 W H100
-    rows print MFU at the SXM part's peak; an fp8 row's is the fp8 peak); None where the datasheet has no such peak."""
+def model_flops(row: dict) -> float:
+    """A step's model FLOPs as the row's framework counts them for its MFU (_MFU_CONVENTION, else PaLM's)."""
     from lmledger.ledger.closedform.flops import flops_per_token_by_convention
-    from lmledger.ledger.hardware.gpus import require_gpu
 
     convention = _MFU_CONVENTION.get(framework_of(row), "palm")
     per_token = flops_per_token_by_convention(model_config(row, row["layers"]), row["seq_len"])[convention]
+    return per_token * row["global_batch"] * row["seq_len"]
+
+
+def mfu_of(row: dict, seconds: float) -> float | None:
+    """The row's MFU at a step of `seconds`: its model FLOPs over the dense peak of the row's `gpu` and precision, the
+    datasheet figure sources divide by (torchtitan's 500 W H100 rows print MFU at the SXM part's peak; an fp8 row's
+    is the fp8 peak); None where the datasheet has no such peak."""
+    from lmledger.ledger.hardware.gpus import require_gpu
+
     peak = require_gpu(row["gpu"]).peak_flops[row["precision"]]
     if not peak:
         return None  # the chip has no such tensor-core rate (bf16 on a V100, fp8 on an A100)
-    return per_token * row["global_batch"] * row["seq_len"] / seconds / row["gpus"] / peak
+    return model_flops(row) / seconds / row["gpus"] / peak
 
 
 def logged_flops(row: dict) -> float:
-    """A step's FLOPs as the row's framework logs them, the convention of its TFLOP/s per GPU: GPT-NeoX's own (below),
-    else Megatron-LM's (Narayanan et al. 2021, eq. 3: the recomputed forward counted, factor 4 with full recompute,
-    else 3). Megatron-LM's rows (SC'21) say so; Megatron-DeepSpeed logs the same formula."""
-    if framework_of(row) == "gpt-neox":
+    """A step's FLOPs as the row's framework logs them, the convention of its TFLOP/s per GPU: GPT-NeoX's own (below);
+    Megatron-LM's and Megatron-DeepSpeed's eq. 3 (Narayanan et al. 2021: the recomputed forward counted, factor 4
+    with full recompute, else 3; SC'21's rows say so, and BLOOM's logged hardware FLOPs are it); the others print
+    model FLOPs (shared/published/README.md: MosaicML, NeMo), their MFU's numerator."""
+    framework = framework_of(row)
+    if framework == "gpt-neox":
         return neox_flops(row)
+    if framework not in ("megatron", "megatron-deepspeed"):
+        return model_flops(row)
     b, s, layers, h, vocab = row["global_batch"], row["seq_len"], row["layers"], row["hidden"], row["vocab"]
     factor = 4 if row["recompute"] == "full" else 3
     return 24 * factor * b * s * layers * h * h * (1 + s / (6 * h) + vocab / (16 * layers * h))

@@ -161,3 +161,5 @@ def test_an_mfu_is_read_in_the_convention_its_framework_prints(monkeypatch, line
         palm = published_runs.mfu_of({**row, "framework": "megatron"}, seconds)
         assert abs(palm / printed - 1) > 0.04
     assert published_runs.mfu_of({**row, "gpu": "v100-32gb", "precision": "bf16"}, seconds) is None  # no bf16 peak
+    if row["framework"] == "llm-foundry":  # its notes print model TFLOP/s per GPU 122 too: a TFLOP/s row is read so
+        assert published_runs.logged_flops(row) / seconds / row["gpus"] / 1e12 == pytest.approx(122, rel=0.01)
