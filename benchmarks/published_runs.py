@@ -85,7 +85,10 @@ def model_config(row: dict, layers: int):
     fields = {f.name for f in dataclasses.fields(ModelConfig)}
     arch = {}
     if row["arch"] in ("gpt", "mpt") and "mlp" in fields:
-        arch = dict(mlp="gelu", norm="layer", positions="learned", bias=row["arch"] == "gpt")
+        # Learned positions, as GPT-2's; rotary under context parallel, whose dry run shards rotary positions only
+        # (README.md's gpt rows may have either, and a position table's lookup and add is noise in a step's time)
+        positions = "rope" if row["cp"] > 1 else "learned"
+        arch = dict(mlp="gelu", norm="layer", positions=positions, bias=row["arch"] == "gpt")
     if row["kv_heads"] != row["heads"] and "n_kv_heads" in fields:
         arch["n_kv_heads"] = row["kv_heads"]
     return ModelConfig(vocab_size=vocab, context_length=row["seq_len"], d_model=row["hidden"], n_layers=layers,
@@ -200,7 +203,7 @@ def predict(row: dict) -> dict:
         why = f"no {row['precision']} peak on {row['gpu']}" if row["metric"] == "mfu" else "not one of README.md's"
         return {**out, "predicted": None, "error": None, "reason": f"metric {row['metric']}: {why}", "step_s": seconds}
     return {**out, "predicted": value, "error": value / row["value"] - 1, "step_s": seconds,
-            "breakdown_ms": {k: round(v * 1e3, 2) for k, v in step.seconds.items() if v}}  # fmt: skip
+            "breakdown_ms": {k: round(v * 1e3, 2) for k, v in step.seconds.items() if round(v * 1e3, 2)}}  # fmt: skip
 
 
 # The MFU numerator each framework prints (ledger/closedform/flops.MFU_CONVENTIONS), checked against rows that print

@@ -163,3 +163,14 @@ def test_an_mfu_is_read_in_the_convention_its_framework_prints(monkeypatch, line
     assert published_runs.mfu_of({**row, "gpu": "v100-32gb", "precision": "bf16"}, seconds) is None  # no bf16 peak
     if row["framework"] == "llm-foundry":  # its notes print model TFLOP/s per GPU 122 too: a TFLOP/s row is read so
         assert published_runs.logged_flops(row) / seconds / row["gpus"] / 1e12 == pytest.approx(122, rel=0.01)
+
+
+def test_a_gpt_row_under_context_parallel_is_built_with_rotary_positions(monkeypatch):
+    """The dry run's context parallel shards rotary positions only; a GPT row with CP would otherwise be refused."""
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    import published_runs
+
+    row = dict(zip(HEADER.split(","), ROWS[0].split(","), strict=True))
+    row = {**row, **{k: int(row[k]) for k in published_runs.INT_FIELDS}}
+    assert published_runs.model_config(row, 2).positions == "learned"
+    assert published_runs.model_config({**row, "cp": 2}, 2).positions == "rope"
