@@ -185,3 +185,26 @@ def test_a_tp_configs_gpu_step_takes_its_sequence_parallel(workdir, capsys):
     assert plain["layout"]["tensor_parallel"] == split["layout"]["tensor_parallel"] == 2
     assert (plain["layout"]["sequence_parallel"], split["layout"]["sequence_parallel"]) == (False, True)
     assert split["collectives"] > plain["collectives"] > 0
+
+
+def test_plan_layout_gives_the_range_of_the_peaks_it_dropped(monkeypatch, capsys):
+    """Layouts dropped for memory are one line with their lowest and highest peak and the GPU's memory; other reasons
+    are printed as they are. (The search itself is test_layout_search's; here its result is given.)"""
+    import lmledger.accounting.layouts as layouts
+
+    def dropped(peak_gb, pp):
+        where = " (pipeline rank 0)" if pp > 1 else ""
+        return {"dropped": f"its peak {peak_gb:.1f} GB{where} is over the GPU's 80 GB", "peak_bytes": peak_gb * 1e9,
+                "tensor_parallel": 8 // pp, "pipeline_parallel": pp, "data_parallel": 1, "micro_batch": 1,
+                "recompute": "none"}  # fmt: skip
+
+    split = {"dropped": "the global batch 2 does not split over 4 data-parallel replicas"}
+    out = {"global_batch": 2, "seq_len": 32, "num_gpus": 8, "gpu": "h100-sxm", "fits": 0, "searched": 4, "ranked": [],
+           "dropped": [dropped(95.25, 1), dropped(412.0, 2), dropped(80.5, 4), split], "not_searched": "nothing",
+           "links": {"intra_node": "NVLink 4", "gpus_per_node": 8, "inter_node": "none"}}  # fmt: skip
+    monkeypatch.setattr(layouts, "plan_layouts", lambda *args: out)
+    assert lmledger(["plan", "layout", "--config", "configs/tiny.yaml", "--num-gpus", "8"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "dropped 3: peaks of 80.5 to 412.0 GB, over the GPU's 80 GB" in lines
+    assert "dropped 1: the global batch 2 does not split over 4 data-parallel replicas" in lines
+    assert lines[0].startswith("none of the 4 layouts fits on 8 x h100-sxm: the lowest peak is 80.5 GB (TP 2 x PP 4")

@@ -362,12 +362,16 @@ def _layout_command(
             f": the lowest peak is {low['peak_bytes'] / GB:.1f} GB (TP {low['tensor_parallel']} x PP "
             f"{low['pipeline_parallel']} x DP {low['data_parallel']}, micro-batch {low['micro_batch']}, recompute "
             f"{low['recompute']}); more GPUs, or a GPU with more memory" if low else ""))  # fmt: skip
-    reasons: dict[str, int] = {}
-    for r in out["dropped"]:
+    reasons: dict[str, list[dict]] = {}
+    for r in out["dropped"]:  # one line a reason; the memory ones as the range of their peaks
         reason = re.sub(r" \(pipeline rank \d+\)", "", re.sub(r"[0-9.]+ GB", "N GB", r["dropped"]))
-        reasons[reason] = reasons.get(reason, 0) + 1
-    for reason, count in sorted(reasons.items(), key=lambda kv: -kv[1]):
-        print(f"dropped {count}: {reason}")
+        reasons.setdefault(reason, []).append(r)
+    for reason, rows in sorted(reasons.items(), key=lambda kv: -len(kv[1])):
+        over = re.search(r"over the GPU's ([0-9.]+ GB)", rows[0]["dropped"])
+        if over and all("peak_bytes" in r for r in rows):
+            low, high = (f(r["peak_bytes"] for r in rows) / GB for f in (min, max))
+            reason = f"peaks of {low:,.1f} to {high:,.1f} GB, over the GPU's {over.group(1)}"
+        print(f"dropped {len(rows)}: {reason}")
     if any(r["sequence_parallel"] for r in out["ranked"]):
         print("sp: tensor parallel with sequence parallel (the norms' and residual stream's activations split too)")
     if any(r["chunks_per_rank"] > 1 for r in out["ranked"]):
