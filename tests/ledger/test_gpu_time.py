@@ -18,6 +18,7 @@ from lmledger.ledger.timing.gpu.kernels import (
     attention_seconds,
     chip_of,
     matmul_seconds,
+    megatron_fused_softmax,
     stream_seconds,
     unfused_attention_seconds,
 )
@@ -151,6 +152,18 @@ def test_attention_causal_does_half_the_work_and_unfused_is_two_batched_matmuls_
         plain = unfused_attention_seconds(bh, s, d, backward, "fp16", A100)
         dropped = unfused_attention_seconds(bh, s, d, backward, "fp16", A100, dropout=True)
         assert dropped - plain == pytest.approx(stream_seconds(2 * square + square // 2, A100))
+    # Megatron fuses its softmax only for a rank's micro-batch x heads a multiple of 4 (8 up to 128 keys) and 16 <
+    # seq <= 4096: TP 8 of 16 heads at micro-batch 1 (2 a rank) runs torch's: fp32 cast, scale, mask, softmax, cast
+    # back, 36 bytes a score where the fused kernel moves 4 (backward 40 for 6), in four kernels more each way
+    assert megatron_fused_softmax(4, 1024) and megatron_fused_softmax(8, 128) and megatron_fused_softmax(4, 4096)
+    assert not megatron_fused_softmax(2, 1024) and not megatron_fused_softmax(4, 128)
+    assert not megatron_fused_softmax(4, 8192)
+    scores = 2 * 1024 * 1024
+    for backward, fp32_bytes, fused_bytes in ((False, 36, 4), (True, 40, 6)):
+        fused = unfused_attention_seconds(2, 1024, d, backward, "fp16", A100)
+        eager = unfused_attention_seconds(2, 1024, d, backward, "fp16", A100, fused_softmax=False)
+        by_hand = (fp32_bytes - fused_bytes) * scores / (A100.spec.bandwidth_bytes_per_s * arch.ARCHES["ampere"].hbm)
+        assert eager - fused == pytest.approx(by_hand + 4 * arch.KERNEL_FLOOR_S)
 
 
 def test_context_parallels_rotation_is_a_send_of_the_whole_buffer():
@@ -422,3 +435,20 @@ def test_the_optimizer_is_a_steady_steps_and_megatrons_steps_fp32_main_weights()
     # 1 Mi parameters: 14 bytes each over 16-bit state, 48 with Megatron's fp32 main weights (price.py's account)
     assert plain == pytest.approx(stream_seconds(14 << 20, A100))
     assert master == pytest.approx(stream_seconds(48 << 20, A100))
+
+
+@pytest.mark.parametrize(("heads", "fused"), [(2, False), (4, True)])
+def test_megatrons_attention_launches_torchs_softmax_where_its_fused_kernel_does_not_run(heads, fused):
+    """A recorded causal SDPA op priced as Megatron runs it: 2 heads a rank at micro-batch 1 (TP 8 of 16) take torch's
+    five softmax kernels each way, four launches more than the fused one's; 4 heads take the fused kernel."""
+    from lmledger.ledger.count.ops import OpRecorder
+
+    q = torch.randn(1, heads, 1024, 64, dtype=torch.float16, requires_grad=True)
+    with OpRecorder({}) as recorder:
+        torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+    (op,) = [op for op in recorder.records if op.category == "attention"]
+    kernels = kernels_for("megatron-deepspeed")
+    priced = price_ops([op], A100, kernels, "fp16", links_for("a100-80gb", None, None, 8, 1), 1)[0]
+    assert priced.host_s == pytest.approx(kernels.host_forward_s * (1 if fused else 5))
+    expected = unfused_attention_seconds(heads, 1024, 64, False, "fp16", A100, dropout=True, fused_softmax=fused)
+    assert priced.gpu_s == pytest.approx(expected)

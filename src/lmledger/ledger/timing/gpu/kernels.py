@@ -31,10 +31,12 @@ from lmledger.ledger.timing.gpu.arch import (
 )
 
 __all__ = [
+    "EAGER_SOFTMAX_LAUNCHES",
     "Chip",
     "attention_seconds",
     "chip_of",
     "matmul_seconds",
+    "megatron_fused_softmax",
     "stream_seconds",
     "sustained_share",
     "unfused_attention_seconds",
@@ -153,19 +155,41 @@ def attention_peak(dtype: str, chip: Chip) -> float:
     return chip.peak("tf32") / 3 if chip.spec.peak_flops.get("tf32") else chip.peak("fp32")
 
 
+def megatron_fused_softmax(batch_heads: int, seq: int) -> bool:
+    """Whether Megatron's FusedScaleMaskSoftmax runs its fused kernel on a rank's causal scores (is_kernel_available,
+    megatron/model/fused_softmax.py, Megatron-LM and Megatron-DeepSpeed alike): 16 < seq <= 4096, seq a multiple of 4,
+    and the rank's micro-batch x heads a multiple of the kernel's batches a block (get_batch_per_block: 8 rows of up to
+    128 keys, else 4). Otherwise it runs torch's ops (forward_torch_softmax): TP 8 of 16 heads at micro-batch 1 does."""
+    per_block = 8 if seq <= 128 else 4
+    return 16 < seq <= 4096 and seq % 4 == 0 and batch_heads % per_block == 0
+
+
+# forward_torch_softmax, five kernels for the fused one: to fp32 (read 2 bytes a score, write 4), scale, mask, softmax
+# (read and write 4 each) and back to 16 bits (read 4, write 2): 36 bytes a score, 32 more than the fused kernel's
+# 16-bit read and write; backward the five in reverse, the softmax's reading the gradient and its fp32 output: 40, 34
+# more than the fused backward's 6
+EAGER_SOFTMAX_LAUNCHES = 4
+_EAGER_SOFTMAX_BYTES = {False: 32, True: 34}
+
+
 def unfused_attention_seconds(
     batch_heads: int, seq: int, head_dim: int, backward: bool, dtype: str, chip: Chip, element_bytes: int = 2,
-    dropout: bool = False,
+    dropout: bool = False, fused_softmax: bool = True,
 ) -> float:  # fmt: skip
     """Attention as Megatron-era trainers ran it: scores = q k^T and out = p v as batched matmuls, with a fused
     scale-mask-softmax between them (read and write the scores once); backward: four batched matmuls and the
     softmax's backward (read the probabilities and their gradient, write the scores' gradient). With `dropout`, the
     probabilities' dropout is a kernel of its own each way (torch's native_dropout: read them, write them and a
-    one-byte mask; its backward reads the gradient and the mask and writes the gradient)."""
+    one-byte mask; its backward reads the gradient and the mask and writes the gradient). Without `fused_softmax`
+    (megatron_fused_softmax), the softmax is torch's eager ops in fp32."""
     scores = matmul_seconds(seq, seq, head_dim, batch_heads, dtype, chip, element_bytes)
     values = matmul_seconds(seq, head_dim, seq, batch_heads, dtype, chip, element_bytes)
     square = batch_heads * seq * seq * element_bytes
     drop = stream_seconds(2 * square + square // element_bytes, chip) if dropout else 0.0
+    eager = 0.0
+    if not fused_softmax:
+        extra = batch_heads * seq * seq * _EAGER_SOFTMAX_BYTES[backward]
+        eager = stream_seconds(extra, chip, EAGER_SOFTMAX_LAUNCHES)
     if not backward:
-        return scores + values + stream_seconds(2 * square, chip) + drop
-    return 2 * (scores + values) + stream_seconds(3 * square, chip) + drop
+        return scores + values + stream_seconds(2 * square, chip) + drop + eager
+    return 2 * (scores + values) + stream_seconds(3 * square, chip) + drop + eager

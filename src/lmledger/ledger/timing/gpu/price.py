@@ -18,9 +18,11 @@ from lmledger.ledger.count.ops import ATTENTION, COMMUNICATION, MATMUL, OPTIMIZE
 from lmledger.ledger.timing.gpu import comm
 from lmledger.ledger.timing.gpu.frameworks import Kernels
 from lmledger.ledger.timing.gpu.kernels import (
+    EAGER_SOFTMAX_LAUNCHES,
     Chip,
     attention_seconds,
     matmul_seconds,
+    megatron_fused_softmax,
     stream_seconds,
     sustained_share,
     unfused_attention_seconds,
@@ -132,18 +134,21 @@ def _attention_shape(op: OpRecord) -> tuple[int, int, int, int, int, bool] | Non
     return b, h, sq, sk, d, causal
 
 
-def _price_attention(op: OpRecord, chip: Chip, kernels: Kernels, compute: str) -> float:
+def _price_attention(op: OpRecord, chip: Chip, kernels: Kernels, compute: str) -> tuple[float, int]:
+    """(seconds, launches) of an attention op: one launch, or Megatron's eager softmax's more (kernels.py)."""
     dtype = peak_dtype(op.dtype, compute)
     shape = _attention_shape(op)
     backward = "backward" in op.name
     kernel = _kernel(kernels, chip, dtype)
     if shape is None:  # not readable: a long non-causal sequence at head dim 128
-        return attention_seconds(op.flops, 1 << 14, 1 << 14, 128, False, backward, kernel, dtype, chip)
+        return attention_seconds(op.flops, 1 << 14, 1 << 14, 128, False, backward, kernel, dtype, chip), 1
     b, h, sq, sk, d, causal = shape
     if kernels.attention == "unfused" and sq == sk:
-        return unfused_attention_seconds(b * h, sq, d, backward, dtype, chip, _ELEMENT.get(op.dtype, 2),
-                                         kernels.attention_dropout)  # fmt: skip
-    return attention_seconds(op.flops, sq, sk, d, causal, backward, kernel, dtype, chip)
+        fused = megatron_fused_softmax(b * h, sq)
+        seconds = unfused_attention_seconds(b * h, sq, d, backward, dtype, chip, _ELEMENT.get(op.dtype, 2),
+                                            kernels.attention_dropout, fused)  # fmt: skip
+        return seconds, 1 if fused else 1 + EAGER_SOFTMAX_LAUNCHES
+    return attention_seconds(op.flops, sq, sk, d, causal, backward, kernel, dtype, chip), 1
 
 
 def _kernel(kernels: Kernels, chip: Chip, dtype: str = "bf16") -> str:
@@ -184,7 +189,8 @@ def price_op(op: OpRecord, chip: Chip, kernels: Kernels, compute: str, links: co
     if op.category == MATMUL:
         seconds, kind = _price_matmul(op, chip, compute, kernels), KERNEL
     elif op.category == ATTENTION:
-        seconds, kind = _price_attention(op, chip, kernels, compute), KERNEL
+        seconds, launches = _price_attention(op, chip, kernels, compute)
+        return Priced(KERNEL, op.category, op.phase, seconds, _host(op, KERNEL, kernels, launches), reads, writes)
     elif op.bytes == 0 and op.flops == 0:
         seconds, kind = 0.0, FREE
     elif op.category == OPTIMIZER and op.name.startswith(_STATE_INIT):
