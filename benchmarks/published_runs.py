@@ -49,18 +49,36 @@ def read_rows(path: Path) -> list[dict]:
     with open(path, newline="") as f:
         rows = list(csv.DictReader(f))
     for row in rows:
-        for key in INT_FIELDS:
-            value = row.get(key, "")
-            row[key] = int(value) if value.strip().lstrip("-").isdigit() else None
+        for key in INT_FIELDS:  # an integer; None where empty or unknown; any other text kept for why_not to name
+            value = (row.get(key) or "").strip()
+            row[key] = int(value) if value.lstrip("-").isdigit() else None if value in ("", "unknown") else value
         row["value"] = float(row["value"])
     return rows
 
 
+# README.md's values for the fields a prediction reads as words ("unknown" aside)
+_WORDS = {"precision": ("fp16", "bf16", "fp8"), "recompute": ("none", "selective", "full"),
+          "sharding": ("none", "ddp", "zero1", "zero2", "zero3", "fsdp", "hsdp", "distopt"),
+          "seq_parallel": ("0", "1"), "compile": ("0", "1"),
+          "metric": ("iter_s", "tokens_per_s_per_gpu", "tflops_per_gpu", "mfu")}  # fmt: skip
+
+
 def why_not(row: dict) -> str | None:
-    """Why the row is not predicted, or None."""
+    """Why the row is not predicted, or None: a field unknown, or a value README.md does not allow."""
     missing = [f for f in NEEDED if row.get(f) in (None, "", "unknown")]
     if missing:
         return f"{', '.join(missing)} unknown"
+    bad = [
+        f"{f} {row[f]!r}" for f in INT_FIELDS if row.get(f) is not None and not (isinstance(row[f], int) and row[f] > 0)
+    ]
+    bad += [f"{f} {row[f]!r}" for f, allowed in _WORDS.items() if row.get(f, "unknown") not in (*allowed, "unknown")]
+    vpp = (row.get("vpp") or "unknown").strip()
+    if vpp != "unknown" and not (vpp.isdigit() and int(vpp) > 0):
+        bad.append(f"vpp {vpp!r}")
+    if row["value"] <= 0:
+        bad.append(f"value {row['value']!r}")
+    if bad:
+        return f"{', '.join(bad)}: not a value README.md allows"
     if row["pp"] > 1 and row.get("vpp") in (None, "", "unknown"):
         return f"PP {row['pp']} with an unknown number of chunks a rank (vpp)"
     if row["arch"] not in ("gpt", "mpt", "llama"):
@@ -200,8 +218,8 @@ def predict(row: dict) -> dict:
               "mfu": lambda: mfu_of(row, seconds)}.get(row["metric"])  # fmt: skip
     value = metric() if metric else None
     if value is None:
-        why = f"no {row['precision']} peak on {row['gpu']}" if row["metric"] == "mfu" else "not one of README.md's"
-        return {**out, "predicted": None, "error": None, "reason": f"metric {row['metric']}: {why}", "step_s": seconds}
+        reason = f"metric mfu: no {row['precision']} peak on {row['gpu']}"  # the only metric left without a value
+        return {**out, "predicted": None, "error": None, "reason": reason, "step_s": seconds}
     return {**out, "predicted": value, "error": value / row["value"] - 1, "step_s": seconds,
             "breakdown_ms": {k: round(v * 1e3, 2) for k, v in step.seconds.items() if round(v * 1e3, 2)}}  # fmt: skip
 

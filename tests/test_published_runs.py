@@ -174,3 +174,25 @@ def test_a_gpt_row_under_context_parallel_is_built_with_rotary_positions(monkeyp
     row = {**row, **{k: int(row[k]) for k in published_runs.INT_FIELDS}}
     assert published_runs.model_config(row, 2).positions == "learned"
     assert published_runs.model_config({**row, "cp": 2}, 2).positions == "rope"
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("micro_batch", "0"), ("layers", "-4"), ("hidden", "4.5"), ("precision", "fp4"), ("recompute", "sometimes"),
+     ("sharding", "weird"), ("seq_parallel", "maybe"), ("compile", "yes"), ("metric", "joules"), ("vpp", "0"),
+     ("value", "-1")],
+)  # fmt: skip
+def test_a_value_readme_does_not_allow_is_the_rows_reason(monkeypatch, tmp_path, field, value):
+    """A row with a value outside README.md's is not predicted, and its line says which (a zero micro-batch used to
+    end the whole run in a ZeroDivisionError)."""
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    import published_runs
+
+    names = HEADER.split(",")
+    row = dict(zip(names, ROWS[0].split(","), strict=True)) | {field: value}
+    path = tmp_path / "rows.csv"
+    path.write_text(HEADER + "\n" + ",".join(row[n] for n in names) + "\n")
+    (read,) = published_runs.read_rows(path)
+    assert published_runs.why_not(read) == f"{field} {read[field]!r}: not a value README.md allows"
+    path.write_text(HEADER + "\n" + ROWS[0] + "\n")
+    assert published_runs.why_not(published_runs.read_rows(path)[0]) is None  # the row as it was is predicted
