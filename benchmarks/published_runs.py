@@ -140,12 +140,15 @@ def framework_of(row: dict) -> str:
 
 
 def kernels_of(row: dict):
-    """The row's framework's kernels (frameworks.py), compiled where the row says, with fp8 linears for fp8 rows."""
+    """The row's framework's kernels (frameworks.py), compiled where the row says, with fp8 linears for fp8 rows and
+    async TP where its notes say it ran."""
     import dataclasses as dc
 
     from lmledger.ledger.timing.gpu import kernels_for
 
     kernels = kernels_for(framework_of(row), compiled=row.get("compile") == "1")
+    if "async tp" in row.get("notes", "").lower():  # opt-in, so printed where a run used it (torchtitan's tables)
+        kernels = dc.replace(kernels, async_tp=True)
     return dc.replace(kernels, fp8_matmuls=True) if row["precision"] == "fp8" else kernels
 
 

@@ -196,3 +196,13 @@ def test_a_value_readme_does_not_allow_is_the_rows_reason(monkeypatch, tmp_path,
     assert published_runs.why_not(read) == f"{field} {read[field]!r}: not a value README.md allows"
     path.write_text(HEADER + "\n" + ROWS[0] + "\n")
     assert published_runs.why_not(published_runs.read_rows(path)[0]) is None  # the row as it was is predicted
+
+
+def test_a_row_whose_notes_say_async_tp_runs_it(monkeypatch):
+    """Async TP is opt-in (torchtitan's enable_async_tensor_parallel): a row runs it where its notes say so."""
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    import published_runs
+
+    row = {"framework": "torchtitan", "precision": "fp8", "compile": "1"}
+    assert published_runs.kernels_of({**row, "notes": "FSDP 32 x TP 8 with async TP; Float8 on nn.Linear"}).async_tp
+    assert not published_runs.kernels_of({**row, "notes": "FSDP 32 x TP 8; Float8 on nn.Linear"}).async_tp

@@ -22,7 +22,7 @@ from lmledger.ledger.timing.gpu.kernels import (
     stream_seconds,
     unfused_attention_seconds,
 )
-from lmledger.ledger.timing.gpu.price import COLLECTIVE, FREE, KERNEL, WAIT, Priced, fused, price_ops
+from lmledger.ledger.timing.gpu.price import COLLECTIVE, FREE, KERNEL, WAIT, Priced, fused, price_op, price_ops
 from lmledger.ledger.timing.gpu.simulate import simulate
 
 H100, A100 = chip_of(GPUS["h100-sxm"]), chip_of(GPUS["a100-80gb"])
@@ -452,3 +452,83 @@ def test_megatrons_attention_launches_torchs_softmax_where_its_fused_kernel_does
     assert priced.host_s == pytest.approx(kernels.host_forward_s * (1 if fused else 5))
     expected = unfused_attention_seconds(heads, 1024, 64, False, "fp16", A100, dropout=True, fused_softmax=fused)
     assert priced.gpu_s == pytest.approx(expected)
+
+
+def test_an_fp8_runs_tensor_parallel_forward_all_gather_moves_fp8():
+    """Under sequence parallel a forward all-gather feeds a column-parallel linear, whose fp8 input torchao's
+    Float8ColwiseParallel and Transformer Engine gather already cast: half the bf16 bytes. Backward's gathers (of
+    gradients) and every reduce-scatter stay 16-bit; a run without fp8 linears gathers bf16."""
+    links = links_for("h100-sxm", None, None, 8, 1)
+    bf16 = kernels_for("torchtitan")
+    fp8 = dataclasses.replace(bf16, fp8_matmuls=True)
+
+    def gather(name, phase, recompute=False):
+        return OpRecord(name, phase, COMMUNICATION, 0, 64 << 20, 512 << 20, "bfloat16", group="tensor_parallel",
+                        group_size=8, recompute=recompute)  # fmt: skip
+
+    ag = "_c10d_functional.all_gather_into_tensor.default"
+    for op in (gather(ag, "forward"), gather(ag, "backward", recompute=True)):
+        half = comm.collective(dataclasses.replace(op, bytes_read=32 << 20, bytes_written=256 << 20), links, 8)[0]
+        assert price_op(op, H100, fp8, "bf16", links, 8).gpu_s == pytest.approx(half)
+        assert price_op(op, H100, bf16, "bf16", links, 8).gpu_s == pytest.approx(comm.collective(op, links, 8)[0])
+        assert half < 0.55 * comm.collective(op, links, 8)[0]  # 512 MiB gathered: the bytes, not the latency
+    for op in (gather(ag, "backward"), gather("_c10d_functional.reduce_scatter_tensor.default", "forward")):
+        assert price_op(op, H100, fp8, "bf16", links, 8).gpu_s == pytest.approx(comm.collective(op, links, 8)[0])
+
+
+def test_async_tp_runs_a_gather_under_its_matmul_and_a_reduce_scatter_under_the_matmul_it_drains():
+    """Async TP in 8 chunks, worked by hand: a gather of 8 ms under a 10 ms matmul ends the pair at 10 + 0 (the last
+    chunk's 1.25 ms of matmul starts at 8), where in turn they take 18; a 16 ms gather under an 8 ms matmul, 16 + 1; a
+    reduce-scatter of 8 ms draining a 10 ms matmul starts after its first chunk (1.25) and ends at max(9.25, 10 + 1)."""
+    ms = 1e-3
+
+    def gather(seconds, chunks):
+        return Priced(COLLECTIVE, COMMUNICATION, "forward", seconds * ms, 0.0, (1,), (2,), stream="tp", chunks=chunks)
+
+    wait = Priced(WAIT, COMMUNICATION, "forward", 0.0, 0.0, (2,), (2,))
+    view = Priced(FREE, OTHER, "forward", 0.0, 0.0, (2,), (3,))
+
+    def mm(seconds, reads=(3,), writes=(4,)):
+        return Priced(KERNEL, MATMUL, "forward", seconds * ms, 0.0, reads, writes)
+
+    assert simulate([gather(8, 8), wait, view, mm(10)]).seconds == pytest.approx(10 * ms)
+    assert simulate([gather(8, 0), wait, view, mm(10)]).seconds == pytest.approx(18 * ms)
+    assert simulate([gather(16, 8), wait, view, mm(8)]).seconds == pytest.approx(17 * ms)
+    rs = Priced(COLLECTIVE, COMMUNICATION, "forward", 8 * ms, 0.0, (5,), (6,), stream="tp", chunks=8)
+    split = Priced(FREE, OTHER, "forward", 0.0, 0.0, (4,), (5,))
+    read = Priced(WAIT, COMMUNICATION, "forward", 0.0, 0.0, (6,), (6,))
+    assert simulate([mm(10, (), (4,)), split, rs, read]).seconds == pytest.approx(11 * ms)
+    in_turn = [mm(10, (), (4,)), split, dataclasses.replace(rs, chunks=0), read]
+    assert simulate(in_turn).seconds == pytest.approx(18 * ms)
+
+
+def test_async_tp_marks_the_gathers_and_reduce_scatters_next_to_a_matmul_and_folds_their_copies():
+    """price_ops with async TP: a tensor-parallel all-gather -> wait -> view -> clone (the sequence dimension moved)
+    -> mm, and mm -> split -> cat -> reduce-scatter, become pipelined in the group's 8 chunks and the copies no
+    kernels; a gather whose output a norm reads first, or a data-parallel one, is left as it is."""
+
+    def op(name, category, reads, writes, group=""):
+        moved = 0 if name.startswith(("aten.view.", "aten.split.", "_c10d_functional.wait")) else 1 << 26
+        return OpRecord(name, "forward", category, 2 * 4096**3 if category == MATMUL else 0, moved, moved,
+                        "bfloat16", ((4096, 4096), (4096, 4096)) if category == MATMUL else (),
+                        storages=tuple((k, 1 << 26) for k in reads),
+                        output_storages=tuple((k, 1 << 26) for k in writes), group=group,
+                        group_size=8 if group else 0)  # fmt: skip
+
+    ag, rs = "_c10d_functional.all_gather_into_tensor.default", "_c10d_functional.reduce_scatter_tensor.default"
+    step = [op(ag, COMMUNICATION, (1,), (2,), "tensor_parallel"), op("_c10d_functional.wait_tensor.default",
+            COMMUNICATION, (2,), (2,)), op("aten.view.default", OTHER, (2,), (2,)),
+            op("aten.clone.default", OTHER, (2,), (3,)), op("aten.mm.default", MATMUL, (3, 9), (4,)),
+            op("aten.split.Tensor", OTHER, (4,), (4,)), op("aten.cat.default", OTHER, (4,), (5,)),
+            op(rs, COMMUNICATION, (5,), (6,), "tensor_parallel"),
+            op(ag, COMMUNICATION, (6,), (7,), "tensor_parallel"), op("aten.pow.Tensor_Scalar", OTHER, (7,), (8,)),
+            op("aten.mm.default", MATMUL, (8, 9), (10,)), op(ag, COMMUNICATION, (10,), (11,), "data_parallel"),
+            op("aten.mm.default", MATMUL, (11, 9), (12,))]  # fmt: skip
+    links = links_for("h100-sxm", None, None, 8, 1)
+    plain = price_ops(step, H100, kernels_for("torchtitan"), "bf16", links, 8)
+    both = price_ops(step, H100, dataclasses.replace(kernels_for("torchtitan"), async_tp=True), "bf16", links, 8)
+    assert [p.chunks for p in plain if p.kind == COLLECTIVE] == [0, 0, 0, 0]
+    assert [p.chunks for p in both if p.kind == COLLECTIVE] == [8, 8, 0, 0]  # the norm's gather, the DP one: not
+    assert both[3].kind == FREE and both[6].kind == FREE and both[3].gpu_s == both[6].gpu_s == 0.0
+    assert plain[3].kind == KERNEL and plain[3].gpu_s > 0 and both[9].kind == KERNEL  # the norm's pow stays
+    assert simulate(both).seconds < simulate(plain).seconds

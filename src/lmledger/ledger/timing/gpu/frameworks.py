@@ -32,6 +32,9 @@ never a correction factor per source of measurements.
                       or "one" (Megatron-LM's one contiguous buffer; DeepSpeed's engine without ZeRO flattens the
                       gradients into buffers of up to 500M elements, one all-reduce each: its
                       buffered_allreduce_fallback, which Megatron-DeepSpeed's runs take)
+    async_tp          tensor parallelism's all-gathers and reduce-scatters run in chunks under the matmuls they feed or
+                      drain (torch's micro-pipeline TP under compile: torchtitan's enable_async_tensor_parallel;
+                      Megatron-Core's --tp-comm-overlap), the copies that reorder their sequence dimension folded in
     loss_sync         the host reads each micro-batch's loss back (a device sync) before its backward, so the
                       forward's last kernels (the LM head's, the loss's) do not hide under the backward's launches:
                       DeepSpeed's engine from v0.9.3 to early 2024 (below)
@@ -88,6 +91,7 @@ class Kernels:
     # DeepSpeedEngine.backward outside the accumulation boundary, which the PipelineEngine never reaches mid-batch)
     # until #5135 (February 2024): Megatron-DeepSpeed's runs of that time, vTrain's (DeepSpeed v0.9.5)
     loss_sync: bool = False
+    async_tp: bool = False  # opt-in in every framework that has it: a run says so (published_runs reads its notes)
 
     def compiled(self) -> Kernels:
         """The same framework under torch.compile: elementwise runs fused, launched from Inductor's wrapper code."""

@@ -15,6 +15,7 @@ import math
 from dataclasses import dataclass
 
 from lmledger.ledger.count.ops import ATTENTION, COMMUNICATION, MATMUL, OPTIMIZER, OTHER, OpRecord, TensorSpec
+from lmledger.ledger.hardware.interconnect import collective_kind
 from lmledger.ledger.timing.gpu import comm
 from lmledger.ledger.timing.gpu.frameworks import Kernels
 from lmledger.ledger.timing.gpu.kernels import (
@@ -65,6 +66,8 @@ class Priced:
     # (get_all_gather_streams in forward and pre-backward): so the next block's gather overlaps this one's compute
     after_compute: bool = True
     sync: bool = False  # the host waits for the device (every stream) before issuing it
+    # a collective pipelined with the matmul it feeds or drains, in this many chunks (async TP: simulate.py); 0: not
+    chunks: int = 0
 
 
 def _specs(op: OpRecord) -> list[TensorSpec]:
@@ -173,6 +176,17 @@ def _host(op: OpRecord, kind: str, kernels: Kernels, launches: int = 1) -> float
     return kernels.host_forward_s * launches
 
 
+def _fp8_gather(op: OpRecord, kernels: Kernels) -> OpRecord:
+    """A tensor-parallel forward all-gather feeding fp8 linears moves fp8: under sequence parallel it gathers a
+    column-parallel linear's input, which torchao's Float8ColwiseParallel (torchtitan) and Transformer Engine's
+    sequence-parallel Linear cast to e4m3 before the gather: half the 16-bit bytes. The backward's gathers (of the
+    row-parallel outputs' gradients) stay 16-bit."""
+    fp8_input = kernels.fp8_matmuls and op.group == "tensor_parallel" and (op.phase == "forward" or op.recompute)
+    if not fp8_input or collective_kind(op.name) != "all_gather" or op.dtype not in ("bfloat16", "float16"):
+        return op
+    return dataclasses.replace(op, bytes_read=op.bytes_read // 2, bytes_written=op.bytes_written // 2)
+
+
 def price_op(op: OpRecord, chip: Chip, kernels: Kernels, compute: str, links: comm.Links, world: int) -> Priced:
     """One op (module doc). `compute`: the run's matmul dtype, for ops whose own dtype has no peak."""
     reads = tuple(key for key, _ in op.storages)
@@ -181,7 +195,7 @@ def price_op(op: OpRecord, chip: Chip, kernels: Kernels, compute: str, links: co
         return Priced(COLLECTIVE, COMMUNICATION, op.phase, stream_seconds(op.bytes, chip), _host(op, KERNEL, kernels),
                       reads, writes, "fsdp copy-in", after_compute=False)  # fmt: skip
     if op.category == COMMUNICATION:
-        seconds, stream = comm.collective(op, links, world)
+        seconds, stream = comm.collective(_fp8_gather(op, kernels), links, world)
         kind = WAIT if stream is None else COLLECTIVE
         fsdp_gather = op.name.startswith("c10d.") and "allgather" in op.name  # c10d's own: FSDP's, not DTensor's
         return Priced(kind, COMMUNICATION, op.phase, seconds, kernels.host_free_s, reads, writes, stream or "",
@@ -213,6 +227,8 @@ def price_ops(ops: list[OpRecord], chip: Chip, kernels: Kernels, compute: str, l
         priced = _loss_read_back(ops, priced)
     if not kernels.dtensor_tp:
         priced = _own_tensor_parallel(ops, priced)
+    if kernels.async_tp:
+        priced = _async_tensor_parallel(ops, priced)
     if not (kernels.fuse_elementwise or kernels.fuse_loss):
         return priced
     return fused(ops, priced, chip, inner=kernels.fuse_elementwise, loss=kernels.fuse_loss)
@@ -237,6 +253,43 @@ def _own_tensor_parallel(ops: list[OpRecord], priced: list[Priced]) -> list[Pric
         wrapping = p.kind == FREE and any(o.category == COMMUNICATION and o.phase == op.phase for o in beside)
         if p.kind == WAIT or wrapping:
             out[i] = dataclasses.replace(p, host_s=0.0)
+    return out
+
+
+# The copies DTensor's sequence-parallel redistribute puts between a collective on dim 0 and the sequence dimension
+_REORDERING_COPIES = ("aten.clone.", "aten.cat.", "aten.copy_.")
+
+
+def _async_tensor_parallel(ops: list[OpRecord], priced: list[Priced]) -> list[Priced]:
+    """Async TP (frameworks.Kernels.async_tp): a tensor-parallel all-gather whose output a matmul reads, through the
+    functional wait, views and the copy that moves the gathered sequence dimension into place, runs in as many chunks
+    as the group has ranks, each chunk's matmul as it lands; a reduce-scatter of a matmul's output likewise, each chunk
+    sent as it is computed (torch's fused_all_gather_matmul and fused_matmul_reduce_scatter). The copies between are
+    folded into the fused op: no kernel."""
+    out = list(priced)
+    for i, (op, p) in enumerate(zip(ops, priced, strict=True)):
+        if p.kind != COLLECTIVE or op.group != "tensor_parallel" or op.group_size < 2:
+            continue
+        kind = collective_kind(op.name)
+        if kind not in ("all_gather", "reduce_scatter"):
+            continue
+        forward = kind == "all_gather"
+        chain, copies = set(p.writes if forward else p.reads), []
+        steps = range(i + 1, min(len(ops), i + 16)) if forward else range(i - 1, max(-1, i - 16), -1)
+        for j in steps:
+            near, linked = (priced[j].reads, priced[j].writes) if forward else (priced[j].writes, priced[j].reads)
+            if not chain.intersection(near):
+                continue
+            if priced[j].category == MATMUL:
+                for k in copies:
+                    out[k] = dataclasses.replace(out[k], kind=FREE, gpu_s=0.0, host_s=0.0)
+                out[i] = dataclasses.replace(p, chunks=op.group_size)
+                break
+            if priced[j].kind == KERNEL:
+                if not ops[j].name.startswith(_REORDERING_COPIES):
+                    break  # a norm, an activation...: the collective is not next to its matmul
+                copies.append(j)
+            chain.update(linked)
     return out
 
 
