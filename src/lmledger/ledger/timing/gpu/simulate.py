@@ -50,7 +50,8 @@ def simulate(
     collectives = 0.0
     barrier_done = False
     # async TP: a pipelined gather's output, (its end, chunks), read before it lands; a matmul's output, (its start,
-    # seconds), for the reduce-scatter that drains it; both carried through views
+    # seconds), for the reduce-scatter that drains it; both carried through views. Kept only where a step has one.
+    pipelined = any(p.chunks for p in priced)
     landing: dict[int, tuple[float, int]] = {}
     made: dict[int, tuple[float, float]] = {}
     for p in priced:
@@ -63,8 +64,10 @@ def simulate(
         if p.category == OPTIMIZER and not barrier_done:
             compute = max(compute, *streams.values()) if streams else compute
             barrier_done = True
-        lands = max((landing[key] for key in p.reads if key in landing), default=None)
-        drains = max((made[key] for key in p.reads if key in made), default=None)
+        lands = drains = None
+        if pipelined:
+            lands = max((landing[key] for key in p.reads if key in landing), default=None)
+            drains = max((made[key] for key in p.reads if key in made), default=None)
         start = done = inputs  # a free op's output is ready when its input is
         if p.kind == KERNEL:
             if lands is not None and p.category != MATMUL:
@@ -97,7 +100,7 @@ def simulate(
                 landing[key] = lands
             elif p.kind == FREE and drains is not None:
                 made[key] = drains
-            elif p.kind == KERNEL and p.category == MATMUL:
+            elif pipelined and p.kind == KERNEL and p.category == MATMUL:
                 made[key] = (start, p.gpu_s)
     issued += tail_host_s * host
     end = max(issued, compute, *streams.values()) if streams else max(issued, compute)
