@@ -223,8 +223,13 @@ def predict(row: dict) -> dict:
     if value is None:
         reason = f"metric mfu: no {row['precision']} peak on {row['gpu']}"  # the only metric left without a value
         return {**out, "predicted": None, "error": None, "reason": reason, "step_s": seconds}
-    return {**out, "predicted": value, "error": value / row["value"] - 1, "step_s": seconds,
-            "breakdown_ms": {k: round(v * 1e3, 2) for k, v in step.seconds.items() if round(v * 1e3, 2)}}  # fmt: skip
+    out = {**out, "predicted": value, "error": value / row["value"] - 1, "step_s": seconds,
+           "breakdown_ms": {k: round(v * 1e3, 2) for k, v in step.seconds.items() if round(v * 1e3, 2)}}  # fmt: skip
+    implied = published_mfu(row)
+    if implied is not None and implied > 1:  # a typo or a misread batch in the source: no model of the chip meets it
+        out["above_peak"] = (f"the published value is {implied:.0%} of the {row['gpu']}'s {row['precision']} peak in "
+                             f"model FLOPs alone: no step is that short")  # fmt: skip
+    return out
 
 
 # The MFU numerator each framework prints (ledger/closedform/flops.MFU_CONVENTIONS), checked against rows that print
@@ -254,6 +259,18 @@ def mfu_of(row: dict, seconds: float) -> float | None:
     if not peak:
         return None  # the chip has no such tensor-core rate (bf16 on a V100, fp8 on an A100)
     return model_flops(row) / seconds / row["gpus"] / peak
+
+
+def published_mfu(row: dict) -> float | None:
+    """The MFU the row's published value comes to (its metric read back into a step's seconds, mfu_of); None where
+    the chip has no peak at the row's precision."""
+    if row["metric"] == "mfu":
+        return row["value"]
+    per_gpu = row["value"] * row["gpus"]
+    seconds = {"iter_s": lambda: row["value"],
+               "tokens_per_s_per_gpu": lambda: row["global_batch"] * row["seq_len"] / per_gpu,
+               "tflops_per_gpu": lambda: logged_flops(row) / (per_gpu * 1e12)}[row["metric"]]()  # fmt: skip
+    return mfu_of(row, seconds)
 
 
 def logged_flops(row: dict) -> float:
@@ -295,6 +312,11 @@ def summary(results: list[dict]) -> list[str]:
         if errors:
             lines.append(f"{name}: {len(errors)} rows, median |error| {statistics.median(errors):.1%}, "
                          f"worst {max(errors):.1%}")  # fmt: skip
+    possible = [abs(r["error"]) for r in results if r["error"] is not None and "above_peak" not in r]
+    if len(possible) < len(everything):
+        lines.append(f"above their chip's peak as published: {len(everything) - len(possible)} (their lines say so); "
+                     f"the other {len(possible)}: median |error| {statistics.median(possible):.1%}, "
+                     f"worst {max(possible):.1%}")  # fmt: skip
     skipped = sum(1 for r in results if r["predicted"] is None)
     lines.append(f"not predicted: {skipped} of {len(results)} rows (their lines say why)")
     return lines

@@ -27,6 +27,9 @@ ROWS = [
     # vTrain's first row again, as an MFU (a made-up value): the same dry run, read in PaLM's count
     "mfu-row,a paper,a100-80gb,2,8,nvlink3,,megatron-deepspeed,gpt,16,1024,16,16,"
     "4096,50257,1024,2,1,1,1,1,none,2,4,full,unknown,fp16,unknown,mfu,0.2,0,vTrain's shape",
+    # and at a step no A100 can take: 4 x 1024 tokens of 6 x 0.2B parameters in 10 us is 250 times its peak
+    "above-peak-row,a paper,a100-80gb,2,8,nvlink3,,megatron-deepspeed,gpt,16,1024,16,16,"
+    "4096,50257,1024,2,1,1,1,1,none,2,4,full,unknown,fp16,unknown,iter_s,0.00001,0,a typo",
 ]
 
 
@@ -55,7 +58,12 @@ def test_a_row_is_predicted_and_rows_it_cannot_predict_say_why(tmp_path):
     n_matmul = 16 * 12 * 1024 * 1024 + 50432 * 1024  # the vocabulary padded to a multiple of 128 x TP 2
     flops = 4 * 1024 * (6 * n_matmul + 12 * 16 * 1024 * 1024)
     assert mfu["predicted"] == pytest.approx(flops / mfu["step_s"] / 2 / 312e12, rel=1e-9)
-    assert "vTrain: 1 rows, median |error|" in done.stdout and "not predicted: 2 of 5 rows" in done.stdout
+    above = found["above-peak-row"]  # predicted like the rest, and said to be out of any chip's reach
+    assert above["step_s"] == vtrain["step_s"] and "peak" in above["above_peak"] and "above_peak" not in vtrain
+    assert "vTrain: 1 rows, median |error|" in done.stdout and "not predicted: 2 of 6 rows" in done.stdout
+    assert "above_peak" in piped  # its made-up 10 s: 6 x 20B parameters x 3.1M tokens over 96 GPUs is 1.3 x peak
+    others = [abs(found[i]["error"]) for i in ("vtrain-s-0001", "mfu-row")]
+    assert f"the other 2: median |error| {sum(others) / 2:.1%}, worst {max(others):.1%}" in done.stdout
 
 
 def test_a_missing_or_malformed_file_is_one_line_and_exit_2(tmp_path):
