@@ -6,7 +6,8 @@ The link and the ring's bytes are ledger/hardware/interconnect's (the group's li
 all-reduce, (n-1)/n for an all-gather or reduce-scatter). What NCCL reaches of each link family, and its latency:
 
     NVLink 3 (A100)   about 230 GB/s all-reduce bus bandwidth of 300 (nccl-tests#149; vTrain's nccl-tests table for
-                      8 A100s: 229 GB/s at 1 GB): 0.76
+                      8 A100s: 229 GB/s at 1 GB): 0.76. A group of fewer ranks reaches less: the same table measures
+                      197 GB/s on 2, 212 on 3, 222 on 4 and 224-227 on 5 to 7 (_NVLINK3_FEWER)
     NVLink 4 (H100)   "an effective NVLink bandwidth of 370GB/s" of the 450 line rate, seen as ring bus bandwidth
                       (sjeaugey, nccl-tests#212): 0.82
     InfiniBand, RoCE  NDR: 46-48 GB/s a NIC of 50 (nccl-tests#290, #267): 0.94; HDR at 86 of 100 over four NICs
@@ -37,10 +38,16 @@ _TREE_SHARE = 0.92  # a tree all-reduce's bus bandwidth, of the ring's (NCCL tun
 _EFFICIENCY = (("NVLink 3", 0.76), ("NVLink 4", 0.82), ("NVLink 5", 0.82), ("NVLink 2", 0.76),
                ("InfiniBand NDR", 0.94), ("InfiniBand XDR", 0.94), ("InfiniBand HDR", 0.86), ("RoCE", 0.86),
                ("PCIe", 0.8))  # fmt: skip
+# An A100 node's all-reduce bus bandwidth on n < 8 ranks, GB/s at 1 GB (vTrain's nccl-tests tables, trace/a100/
+# AR_GPU{n}_1M_1024M_LUT at f8dda84: measured on the node its published runs ran on); 8 ranks: 229, the 0.76 above.
+_NVLINK3_FEWER = {2: 197.3, 3: 211.9, 4: 221.9, 5: 224.5, 6: 227.0, 7: 226.9}
 
 
-def nccl_efficiency(link: Interconnect) -> float:
-    """The share of the link's line rate NCCL's bus bandwidth reaches (module doc); 0.8 for a link not listed."""
+def nccl_efficiency(link: Interconnect, ranks: int | None = None) -> float:
+    """The share of the link's line rate NCCL's bus bandwidth reaches (module doc), on a group of `ranks` where that
+    is measured to matter; 0.8 for a link not listed."""
+    if link.name.startswith("NVLink 3") and ranks in _NVLINK3_FEWER:
+        return _NVLINK3_FEWER[ranks] * 1e9 / link.bytes_per_s
     return next((eff for prefix, eff in _EFFICIENCY if link.name.startswith(prefix)), 0.8)
 
 
@@ -58,7 +65,7 @@ def collective(op: object, links: Links, world_size: int) -> tuple[float, str | 
     sent = wire_bytes(kind, max(op.bytes_read, op.bytes_written), size)
     if not sent:
         return 0.0, op.group or "world"
-    rate = link.bytes_per_s * nccl_efficiency(link) * _rails(op.group or "world", size, link, links)
+    rate = link.bytes_per_s * nccl_efficiency(link, size) * _rails(op.group or "world", size, link, links)
     span = links.span(op.group or "world", size)
     nodes = min(size, -(-span // max(1, links.gpus_per_node))) if link.scope == "inter-node" else 1
     seconds = _ring_latency(kind, size, nodes) + sent / rate
