@@ -214,3 +214,37 @@ def test_a_row_whose_notes_say_async_tp_runs_it(monkeypatch):
     row = {"framework": "torchtitan", "precision": "fp8", "compile": "1"}
     assert published_runs.kernels_of({**row, "notes": "FSDP 32 x TP 8 with async TP; Float8 on nn.Linear"}).async_tp
     assert not published_runs.kernels_of({**row, "notes": "FSDP 32 x TP 8; Float8 on nn.Linear"}).async_tp
+
+
+def test_vtrains_own_files_become_rows_published_runs_reads(monkeypatch, tmp_path):
+    """benchmarks/vtrain_rows.py writes vTrain's ground truth (both files, their own columns) as README.md rows, the
+    way runs-dev.csv writes them: the first single-node run here is runs-dev.csv's vtrain-s-0001 (ROWS above)."""
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    import published_runs
+
+    data = tmp_path / "vtrain" / "data"
+    data.mkdir(parents=True)
+    (data / "ground_truth_single.csv").write_text(
+        "\ufeff# GPUs,global batch,micro batch,hidden size,attention heads,# layers,sequence length,tensor parallelism,"
+        "data parallelism,pipeline parallelism,iteration time (ms)\n2,4,2,1024,16,16,1024,2,1,1,125.463484\n"
+        "8,32,4,1024,16,24,1024,2,2,2,219.732754\n")  # fmt: skip
+    (data / "ground_truth_multi.csv").write_text(
+        "Parameters (billion),# GPUs,global batch,micro batch,hidden size,attention heads,# layers,sequence length,"
+        "tensor parallelism,data parallelism,pipeline parallelism,iteration time (ms)\n"
+        "3.6,64,512,8,3072,32,30,2048,1,64,1,3566.5\n")  # fmt: skip
+    script = str(REPO / "benchmarks" / "vtrain_rows.py")
+    done = subprocess.run([sys.executable, script, "--vtrain", str(tmp_path / "vtrain")], capture_output=True,
+                          text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    (tmp_path / "rows.csv").write_text(done.stdout)
+    rows = published_runs.read_rows(tmp_path / "rows.csv")
+    assert [published_runs.why_not(r) for r in rows] == [None, None, None]
+    dev = dict(zip(HEADER.split(","), ROWS[0].split(","), strict=True))
+    same = ("gpu", "gpus", "framework", "arch", "layers", "hidden", "ffn_hidden", "vocab", "seq_len", "tp", "pp", "dp",
+            "micro_batch", "global_batch", "recompute", "precision", "metric", "value")  # fmt: skip
+    assert {k: str(rows[0][k]) for k in same} == {k: dev[k] for k in same}
+    assert rows[1]["sharding"] == "ddp" and rows[0]["sharding"] == "none"  # replicated where it has data parallelism
+    assert rows[2]["inter_link"] == "100Gb/s" and rows[2]["value"] == 3.5665 and "3.6B" in rows[2]["notes"]
+    missing = subprocess.run([sys.executable, script, "--vtrain", str(tmp_path)], capture_output=True, text=True,
+                             timeout=60)  # fmt: skip
+    assert missing.returncode == 2 and "Traceback" not in missing.stderr and missing.stderr.count("\n") == 1
