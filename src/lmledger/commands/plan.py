@@ -43,7 +43,7 @@ def _count(text: str) -> float:
     except (AttributeError, ValueError):
         raise argparse.ArgumentTypeError(f"not a number: {text!r} (e.g. 70e9 or 70B)") from None
     if not math.isfinite(value) or not 0 < value <= MAX_COUNT:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a count between 0 and {MAX_COUNT:g} (e.g. 70e9 or 70B)")
+        raise argparse.ArgumentTypeError(f"{text!r} is not a count above 0, at most {MAX_COUNT:g} (e.g. 70e9 or 70B)")
     return value
 
 
