@@ -314,9 +314,12 @@ def summary(results: list[dict]) -> list[str]:
                          f"worst {max(errors):.1%}")  # fmt: skip
     possible = [abs(r["error"]) for r in results if r["error"] is not None and "above_peak" not in r]
     if len(possible) < len(everything):
+        rest = "no other row"
+        if possible:
+            median, worst = statistics.median(possible), max(possible)
+            rest = f"the other {len(possible)}: median |error| {median:.1%}, worst {worst:.1%}"
         lines.append(f"above their chip's peak as published: {len(everything) - len(possible)} (their lines say so); "
-                     f"the other {len(possible)}: median |error| {statistics.median(possible):.1%}, "
-                     f"worst {max(possible):.1%}")  # fmt: skip
+                     f"{rest}")  # fmt: skip
     skipped = sum(1 for r in results if r["predicted"] is None)
     lines.append(f"not predicted: {skipped} of {len(results)} rows (their lines say why)")
     return lines

@@ -248,3 +248,12 @@ def test_vtrains_own_files_become_rows_published_runs_reads(monkeypatch, tmp_pat
     missing = subprocess.run([sys.executable, script, "--vtrain", str(tmp_path)], capture_output=True, text=True,
                              timeout=60)  # fmt: skip
     assert missing.returncode == 2 and "Traceback" not in missing.stderr and missing.stderr.count("\n") == 1
+
+
+def test_a_summary_whose_every_row_is_above_its_peak_says_so(monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    import published_runs
+
+    lines = published_runs.summary([{"source": "llm.c x", "error": 1.45, "predicted": 0.37, "above_peak": "136%"}])
+    assert "overall: 1 rows, median |error| 145.0%, worst 145.0%" in lines
+    assert "above their chip's peak as published: 1 (their lines say so); no other row" in lines
