@@ -208,3 +208,6 @@ def test_plan_layout_gives_the_range_of_the_peaks_it_dropped(monkeypatch, capsys
     assert "dropped 3: peaks of 80.5 to 412.0 GB, over the GPU's 80 GB" in lines
     assert "dropped 1: the global batch 2 does not split over 4 data-parallel replicas" in lines
     assert lines[0].startswith("none of the 4 layouts fits on 8 x h100-sxm: the lowest peak is 80.5 GB (TP 2 x PP 4")
+    monkeypatch.setattr(layouts, "plan_layouts", lambda *args: {**out, "searched": 1, "dropped": [split]})
+    assert lmledger(["plan", "layout", "--config", "configs/tiny.yaml", "--num-gpus", "8"]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == "the one layout does not fit on 8 x h100-sxm"  # 7 GPUs: DP 7

@@ -358,7 +358,8 @@ def _layout_command(
     else:
         sized = [r for r in out["dropped"] if "peak_bytes" in r]
         low = min(sized, key=lambda r: r["peak_bytes"], default=None)
-        print(f"none of the {out['searched']} layouts fits on {out['num_gpus']} x {out['gpu']}" + (
+        which = f"none of the {out['searched']} layouts fits" if out["searched"] > 1 else "the one layout does not fit"
+        print(f"{which} on {out['num_gpus']} x {out['gpu']}" + (
             f": the lowest peak is {low['peak_bytes'] / GB:.1f} GB (TP {low['tensor_parallel']} x PP "
             f"{low['pipeline_parallel']} x DP {low['data_parallel']}, micro-batch {low['micro_batch']}, recompute "
             f"{low['recompute']}); more GPUs, or a GPU with more memory" if low else ""))  # fmt: skip
