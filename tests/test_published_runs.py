@@ -81,7 +81,7 @@ def test_an_other_rows_framework_is_the_one_its_notes_name(monkeypatch):
 
     row = {"framework": "other", "precision": "fp16", "compile": "0"}
     neox = published_runs.kernels_of({**row, "notes": "gpt-neox library (Megatron + DeepSpeed based); rotary"})
-    assert neox.name == "gpt-neox" and neox.pipeline_schedule == "deepspeed" and not neox.fuse_loss
+    assert neox.name == "gpt-neox" and neox.pipeline_schedule == "deepspeed" and neox.loss == "megatron"
     assert published_runs.kernels_of({**row, "notes": "metaseq FSDP + Megatron TP 8"}).name == "pytorch"
     assert published_runs.kernels_of({**row, "notes": "megatron-core with TE"}).name == "megatron-core"  # not megatron
 

@@ -346,11 +346,11 @@ def test_an_elementwise_run_fuses_into_one_kernel_moving_only_what_enters_and_le
     assert fused(chain, priced, H100, loss=False) == priced
     inner = fused([_mm("forward"), *chain], [_k(1e-6, 5e-6, category=MATMUL), *priced], H100, loss=False)
     assert len(inner) == 3 and inner[1].ops == 3
-    assert not kernels_for("megatron-deepspeed").fuse_loss and kernels_for("compile").fuse_loss
+    assert kernels_for("megatron-deepspeed").loss == "megatron" and kernels_for("compile").loss == "fused"
 
 
 def test_a_fused_loss_kernel_alone_fuses_the_loss_and_its_gradient_and_nothing_else():
-    """llm-foundry's MPT: eager blocks, flash-attn's fused cross-entropy (frameworks.Kernels.fuse_loss)."""
+    """llm-foundry's MPT: eager blocks, flash-attn's fused cross-entropy (frameworks.Kernels.loss)."""
     mb = 1 << 20
     logits, lse, loss, grad_loss, grad_logits = 10, 11, 12, 13, 14
 
@@ -372,7 +372,7 @@ def test_a_fused_loss_kernel_alone_fuses_the_loss_and_its_gradient_and_nothing_e
            _mm("backward", storages=((32, 4 * mb),))]  # fmt: skip
     priced = [_k(stream_seconds(o.bytes, H100), 5e-6, category=o.category) for o in ops]
     foundry = kernels_for("llm-foundry")
-    assert foundry.fuse_loss and not foundry.fuse_elementwise
+    assert foundry.loss == "fused" and not foundry.fuse_elementwise
     out = fused(ops, priced, H100, inner=False, loss=True)
     # forward: the bf16 logits in, the fp32 log-probabilities (read by the backward) and the loss out
     assert out[1].ops == 3 and out[1].gpu_s == pytest.approx(stream_seconds(8 * mb + 16 * mb + 4, H100))
@@ -381,6 +381,44 @@ def test_a_fused_loss_kernel_alone_fuses_the_loss_and_its_gradient_and_nothing_e
     assert out[4:6] == priced[8:10]  # the blocks' elementwise ops stay eager
     assert len(out) == len(ops) - 4
     assert fused(ops, priced, H100, inner=False, loss=False) == priced
+
+
+def test_megatrons_loss_is_its_vocab_parallel_cross_entropy_over_the_fp32_logits(toy_ops):
+    """frameworks.Kernels.loss "megatron" in the dry run's F.cross_entropy ops' place: forward, five passes over the
+    fp32 logits (32 bytes a logit), eleven small kernels and three all-reduces of a value a token over the TP group;
+    backward, six small kernels and one multiply (8 bytes a logit), no zero-filled gradient."""
+    ops = list(toy_ops.ops.ops)
+    megatron = dataclasses.replace(kernels_for("megatron-deepspeed"), fuse_elementwise=False)  # an op, a price
+    links = links_for("a100-80gb", None, None, 8, 1)
+    ours, eager = (price_ops(ops, A100, k, "bf16", links, 1)
+                   for k in (megatron, dataclasses.replace(megatron, loss="eager")))  # fmt: skip
+    at = {name: next(i for i, op in enumerate(ops) if op.name.startswith(name))
+          for name in ("aten._log_softmax.", "aten.nll_loss_forward.", "aten.nll_loss_backward.",
+                       "aten._log_softmax_backward_data.")}  # fmt: skip
+    logits = 8 * 256 * 1024  # tokens x vocabulary
+    assert ops[at["aten._log_softmax."]].bytes_written == 4 * logits  # fp32
+    fwd, bwd = megatron.host_forward_s, megatron.host_backward_s
+    # one rank: the all-reduces move nothing, and cost the host a call each
+    expected = {"aten._log_softmax.": (stream_seconds(32 * logits, A100, 5), 5 * fwd),
+                "aten.nll_loss_forward.": (stream_seconds(0, A100, 11), 14 * fwd),
+                "aten.nll_loss_backward.": (stream_seconds(0, A100, 6), 6 * bwd),
+                "aten._log_softmax_backward_data.": (stream_seconds(8 * logits, A100, 1), bwd)}  # fmt: skip
+    for name, (gpu_s, host_s) in expected.items():
+        assert (ours[at[name]].gpu_s, ours[at[name]].host_s) == pytest.approx((gpu_s, host_s)), name
+    others = [i for i in range(len(ops)) if i not in at.values()]
+    assert [ours[i] for i in others] == [eager[i] for i in others]
+    # Megatron's forward streams the logits more than PyTorch's and its backward less
+    assert ours[at["aten._log_softmax."]].gpu_s > 3 * eager[at["aten._log_softmax."]].gpu_s
+    assert ours[at["aten._log_softmax_backward_data."]].gpu_s < eager[at["aten._log_softmax_backward_data."]].gpu_s
+    # at TP 2, the three all-reduces of 4 bytes a token cross the TP group's link
+    tp = OpRecord("c10d.allreduce_", "forward", COMMUNICATION, 0, 1 << 20, 0, "bfloat16", group="tensor_parallel",
+                  group_size=2)  # fmt: skip
+    reduce = OpRecord("c10d.allreduce_", "forward", COMMUNICATION, 0, 4 * 8 * 256, 0, "float32",
+                      group="tensor_parallel", group_size=2)  # fmt: skip
+    one = comm.collective(reduce, links, 2)[0]
+    two = price_ops([tp, *ops], A100, megatron, "bf16", links, 2)
+    assert one > 20e-6
+    assert two[1 + at["aten.nll_loss_forward."]].gpu_s == pytest.approx(stream_seconds(0, A100, 11) + 3 * one)
 
 
 @pytest.fixture(scope="module")

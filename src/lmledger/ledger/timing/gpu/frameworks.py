@@ -9,11 +9,13 @@ never a correction factor per source of measurements.
     fuse_elementwise  runs of elementwise and reduction ops between two matmuls run as one kernel that moves only
                       what enters and leaves the run (torch.compile's Inductor; llm.c's and Megatron's hand-fused
                       layernorm, bias-GeLU and bias-dropout-add kernels)
-    fuse_loss         the cross-entropy loss and its gradient run as one kernel each (Inductor, llm.c's fused
-                      classifier, flash-attn's fused cross-entropy, which llm-foundry's MPT defaults to); with
-                      fuse_elementwise, the embedding's runs at the pass's ends fuse too. False: they run op by op
-                      (eager PyTorch; Megatron-LM's vocab-parallel cross-entropy is eager, its hand-fused kernels are
-                      the blocks')
+    loss              how the cross-entropy loss runs: "eager", op by op as the dry run records PyTorch's
+                      (log-softmax, then the targets' gather; backward, the gradient zero-filled and scattered, then
+                      log-softmax's backward); "fused", one kernel each way (Inductor, llm.c's fused classifier,
+                      flash-attn's fused cross-entropy, which llm-foundry's MPT defaults to), and with
+                      fuse_elementwise the embedding's runs at the pass's ends fuse too; "megatron", Megatron-LM's
+                      vocab-parallel cross-entropy, eager over the fp32 logits (price.py: its passes and all-reduces;
+                      its hand-fused kernels are the blocks')
     host_forward_s, host_backward_s
                       the host's time to launch one kernel in the forward pass (Python, module calls, the dispatcher)
                       and in the backward pass (autograd's C++ engine), and per optimizer launch
@@ -49,7 +51,9 @@ from dataclasses import dataclass
 
 from lmledger.errors import UserError
 
-__all__ = ["FRAMEWORKS", "Kernels", "kernels_for"]
+__all__ = ["FRAMEWORKS", "LOSSES", "Kernels", "kernels_for"]
+
+LOSSES = ("eager", "fused", "megatron")  # how a framework runs the cross-entropy loss (module doc)
 
 # An eager aten op launched from Python: 8.6 us a call in torch.utils.benchmark (pytorch/pytorch#114860); a
 # Python-dispatched Triton kernel about 15 us (meta-pytorch/torchcomms#2455). Autograd's engine launches backward
@@ -61,7 +65,7 @@ _C_LAUNCH_S = 3e-6
 # multi-node rows (A100s): at small batch and width their steps take about 3.1-3.5 ms a layer per micro-batch whatever
 # the GPU does (hidden 1024 and 2048, TP 1 and 2, 165 ops a layer at TP 1), which Megatron's Python, its TP mappings
 # and DeepSpeed's checkpointing cost on their hosts. The fit over all rows of the simulation, the DTensor-only ops
-# left out (dtensor_tp), the loss unfused (fuse_loss), the loss read back (loss_sync): 21 us (refitted 2026-12-05 on
+# left out (dtensor_tp), Megatron's loss (loss), the loss read back (loss_sync): 21 us (refitted 2026-12-05 on
 # vTrain's 777 rows: 20, 21 and 22 us give medians of 7.3%, 5.7% and 6.4%).
 _MEGATRON_DEEPSPEED_S = 21e-6
 
@@ -85,7 +89,7 @@ class Kernels:
     # 16-bit weights in the kernels, fp32 main weights and moments in the optimizer (Megatron-LM's, price.py)
     master_weights: bool = False
     dtensor_tp: bool = True
-    fuse_loss: bool = False
+    loss: str = "eager"  # "eager", "fused" or "megatron" (module doc)
     pipeline_schedule: str = "1f1b"
     # DeepSpeed's engine from v0.9.3 (May 2023, #3428: `self.losses.append(loss.mean().item())` in
     # DeepSpeedEngine.backward outside the accumulation boundary, which the PipelineEngine never reaches mid-batch)
@@ -93,11 +97,15 @@ class Kernels:
     loss_sync: bool = False
     async_tp: bool = False  # opt-in in every framework that has it: a run says so (published_runs reads its notes)
 
+    def __post_init__(self) -> None:
+        if self.loss not in LOSSES:
+            raise ValueError(f"loss {self.loss!r}: choose one of {', '.join(LOSSES)}")
+
     def compiled(self) -> Kernels:
         """The same framework under torch.compile: elementwise runs fused, launched from Inductor's wrapper code."""
         if self.fuse_elementwise:
             return self
-        return dataclasses.replace(self, name=f"{self.name}+compile", fuse_elementwise=True, fuse_loss=True,
+        return dataclasses.replace(self, name=f"{self.name}+compile", fuse_elementwise=True, loss="fused",
                                    host_forward_s=_C_LAUNCH_S,
                                    host_backward_s=_C_LAUNCH_S, host_free_s=0.0,
                                    description=f"{self.description}, under torch.compile")  # fmt: skip
@@ -105,7 +113,7 @@ class Kernels:
 
 _MEGATRON_DEEPSPEED = Kernels(
     "megatron-deepspeed", attention="unfused", fuse_elementwise=True, ddp_overlap=False, grad_reduce="one",
-    attention_dropout=True, master_weights=True, dtensor_tp=False, fuse_loss=False, pipeline_schedule="deepspeed",
+    attention_dropout=True, master_weights=True, dtensor_tp=False, loss="megatron", pipeline_schedule="deepspeed",
     loss_sync=True,
     host_forward_s=_MEGATRON_DEEPSPEED_S, host_backward_s=_MEGATRON_DEEPSPEED_S, host_free_s=_MEGATRON_DEEPSPEED_S,
     description="Megatron-DeepSpeed: Megatron-LM's kernels, the gradients flattened and all-reduced after backward "
@@ -116,22 +124,22 @@ FRAMEWORKS: dict[str, Kernels] = {
     k.name: k
     for k in (
         Kernels("pytorch", description="eager PyTorch (Lightning, HF Trainer): torch's SDPA, one kernel per op"),
-        Kernels("compile", fuse_elementwise=True, fuse_loss=True, host_forward_s=_C_LAUNCH_S,
+        Kernels("compile", fuse_elementwise=True, loss="fused", host_forward_s=_C_LAUNCH_S,
                 host_backward_s=_C_LAUNCH_S, host_free_s=0.0,
                 description="torch.compile: SDPA, elementwise runs fused by Inductor"),
         Kernels("megatron", attention="unfused", fuse_elementwise=True, ddp_overlap=False, grad_reduce="one",
-                attention_dropout=True, master_weights=True, dtensor_tp=False, fuse_loss=False,
+                attention_dropout=True, master_weights=True, dtensor_tp=False, loss="megatron",
                 description="Megatron-LM before FlashAttention: batched-matmul attention with a fused softmax, fused "
                 "layernorm, bias-GeLU and bias-dropout-add kernels, its gradient buffer all-reduced after backward"),
         _MEGATRON_DEEPSPEED,
         dataclasses.replace(_MEGATRON_DEEPSPEED, name="gpt-neox", loss_sync=False, description="EleutherAI's GPT-NeoX "
                             "(2022): Megatron-LM's model code and fused kernels on DeepSpeed's engine and pipeline"),
-        Kernels("megatron-core", attention="flash3", fuse_elementwise=True, fuse_loss=True, master_weights=True,
+        Kernels("megatron-core", attention="flash3", fuse_elementwise=True, loss="fused", master_weights=True,
                 dtensor_tp=False,
                 description="Megatron-Core with Transformer Engine: cuDNN/FA3 attention and fused kernels"),
-        Kernels("nemo", attention="flash3", fuse_elementwise=True, fuse_loss=True, master_weights=True,
+        Kernels("nemo", attention="flash3", fuse_elementwise=True, loss="fused", master_weights=True,
                 dtensor_tp=False, description="NeMo (Megatron-Core, Transformer Engine)"),
-        Kernels("llm-foundry", attention="triton", fuse_loss=True,
+        Kernels("llm-foundry", attention="triton", loss="fused",
                 description="MosaicML llm-foundry: its 2023 benchmarks' attn_impl default, triton (FlashAttention "
                 "ported to Triton; scripts/train/benchmarking/submit_benchmarks.py), eager elementwise ops, and "
                 "flash-attn's fused cross-entropy (ComposerMPTCausalLM's loss_fn default, fused_crossentropy)"),
@@ -139,7 +147,7 @@ FRAMEWORKS: dict[str, Kernels] = {
                 description="torchtitan: torch's SDPA (flash backend), eager unless compiled"),
         Kernels("nanogpt", attention="flash2",
                 description="nanoGPT: torch's SDPA (flash backend), eager unless compiled"),
-        Kernels("llm.c", attention="cudnn", fuse_elementwise=True, fuse_loss=True, host_forward_s=_C_LAUNCH_S,
+        Kernels("llm.c", attention="cudnn", fuse_elementwise=True, loss="fused", host_forward_s=_C_LAUNCH_S,
                 host_backward_s=_C_LAUNCH_S, host_free_s=0.0,
                 description="llm.c: C/CUDA, cuDNN attention, hand-fused kernels, no Python"),
     )

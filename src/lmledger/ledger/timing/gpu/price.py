@@ -223,15 +223,58 @@ def price_op(op: OpRecord, chip: Chip, kernels: Kernels, compute: str, links: co
 def price_ops(ops: list[OpRecord], chip: Chip, kernels: Kernels, compute: str, links: comm.Links, world: int):
     """Every op priced, with the framework's fusion applied (`fused`)."""
     priced = [price_op(op, chip, kernels, compute, links, world) for op in ops]
+    if kernels.loss == "megatron":
+        priced = _megatron_loss(ops, priced, chip, kernels, links)
     if kernels.loss_sync:
         priced = _loss_read_back(ops, priced)
     if not kernels.dtensor_tp:
         priced = _own_tensor_parallel(ops, priced)
     if kernels.async_tp:
         priced = _async_tensor_parallel(ops, priced)
-    if not (kernels.fuse_elementwise or kernels.fuse_loss):
+    if not (kernels.fuse_elementwise or kernels.loss == "fused"):
         return priced
-    return fused(ops, priced, chip, inner=kernels.fuse_elementwise, loss=kernels.fuse_loss)
+    return fused(ops, priced, chip, inner=kernels.fuse_elementwise, loss=kernels.loss == "fused")
+
+
+# Megatron-LM's vocab-parallel cross-entropy (megatron/core/tensor_parallel/cross_entropy.py; Megatron-DeepSpeed's and
+# GPT-NeoX's mpu run the same code) over the fp32 logits its caller casts (`output.float()`, which the dry run's
+# autocast cast records too), in place of the dry run's F.cross_entropy ops: (bytes per logit, kernels) of each.
+# Forward: five kernels stream the logits (max 4 bytes, subtract 8, exp in place 8, sum 4, divide in place 8), where
+# log-softmax reads and writes once; eleven small ones on the targets (the vocabulary-range mask, the masked target,
+# the gather of each target's logit and its masking) where nll_loss gathers once. Backward: the targets' gradients
+# updated in place (six small kernels) and one multiply over the saved probabilities (8 bytes), where PyTorch
+# zero-fills the gradient, scatters into it, then runs log-softmax's backward (12 bytes).
+_MEGATRON_LOSS = {"aten._log_softmax.": (32, 5), "aten.nll_loss_forward.": (0, 11),
+                  "aten.nll_loss_backward.": (0, 6), "aten._log_softmax_backward_data.": (8, 1)}  # fmt: skip
+# and three all-reduces of one fp32 value a token over the tensor-parallel group (the max, the target logits, the sum
+# of exponentials), each called whatever the group's size, in the forward between its kernels
+_MEGATRON_LOSS_REDUCES = 3
+
+
+def _megatron_loss(
+    ops: list[OpRecord], priced: list[Priced], chip: Chip, kernels: Kernels, links: comm.Links
+) -> list[Priced]:
+    """The loss's ops priced as Megatron-LM's cross-entropy runs them (_MEGATRON_LOSS); their dataflow is the dry
+    run's. The all-reduces are on the forward's chain (each kernel after them reads their result), so they are added
+    to the targets' gather, at the tensor-parallel group's link."""
+    tp = next((op.group_size for op in ops if op.group == "tensor_parallel" and op.group_size), 1)
+    out = list(priced)
+    for i, (op, p) in enumerate(zip(ops, priced, strict=True)):
+        found = next((v for k, v in _MEGATRON_LOSS.items() if op.name.startswith(k)), None)
+        if found is None or p.kind != KERNEL:
+            continue
+        per_logit, launches = found
+        logits = op.bytes_written // _ELEMENT.get(op.dtype, 4) if per_logit else 0  # log-softmax's output, fp32
+        seconds = stream_seconds(per_logit * logits, chip, launches)
+        host = _host(op, KERNEL, kernels, launches)
+        if op.name.startswith("aten.nll_loss_forward."):
+            tokens = next((math.prod(s.shape) for s in _specs(op) if s.dtype == "int64"), 0)
+            reduce = OpRecord("c10d.allreduce_ (Megatron's loss)", op.phase, COMMUNICATION, 0, 4 * tokens, 0,
+                              "float32", group="tensor_parallel", group_size=tp)  # fmt: skip
+            seconds += _MEGATRON_LOSS_REDUCES * comm.collective(reduce, links, tp)[0]
+            host += _MEGATRON_LOSS_REDUCES * kernels.host_forward_s
+        out[i] = dataclasses.replace(p, gpu_s=seconds, host_s=host)
+    return out
 
 
 def _loss_read_back(ops: list[OpRecord], priced: list[Priced]) -> list[Priced]:
