@@ -383,6 +383,25 @@ def test_a_fused_loss_kernel_alone_fuses_the_loss_and_its_gradient_and_nothing_e
     assert fused(ops, priced, H100, inner=False, loss=False) == priced
 
 
+def test_an_indexing_op_moves_what_it_gathers_not_the_whole_tensor_it_indexes(toy_ops):
+    """price._indexed_bytes: the dry run counts an indexed input whole; the kernel touches a row or a value a token."""
+    ops = list(toy_ops.ops.ops)
+    tokens, links = 8 * 256, links_for("h100-sxm", None, None, 8, 1)
+
+    def priced(name):
+        op = next(o for o in ops if o.name.startswith(name))
+        return op, price_op(op, H100, kernels_for("pytorch"), "bf16", links, 1).gpu_s
+
+    nll, seconds = priced("aten.nll_loss_forward.")
+    assert seconds == pytest.approx(stream_seconds(tokens * (4 + 8) + 8, H100))  # a log-prob and a target a token
+    assert nll.bytes > 340 * tokens * (4 + 8)  # what the dry run counts: every log-prob of the vocabulary of 1,024
+    back, seconds = priced("aten.nll_loss_backward.")
+    assert seconds == pytest.approx(stream_seconds(back.bytes_written + 8 * tokens, H100))  # the gradient, written
+    # vocabulary 1,024 x 256 fp32 (1 MB): 2,048 tokens' rows (2 MB) read it once
+    emb, seconds = priced("aten.embedding.")
+    assert seconds == pytest.approx(stream_seconds(1024 * 256 * 4 + 8 * tokens + emb.bytes_written, H100))
+
+
 def test_megatrons_loss_is_its_vocab_parallel_cross_entropy_over_the_fp32_logits(toy_ops):
     """frameworks.Kernels.loss "megatron" in the dry run's F.cross_entropy ops' place: forward, five passes over the
     fp32 logits (32 bytes a logit), eleven small kernels and three all-reduces of a value a token over the TP group;

@@ -162,6 +162,27 @@ def _kernel(kernels: Kernels, chip: Chip, dtype: str = "bf16") -> str:
     return "flash2" if kernels.attention in ("auto", "unfused") else kernels.attention
 
 
+def _indexed_bytes(op: OpRecord) -> int | None:
+    """What an op that indexes into its first input moves, where the dry run counts that whole input as read: an
+    embedding lookup reads a row a token (the table at most: repeated rows come from cache) and nll_loss a value a
+    token; nll_loss's backward writes its whole gradient (zero-filled, then scattered into) and reads only the
+    targets. None for any other op, or one recorded without its arguments."""
+    gather = op.name.startswith(("aten.embedding.", "aten.nll_loss_forward."))
+    if not (gather or op.name.startswith("aten.nll_loss_backward.")):
+        return None
+    specs = _specs(op)
+    indices = next((s for s in specs if s.dtype == "int64"), None)
+    if not specs or indices is None:
+        return None
+    count = math.prod(indices.shape)
+    if not gather:
+        return op.bytes_written + 8 * count
+    source = specs[0]
+    element = _ELEMENT.get(source.dtype, 4)
+    row = math.prod(source.shape[1:]) if op.name.startswith("aten.embedding.") else 1  # a row, or one value
+    return min(math.prod(source.shape), count * row) * element + 8 * count + op.bytes_written
+
+
 def _launches(op: OpRecord) -> int:
     if op.name.split(".")[1].startswith(("_foreach_", "_fused_")):
         return max(1, math.ceil(len(_specs(op)) / _TENSORS_PER_LAUNCH))
@@ -212,7 +233,7 @@ def price_op(op: OpRecord, chip: Chip, kernels: Kernels, compute: str, links: co
     else:
         launches = _launches(op)
         category = OPTIMIZER if op.category == OPTIMIZER else OTHER
-        nbytes = op.bytes
+        nbytes = _indexed_bytes(op) or op.bytes
         if category == OPTIMIZER and kernels.master_weights and "_fused_adam" in op.name and op.dtype != "float32":
             nbytes = op.bytes * _MASTER_ADAM_BYTES // _SIXTEEN_BIT_ADAM_BYTES
         return Priced(KERNEL, category, op.phase, stream_seconds(nbytes, chip, launches),
