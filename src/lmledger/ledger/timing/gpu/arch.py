@@ -107,7 +107,9 @@ ARCHES: dict[str, Arch] = {
         # those rows, which lands on mli's measurement. Rechecked 2026-12-06 with the model as it now stands: 0.74,
         # 0.76, 0.78, 0.80 and 0.82 give that mean 6.5%, 5.9%, 5.7%, 5.7% and 6.4%, and vTrain's 777 rows 6.0%, 5.7%,
         # 6.0%, 6.0% and 6.5%: flat from 0.76 to 0.80 (Korthikanti's 8 rows and llm.c's 4 pull up, torchtitan's 8
-        # down); kept at 0.76, mli's measurement and vTrain's best. TF32: mli's square 8192 at 74% of 156: 0.76.
+        # down); kept at 0.76, mli's measurement and vTrain's best. Again after Megatron's loss was priced (2026-12-06):
+        # 0.74, 0.76 and 0.78 give 6.8%, 6.2% and 5.6%, vTrain 5.3%, 5.3% and 5.4%: kept.
+        # TF32: mli's square 8192 at 74% of 156: 0.76.
         # HBM: `a * 1.2` at 79% of the A100's 2,039 GB/s and 89% of the A800's 1,935 (mli): 0.85. fp32 (no tensor
         # cores): none found.
         # No sustained clock: mli's square 8192 products take about 5 ms each, and the runs are training steps, so
