@@ -66,7 +66,8 @@ _C_LAUNCH_S = 3e-6
 # the GPU does (hidden 1024 and 2048, TP 1 and 2, 165 ops a layer at TP 1), which Megatron's Python, its TP mappings
 # and DeepSpeed's checkpointing cost on their hosts. The fit over all rows of the simulation, the DTensor-only ops
 # left out (dtensor_tp), Megatron's loss (loss), the loss read back (loss_sync): 21 us (refitted 2026-12-05 on
-# vTrain's 777 rows: 20, 21 and 22 us give medians of 7.3%, 5.7% and 6.4%).
+# vTrain's 777 rows: 20, 21 and 22 us give medians of 7.3%, 5.7% and 6.4%; rechecked 2026-12-06 with Megatron's loss
+# priced as its code runs it: 6.7%, 5.4% and 6.7%).
 _MEGATRON_DEEPSPEED_S = 21e-6
 
 
