@@ -516,6 +516,39 @@ def test_megatrons_attention_launches_torchs_softmax_where_its_fused_kernel_does
     assert priced.gpu_s == pytest.approx(expected)
 
 
+def test_an_fp8_linear_casts_as_its_library_does_and_the_lm_head_stays_16_bit(toy_ops):
+    """Kernels.fp8_casts: torchao's dynamic scaling reads each operand's amax, then casts it, for every matmul (5
+    bytes an element eager); Transformer Engine casts and transposes each tensor once (4 bytes an element), the input
+    and weight forward, the output's gradient backward, shared by the two matmuls that read it. The LM head runs
+    16-bit in both (price._lm_head)."""
+    links = links_for("h100-sxm", None, None, 8, 1)
+    m, n, k = 8192, 4096, 2048
+    fwd = OpRecord("aten.mm.default", "forward", MATMUL, 2 * m * n * k, 2 * (m * k + k * n), 2 * m * n, "bfloat16",
+                   ((m, k), (k, n)))  # fmt: skip
+    bwd = dataclasses.replace(fwd, phase="backward")
+    gemm = matmul_seconds(m, n, k, 1, "fp8", H100, 1)
+    torchao = dataclasses.replace(kernels_for("pytorch"), fp8_matmuls=True)
+    te = dataclasses.replace(kernels_for("llm-foundry"), fp8_matmuls=True)
+    assert te.fp8_casts == "te" and kernels_for("torchtitan").fp8_casts == "dynamic"
+    for op in (fwd, bwd):
+        assert price_op(op, H100, torchao, "bf16", links, 1).gpu_s == pytest.approx(
+            gemm + stream_seconds(5 * (m * k + k * n), H100, 2)
+        )
+    assert price_op(fwd, H100, te, "bf16", links, 1).gpu_s == pytest.approx(
+        gemm + stream_seconds(4 * (m * k + k * n), H100, 2)
+    )
+    assert price_op(bwd, H100, te, "bf16", links, 1).gpu_s == pytest.approx(gemm + stream_seconds(2 * m * k, H100))
+    # the toy step: its LM head's three matmuls (the last before the loss, the first two after its gradient) as bf16
+    ops = list(toy_ops.ops.ops)
+    bf16 = kernels_for("pytorch")
+    ours, sixteen = (price_ops(ops, H100, kk, "bf16", links, 1) for kk in (torchao, bf16))
+    matmuls = [i for i, op in enumerate(ops) if op.category == MATMUL]
+    kept = [i for i in matmuls if ours[i].gpu_s == sixteen[i].gpu_s]
+    head = max(i for i in matmuls if ops[i].phase == "forward")
+    assert kept == [head, *[i for i in matmuls if ops[i].phase == "backward"][:2]]
+    assert len(matmuls) > 3
+
+
 def test_an_fp8_runs_tensor_parallel_forward_all_gather_moves_fp8():
     """Under sequence parallel a forward all-gather feeds a column-parallel linear, whose fp8 input torchao's
     Float8ColwiseParallel and Transformer Engine gather already cast: half the bf16 bytes. Backward's gathers (of

@@ -21,7 +21,12 @@ never a correction factor per source of measurements.
                       and in the backward pass (autograd's C++ engine), and per optimizer launch
     host_free_s       an op with no kernel (a view, a metadata query)
     fp8_matmuls       the linear layers' matmuls run in fp8 (torchao's float8 training, Transformer Engine): each
-                      16-bit matmul of the dry run runs as a scaled e4m3 one, after its operands' amax and cast
+                      16-bit matmul of the dry run but the LM head's runs as a scaled e4m3 one, after its operands'
+                      casts
+    fp8_casts         how an fp8 run casts: "dynamic" (torchao's dynamic scaling: each matmul reads each operand's
+                      amax, then casts it), "te" (Transformer Engine's delayed scaling: one kernel a tensor casts it and
+                      writes its transpose too, recording the amax as it goes; the input and weight once forward, the
+                      output's gradient once backward, the backward's matmuls reading those casts)
     ddp_overlap       DDP's gradient buckets all-reduce while backward runs (torch's DDP, FSDP); False: after it
                       (Megatron-LM's local DDP without --overlap-grad-reduce, as vTrain's runs were configured)
     dtensor_tp        the framework's tensor parallelism is DTensor's, as the dry run's is (torch's parallelize_module:
@@ -84,6 +89,7 @@ class Kernels:
     serial_host: bool = False  # the host waits for each kernel before launching the next
     grad_reduce: str = "buckets"
     fp8_matmuls: bool = False  # linear layers in fp8 (torchao float8, Transformer Engine): see price._price_matmul
+    fp8_casts: str = "dynamic"  # "dynamic" (torchao) or "te" (Transformer Engine's delayed scaling): module doc
     # The unfused attention's dropout on its probabilities, a kernel each way: Megatron-LM's GPT default
     # (--attention-dropout 0.1), which vTrain's profiled GPT keeps (its src/model/gpt_model.py: attention_dropout_prob)
     attention_dropout: bool = False
@@ -135,12 +141,12 @@ FRAMEWORKS: dict[str, Kernels] = {
         _MEGATRON_DEEPSPEED,
         dataclasses.replace(_MEGATRON_DEEPSPEED, name="gpt-neox", loss_sync=False, description="EleutherAI's GPT-NeoX "
                             "(2022): Megatron-LM's model code and fused kernels on DeepSpeed's engine and pipeline"),
-        Kernels("megatron-core", attention="flash3", fuse_elementwise=True, loss="fused", master_weights=True,
-                dtensor_tp=False,
+        Kernels("megatron-core", attention="flash3", fuse_elementwise=True, loss="fused", fp8_casts="te",
+                master_weights=True, dtensor_tp=False,
                 description="Megatron-Core with Transformer Engine: cuDNN/FA3 attention and fused kernels"),
-        Kernels("nemo", attention="flash3", fuse_elementwise=True, loss="fused", master_weights=True,
+        Kernels("nemo", attention="flash3", fuse_elementwise=True, loss="fused", fp8_casts="te", master_weights=True,
                 dtensor_tp=False, description="NeMo (Megatron-Core, Transformer Engine)"),
-        Kernels("llm-foundry", attention="triton", loss="fused",
+        Kernels("llm-foundry", attention="triton", loss="fused", fp8_casts="te",
                 description="MosaicML llm-foundry: its 2023 benchmarks' attn_impl default, triton (FlashAttention "
                 "ported to Triton; scripts/train/benchmarking/submit_benchmarks.py), eager elementwise ops, and "
                 "flash-attn's fused cross-entropy (ComposerMPTCausalLM's loss_fn default, fused_crossentropy)"),

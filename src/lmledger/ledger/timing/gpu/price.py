@@ -104,9 +104,16 @@ def _price_matmul(op: OpRecord, chip: Chip, compute: str, kernels: Kernels) -> f
     dtype = peak_dtype(op.dtype, compute)
     dims = _matmul_dims(op)
     if kernels.fp8_matmuls and dtype in ("bf16", "fp16") and dims is not None and dims[3] == 1:
-        # A float8 linear (torchao, Transformer Engine): each operand's amax read, then cast to e4m3 (read 2 bytes,
-        # write 1); fused into one pass each under compile, two eager. Then the scaled fp8 matmul.
         m, n, k, _ = dims
+        if kernels.fp8_casts == "te":
+            # Transformer Engine (frameworks.Kernels.fp8_casts): forward, the input and the weight each cast and
+            # transposed in one kernel (read 2 bytes, write 1 twice); backward, the output's gradient likewise, once
+            # for the two matmuls that read it (its first operand in both: 2 bytes each), the rest from forward's
+            forward = op.phase == "forward" or op.recompute
+            moved, casts = ((m * k + k * n) * 4, 2) if forward else (m * k * 2, 1)
+            return matmul_seconds(m, n, k, 1, "fp8", chip, 1) + stream_seconds(moved, chip, casts)
+        # torchao's dynamic scaling: each operand's amax read, then cast to e4m3 (read 2 bytes, write 1); fused into
+        # one pass each under compile, two eager. Then the scaled fp8 matmul.
         operands = (m * k + k * n) * (3 if kernels.fuse_elementwise else 5)
         return matmul_seconds(m, n, k, 1, "fp8", chip, 1) + stream_seconds(operands, chip, 2)
     if dims is None:  # a convolution or other: its FLOPs at a large GEMM's efficiency
@@ -243,7 +250,9 @@ def price_op(op: OpRecord, chip: Chip, kernels: Kernels, compute: str, links: co
 
 def price_ops(ops: list[OpRecord], chip: Chip, kernels: Kernels, compute: str, links: comm.Links, world: int):
     """Every op priced, with the framework's fusion applied (`fused`)."""
-    priced = [price_op(op, chip, kernels, compute, links, world) for op in ops]
+    head = _lm_head(ops) if kernels.fp8_matmuls else set()
+    sixteen = dataclasses.replace(kernels, fp8_matmuls=False)
+    priced = [price_op(op, chip, sixteen if i in head else kernels, compute, links, world) for i, op in enumerate(ops)]
     if kernels.loss == "megatron":
         priced = _megatron_loss(ops, priced, chip, kernels, links)
     if kernels.loss_sync:
@@ -255,6 +264,19 @@ def price_ops(ops: list[OpRecord], chip: Chip, kernels: Kernels, compute: str, l
     if not (kernels.fuse_elementwise or kernels.loss == "fused"):
         return priced
     return fused(ops, priced, chip, inner=kernels.fuse_elementwise, loss=kernels.loss == "fused")
+
+
+def _lm_head(ops: list[OpRecord]) -> set[int]:
+    """The LM head's matmuls: the last forward matmul before the loss and the first two after its gradient. An fp8
+    run keeps them 16-bit: torchtitan converts every nn.Linear but the output layer to float8 (its float8
+    converter's filter), llm-foundry's fp8 runs swap its blocks' linears for Transformer Engine's and compute the
+    logits with F.linear on the tied embedding. None in a pipeline stage without the loss."""
+    loss = [i for i, op in enumerate(ops) if op.name.startswith(_LOSS_OPS)]
+    if not loss:
+        return set()
+    before = [i for i in range(loss[0]) if ops[i].category == MATMUL and ops[i].phase == "forward"]
+    after = [i for i in range(loss[-1] + 1, len(ops)) if ops[i].category == MATMUL and ops[i].phase == "backward"]
+    return set(before[-1:] + after[:2])
 
 
 # Megatron-LM's vocab-parallel cross-entropy (megatron/core/tensor_parallel/cross_entropy.py; Megatron-DeepSpeed's and
