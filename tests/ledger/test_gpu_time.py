@@ -530,6 +530,8 @@ def test_an_fp8_linear_casts_as_its_library_does_and_the_lm_head_stays_16_bit(to
     torchao = dataclasses.replace(kernels_for("pytorch"), fp8_matmuls=True)
     te = dataclasses.replace(kernels_for("llm-foundry"), fp8_matmuls=True)
     assert te.fp8_casts == "te" and kernels_for("torchtitan").fp8_casts == "dynamic"
+    with pytest.raises(ValueError, match="fp8_casts 'tE': choose one of dynamic, te"):
+        dataclasses.replace(te, fp8_casts="tE")
     for op in (fwd, bwd):
         assert price_op(op, H100, torchao, "bf16", links, 1).gpu_s == pytest.approx(
             gemm + stream_seconds(5 * (m * k + k * n), H100, 2)

@@ -56,9 +56,10 @@ from dataclasses import dataclass
 
 from lmledger.errors import UserError
 
-__all__ = ["FRAMEWORKS", "LOSSES", "Kernels", "kernels_for"]
+__all__ = ["FP8_CASTS", "FRAMEWORKS", "LOSSES", "Kernels", "kernels_for"]
 
 LOSSES = ("eager", "fused", "megatron")  # how a framework runs the cross-entropy loss (module doc)
+FP8_CASTS = ("dynamic", "te")  # how an fp8 run casts its matmuls' operands (module doc)
 
 # An eager aten op launched from Python: 8.6 us a call in torch.utils.benchmark (pytorch/pytorch#114860); a
 # Python-dispatched Triton kernel about 15 us (meta-pytorch/torchcomms#2455). Autograd's engine launches backward
@@ -105,8 +106,9 @@ class Kernels:
     async_tp: bool = False  # opt-in in every framework that has it: a run says so (published_runs reads its notes)
 
     def __post_init__(self) -> None:
-        if self.loss not in LOSSES:
-            raise ValueError(f"loss {self.loss!r}: choose one of {', '.join(LOSSES)}")
+        for field, value, allowed in (("loss", self.loss, LOSSES), ("fp8_casts", self.fp8_casts, FP8_CASTS)):
+            if value not in allowed:
+                raise ValueError(f"{field} {value!r}: choose one of {', '.join(allowed)}")
 
     def compiled(self) -> Kernels:
         """The same framework under torch.compile: elementwise runs fused, launched from Inductor's wrapper code."""

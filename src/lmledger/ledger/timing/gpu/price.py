@@ -179,7 +179,7 @@ def _indexed_bytes(op: OpRecord) -> int | None:
         return None
     specs = _specs(op)
     indices = next((s for s in specs if s.dtype == "int64"), None)
-    if not specs or indices is None:
+    if indices is None:
         return None
     count = math.prod(indices.shape)
     if not gather:
