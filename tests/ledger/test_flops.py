@@ -405,23 +405,32 @@ ACCOUNT_SMALL = [
 ]  # fmt: skip
 
 
-def test_account_lists_the_conventions_and_needs_a_measured_step_for_mfu(workdir, capsys):
+def test_account_lists_the_conventions_at_the_step_predicted_on_its_gpu(workdir, capsys):
+    """A GPU config on this CPU: its step is predicted on an H100 (the GPU op model), and each convention's MFU is
+    that step's against the H100's bf16 datasheet peak; PaLM's is the predicted step's own MFU."""
     from conftest import run_json
     from lmledger.cli import main as lmledger
+    from lmledger.ledger.hardware.gpus import require_gpu
 
-    conv = run_json(capsys, "account", "--config", "configs/cs336-medium.yaml", "--json")["mfu_conventions"]
-    assert conv["perf_mfu"] == "palm" and conv["seq_len"] == 1024
-    assert conv["step_seconds"] is None and conv["peak_flops_per_s"] is None
+    result = run_json(capsys, "account", "--config", "configs/cs336-medium.yaml", "--json")
+    conv, predicted = result["mfu_conventions"], result["time"]["predicted"]
+    assert conv["perf_mfu"] == "palm" and conv["seq_len"] == 1024 and conv["predicted_on"] == "h100-sxm"
+    assert conv["step_seconds"] == predicted["total_s"] > 0
+    assert conv["peak_flops_per_s"] == require_gpu("h100-sxm").peak_flops["bf16"]
     rows = conv["conventions"]
-    assert list(rows) == list(MFU_CONVENTIONS) and all(row["mfu"] is None for row in rows.values())
+    assert list(rows) == list(MFU_CONVENTIONS) and rows["palm"]["mfu"] == predicted["mfu"] > 0
+    for row in rows.values():  # one step, one peak: each MFU stands as its numerator does
+        assert row["mfu"] / rows["palm"]["mfu"] == pytest.approx(1 + row["vs_perf_mfu"], rel=1e-12)
     assert rows["palm"]["vs_perf_mfu"] == 0
     assert round(100 * rows["nanogpt"]["vs_perf_mfu"], 2) == 2.22
     assert round(100 * rows["torchtitan"]["vs_perf_mfu"], 3) == 0.011
+    assert conv["nanogpt_printed_mfu"] == pytest.approx(rows["nanogpt"]["mfu"] * conv["peak_flops_per_s"] / 312e12)
 
     assert lmledger(["account", "--config", "configs/cs336-medium.yaml"]) == 0
     out = capsys.readouterr().out
     assert "6N + attention (PaLM) = perf/mfu" in out and "+2.221%" in out and "+0.011%" in out
-    assert "MFU needs a measured step time: add --measure" in out
+    assert f"{rows['palm']['mfu']:.4f}" in out and "MFU needs a measured step" not in out
+    assert "MFU at the step predicted on h100-sxm by the GPU op model" in out and "989.4 TFLOP/s dense bf16" in out
 
 
 def test_account_measure_gives_each_convention_its_mfu(workdir, capsys):

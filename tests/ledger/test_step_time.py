@@ -592,6 +592,9 @@ def test_account_prints_the_predicted_step_time_before_anything_runs(cache, work
     lines = capsys.readouterr().out.splitlines()
     at = next(i for i, line in enumerate(lines) if line.startswith("step time predicted "))
     assert busy in lines[at + 1 :] and "70%" in busy
+    # this CPU's predicted step has no peak to hold an MFU against (accounting.step._mfu_conventions): a measurement's
+    assert result["mfu_conventions"]["predicted_on"] is None
+    assert "MFU needs a measured step time: add --measure" in lines
 
 
 def test_plan_train_time_from_a_config(cache, workdir, capsys):

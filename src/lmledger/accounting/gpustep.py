@@ -16,7 +16,7 @@ from lmledger.accounting.steptime import no_step_time
 from lmledger.ledger.hardware.gpus import GpuSpec, find_gpu, require_gpu
 from lmledger.ledger.run import Run
 
-__all__ = ["DEFAULT_GPU", "ops_gpu_step", "target_gpu", "toy_gpu_step"]
+__all__ = ["DEFAULT_GPU", "gpu_dtype", "ops_gpu_step", "target_gpu", "toy_gpu_step"]
 
 # The GPU a GPU config is priced on where this machine has none and no --gpu names one: the lecture's (CS336's)
 DEFAULT_GPU = "h100-sxm"
@@ -34,6 +34,15 @@ def target_gpu(accelerator: object, gpu: str | None) -> tuple[GpuSpec | None, st
         if found is not None:
             return found, "this machine's GPU"
     return require_gpu(DEFAULT_GPU), f"the config runs on a GPU and this machine has none: {DEFAULT_GPU} assumed"
+
+
+def gpu_dtype(precision: str) -> str:
+    """The dtype a Lightning precision's step runs in on a GPU, whose dense peak its MFU divides by: 16-bit, fp32 or
+    tf32 as the precision says; an fp8 run's against bf16's, which its step outside the linears runs in."""
+    from lmledger.ledger.hardware.peak_flops import compute_dtype_for_precision
+
+    dtype = compute_dtype_for_precision(precision)
+    return dtype if dtype in ("bf16", "fp16", "fp32", "tf32") else "bf16"
 
 
 def _kernels(spec: Run):
@@ -73,7 +82,6 @@ def toy_gpu_step(spec: Run, argv: list[str], gpu: GpuSpec, accumulate: int = 1, 
     """The ToyLM config's step on `gpu` at its layout: TP from its strategy, data parallel the rest of its devices (or
     of `num_gpus`), fully sharded under FSDP/FSDP2/ZeRO-3, else replicated."""
     from lmledger.ledger.closedform.flops import model_flops_per_token
-    from lmledger.ledger.hardware.peak_flops import compute_dtype_for_precision
     from lmledger.ledger.timing.gpu.layout import Layout, step_at_layout
     from lmledger.ledger.timing.steptime import StepTime
 
@@ -85,8 +93,7 @@ def toy_gpu_step(spec: Run, argv: list[str], gpu: GpuSpec, accumulate: int = 1, 
     layout = Layout(tp=tp, dp=world // tp, sharding="fsdp" if sharded else "ddp", micro_batch=spec.batch_size,
                     accumulate=accumulate, recompute=_recompute(spec),
                     sequence_parallel=spec.sequence_parallel and tp > 1)  # fmt: skip
-    dtype = compute_dtype_for_precision(spec.precision)
-    dtype = dtype if dtype in ("bf16", "fp16", "fp32", "tf32") else "bf16"
+    dtype = gpu_dtype(spec.precision)
     step = step_at_layout(spec.config, spec.seq_len, layout, _dry_precision(spec.precision), gpu,
                           compute_dtype=dtype, kernels=_kernels(spec), links=_links(gpu, argv, world))  # fmt: skip
     if not isinstance(step, StepTime):
@@ -111,12 +118,10 @@ def ops_gpu_step(
 ) -> dict:  # fmt: skip
     """Any module's step on `gpu`, from its dry run's ops (one rank's, on this machine's fake tensors), with DDP's
     `buckets` (bytes, dtype) all-reduced over `world_size` ranks as backward fills them."""
-    from lmledger.ledger.hardware.peak_flops import compute_dtype_for_precision
     from lmledger.ledger.timing.gpu import kernels_for, predict_gpu_step
     from lmledger.ledger.timing.steptime import StepTime
 
-    dtype = compute_dtype_for_precision(precision)
-    dtype = dtype if dtype in ("bf16", "fp16", "fp32", "tf32") else "bf16"
+    dtype = gpu_dtype(precision)
     model_flops = 3 * ops.flops_in("forward")
     step = predict_gpu_step(ops, gpu, compute_dtype=dtype, kernels=kernels_for("pytorch"), tokens=tokens,
                             samples=samples, accumulate=accumulate, model_flops=model_flops, buckets=list(buckets),

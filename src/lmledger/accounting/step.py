@@ -135,12 +135,16 @@ def _step_seconds(step, device: torch.device) -> float:
     return forward_backward_seconds(step, device, eager=False, repeats=3)
 
 
-def _mfu_conventions(spec: Run, seconds: float | None, device: torch.device) -> dict:
+def _mfu_conventions(spec: Run, seconds: float | None, device: torch.device, predicted: dict | None = None) -> dict:
     """FLOPs per token of a training step under each MFU convention, and the ratio to perf/mfu's.
 
     With a measured step time, also MFU against the device's dense peak. A measured peak the step beats
-    is raised to the step's own hardware rate, as the throughput callback does."""
+    is raised to the step's own hardware rate, as the throughput callback does. Without one, a step `predicted` on a
+    GPU (accounting.gpustep) gives each convention its MFU at that step against the GPU's datasheet peak: its own
+    MFU (PaLM's) scaled by the convention's FLOPs."""
     per_token = ledger_flops.flops_per_token_by_convention(spec.config, spec.seq_len)
+    if seconds is None and predicted and predicted.get("gpu") and predicted.get("mfu"):
+        return _predicted_conventions(spec, per_token, predicted)
     peak = peak_line = None
     if seconds is not None:
         dtype = compute_dtype_for_precision(spec.precision)
@@ -164,13 +168,34 @@ def _mfu_conventions(spec: Run, seconds: float | None, device: torch.device) -> 
         None if seconds is None else per_token["nanogpt"] * spec.tokens_per_batch / seconds / _NANOGPT_PEAK
     )
 
+    return _conventions_json(spec, per_token, seconds, peak and peak.flops_per_s, peak_line, nanogpt_printed, mfu)
+
+
+def _predicted_conventions(spec: Run, per_token: dict[str, int], predicted: dict) -> dict:
+    """The conventions at a step predicted on a GPU: the step's MFU is PaLM's (gpustep.toy_gpu_step), so each
+    convention's is that times its FLOPs over PaLM's, against the same datasheet peak."""
+    from lmledger.accounting.gpustep import gpu_dtype
+    from lmledger.ledger.hardware.gpus import require_gpu
+
+    dtype = gpu_dtype(spec.precision)
+    peak = require_gpu(predicted["gpu"]).peak_flops[dtype]
+    line = f"{tera(peak):.4g} TFLOP/s dense {dtype} (datasheet:{predicted['gpu']})"
+    palm = predicted["mfu"]
+    out = _conventions_json(spec, per_token, predicted["total_s"], peak, line,
+                            palm * per_token["nanogpt"] / per_token["palm"] * peak / _NANOGPT_PEAK,
+                            lambda n: palm * n / per_token["palm"])  # fmt: skip
+    return {**out, "predicted_on": predicted["gpu"]}
+
+
+def _conventions_json(spec: Run, per_token: dict[str, int], seconds, peak, peak_line, nanogpt_printed, mfu) -> dict:
     return {
         "perf_mfu": "palm",
         "seq_len": spec.seq_len,
         "step_seconds": seconds,
-        "peak_flops_per_s": peak and peak.flops_per_s,
+        "peak_flops_per_s": peak,
         "peak": peak_line,
         "nanogpt_printed_mfu": nanogpt_printed,
+        "predicted_on": None,  # the GPU a predicted step's conventions are for; None: a measured step (or none)
         "conventions": {
             key: {
                 "label": ledger_flops.MFU_CONVENTIONS[key],
@@ -223,7 +248,9 @@ def account(spec: Run, do_measure: bool, argv: list[str] = (), step_time: bool =
             "compiled": bool(spec.compiled),
             "measured_peak_phase": measured["figures"].peak_phase if measured else None,
         },
-        "mfu_conventions": _mfu_conventions(spec, measured["step_seconds"] if measured else None, device),
+        "mfu_conventions": _mfu_conventions(
+            spec, measured["step_seconds"] if measured else None, device, step if target is not None else None
+        ),
         "time": measured["time"] if measured else None,
     }
     if step is not None:  # the step time predicted here, before anything runs

@@ -104,7 +104,13 @@ def _print_conventions(conv: dict, run: dict) -> None:
         rows.append((label, f"{row['flops_per_token']:,}", f"{row['vs_perf_mfu']:+.3%}", mfu))
     title = f"MFU conventions: FLOPs per token of a training step, T = {conv['seq_len']}"
     Console().print(render(["convention", "FLOPs / token", "vs perf/mfu", "MFU"], rows, title=title))
-    if conv["step_seconds"] is None:
+    if conv.get("predicted_on"):
+        print(
+            f"MFU at the step predicted on {conv['predicted_on']} by the GPU op model ({conv['step_seconds'] * 1e3:.4g}"
+            f" ms) against {conv['peak']}; nanoGPT's estimate_mfu would print {conv['nanogpt_printed_mfu']:.4g} (it "
+            f"divides by 312 TFLOP/s, an A100's bf16 peak, on any device)"
+        )
+    elif conv["step_seconds"] is None:
         print("MFU needs a measured step time: add --measure")
     elif conv["peak_flops_per_s"] is None:
         print(f"no MFU: {conv['peak']}")
