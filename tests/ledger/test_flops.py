@@ -431,6 +431,10 @@ def test_account_lists_the_conventions_at_the_step_predicted_on_its_gpu(workdir,
     assert "6N + attention (PaLM) = perf/mfu" in out and "+2.221%" in out and "+0.011%" in out
     assert f"{rows['palm']['mfu']:.4f}" in out and "MFU needs a measured step" not in out
     assert "MFU at the step predicted on h100-sxm by the GPU op model" in out and "989.4 TFLOP/s dense bf16" in out
+    # and why it is that MFU (ledger.timing.gpu.explain): its factors, and what holds the rest of the step
+    why = predicted["mfu_explained"]
+    assert why["model_over_run"] * why["kernel_rate"] * why["kernel_share"] == pytest.approx(predicted["mfu"])
+    assert f"  why MFU {predicted['mfu']:.2g}: the kernels run " in out and "other compute" in out.split("why MFU")[1]
 
 
 def test_account_measure_gives_each_convention_its_mfu(workdir, capsys):

@@ -14,6 +14,7 @@ from lmledger.ledger.count.ops import COMMUNICATION, MATMUL, OTHER, OpRecord, Op
 from lmledger.ledger.hardware.gpus import GPUS
 from lmledger.ledger.hardware.interconnect import INTERCONNECTS, Links, links_for
 from lmledger.ledger.timing.gpu import arch, comm, kernels_for, predict_gpu_step
+from lmledger.ledger.timing.gpu.explain import explain_mfu
 from lmledger.ledger.timing.gpu.kernels import (
     attention_seconds,
     chip_of,
@@ -464,6 +465,24 @@ def test_the_categories_of_a_real_dry_run_sum_to_the_step(toy_ops, framework):
     # a small model in eager PyTorch waits on the host; fused kernels launched from C++ do not
     if framework == "pytorch":
         assert step.seconds["host"] > 0
+    # why the MFU is what it is: three factors whose product it is, and the rest of the step per category
+    why = explain_mfu(step.seconds, 3 * toy_ops.flops_forward, toy_ops.ops.flops_in("forward", "backward"),
+                      H100.peak("bf16"))  # fmt: skip
+    assert why["mfu"] == pytest.approx(step.mfu, rel=1e-12)
+    assert why["model_over_run"] * why["kernel_rate"] * why["kernel_share"] == pytest.approx(step.mfu, rel=1e-12)
+    assert why["kernel_share"] + sum(why["rest"].values()) == pytest.approx(1.0)
+    # no checkpointing, yet attention's backward recomputes its scores, which PaLM's count leaves out
+    assert why["model_over_run"] < 1 and 0 < why["kernel_rate"] < 1
+    assert why["without"]["other"] == pytest.approx(step.mfu * step.total_s / (step.total_s - step.seconds["other"]))
+
+
+def test_the_mfu_explained_on_numbers_worked_by_hand():
+    # 4 s: 3 in the FLOP-heavy kernels, 1 in elementwise ops; 300 model FLOPs of the 400 run, at a peak of 100/s
+    why = explain_mfu({"matmul": 2.0, "attention": 1.0, "other": 1.0, "host": 0.0}, 300, 400, 100)
+    assert why["mfu"] == 0.75 and why["model_over_run"] == 0.75 and why["kernel_share"] == 0.75
+    assert why["kernel_rate"] == pytest.approx(4 / 3) and why["rest"] == {"other": 0.25}
+    assert why["without"] == {"other": 1.0}  # the MFU were the elementwise ops free
+    assert explain_mfu({"other": 1.0}, 300, 400, 100) is None  # no FLOP-heavy kernel: nothing to explain by
 
 
 def test_a_gpu_without_chip_figures_is_one_line():

@@ -81,7 +81,8 @@ def _recompute(spec: Run) -> str:
 def toy_gpu_step(spec: Run, argv: list[str], gpu: GpuSpec, accumulate: int = 1, num_gpus: int | None = None) -> dict:
     """The ToyLM config's step on `gpu` at its layout: TP from its strategy, data parallel the rest of its devices (or
     of `num_gpus`), fully sharded under FSDP/FSDP2/ZeRO-3, else replicated."""
-    from lmledger.ledger.closedform.flops import model_flops_per_token
+    from lmledger.ledger.closedform.flops import flops_per_token_by_convention
+    from lmledger.ledger.timing.gpu.explain import explain_mfu
     from lmledger.ledger.timing.gpu.layout import Layout, step_at_layout
     from lmledger.ledger.timing.steptime import StepTime
 
@@ -99,12 +100,15 @@ def toy_gpu_step(spec: Run, argv: list[str], gpu: GpuSpec, accumulate: int = 1, 
     if not isinstance(step, StepTime):
         return no_step_time(step.reason)
     tokens = spec.batch_size * spec.seq_len * accumulate  # a rank's; TP's ranks share theirs
-    model_flops = model_flops_per_token(spec.config, spec.seq_len) * tokens / tp
+    per_token = flops_per_token_by_convention(spec.config, spec.seq_len)
+    model_flops = per_token["palm"] * tokens / tp
     mfu = model_flops / step.total_s / gpu.peak_flops[dtype] if step.total_s > 0 else None
     from dataclasses import replace
 
     step = replace(step, mfu=mfu, tokens=tokens)
-    out = {**step.to_json(), "line": step.line(), "gpu": gpu.key, "layout": _layout_json(layout, world)}
+    out = {**step.to_json(), "line": step.line(), "gpu": gpu.key, "layout": _layout_json(layout, world),
+           "mfu_explained": explain_mfu(step.seconds, model_flops, per_token["hfu"] * tokens / tp,
+                                        gpu.peak_flops[dtype])}  # fmt: skip
     if world > 1:  # the line is one rank's: its tokens, which a TP group shares
         rate = tokens * layout.dp / step.total_s if step.total_s > 0 else 0.0
         out["notes"] = [*out["notes"], f"per GPU; {world} GPUs ({tp} TP x {layout.dp} DP, {layout.sharding}): "
@@ -119,6 +123,7 @@ def ops_gpu_step(
     """Any module's step on `gpu`, from its dry run's ops (one rank's, on this machine's fake tensors), with DDP's
     `buckets` (bytes, dtype) all-reduced over `world_size` ranks as backward fills them."""
     from lmledger.ledger.timing.gpu import kernels_for, predict_gpu_step
+    from lmledger.ledger.timing.gpu.explain import explain_mfu
     from lmledger.ledger.timing.steptime import StepTime
 
     dtype = gpu_dtype(precision)
@@ -139,7 +144,9 @@ def ops_gpu_step(
         seconds = {c: v + (accumulate - 1) * micro.seconds.get(c, 0.0) for c, v in step.seconds.items()}
         total = sum(seconds.values())
         step = replace(step, seconds=seconds, mfu=model_flops * accumulate / total / gpu.peak_flops[dtype])
-    return {**step.to_json(), "line": step.line(), "gpu": gpu.key}
+    run_flops = ops.flops_in("forward", "backward")  # recompute included: it is dispatched in backward
+    why = explain_mfu(step.seconds, model_flops * accumulate, run_flops * accumulate, gpu.peak_flops[dtype])
+    return {**step.to_json(), "line": step.line(), "gpu": gpu.key, "mfu_explained": why}
 
 
 def _dry_precision(precision: str) -> str:

@@ -91,7 +91,25 @@ def gpu_breakdown(predicted: dict) -> str:
                                ("optimizer", "optimizer"))]  # fmt: skip
     for key, name in (("communication", "communication"), ("host", "host")):
         parts.append(f"{name} {seconds.get(key, 0.0) * 1e3:.4g} ms exposed, {hidden.get(key, 0.0) * 1e3:.4g} ms hidden")
-    return "  " + "; ".join(parts)
+    why = predicted.get("mfu_explained")
+    return "  " + "; ".join(parts) + (f"\n{mfu_why(why)}" if why else "")
+
+
+_REST = {"other": "other compute", "optimizer": "the optimizer", "communication": "exposed communication",
+         "host": "the exposed host", "bubble": "the pipeline's bubble", "data_wait": "waiting for data"}  # fmt: skip
+
+
+def mfu_why(why: dict) -> str:
+    """One line: the predicted MFU as its three factors (ledger.timing.gpu.explain), then what else holds the step,
+    each with the MFU the step would reach without it."""
+    rest = sorted(why["rest"].items(), key=lambda kv: -kv[1])
+    held = [f"{_REST.get(c, c)} {share:.0%} (MFU {why['without'][c]:.2g} without it)" for c, share in rest
+            if share >= 0.005]  # fmt: skip
+    return (
+        f"  why MFU {why['mfu']:.2g}: the kernels run {1 / why['model_over_run']:.3g}x the model's FLOPs; the "
+        f"matmul and attention kernels run them at {why['kernel_rate']:.2f} of the peak and hold "
+        f"{why['kernel_share']:.0%} of the step" + (f"; the rest: {', '.join(held)}" if held else "")
+    )
 
 
 def _print_conventions(conv: dict, run: dict) -> None:
