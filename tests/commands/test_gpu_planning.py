@@ -169,9 +169,21 @@ def test_plan_layout_ranks_the_layouts_that_fit(workdir, capsys):
         assert r["micro_batch"] * r["micro_batches"] * r["data_parallel"] == 2 and r["peak_bytes"] < out["memory_bytes"]
         assert r["days"] == pytest.approx(1e9 / r["tokens_per_s"] / 86400)
         assert sum(r["breakdown_s"].values()) == pytest.approx(r["step_s"], rel=1e-6)
+        why = r["mfu_explained"]  # its MFU as three factors (ledger.timing.gpu.explain); recompute runs a forward more
+        assert why["model_over_run"] * why["kernel_rate"] * why["kernel_share"] == pytest.approx(r["mfu"], rel=1e-9)
+
+    def why(tp: int, recompute: str) -> dict:
+        (row,) = [r for r in ranked if (r["tensor_parallel"], r["recompute"], r["micro_batch"], r["sharding"])
+                  == (tp, recompute, 1, "fsdp" if tp == 1 else "ddp")]  # fmt: skip
+        return row["mfu_explained"]
+
+    for tp in (1, 2):  # the same layout with and without recompute: the kernels run the blocks' forward again (not
+        # the head's), so the model's share of the FLOPs run falls by more than nothing and less than a third
+        assert 1.05 < why(tp, "none")["model_over_run"] / why(tp, "full")["model_over_run"] < 4 / 3
     assert lmledger(["plan", "layout", *args, "--top", "8"]) == 0
     text = capsys.readouterr().out
     assert "ranked by predicted time" in text and "links: NVLink 4" in text and "sp: tensor parallel with" in text
+    assert f"the first layout: why MFU {ranked[0]['mfu']:.2g}: the kernels run " in text
 
 
 def test_a_tp_configs_gpu_step_takes_its_sequence_parallel(workdir, capsys):

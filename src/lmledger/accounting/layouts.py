@@ -3,13 +3,18 @@ GPUs that fit, ranked by predicted tokens/s (ledger/timing/gpu/search.py), as on
 
 from __future__ import annotations
 
-from lmledger.accounting.gpustep import _dry_precision, _kernels, _links, target_gpu
+import dataclasses
+
+from lmledger.accounting.gpustep import _dry_precision, _kernels, _links, gpu_dtype, target_gpu
 from lmledger.accounting.steptime import trainer_time_settings
 
 __all__ = ["plan_layouts"]
 
 
-def _layout_json(c, num_gpus: int, tokens_per_step: int, tokens: float | None, peak_flops: float, flops_per_token):
+def _layout_json(c, num_gpus: int, tokens_per_step: int, tokens: float | None, peak_flops: float, per_token: dict):
+    """A candidate as JSON; `per_token`: {recompute: (model FLOPs, FLOPs run) a token}, the MFU's and the kernels'."""
+    from lmledger.ledger.timing.gpu.explain import explain_mfu
+
     layout, step = c.layout, c.step
     out = {"tensor_parallel": layout.tp, "sequence_parallel": layout.sequence_parallel,
            "context_parallel": layout.cp, "pipeline_parallel": layout.pp,
@@ -22,8 +27,10 @@ def _layout_json(c, num_gpus: int, tokens_per_step: int, tokens: float | None, p
     if c.dropped:
         return {**out, "dropped": c.dropped}
     rate = c.tokens_per_s(tokens_per_step)
-    out.update(step_s=step.total_s, tokens_per_s=rate, mfu=flops_per_token * rate / (num_gpus * peak_flops),
-               breakdown_s=c.breakdown(), days=tokens / rate / 86400 if tokens else None)  # fmt: skip
+    model, run = (n * tokens_per_step / num_gpus for n in per_token[layout.recompute])  # a GPU's share of the step
+    out.update(step_s=step.total_s, tokens_per_s=rate, mfu=model / (peak_flops * step.total_s),
+               breakdown_s=c.breakdown(), days=tokens / rate / 86400 if tokens else None,
+               mfu_explained=explain_mfu(step.seconds, model, run, peak_flops))  # fmt: skip
     return out
 
 
@@ -32,9 +39,8 @@ def plan_layouts(argv: list[str], gpu: str | None, num_gpus: int, tokens: float 
     the config would be priced on), at the config's global batch; `top` ranked layouts and every dropped one."""
     from lmledger.errors import UserError
     from lmledger.fitting.checks import named_classes
-    from lmledger.ledger.closedform.flops import model_flops_per_token
+    from lmledger.ledger.closedform.flops import flops_per_token_by_convention
     from lmledger.ledger.hardware.gpus import require_gpu
-    from lmledger.ledger.hardware.peak_flops import compute_dtype_for_precision
     from lmledger.ledger.timing.gpu.search import search_layouts
     from lmledger.run_config import load_run
 
@@ -46,13 +52,16 @@ def plan_layouts(argv: list[str], gpu: str | None, num_gpus: int, tokens: float 
     target = target or require_gpu("h100-sxm")
     accumulate = trainer_time_settings(argv)["accumulate"]
     global_batch = spec.batch_size * accumulate * max(1, spec.world_size // spec.tensor_parallel)
-    dtype = compute_dtype_for_precision(spec.precision)
-    dtype = dtype if dtype in ("bf16", "fp16", "fp32", "tf32") else "bf16"
+    dtype = gpu_dtype(spec.precision)
     links = _links(target, argv, num_gpus)
     found = search_layouts(spec.config, spec.seq_len, num_gpus=num_gpus, global_batch=global_batch,
                            capacity_bytes=target.memory_bytes, precision=_dry_precision(spec.precision), gpu=target,
                            compute_dtype=dtype, kernels=_kernels(spec), links=links)  # fmt: skip
-    per_token = model_flops_per_token(spec.config, spec.seq_len)
+    per_token = {}  # PaLM's count for the MFU; the hardware count at the layout's recompute for what the kernels run
+    for recompute, every in (("none", 0), ("full", 1)):
+        counts = flops_per_token_by_convention(dataclasses.replace(spec.config, activation_checkpointing=every),
+                                               spec.seq_len)  # fmt: skip
+        per_token[recompute] = (counts["palm"], counts["hfu"])
     peak = target.peak_flops[dtype]
 
     def row(c):

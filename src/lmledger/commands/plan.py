@@ -355,6 +355,10 @@ def _layout_command(
                       *((f"{r['days']:,.1f}",) if tokens else ()))  # fmt: skip
     if out["ranked"]:
         Console(width=max(Console().width, 120)).print(table)
+        if out["ranked"][0].get("mfu_explained"):
+            from lmledger.commands.account import mfu_why
+
+            print(mfu_why(out["ranked"][0]["mfu_explained"]).replace("  why MFU", "the first layout: why MFU", 1))
     else:
         sized = [r for r in out["dropped"] if "peak_bytes" in r]
         low = min(sized, key=lambda r: r["peak_bytes"], default=None)
