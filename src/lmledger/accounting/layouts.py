@@ -12,7 +12,8 @@ __all__ = ["plan_layouts"]
 
 
 def _layout_json(c, num_gpus: int, tokens_per_step: int, tokens: float | None, peak_flops: float, per_token: dict):
-    """A candidate as JSON; `per_token`: {recompute: (model FLOPs, FLOPs run) a token}, the MFU's and the kernels'."""
+    """A candidate as JSON; `per_token`: {recompute: (model FLOPs, FLOPs run) a token}, the MFU's and the kernels'
+    (the closed forms' hardware count, which knows no recompute but every block's or none)."""
     from lmledger.ledger.timing.gpu.explain import explain_mfu
 
     layout, step = c.layout, c.step
@@ -27,10 +28,12 @@ def _layout_json(c, num_gpus: int, tokens_per_step: int, tokens: float | None, p
     if c.dropped:
         return {**out, "dropped": c.dropped}
     rate = c.tokens_per_s(tokens_per_step)
-    model, run = (n * tokens_per_step / num_gpus for n in per_token[layout.recompute])  # a GPU's share of the step
+    share = tokens_per_step / num_gpus  # a GPU's share of the step's tokens
+    model = per_token["none"][0] * share
+    run = per_token[layout.recompute][1] * share if layout.recompute in per_token else None  # no closed form: none
     out.update(step_s=step.total_s, tokens_per_s=rate, mfu=model / (peak_flops * step.total_s),
                breakdown_s=c.breakdown(), days=tokens / rate / 86400 if tokens else None,
-               mfu_explained=explain_mfu(step.seconds, model, run, peak_flops))  # fmt: skip
+               mfu_explained=explain_mfu(step.seconds, model, run, peak_flops) if run else None)  # fmt: skip
     return out
 
 
