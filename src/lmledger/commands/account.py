@@ -100,11 +100,11 @@ _REST = {"other": "other compute", "optimizer": "the optimizer", "communication"
 
 
 def mfu_why(why: dict) -> str:
-    """One line: the predicted MFU as its three factors (ledger.timing.gpu.explain), then what else holds the step,
-    each with the MFU the step would reach without it."""
+    """One line: the predicted MFU as its three factors (ledger.timing.gpu.explain), then what else holds 2% of the
+    step or more, each with the MFU the step would reach without it (--json lists every part)."""
     rest = sorted(why["rest"].items(), key=lambda kv: -kv[1])
     held = [f"{_REST.get(c, c)} {share:.0%} (MFU {why['without'][c]:.2g} without it)" for c, share in rest
-            if share >= 0.005]  # fmt: skip
+            if share >= 0.02]  # fmt: skip
     return (
         f"  why MFU {why['mfu']:.2g}: the kernels run {1 / why['model_over_run']:.3g}x the model's FLOPs; the "
         f"matmul and attention kernels run them at {why['kernel_rate']:.2f} of the peak and hold "
