@@ -99,14 +99,14 @@ _REST = {"other": "other compute", "optimizer": "the optimizer", "communication"
          "host": "the exposed host", "bubble": "the pipeline's bubble", "data_wait": "waiting for data"}  # fmt: skip
 
 
-def mfu_why(why: dict) -> str:
-    """One line: the predicted MFU as its three factors (ledger.timing.gpu.explain), then what else holds 2% of the
-    step or more, each with the MFU the step would reach without it (--json lists every part)."""
+def mfu_why(why: dict, whose: str = "  ") -> str:
+    """One line, after `whose`: the predicted MFU as its three factors (ledger.timing.gpu.explain), then what else
+    holds 2% of the step or more, each with the MFU the step would reach without it (--json lists every part)."""
     rest = sorted(why["rest"].items(), key=lambda kv: -kv[1])
     held = [f"{_REST.get(c, c)} {share:.0%} (MFU {why['without'][c]:.2g} without it)" for c, share in rest
             if share >= 0.02]  # fmt: skip
     return (
-        f"  why MFU {why['mfu']:.2g}: the kernels run {1 / why['model_over_run']:.3g}x the model's FLOPs; the "
+        f"{whose}why MFU {why['mfu']:.2g}: the kernels run {1 / why['model_over_run']:.3g}x the model's FLOPs; the "
         f"matmul and attention kernels run them at {why['kernel_rate']:.2f} of the peak and hold "
         f"{why['kernel_share']:.0%} of the step" + (f"; the rest: {', '.join(held)}" if held else "")
     )

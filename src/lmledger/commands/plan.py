@@ -358,7 +358,7 @@ def _layout_command(
         if out["ranked"][0].get("mfu_explained"):
             from lmledger.commands.account import mfu_why
 
-            print(mfu_why(out["ranked"][0]["mfu_explained"]).replace("  why MFU", "the first layout: why MFU", 1))
+            print(mfu_why(out["ranked"][0]["mfu_explained"], whose="the first layout: "))
     else:
         sized = [r for r in out["dropped"] if "peak_bytes" in r]
         low = min(sized, key=lambda r: r["peak_bytes"], default=None)
