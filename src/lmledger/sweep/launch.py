@@ -28,6 +28,7 @@ from pathlib import Path
 
 from lmledger.atomic import atomic_write, write_error
 from lmledger.errors import UserError
+from lmledger.lifetime import die_with_parent
 from lmledger.sweep.check import bad_points_error, check_points
 from lmledger.sweep.collect import PointResult, newest_run_dir, output_tags, read_tensorboard
 from lmledger.sweep.report import write_results
@@ -287,26 +288,6 @@ def point_outcome(point: Point, out_dir: Path, code: int, seconds: float | None,
     )
 
 
-def _die_with_parent(parent: int) -> None:
-    """Make this process receive SIGTERM when `parent` dies, however it dies (SIGKILL included)."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        PR_SET_PDEATHSIG = 1  # <linux/prctl.h>. prctl(2): the signal comes when the parent *thread* exits.
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) == 0:
-            if os.getppid() != parent:  # it died before the call: nobody will send the signal
-                os.kill(os.getpid(), signal.SIGTERM)
-            return
-
-    def watch() -> None:  # elsewhere: poll. An orphan is adopted by another process.
-        while os.getppid() == parent:
-            time.sleep(1.0)
-        os.kill(os.getpid(), signal.SIGTERM)
-
-    threading.Thread(target=watch, name="lmledger-sweep-parent-watch", daemon=True).start()
-
-
 def point_main(argv: list[str], run_command: Callable[[list[str]], int]) -> int:
     """The process of one point: `python -m lmledger.sweep point PARENT_PID LMLEDGER_ARGS...`.
 
@@ -317,7 +298,7 @@ def point_main(argv: list[str], run_command: Callable[[list[str]], int]) -> int:
     parent = int(argv[0])
     if int(os.environ.get("LOCAL_RANK") or 0) > 0:
         parent = os.getppid()
-    _die_with_parent(parent)
+    die_with_parent(parent)
     return run_command(argv[1:])
 
 

@@ -43,6 +43,7 @@ __all__ = [
     "rank_memories",
     "rank_ops",
     "step_at_layout",
+    "trace_key",
 ]
 
 RECOMPUTE = ("none", "full", "layer", "attention", "op")
@@ -151,15 +152,25 @@ def _traced(config, seq: int, layout: Layout, precision: str):
         from lmledger.ledger.sharding.context import context_rank
 
         try:
-            # replicated, a rank's step is the same at any data-parallel width (its all-reduce is the caller's)
-            dp = layout.dp if layout.sharding == "fsdp" else 1
-            return context_rank(config, seq, layout.cp, layout.micro_batch, precision, traced, dp=dp,
+            return context_rank(config, seq, layout.cp, layout.micro_batch, precision, traced, dp=_fsdp_world(layout),
                                 sharding=layout.sharding, tp=layout.tp,
                                 sequence_parallel=layout.sequence_parallel)  # fmt: skip
         except UserError as err:  # e.g. a sequence that does not split into 2 x cp, learned positions
             return NotTraced(str(err))
-    fsdp_dp = layout.dp if layout.sharding == "fsdp" else 1
-    return _rank_ops(config, seq, layout.tp, fsdp_dp, layout.micro_batch, traced, precision, layout.sequence_parallel)
+    return _rank_ops(config, seq, layout.tp, _fsdp_world(layout), layout.micro_batch, traced, precision,
+                     layout.sequence_parallel)  # fmt: skip
+
+
+def _fsdp_world(layout: Layout) -> int:
+    """The data-parallel ranks a rank's dry run shards over: FSDP's; replicated, a rank's step is the same at any
+    data-parallel width (its all-reduce is the caller's)."""
+    return layout.dp if layout.sharding == "fsdp" else 1
+
+
+def trace_key(layout: Layout) -> tuple:
+    """What decides a layout's dry runs (_traced), at whatever pipeline depth or recompute: layouts with the same key
+    share them."""
+    return layout.tp, layout.cp, _fsdp_world(layout), layout.micro_batch, layout.sequence_parallel
 
 
 @functools.lru_cache(maxsize=256)

@@ -16,17 +16,29 @@ ones whose per-rank peak fits, ranked by predicted tokens/s.
     ranked      the rest by the predicted step (layout.step_at_layout), fastest first
 
 Each distinct (TP, CP, FSDP's world, micro-batch, recompute) is dry-run once, at one and two layers: the pipeline depths
-and data-parallel widths that share them are priced from the same dry runs. Pure torch: no Lightning import.
+and data-parallel widths that share them are priced from the same dry runs. A long search spreads those dry runs over
+the machine's cores, in spawned processes (_judge_all). Pure torch: no Lightning import.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
+import multiprocessing
+import os
+import time
 from dataclasses import dataclass
 
 from lmledger.ledger.hardware.interconnect import Links
 from lmledger.ledger.timing.gpu.frameworks import Kernels
-from lmledger.ledger.timing.gpu.layout import BUBBLE, Layout, RankMemory, memory_at_layout, step_at_layout
+from lmledger.ledger.timing.gpu.layout import (
+    BUBBLE,
+    Layout,
+    RankMemory,
+    memory_at_layout,
+    step_at_layout,
+    trace_key,
+)
 from lmledger.ledger.timing.steptime.predict import StepTime
 
 __all__ = ["Candidate", "Search", "candidates", "schedules_for", "search_layouts"]
@@ -115,32 +127,100 @@ def schedules_for(kernels: Kernels) -> tuple[tuple[str, int], ...]:
 
 def search_layouts(
     config, seq: int, *, num_gpus: int, global_batch: int, capacity_bytes: int, precision: str, gpu,
-    compute_dtype: str, kernels: Kernels, links: Links, memory_precision: str | None = None, **space,
+    compute_dtype: str, kernels: Kernels, links: Links, memory_precision: str | None = None, workers: int | None = None,
+    **space,
 ) -> Search:  # fmt: skip
     """Every layout of `config` at `global_batch` sequences of `seq` tokens over `num_gpus` GPUs (module doc); `space`
     narrows or widens what is searched (candidates' shardings, recomputes, micro_batches, schedules, cps,
     sequence_parallel). The bytes are
     the dry run's at `memory_precision` where the trainer keeps other state than its kernels show (Megatron-LM: 16-bit
-    weights in the kernels, fp32 master weights and moments in its optimizer), else at `precision`."""
+    weights in the kernels, fp32 master weights and moments in its optimizer), else at `precision`. `workers`: the
+    processes that dry-run the layouts (_judge_all; None: this machine's cores, where the search is long enough)."""
     space.setdefault("cps", (1, 2, 4, 8) if seq >= LONG_CONTEXT else (1,))
     space.setdefault("schedules", schedules_for(kernels))
     layouts, dropped = candidates(config, num_gpus, global_batch, max(1, links.gpus_per_node), **space)
+    judge = functools.partial(_judge, config, seq, capacity_bytes, memory_precision or precision, precision, gpu,
+                              compute_dtype, kernels, links)  # fmt: skip
     ranked = []
-    for layout in layouts:
-        memory = memory_at_layout(config, seq, layout, memory_precision or precision)
-        if not isinstance(memory, RankMemory):
-            dropped.append(Candidate(layout, dropped=memory.reason))
-            continue
-        if memory.peak > capacity_bytes:
-            where = f" (pipeline rank {memory.stage})" if layout.pp > 1 else ""
-            dropped.append(Candidate(layout, memory, dropped=f"its peak {memory.peak / 1e9:.1f} GB{where} is over "
-                                     f"the GPU's {capacity_bytes / 1e9:.0f} GB"))  # fmt: skip
-            continue
-        step = step_at_layout(config, seq, layout, precision, gpu, compute_dtype=compute_dtype, kernels=kernels,
-                              links=links)  # fmt: skip
-        if not isinstance(step, StepTime):
-            dropped.append(Candidate(layout, memory, dropped=step.reason))
-            continue
-        ranked.append(Candidate(layout, memory, step))
+    for found in _judge_all(judge, layouts, workers):
+        (ranked if found.step is not None else dropped).append(found)
     ranked.sort(key=lambda c: c.step.total_s)
     return Search(ranked, dropped, global_batch * seq, num_gpus)
+
+
+def _judge(
+    config, seq: int, capacity_bytes: int, memory_precision: str, precision: str, gpu, compute_dtype: str,
+    kernels: Kernels, links: Links, layout: Layout,
+) -> Candidate:  # fmt: skip
+    """One layout: dropped where its highest per-rank peak is over `capacity_bytes` or it cannot be priced, else its
+    predicted step."""
+    memory = memory_at_layout(config, seq, layout, memory_precision)
+    if not isinstance(memory, RankMemory):
+        return Candidate(layout, dropped=memory.reason)
+    if memory.peak > capacity_bytes:
+        where = f" (pipeline rank {memory.stage})" if layout.pp > 1 else ""
+        return Candidate(layout, memory, dropped=f"its peak {memory.peak / 1e9:.1f} GB{where} is over the GPU's "
+                         f"{capacity_bytes / 1e9:.0f} GB")  # fmt: skip
+    step = step_at_layout(config, seq, layout, precision, gpu, compute_dtype=compute_dtype, kernels=kernels,
+                          links=links)  # fmt: skip
+    if not isinstance(step, StepTime):
+        return Candidate(layout, memory, dropped=step.reason)
+    return Candidate(layout, memory, step)
+
+
+# A search whose dry runs would take longer than this on one core spreads them over the cores: a spawned worker
+# imports torch and lmledger first (2-4 s on the 2-core VM, 2026-12-06), which a shorter search would not win back.
+PARALLEL_AFTER_S = 20.0
+
+
+def _judge_all(judge, layouts: list[Layout], workers: int | None) -> list[Candidate]:
+    """Each layout judged, in order. Layouts that share their dry runs (layout.trace_key) are judged together, the first
+    group here; the others in `workers` spawned processes, or, where `workers` is None, over this machine's
+    cores when the first group's time says the rest would take over PARALLEL_AFTER_S. The candidates are the same
+    either way: every dry run is deterministic."""
+    groups: dict[tuple, list[int]] = {}
+    for i, layout in enumerate(layouts):
+        groups.setdefault(trace_key(layout), []).append(i)
+    order = list(groups.values())
+    out: list[Candidate | None] = [None] * len(layouts)
+    started = time.perf_counter()
+    for i in order[0] if order else ():
+        out[i] = judge(layouts[i])
+    rest = order[1:]
+    first_s = time.perf_counter() - started
+    if workers is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        workers = cores if first_s * len(rest) > PARALLEL_AFTER_S else 1
+    workers = max(1, min(workers, len(rest)))
+    if workers == 1:
+        for group in rest:
+            for i in group:
+                out[i] = judge(layouts[i])
+        return out
+    # spawned, not forked: this process's torch threads and locks stay its own. Pool's exit terminates the workers, so
+    # an error or Ctrl-C here does not wait for their queue; each also dies with this process (lifetime.py).
+    spawn = multiprocessing.get_context("spawn")
+    with spawn.Pool(workers, initializer=_worker_start, initargs=(os.getpid(),)) as pool:
+        batches = [[layouts[i] for i in group] for group in rest]
+        for group, judged in zip(rest, pool.imap(functools.partial(_judge_group, judge), batches), strict=True):
+            for i, candidate in zip(group, judged, strict=True):
+                out[i] = candidate
+    return out
+
+
+def _judge_group(judge, layouts: list[Layout]) -> list[Candidate]:
+    return [judge(layout) for layout in layouts]
+
+
+def _worker_start(parent: int) -> None:
+    """A worker dies with the search's process, leaves Ctrl-C to it (which ends the pool in one line, where a worker
+    would print a traceback), and runs torch on one thread: the workers already take every core."""
+    import signal
+
+    import torch
+
+    from lmledger.lifetime import die_with_parent
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    die_with_parent(parent)
+    torch.set_num_threads(1)
