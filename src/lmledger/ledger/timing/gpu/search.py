@@ -22,10 +22,14 @@ the machine's cores, in spawned processes (_judge_all). Pure torch: no Lightning
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import multiprocessing
 import os
+import signal
+import sys
+import threading
 import time
 from dataclasses import dataclass
 
@@ -200,12 +204,26 @@ def _judge_all(judge, layouts: list[Layout], workers: int | None) -> list[Candid
     # spawned, not forked: this process's torch threads and locks stay its own. Pool's exit terminates the workers, so
     # an error or Ctrl-C here does not wait for their queue; each also dies with this process (lifetime.py).
     spawn = multiprocessing.get_context("spawn")
-    with spawn.Pool(workers, initializer=_worker_start, initargs=(os.getpid(),)) as pool:
+    with _exit_on_sigterm(), spawn.Pool(workers, initializer=_worker_start, initargs=(os.getpid(),)) as pool:
         batches = [[layouts[i] for i in group] for group in rest]
         for group, judged in zip(rest, pool.imap(functools.partial(_judge_group, judge), batches), strict=True):
             for i, candidate in zip(group, judged, strict=True):
                 out[i] = candidate
     return out
+
+
+@contextlib.contextmanager
+def _exit_on_sigterm():
+    """SIGTERM exits (143) through the pool's exit, which ends the workers and frees their semaphores, where dying at
+    once left multiprocessing's resource tracker to warn of them. Only where this thread may set handlers."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before if before is not None else signal.SIG_DFL)  # None: set outside Python
 
 
 def _judge_group(judge, layouts: list[Layout]) -> list[Candidate]:
@@ -215,8 +233,6 @@ def _judge_group(judge, layouts: list[Layout]) -> list[Candidate]:
 def _worker_start(parent: int) -> None:
     """A worker dies with the search's process, leaves Ctrl-C to it (which ends the pool in one line, where a worker
     would print a traceback), and runs torch on one thread: the workers already take every core."""
-    import signal
-
     import torch
 
     from lmledger.lifetime import die_with_parent
