@@ -1,7 +1,7 @@
 """The arrows docs/architecture.md draws, held: each module imports only from its own layer or below.
 
 Layers, bottom up (a module may import any module of a lower layer, and of its own):
-    0  model, errors, units-like leaves: plain Python and PyTorch
+    0  model, errors, units-like leaves (atomic, lifetime): plain Python and PyTorch
     1  ledger/: accounting; torch only, no Lightning (what a device can do: gpus, peak_flops, cpu, matmul)
     2  the data and the Lightning side: corpus, data, lit, precision, checkpointing, seeding, preemption, rundir,
        lightning_private, runlock
@@ -23,7 +23,7 @@ import pytest
 SRC = Path(__file__).resolve().parents[1] / "src" / "lmledger"
 
 LAYERS = {
-    "model": 0, "errors": 0, "atomic": 0, "hf": 0,
+    "model": 0, "errors": 0, "atomic": 0, "lifetime": 0, "hf": 0,
     "ledger": 1,
     "corpus": 2, "lit": 2, "data": 2, "precision": 2, "checkpointing": 2, "modelparallel_checkpoints": 2,
     "lightning_private": 2, "runlock": 2,
