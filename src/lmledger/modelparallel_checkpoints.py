@@ -148,9 +148,11 @@ def make_sharded_checkpoints_safe(strategy) -> None:
             raise
         except BaseException as err:  # a damaged shard, a model it does not fit: torch's error, every rank alike
             # (torch.distributed.checkpoint's CheckpointException, one per rank, is a BaseException.)
-            raise UserError(
+            refused = UserError(
                 f"checkpoint {path} cannot be loaded into this run ({_first_line(err)}); pass an older checkpoint "
                 "of the run, or start a fresh run without --ckpt_path"
-            ) from None
+            )
+            refused.every_rank = True  # each rank raises it past the load's last collective: fitting.cli may close
+            raise refused from None
 
     strategy.save_checkpoint, strategy.load_checkpoint = save_checkpoint, load_checkpoint

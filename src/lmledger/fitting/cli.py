@@ -362,8 +362,10 @@ def run_claimed(argv: list[str]) -> None:
         with noted_stop_signals():  # a SIGUSR1 while the run is built: save and stop at step 1, not fatal
             _run_cli(FitCLI, argv, run=True)
         close_process_group()  # every rank is past its last collective; a failed run's peers may not be
-    except UserError:
+    except UserError as err:
         undo_uncommitted_claims()
+        if getattr(err, "every_rank", False):  # every rank is past its last collective, as after a run that succeeded
+            close_process_group()
         raise
     except torch.cuda.OutOfMemoryError as oom:
         if hasattr(oom, "ledger_line"):  # the preflight's refusal, reported as a UserError by main
