@@ -21,7 +21,7 @@ from lmledger.ledger.timing.gpu.layout import (
     rank_memories,
     step_at_layout,
 )
-from lmledger.ledger.timing.gpu.search import LONG_CONTEXT, search_layouts
+from lmledger.ledger.timing.gpu.search import LONG_CONTEXT, PARALLEL_AFTER_S, WORKER_BYTES, auto_workers, search_layouts
 from lmledger.model import ModelConfig, ToyLM
 
 SMALL = ModelConfig(vocab_size=512, context_length=64, d_model=64, n_layers=4, n_heads=4, d_ff=256)
@@ -139,6 +139,15 @@ def test_the_search_ranks_what_fits_and_says_why_the_rest_do_not():
     over = [c for c in tight.dropped if "over the GPU" in c.dropped]
     assert over and all(c.memory.peak > cap for c in over)
     assert len(tight.ranked) + len(tight.dropped) == len(roomy.ranked) + len(roomy.dropped)
+
+
+def test_a_search_takes_workers_only_when_long_and_no_more_than_cores_memory_and_groups_allow():
+    short = PARALLEL_AFTER_S / 10  # the first group's seconds: ten groups more are the threshold exactly
+    assert auto_workers(short, 10, cores=16, free_bytes=64 * WORKER_BYTES) == 1  # not long enough to pay for spawning
+    assert auto_workers(short, 11, cores=16, free_bytes=64 * WORKER_BYTES) == 11  # long: one a group, below the cores
+    assert auto_workers(short, 100, cores=16, free_bytes=64 * WORKER_BYTES) == 16  # one a core
+    assert auto_workers(short, 100, cores=128, free_bytes=int(5.5 * WORKER_BYTES)) == 5  # a login node's memory
+    assert auto_workers(short, 100, cores=128, free_bytes=WORKER_BYTES // 2) == 1
 
 
 def test_a_deep_replicated_peak_holds_its_state_and_grows_with_the_micro_batch():

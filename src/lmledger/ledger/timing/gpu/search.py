@@ -33,6 +33,8 @@ import threading
 import time
 from dataclasses import dataclass
 
+import torch
+
 from lmledger.ledger.hardware.interconnect import Links
 from lmledger.ledger.timing.gpu.frameworks import Kernels
 from lmledger.ledger.timing.gpu.layout import (
@@ -43,9 +45,9 @@ from lmledger.ledger.timing.gpu.layout import (
     step_at_layout,
     trace_key,
 )
-from lmledger.ledger.timing.steptime.predict import StepTime
+from lmledger.ledger.timing.steptime.predict import StepTime, free_memory
 
-__all__ = ["Candidate", "Search", "candidates", "schedules_for", "search_layouts"]
+__all__ = ["Candidate", "Search", "auto_workers", "candidates", "schedules_for", "search_layouts"]
 
 MICRO_BATCHES = (1, 2, 4, 8)
 RECOMPUTES = ("none", "full")
@@ -175,13 +177,25 @@ def _judge(
 # A search whose dry runs would take longer than this on one core spreads them over the cores: a spawned worker
 # imports torch and lmledger first (2-4 s on the 2-core VM, 2026-12-06), which a shorter search would not win back.
 PARALLEL_AFTER_S = 20.0
+# The memory a worker is given room for: the 70B search's workers held 0.39 GB resident each (2026-12-06, the 2-core
+# VM), and a whole process dry-running Llama 3 70B's layers 0.48-0.76 GB (docs/scale.md). So a machine with many cores
+# and little free memory (a login node) starts fewer workers than cores.
+WORKER_BYTES = 1 << 30
+
+
+def auto_workers(first_s: float, groups: int, cores: int, free_bytes: int) -> int:
+    """The workers for `groups` more groups of layouts after a first that took `first_s`: one, where the rest would
+    take under PARALLEL_AFTER_S; else one a core, no more than `free_bytes` has WORKER_BYTES for, nor than groups."""
+    if first_s * groups <= PARALLEL_AFTER_S:
+        return 1
+    return max(1, min(cores, free_bytes // WORKER_BYTES, groups))
 
 
 def _judge_all(judge, layouts: list[Layout], workers: int | None) -> list[Candidate]:
     """Each layout judged, in order. Layouts that share their dry runs (layout.trace_key) are judged together, the first
-    group here; the others in `workers` spawned processes, or, where `workers` is None, over this machine's
-    cores when the first group's time says the rest would take over PARALLEL_AFTER_S. The candidates are the same
-    either way: every dry run is deterministic."""
+    group here; the others in `workers` spawned processes, or where `workers` is None, as many as auto_workers says
+    for this machine's cores and free memory. The candidates are the same either way: every dry run is
+    deterministic."""
     groups: dict[tuple, list[int]] = {}
     for i, layout in enumerate(layouts):
         groups.setdefault(trace_key(layout), []).append(i)
@@ -194,7 +208,7 @@ def _judge_all(judge, layouts: list[Layout], workers: int | None) -> list[Candid
     first_s = time.perf_counter() - started
     if workers is None:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        workers = cores if first_s * len(rest) > PARALLEL_AFTER_S else 1
+        workers = auto_workers(first_s, len(rest), cores, free_memory(torch.device("cpu")))
     workers = max(1, min(workers, len(rest)))
     if workers == 1:
         for group in rest:
@@ -233,8 +247,6 @@ def _judge_group(judge, layouts: list[Layout]) -> list[Candidate]:
 def _worker_start(parent: int) -> None:
     """A worker dies with the search's process, leaves Ctrl-C to it (which ends the pool in one line, where a worker
     would print a traceback), and runs torch on one thread: the workers already take every core."""
-    import torch
-
     from lmledger.lifetime import die_with_parent
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
