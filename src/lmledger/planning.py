@@ -90,6 +90,9 @@ def _max_batch_of_config(fit_args: list[str], capacity: int, gpu_key: str | None
     if spec.config.non_default_architecture:  # the closed forms model the default toy LM: dry runs size it
         best, peak, sized_by = _dry_run_max_batch(run, capacity)
     else:
+        unmodelled = predict(run, batch_size=1).unmodelled  # e.g. Transformer Engine's te.Linear activations
+        if unmodelled is not None:
+            raise UserError(f"no peak to size the batch by: {unmodelled}")
         best = max_batch(bytes_for_batch, capacity)
         peak = bytes_for_batch(best) if best else bytes_for_batch(1)
     result = {
@@ -116,7 +119,7 @@ def _step_at_batch(spec, fit_args: list[str], gpu_key: str | None, batch: int) -
     from lmledger.accounting.gpustep import target_gpu, toy_gpu_step
     from lmledger.accounting.steptime import trainer_time_settings
 
-    target, why = target_gpu(spec.accelerator, gpu_key)
+    target, why = target_gpu(spec.accelerator, gpu_key, spec.precision)
     if target is None or not batch:
         return None
     step = toy_gpu_step(dataclasses.replace(spec, batch_size=batch), fit_args, target,

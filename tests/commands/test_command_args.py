@@ -34,6 +34,7 @@ FLAGS = {
         "--mfu",
         "--dtype",
         "--json",
+        "--a",
     },
     ("plan", "max-params"): {"--help", "--gpu", "--num-gpus", "--precision", "--optimizer", "--json"},
     # --ledger.device_memory_gb (read as "--ledger"), the fit's spelling, and its alias --device-memory-gb

@@ -112,6 +112,58 @@ def test_the_lectures_70b_question_from_its_config(workdir, capsys):
     assert napkin["days"] < out["days"]
 
 
+def test_plan_train_time_reads_every_config_and_override_as_fit_does(workdir, capsys):
+    """`--config A --config B` had planned B alone, on the default model (the flag kept its last value), and took no
+    --a.b override: now the fit's arguments pass through, as for plan max-batch and plan layout."""
+
+    def planned(*fit_args: str) -> dict:
+        return run_json(capsys, "plan", "train-time", *fit_args, "--tokens", "1B", "--gpu", "h100-sxm", "--json")
+
+    both = planned("--config", "configs/tiny.yaml", "--config", "configs/precision/bf16-true.yaml", *MICRO_OVERRIDES)
+    override = planned(*TINY, "--trainer.precision", "bf16-true")
+    tiny = planned(*TINY)  # 32-true
+    assert both["step_s"] == override["step_s"] != tiny["step_s"]
+    assert both["tokens_per_step"] == tiny["tokens_per_step"] == 4 * 32  # the micro overrides' batch, not tiny's
+    assert both["config"] == "configs/tiny.yaml, configs/precision/bf16-true.yaml"
+    # an override without a config is not planned on the default model: one line, exit 2
+    assert lmledger(["plan", "train-time", "--tokens", "1B", "--model.config.d_model", "64"]) == 2
+    assert one_error_line(capsys).startswith("lmledger plan: error: unrecognized arguments: --model.config.d_model 64")
+
+
+def test_a_transformer_engine_config_is_planned_on_a_gpu_with_its_linears_in_fp8(workdir, capsys):
+    """Transformer Engine runs on a CUDA GPU only, and its layer swap cannot be dry-run here: its step was refused
+    ("the dry run covers ..."). It is priced on the GPU now, traced as its weights' bf16-true (Lightning's plugin
+    converts the module), each linear's matmuls in fp8 with TE's casts, once a tensor; its peak is not modelled, so
+    plan max-batch says so in one line."""
+    wide = ["--model.config.d_model", "1024", "--model.config.d_ff", "4096", "--model.config.n_heads", "8",
+            "--model.config.context_length", "512"]  # fmt: skip
+
+    def step(precision: str, *extra: str) -> dict:
+        args = ["--config", "configs/tiny.yaml", "--config", precision, *MICRO_OVERRIDES, *wide, *extra]
+        return run_json(capsys, "account", *args, "--json")["time"]["predicted"]
+
+    te = step("configs/precision/fp8-te.yaml")
+    bf16 = step("configs/precision/bf16-true.yaml", "--gpu", "h100-sxm")
+    torchao = step("configs/precision/fp8-torchao.yaml", "--gpu", "h100-sxm")
+    assert te["priced_on"] == "h100-sxm"
+    assert any(n.startswith("transformer-engine runs on a CUDA GPU only") for n in te["notes"])
+    for category in ("attention", "other", "optimizer"):  # outside its linears, the bf16-true step
+        assert te["seconds"][category] == pytest.approx(bf16["seconds"][category])
+    # fp8's peak is twice bf16's, less the casts and the LM head (kept bf16)
+    assert 0.5 * bf16["seconds"]["matmul"] < te["seconds"]["matmul"] < 0.95 * bf16["seconds"]["matmul"]
+    # torchao's eager dynamic scaling reads and casts both operands of every matmul; TE casts each tensor once
+    assert te["seconds"]["matmul"] < torchao["seconds"]["matmul"]
+    te_config = ["--config", "configs/tiny.yaml", "--config", "configs/precision/fp8-te.yaml", *MICRO_OVERRIDES]
+    layouts = run_json(capsys, "plan", "layout", *te_config, "--num-gpus", "1", "--json")
+    assert layouts["gpu"] == "h100-sxm" and layouts["fits"] > 0
+    assert layouts["notes"][0].startswith("transformer-engine: each layout traced as bf16-true")
+    args = ["plan", "max-batch", "--config", "configs/tiny.yaml", "--config", "configs/precision/fp8-te.yaml"]
+    assert lmledger([*args, "--gpu", "h100-sxm"]) == 2
+    assert one_error_line(capsys) == ("lmledger plan: error: no peak to size the batch by: activation bytes are "
+                                      "modelled for 32-true, 16-mixed, bf16-mixed, 16-true, bf16-true, not "
+                                      "transformer-engine")  # fmt: skip
+
+
 def test_plan_max_batch_prints_the_step_at_its_answer(workdir, capsys):
     doc = run_json(capsys, "plan", "max-batch", *TINY, "--gpu", "h100-sxm", "--json")
     step = doc["step"]
@@ -213,7 +265,7 @@ def test_plan_layout_gives_the_range_of_the_peaks_it_dropped(monkeypatch, capsys
     split = {"dropped": "the global batch 2 does not split over 4 data-parallel replicas"}
     out = {"global_batch": 2, "seq_len": 32, "num_gpus": 8, "gpu": "h100-sxm", "fits": 0, "searched": 4, "ranked": [],
            "dropped": [dropped(95.25, 1), dropped(412.0, 2), dropped(80.5, 4), split], "not_searched": "nothing",
-           "links": {"intra_node": "NVLink 4", "gpus_per_node": 8, "inter_node": "none"}}  # fmt: skip
+           "links": {"intra_node": "NVLink 4", "gpus_per_node": 8, "inter_node": "none"}, "notes": []}  # fmt: skip
     monkeypatch.setattr(layouts, "plan_layouts", lambda *args: out)
     assert lmledger(["plan", "layout", "--config", "configs/tiny.yaml", "--num-gpus", "8"]) == 0
     lines = capsys.readouterr().out.splitlines()

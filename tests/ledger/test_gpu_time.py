@@ -568,6 +568,12 @@ def test_an_fp8_linear_casts_as_its_library_does_and_the_lm_head_stays_16_bit(to
     head = max(i for i in matmuls if ops[i].phase == "forward")
     assert kept == [head, *[i for i in matmuls if ops[i].phase == "backward"][:2]]
     assert len(matmuls) > 3
+    # Lightning's Transformer Engine plugin swaps the tied head's nn.Linear too (Kernels.fp8_head): every matmul fp8
+    lightning_te = dataclasses.replace(torchao, fp8_casts="te")
+    swapped = price_ops(ops, H100, dataclasses.replace(lightning_te, fp8_head=True), "bf16", links, 1)
+    for i in matmuls:
+        assert swapped[i].gpu_s == pytest.approx(price_op(ops[i], H100, lightning_te, "bf16", links, 1).gpu_s)
+    assert all(swapped[i].gpu_s != sixteen[i].gpu_s for i in kept)
 
 
 def test_an_fp8_runs_tensor_parallel_forward_all_gather_moves_fp8():

@@ -22,18 +22,23 @@ __all__ = ["DEFAULT_GPU", "gpu_dtype", "ops_gpu_step", "target_gpu", "toy_gpu_st
 DEFAULT_GPU = "h100-sxm"
 
 
-def target_gpu(accelerator: object, gpu: str | None) -> tuple[GpuSpec | None, str]:
-    """(the GPU a step prediction is for, why that one): --gpu's; for a GPU config, this machine's GPU where it has
-    one in the table, else DEFAULT_GPU; None for a CPU config without --gpu (its step is timed here)."""
+def target_gpu(accelerator: object, gpu: str | None, precision: str | None = None) -> tuple[GpuSpec | None, str]:
+    """(the GPU a step prediction is for, why that one): --gpu's; for a GPU config, or one whose `precision` runs
+    only on a CUDA GPU (Transformer Engine's), this machine's GPU where it has one in the table, else DEFAULT_GPU;
+    None for a CPU config without --gpu (its step is timed here)."""
     if gpu is not None:
         return require_gpu(gpu), "--gpu"
-    if str(accelerator).lower() not in ("gpu", "cuda"):
+    if str(accelerator).lower() in ("gpu", "cuda"):
+        runs_on = "the config runs on a GPU"
+    elif _transformer_engine(precision):
+        runs_on = f"{precision} runs on a CUDA GPU only"
+    else:
         return None, ""
     if torch.cuda.is_available():
         found = find_gpu(torch.cuda.get_device_name())
         if found is not None:
             return found, "this machine's GPU"
-    return require_gpu(DEFAULT_GPU), f"the config runs on a GPU and this machine has none: {DEFAULT_GPU} assumed"
+    return require_gpu(DEFAULT_GPU), f"{runs_on} and this machine has none: {DEFAULT_GPU} assumed"
 
 
 def gpu_dtype(precision: str) -> str:
@@ -51,7 +56,9 @@ def _kernels(spec: Run):
     from lmledger.ledger.timing.gpu import kernels_for
 
     kernels = kernels_for("pytorch", compiled=spec.compiled)  # LitLM under Lightning: eager, or torch.compile
-    return replace(kernels, fp8_matmuls=True) if spec.fp8 else kernels
+    if _transformer_engine(spec.precision):  # every nn.Linear a te.Linear, the tied head's too: delayed scaling
+        return replace(kernels, fp8_matmuls=True, fp8_casts="te", fp8_head=True)
+    return replace(kernels, fp8_matmuls=True) if spec.fp8 else kernels  # torchao: dynamic scaling
 
 
 def _links(gpu: GpuSpec, argv: list[str], world: int):
@@ -95,7 +102,7 @@ def toy_gpu_step(spec: Run, argv: list[str], gpu: GpuSpec, accumulate: int = 1, 
                     accumulate=accumulate, recompute=_recompute(spec),
                     sequence_parallel=spec.sequence_parallel and tp > 1)  # fmt: skip
     dtype = gpu_dtype(spec.precision)
-    step = step_at_layout(spec.config, spec.seq_len, layout, _dry_precision(spec.precision), gpu,
+    step = step_at_layout(spec.config, spec.seq_len, layout, _dry_precision(spec.precision, spec.weights_dtype), gpu,
                           compute_dtype=dtype, kernels=_kernels(spec), links=_links(gpu, argv, world))  # fmt: skip
     if not isinstance(step, StepTime):
         return no_step_time(step.reason)
@@ -149,15 +156,36 @@ def ops_gpu_step(
     return {**step.to_json(), "line": step.line(), "gpu": gpu.key, "mfu_explained": why}
 
 
-def _dry_precision(precision: str) -> str:
-    """The precision the dry run traces: Transformer Engine's and other plugins' are traced as bf16-mixed (their
-    linears priced as fp8 by the kernels' setting)."""
+def _dry_precision(precision: str, weights_dtype: object = None) -> str:
+    """The precision the dry run traces. Transformer Engine's is traced as its weights' (`weights_dtype`, else its
+    row's): Lightning's plugin converts the module to them and runs what te.Linear does not under autocast to a 16-bit
+    dtype: bf16-true or 16-true, and for fp32 master weights bf16-mixed (TiedTransformerEnginePrecision's bf16
+    fallback). Its linears are priced as fp8 (_kernels). Another plugin's is traced as bf16-mixed."""
     from lmledger.ledger import precision_table
 
     try:
-        return precision_table.normalize_precision(precision)
+        row = precision_table.precision(precision)
     except Exception:  # noqa: BLE001 - an unlisted plugin: its compute is bf16
         return "bf16-mixed"
+    if not row.transformer_engine:
+        return row.name
+    weights = str(weights_dtype).removeprefix("torch.") if weights_dtype is not None else row.convert_to
+    if weights == "float32":
+        return "bf16-mixed"
+    return next(r.name for r in precision_table.ROWS.values()
+                if r.convert_to == weights and r.autocast is None and not r.transformer_engine)  # fmt: skip
+
+
+def _transformer_engine(precision: str | None) -> bool:
+    """Transformer Engine's precisions: te.Linear runs on a CUDA GPU only."""
+    from lmledger.ledger import precision_table
+
+    if precision is None:
+        return False
+    try:
+        return precision_table.precision(precision).transformer_engine
+    except Exception:  # noqa: BLE001 - an unlisted plugin
+        return False
 
 
 def _layout_json(layout, world: int) -> dict:

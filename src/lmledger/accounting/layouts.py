@@ -51,14 +51,15 @@ def plan_layouts(argv: list[str], gpu: str | None, num_gpus: int, tokens: float 
         raise UserError("plan layout searches layouts of lmledger's ToyLM configs; for another module, plan one layout "
                         "with `lmledger account --config FILE --gpu KEY`")  # fmt: skip
     spec = load_run(argv)
-    target, _ = target_gpu(spec.accelerator, gpu)
+    target, _ = target_gpu(spec.accelerator, gpu, spec.precision)
     target = target or require_gpu("h100-sxm")
     accumulate = trainer_time_settings(argv)["accumulate"]
     global_batch = spec.batch_size * accumulate * max(1, spec.world_size // spec.tensor_parallel)
     dtype = gpu_dtype(spec.precision)
     links = _links(target, argv, num_gpus)
+    traced = _dry_precision(spec.precision, spec.weights_dtype)
     found = search_layouts(spec.config, spec.seq_len, num_gpus=num_gpus, global_batch=global_batch,
-                           capacity_bytes=target.memory_bytes, precision=_dry_precision(spec.precision), gpu=target,
+                           capacity_bytes=target.memory_bytes, precision=traced, gpu=target,
                            compute_dtype=dtype, kernels=_kernels(spec), links=links)  # fmt: skip
     per_token = {}  # PaLM's count for the MFU; the hardware count at the layout's recompute for what the kernels run
     for recompute, every in (("none", 0), ("full", 1)):
@@ -77,4 +78,7 @@ def plan_layouts(argv: list[str], gpu: str | None, num_gpus: int, tokens: float 
         "ranked": [row(c) for c in found.ranked[:top]], "dropped": [row(c) for c in found.dropped],
         "links": {"intra_node": links.intra.name, "inter_node": links.inter.name, "gpus_per_node": links.gpus_per_node},
         "not_searched": "interleaving beyond 4 chunks a rank; context parallel below a 16K-token context",
+        "notes": [f"{spec.precision}: each layout traced as {traced}, its linears' matmuls priced in fp8; the memory "
+                  "is that step's, without Transformer Engine's own saved tensors and fp8 weight copies"]
+        if traced != spec.precision else [],
     }  # fmt: skip

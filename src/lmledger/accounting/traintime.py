@@ -11,8 +11,11 @@ from lmledger.accounting.steptime import toy_predicted_time, trainer_time_settin
 __all__ = ["train_time_from_config"]
 
 
-def train_time_from_config(config: str, tokens: float, gpu: str | None = None, num_gpus: int | None = None) -> dict:
-    """`plan train-time --config FILE --tokens D [--gpu KEY] [--num-gpus N]`: the time to train on D tokens.
+def train_time_from_config(
+    argv: list[str], tokens: float, gpu: str | None = None, num_gpus: int | None = None
+) -> dict:  # fmt: skip
+    """`plan train-time --config FILE [--config FILE2] [--a.b VALUE] --tokens D [--gpu KEY] [--num-gpus N]`: the
+    time to train on D tokens. `argv` is the fit's arguments, read as `lmledger fit` reads them.
 
     A GPU config, or any config with `gpu`: its step on that GPU at its layout (TP from its strategy, data parallel
     over the rest of `num_gpus`, else of its own devices), tokens per step over every data-parallel rank. A CPU
@@ -21,7 +24,7 @@ def train_time_from_config(config: str, tokens: float, gpu: str | None = None, n
     from lmledger.fitting.checks import named_classes
     from lmledger.run_config import load_run
 
-    argv = ["--config", config]
+    config = _config_files(argv)
     accumulate = trainer_time_settings(argv)["accumulate"]
     if named_classes(argv):
         if num_gpus not in (None, 1):
@@ -31,7 +34,7 @@ def train_time_from_config(config: str, tokens: float, gpu: str | None = None, n
         world = 1
     else:
         spec = load_run(argv)
-        target, why = target_gpu(spec.accelerator, gpu)
+        target, why = target_gpu(spec.accelerator, gpu, spec.precision)
         world = num_gpus or spec.world_size
         if target is not None:
             predicted = toy_gpu_step(spec, argv, target, accumulate, world)
@@ -58,3 +61,16 @@ def train_time_from_config(config: str, tokens: float, gpu: str | None = None, n
         "seconds": seconds, "days": seconds / 86400, "source": f"predicted {where}: {predicted['line']}",
         "predicted": predicted,
     }  # fmt: skip
+
+
+def _config_files(argv: list[str]) -> str:
+    """The fit arguments' --config files, as the plan names them; refused without one (or --model), so that a stray
+    override is not planned on the default model."""
+    from lmledger.errors import UserError
+
+    files = [b for a, b in zip(argv, argv[1:], strict=False) if a == "--config"]
+    files += [a.removeprefix("--config=") for a in argv if a.startswith("--config=")]
+    if not files and not any(a == "--model" or a.startswith("--model=") for a in argv):
+        raise UserError(f"unrecognized arguments: {' '.join(argv)} (a fit config's overrides come with --config "
+                        "FILE)")  # fmt: skip
+    return ", ".join(files) or "--model"

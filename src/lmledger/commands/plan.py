@@ -99,17 +99,20 @@ def _print_rows(title: str, rows: list[tuple[str, str]]) -> None:
 
 
 def _train_time_command(
-    *,
+    *fit_args: str,
     params: Annotated[float | None, _count] = None,
     tokens: Annotated[float, _count],
     gpu: str | None = None,
     num_gpus: Annotated[int | None, _gpu_count] = None,
     mfu: Annotated[float | str | None, _mfu] = None,
     dtype: str = "bf16",
-    config: str | None = None,
     json: bool = False,
 ) -> None:
     """days to train N params on D tokens
+
+    With a fit config (--config FILE, repeatable, and --a.b VALUE overrides, read as by `lmledger fit`): the time at
+    its predicted step, on --gpu (or the GPU the config runs on) by the GPU op-time model at its layout over
+    --num-gpus, or on this machine for a CPU config (docs/time.md); no --params or --mfu: its MFU is predicted.
 
     Args:
         params: parameters, e.g. 70e9 or 70B
@@ -119,21 +122,19 @@ def _train_time_command(
         mfu: model FLOPs utilization in (0, 1], e.g. 0.5 (your own figure); or roofline:CONFIG, the highest MFU that
             fit config's step can reach on --gpu (an upper bound, docs/time.md)
         dtype: whose dense peak applies: {PEAK_DTYPES} (default bf16)
-        config: a fit config: the time at its predicted step, on --gpu (or the GPU the config runs on) by the GPU
-            op-time model at its layout over --num-gpus, or on this machine for a CPU config (docs/time.md); no
-            --params or --mfu: its MFU is predicted
     """
-    if config is not None:
+    if fit_args:
         if params is not None or mfu is not None:
             raise UserError("plan train-time --config predicts the step and its MFU from the config: drop --params and "
                             "--mfu (they plan by 6ND at an MFU you give)")  # fmt: skip
         from lmledger.accounting import train_time_from_config  # imports torch and Lightning
 
-        out = train_time_from_config(config, tokens, gpu, num_gpus)
+        out = train_time_from_config(list(fit_args), tokens, gpu, num_gpus)
         if json:
             print(dumps(out))
             return
-        rows = [("config", config), ("tokens", f"{tokens:.4g}"), ("tokens per step", f"{out['tokens_per_step']:,}")]
+        rows = [("config", out["config"]), ("tokens", f"{tokens:.4g}"),
+                ("tokens per step", f"{out['tokens_per_step']:,}")]  # fmt: skip
         if out["gpu"]:
             rows.append(("GPU", f"{out['num_gpus']} × {out['gpu']}"))
         rows += [("step", f"{out['step_s'] * 1e3:.4g} ms"), ("tokens/s", f"{out['tokens_per_s']:,.0f}")]
@@ -383,6 +384,8 @@ def _layout_command(
         print("PP n xv: interleaved 1F1B, v model chunks a pipeline rank")
     print(f"links: {out['links']['intra_node']} in a node of {out['links']['gpus_per_node']}, "
           f"{out['links']['inter_node']} between nodes; not searched: {out['not_searched']}")  # fmt: skip
+    for note in out["notes"]:
+        print(note)
 
 
 def main(argv: list[str]) -> int:

@@ -23,6 +23,9 @@ never a correction factor per source of measurements.
     fp8_matmuls       the linear layers' matmuls run in fp8 (torchao's float8 training, Transformer Engine): each
                       16-bit matmul of the dry run but the LM head's runs as a scaled e4m3 one, after its operands'
                       casts
+    fp8_head          with fp8_matmuls, the LM head's matmuls run in fp8 too: Lightning's Transformer Engine plugin
+                      swaps every nn.Linear, the tied head's included (lmledger's TiedTransformerEnginePrecision
+                      re-ties it); the frameworks keep it 16-bit (price._lm_head)
     fp8_casts         how an fp8 run casts: "dynamic" (torchao's dynamic scaling: each matmul reads each operand's
                       amax, then casts it), "te" (Transformer Engine's delayed scaling: one kernel a tensor casts it and
                       writes its transpose too, recording the amax as it goes; the input and weight once forward, the
@@ -91,6 +94,7 @@ class Kernels:
     grad_reduce: str = "buckets"
     fp8_matmuls: bool = False  # linear layers in fp8 (torchao float8, Transformer Engine): see price._price_matmul
     fp8_casts: str = "dynamic"  # "dynamic" (torchao) or "te" (Transformer Engine's delayed scaling): module doc
+    fp8_head: bool = False  # the LM head in fp8 too (Lightning's Transformer Engine swap): module doc
     # The unfused attention's dropout on its probabilities, a kernel each way: Megatron-LM's GPT default
     # (--attention-dropout 0.1), which vTrain's profiled GPT keeps (its src/model/gpt_model.py: attention_dropout_prob)
     attention_dropout: bool = False

@@ -250,7 +250,7 @@ def price_op(op: OpRecord, chip: Chip, kernels: Kernels, compute: str, links: co
 
 def price_ops(ops: list[OpRecord], chip: Chip, kernels: Kernels, compute: str, links: comm.Links, world: int):
     """Every op priced, with the framework's fusion applied (`fused`)."""
-    head = _lm_head(ops) if kernels.fp8_matmuls else set()
+    head = _lm_head(ops) if kernels.fp8_matmuls and not kernels.fp8_head else set()
     sixteen = dataclasses.replace(kernels, fp8_matmuls=False)
     priced = [price_op(op, chip, sixteen if i in head else kernels, compute, links, world) for i, op in enumerate(ops)]
     if kernels.loss == "megatron":
