@@ -112,35 +112,19 @@ def test_the_lectures_70b_question_from_its_config(workdir, capsys):
     assert napkin["days"] < out["days"]
 
 
-def test_plan_train_time_reads_every_config_and_override_as_fit_does(workdir, capsys):
-    """`--config A --config B` had planned B alone, on the default model (the flag kept its last value), and took no
-    --a.b override: now the fit's arguments pass through, as for plan max-batch and plan layout."""
-
-    def planned(*fit_args: str) -> dict:
-        return run_json(capsys, "plan", "train-time", *fit_args, "--tokens", "1B", "--gpu", "h100-sxm", "--json")
-
-    both = planned("--config", "configs/tiny.yaml", "--config", "configs/precision/bf16-true.yaml", *MICRO_OVERRIDES)
-    override = planned(*TINY, "--trainer.precision", "bf16-true")
-    tiny = planned(*TINY)  # 32-true
-    assert both["step_s"] == override["step_s"] != tiny["step_s"]
-    assert both["tokens_per_step"] == tiny["tokens_per_step"] == 4 * 32  # the micro overrides' batch, not tiny's
-    assert both["config"] == "configs/tiny.yaml, configs/precision/bf16-true.yaml"
-    # an override without a config is not planned on the default model: one line, exit 2
-    assert lmledger(["plan", "train-time", "--tokens", "1B", "--model.config.d_model", "64"]) == 2
-    assert one_error_line(capsys).startswith("lmledger plan: error: unrecognized arguments: --model.config.d_model 64")
-
-
 def test_a_transformer_engine_config_is_planned_on_a_gpu_with_its_linears_in_fp8(workdir, capsys):
     """Transformer Engine runs on a CUDA GPU only, and its layer swap cannot be dry-run here: its step was refused
     ("the dry run covers ..."). It is priced on the GPU now, traced as its weights' bf16-true (Lightning's plugin
     converts the module), each linear's matmuls in fp8 with TE's casts, once a tensor; its peak is not modelled, so
     plan max-batch says so in one line."""
     wide = ["--model.config.d_model", "1024", "--model.config.d_ff", "4096", "--model.config.n_heads", "8",
-            "--model.config.context_length", "512"]  # fmt: skip
+            "--model.config.context_length", "4096", "--data.batch_size", "1"]  # fmt: skip
+
+    def args(precision: str) -> list[str]:
+        return ["--config", "configs/tiny.yaml", "--config", precision, *MICRO_OVERRIDES, *wide]
 
     def step(precision: str, *extra: str) -> dict:
-        args = ["--config", "configs/tiny.yaml", "--config", precision, *MICRO_OVERRIDES, *wide, *extra]
-        return run_json(capsys, "account", *args, "--json")["time"]["predicted"]
+        return run_json(capsys, "account", *args(precision), *extra, "--json")["time"]["predicted"]
 
     te = step("configs/precision/fp8-te.yaml")
     bf16 = step("configs/precision/bf16-true.yaml", "--gpu", "h100-sxm")
@@ -153,12 +137,11 @@ def test_a_transformer_engine_config_is_planned_on_a_gpu_with_its_linears_in_fp8
     assert 0.5 * bf16["seconds"]["matmul"] < te["seconds"]["matmul"] < 0.95 * bf16["seconds"]["matmul"]
     # torchao's eager dynamic scaling reads and casts both operands of every matmul; TE casts each tensor once
     assert te["seconds"]["matmul"] < torchao["seconds"]["matmul"]
-    te_config = ["--config", "configs/tiny.yaml", "--config", "configs/precision/fp8-te.yaml", *MICRO_OVERRIDES]
-    layouts = run_json(capsys, "plan", "layout", *te_config, "--num-gpus", "1", "--json")
-    assert layouts["gpu"] == "h100-sxm" and layouts["fits"] > 0
+    # the same traces (bf16-true, micro-batch 1) rank the layouts, whose memory is theirs, and the output says so
+    layouts = run_json(capsys, "plan", "layout", *args("configs/precision/fp8-te.yaml"), "--num-gpus", "1", "--json")
+    assert layouts["gpu"] == "h100-sxm" and layouts["fits"] == 2  # recompute or not
     assert layouts["notes"][0].startswith("transformer-engine: each layout traced as bf16-true")
-    args = ["plan", "max-batch", "--config", "configs/tiny.yaml", "--config", "configs/precision/fp8-te.yaml"]
-    assert lmledger([*args, "--gpu", "h100-sxm"]) == 2
+    assert lmledger(["plan", "max-batch", *args("configs/precision/fp8-te.yaml"), "--gpu", "h100-sxm"]) == 2
     assert one_error_line(capsys) == ("lmledger plan: error: no peak to size the batch by: activation bytes are "
                                       "modelled for 32-true, 16-mixed, bf16-mixed, 16-true, bf16-true, not "
                                       "transformer-engine")  # fmt: skip

@@ -648,6 +648,17 @@ def test_plan_train_time_from_a_config(cache, workdir, capsys):
 
     per_token = model_flops_per_token(load_run(["--config", "micro.yaml"]).config, 32)
     assert gpu["mfu"] == pytest.approx(gpu["tokens_per_s"] * per_token / require_gpu("h100-sxm").peak_flops["fp32"])
+    # the fit's arguments as fit reads them: --config repeats and --a.b overrides apply (the flag had kept its last
+    # file: the precision file alone, planned on the default ToyLM, silently)
+    on_h100 = ["--tokens", "2B", "--gpu", "h100-sxm", "--json"]
+    both = run_json(capsys, "plan", "train-time", "--config", "micro.yaml", "--config",
+                    "configs/precision/bf16-true.yaml", *on_h100)  # fmt: skip
+    override = run_json(capsys, "plan", "train-time", "--config", "micro.yaml", "--trainer.precision", "bf16-true",
+                        *on_h100)  # fmt: skip
+    assert both["step_s"] == override["step_s"] != gpu["step_s"] and both["tokens_per_step"] == 4 * 32
+    assert both["config"] == "micro.yaml, configs/precision/bf16-true.yaml"
+    assert lmledger(["plan", "train-time", "--model.config.d_model", "64", *on_h100]) == 2  # an override alone
+    assert capsys.readouterr().err.startswith("lmledger plan: error: unrecognized arguments: --model.config.d_model 64")
     # eight GPUs, data parallel: eight times the tokens a step, each GPU's step no shorter (its gradients'
     # all-reduce, which a host-bound step this small hides)
     eight = run_json(capsys, "plan", "train-time", "--config", "micro.yaml", "--tokens", "2B", "--gpu", "h100-sxm",
