@@ -112,7 +112,7 @@ def test_the_lectures_70b_question_from_its_config(workdir, capsys):
     assert napkin["days"] < out["days"]
 
 
-def test_a_transformer_engine_config_is_planned_on_a_gpu_with_its_linears_in_fp8(workdir, capsys):
+def test_a_transformer_engine_config_is_planned_on_a_gpu_with_its_linears_in_fp8(workdir, capsys, monkeypatch):
     """Transformer Engine runs on a CUDA GPU only, and its layer swap cannot be dry-run here: its step was refused
     ("the dry run covers ..."). It is priced on the GPU now, traced as its weights' bf16-true (Lightning's plugin
     converts the module), each linear's matmuls in fp8 with TE's casts, once a tensor; its peak is not modelled, so
@@ -141,6 +141,11 @@ def test_a_transformer_engine_config_is_planned_on_a_gpu_with_its_linears_in_fp8
     layouts = run_json(capsys, "plan", "layout", *args("configs/precision/fp8-te.yaml"), "--num-gpus", "1", "--json")
     assert layouts["gpu"] == "h100-sxm" and layouts["fits"] == 2  # recompute or not
     assert layouts["notes"][0].startswith("transformer-engine: each layout traced as bf16-true")
+    # another module's dry run cannot swap in te.Linear: refused in one line that says what can be planned
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2]))  # `examples` is at the repository root
+    convnet = ["--config", "configs/examples/byte-convnet.yaml", "--trainer.precision", "transformer-engine"]
+    assert lmledger(["account", *convnet, "--gpu", "h100-sxm"]) == 2
+    assert "Transformer Engine's te.Linear runs on a CUDA GPU only (a ToyLM config's step" in one_error_line(capsys)
     assert lmledger(["plan", "max-batch", *args("configs/precision/fp8-te.yaml"), "--gpu", "h100-sxm"]) == 2
     assert one_error_line(capsys) == ("lmledger plan: error: no peak to size the batch by: activation bytes are "
                                       "modelled for 32-true, 16-mixed, bf16-mixed, 16-true, bf16-true, not "

@@ -66,7 +66,9 @@ def precision_dtypes(precision: str | int) -> tuple[torch.dtype | None, torch.dt
     row = precision_table.precision(precision)
     if row.transformer_engine:
         covered = [r.name for r in precision_table.ROWS.values() if not r.transformer_engine]
-        raise UserError(f"the dry run covers {', '.join(covered)}, not {row.name}: use one of those")
+        raise UserError(f"the dry run covers {', '.join(covered)}, not {row.name}: Transformer Engine's te.Linear "
+                        "runs on a CUDA GPU only (a ToyLM config's step is planned with its linears in fp8; another "
+                        "module can be planned at bf16-true)")  # fmt: skip
     return row.convert_dtype, row.autocast_dtype
 
 
