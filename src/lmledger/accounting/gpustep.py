@@ -163,9 +163,8 @@ def _dry_precision(precision: str, weights_dtype: object = None) -> str:
     fallback). Its linears are priced as fp8 (_kernels). Another plugin's is traced as bf16-mixed."""
     from lmledger.ledger import precision_table
 
-    try:
-        row = precision_table.precision(precision)
-    except Exception:  # noqa: BLE001 - an unlisted plugin: its compute is bf16
+    row = _precision_row(precision)
+    if row is None:  # an unlisted plugin: its compute is bf16
         return "bf16-mixed"
     if not row.transformer_engine:
         return row.name
@@ -178,14 +177,20 @@ def _dry_precision(precision: str, weights_dtype: object = None) -> str:
 
 def _transformer_engine(precision: str | None) -> bool:
     """Transformer Engine's precisions: te.Linear runs on a CUDA GPU only."""
+    row = _precision_row(precision)
+    return row is not None and row.transformer_engine
+
+
+def _precision_row(precision: str | None):
+    """The precision table's row of a Lightning precision; None for none given, or a plugin the table lacks."""
     from lmledger.ledger import precision_table
 
     if precision is None:
-        return False
+        return None
     try:
-        return precision_table.precision(precision).transformer_engine
+        return precision_table.precision(precision)
     except Exception:  # noqa: BLE001 - an unlisted plugin
-        return False
+        return None
 
 
 def _layout_json(layout, world: int) -> dict:

@@ -5,7 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 
-from lmledger.accounting.gpustep import _dry_precision, _kernels, _links, gpu_dtype, target_gpu
+from lmledger.accounting.gpustep import (
+    _dry_precision,
+    _kernels,
+    _links,
+    _transformer_engine,
+    gpu_dtype,
+    target_gpu,
+)
 from lmledger.accounting.steptime import trainer_time_settings
 
 __all__ = ["plan_layouts"]
@@ -80,5 +87,5 @@ def plan_layouts(argv: list[str], gpu: str | None, num_gpus: int, tokens: float 
         "not_searched": "interleaving beyond 4 chunks a rank; context parallel below a 16K-token context",
         "notes": [f"{spec.precision}: each layout traced as {traced}, its linears' matmuls priced in fp8; the memory "
                   "is that step's, without Transformer Engine's own saved tensors and fp8 weight copies"]
-        if traced != spec.precision else [],
+        if _transformer_engine(spec.precision) else [],
     }  # fmt: skip

@@ -64,13 +64,13 @@ def train_time_from_config(
 
 
 def _config_files(argv: list[str]) -> str:
-    """The fit arguments' --config files, as the plan names them; refused without one (or --model), so that a stray
-    override is not planned on the default model."""
+    """The fit arguments' --config files (or the class they name), as the plan names them; refused without either,
+    so that a stray override is not planned on the default model."""
     from lmledger.errors import UserError
+    from lmledger.fitting.checks import config_files, named_classes
 
-    files = [b for a, b in zip(argv, argv[1:], strict=False) if a == "--config"]
-    files += [a.removeprefix("--config=") for a in argv if a.startswith("--config=")]
-    if not files and not any(a == "--model" or a.startswith("--model=") for a in argv):
+    files = config_files(argv)
+    if not files and not named_classes(argv):
         raise UserError(f"unrecognized arguments: {' '.join(argv)} (a fit config's overrides come with --config "
                         "FILE)")  # fmt: skip
-    return ", ".join(files) or "--model"
+    return ", ".join(files) or named_classes(argv)[0][1]
