@@ -51,6 +51,7 @@ def max_batch_of(fit_args: list[str], capacity: int, gpu_key: str | None) -> tup
 
     if named_classes(fit_args):
         scale = trainer_scale(fit_args)  # refuses what fit refuses, in its words
+        _refuse_transformer_engine(fit_args)
         if at_scale(scale.world_size, scale.strategy):  # one rank's dry run at the world size (ledger.sharding.sharded)
             found = any_model_at_scale(fit_args, capacity, gpu=gpu_key)
             case = found["per_rank"].configured  # the module as it is configured answers, as for a config
@@ -64,6 +65,18 @@ def max_batch_of(fit_args: list[str], capacity: int, gpu_key: str | None) -> tup
         return "module", result, (params, wants_gpu)
     result, spec = _max_batch_of_config(fit_args, capacity, gpu_key)
     return "config", result, spec
+
+
+def _refuse_transformer_engine(fit_args: list[str]) -> None:
+    """A module's dry run under Transformer Engine is a bf16 stand-in's (accounting.gpustep.traced_precision), whose
+    peak lacks te.Linear's own saved tensors and fp8 weight copies: no batch is sized by it."""
+    from lmledger.accounting.gpustep import module_precision
+    from lmledger.fitting.cli import parse_fit_config
+
+    precision, traced, _ = module_precision(parse_fit_config(list(fit_args)).trainer)
+    if traced != precision:
+        raise UserError(f"no peak to size the batch by: {precision}'s memory is not modelled (its step is planned as "
+                        f"{traced}, without Transformer Engine's own saved tensors and fp8 weight copies)")  # fmt: skip
 
 
 def max_batch_json(result: dict) -> dict:

@@ -89,9 +89,11 @@ def test_any_module_is_priced_from_its_own_dry_run_ops(workdir, capsys, monkeypa
     assert one["tokens_per_s"] == pytest.approx(2 * 16 / one["total_s"])
     # Lightning's FSDP at 8 GPUs, asked as fit would run it (issue 28's checks refused it on a CPU machine): its
     # rank dry-run as FSDP2 (the same all-gathers and reduce-scatters a block), priced on the assumed H100
+    # Under Transformer Engine too: each rank traced at bf16-true, its nn.Linears priced as te.Linear
     fsdp = run_json(capsys, "account", *convnet, *GPU, "--trainer.devices", "8", "--trainer.strategy", "fsdp",
-                    "--json")["time"]["predicted"]  # fmt: skip
+                    "--trainer.precision", "transformer-engine", "--json")["time"]["predicted"]  # fmt: skip
     assert fsdp["priced_on"] == "h100-sxm" and any("h100-sxm assumed" in n for n in fsdp["notes"])
+    assert fsdp["notes"][-1].startswith("transformer-engine: planned as bf16-true with its linears' matmuls")
     assert fsdp["collectives"] > two["collectives"] and fsdp["total_s"] == pytest.approx(sum(fsdp["seconds"].values()))
 
 
@@ -140,16 +142,36 @@ def test_a_transformer_engine_config_is_planned_on_a_gpu_with_its_linears_in_fp8
     # the same traces (bf16-true, micro-batch 1) rank the layouts, whose memory is theirs, and the output says so
     layouts = run_json(capsys, "plan", "layout", *args("configs/precision/fp8-te.yaml"), "--num-gpus", "1", "--json")
     assert layouts["gpu"] == "h100-sxm" and layouts["fits"] == 2  # recompute or not
-    assert layouts["notes"][0].startswith("transformer-engine: each layout traced as bf16-true")
-    # another module's dry run cannot swap in te.Linear: refused in one line that says what can be planned
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2]))  # `examples` is at the repository root
-    convnet = ["--config", "configs/examples/byte-convnet.yaml", "--trainer.precision", "transformer-engine"]
-    assert lmledger(["account", *convnet, "--gpu", "h100-sxm"]) == 2
-    assert "Transformer Engine's te.Linear runs on a CUDA GPU only (a ToyLM config's step" in one_error_line(capsys)
+    assert layouts["notes"][0].startswith("transformer-engine: planned as bf16-true")
     assert lmledger(["plan", "max-batch", *args("configs/precision/fp8-te.yaml"), "--gpu", "h100-sxm"]) == 2
     assert one_error_line(capsys) == ("lmledger plan: error: no peak to size the batch by: activation bytes are "
                                       "modelled for 32-true, 16-mixed, bf16-mixed, 16-true, bf16-true, not "
                                       "transformer-engine")  # fmt: skip
+    # Another module (it was refused: "the dry run covers ..."): its own dry run at bf16-true, its nn.Linears priced
+    # as te.Linear; its memory is the stand-in's, and the notes say so
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2]))  # `examples` is at the repository root
+    convnet = ["--config", "configs/examples/byte-convnet.yaml", "--model.init_args.width", "64",
+               "--model.init_args.num_layers", "1", "--data.init_args.batch_size", "2",
+               "--data.init_args.context_length", "64"]  # fmt: skip
+    module_te = run_json(capsys, "account", *convnet, "--trainer.precision", "transformer-engine", "--json")
+    module_bf16 = run_json(capsys, "account", *convnet, "--trainer.precision", "bf16-true", "--gpu", "h100-sxm",
+                           "--json")  # fmt: skip
+    te, bf16 = module_te["time"]["predicted"], module_bf16["time"]["predicted"]
+    assert te["priced_on"] == "h100-sxm" and te["notes"][-1].startswith("transformer-engine: planned as bf16-true")
+    assert module_te["memory"]["peak"]["predicted"] == module_bf16["memory"]["peak"]["predicted"] > 0
+    for category in ("attention", "other", "optimizer"):
+        assert te["seconds"][category] == pytest.approx(bf16["seconds"][category])
+    assert te["seconds"]["matmul"] != pytest.approx(bf16["seconds"]["matmul"])  # the MLP's and the head's in fp8
+    # (per rank: test_any_module_is_priced_from_its_own_dry_run_ops's FSDP). Its peak lacks te.Linear's own
+    # tensors, so no batch is sized by it; nor is it measured here
+    ddp = ["--trainer.precision", "transformer-engine", "--trainer.devices", "2", "--trainer.strategy", "ddp"]
+    for at in (ddp, ddp[:2]):  # per rank, and one device
+        assert lmledger(["plan", "max-batch", *convnet, *at, "--gpu", "h100-sxm"]) == 2
+        assert one_error_line(capsys) == ("lmledger plan: error: no peak to size the batch by: transformer-engine's "
+                                          "memory is not modelled (its step is planned as bf16-true, without "
+                                          "Transformer Engine's own saved tensors and fp8 weight copies)")  # fmt: skip
+    assert lmledger(["account", *convnet, *ddp[:2], "--measure"]) == 2
+    assert one_error_line(capsys).endswith("not transformer-engine")
 
 
 def test_plan_max_batch_prints_the_step_at_its_answer(workdir, capsys):

@@ -16,7 +16,10 @@ from lmledger.accounting.steptime import no_step_time
 from lmledger.ledger.hardware.gpus import GpuSpec, find_gpu, require_gpu
 from lmledger.ledger.run import Run
 
-__all__ = ["DEFAULT_GPU", "gpu_dtype", "ops_gpu_step", "target_gpu", "toy_gpu_step"]
+__all__ = [
+    "DEFAULT_GPU", "gpu_dtype", "gpu_kernels", "module_precision", "ops_gpu_step", "runs_transformer_engine",
+    "stand_in_note", "target_gpu", "toy_gpu_step", "traced_precision",
+]  # fmt: skip
 
 # The GPU a GPU config is priced on where this machine has none and no --gpu names one: the lecture's (CS336's)
 DEFAULT_GPU = "h100-sxm"
@@ -30,7 +33,7 @@ def target_gpu(accelerator: object, gpu: str | None, precision: str | None = Non
         return require_gpu(gpu), "--gpu"
     if str(accelerator).lower() in ("gpu", "cuda"):
         runs_on = "the config runs on a GPU"
-    elif _transformer_engine(precision):
+    elif runs_transformer_engine(precision):
         runs_on = f"{precision} runs on a CUDA GPU only"
     else:
         return None, ""
@@ -46,19 +49,24 @@ def gpu_dtype(precision: str) -> str:
     tf32 as the precision says; an fp8 run's against bf16's, which its step outside the linears runs in."""
     from lmledger.ledger.hardware.peak_flops import compute_dtype_for_precision
 
-    dtype = compute_dtype_for_precision(precision)
+    dtype = compute_dtype_for_precision(
+        traced_precision(precision) if runs_transformer_engine(precision) else precision
+    )
     return dtype if dtype in ("bf16", "fp16", "fp32", "tf32") else "bf16"
 
 
-def _kernels(spec: Run):
+def gpu_kernels(precision: str | None, compiled: bool = False, fp8: bool = False):
+    """The kernels a Lightning run's step launches on a GPU (ledger/timing/gpu/frameworks.Kernels): eager PyTorch, or
+    torch.compile's; its linears in fp8 under Transformer Engine's precisions (every nn.Linear a te.Linear, the tied
+    head's too: delayed scaling) or with torchao's float8 (`fp8`: dynamic scaling)."""
     from dataclasses import replace
 
     from lmledger.ledger.timing.gpu import kernels_for
 
-    kernels = kernels_for("pytorch", compiled=spec.compiled)  # LitLM under Lightning: eager, or torch.compile
-    if _transformer_engine(spec.precision):  # every nn.Linear a te.Linear, the tied head's too: delayed scaling
+    kernels = kernels_for("pytorch", compiled=compiled)
+    if runs_transformer_engine(precision):
         return replace(kernels, fp8_matmuls=True, fp8_casts="te", fp8_head=True)
-    return replace(kernels, fp8_matmuls=True) if spec.fp8 else kernels  # torchao: dynamic scaling
+    return replace(kernels, fp8_matmuls=True) if fp8 else kernels
 
 
 def _links(gpu: GpuSpec, argv: list[str], world: int):
@@ -102,8 +110,9 @@ def toy_gpu_step(spec: Run, argv: list[str], gpu: GpuSpec, accumulate: int = 1, 
                     accumulate=accumulate, recompute=_recompute(spec),
                     sequence_parallel=spec.sequence_parallel and tp > 1)  # fmt: skip
     dtype = gpu_dtype(spec.precision)
-    step = step_at_layout(spec.config, spec.seq_len, layout, _dry_precision(spec.precision, spec.weights_dtype), gpu,
-                          compute_dtype=dtype, kernels=_kernels(spec), links=_links(gpu, argv, world))  # fmt: skip
+    step = step_at_layout(spec.config, spec.seq_len, layout, traced_precision(spec.precision, spec.weights_dtype), gpu,
+                          compute_dtype=dtype, kernels=gpu_kernels(spec.precision, spec.compiled, bool(spec.fp8)),
+                          links=_links(gpu, argv, world))  # fmt: skip
     if not isinstance(step, StepTime):
         return no_step_time(step.reason)
     tokens = spec.batch_size * spec.seq_len * accumulate  # a rank's; TP's ranks share theirs
@@ -129,13 +138,13 @@ def ops_gpu_step(
 ) -> dict:  # fmt: skip
     """Any module's step on `gpu`, from its dry run's ops (one rank's, on this machine's fake tensors), with DDP's
     `buckets` (bytes, dtype) all-reduced over `world_size` ranks as backward fills them."""
-    from lmledger.ledger.timing.gpu import kernels_for, predict_gpu_step
+    from lmledger.ledger.timing.gpu import predict_gpu_step
     from lmledger.ledger.timing.gpu.explain import explain_mfu
     from lmledger.ledger.timing.steptime import StepTime
 
-    dtype = gpu_dtype(precision)
+    dtype, kernels = gpu_dtype(precision), gpu_kernels(precision)
     model_flops = 3 * ops.flops_in("forward")
-    step = predict_gpu_step(ops, gpu, compute_dtype=dtype, kernels=kernels_for("pytorch"), tokens=tokens,
+    step = predict_gpu_step(ops, gpu, compute_dtype=dtype, kernels=kernels, tokens=tokens,
                             samples=samples, accumulate=accumulate, model_flops=model_flops, buckets=list(buckets),
                             world_size=world_size, links=_links(gpu, list(argv), world_size))  # fmt: skip
     if not isinstance(step, StepTime):
@@ -146,7 +155,7 @@ def ops_gpu_step(
         from lmledger.ledger.count.ops import OPTIMIZER, OpSummary
 
         micro = predict_gpu_step(OpSummary.of([op for op in ops.ops if op.category != OPTIMIZER]), gpu,
-                                 compute_dtype=dtype, kernels=kernels_for("pytorch"), links=_links(gpu, list(argv),
+                                 compute_dtype=dtype, kernels=kernels, links=_links(gpu, list(argv),
                                  world_size), world_size=world_size)  # fmt: skip
         seconds = {c: v + (accumulate - 1) * micro.seconds.get(c, 0.0) for c, v in step.seconds.items()}
         total = sum(seconds.values())
@@ -156,11 +165,11 @@ def ops_gpu_step(
     return {**step.to_json(), "line": step.line(), "gpu": gpu.key, "mfu_explained": why}
 
 
-def _dry_precision(precision: str, weights_dtype: object = None) -> str:
+def traced_precision(precision: str, weights_dtype: object = None) -> str:
     """The precision the dry run traces. Transformer Engine's is traced as its weights' (`weights_dtype`, else its
     row's): Lightning's plugin converts the module to them and runs what te.Linear does not under autocast to a 16-bit
     dtype: bf16-true or 16-true, and for fp32 master weights bf16-mixed (TiedTransformerEnginePrecision's bf16
-    fallback). Its linears are priced as fp8 (_kernels). Another plugin's is traced as bf16-mixed."""
+    fallback). Its linears are priced as fp8 (gpu_kernels). Another plugin's is traced as bf16-mixed."""
     from lmledger.ledger import precision_table
 
     row = _precision_row(precision)
@@ -175,7 +184,23 @@ def _dry_precision(precision: str, weights_dtype: object = None) -> str:
                 if r.convert_to == weights and r.autocast is None and not r.transformer_engine)  # fmt: skip
 
 
-def _transformer_engine(precision: str | None) -> bool:
+def module_precision(trainer: object) -> tuple[str, str, object]:
+    """(the precision a parsed trainer section asks for, the precision its dry run traces, a Transformer Engine
+    plugin's weights dtype or None): Transformer Engine's is traced as traced_precision says, any other as asked."""
+    from lmledger.precision import requested_precision
+
+    precision, weights = requested_precision(trainer)
+    return precision, traced_precision(precision, weights) if runs_transformer_engine(precision) else precision, weights
+
+
+def stand_in_note(precision: str, weights_dtype: object = None) -> str:
+    """What a Transformer Engine step's plan stands on: a trace at traced_precision, its linears priced in fp8."""
+    return (f"{precision}: planned as {traced_precision(precision, weights_dtype)} with its linears' matmuls priced in "
+            "fp8 (te.Linear runs on a CUDA GPU only); its memory is that step's, without Transformer Engine's own "
+            "saved tensors and fp8 weight copies")  # fmt: skip
+
+
+def runs_transformer_engine(precision: str | None) -> bool:
     """Transformer Engine's precisions: te.Linear runs on a CUDA GPU only."""
     row = _precision_row(precision)
     return row is not None and row.transformer_engine

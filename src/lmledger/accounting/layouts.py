@@ -6,12 +6,13 @@ from __future__ import annotations
 import dataclasses
 
 from lmledger.accounting.gpustep import (
-    _dry_precision,
-    _kernels,
     _links,
-    _transformer_engine,
     gpu_dtype,
+    gpu_kernels,
+    runs_transformer_engine,
+    stand_in_note,
     target_gpu,
+    traced_precision,
 )
 from lmledger.accounting.steptime import trainer_time_settings
 
@@ -64,10 +65,11 @@ def plan_layouts(argv: list[str], gpu: str | None, num_gpus: int, tokens: float 
     global_batch = spec.batch_size * accumulate * max(1, spec.world_size // spec.tensor_parallel)
     dtype = gpu_dtype(spec.precision)
     links = _links(target, argv, num_gpus)
-    traced = _dry_precision(spec.precision, spec.weights_dtype)
+    traced = traced_precision(spec.precision, spec.weights_dtype)
     found = search_layouts(spec.config, spec.seq_len, num_gpus=num_gpus, global_batch=global_batch,
                            capacity_bytes=target.memory_bytes, precision=traced, gpu=target,
-                           compute_dtype=dtype, kernels=_kernels(spec), links=links)  # fmt: skip
+                           compute_dtype=dtype, kernels=gpu_kernels(spec.precision, spec.compiled, bool(spec.fp8)),
+                           links=links)  # fmt: skip
     per_token = {}  # PaLM's count for the MFU; the hardware count at the layout's recompute for what the kernels run
     for recompute, every in (("none", 0), ("full", 1)):
         counts = flops_per_token_by_convention(dataclasses.replace(spec.config, activation_checkpointing=every),
@@ -85,7 +87,5 @@ def plan_layouts(argv: list[str], gpu: str | None, num_gpus: int, tokens: float 
         "ranked": [row(c) for c in found.ranked[:top]], "dropped": [row(c) for c in found.dropped],
         "links": {"intra_node": links.intra.name, "inter_node": links.inter.name, "gpus_per_node": links.gpus_per_node},
         "not_searched": "interleaving beyond 4 chunks a rank; context parallel below a 16K-token context",
-        "notes": [f"{spec.precision}: each layout traced as {traced}, its linears' matmuls priced in fp8; the memory "
-                  "is that step's, without Transformer Engine's own saved tensors and fp8 weight copies"]
-        if _transformer_engine(spec.precision) else [],
+        "notes": [stand_in_note(spec.precision, spec.weights_dtype)] if runs_transformer_engine(spec.precision) else [],
     }  # fmt: skip

@@ -114,6 +114,7 @@ def any_model_at_scale(argv: list[str], capacity_bytes: int | None = None, gpu: 
 
     Cases: as configured, and every block checkpointed (ledger.sharding.sharded). The module is built on the
     meta device, so an 8B model costs no memory. The batch is shaped like its data's first batch."""
+    from lmledger.accounting.gpustep import module_precision, stand_in_note, target_gpu
     from lmledger.callbacks.dryrun import samples_per_batch, tokens_per_batch
     from lmledger.fitting.cli import build_model_and_data, first_batch
     from lmledger.ledger import predict as ledger_predict
@@ -124,22 +125,25 @@ def any_model_at_scale(argv: list[str], capacity_bytes: int | None = None, gpu: 
     with torch.device("meta"):
         module, data, config = build_model_and_data(argv)
     batch = first_batch(data)
-    precision = str(config.trainer.get("precision") or "32-true")
+    precision, traced, weights = module_precision(config.trainer)  # Transformer Engine's traced as its weights'
     samples = samples_per_batch(batch)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         scale = atscale.at_scale(
             module, lambda size: ledger_predict.resized(batch, size), samples, strategy=strategy, world_size=world_size,
             capacity_bytes=capacity_bytes, step=ledger_predict.module_step,
-            optimizer=ledger_predict.configured_optimizer(module), precision=precision, links=links,
+            optimizer=ledger_predict.configured_optimizer(module), precision=traced, links=links,
             **_scale_settings(scale, module),
         )  # fmt: skip
     tokens = tokens_per_batch(module, batch)
     timed = scale.configured
-    if gpu is not None or str(config.trainer.get("accelerator")).lower() in ("gpu", "cuda"):
-        timed = _timing_case(module, batch, samples, strategy, world_size, precision, scale.configured)
+    if target_gpu(config.trainer.get("accelerator"), gpu, precision)[0] is not None:
+        timed = _timing_case(module, batch, samples, strategy, world_size, traced, scale.configured)
+    time = _rank_gpu_time(timed, config, gpu, precision, tokens, samples, argv)
+    if time is not None and traced != precision:
+        time["predicted"]["notes"].append(stand_in_note(precision, weights))
     return {
-        "time": _rank_gpu_time(timed, config, gpu, precision, tokens, samples, argv),
+        "time": time,
         "params": ledger_predict.parameter_count(module),
         "run": {
             "model": config.model.class_path,
@@ -183,7 +187,7 @@ def _rank_gpu_time(case, config, gpu: str | None, precision: str, tokens, sample
     from lmledger.accounting.gpustep import ops_gpu_step, target_gpu
     from lmledger.accounting.steptime import trainer_time_settings
 
-    target, why = target_gpu(config.trainer.get("accelerator"), gpu)
+    target, why = target_gpu(config.trainer.get("accelerator"), gpu, precision)
     if target is None or case.ops is None:
         return None
     accumulate = trainer_time_settings(list(argv))["accumulate"]

@@ -289,7 +289,7 @@ def account_any_model(argv: list[str], do_measure: bool, step_time: bool = False
     No model FLOPs (6N + attention needs the architecture), so no MFU."""
     import copy
 
-    from lmledger.accounting.gpustep import ops_gpu_step, target_gpu
+    from lmledger.accounting.gpustep import module_precision, ops_gpu_step, stand_in_note, target_gpu
     from lmledger.callbacks.dryrun import samples_per_batch, tokens_per_batch
     from lmledger.fitting.cli import build_model_and_data, first_batch
     from lmledger.ledger import predict as ledger_predict
@@ -297,7 +297,7 @@ def account_any_model(argv: list[str], do_measure: bool, step_time: bool = False
     from lmledger.ledger.run import Run
 
     module, data, config = build_model_and_data(argv)
-    precision = str(config.trainer.get("precision") or "32-true")
+    precision, traced, weights = module_precision(config.trainer)
     device = local_device(config.trainer.get("accelerator"))
     batch = first_batch(data)
     if device.type == "cuda":
@@ -305,26 +305,28 @@ def account_any_model(argv: list[str], do_measure: bool, step_time: bool = False
         batch = map_tensors(lambda t: t.to(device), batch)
     tokens = tokens_per_batch(module, batch)
     samples = samples_per_batch(batch)
-    run = Run(None, samples, (tokens or samples) // max(samples, 1), precision, device=device, module=module)
+    # Transformer Engine's step is traced as its weights' precision (te.Linear runs on a CUDA GPU only), priced on one
+    run = Run(None, samples, (tokens or samples) // max(samples, 1), traced, device=device, module=module)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        predicted = predict_run(run, batch)
         measured = ledger_predict.measure_module(module, batch, precision=precision) if do_measure else None
+        predicted = predict_run(run, batch)
         timing = step = None
-        target, why = target_gpu(config.trainer.get("accelerator"), gpu) if step_time else (None, "")
-        traced = predicted.dry is not None and predicted.dry.ops is not None
-        if target is not None and traced:  # on a GPU: its dry run's ops priced by the GPU op model
+        target, why = target_gpu(config.trainer.get("accelerator"), gpu, precision) if step_time else (None, "")
+        has_ops = predicted.dry is not None and predicted.dry.ops is not None
+        if target is not None and has_ops:  # on a GPU: its dry run's ops priced by the GPU op model
             accumulate = trainer_time_settings(list(argv))["accumulate"]
             step = ops_gpu_step(predicted.dry.ops, target, precision, tokens, samples, accumulate)
-            step["notes"] = [*step.get("notes", ()), *([why] if why != "--gpu" else [])]
-        elif step_time and traced and target is None:  # the step time predicted here
+            stand_in = [stand_in_note(precision, weights)] if traced != precision else []
+            step["notes"] = [*step.get("notes", ()), *([why] if why != "--gpu" else []), *stand_in]
+        elif step_time and has_ops and target is None:  # the step time predicted here
             step = predicted_step_time(
                 predicted.dry.ops, ledger_predict.configured_optimizer(copy.deepcopy(module)), argv, precision, device,
                 tokens, samples, data.train_dataloader(),
             )  # fmt: skip
         elif step_time:
             step = no_step_time(predicted.unmodelled)
-        if do_measure and predicted.dry is not None and predicted.dry.ops is not None:
+        if do_measure and has_ops:
             timing = _time_table(predicted.dry.ops, precision, device, _module_step_fn(module, batch, precision),
                                  (step or {}).get("seconds"))  # fmt: skip
         if step is not None:

@@ -67,8 +67,8 @@ def precision_dtypes(precision: str | int) -> tuple[torch.dtype | None, torch.dt
     if row.transformer_engine:
         covered = [r.name for r in precision_table.ROWS.values() if not r.transformer_engine]
         raise UserError(f"the dry run covers {', '.join(covered)}, not {row.name}: Transformer Engine's te.Linear "
-                        "runs on a CUDA GPU only (a ToyLM config's step is planned with its linears in fp8; another "
-                        "module can be planned at bf16-true)")  # fmt: skip
+                        "runs on a CUDA GPU only (`lmledger account` plans its step, traced at its weights' precision "
+                        "with its linears priced in fp8)")  # fmt: skip
     return row.convert_dtype, row.autocast_dtype
 
 
