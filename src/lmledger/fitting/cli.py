@@ -448,6 +448,16 @@ class _BuildCLI(FitCLI):
     def before_instantiate_classes(self) -> None:
         pass
 
+    def instantiate_classes(self) -> None:
+        # Nor the trainer's plugins: a Transformer Engine plugin needs the library, which planning does not (its step
+        # is priced, not run). The config keeps them, which is what planning reads.
+        plugins = self.config.get("trainer.plugins")
+        self.config["trainer.plugins"] = None
+        try:
+            super().instantiate_classes()
+        finally:
+            self.config["trainer.plugins"] = plugins
+
     def instantiate_trainer(self, **kwargs) -> None:
         return None
 
