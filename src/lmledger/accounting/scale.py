@@ -140,7 +140,7 @@ def any_model_at_scale(argv: list[str], capacity_bytes: int | None = None, gpu: 
     if target_gpu(config.trainer.get("accelerator"), gpu, precision)[0] is not None:
         timed = _timing_case(module, batch, samples, strategy, world_size, traced, scale.configured)
     time = _rank_gpu_time(timed, config, gpu, precision, tokens, samples, argv)
-    if time is not None and traced != precision:
+    if time is not None and traced != precision and "none" not in time["predicted"]:
         time["predicted"]["notes"].append(stand_in_note(precision, weights))
     return {
         "time": time,

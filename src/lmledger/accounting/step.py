@@ -317,7 +317,7 @@ def account_any_model(argv: list[str], do_measure: bool, step_time: bool = False
         if target is not None and has_ops:  # on a GPU: its dry run's ops priced by the GPU op model
             accumulate = trainer_time_settings(list(argv))["accumulate"]
             step = ops_gpu_step(predicted.dry.ops, target, precision, tokens, samples, accumulate)
-            stand_in = [stand_in_note(precision, weights)] if traced != precision else []
+            stand_in = [stand_in_note(precision, weights)] if traced != precision and "none" not in step else []
             step["notes"] = [*step.get("notes", ()), *([why] if why != "--gpu" else []), *stand_in]
         elif step_time and has_ops and target is None:  # the step time predicted here
             step = predicted_step_time(
