@@ -143,6 +143,9 @@ def test_a_transformer_engine_config_is_planned_on_a_gpu_with_its_linears_in_fp8
     layouts = run_json(capsys, "plan", "layout", *args("configs/precision/fp8-te.yaml"), "--num-gpus", "1", "--json")
     assert layouts["gpu"] == "h100-sxm" and layouts["fits"] == 2  # recompute or not
     assert layouts["notes"][0].startswith("transformer-engine: planned as bf16-true")
+    odd = [*args("configs/precision/fp8-te.yaml"), "--model.config.d_model", "1000", "--model.config.n_heads", "4"]
+    assert lmledger(["plan", "layout", *odd, "--num-gpus", "1"]) == 2  # (account: no step, with the same reason)
+    assert "and leaves ToyLM's blocks.0.attn.qkv (1000 -> 3000)" in one_error_line(capsys)
     assert lmledger(["plan", "max-batch", *args("configs/precision/fp8-te.yaml"), "--gpu", "h100-sxm"]) == 2
     assert one_error_line(capsys) == ("lmledger plan: error: no peak to size the batch by: activation bytes are "
                                       "modelled for 32-true, 16-mixed, bf16-mixed, 16-true, bf16-true, not "
@@ -170,9 +173,35 @@ def test_a_transformer_engine_config_is_planned_on_a_gpu_with_its_linears_in_fp8
         assert one_error_line(capsys) == ("lmledger plan: error: no peak to size the batch by: transformer-engine's "
                                           "memory is not modelled (its step is planned as bf16-true, without "
                                           "Transformer Engine's own saved tensors and fp8 weight copies)")  # fmt: skip
+    # Lightning's plugin swaps only an nn.Linear whose features divide by 8 and 16: a module with another matmul layer
+    # (36 features; transformers' Conv1D, test_only_nn_linear_layers_...) is refused, not priced in fp8 throughout
+    assert lmledger(["account", *convnet, "--model.init_args.width", "36", *ddp[:2]]) == 2
+    assert "and leaves ByteConvNet's blocks.0.mlp.0 (36 -> 72), blocks.0.mlp.2 (72 -> 36)" in one_error_line(capsys)
     # (the plugin form, with fp32 masters: built for planning without Transformer Engine installed, its plugin not)
     assert lmledger(["account", *convnet, "--config", "configs/precision/fp8-te-fp32-master.yaml", "--measure"]) == 2
     assert one_error_line(capsys).endswith("not transformer-engine")
+
+
+def test_only_nn_linear_layers_transformer_engine_swaps_are_planned_in_fp8():
+    """Lightning's Transformer Engine plugin swaps an nn.Linear whose in and out features divide by 8 and 16, and
+    nothing else (lightning/fabric/plugins/precision/transformer_engine.py, _convert_layers): a layer it leaves
+    16-bit is named, so its matmuls are not priced in fp8 with the rest."""
+    from torch import nn
+
+    from lmledger.accounting.gpustep import unswapped_matmuls
+
+    class Conv1D(nn.Module):  # transformers' GPT-2 layer: x @ W + b with a bare 2-D weight
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.zeros(16, 48))
+
+    swapped = nn.Sequential(nn.Embedding(10, 16), nn.Linear(16, 32), nn.LayerNorm(32), nn.Linear(32, 16))
+    assert unswapped_matmuls(swapped, "transformer-engine") is None
+    assert unswapped_matmuls(nn.Sequential(swapped, nn.Linear(12, 16)), "bf16-true") is None  # not TE: not asked
+    found = unswapped_matmuls(
+        nn.Sequential(swapped, nn.Linear(12, 16), nn.Linear(16, 8), Conv1D()), "transformer-engine"
+    )
+    assert "Sequential's 1 (12 -> 16), 2 (16 -> 8), 3 (Conv1D) 16-bit" in found
 
 
 def test_plan_max_batch_prints_the_step_at_its_answer(workdir, capsys):

@@ -18,7 +18,7 @@ from lmledger.ledger.run import Run
 
 __all__ = [
     "DEFAULT_GPU", "gpu_dtype", "gpu_kernels", "module_precision", "ops_gpu_step", "runs_transformer_engine",
-    "stand_in_note", "target_gpu", "toy_gpu_step", "traced_precision",
+    "stand_in_note", "target_gpu", "toy_gpu_step", "toy_unswapped_matmuls", "traced_precision", "unswapped_matmuls",
 ]  # fmt: skip
 
 # The GPU a GPU config is priced on where this machine has none and no --gpu names one: the lecture's (CS336's)
@@ -103,6 +103,9 @@ def toy_gpu_step(spec: Run, argv: list[str], gpu: GpuSpec, accumulate: int = 1, 
 
     world = num_gpus or spec.world_size
     tp = spec.tensor_parallel
+    unswapped = toy_unswapped_matmuls(spec)
+    if unswapped:
+        return no_step_time(unswapped)
     if world % tp:
         return no_step_time(f"{world} GPUs do not divide into tensor-parallel groups of {tp}")
     sharded = spec.strategy in ("fsdp", "fsdp2") or spec.strategy.startswith("deepspeed_stage_3")
@@ -191,6 +194,39 @@ def module_precision(trainer: object) -> tuple[str, str, object]:
 
     precision, weights = requested_precision(trainer)
     return precision, traced_precision(precision, weights) if runs_transformer_engine(precision) else precision, weights
+
+
+def unswapped_matmuls(module: torch.nn.Module, precision: str) -> str | None:
+    """Why a module's Transformer Engine step is not planned, or None: Lightning's plugin swaps an nn.Linear whose in
+    and out features divide by 8 and 16 for te.Linear, and nothing else (a Conv1D, a bare 2-D weight), which stays
+    16-bit where the plan prices every linear matmul in fp8 (gpu_kernels)."""
+    if not runs_transformer_engine(precision):
+        return None
+    kept = []
+    for name, child in module.named_modules():
+        if isinstance(child, torch.nn.Linear):
+            if child.in_features % 8 or child.out_features % 16:
+                kept.append(f"{name} ({child.in_features} -> {child.out_features})")
+        elif not isinstance(child, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and any(
+            p.dim() == 2 for p in child.parameters(recurse=False)
+        ):
+            kept.append(f"{name} ({type(child).__name__})")
+    if not kept:
+        return None
+    shown = ", ".join(kept[:3]) + (f" and {len(kept) - 3} more" if len(kept) > 3 else "")
+    return (f"{precision} swaps only the nn.Linear layers whose features divide by 8 and 16 for te.Linear, and leaves "
+            f"{type(module).__name__}'s {shown} 16-bit: this plan cannot tell those matmuls from the swapped ones "
+            "(plan it at bf16-true)")  # fmt: skip
+
+
+def toy_unswapped_matmuls(spec: Run) -> str | None:
+    """unswapped_matmuls of a ToyLM config's model (built on the meta device: no memory)."""
+    if not runs_transformer_engine(spec.precision):
+        return None
+    from lmledger.model import ToyLM
+
+    with torch.device("meta"):
+        return unswapped_matmuls(ToyLM(spec.config), spec.precision)
 
 
 def stand_in_note(precision: str, weights_dtype: object = None) -> str:

@@ -12,6 +12,7 @@ from lmledger.accounting.gpustep import (
     runs_transformer_engine,
     stand_in_note,
     target_gpu,
+    toy_unswapped_matmuls,
     traced_precision,
 )
 from lmledger.accounting.steptime import trainer_time_settings
@@ -59,6 +60,9 @@ def plan_layouts(argv: list[str], gpu: str | None, num_gpus: int, tokens: float 
         raise UserError("plan layout searches layouts of lmledger's ToyLM configs; for another module, plan one layout "
                         "with `lmledger account --config FILE --gpu KEY`")  # fmt: skip
     spec = load_run(argv)
+    unswapped = toy_unswapped_matmuls(spec)
+    if unswapped:
+        raise UserError(unswapped)
     target, _ = target_gpu(spec.accelerator, gpu, spec.precision)
     target = target or require_gpu("h100-sxm")
     accumulate = trainer_time_settings(argv)["accumulate"]

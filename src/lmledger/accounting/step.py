@@ -289,7 +289,13 @@ def account_any_model(argv: list[str], do_measure: bool, step_time: bool = False
     No model FLOPs (6N + attention needs the architecture), so no MFU."""
     import copy
 
-    from lmledger.accounting.gpustep import module_precision, ops_gpu_step, stand_in_note, target_gpu
+    from lmledger.accounting.gpustep import (
+        module_precision,
+        ops_gpu_step,
+        stand_in_note,
+        target_gpu,
+        unswapped_matmuls,
+    )
     from lmledger.callbacks.dryrun import samples_per_batch, tokens_per_batch
     from lmledger.fitting.cli import build_model_and_data, first_batch
     from lmledger.ledger import predict as ledger_predict
@@ -298,6 +304,11 @@ def account_any_model(argv: list[str], do_measure: bool, step_time: bool = False
 
     module, data, config = build_model_and_data(argv)
     precision, traced, weights = module_precision(config.trainer)
+    unswapped = unswapped_matmuls(module, precision)
+    if unswapped:
+        from lmledger.errors import UserError
+
+        raise UserError(unswapped)
     device = local_device(config.trainer.get("accelerator"))
     batch = first_batch(data)
     if device.type == "cuda":
