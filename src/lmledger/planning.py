@@ -68,7 +68,7 @@ def max_batch_of(fit_args: list[str], capacity: int, gpu_key: str | None) -> tup
 
 
 def _refuse_transformer_engine(fit_args: list[str]) -> None:
-    """A module's dry run under Transformer Engine is a bf16 stand-in's (accounting.gpustep.traced_precision), whose
+    """A module's dry run under Transformer Engine is a bf16 stand-in's (ledger.precision_table.traced_precision), whose
     peak lacks te.Linear's own saved tensors and fp8 weight copies: no batch is sized by it."""
     from lmledger.accounting.gpustep import module_precision
     from lmledger.fitting.cli import parse_fit_config

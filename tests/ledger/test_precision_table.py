@@ -41,6 +41,19 @@ def test_an_unknown_precision_is_one_line_listing_the_valid_names():
     assert all(name in message for name in (*precision_table.PRECISIONS, *precision_table.ALIASES))
 
 
+def test_a_transformer_engine_run_is_traced_as_the_module_its_plugin_converts():
+    """te.Linear runs on a CUDA GPU only, so its step is traced at what Lightning's plugin converts the module to:
+    bf16-true, 16-true, and bf16-mixed for fp32 master weights (the bf16 fallback autocast); others as themselves,
+    a plugin the table lacks as bf16-mixed."""
+    traced = precision_table.traced_precision
+    assert [traced(name) for name in ("transformer-engine", "transformer-engine-float16", "bf16", 32)] == [
+        "bf16-true", "16-true", "bf16-mixed", "32-true"]  # fmt: skip
+    assert traced("transformer-engine", torch.float32) == "bf16-mixed" and traced("MyPlugin") == "bf16-mixed"
+    assert traced("transformer-engine", torch.float16) == "16-true"
+    te = precision_table.transformer_engine
+    assert (te("transformer-engine-float16"), te("bf16-true"), te(None), te("MyPlugin")) == (True, False, False, False)
+
+
 def _trainer(name: str) -> L.Trainer:
     return L.Trainer(
         accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,

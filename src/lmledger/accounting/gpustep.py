@@ -14,11 +14,13 @@ import torch
 
 from lmledger.accounting.steptime import no_step_time
 from lmledger.ledger.hardware.gpus import GpuSpec, find_gpu, require_gpu
+from lmledger.ledger.precision_table import traced_precision, transformer_engine
 from lmledger.ledger.run import Run
+from lmledger.ledger.timing.gpu.frameworks import lightning_kernels
 
 __all__ = [
-    "DEFAULT_GPU", "gpu_dtype", "gpu_kernels", "module_precision", "ops_gpu_step", "runs_transformer_engine",
-    "stand_in_note", "target_gpu", "toy_gpu_step", "toy_unswapped_matmuls", "traced_precision", "unswapped_matmuls",
+    "DEFAULT_GPU", "gpu_dtype", "module_precision", "ops_gpu_step", "stand_in_note", "target_gpu", "toy_gpu_step",
+    "toy_unswapped_matmuls", "unswapped_matmuls",
 ]  # fmt: skip
 
 # The GPU a GPU config is priced on where this machine has none and no --gpu names one: the lecture's (CS336's)
@@ -33,7 +35,7 @@ def target_gpu(accelerator: object, gpu: str | None, precision: str | None = Non
         return require_gpu(gpu), "--gpu"
     if str(accelerator).lower() in ("gpu", "cuda"):
         runs_on = "the config runs on a GPU"
-    elif runs_transformer_engine(precision):
+    elif transformer_engine(precision):
         runs_on = f"{precision} runs on a CUDA GPU only"
     else:
         return None, ""
@@ -49,24 +51,8 @@ def gpu_dtype(precision: str) -> str:
     tf32 as the precision says; an fp8 run's against bf16's, which its step outside the linears runs in."""
     from lmledger.ledger.hardware.peak_flops import compute_dtype_for_precision
 
-    dtype = compute_dtype_for_precision(
-        traced_precision(precision) if runs_transformer_engine(precision) else precision
-    )
+    dtype = compute_dtype_for_precision(traced_precision(precision) if transformer_engine(precision) else precision)
     return dtype if dtype in ("bf16", "fp16", "fp32", "tf32") else "bf16"
-
-
-def gpu_kernels(precision: str | None, compiled: bool = False, fp8: bool = False):
-    """The kernels a Lightning run's step launches on a GPU (ledger/timing/gpu/frameworks.Kernels): eager PyTorch, or
-    torch.compile's; its linears in fp8 under Transformer Engine's precisions (every nn.Linear a te.Linear, the tied
-    head's too: delayed scaling) or with torchao's float8 (`fp8`: dynamic scaling)."""
-    from dataclasses import replace
-
-    from lmledger.ledger.timing.gpu import kernels_for
-
-    kernels = kernels_for("pytorch", compiled=compiled)
-    if runs_transformer_engine(precision):
-        return replace(kernels, fp8_matmuls=True, fp8_casts="te", fp8_head=True)
-    return replace(kernels, fp8_matmuls=True) if fp8 else kernels
 
 
 def _links(gpu: GpuSpec, argv: list[str], world: int):
@@ -114,7 +100,7 @@ def toy_gpu_step(spec: Run, argv: list[str], gpu: GpuSpec, accumulate: int = 1, 
                     sequence_parallel=spec.sequence_parallel and tp > 1)  # fmt: skip
     dtype = gpu_dtype(spec.precision)
     step = step_at_layout(spec.config, spec.seq_len, layout, traced_precision(spec.precision, spec.weights_dtype), gpu,
-                          compute_dtype=dtype, kernels=gpu_kernels(spec.precision, spec.compiled, bool(spec.fp8)),
+                          compute_dtype=dtype, kernels=lightning_kernels(spec.precision, spec.compiled, bool(spec.fp8)),
                           links=_links(gpu, argv, world))  # fmt: skip
     if not isinstance(step, StepTime):
         return no_step_time(step.reason)
@@ -145,7 +131,7 @@ def ops_gpu_step(
     from lmledger.ledger.timing.gpu.explain import explain_mfu
     from lmledger.ledger.timing.steptime import StepTime
 
-    dtype, kernels = gpu_dtype(precision), gpu_kernels(precision)
+    dtype, kernels = gpu_dtype(precision), lightning_kernels(precision)
     model_flops = 3 * ops.flops_in("forward")
     step = predict_gpu_step(ops, gpu, compute_dtype=dtype, kernels=kernels, tokens=tokens,
                             samples=samples, accumulate=accumulate, model_flops=model_flops, buckets=list(buckets),
@@ -168,39 +154,20 @@ def ops_gpu_step(
     return {**step.to_json(), "line": step.line(), "gpu": gpu.key, "mfu_explained": why}
 
 
-def traced_precision(precision: str, weights_dtype: object = None) -> str:
-    """The precision the dry run traces. Transformer Engine's is traced as its weights' (`weights_dtype`, else its
-    row's): Lightning's plugin converts the module to them and runs what te.Linear does not under autocast to a 16-bit
-    dtype: bf16-true or 16-true, and for fp32 master weights bf16-mixed (TiedTransformerEnginePrecision's bf16
-    fallback). Its linears are priced as fp8 (gpu_kernels). Another plugin's is traced as bf16-mixed."""
-    from lmledger.ledger import precision_table
-
-    row = _precision_row(precision)
-    if row is None:  # an unlisted plugin: its compute is bf16
-        return "bf16-mixed"
-    if not row.transformer_engine:
-        return row.name
-    weights = str(weights_dtype).removeprefix("torch.") if weights_dtype is not None else row.convert_to
-    if weights == "float32":
-        return "bf16-mixed"
-    return next(r.name for r in precision_table.ROWS.values()
-                if r.convert_to == weights and r.autocast is None and not r.transformer_engine)  # fmt: skip
-
-
 def module_precision(trainer: object) -> tuple[str, str, object]:
     """(the precision a parsed trainer section asks for, the precision its dry run traces, a Transformer Engine
     plugin's weights dtype or None): Transformer Engine's is traced as traced_precision says, any other as asked."""
     from lmledger.precision import requested_precision
 
     precision, weights = requested_precision(trainer)
-    return precision, traced_precision(precision, weights) if runs_transformer_engine(precision) else precision, weights
+    return precision, traced_precision(precision, weights) if transformer_engine(precision) else precision, weights
 
 
 def unswapped_matmuls(module: torch.nn.Module, precision: str) -> str | None:
     """Why a module's Transformer Engine step is not planned, or None: Lightning's plugin swaps an nn.Linear whose in
     and out features divide by 8 and 16 for te.Linear, and nothing else (a Conv1D, a bare 2-D weight), which stays
     16-bit where the plan prices every linear matmul in fp8 (gpu_kernels)."""
-    if not runs_transformer_engine(precision):
+    if not transformer_engine(precision):
         return None
     kept = []
     for name, child in module.named_modules():
@@ -221,7 +188,7 @@ def unswapped_matmuls(module: torch.nn.Module, precision: str) -> str | None:
 
 def toy_unswapped_matmuls(spec: Run) -> str | None:
     """unswapped_matmuls of a ToyLM config's model (built on the meta device: no memory)."""
-    if not runs_transformer_engine(spec.precision):
+    if not transformer_engine(spec.precision):
         return None
     from lmledger.model import ToyLM
 
@@ -234,24 +201,6 @@ def stand_in_note(precision: str, weights_dtype: object = None) -> str:
     return (f"{precision}: planned as {traced_precision(precision, weights_dtype)} with its linears' matmuls priced in "
             "fp8 (te.Linear runs on a CUDA GPU only); its memory is that step's, without Transformer Engine's own "
             "saved tensors and fp8 weight copies")  # fmt: skip
-
-
-def runs_transformer_engine(precision: str | None) -> bool:
-    """Transformer Engine's precisions: te.Linear runs on a CUDA GPU only."""
-    row = _precision_row(precision)
-    return row is not None and row.transformer_engine
-
-
-def _precision_row(precision: str | None):
-    """The precision table's row of a Lightning precision; None for none given, or a plugin the table lacks."""
-    from lmledger.ledger import precision_table
-
-    if precision is None:
-        return None
-    try:
-        return precision_table.precision(precision)
-    except Exception:  # noqa: BLE001 - an unlisted plugin
-        return None
 
 
 def _layout_json(layout, world: int) -> dict:

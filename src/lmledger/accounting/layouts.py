@@ -8,14 +8,13 @@ import dataclasses
 from lmledger.accounting.gpustep import (
     _links,
     gpu_dtype,
-    gpu_kernels,
-    runs_transformer_engine,
     stand_in_note,
     target_gpu,
     toy_unswapped_matmuls,
-    traced_precision,
 )
 from lmledger.accounting.steptime import trainer_time_settings
+from lmledger.ledger.precision_table import traced_precision, transformer_engine
+from lmledger.ledger.timing.gpu.frameworks import lightning_kernels
 
 __all__ = ["plan_layouts"]
 
@@ -72,8 +71,8 @@ def plan_layouts(argv: list[str], gpu: str | None, num_gpus: int, tokens: float 
     traced = traced_precision(spec.precision, spec.weights_dtype)
     found = search_layouts(spec.config, spec.seq_len, num_gpus=num_gpus, global_batch=global_batch,
                            capacity_bytes=target.memory_bytes, precision=traced, gpu=target,
-                           compute_dtype=dtype, kernels=gpu_kernels(spec.precision, spec.compiled, bool(spec.fp8)),
-                           links=links)  # fmt: skip
+                           compute_dtype=dtype, links=links,
+                           kernels=lightning_kernels(spec.precision, spec.compiled, bool(spec.fp8)))  # fmt: skip
     per_token = {}  # PaLM's count for the MFU; the hardware count at the layout's recompute for what the kernels run
     for recompute, every in (("none", 0), ("full", 1)):
         counts = flops_per_token_by_convention(dataclasses.replace(spec.config, activation_checkpointing=every),
@@ -91,5 +90,5 @@ def plan_layouts(argv: list[str], gpu: str | None, num_gpus: int, tokens: float 
         "ranked": [row(c) for c in found.ranked[:top]], "dropped": [row(c) for c in found.dropped],
         "links": {"intra_node": links.intra.name, "inter_node": links.inter.name, "gpus_per_node": links.gpus_per_node},
         "not_searched": "interleaving beyond 4 chunks a rank; context parallel below a 16K-token context",
-        "notes": [stand_in_note(spec.precision, spec.weights_dtype)] if runs_transformer_engine(spec.precision) else [],
+        "notes": [stand_in_note(spec.precision, spec.weights_dtype)] if transformer_engine(spec.precision) else [],
     }  # fmt: skip

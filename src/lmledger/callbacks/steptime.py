@@ -205,17 +205,15 @@ def _replay_together() -> None:
 
 def _gpu_op_model(trainer, pl_module, prediction, tokens, samples, accumulate, intra, inter):
     """This fit's step on its GPU by the GPU op-time model (ledger/timing/gpu), from its dry run; None for a GPU the
-    table lacks (the replay prices it then). LitLM's compile and fp8 switches say which kernels run."""
-    import dataclasses
-
-    from lmledger.ledger.timing.gpu import kernels_for, predict_gpu_step
+    table lacks (the replay prices it then). Its precision and LitLM's compile and fp8 switches say which kernels
+    run."""
+    from lmledger.ledger.timing.gpu import lightning_kernels, predict_gpu_step
 
     spec = find_gpu(torch.cuda.get_device_name(pl_module.device))
     if spec is None or spec.sms is None:
         return None
     hparams = getattr(pl_module, "hparams", {}) or {}
-    kernels = kernels_for("pytorch", compiled=bool(hparams.get("compile")))
-    kernels = dataclasses.replace(kernels, fp8_matmuls=True) if hparams.get("fp8") else kernels
+    kernels = lightning_kernels(str(trainer.precision), bool(hparams.get("compile")), bool(hparams.get("fp8")))
     dtype = compute_dtype_for_precision(str(trainer.precision))
     buckets = [(b.nbytes, b.dtype) for b in getattr(prediction, "buckets", ())]
     return predict_gpu_step(

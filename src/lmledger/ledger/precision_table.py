@@ -26,7 +26,10 @@ from dataclasses import dataclass
 
 from lmledger.errors import ConfigError
 
-__all__ = ["ALIASES", "PRECISIONS", "ROWS", "Row", "normalize_precision", "precision"]
+__all__ = [
+    "ALIASES", "PRECISIONS", "ROWS", "Row", "normalize_precision", "precision", "traced_precision",
+    "transformer_engine",
+]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -98,3 +101,37 @@ def precision(name: str | int) -> Row:
 def normalize_precision(name: str | int) -> str:
     """The canonical name ("bf16" -> "bf16-mixed", 32 -> "32-true")."""
     return precision(name).name
+
+
+def transformer_engine(name: str | int | None) -> bool:
+    """Whether a precision is Transformer Engine's (its te.Linear runs on a CUDA GPU only); False for None, or a
+    plugin the table lacks."""
+    row = _row_or_none(name)
+    return row is not None and row.transformer_engine
+
+
+def traced_precision(name: str | int, weights_dtype: object = None) -> str:
+    """The precision a dry run traces for a run at `name`. Transformer Engine's is traced as its weights'
+    (`weights_dtype`, else its row's): Lightning's plugin converts the module to them and runs what te.Linear does not
+    under autocast to a 16-bit dtype: bf16-true or 16-true, and for fp32 master weights bf16-mixed
+    (TiedTransformerEnginePrecision's bf16 fallback); its linears are priced in fp8 (timing/gpu/frameworks.
+    lightning_kernels). A plugin the table lacks is traced as bf16-mixed; any other as itself."""
+    row = _row_or_none(name)
+    if row is None:
+        return "bf16-mixed"
+    if not row.transformer_engine:
+        return row.name
+    weights = str(weights_dtype).removeprefix("torch.") if weights_dtype is not None else row.convert_to
+    if weights == "float32":
+        return "bf16-mixed"
+    return next(r.name for r in ROWS.values() if r.convert_to == weights and r.autocast is None
+                and not r.transformer_engine)  # fmt: skip
+
+
+def _row_or_none(name: str | int | None) -> Row | None:
+    if name is None:
+        return None
+    try:
+        return precision(name)
+    except ConfigError:  # a plugin the table lacks
+        return None

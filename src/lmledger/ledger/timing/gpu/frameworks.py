@@ -59,7 +59,7 @@ from dataclasses import dataclass
 
 from lmledger.errors import UserError
 
-__all__ = ["FP8_CASTS", "FRAMEWORKS", "LOSSES", "Kernels", "kernels_for"]
+__all__ = ["FP8_CASTS", "FRAMEWORKS", "LOSSES", "Kernels", "kernels_for", "lightning_kernels"]
 
 LOSSES = ("eager", "fused", "megatron")  # how a framework runs the cross-entropy loss (module doc)
 FP8_CASTS = ("dynamic", "te")  # how an fp8 run casts its matmuls' operands (module doc)
@@ -173,3 +173,15 @@ def kernels_for(framework: str, compiled: bool = False) -> Kernels:
     if found is None:
         raise UserError(f"unknown framework {framework!r}: choose one of {', '.join(FRAMEWORKS)}")
     return found.compiled() if compiled else found
+
+
+def lightning_kernels(precision: str | None, compiled: bool = False, fp8: bool = False) -> Kernels:
+    """The kernels a Lightning run's step launches: eager PyTorch, or torch.compile's; its linears in fp8 under
+    Transformer Engine's precisions (every nn.Linear a te.Linear, the tied head's too: delayed scaling) or with
+    torchao's float8 (`fp8`: dynamic scaling, the head kept 16-bit)."""
+    from lmledger.ledger.precision_table import transformer_engine
+
+    kernels = kernels_for("pytorch", compiled=compiled)
+    if transformer_engine(precision):
+        return dataclasses.replace(kernels, fp8_matmuls=True, fp8_casts="te", fp8_head=True)
+    return dataclasses.replace(kernels, fp8_matmuls=True) if fp8 else kernels
