@@ -70,11 +70,13 @@ def max_batch_of(fit_args: list[str], capacity: int, gpu_key: str | None) -> tup
 def _refuse_transformer_engine(fit_args: list[str]) -> None:
     """A module's dry run under Transformer Engine is a bf16 stand-in's (ledger.precision_table.traced_precision), whose
     peak lacks te.Linear's own saved tensors and fp8 weight copies: no batch is sized by it."""
-    from lmledger.accounting.gpustep import module_precision
     from lmledger.fitting.cli import parse_fit_config
+    from lmledger.ledger.precision_table import traced_precision, transformer_engine
+    from lmledger.precision import requested_precision
 
-    precision, traced, _ = module_precision(parse_fit_config(list(fit_args)).trainer)
-    if traced != precision:
+    precision, weights = requested_precision(parse_fit_config(list(fit_args)).trainer)
+    if transformer_engine(precision):
+        traced = traced_precision(precision, weights)
         raise UserError(f"no peak to size the batch by: {precision}'s memory is not modelled (its step is planned as "
                         f"{traced}, without Transformer Engine's own saved tensors and fp8 weight copies)")  # fmt: skip
 

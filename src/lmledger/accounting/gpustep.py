@@ -154,19 +154,24 @@ def ops_gpu_step(
     return {**step.to_json(), "line": step.line(), "gpu": gpu.key, "mfu_explained": why}
 
 
-def module_precision(trainer: object) -> tuple[str, str, object]:
-    """(the precision a parsed trainer section asks for, the precision its dry run traces, a Transformer Engine
-    plugin's weights dtype or None): Transformer Engine's is traced as traced_precision says, any other as asked."""
+def module_precision(trainer: object, module: torch.nn.Module) -> tuple[str, str, object]:
+    """(the precision a parsed trainer section asks for, the precision `module`'s dry run traces, a Transformer Engine
+    plugin's weights dtype or None): Transformer Engine's is traced as traced_precision says, any other as asked. A
+    module whose matmul layers Transformer Engine would not all swap is refused (unswapped_matmuls)."""
+    from lmledger.errors import UserError
     from lmledger.precision import requested_precision
 
     precision, weights = requested_precision(trainer)
+    unswapped = unswapped_matmuls(module, precision)
+    if unswapped:
+        raise UserError(unswapped)
     return precision, traced_precision(precision, weights) if transformer_engine(precision) else precision, weights
 
 
 def unswapped_matmuls(module: torch.nn.Module, precision: str) -> str | None:
     """Why a module's Transformer Engine step is not planned, or None: Lightning's plugin swaps an nn.Linear whose in
     and out features divide by 8 and 16 for te.Linear, and nothing else (a Conv1D, a bare 2-D weight), which stays
-    16-bit where the plan prices every linear matmul in fp8 (gpu_kernels)."""
+    16-bit where the plan prices every linear matmul in fp8 (lightning_kernels)."""
     if not transformer_engine(precision):
         return None
     kept = []

@@ -114,7 +114,7 @@ def any_model_at_scale(argv: list[str], capacity_bytes: int | None = None, gpu: 
 
     Cases: as configured, and every block checkpointed (ledger.sharding.sharded). The module is built on the
     meta device, so an 8B model costs no memory. The batch is shaped like its data's first batch."""
-    from lmledger.accounting.gpustep import module_precision, stand_in_note, target_gpu, unswapped_matmuls
+    from lmledger.accounting.gpustep import module_precision, stand_in_note, target_gpu
     from lmledger.callbacks.dryrun import samples_per_batch, tokens_per_batch
     from lmledger.fitting.cli import build_model_and_data, first_batch
     from lmledger.ledger import predict as ledger_predict
@@ -125,12 +125,7 @@ def any_model_at_scale(argv: list[str], capacity_bytes: int | None = None, gpu: 
     with torch.device("meta"):
         module, data, config = build_model_and_data(argv)
     batch = first_batch(data)
-    precision, traced, weights = module_precision(config.trainer)  # Transformer Engine's traced as its weights'
-    unswapped = unswapped_matmuls(module, precision)
-    if unswapped:
-        from lmledger.errors import UserError
-
-        raise UserError(unswapped)
+    precision, traced, weights = module_precision(config.trainer, module)  # Transformer Engine's traced as its weights'
     samples = samples_per_batch(batch)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

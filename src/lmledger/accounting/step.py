@@ -294,7 +294,6 @@ def account_any_model(argv: list[str], do_measure: bool, step_time: bool = False
         ops_gpu_step,
         stand_in_note,
         target_gpu,
-        unswapped_matmuls,
     )
     from lmledger.callbacks.dryrun import samples_per_batch, tokens_per_batch
     from lmledger.fitting.cli import build_model_and_data, first_batch
@@ -303,12 +302,7 @@ def account_any_model(argv: list[str], do_measure: bool, step_time: bool = False
     from lmledger.ledger.run import Run
 
     module, data, config = build_model_and_data(argv)
-    precision, traced, weights = module_precision(config.trainer)
-    unswapped = unswapped_matmuls(module, precision)
-    if unswapped:
-        from lmledger.errors import UserError
-
-        raise UserError(unswapped)
+    precision, traced, weights = module_precision(config.trainer, module)
     device = local_device(config.trainer.get("accelerator"))
     batch = first_batch(data)
     if device.type == "cuda":
@@ -316,7 +310,7 @@ def account_any_model(argv: list[str], do_measure: bool, step_time: bool = False
         batch = map_tensors(lambda t: t.to(device), batch)
     tokens = tokens_per_batch(module, batch)
     samples = samples_per_batch(batch)
-    # Transformer Engine's step is traced as its weights' precision (te.Linear runs on a CUDA GPU only), priced on one
+    # Transformer Engine's step is traced at its weights' precision (te.Linear runs on a CUDA GPU only), priced on a GPU
     run = Run(None, samples, (tokens or samples) // max(samples, 1), traced, device=device, module=module)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
