@@ -86,6 +86,11 @@ def test_any_module_is_priced_from_its_own_dry_run_ops(workdir, capsys, monkeypa
     # each rank's compute: the same batch's, and DDP's copies of the gradients into its buckets
     assert two["seconds"]["matmul"] == pytest.approx(one["seconds"]["matmul"], rel=1e-6)
     assert two["seconds"]["other"] > one["seconds"]["other"]
+    # the days to train on it: that rank's step, each step's tokens over both ranks (it was planned on one device)
+    days = run_json(capsys, "plan", "train-time", *convnet, "--gpu", "h100-sxm", "--trainer.devices", "2",
+                    "--trainer.strategy", "ddp", "--tokens", "1e9", "--json")  # fmt: skip
+    assert days["num_gpus"] == 2 and days["tokens_per_step"] == 2 * 2 * 16
+    assert days["step_s"] == pytest.approx(two["total_s"]) and days["predicted"]["collectives"] == two["collectives"]
     assert one["tokens_per_s"] == pytest.approx(2 * 16 / one["total_s"])
     # Lightning's FSDP at 8 GPUs, asked as fit would run it (issue 28's checks refused it on a CPU machine): its
     # rank dry-run as FSDP2 (the same all-gathers and reduce-scatters a block), priced on the assumed H100

@@ -5,6 +5,7 @@ config or with --gpu."""
 from __future__ import annotations
 
 from lmledger.accounting.gpustep import target_gpu, toy_gpu_step
+from lmledger.accounting.scale import any_model_at_scale, at_scale, trainer_scale
 from lmledger.accounting.step import account_any_model
 from lmledger.accounting.steptime import toy_predicted_time, trainer_time_settings
 
@@ -26,12 +27,23 @@ def train_time_from_config(
 
     config = _config_files(argv)
     accumulate = trainer_time_settings(argv)["accumulate"]
+    on_cpus = (f"{config} runs on CPUs: plan train-time --config predicts one CPU's step; name a GPU with --gpu to "
+               "plan it on several")  # fmt: skip
     if named_classes(argv):
         if num_gpus not in (None, 1):
             raise UserError("plan train-time --config --num-gpus scales lmledger's ToyLM configs; drop --num-gpus")
-        result = account_any_model(argv, False, step_time=True, gpu=gpu)
-        predicted, per_step = result["time"]["predicted"], (result["run"]["tokens_per_step"] or 0) * accumulate
-        world = 1
+        scale = trainer_scale(argv)
+        world, replicas = 1, 1
+        if at_scale(scale.world_size, scale.strategy):  # one rank's step at its world size, as account plans it
+            result = any_model_at_scale(argv, gpu=gpu)
+            if result["time"] is None:
+                raise UserError(on_cpus)
+            world = scale.world_size
+            replicas = world // getattr(scale, "tensor_parallel", 1)  # a TP group's ranks share their batch
+        else:
+            result = account_any_model(argv, False, step_time=True, gpu=gpu)
+        predicted = result["time"]["predicted"]
+        per_step = (result["run"]["tokens_per_step"] or 0) * accumulate * replicas
     else:
         spec = load_run(argv)
         target, why = target_gpu(spec.accelerator, gpu, spec.precision)
@@ -41,10 +53,7 @@ def train_time_from_config(
             if why != "--gpu":
                 predicted["notes"] = [*predicted.get("notes", ()), why]
         elif world > 1 or num_gpus:
-            raise UserError(
-                f"{config} runs on CPUs: plan train-time --config predicts one CPU's step; name a GPU with --gpu to "
-                "plan it on several"
-            )
+            raise UserError(on_cpus)
         else:
             predicted = toy_predicted_time(spec, argv)
         per_step = spec.batch_size * spec.seq_len * accumulate * (world // spec.tensor_parallel)
