@@ -182,6 +182,14 @@ def test_sweep_of_account_points_over_an_any_model_config(workdir, capsys):
     path.write_text(yaml.safe_dump(spec))
     assert lmledger(["sweep", str(path), "--dry-run", "--out", "sweeps/conv"]) == 0
     assert "fail:" not in capsys.readouterr().out
+    # --plan prices each point's own dry run as account does (it said "not a toy-LM fit: not planned"): on an H100
+    # under Transformer Engine, whatever the config's accelerator; its peak grows with the batch
+    te = workdir / "conv-te.yaml"
+    te.write_text(yaml.safe_dump({**spec, "fixed": {**spec["fixed"], "trainer.precision": "transformer-engine"}}))
+    assert lmledger(["sweep", str(te), "--plan"]) == 0
+    planned = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("batch_size=")]
+    assert len(planned) == 2 and all(row[-2:] == ["on", "h100-sxm"] for row in planned), planned
+    assert float(planned[1][2]) > float(planned[0][2]) > 0
     results = run_sweep(load_experiment(path), workdir / "sweeps" / "conv", jobs=1)
     assert [r.status for r in results] == ["done", "done"], [r.error for r in results]
     with open(workdir / "sweeps" / "conv" / "results.csv", newline="") as f:

@@ -23,12 +23,12 @@ from lmledger.accounting.scale import (
     traced_at_scale,
     trainer_scale,
 )
-from lmledger.accounting.step import account, account_any_model
+from lmledger.accounting.step import account, account_any_model, account_module
 from lmledger.accounting.steptime import predicted_step_time
 from lmledger.accounting.traintime import train_time_from_config
 
 __all__ = [
-    "AC_LABELS", "account", "account_any_model", "any_model_at_scale", "at_scale", "ledger_json", "ledger_report",
-    "per_rank", "predicted_step_time", "print_any_model_at_scale", "print_per_rank", "scale_links",
+    "AC_LABELS", "account", "account_any_model", "account_module", "any_model_at_scale", "at_scale", "ledger_json",
+    "ledger_report", "per_rank", "predicted_step_time", "print_any_model_at_scale", "print_per_rank", "scale_links",
     "traced_at_scale", "train_time_from_config", "trainer_scale",
 ]  # fmt: skip

@@ -31,7 +31,7 @@ from lmledger.ledger.units import MEMORY_ROWS, tera
 from lmledger.model import count_parameters
 from lmledger.precision import local_device, predicted_device
 
-__all__ = ["account", "account_any_model", "main_rows", "one_device_dry_run"]
+__all__ = ["account", "account_any_model", "account_module", "main_rows", "one_device_dry_run"]
 
 
 def one_device_dry_run(spec: Run) -> bool:
@@ -280,6 +280,17 @@ def _module_step_fn(module, batch: object, precision: str):
     step()
     step()
     return step
+
+
+def account_module(argv: list[str], gpu: str | None = None) -> dict:
+    """account (without --measure) of a config naming any LightningModule: one rank's step at its world size and
+    strategy (accounting.scale.any_model_at_scale), else one device's (account_any_model)."""
+    from lmledger.accounting.scale import any_model_at_scale, at_scale, trainer_scale
+
+    scale = trainer_scale(argv)
+    if at_scale(scale.world_size, scale.strategy):
+        return any_model_at_scale(argv, gpu=gpu)
+    return account_any_model(argv, False, step_time=True, gpu=gpu)
 
 
 def account_any_model(argv: list[str], do_measure: bool, step_time: bool = False, gpu: str | None = None) -> dict:

@@ -5,8 +5,8 @@ config or with --gpu."""
 from __future__ import annotations
 
 from lmledger.accounting.gpustep import target_gpu, toy_gpu_step
-from lmledger.accounting.scale import any_model_at_scale, at_scale, trainer_scale
-from lmledger.accounting.step import account_any_model
+from lmledger.accounting.scale import at_scale, trainer_scale
+from lmledger.accounting.step import account_module
 from lmledger.accounting.steptime import toy_predicted_time, trainer_time_settings
 
 __all__ = ["train_time_from_config"]
@@ -32,16 +32,12 @@ def train_time_from_config(
     if named_classes(argv):
         if num_gpus not in (None, 1):
             raise UserError("plan train-time --config --num-gpus scales lmledger's ToyLM configs; drop --num-gpus")
+        result = account_module(argv, gpu=gpu)  # one rank's step at its world size, as account plans it
+        if result["time"] is None:
+            raise UserError(on_cpus)
         scale = trainer_scale(argv)
-        world, replicas = 1, 1
-        if at_scale(scale.world_size, scale.strategy):  # one rank's step at its world size, as account plans it
-            result = any_model_at_scale(argv, gpu=gpu)
-            if result["time"] is None:
-                raise UserError(on_cpus)
-            world = scale.world_size
-            replicas = world // getattr(scale, "tensor_parallel", 1)  # a TP group's ranks share their batch
-        else:
-            result = account_any_model(argv, False, step_time=True, gpu=gpu)
+        world = scale.world_size if at_scale(scale.world_size, scale.strategy) else 1
+        replicas = world // getattr(scale, "tensor_parallel", 1)  # a TP group's ranks share their batch
         predicted = result["time"]["predicted"]
         per_step = (result["run"]["tokens_per_step"] or 0) * accumulate * replicas
     else:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from lmledger.errors import UserError
 from lmledger.ledger.units import format_mb
 from lmledger.sweep.check import CheckedPoints, check_points
 from lmledger.sweep.launch import check_out_dir, cuda_available, finished_result, resumable, running_pid
@@ -60,8 +61,9 @@ PLAN_COLUMNS = ("point", "command", "peak MB", "step ms", "tokens/s")
 def plan_rows(experiment: Experiment) -> tuple[list[tuple[str, ...]], CheckedPoints]:
     """`sweep --plan`: each point's predicted peak and step time, before any point runs: on this machine for a CPU
     point (ledger.timing.steptime), on its GPU by the GPU op-time model for a GPU one (accounting.gpustep). Points
-    that are not a toy-LM fit, or that fail their checks, say why."""
-    from lmledger.accounting import account
+    of another command, or that fail their checks, say why. A point naming any LightningModule is its own dry run
+    (accounting.account_module)."""
+    from lmledger.accounting import account, account_module
     from lmledger.sweep.spec import fit_args
 
     checked = check_points(experiment)
@@ -71,17 +73,25 @@ def plan_rows(experiment: Experiment) -> tuple[list[tuple[str, ...]], CheckedPoi
         if point.id in checked.errors:
             rows.append((point.id, point.subcommand, f"fail: {checked.errors[point.id]}", "", ""))
             continue
-        if spec is None or point.subcommand not in ("fit", "account"):
-            rows.append((point.id, " ".join(point.command), "—", "—", "not a toy-LM fit: not planned"))
+        if point.subcommand not in ("fit", "account"):
+            rows.append((point.id, " ".join(point.command), "—", "—", "not a fit or account point: not planned"))
             continue
-        cost = account(spec, False, fit_args(point), step_time=True)
-        peak = cost["memory"]["peak"]["predicted"]
+        if spec is None:  # any LightningModule: its own dry run, one rank's at its world size, as account gives it
+            try:
+                cost = account_module(fit_args(point))
+            except UserError as err:
+                rows.append((point.id, point.subcommand, f"fail: {err}", "", ""))
+                continue
+            peak, world = cost["predictors"]["dry run"].peak, (cost.get("run") or {}).get("world_size", 1)
+        else:
+            cost = account(spec, False, fit_args(point), step_time=True)
+            peak, world = cost["memory"]["peak"]["predicted"], spec.world_size
         predicted = (cost.get("time") or {}).get("predicted") or {}
         if "total_s" in predicted:  # here, or on the point's GPU by the GPU op model (its key beside the rate)
             step, rate = f"{predicted['total_s'] * 1e3:.4g}", f"{predicted['tokens_per_s'] or 0:,.0f}"
             rate += f" on {predicted['priced_on']}" if predicted.get("priced_on") else ""
         else:
-            step, rate = "—", predicted.get("none", f"per rank at world size {spec.world_size}: not predicted")
+            step, rate = "—", predicted.get("none", f"per rank at world size {world}: not predicted")
         rows.append((point.id, point.subcommand, format_mb(peak, ",.2f", ""), step, rate))
     return rows, checked
 
