@@ -156,8 +156,8 @@ def ops_gpu_step(
 
 def module_precision(trainer: object, module: torch.nn.Module) -> tuple[str, str, object]:
     """(the precision a parsed trainer section asks for, the precision `module`'s dry run traces, a Transformer Engine
-    plugin's weights dtype or None): Transformer Engine's is traced as traced_precision says, any other as asked. A
-    module whose matmul layers Transformer Engine would not all swap is refused (unswapped_matmuls)."""
+    plugin's weights dtype or None), as traced_precision says. A module whose matmul layers Transformer Engine would
+    not all swap is refused (unswapped_matmuls)."""
     from lmledger.errors import UserError
     from lmledger.precision import requested_precision
 
@@ -165,7 +165,7 @@ def module_precision(trainer: object, module: torch.nn.Module) -> tuple[str, str
     unswapped = unswapped_matmuls(module, precision)
     if unswapped:
         raise UserError(unswapped)
-    return precision, traced_precision(precision, weights) if transformer_engine(precision) else precision, weights
+    return precision, traced_precision(precision, weights), weights  # requested_precision's are the table's
 
 
 def unswapped_matmuls(module: torch.nn.Module, precision: str) -> str | None:

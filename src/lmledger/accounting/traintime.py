@@ -5,7 +5,7 @@ config or with --gpu."""
 from __future__ import annotations
 
 from lmledger.accounting.gpustep import target_gpu, toy_gpu_step
-from lmledger.accounting.scale import at_scale, trainer_scale
+from lmledger.accounting.scale import trainer_scale
 from lmledger.accounting.step import account_module
 from lmledger.accounting.steptime import toy_predicted_time, trainer_time_settings
 
@@ -35,9 +35,9 @@ def train_time_from_config(
         result = account_module(argv, gpu=gpu)  # one rank's step at its world size, as account plans it
         if result["time"] is None:
             raise UserError(on_cpus)
-        scale = trainer_scale(argv)
-        world = scale.world_size if at_scale(scale.world_size, scale.strategy) else 1
-        replicas = world // getattr(scale, "tensor_parallel", 1)  # a TP group's ranks share their batch
+        world = result["run"].get("world_size", 1)  # one device's result names none
+        tensor_parallel = getattr(trainer_scale(argv), "tensor_parallel", 1) if world > 1 else 1
+        replicas = world // tensor_parallel  # a TP group's ranks share their batch
         predicted = result["time"]["predicted"]
         per_step = (result["run"]["tokens_per_step"] or 0) * accumulate * replicas
     else:

@@ -372,7 +372,7 @@ def _predict_module(
 
 def measure_module(module: nn.Module, batch: object, *, precision: str | int = "32-true") -> StepLedger:
     """The dry run's measured twin: the same two steps on a copy of the module and the real batch."""
-    if precision_table.precision(precision).transformer_engine:  # its layer swap is Lightning's plugin's, at fit
+    if precision_table.transformer_engine(precision):  # its layer swap is Lightning's plugin's, at fit
         raise UserError(f"--measure supports precisions {', '.join(_MEASURABLE)}, not {precision}")
     real = copy.deepcopy(module)
     return measure_step(real, batch, step=module_step, optimizer=configured_optimizer(real), precision=precision)
