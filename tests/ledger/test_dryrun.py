@@ -238,7 +238,7 @@ def test_default_step_reads_a_loss_from_outputs():
     assert dry.flops_forward == 2 * 4 * 8 * 8
 
 
-def test_untraceable_models_give_a_reason_not_a_crash():
+def test_untraceable_models_give_a_reason_not_a_crash(caplog):
     class ReadsAValue(nn.Module):
         def __init__(self):
             super().__init__()
@@ -262,6 +262,20 @@ def test_untraceable_models_give_a_reason_not_a_crash():
     assert ".item()" in value.reason and "test_dryrun.py" in value.reason
     shape = dry_run(DynamicShape(), torch.randn(2, 4))
     assert isinstance(shape, NotTraced) and "output shape depends on tensor values" in shape.reason
+
+    class ShapeBug(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(4, 4)
+            self.register_buffer("scale", torch.ones(3, 4))
+
+        def forward(self, x):
+            return (self.linear(x) * self.scale).sum()
+
+    broken = dry_run(ShapeBug(), torch.randn(2, 4))
+    assert isinstance(broken, NotTraced) and "broadcast" in broken.reason and "test_dryrun.py" in broken.reason
+    # torch logs the failing meta kernel with its traceback at ERROR, which reaches stderr; the reason is one line
+    assert not [r for r in caplog.records if r.exc_info]
 
 
 def test_bad_input_is_a_user_error():

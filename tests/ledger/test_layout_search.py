@@ -12,7 +12,7 @@ from lmledger.ledger.sharding.fsdp2 import FSDPSettings
 from lmledger.ledger.sharding.pipeline import _released_after
 from lmledger.ledger.sharding.schedule import Pipeline
 from lmledger.ledger.sharding.sharded import predict_sharded
-from lmledger.ledger.sharding.tp import SplitAdamW
+from lmledger.ledger.sharding.tp import SplitAdamW, check_toy_plan
 from lmledger.ledger.timing.gpu import kernels_for
 from lmledger.ledger.timing.gpu.layout import (
     Layout,
@@ -75,11 +75,16 @@ def test_sequence_parallel_splits_a_tp_ranks_activations_and_the_search_runs_it(
     # each of the 9 LayerNorms (2 a block, the final one) saves its bf16 input (2 x 64 x 64), half of it a rank, and
     # each of the 8 gather sites (attn's, the MLP's) its shard where TP alone saves the whole input
     assert plain.activations - split.activations >= (9 + 8) * (2 * 64 * 64 * 2) // 2
-    layouts, _ = candidates(GPT, 4, 8, 4)
+    layouts, _ = candidates(GPT, 64, 4, 8, 4)
     assert {layout.tp > 1 for layout in layouts} == {True, False}
     assert all(layout.sequence_parallel == (layout.tp > 1) for layout in layouts)
-    tied, _ = candidates(ModelConfig(**{**GPT.__dict__, "tie_embeddings": True}), 4, 8, 4)
+    tied, _ = candidates(ModelConfig(**{**GPT.__dict__, "tie_embeddings": True}), 64, 4, 8, 4)
     assert not any(layout.sequence_parallel for layout in tied)
+    # 66 tokens split over 2 TP ranks, not over 4: TP 4 runs without sequence parallel, and fit refuses it
+    uneven, _ = candidates(GPT, 66, 4, 8, 4)
+    assert {(layout.tp, layout.sequence_parallel) for layout in uneven} == {(1, False), (2, True), (4, False)}
+    with pytest.raises(ConfigError, match="context_length 66 does not divide by tensor_parallel_size 4"):
+        check_toy_plan(dataclasses.replace(GPT, context_length=66), 4, sequence_parallel=True)
     with pytest.raises(UserError, match="sequence parallel splits the sequence over the TP ranks"):
         Layout(sequence_parallel=True)
 
@@ -164,13 +169,13 @@ def test_a_deep_replicated_peak_holds_its_state_and_grows_with_the_micro_batch()
 def test_the_search_interleaves_two_to_four_chunks_a_rank_where_the_layers_and_micro_batches_divide():
     from lmledger.ledger.timing.gpu.search import candidates
 
-    layouts, _ = candidates(SMALL, 4, 8, 4)  # 4 layers: PP 2 takes 2 x 2 chunks, PP 4 none
+    layouts, _ = candidates(SMALL, 64, 4, 8, 4)  # 4 layers: PP 2 takes 2 x 2 chunks, PP 4 none
     interleaved = [layout for layout in layouts if layout.schedule == "interleaved"]
     assert interleaved and {(layout.pp, layout.virtual) for layout in interleaved} == {(2, 2)}
     assert all(layout.accumulate % layout.pp == 0 for layout in interleaved)
     assert {layout.pp for layout in layouts if layout.schedule == "1f1b"} == {1, 2, 4}
     # 12 layers: PP 2 in 2 or 3 chunks (4 would be 1.5 layers), PP 4 in 3 (2 would be 1.5 layers; 4 would be 0.75)
-    layouts, _ = candidates(dataclasses.replace(SMALL, n_layers=12), 4, 8, 4)
+    layouts, _ = candidates(dataclasses.replace(SMALL, n_layers=12), 64, 4, 8, 4)
     assert {(layout.pp, layout.virtual) for layout in layouts if layout.schedule == "interleaved"} == {
         (2, 2),
         (2, 3),
@@ -204,7 +209,7 @@ def test_a_framework_with_its_own_pipeline_engine_is_searched_under_its_schedule
     from lmledger.ledger.timing.gpu.search import candidates, schedules_for
 
     # Megatron-DeepSpeed pipelines under DeepSpeed's TrainSchedule, which has no interleaving
-    layouts, _ = candidates(SMALL, 4, 8, 4, schedules=schedules_for(kernels_for("megatron-deepspeed")))
+    layouts, _ = candidates(SMALL, 64, 4, 8, 4, schedules=schedules_for(kernels_for("megatron-deepspeed")))
     assert {(layout.schedule, layout.virtual) for layout in layouts if layout.pp > 1} == {("deepspeed", 1)}
     assert schedules_for(kernels_for("torchtitan"))[:2] == (("1f1b", 1), ("interleaved", 2))
     with pytest.raises(ConfigError, match="no 'deepspeed' schedule"):  # torch's pipelining runs no such stage

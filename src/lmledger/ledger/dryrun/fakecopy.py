@@ -19,6 +19,7 @@ No Lightning import.
 from __future__ import annotations
 
 import copy
+import logging
 import sys
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping
@@ -297,6 +298,23 @@ class PlaceholderScalars(TorchDispatchMode):
                 raise
             dtype = args[0].dtype
             return True if dtype == torch.bool else 1.0 if dtype.is_floating_point or dtype.is_complex else 1
+
+
+class _DropMetaFailures(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("failed while attempting to run meta")
+
+
+@contextmanager
+def quiet_meta_failures() -> Iterator[None]:
+    """Keep torch's traceback of a meta kernel that raises off stderr during a fake step: FakeTensorMode logs it at
+    ERROR before re-raising (fake_tensor.py, _dispatch_impl), and the dry run reports the error in one line."""
+    log, drop = logging.getLogger("torch._subclasses.fake_tensor"), _DropMetaFailures()
+    log.addFilter(drop)
+    try:
+        yield
+    finally:
+        log.removeFilter(drop)
 
 
 @contextmanager

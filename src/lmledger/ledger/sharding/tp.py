@@ -138,6 +138,11 @@ def check_toy_plan(cfg, tensor_parallel: int, sequence_parallel: bool = False) -
     check_tensor_parallel(cfg.n_heads, cfg.d_ff, tensor_parallel, n_kv_heads=getattr(cfg, "n_kv_heads", None))
     if sequence_parallel and cfg.tie_embeddings:
         raise ConfigError("sequence parallel splits the embedding and the LM head apart: set tie_embeddings false")
+    if sequence_parallel and cfg.context_length % tensor_parallel:
+        raise ConfigError(
+            f"sequence parallel splits each sequence over the TP ranks: context_length {cfg.context_length} does not "
+            f"divide by tensor_parallel_size {tensor_parallel}"
+        )
 
 
 def toy_plan(

@@ -91,11 +91,12 @@ def _divisors(n: int) -> list[int]:
 
 
 def candidates(
-    config, num_gpus: int, global_batch: int, gpus_per_node: int, *, shardings=SHARDINGS, recomputes=RECOMPUTES,
-    micro_batches=MICRO_BATCHES, schedules=SCHEDULES, cps=(1,), sequence_parallel=True,
+    config, seq: int, num_gpus: int, global_batch: int, gpus_per_node: int, *, shardings=SHARDINGS,
+    recomputes=RECOMPUTES, micro_batches=MICRO_BATCHES, schedules=SCHEDULES, cps=(1,), sequence_parallel=True,
 ) -> tuple[list[Layout], list[Candidate]]:  # fmt: skip
     """(the layouts to price, those dropped before any dry run: a global batch that does not divide over the
-    data-parallel replicas)."""
+    data-parallel replicas). Sequence parallel where a rank's `seq` tokens split evenly over the TP ranks
+    (Megatron-LM requires it; DTensor would shard them unevenly)."""
     out, dropped = [], []
     sequence_parallel = sequence_parallel and not getattr(config, "tie_embeddings", False)
     heads, kv = config.n_heads, getattr(config, "kv_heads", config.n_heads)
@@ -120,7 +121,7 @@ def candidates(
                     continue  # no such interleaving: chunks of whole layers, micro-batches in groups of the stages
                 settings = dict(tp=tp, dp=dp, pp=pp, cp=cp, sharding=sharding, micro_batch=mb, accumulate=share // mb,
                                 recompute=recompute, schedule=schedule, virtual=virtual,
-                                sequence_parallel=sequence_parallel and tp > 1)  # fmt: skip
+                                sequence_parallel=sequence_parallel and tp > 1 and (seq // cp) % tp == 0)  # fmt: skip
                 out.append(Layout(**settings))
     return out, dropped
 
@@ -144,7 +145,7 @@ def search_layouts(
     processes that dry-run the layouts (_judge_all; None: this machine's cores, where the search is long enough)."""
     space.setdefault("cps", (1, 2, 4, 8) if seq >= LONG_CONTEXT else (1,))
     space.setdefault("schedules", schedules_for(kernels))
-    layouts, dropped = candidates(config, num_gpus, global_batch, max(1, links.gpus_per_node), **space)
+    layouts, dropped = candidates(config, seq, num_gpus, global_batch, max(1, links.gpus_per_node), **space)
     judge = functools.partial(_judge, config, seq, capacity_bytes, memory_precision or precision, precision, gpu,
                               compute_dtype, kernels, links)  # fmt: skip
     ranked = []
