@@ -46,6 +46,7 @@ def sweep_error(capsys, *argv: str) -> str:
     [
         ({"command": "fit", "configs": ["configs/tiny.yaml"], "grid": {"data.batch_size": [1]}, "grdi": {}}, "'grdi'"),
         ({"command": "fit", "configs": ["configs/tiny.yaml"], "grid": {}}, "grid is empty"),
+        ({"command": "fit", "configs": ["configs/tiny.yaml"], "grid": [1, 2]}, "grid must be a mapping"),
         ({"command": "fit", "configs": ["configs/tiny.yaml"], "grid": {"data.batch_size": []}}, "'data.batch_size'"),
         (
             {"command": "train", "configs": ["configs/tiny.yaml"], "grid": {"data.batch_size": [1]}},

@@ -254,7 +254,9 @@ def _grid_specs(
     source: Path, grid, n_listed: int, command: tuple[str, ...] | None, configs: tuple[str, ...], requires
 ) -> list[_Spec]:
     """One spec per combination of the grid's values. The limit also counts n_listed `points` entries."""
-    if not isinstance(grid, dict) or not grid:
+    if not isinstance(grid, dict):
+        raise _fail(source, f"grid must be a mapping of override keys to lists of values, got {grid!r}")
+    if not grid:
         raise _fail(source, "grid is empty: give it at least one key with a list of values")
     _check_override_keys(source, "grid", grid)
     for key, values in grid.items():
