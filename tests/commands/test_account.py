@@ -108,6 +108,10 @@ def test_account_follows_deepspeed_for_a_deepspeed_strategy(workdir, capsys, sta
     expected = (2 * n if stage == 2 else 0) + 18 * -(-n // 8) + 4 * largest
     assert state == expected
     assert result["memory"]["autocast_weight_copies"]["predicted"] == 0
+    # the GPU step: ZeRO-3 as FSDP's sharded layout; ZeRO-2 as DDP's, and the note says so
+    step = result["time"]["predicted"]
+    assert step["layout"]["sharding"] == ("fsdp" if stage == 3 else "ddp")
+    assert any("deepspeed_stage_2 priced as ddp" in note for note in step["notes"]) == (stage == 2)
 
 
 def test_account_measures_a_checkpointed_bf16_mixed_step_as_lightning_runs_it(workdir, capsys):

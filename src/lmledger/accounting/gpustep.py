@@ -116,7 +116,10 @@ def toy_gpu_step(spec: Run, argv: list[str], gpu: GpuSpec, accumulate: int = 1, 
                                         gpu.peak_flops[dtype])}  # fmt: skip
     if world > 1:  # the line is one rank's: its tokens, which a TP group shares
         rate = tokens * layout.dp / step.total_s if step.total_s > 0 else 0.0
-        out["notes"] = [*out["notes"], f"per GPU; {world} GPUs ({tp} TP x {layout.dp} DP, {layout.sharding}): "
+        # ZeRO-1/2 move the bytes DDP's all-reduce does (a reduce-scatter, then the updated shards gathered); each
+        # rank's optimizer steps its shard, which the layout's replicated step does not split
+        kind = f"{spec.strategy} priced as ddp" if spec.strategy.startswith("deepspeed") and not sharded else None
+        out["notes"] = [*out["notes"], f"per GPU; {world} GPUs ({tp} TP x {layout.dp} DP, {kind or layout.sharding}): "
                         f"{rate:,.0f} tokens/s in all"]  # fmt: skip
     return out
 
