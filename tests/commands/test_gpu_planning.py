@@ -116,6 +116,11 @@ def test_the_lectures_70b_question_from_its_config(workdir, capsys):
     napkin = run_json(capsys, "plan", "train-time", "--params", "70B", "--tokens", "15T", "--gpu", "h100-sxm",
                       "--num-gpus", "1024", "--mfu", "0.5", "--json")  # fmt: skip
     assert napkin["days"] < out["days"]
+    # the config's own step takes neither the napkin's inputs nor its dtype: each is refused in one line
+    for flags, said in ((["--mfu", "0.5"], "drop --params and --mfu"), (["--dtype", "fp8"], "drop --dtype")):
+        capsys.readouterr()
+        assert lmledger(["plan", "train-time", "--config", "configs/llama3-70b.yaml", "--tokens", "15T", *flags]) == 2
+        assert said in capsys.readouterr().err
 
 
 def test_a_transformer_engine_config_is_planned_on_a_gpu_with_its_linears_in_fp8(workdir, capsys, monkeypatch):

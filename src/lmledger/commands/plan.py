@@ -105,7 +105,7 @@ def _train_time_command(
     gpu: str | None = None,
     num_gpus: Annotated[int | None, _gpu_count] = None,
     mfu: Annotated[float | str | None, _mfu] = None,
-    dtype: str = "bf16",
+    dtype: str | None = None,
     json: bool = False,
 ) -> None:
     """days to train N params on D tokens
@@ -127,6 +127,9 @@ def _train_time_command(
         if params is not None or mfu is not None:
             raise UserError("plan train-time --config predicts the step and its MFU from the config: drop --params and "
                             "--mfu (they plan by 6ND at an MFU you give)")  # fmt: skip
+        if dtype is not None:
+            raise UserError("plan train-time --config prices the step in the config's precision: drop --dtype, or set "
+                            "--trainer.precision")  # fmt: skip
         from lmledger.accounting import train_time_from_config  # imports torch and Lightning
 
         out = train_time_from_config(list(fit_args), tokens, gpu, num_gpus)
@@ -150,7 +153,7 @@ def _train_time_command(
         for note in out["predicted"].get("notes", ()):
             print(note)
         return
-    num_gpus = num_gpus or 1
+    num_gpus, dtype = num_gpus or 1, dtype or "bf16"
     if params is None or gpu is None or mfu is None:
         raise UserError("plan train-time needs --params, --gpu and --mfu, or --config FILE (its predicted step)")
     mfu_line = advice = None
