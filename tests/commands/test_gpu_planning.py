@@ -304,8 +304,9 @@ def test_a_tp_configs_gpu_step_takes_its_sequence_parallel(workdir, capsys):
 
 
 def test_plan_layout_gives_the_range_of_the_peaks_it_dropped(monkeypatch, capsys):
-    """Layouts dropped for memory are one line with their lowest and highest peak and the GPU's memory; other reasons
-    are printed as they are. (The search itself is test_layout_search's; here its result is given.)"""
+    """Layouts dropped for memory are one group with their lowest and highest peak, in the JSON and in one printed line
+    beside the GPU's memory; other reasons are kept as they are. (The search itself is test_layout_search's; here its
+    result is given.)"""
     import lmledger.accounting.layouts as layouts
 
     def dropped(peak_gb, pp):
@@ -315,15 +316,23 @@ def test_plan_layout_gives_the_range_of_the_peaks_it_dropped(monkeypatch, capsys
                 "recompute": "none"}  # fmt: skip
 
     split = {"dropped": "the global batch 2 does not split over 4 data-parallel replicas"}
+    unpriced = {**dropped(60.0, 1), "dropped": "no step time: an op the GPU model cannot price"}
+    rows = [dropped(95.25, 1), dropped(412.0, 2), dropped(80.5, 4), split, unpriced]
+    reasons = layouts._dropped_reasons(rows, 80 * 10**9)
+    assert reasons == [{"reason": "its peak is over the GPU's memory", "count": 3, "peak_bytes": [80.5e9, 412e9]},
+                       {"reason": split["dropped"], "count": 1},
+                       {"reason": unpriced["dropped"], "count": 1}]  # fmt: skip
     out = {"global_batch": 2, "seq_len": 32, "num_gpus": 8, "gpu": "h100-sxm", "fits": 0, "searched": 4, "ranked": [],
-           "dropped": [dropped(95.25, 1), dropped(412.0, 2), dropped(80.5, 4), split], "not_searched": "nothing",
-           "links": {"intra_node": "NVLink 4", "gpus_per_node": 8, "inter_node": "none"}, "notes": []}  # fmt: skip
+           "dropped": rows[:4], "dropped_reasons": reasons[:2], "lowest_peak": rows[2], "memory_bytes": 80 * 10**9,
+           "not_searched": "nothing", "links": {"intra_node": "NVLink 4", "gpus_per_node": 8, "inter_node": "none"},
+           "notes": []}  # fmt: skip
     monkeypatch.setattr(layouts, "plan_layouts", lambda *args: out)
     assert lmledger(["plan", "layout", "--config", "configs/tiny.yaml", "--num-gpus", "8"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert "dropped 3: peaks of 80.5 to 412.0 GB, over the GPU's 80 GB" in lines
     assert "dropped 1: the global batch 2 does not split over 4 data-parallel replicas" in lines
     assert lines[0].startswith("none of the 4 layouts fits on 8 x h100-sxm: the lowest peak is 80.5 GB (TP 2 x PP 4")
-    monkeypatch.setattr(layouts, "plan_layouts", lambda *args: {**out, "searched": 1, "dropped": [split]})
+    one = {**out, "searched": 1, "dropped": [split], "dropped_reasons": reasons[1:2], "lowest_peak": None}
+    monkeypatch.setattr(layouts, "plan_layouts", lambda *args: one)
     assert lmledger(["plan", "layout", "--config", "configs/tiny.yaml", "--num-gpus", "8"]) == 0
     assert capsys.readouterr().out.splitlines()[0] == "the one layout does not fit on 8 x h100-sxm"  # 7 GPUs: DP 7

@@ -45,6 +45,24 @@ def _layout_json(c, num_gpus: int, tokens_per_step: int, tokens: float | None, p
     return out
 
 
+def _dropped_reasons(dropped: list[dict], capacity_bytes: int) -> list[dict]:
+    """The dropped layouts grouped by why, most first: those whose peak is over the GPU's memory as one group with the
+    range of their peaks ("peak_bytes": [lowest, highest]), any other by its own words."""
+    groups: dict[str, list[dict]] = {}
+    for r in dropped:
+        over = r.get("peak_bytes", 0) > capacity_bytes
+        groups.setdefault("" if over else r["dropped"], []).append(r)
+    reasons = []
+    for reason, rows in sorted(groups.items(), key=lambda kv: -len(kv[1])):
+        if reason:
+            reasons.append({"reason": reason, "count": len(rows)})
+        else:
+            peaks = [r["peak_bytes"] for r in rows]
+            reasons.append({"reason": "its peak is over the GPU's memory", "count": len(rows),
+                            "peak_bytes": [min(peaks), max(peaks)]})  # fmt: skip
+    return reasons
+
+
 def plan_layouts(argv: list[str], gpu: str | None, num_gpus: int, tokens: float | None, top: int) -> dict:
     """The search for the config `argv` (`--config FILE` and fit overrides) on `num_gpus` of `gpu` (default: the GPU
     the config would be priced on), at the config's global batch; `top` ranked layouts and every dropped one."""
@@ -83,11 +101,15 @@ def plan_layouts(argv: list[str], gpu: str | None, num_gpus: int, tokens: float 
     def row(c):
         return _layout_json(c, num_gpus, found.tokens_per_step, tokens, peak, per_token)
 
+    dropped = [row(c) for c in found.dropped]
+
     return {
         "gpu": target.key, "num_gpus": num_gpus, "memory_bytes": target.memory_bytes, "global_batch": global_batch,
         "seq_len": spec.seq_len, "tokens_per_step": found.tokens_per_step, "tokens": tokens,
         "searched": len(found.ranked) + len(found.dropped), "fits": len(found.ranked),
-        "ranked": [row(c) for c in found.ranked[:top]], "dropped": [row(c) for c in found.dropped],
+        "ranked": [row(c) for c in found.ranked[:top]], "dropped": dropped,
+        "dropped_reasons": _dropped_reasons(dropped, target.memory_bytes),
+        "lowest_peak": min((r for r in dropped if "peak_bytes" in r), key=lambda r: r["peak_bytes"], default=None),
         "links": {"intra_node": links.intra.name, "inter_node": links.inter.name, "gpus_per_node": links.gpus_per_node},
         "not_searched": "interleaving beyond 4 chunks a rank; context parallel below a 16K-token context",
         "notes": [stand_in_note(spec.precision, spec.weights_dtype)] if transformer_engine(spec.precision) else [],

@@ -1,4 +1,5 @@
-"""`lmledger plan train-time|max-params|max-batch ...`: napkin math from lmledger.ledger.closedform.napkin."""
+"""`lmledger plan train-time|max-params|max-batch|layout ...`: napkin math (lmledger.ledger.closedform.napkin), and
+the predicted step and layouts of a fit config (lmledger.planning, lmledger.accounting)."""
 
 from __future__ import annotations
 
@@ -364,23 +365,18 @@ def _layout_command(
 
             print(mfu_why(out["ranked"][0]["mfu_explained"], whose="the first layout: "))
     else:
-        sized = [r for r in out["dropped"] if "peak_bytes" in r]
-        low = min(sized, key=lambda r: r["peak_bytes"], default=None)
+        low = out["lowest_peak"]
         which = f"none of the {out['searched']} layouts fits" if out["searched"] > 1 else "the one layout does not fit"
         print(f"{which} on {out['num_gpus']} x {out['gpu']}" + (
             f": the lowest peak is {low['peak_bytes'] / GB:.1f} GB (TP {low['tensor_parallel']} x PP "
             f"{low['pipeline_parallel']} x DP {low['data_parallel']}, micro-batch {low['micro_batch']}, recompute "
             f"{low['recompute']}); more GPUs, or a GPU with more memory" if low else ""))  # fmt: skip
-    reasons: dict[str, list[dict]] = {}
-    for r in out["dropped"]:  # one line a reason; the memory ones as the range of their peaks
-        reason = re.sub(r" \(pipeline rank \d+\)", "", re.sub(r"[0-9.]+ GB", "N GB", r["dropped"]))
-        reasons.setdefault(reason, []).append(r)
-    for reason, rows in sorted(reasons.items(), key=lambda kv: -len(kv[1])):
-        over = re.search(r"over the GPU's ([0-9.]+ GB)", rows[0]["dropped"])
-        if over and all("peak_bytes" in r for r in rows):
-            low, high = (f(r["peak_bytes"] for r in rows) / GB for f in (min, max))
-            reason = f"peaks of {low:,.1f} to {high:,.1f} GB, over the GPU's {over.group(1)}"
-        print(f"dropped {len(rows)}: {reason}")
+    for group in out["dropped_reasons"]:  # one line a reason; those over the GPU's memory as the range of their peaks
+        reason = group["reason"]
+        if "peak_bytes" in group:
+            low, high = (peak / GB for peak in group["peak_bytes"])
+            reason = f"peaks of {low:,.1f} to {high:,.1f} GB, over the GPU's {out['memory_bytes'] / GB:.0f} GB"
+        print(f"dropped {group['count']}: {reason}")
     if any(r["sequence_parallel"] for r in out["ranked"]):
         print("sp: tensor parallel with sequence parallel (the norms' and residual stream's activations split too)")
     if any(r["chunks_per_rank"] > 1 for r in out["ranked"]):
