@@ -23,6 +23,12 @@ def test_a_line_per_logging_interval_with_the_logged_loss(workdir, capsys):
     # The printed loss is the one TensorBoard got for that logging step.
     logged = [v for _, v in read_scalars(next((workdir / "runs" / "tiny").glob("version_*")))["train/loss"]]
     assert [float(m[2]) for m in lines] == pytest.approx(logged, abs=1e-4)
+    # validate restores the weights of step 6, not its loops: the line names the checkpoint, not "step 0"
+    argv = ["validate", "--config", "configs/tiny.yaml", *MICRO_OVERRIDES, "--trainer.enable_progress_bar", "true",
+            "--trainer.limit_val_batches", "1", "--ckpt_path", "last"]  # fmt: skip
+    assert lmledger(argv) == 0
+    said = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("validate ", "step "))]
+    assert len(said) == 1 and re.match(r"validate \S+last\.ckpt  val/loss [\d.]+  val/ppl", said[0]), said
 
 
 def test_no_plain_lines_without_a_bar(workdir, capsys):

@@ -79,8 +79,11 @@ class PlainProgress(ProgressBar):
         if trainer.sanity_checking:
             return
         values = {k: v for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
+        # `validate` restores a checkpoint's weights, not its loops: its global_step is 0 whatever step it holds
+        where = f"step {trainer.global_step}" if trainer.training or trainer.state.fn == "fit" else (
+            f"validate {trainer.ckpt_path}" if trainer.ckpt_path else "validate")  # fmt: skip
         if values:
-            self._print(f"step {trainer.global_step}  " + "  ".join(f"{k} {float(v):.4f}" for k, v in values.items()))
+            self._print(f"{where}  " + "  ".join(f"{k} {float(v):.4f}" for k, v in values.items()))
 
 
 def plain_progress_if_not_a_terminal(enable_progress_bar: bool | None) -> list[pl.Callback]:
