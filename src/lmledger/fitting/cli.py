@@ -399,6 +399,8 @@ def _run_cli(cli_class: type[FitCLI], argv: list[str], run: bool) -> FitCLI:
     # Lightning warns on every run outside SLURM where `srun` is installed (a login node, our CI). A job
     # not started by srun is still handled (PreemptionCheckpoint, --ckpt_path auto; docs/cluster.md).
     warnings.filterwarnings("ignore", message="The `srun` command is available on your system but is not used")
+    if argv and argv[0] == "validate":  # it restores weights only: the fit's checkpoint callback has nothing to do
+        warnings.filterwarnings("ignore", message="Be aware that when using `ckpt_path`, callbacks used to create")
     named = named_classes(argv[1:] if argv and argv[0] in SUBCOMMANDS else argv)
     if named:
         # Class paths import from the working directory, as under `python -m`. (The console script's
