@@ -72,8 +72,10 @@ def test_a_compiled_config_is_priced_fused_and_says_its_memory_is_the_eager_step
 
 
 def test_any_module_is_priced_from_its_own_dry_run_ops(workdir, capsys, monkeypatch):
-    """A LightningModule lmledger did not write: one device, two DDP ranks (its buckets all-reduced), and 8 ranks of
-    Lightning's FSDP."""
+    """A LightningModule lmledger did not write: one device, two DDP ranks (its buckets all-reduced), plan layout's
+    data-parallel layouts over 2 GPUs, and 8 ranks of Lightning's FSDP."""
+    from lmledger.accounting.layouts import _module_micro_batches
+
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2]))  # `examples` is at the repository root
     convnet = ["--config", "configs/examples/byte-convnet.yaml", "--model.init_args.width", "16",
                "--model.init_args.num_layers", "2", "--data.init_args.batch_size", "2",
@@ -91,6 +93,25 @@ def test_any_module_is_priced_from_its_own_dry_run_ops(workdir, capsys, monkeypa
     assert two["seconds"]["matmul"] == pytest.approx(one["seconds"]["matmul"], rel=1e-6)
     assert two["seconds"]["other"] > one["seconds"]["other"]
     assert one["tokens_per_s"] == pytest.approx(2 * 16 / one["total_s"])
+    # plan layout searches such a module's data-parallel layouts, each priced as account prices it: 4 sequences over 2
+    # GPUs, replicated or sharded (Lightning's FSDP), a replica's 2 as 2 x 1 or 1 x 2; DDP's 2 x 1 is the step above
+    assert _module_micro_batches(12) == [1, 2, 4, 12]  # a replica's share as searched
+    out = run_json(capsys, "plan", "layout", *convnet, "--data.init_args.batch_size", "4", "--gpu", "h100-sxm",
+                   "--num-gpus", "2", "--json")  # fmt: skip
+    layouts = {(r["sharding"], r["micro_batch"], r["micro_batches"]): r for r in out["ranked"]}
+    assert out["global_batch"] == 4 and out["fits"] == out["searched"] == 4 and not out["dropped"]
+    assert set(layouts) == {(sharding, 2, 1) for sharding in ("ddp", "fsdp")} | {(s, 1, 2) for s in ("ddp", "fsdp")}
+    assert [r["step_s"] for r in out["ranked"]] == sorted(r["step_s"] for r in out["ranked"])
+    assert layouts["ddp", 2, 1]["step_s"] == pytest.approx(two["total_s"], rel=1e-9)
+    assert layouts["ddp", 2, 1]["tokens_per_s"] == pytest.approx(4 * 16 / two["total_s"])
+    # FSDP shards the parameters, gradients and moments; a smaller micro-batch holds fewer activations
+    assert layouts["fsdp", 2, 1]["peak_bytes"] < layouts["ddp", 2, 1]["peak_bytes"] > layouts["ddp", 1, 2]["peak_bytes"]
+    assert "pipeline parallelism" in out["not_searched"]
+    for argv, said in (  # refused in one line: a module that applies its own TP; GPUs past a node not in nodes of 8
+        (["--config", "configs/examples/hf-llama-tp.yaml", "--num-gpus", "8"], "by its own configure_model"),
+        ([*convnet, "--data.init_args.batch_size", "12", "--num-gpus", "12"], "12 does not fill nodes of 8 GPUs"),
+    ):  # fmt: skip
+        assert lmledger(["plan", "layout", *argv]) == 2 and said in one_error_line(capsys)
     # Lightning's FSDP at 8 GPUs, asked as fit would run it (issue 28's checks refused it on a CPU machine): its
     # rank dry-run as FSDP2 (the same all-gathers and reduce-scatters a block), priced on the assumed H100
     # Under Transformer Engine too: each rank traced at bf16-true, its nn.Linears priced as te.Linear

@@ -1,5 +1,7 @@
-"""`plan layout --config FILE --gpu KEY --num-gpus N [--tokens D] [--top K]`: the layouts of a ToyLM config over N
-GPUs that fit, ranked by predicted tokens/s (ledger/timing/gpu/search.py), as one JSON shape the command prints."""
+"""`plan layout --config FILE --gpu KEY --num-gpus N [--tokens D] [--top K]`: the layouts of a config over N GPUs
+that fit, ranked by predicted tokens/s, as one JSON shape the command prints. A ToyLM config: every TP x CP x PP x DP
+layout (ledger/timing/gpu/search.py). A config naming another LightningModule: data parallel, replicated or sharded,
+x the micro-batch, each layout one rank's dry-run step as `account` prices it (plan_module_layouts)."""
 
 from __future__ import annotations
 
@@ -16,7 +18,13 @@ from lmledger.accounting.steptime import trainer_time_settings
 from lmledger.ledger.precision_table import traced_precision, transformer_engine
 from lmledger.ledger.timing.gpu.frameworks import lightning_kernels
 
-__all__ = ["plan_layouts"]
+__all__ = ["plan_layouts", "plan_module_layouts"]
+
+# Lightning's strategies that wrap any module as it is: DDP (replicated) and FSDP (FULL_SHARD). FSDP2 needs the
+# module's own configure_model, and TP its own plan: neither is searched for a module the kit did not write.
+MODULE_SHARDINGS = ("ddp", "fsdp")
+NOT_SEARCHED_FOR_MODULES = ("tensor, context and pipeline parallelism and activation checkpointing (the module's own "
+                            "plan and setting)")  # fmt: skip
 
 
 def _layout_json(c, num_gpus: int, tokens_per_step: int, tokens: float | None, peak_flops: float, per_token: dict):
@@ -74,8 +82,7 @@ def plan_layouts(argv: list[str], gpu: str | None, num_gpus: int, tokens: float 
     from lmledger.run_config import load_run
 
     if named_classes(argv):
-        raise UserError("plan layout searches layouts of lmledger's ToyLM configs; for another module, plan one layout "
-                        "with `lmledger account --config FILE --gpu KEY`")  # fmt: skip
+        return plan_module_layouts(argv, gpu, num_gpus, tokens, top)
     spec = load_run(argv)
     unswapped = toy_unswapped_matmuls(spec)
     if unswapped:
@@ -113,4 +120,100 @@ def plan_layouts(argv: list[str], gpu: str | None, num_gpus: int, tokens: float 
         "links": {"intra_node": links.intra.name, "inter_node": links.inter.name, "gpus_per_node": links.gpus_per_node},
         "not_searched": "interleaving beyond 4 chunks a rank; context parallel below a 16K-token context",
         "notes": [stand_in_note(spec.precision, spec.weights_dtype)] if transformer_engine(spec.precision) else [],
+    }  # fmt: skip
+
+
+def _gpus_in_nodes(num_gpus: int) -> tuple[int, int]:
+    """(devices a node, nodes) for `num_gpus`: one node of up to 8, else whole nodes of 8."""
+    from lmledger.errors import UserError
+
+    if num_gpus <= 8:
+        return num_gpus, 1
+    if num_gpus % 8:
+        raise UserError(f"--num-gpus {num_gpus} does not fill nodes of 8 GPUs: give 1 to 8, or a multiple of 8")
+    return 8, num_gpus // 8
+
+
+def _module_micro_batches(share: int) -> list[int]:
+    """The micro-batches a replica's `share` of the batch is searched at: the powers of 2 that divide it, and itself."""
+    return sorted({b for b in (2**i for i in range(share.bit_length())) if share % b == 0} | {share})
+
+
+def plan_module_layouts(argv: list[str], gpu: str | None, num_gpus: int, tokens: float | None, top: int) -> dict:
+    """plan_layouts for a config naming any LightningModule: data parallel over `num_gpus`, replicated (DDP) or fully
+    sharded (Lightning's FSDP), x the micro-batch, at the config's global batch (its data's batch_size x accumulation x
+    data-parallel ranks). Each layout is one rank's dry-run step at that world size, priced on the GPU as `account
+    --gpu` prices it (accounting.step.account_module); the module's own precision and checkpointing stay."""
+    from lmledger.accounting.scale import trainer_scale
+    from lmledger.accounting.step import account_module
+    from lmledger.errors import UserError
+    from lmledger.fitting.cli import parse_fit_config
+    from lmledger.ledger.hardware.gpus import require_gpu
+
+    config = parse_fit_config(list(argv))
+    scale = trainer_scale(argv)  # fit's own checks of the trainer's values
+    if scale.tensor_parallel > 1:
+        raise UserError(f"plan layout searches data-parallel layouts of a module; this one is split over "
+                        f"tensor_parallel_size {scale.tensor_parallel} by its own configure_model: plan that layout "
+                        "with `lmledger account --config FILE --gpu KEY`")  # fmt: skip
+    batch = config.get("data.init_args.batch_size")
+    if not isinstance(batch, int) or isinstance(batch, bool):
+        raise UserError("plan layout varies the micro-batch through the data module's batch_size argument, which "
+                        "this config's data has not: plan its one layout with `lmledger account --config FILE --gpu "
+                        "KEY`")  # fmt: skip
+    accumulate = trainer_time_settings(argv)["accumulate"]
+    global_batch = batch * accumulate * scale.world_size
+    share, rest = divmod(global_batch, num_gpus)
+    if rest or not share:
+        replicas = f"{scale.world_size} replica" + ("s" if scale.world_size > 1 else "")
+        raise UserError(
+            f"the global batch {global_batch} (batch_size {batch} x accumulation {accumulate} x "
+            f"{replicas}) does not split over {num_gpus} GPUs: choose a --num-gpus that divides it"
+        )
+    target, _ = target_gpu(config.get("trainer.accelerator"), gpu, str(config.get("trainer.precision")))
+    target = target or require_gpu("h100-sxm")
+    devices, nodes = _gpus_in_nodes(num_gpus)
+    at = ["--trainer.accelerator", "gpu", "--trainer.devices", str(devices), "--trainer.num_nodes", str(nodes)]
+    rows, seq = [], None
+    for sharding in MODULE_SHARDINGS if num_gpus > 1 else ("ddp",):
+        for micro in _module_micro_batches(share):
+            args = [*argv, *at, "--trainer.strategy", sharding, "--trainer.accumulate_grad_batches",
+                    str(share // micro), "--data.init_args.batch_size", str(micro)]  # fmt: skip
+            out = account_module(args, target.key)
+            seq = seq or out["run"]["tokens_per_step"] // max(1, out["run"]["batch_size"])
+            peak, step = out["predictors"]["dry run"].peak, out["time"]["predicted"]
+            row = {"tensor_parallel": 1, "sequence_parallel": False, "context_parallel": 1, "pipeline_parallel": 1,
+                   "data_parallel": num_gpus, "sharding": sharding if num_gpus > 1 else "none", "micro_batch": micro,
+                   "micro_batches": share // micro, "recompute": "the module's", "schedule": None,
+                   "chunks_per_rank": 1}  # fmt: skip
+            if peak is not None:
+                row["peak_bytes"] = peak
+            if peak is not None and peak > target.memory_bytes:
+                row["dropped"] = f"its peak {peak / 1e9:.1f} GB is over the GPU's {target.memory_bytes / 1e9:.0f} GB"
+            elif "total_s" not in step:
+                row["dropped"] = step.get("none") or "no step time"
+            else:
+                row["step"] = step
+            rows.append(row)
+    tokens_per_step = global_batch * seq if seq else global_batch
+    ranked = sorted((r for r in rows if "step" in r), key=lambda r: r["step"]["total_s"])
+    for r in ranked:
+        step = r.pop("step")
+        s = step["seconds"]
+        rate = tokens_per_step / step["total_s"]
+        r.update(step_s=step["total_s"], tokens_per_s=rate, mfu=step.get("mfu"), days=tokens / rate / 86400 if tokens
+                 else None, mfu_explained=step.get("mfu_explained"),
+                 breakdown_s={"compute": sum(s.get(c, 0.0) for c in ("matmul", "attention", "other", "optimizer")),
+                              "communication": s.get("communication", 0.0), "bubble": 0.0,
+                              "host": s.get("host", 0.0)})  # fmt: skip
+    dropped = [r for r in rows if "dropped" in r]
+    links = _links(target, [*argv, *at], num_gpus)
+    return {
+        "gpu": target.key, "num_gpus": num_gpus, "memory_bytes": target.memory_bytes, "global_batch": global_batch,
+        "seq_len": seq, "tokens_per_step": tokens_per_step, "tokens": tokens, "searched": len(rows),
+        "fits": len(ranked), "ranked": ranked[:top], "dropped": dropped,
+        "dropped_reasons": _dropped_reasons(dropped, target.memory_bytes),
+        "lowest_peak": min((r for r in dropped if "peak_bytes" in r), key=lambda r: r["peak_bytes"], default=None),
+        "links": {"intra_node": links.intra.name, "inter_node": links.inter.name, "gpus_per_node": links.gpus_per_node},
+        "not_searched": NOT_SEARCHED_FOR_MODULES, "notes": [],
     }  # fmt: skip

@@ -338,7 +338,7 @@ def _layout_command(
     from lmledger.accounting.layouts import plan_layouts
 
     if not fit_args:
-        raise UserError("plan layout needs --config FILE (a `lmledger fit` config of the ToyLM)")
+        raise UserError("plan layout needs --config FILE (a `lmledger fit` config)")
     out = plan_layouts(list(fit_args), gpu, num_gpus, tokens, top)
     if json:
         print(dumps(out))
@@ -355,7 +355,8 @@ def _layout_command(
         table.add_row(f"{r['tensor_parallel']}{sp}", str(r["context_parallel"]), f"{r['pipeline_parallel']}{chunks}",
                       f"{r['data_parallel']} {r['sharding']}",
                       f"{r['micro_batch']}x{r['micro_batches']}", r["recompute"], f"{r['peak_bytes'] / GB:.1f}",
-                      f"{r['step_s'] * 1e3:,.0f}", f"{r['mfu']:.3f}", f"{b['compute'] * 1e3:,.0f}",
+                      f"{r['step_s'] * 1e3:,.0f}", "—" if r["mfu"] is None else f"{r['mfu']:.3f}",
+                      f"{b['compute'] * 1e3:,.0f}",
                       f"{b['communication'] * 1e3:,.0f}", f"{b['bubble'] * 1e3:,.0f}",
                       *((f"{r['days']:,.1f}",) if tokens else ()))  # fmt: skip
     if out["ranked"]:
