@@ -123,7 +123,7 @@ def sbatch_directives(script: str) -> list[str]:
 HOSTILE = ["a b", "x;touch semi", "$(touch dollar)", "`touch tick`", "q\"uo'te", "hash#tail", "back\\slash"]
 
 
-@pytest.mark.parametrize("flag", ["--partition", "--time", "--gres"])
+@pytest.mark.parametrize("flag", ["--partition", "--gres"])
 def test_each_flag_reaches_sbatch_as_given_and_nothing_else_runs(workdir, capsys, fake_slurm, flag):
     """Spaces, `;`, `$(...)`, backticks, quotes, `#` and backslashes in each flag that goes into an #SBATCH line:
     sbatch reads back exactly the value given (the stand-in sbatch refuses the array, so each case is cheap;
@@ -136,6 +136,21 @@ def test_each_flag_reaches_sbatch_as_given_and_nothing_else_runs(workdir, capsys
         assert f"{flag}={value}" in sbatch_directives(script), (value, script)
         assert code == 2 and err.endswith("refused by the test; nothing was queued, and nothing was left behind"), err
         assert not (workdir / "o").exists()
+
+
+def test_a_time_sbatch_cannot_read_is_refused_before_anything_is_written(workdir, capsys, fake_slurm):
+    """--time takes sbatch's forms only (minutes, [hours:]minutes:seconds, days-hours[:minutes[:seconds]],
+    UNLIMITED): anything else, shell characters included, is refused in one line before sbatch; --dry-run too."""
+    from lmledger.sweep.slurmscript import SlurmRequest
+
+    path = write_experiment(workdir / "e.yaml", points=[PLAN])
+    for value in (*HOSTILE, "1h", "soon", "1:2:3:4"):
+        code, err = sweep(capsys, str(path), "--out", "o", "--time", value)
+        assert code == 2 and "give a limit as sbatch takes it" in err and "\n" not in err, (value, err)
+        assert not (workdir / "o").exists() and not (fake_slurm / "submitted.sh").exists()
+    assert sweep(capsys, str(path), "--dry-run", "--time", "1h")[0] == 2
+    for value in ("30", "30:00", "1:00:00", "2-0", "2-12:30", "2-12:30:00", "UNLIMITED", "infinite"):
+        assert SlurmRequest(time=value).time == value
 
 
 @pytest.mark.parametrize("flag", ["--partition", "--time", "--gres", "--out"])
@@ -235,10 +250,10 @@ def test_an_sbatch_refusal_leaves_nothing(workdir, capsys, fake_slurm):
     assert code == 1 and (workdir / "o" / "slurm" / "array-1.sh").is_file()
     before = tree(workdir / "o")
     # ... then a refused one: the directory is as it was.
-    os.environ["FAKE_SBATCH_REFUSE"] = "Invalid --time specification"
-    code, err = sweep(capsys, str(path), "--out", "o", "--time", "soon")
+    os.environ["FAKE_SBATCH_REFUSE"] = "Requested time limit is invalid (missing or exceeds some limit)"
+    code, err = sweep(capsys, str(path), "--out", "o", "--time", "99999")
     assert tree(workdir / "o") == before
-    assert code == 2 and "Invalid --time specification" in err
+    assert code == 2 and "Requested time limit is invalid" in err
 
 
 # ------------------------------------------------------------- the experiment as submitted, and the real cause
@@ -320,14 +335,13 @@ def squeue_gone(job: str) -> bool:
     ("flag", "value", "said"),
     [
         ("--partition", "nope", "invalid partition"),
-        ("--time", "soon", "time"),
         ("--mem", "100T", "memory"),
         # sbatch read the quoted #SBATCH line back whole: its message quotes the value as given
         ("--partition", 'de bug;$(touch x) "#1', 'invalid partition specified: de bug;$(touch x) "#1'),
     ],
 )
 def test_real_sbatch_refusals_leave_nothing(workdir, capsys, slurm_cluster, flag, value, said):
-    """sbatch refusing a bad partition, time or memory leaves no array-N.sh, tasks-N.json, experiment-N.yaml,
+    """sbatch refusing a bad partition or memory leaves no array-N.sh, tasks-N.json, experiment-N.yaml,
     sweep.json or folder behind."""
     path = write_experiment(workdir / "e.yaml", points=[PLAN])
     code, err = sweep(capsys, str(path), "--out", "a/o", flag, value)

@@ -10,33 +10,22 @@ A point that cannot fit is refused in one line. Without `--mem`, the largest poi
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, replace
 
 from lmledger.errors import UserError
 from lmledger.ledger.units import format_bytes
 from lmledger.sweep.check import check_points
-from lmledger.sweep.slurmscript import SlurmRequest
+from lmledger.sweep.slurmscript import MIB, SlurmRequest, mem_bytes
 from lmledger.sweep.spec import TRAINING_COMMANDS, Experiment, Point, fit_args
 
 __all__ = ["memory_request"]
 
-_MIB = 1 << 20  # SLURM's --mem "M" (its default unit) is 2^20 bytes, as slurm.conf's RealMemory
 # A CPU job's memory beside the predicted tensor peak: the Python process with torch and Lightning,
 # its allocator's slack, and the data loader. `lmledger fit --config configs/tiny.yaml` (20 steps,
 # 1.1 MB of predicted tensors) had a max RSS of 624 MiB (getrusage of the child; 2026-12-01, a shared
 # 2-core CPU). 2 GiB leaves room for bigger imports (Hugging Face transformers) and loader workers.
 _PROCESS_BYTES = 2 << 30
 _PEAK_MARGIN = 1.25  # and a quarter over the predicted peak: the ledger's peaks are within 2% (tests)
-
-
-def _parse_mem(text: str) -> int:
-    """Bytes of a `--mem` value, as sbatch reads it. A number with K, M (default), G or T (powers of 1024)."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)B?\s*", str(text), re.IGNORECASE)
-    if not match or float(match.group(1)) <= 0:
-        raise UserError(f"--mem {text!r}: give a size as sbatch takes it, e.g. 8G, 8000M or 8000 (megabytes)")
-    scale = {"K": 1 << 10, "": _MIB, "M": _MIB, "G": 1 << 30, "T": 1 << 40}[match.group(2).upper()]
-    return int(float(match.group(1)) * scale)
 
 
 def _gres_gpu(gres: str | None) -> tuple[str | None, int] | None:
@@ -155,7 +144,7 @@ def memory_request(experiment: Experiment, points: list[Point], request: SlurmRe
         return shapes[point.id].per_node * _need_bytes(peaks[point.id])
 
     gpu = _gres_gpu(request.gres)
-    asked = None if request.mem is None else _parse_mem(request.mem)
+    asked = None if request.mem is None else mem_bytes(request.mem)
     if gpu is not None and gpu[0] is not None:
         spec = _gres_gpu_spec(gpu[0])
         for point in points:
@@ -186,10 +175,10 @@ def memory_request(experiment: Experiment, points: list[Point], request: SlurmRe
     groups = []
     for (nodes, per_node), members in sorted(by_shape.items()):
         if asked is not None:
-            mem = max(1, asked // _MIB)
+            mem = max(1, asked // MIB)
         elif gpu is not None or not any(p.id in peaks for p in members):
             mem = None  # a GPU job, or nothing predicted: the cluster's default
         else:
-            mem = math.ceil(max(node_need(p) for p in members if p.id in peaks) / _MIB)
+            mem = math.ceil(max(node_need(p) for p in members if p.id in peaks) / MIB)
         groups.append(_Group(nodes, per_node, mem, tuple(members)))
     return groups

@@ -14,7 +14,12 @@ from pathlib import Path
 
 from lmledger.errors import UserError
 
-__all__ = ["SlurmRequest", "check_directive_value", "directive", "output_pattern"]
+__all__ = ["MIB", "SlurmRequest", "check_directive_value", "directive", "mem_bytes", "output_pattern"]
+
+MIB = 1 << 20  # SLURM's --mem "M" (its default unit) is 2^20 bytes, as slurm.conf's RealMemory
+# sbatch's --time forms (sbatch(1)): minutes, minutes:seconds, hours:minutes:seconds, days-hours, days-hours:minutes,
+# days-hours:minutes:seconds; and no limit, UNLIMITED or INFINITE
+_TIME = re.compile(r"\d+(:\d+){0,2}|\d+-\d+(:\d+){0,2}|unlimited|infinite", re.IGNORECASE)
 
 # Seconds before a --time limit that SLURM sends SIGUSR1 (the kit saves, requeues and stops on it).
 _SIGNAL_BEFORE_END_S = 120
@@ -74,6 +79,11 @@ class SlurmRequest:
             value = getattr(self, name)
             if value is not None:
                 check_directive_value(f"--{name}", str(value))
+        if self.time is not None and not _TIME.fullmatch(str(self.time).strip()):
+            raise UserError(f"--time {self.time!r}: give a limit as sbatch takes it, in minutes (30), hours:minutes:"
+                            "seconds (1:00:00) or days-hours (2-0)")  # fmt: skip
+        if self.mem is not None:
+            mem_bytes(self.mem)
 
     def sbatch_lines(self, mem_mib: int | None) -> list[str]:
         lines = []
@@ -86,6 +96,15 @@ class SlurmRequest:
         if self.time is not None:
             lines.append(f"#SBATCH --signal=B:USR1@{_SIGNAL_BEFORE_END_S}")
         return lines
+
+
+def mem_bytes(text: str) -> int:
+    """Bytes of a `--mem` value, as sbatch reads it. A number with K, M (default), G or T (powers of 1024)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)B?\s*", str(text), re.IGNORECASE)
+    if not match or float(match.group(1)) <= 0:
+        raise UserError(f"--mem {text!r}: give a size as sbatch takes it, e.g. 8G, 8000M or 8000 (megabytes)")
+    scale = {"K": 1 << 10, "": MIB, "M": MIB, "G": 1 << 30, "T": 1 << 40}[match.group(2).upper()]
+    return int(float(match.group(1)) * scale)
 
 
 def output_pattern(logs: Path) -> str:
