@@ -53,6 +53,15 @@ def _layout_json(c, num_gpus: int, tokens_per_step: int, tokens: float | None, p
     return out
 
 
+def _dropped_and_links(dropped: list[dict], capacity_bytes: int, links) -> dict:
+    """The JSON both searches end with: every dropped layout, grouped by reason, the one nearest to fitting, links."""
+    return {
+        "dropped": dropped, "dropped_reasons": _dropped_reasons(dropped, capacity_bytes),
+        "lowest_peak": min((r for r in dropped if "peak_bytes" in r), key=lambda r: r["peak_bytes"], default=None),
+        "links": {"intra_node": links.intra.name, "inter_node": links.inter.name, "gpus_per_node": links.gpus_per_node},
+    }  # fmt: skip
+
+
 def _dropped_reasons(dropped: list[dict], capacity_bytes: int) -> list[dict]:
     """The dropped layouts grouped by why, most first: those whose peak is over the GPU's memory as one group with the
     range of their peaks ("peak_bytes": [lowest, highest]), any other by its own words."""
@@ -108,16 +117,12 @@ def plan_layouts(argv: list[str], gpu: str | None, num_gpus: int, tokens: float 
     def row(c):
         return _layout_json(c, num_gpus, found.tokens_per_step, tokens, peak, per_token)
 
-    dropped = [row(c) for c in found.dropped]
-
     return {
         "gpu": target.key, "num_gpus": num_gpus, "memory_bytes": target.memory_bytes, "global_batch": global_batch,
         "seq_len": spec.seq_len, "tokens_per_step": found.tokens_per_step, "tokens": tokens,
         "searched": len(found.ranked) + len(found.dropped), "fits": len(found.ranked),
-        "ranked": [row(c) for c in found.ranked[:top]], "dropped": dropped,
-        "dropped_reasons": _dropped_reasons(dropped, target.memory_bytes),
-        "lowest_peak": min((r for r in dropped if "peak_bytes" in r), key=lambda r: r["peak_bytes"], default=None),
-        "links": {"intra_node": links.intra.name, "inter_node": links.inter.name, "gpus_per_node": links.gpus_per_node},
+        "ranked": [row(c) for c in found.ranked[:top]],
+        **_dropped_and_links([row(c) for c in found.dropped], target.memory_bytes, links),
         "not_searched": "interleaving beyond 4 chunks a rank; context parallel below a 16K-token context",
         "notes": [stand_in_note(spec.precision, spec.weights_dtype)] if transformer_engine(spec.precision) else [],
     }  # fmt: skip
@@ -170,7 +175,7 @@ def plan_module_layouts(argv: list[str], gpu: str | None, num_gpus: int, tokens:
             f"the global batch {global_batch} (batch_size {batch} x accumulation {accumulate} x "
             f"{replicas}) does not split over {num_gpus} GPUs: choose a --num-gpus that divides it"
         )
-    target, _ = target_gpu(config.get("trainer.accelerator"), gpu, str(config.get("trainer.precision")))
+    target, _ = target_gpu(config.get("trainer.accelerator"), gpu, str(config.get("trainer.precision") or "32-true"))
     target = target or require_gpu("h100-sxm")
     devices, nodes = _gpus_in_nodes(num_gpus)
     at = ["--trainer.accelerator", "gpu", "--trainer.devices", str(devices), "--trainer.num_nodes", str(nodes)]
@@ -206,14 +211,11 @@ def plan_module_layouts(argv: list[str], gpu: str | None, num_gpus: int, tokens:
                  breakdown_s={"compute": sum(s.get(c, 0.0) for c in ("matmul", "attention", "other", "optimizer")),
                               "communication": s.get("communication", 0.0), "bubble": 0.0,
                               "host": s.get("host", 0.0)})  # fmt: skip
-    dropped = [r for r in rows if "dropped" in r]
-    links = _links(target, [*argv, *at], num_gpus)
     return {
         "gpu": target.key, "num_gpus": num_gpus, "memory_bytes": target.memory_bytes, "global_batch": global_batch,
         "seq_len": seq, "tokens_per_step": tokens_per_step, "tokens": tokens, "searched": len(rows),
-        "fits": len(ranked), "ranked": ranked[:top], "dropped": dropped,
-        "dropped_reasons": _dropped_reasons(dropped, target.memory_bytes),
-        "lowest_peak": min((r for r in dropped if "peak_bytes" in r), key=lambda r: r["peak_bytes"], default=None),
-        "links": {"intra_node": links.intra.name, "inter_node": links.inter.name, "gpus_per_node": links.gpus_per_node},
+        "fits": len(ranked), "ranked": ranked[:top],
+        **_dropped_and_links([r for r in rows if "dropped" in r], target.memory_bytes,
+                             _links(target, [*argv, *at], num_gpus)),
         "not_searched": NOT_SEARCHED_FOR_MODULES, "notes": [],
     }  # fmt: skip

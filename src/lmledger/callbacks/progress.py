@@ -80,8 +80,7 @@ class PlainProgress(ProgressBar):
             return
         values = {k: v for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
         # `validate` restores a checkpoint's weights, not its loops: its global_step is 0 whatever step it holds
-        where = f"step {trainer.global_step}" if trainer.training or trainer.state.fn == "fit" else (
-            f"validate {trainer.ckpt_path}" if trainer.ckpt_path else "validate")  # fmt: skip
+        where = f"step {trainer.global_step}" if trainer.state.fn == "fit" else f"validate {trainer.ckpt_path}".strip()
         if values:
             self._print(f"{where}  " + "  ".join(f"{k} {float(v):.4f}" for k, v in values.items()))
 

@@ -56,7 +56,6 @@ from lmledger.ledger.dryrun.fakecopy import (
     fake_tensor,
     map_tensors,
     precision_dtypes,
-    quiet_meta_failures,
     target_device,
 )
 from lmledger.ledger.dryrun.steptypes import (
@@ -158,7 +157,7 @@ def dry_run(
         # (dynamo would trace the fake step too, at compile time's cost); it describes the eager step.
         moe_routing = moe.RoutingAssumption(routing)  # grouped GEMMs on CPU fakes; routing-decided shapes
         with mode, torch.compiler.set_stance("force_eager"), RealOutputStorages(), moe_routing:
-            with eager_library_decisions(), quiet_meta_failures():
+            with eager_library_decisions():
                 if manual:
                     return ledger_of_manual_step(fake_model, fake_batch, step, fake_optimizers, autocast, target)
                 return ledger_of_step(fake_model, fake_batch, step, fake_optimizers[0], autocast, target, accumulate)

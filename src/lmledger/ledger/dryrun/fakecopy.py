@@ -307,8 +307,8 @@ class _DropMetaFailures(logging.Filter):
 
 @contextmanager
 def quiet_meta_failures() -> Iterator[None]:
-    """Keep torch's traceback of a meta kernel that raises off stderr during a fake step: FakeTensorMode logs it at
-    ERROR before re-raising (fake_tensor.py, _dispatch_impl), and the dry run reports the error in one line."""
+    """Keep torch's traceback of a meta kernel that raises off stderr: FakeTensorMode logs it at ERROR before
+    re-raising (fake_tensor.py, _dispatch_impl), and the dry run reports the error in one line."""
     log, drop = logging.getLogger("torch._subclasses.fake_tensor"), _DropMetaFailures()
     log.addFilter(drop)
     try:
@@ -319,7 +319,9 @@ def quiet_meta_failures() -> Iterator[None]:
 
 @contextmanager
 def eager_library_decisions() -> Iterator[None]:
-    """Let libraries that branch on "am I being traced?" take their eager branch on fake tensors.
+    """Let libraries behave on fake tensors as on real ones: those that branch on "am I being traced?" take their
+    eager branch, and torch's log of a failing meta kernel stays off stderr (quiet_meta_failures). Every fake step
+    runs under it.
 
     Hugging Face transformers reads the position ids to tell packed sequences apart
     (masking_utils.find_packed_sequence_indices). On a fake tensor it cannot, so it assumes packing. It
@@ -330,11 +332,12 @@ def eager_library_decisions() -> Iterator[None]:
     masking = sys.modules.get("transformers.masking_utils")
     finder = getattr(masking, "find_packed_sequence_indices", None)
     if finder is None:
-        yield
+        with quiet_meta_failures():
+            yield
         return
 
     def not_packed_when_fake(position_ids: torch.Tensor) -> torch.Tensor | None:
         return None if isinstance(position_ids, FakeTensor) else finder(position_ids)
 
-    with mock.patch.object(masking, "find_packed_sequence_indices", not_packed_when_fake):
+    with quiet_meta_failures(), mock.patch.object(masking, "find_packed_sequence_indices", not_packed_when_fake):
         yield

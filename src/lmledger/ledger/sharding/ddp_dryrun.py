@@ -190,12 +190,7 @@ def _ready_order(fake: FakeCopy, reducer: _EmulatedReducer) -> list[int] | NotTr
     call of the module's own step.
     """
     try:
-        with (
-            fake.mode,
-            torch.compiler.set_stance("force_eager"),
-            fakecopy.eager_library_decisions(),
-            fakecopy.quiet_meta_failures(),
-        ):
+        with fake.mode, torch.compiler.set_stance("force_eager"), fakecopy.eager_library_decisions():
             if fake.manual:
                 with manualopt.ManualOptimization(fake.model, [o for o in fake.optimizers if o is not None]):
                     fake.step(fake.model, fake.batch)

@@ -410,7 +410,7 @@ def predict_pipeline(
     try:
         everything, _ = fakecopy.fake_copy(nn.ModuleList(chunks), fake.mode, fake.target, fake.dtype)
         with fake.mode, torch.compiler.set_stance("force_eager"), fakecopy.RealOutputStorages():
-            with fakecopy.eager_library_decisions(), fakecopy.quiet_meta_failures():
+            with fakecopy.eager_library_decisions():
                 metas = _stage_metas(everything, fake, inputs.shape[0] // pipe.micro_batches)
                 emulated = _RankStep(list(fake.model), pipe, rank, loss_fn, metas)
                 result = read_rank_step(

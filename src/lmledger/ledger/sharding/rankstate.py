@@ -443,7 +443,7 @@ class FakeCopy:
         step = step or self.step
         try:
             with self.mode, torch.compiler.set_stance("force_eager"), fakecopy.RealOutputStorages():
-                with fakecopy.eager_library_decisions(), fakecopy.quiet_meta_failures():
+                with fakecopy.eager_library_decisions():
                     if self.manual:
                         result = manualopt.ledger_of_manual_step(
                             self.model, self.batch, step, self.optimizers, self.autocast, self.target
