@@ -681,6 +681,10 @@ def test_sweep_plan_predicts_each_points_peak_and_step(cache, workdir, capsys):
         "name": "plan", "command": "fit", "configs": ["configs/tiny.yaml"],
         "fixed": {k.removeprefix("--"): v for k, v in fixed.items()},
         "grid": {"data.batch_size": [2, 8], "trainer.accelerator": ["cpu", "gpu"]},
+        # a point the sweep runs only on a GPU (experiments/precision.yaml's fp8 ones): without one here it had been
+        # timed on this CPU, where LitLM leaves fp8 out, and read as the bf16-mixed CPU step
+        "points": [{"model.fp8": "torchao", "trainer.precision": "bf16-mixed", "trainer.accelerator": "auto",
+                    "requires": "gpu"}],
     }  # fmt: skip
     (workdir / "plan.yaml").write_text(json.dumps(experiment))
     capsys.readouterr()
@@ -688,6 +692,8 @@ def test_sweep_plan_predicts_each_points_peak_and_step(cache, workdir, capsys):
     out = capsys.readouterr().out.splitlines()
     rows = {line.split()[0]: line.split() for line in out if line.startswith("batch_size=")}
     assert len(rows) == 4, out
+    (fp8,) = [line.split() for line in out if line.startswith("fp8=")]
+    assert fp8[5:] == ["on", "h100-sxm"] and float(fp8[3]) > 0, fp8  # the GPU op model's step, its linears in fp8
     for point, row in rows.items():
         batch = int(point.removeprefix("batch_size=").split("_")[0])
         step_ms, rate = float(row[3]), float(row[4].replace(",", ""))

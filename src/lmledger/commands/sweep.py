@@ -62,10 +62,13 @@ def _bad_points(experiment: Experiment, errors: dict) -> int:
 
 def _plan_listing(experiment: Experiment) -> int:
     """Each point's predicted peak and step time, before any runs (--plan): a CPU point's on this machine, a GPU
-    point's on its GPU by the GPU op model."""
+    point's (or one that requires a GPU) on its GPU by the GPU op model."""
+    from lmledger.accounting.gpustep import DEFAULT_GPU
+
     rows, checked = plan_rows(experiment)
     print(f"sweep {experiment.name}: {len(experiment.points)} points, predicted before any runs (a CPU point on "
-          "this machine, a GPU point on its GPU by the GPU op model)")  # fmt: skip
+          f"this machine; a GPU point, or one that requires a GPU, on its GPU by the GPU op model: {DEFAULT_GPU} "
+          "where this machine has none)")  # fmt: skip
     print(plain_table(PLAN_COLUMNS, rows, left=2))
     return _bad_points(experiment, checked.errors)
 

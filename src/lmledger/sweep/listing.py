@@ -60,13 +60,16 @@ PLAN_COLUMNS = ("point", "command", "peak MB", "step ms", "tokens/s")
 
 def plan_rows(experiment: Experiment) -> tuple[list[tuple[str, ...]], CheckedPoints]:
     """`sweep --plan`: each point's predicted peak and step time, before any point runs: on this machine for a CPU
-    point (ledger.timing.steptime), on its GPU by the GPU op-time model for a GPU one (accounting.gpustep). Points
-    of another command, or that fail their checks, say why. A point naming any LightningModule is its own dry run
-    (accounting.account_module)."""
+    point (ledger.timing.steptime), on its GPU by the GPU op-time model for a GPU one (accounting.gpustep), a point
+    that `requires: gpu` included (on a machine without one the sweep skips it, so here it is planned on
+    gpustep.DEFAULT_GPU, not on this CPU). Points of another command, or that fail their checks, say why. A point
+    naming any LightningModule is its own dry run (accounting.account_module)."""
     from lmledger.accounting import account, account_module
+    from lmledger.accounting.gpustep import DEFAULT_GPU
     from lmledger.sweep.spec import fit_args
 
     checked = check_points(experiment)
+    have_gpu = cuda_available() if any(p.requires_gpu for p in experiment.points) else False
     rows: list[tuple[str, ...]] = []
     for point in experiment.points:
         spec = checked.specs.get(point.id)
@@ -76,15 +79,16 @@ def plan_rows(experiment: Experiment) -> tuple[list[tuple[str, ...]], CheckedPoi
         if point.subcommand not in ("fit", "account"):
             rows.append((point.id, " ".join(point.command), "—", "—", "not a fit or account point: not planned"))
             continue
+        gpu = DEFAULT_GPU if point.requires_gpu and not have_gpu else None
         if spec is None:  # any LightningModule: its own dry run, one rank's at its world size, as account gives it
             try:
-                cost = account_module(fit_args(point))
+                cost = account_module(fit_args(point), gpu)
             except UserError as err:
                 rows.append((point.id, point.subcommand, f"fail: {err}", "", ""))
                 continue
             peak, world = cost["predictors"]["dry run"].peak, (cost.get("run") or {}).get("world_size", 1)
         else:
-            cost = account(spec, False, fit_args(point), step_time=True)
+            cost = account(spec, False, fit_args(point), step_time=True, gpu=gpu)
             peak, world = cost["memory"]["peak"]["predicted"], spec.world_size
         predicted = (cost.get("time") or {}).get("predicted") or {}
         if "total_s" in predicted:  # here, or on the point's GPU by the GPU op model (its key beside the rate)
