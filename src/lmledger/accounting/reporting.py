@@ -44,7 +44,8 @@ def _notes(result: dict) -> list[str]:
         notes.append(closed_form_note(predictors["closed form"], buffers))
     why = run.get("not_predicted") or (main.why_missing.get("peak") if main is not None else None)
     if main is None or main.peak is None:
-        notes.append(f"activations and peak not predicted: {why}")
+        if not any(why and why in note for note in notes):  # the closed form's note may have said it already
+            notes.append(f"activations and peak not predicted: {why}")
     else:
         measured_in = run.get("measured_peak_phase")
         measured_in = f"; measured peak (live tensor bytes) in: {measured_in}" if measured_in else ""
@@ -52,8 +53,14 @@ def _notes(result: dict) -> list[str]:
     if "memory" not in result:  # any model at scale: built on the meta device
         notes.append("dry run on the meta device with the CPU's kernels (a GPU's attention kernels may hold more "
                      "or less)")  # fmt: skip
-    else:
-        notes.append(f"measured on {run['device']}" if result.get("measured") else f"predicted for {run['device']}")
+    elif result.get("measured"):
+        notes.append(f"measured on {run['device']}")
+    elif main is not None and main.activations is not None:  # the one row that depends on the device's kernels
+        notes.append(f"predicted for {run['device']}")
+    if run.get("fp8") and not result.get("measured"):
+        notes.append(f"fp8 ({run['fp8']}): the memory is the {run['precision']} step's, without the Float8Linear "
+                     "swap (it runs on a CUDA GPU of compute capability 8.9 or later), so without its fp8 casts; a "
+                     "GPU step time prices each swapped linear's matmuls in fp8")  # fmt: skip
         stand_in = run.get("dry_run_device")
         if not result.get("measured") and stand_in and stand_in != run["device"]:
             notes.append(f"dry run on this machine's {stand_in} in its place: the same parameters, gradients, "

@@ -246,6 +246,7 @@ def account(spec: Run, do_measure: bool, argv: list[str] = (), step_time: bool =
             "vocab_from_data": spec.vocab_from_data,
             "device": device.type,
             "compiled": bool(spec.compiled),
+            "fp8": spec.fp8,
             "measured_peak_phase": measured["figures"].peak_phase if measured else None,
         },
         "mfu_conventions": _mfu_conventions(
