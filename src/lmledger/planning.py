@@ -134,7 +134,7 @@ def _step_at_batch(spec, fit_args: list[str], gpu_key: str | None, batch: int) -
     from lmledger.accounting.gpustep import target_gpu, toy_gpu_step
     from lmledger.accounting.steptime import trainer_time_settings
 
-    target, why = target_gpu(spec.accelerator, gpu_key, spec.precision)
+    target, why = target_gpu(spec.accelerator, gpu_key, spec.precision, spec.fp8)
     if target is None or not batch:
         return None
     step = toy_gpu_step(dataclasses.replace(spec, batch_size=batch), fit_args, target,

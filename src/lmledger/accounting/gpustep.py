@@ -27,16 +27,20 @@ __all__ = [
 DEFAULT_GPU = "h100-sxm"
 
 
-def target_gpu(accelerator: object, gpu: str | None, precision: str | None = None) -> tuple[GpuSpec | None, str]:
-    """(the GPU a step prediction is for, why that one): --gpu's; for a GPU config, or one whose `precision` runs
-    only on a CUDA GPU (Transformer Engine's), this machine's GPU where it has one in the table, else DEFAULT_GPU;
-    None for a CPU config without --gpu (its step is timed here)."""
+def target_gpu(
+    accelerator: object, gpu: str | None, precision: str | None = None, fp8: str | None = None
+) -> tuple[GpuSpec | None, str]:
+    """(the GPU a step prediction is for, why that one): --gpu's; for a GPU config, or one whose fp8 runs only on a
+    CUDA GPU (Transformer Engine's `precision`, LitLM's `fp8`: fit refuses either on a CPU), this machine's GPU where
+    it has one in the table, else DEFAULT_GPU; None for a CPU config without --gpu (its step is timed here)."""
     if gpu is not None:
         return require_gpu(gpu), "--gpu"
     if str(accelerator).lower() in ("gpu", "cuda"):
         runs_on = "the config runs on a GPU"
     elif transformer_engine(precision):
         runs_on = f"{precision} runs on a CUDA GPU only"
+    elif fp8:
+        runs_on = f"fp8 ({fp8}) runs on a CUDA GPU only"
     else:
         return None, ""
     if torch.cuda.is_available():

@@ -96,7 +96,7 @@ def plan_layouts(argv: list[str], gpu: str | None, num_gpus: int, tokens: float 
     unswapped = toy_unswapped_matmuls(spec)
     if unswapped:
         raise UserError(unswapped)
-    target, _ = target_gpu(spec.accelerator, gpu, spec.precision)
+    target, _ = target_gpu(spec.accelerator, gpu, spec.precision, spec.fp8)
     target = target or require_gpu("h100-sxm")
     accumulate = trainer_time_settings(argv)["accumulate"]
     global_batch = spec.batch_size * accumulate * max(1, spec.world_size // spec.tensor_parallel)

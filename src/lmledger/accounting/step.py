@@ -220,7 +220,9 @@ def account(spec: Run, do_measure: bool, argv: list[str] = (), step_time: bool =
     predictors, dry = _predictors(spec, device, accumulate)
     step = None
     here = dry if device.type == "cpu" and dry is not None else None  # the same dry run prices the time
-    target, why = target_gpu(spec.accelerator, gpu, spec.precision) if step_time and spec.config else (None, "")
+    target, why = (None, "")
+    if step_time and spec.config:
+        target, why = target_gpu(spec.accelerator, gpu, spec.precision, spec.fp8)
     if target is not None:
         step = toy_gpu_step(spec, list(argv), target, accumulate)
         step["notes"] = [*step.get("notes", ()), *([why] if why != "--gpu" else [])]

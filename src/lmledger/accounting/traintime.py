@@ -42,7 +42,7 @@ def train_time_from_config(
         per_step = (result["run"]["tokens_per_step"] or 0) * accumulate * replicas
     else:
         spec = load_run(argv)
-        target, why = target_gpu(spec.accelerator, gpu, spec.precision)
+        target, why = target_gpu(spec.accelerator, gpu, spec.precision, spec.fp8)
         world = num_gpus or spec.world_size
         if target is not None:
             predicted = toy_gpu_step(spec, argv, target, accumulate, world)
