@@ -366,4 +366,5 @@ def test_plan_layout_gives_the_range_of_the_peaks_it_dropped(monkeypatch, capsys
     one = {**out, "searched": 1, "dropped": [split], "dropped_reasons": reasons[1:2], "lowest_peak": None}
     monkeypatch.setattr(layouts, "plan_layouts", lambda *args: one)
     assert lmledger(["plan", "layout", "--config", "configs/tiny.yaml", "--num-gpus", "8"]) == 0
-    assert capsys.readouterr().out.splitlines()[0] == "the one layout does not fit on 8 x h100-sxm"  # 7 GPUs: DP 7
+    # dropped for its batch split, not its memory: it said "does not fit", which reads as a memory verdict
+    assert capsys.readouterr().out.splitlines()[0] == "no layout runs on 8 x h100-sxm"  # 7 GPUs: DP 7

@@ -368,6 +368,8 @@ def _layout_command(
     else:
         low = out["lowest_peak"]
         which = f"none of the {out['searched']} layouts fits" if out["searched"] > 1 else "the one layout does not fit"
+        if not any("peak_bytes" in group for group in out["dropped_reasons"]):  # none was over memory: laid out
+            which = f"no layout of the {out['searched']} searched runs" if out["searched"] > 1 else "no layout runs"
         print(f"{which} on {out['num_gpus']} x {out['gpu']}" + (
             f": the lowest peak is {low['peak_bytes'] / GB:.1f} GB (TP {low['tensor_parallel']} x PP "
             f"{low['pipeline_parallel']} x DP {low['data_parallel']}, micro-batch {low['micro_batch']}, recompute "
