@@ -80,7 +80,11 @@ def test_any_module_is_priced_from_its_own_dry_run_ops(workdir, capsys, monkeypa
     convnet = ["--config", "configs/examples/byte-convnet.yaml", "--model.init_args.width", "16",
                "--model.init_args.num_layers", "2", "--data.init_args.batch_size", "2",
                "--data.init_args.context_length", "16"]  # fmt: skip
-    one = run_json(capsys, "account", *convnet, "--gpu", "h100-sxm", "--json")["time"]["predicted"]
+    one_json = run_json(capsys, "account", *convnet, *GPU, "--gpu", "h100-sxm", "--json")
+    one = one_json["time"]["predicted"]
+    if not torch.cuda.is_available():  # a GPU config's memory from a dry run on this CPU, and the notes say so
+        assert one_json["run"]["device"] == "cuda" and one_json["run"]["dry_run_device"] == "cpu"
+        assert any(n.startswith("dry run on this machine's cpu in its place") for n in one_json["notes"])
     # two DDP ranks, as plan train-time plans them (account's rank step, any_model_at_scale): that rank's step, each
     # step's tokens over both ranks (it was planned as one device)
     days = run_json(capsys, "plan", "train-time", *convnet, "--gpu", "h100-sxm", "--trainer.devices", "2",

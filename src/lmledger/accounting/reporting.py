@@ -55,17 +55,18 @@ def _notes(result: dict) -> list[str]:
                      "or less)")  # fmt: skip
     elif result.get("measured"):
         notes.append(f"measured on {run['device']}")
-    elif main is not None and main.activations is not None:  # the one row that depends on the device's kernels
-        notes.append(f"predicted for {run['device']}")
+    else:
+        if main is not None and main.activations is not None:  # the one row that depends on the device's kernels
+            notes.append(f"predicted for {run['device']}")
+        stand_in = run.get("dry_run_device")
+        if stand_in and stand_in != run["device"]:
+            notes.append(f"dry run on this machine's {stand_in} in its place: the same parameters, gradients, "
+                         "optimizer state and FLOPs; activations as this CPU's kernels save them (a GPU's fused "
+                         "norms and attention kernels save a little less or more)")  # fmt: skip
     if run.get("fp8") and not result.get("measured"):
         notes.append(f"fp8 ({run['fp8']}): the memory is the {run['precision']} step's, without the Float8Linear "
                      "swap (it runs on a CUDA GPU of compute capability 8.9 or later), so without its fp8 casts; a "
                      "GPU step time prices each swapped linear's matmuls in fp8")  # fmt: skip
-        stand_in = run.get("dry_run_device")
-        if not result.get("measured") and stand_in and stand_in != run["device"]:
-            notes.append(f"dry run on this machine's {stand_in} in its place: the same parameters, gradients, "
-                         "optimizer state and FLOPs; activations as this CPU's kernels save them (a GPU's fused "
-                         "norms and attention kernels save a little less or more)")  # fmt: skip
     if run.get("compiled"):
         notes.append("torch.compile: the memory is the eager step's (the compiled step fuses its elementwise ops and "
                      "may keep fewer intermediates); a GPU step time prices the fused kernels")  # fmt: skip
