@@ -191,3 +191,16 @@ def test_account_predicts_and_measures_every_micro_batch_of_an_accumulated_step(
     for row in ("params", "grads", "optimizer"):
         assert measured.get(row) == dry.get(row), row
     assert measured.peak == pytest.approx(dry.peak, rel=0.02)
+
+
+def test_the_clipping_a_step_is_priced_with_is_the_one_lightning_runs():
+    """Lightning reads the algorithm's name in any case (`Value` clips by value); the prediction read it as written."""
+    from lmledger.accounting.steptime import trainer_time_settings
+
+    def clip(*flags):
+        return trainer_time_settings(["--config", "configs/tiny.yaml", *flags])["clip"]
+
+    assert clip() == ("norm", 1.0)  # tiny.yaml clips at 1.0, by norm when no algorithm is named
+    assert clip("--trainer.gradient_clip_algorithm", "Value") == ("value", 1.0)
+    assert clip("--trainer.gradient_clip_algorithm", "NORM", "--trainer.gradient_clip_val", "0.5") == ("norm", 0.5)
+    assert clip("--trainer.gradient_clip_val", "0") is None

@@ -195,6 +195,7 @@ def _fit_cases() -> list[tuple[str, str, list[str]]]:
         ("trainer.precision", "bf17-mixed"),
         ("trainer.accelerator", "cpux"),
         ("model.optimizer", "adamx"),
+        ("trainer.gradient_clip_algorithm", "nrom"),
     ):
         cases += [(key, "typo", [f"--{key}", typo]), (key, "empty", [f"--{key}", ""])]
     # Issue 49 §2-3: what planning read without fit's checks (accumulation, clipping, the ledger's links and memory
@@ -299,7 +300,8 @@ PARSER_LEVEL = ("nan", "string", "empty", "fraction")
 COMMANDS = (["fit"], *PLANNING.values())
 # Fit arguments whose strings the kit's checks read (a string is not refused by the parser there).
 KIT_READ_STRINGS = ("trainer.devices", "trainer.num_nodes", "trainer.strategy", "trainer.strategy.bucket_cap_mb",
-                    "trainer.precision", "trainer.accelerator", "ledger.intra_node", "ledger.inter_node")  # fmt: skip
+                    "trainer.precision", "trainer.accelerator", "trainer.gradient_clip_algorithm", "ledger.intra_node",
+                    "ledger.inter_node")  # fmt: skip
 # plan max-batch takes --ledger.device_memory_gb as its own flag, beside --gpu: account plans those.
 ACCOUNT_ONLY = ("ledger.device_memory_gb",)
 

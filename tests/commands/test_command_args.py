@@ -211,6 +211,23 @@ def test_fit_reads_the_alias_as_its_own_flag(capsys):
     assert "--ledger.device_memory_gb abc: expected a float or null" in err and "device-memory-gb" not in err
 
 
+@pytest.mark.parametrize(
+    ("flag", "said"),
+    [
+        # A Union of Literals: each value once (64 and '64'), none cut at the first Literal's bracket.
+        (["--trainer.precision", "7"], "--trainer.precision 7: expected 64, 32, 16, 'transformer-engine', "),
+        (["--trainer.max_steps", "abc"], "--trainer.max_steps abc: expected an int"),  # a value of one type
+        # a class's argument with no class named: the flag's own base type was tried
+        (["--optimizer.lr", "0.1"], "--optimizer.lr 0.1: --optimizer names no class to take lr: name one first"),
+    ],
+)
+def test_a_value_the_parser_refuses_is_named_with_what_it_takes(capsys, flag, said):
+    assert lmledger(["account", "--config", "configs/tiny.yaml", *flag]) == 2
+    err = capsys.readouterr().err
+    assert said in err and "typing." not in err and "Parser key" not in err and "<class" not in err, err
+    assert "'bf16' or null" in err if flag[0] == "--trainer.precision" else True
+
+
 def test_every_flag_refuses_an_empty_value_an_int_is_a_count_and_a_float_finite():
     """Issue 28 §4: the rules every signature-built flag gets (tests/commands/test_bad_values.py runs them on each
     command)."""

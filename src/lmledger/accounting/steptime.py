@@ -28,7 +28,7 @@ def trainer_time_settings(argv: list[str]) -> dict:
     trainer = parse_fit_config(list(argv)).trainer
     get = trainer.get if hasattr(trainer, "get") else lambda k, d=None: getattr(trainer, k, d)
     clip = get("gradient_clip_val")
-    algorithm = str(get("gradient_clip_algorithm") or "norm")
+    algorithm = str(get("gradient_clip_algorithm") or "norm").lower()
     return {
         "accumulate": int(get("accumulate_grad_batches") or 1),
         "clip": ("value" if "value" in algorithm else "norm", float(clip)) if clip else None,

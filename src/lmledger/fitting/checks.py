@@ -248,13 +248,17 @@ def check_fit_values(config) -> TrainerScale:
 def check_trainer_values(trainer, model=None) -> TrainerScale:
     """Refuse values Lightning accepts and then misuses (canary test_trainer_accepts_values_that_train_wrongly).
 
-    Negative clipping ascends the gradient. Zero accumulation trains nothing. Devices, nodes and the
+    Negative clipping ascends the gradient. Zero accumulation trains nothing. A clipping algorithm other than norm or
+    value is refused by Lightning only when fit builds its Trainer, which planning never does. Devices, nodes and the
     strategy are resolve_strategy's, the one reading that account and plan share with fit.
     `model` is the config's model section (FSDP2 needs its configure_model; TP must split its heads).
     """
     clip = trainer.get("gradient_clip_val")
     if clip is not None and not (isinstance(clip, (int, float)) and math.isfinite(clip) and clip >= 0):
         raise ConfigError(f"--trainer.gradient_clip_val must be >= 0 (0 or null: no clipping), got {clip}")
+    algorithm = trainer.get("gradient_clip_algorithm")  # Lightning refuses another only as its Trainer is built
+    if algorithm is not None and str(algorithm).lower() not in ("norm", "value"):
+        raise ConfigError(f"--trainer.gradient_clip_algorithm must be norm or value (null: norm), got {algorithm!r}")
     accumulate = trainer.get("accumulate_grad_batches")
     if accumulate is not None and (not isinstance(accumulate, int) or accumulate < 1):
         raise ConfigError(f"--trainer.accumulate_grad_batches must be an integer >= 1, got {accumulate}")
@@ -346,8 +350,10 @@ def check_accelerator(accelerator) -> None:
 # jsonargparse's report of a value no type of an Optional/Union accepted, e.g. `--ledger.device_memory_gb abc`.
 _UNION_ERROR = re.compile(
     r'Parser key "(?P<key>[^"]+)": Does not validate against any of the Union subtypes Subtypes: '
-    r"\[(?P<types>[^\]]*)\].*Given value:\s?(?P<value>.*)$"
+    r"\[(?P<types>.*?)\] Errors:.*Given value:\s?(?P<value>.*)$"
 )
+# ... and of a value its one type refuses, e.g. `--trainer.max_steps abc`.
+_TYPE_ERROR = re.compile(r'^Parser key "(?P<key>[^"]+)": Expected a (?P<type>.+?)\. Got value: (?P<value>.*)$')
 # ... and of an argument of a class given as `--key.name value` (a NestedArg), e.g. a strategy's init argument.
 _NESTED = re.compile(
     r"""^Parser key "(?P<key>[^"]+)":.* Given value: NestedArg\(key='(?P<name>[^']*)', val=(?P<value>.*)\)$"""
@@ -362,10 +368,10 @@ def parse_error_line(err: BaseException) -> str:
     line = " ".join(part.strip() for part in str(err).strip().splitlines())
     if found := _NESTED.search(line):
         return _nested_line(line, found["key"], found["name"], _unquoted(found["value"]))
-    found = _UNION_ERROR.search(line)
-    if found is None:
-        return line
-    return f"--{found['key']} {_unquoted(found['value'])}: expected {_wanted(found['types'])}"
+    if found := _UNION_ERROR.search(line) or _TYPE_ERROR.search(line):
+        wanted = _wanted(found["types"] if "types" in found.re.groupindex else found["type"])
+        return f"--{found['key']} {_unquoted(found['value'])}: expected {wanted}"
+    return line
 
 
 def _unquoted(value: str) -> str:
@@ -374,15 +380,17 @@ def _unquoted(value: str) -> str:
 
 
 def _wanted(types: str) -> str:
-    """ "<class 'int'>, NoneType, typing.Literal['auto']" as "an int or null or 'auto'"."""
+    """ "<class 'int'>, <class 'NoneType'>, typing.Literal['auto']" as "an int, 'auto' or null": each type once,
+    and a Literal's values once each however many Literals list them (precision's 64 and '64')."""
     names = [t.strip().removeprefix("<class '").removesuffix("'>") for t in re.split(r",\s*(?![^\[]*\])", types)]
     words = []
     for name in names:
-        literal = re.fullmatch(r"typing\.Literal\[(.*)\]", name)
-        words.append(
-            "null" if name == "NoneType" else literal[1] if literal else f"a{'n' * (name[:1] in 'aeiou')} {name}"
-        )
-    return " or ".join(words)
+        if literal := re.fullmatch(r"typing\.Literal\[(.*)\]", name):
+            values = [v.strip() for v in literal[1].split(",")]
+        else:
+            values = ["null" if name == "NoneType" else f"a{'n' * (name[:1] in 'aeiou')} {name}"]
+        words += [v for v in values if v not in words and v.strip("'") not in words]
+    return words[0] if len(words) == 1 else f"{', '.join(words[:-1])} or {words[-1]}"
 
 
 def _nested_line(line: str, key: str, name: str, value: str) -> str:
@@ -396,6 +404,8 @@ def _nested_line(line: str, key: str, name: str, value: str) -> str:
     if refused := _CLASS_REFUSED.search(line):
         cls, why = refused["cls"], refused["why"]
         short = cls.rsplit(".", 1)[-1]
+        if _is_base_type(cls, line):  # `--optimizer.lr 0.1` with no `--optimizer CLASS`: the base type was tried
+            return f"{flag}: --{key} names no class to take {name}: name one first (--{key} CLASS_PATH --{flag[2:]})"
         if "is not accepted" in why:
             close = difflib.get_close_matches(name, _init_arguments(cls), n=1)
             hint = f" (did you mean {close[0]}?)" if close else f"; {tensor_parallel}" if name in _MESH_SIZES else ""
@@ -428,11 +438,28 @@ def _registered_class(name: str) -> type | None:
     return StrategyRegistry[name.lower()]["strategy"] if name.lower() in StrategyRegistry else None
 
 
-def _init_arguments(class_path: str) -> list[str]:
+def _class(class_path: str) -> type | None:
     module, _, attr = class_path.rpartition(".")
     try:
-        cls = getattr(importlib.import_module(module), attr)
+        return getattr(importlib.import_module(module), attr)
     except (ImportError, AttributeError, ValueError):
+        return None
+
+
+def _is_base_type(class_path: str, line: str) -> bool:
+    """Whether the refused class is the flag's own declared type (its Union's subtypes), not a class the user named."""
+    cls = _class(class_path)
+    subtypes = re.search(r"Subtypes: \[(.*?)\] Errors", line)
+    return (
+        cls is not None
+        and subtypes is not None
+        and any(_class(name) is cls for name in re.findall(r"<class '([^']+)'>", subtypes[1]))
+    )
+
+
+def _init_arguments(class_path: str) -> list[str]:
+    cls = _class(class_path)
+    if cls is None:
         return []
     names = []
     for klass in cls.__mro__:  # a subclass's **kwargs pass on to its parents' arguments
