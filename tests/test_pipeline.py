@@ -259,6 +259,29 @@ def test_manual_optimization_is_predicted(module, shapes):
     assert measured.peak == pytest.approx(predicted.peak, rel=0.03)
 
 
+def test_a_manual_steps_ops_are_recorded_in_their_phases_for_the_time_ledger():
+    """Each manual_backward's ops are backward, each optimizer's step's are the optimizer step (both optimizers),
+    the rest forward; their FLOPs are the step's, and the module's Python is timed. Before, the manual dry run kept
+    no op records, and a fit said "no step-time prediction"."""
+    torch.manual_seed(0)
+    gan = GAN()
+    optimizers = gan.configure_optimizers()
+    (real,) = next(iter(_regression_loader(16)))
+    ledger = dry_run(gan, real, step=lambda m, b: m.training_step((b,), 0), optimizer=optimizers, manual=True)
+    ops = ledger.ops
+    assert ops is not None and ops.outside is not None and ops.outside.dispatches > 0
+    flops = {phase: sum(op.flops for op in ops.ops if op.phase == phase) for phase in ("forward", "backward")}
+    assert (flops["forward"], flops["backward"]) == (ledger.flops_forward, ledger.flops_backward)
+    assert flops["forward"] > 0 and flops["backward"] > 0
+    stepped = [op for op in ops.ops if op.phase == "optimizer step"]
+    # both optimizers step each of their networks' 4 tensors: Adam's first moment, SGD's new momentum buffer
+    assert sum(op.name == "aten.lerp_.Scalar" for op in stepped) == len(list(gan.generator.parameters())) == 4
+    assert sum(op.name == "aten.clone.default" for op in stepped) == len(list(gan.discriminator.parameters())) == 4
+    order = [op.phase for op in ops.ops]  # the generator's step, then the discriminator's forward, as the step runs
+    first_step = order.index("optimizer step")
+    assert "forward" in order[first_step:] and "backward" in order[first_step:]
+
+
 def test_the_dry_run_of_a_manual_step_leaves_the_real_module_alone():
     """toggle_optimizer, the schedulers and requires_grad of the real module are untouched by the fake step."""
     torch.manual_seed(0)

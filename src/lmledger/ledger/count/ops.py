@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -177,7 +178,7 @@ class Outside:
 @dataclass(frozen=True)
 class OpSummary:
     """The step's ops (in the order they ran) and their totals per category; `outside`: DispatchClock's measure of
-    the step (None where the dry run took none: manual optimization)."""
+    the step (None where the dry run took none)."""
 
     ops: tuple[OpRecord, ...] = ()
     by_category: dict[str, CategoryTotals] = field(default_factory=dict)
@@ -234,6 +235,17 @@ class DispatchClock(TorchDispatchMode):
     def __exit__(self, *exc) -> None:
         self.wall_s += time.perf_counter() - self._entered
         return super().__exit__(*exc)
+
+    @contextmanager
+    def left_out(self) -> Iterator[None]:
+        """A span inside an entered clock that counts neither as wall time nor as dispatches (a manual step's
+        optimizer step, whose Python the optimizer's own pricing holds)."""
+        start, inside, dispatches = time.perf_counter(), self.inside_s, self.dispatches
+        try:
+            yield
+        finally:
+            self.wall_s -= time.perf_counter() - start
+            self.inside_s, self.dispatches = inside, dispatches
 
     @property
     def outside(self) -> Outside:

@@ -10,6 +10,7 @@ import.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 
@@ -17,6 +18,7 @@ import torch
 from torch import nn
 
 from lmledger.ledger.count.memtrack import MemoryTracker
+from lmledger.ledger.count.ops import DispatchClock, OpRecorder
 from lmledger.ledger.dryrun.fakecopy import PlaceholderScalars
 from lmledger.ledger.dryrun.steptypes import StepFn, StepLedger
 from lmledger.ledger.dryrun.watch import Reading, StepWatch
@@ -36,28 +38,45 @@ def ledger_of_manual_step(
 
     `step` runs the module's training_step. It calls manual_backward and steps its optimizers itself.
     FLOPs are split at each manual_backward. Saved activations are counted up to the first backward. Both
-    are read on the first step, the peak on the second.
+    are read on the first step, the peak on the second. The first also records every op, in its phase
+    (forward, backward at each manual_backward, the optimizer step at each optimizer's step), as the automatic
+    step's are; the second is timed outside dispatch, its optimizer steps left out, as the automatic step's are.
     """
     optimizers = [o for o in optimizers if o is not None]
     # MemoryTracker is read here, so that ledger.sharding can make it its local-shard tracker.
     watch = StepWatch(device, manual=True, reading=Reading(tracker=MemoryTracker))
-    manual = ManualOptimization(model, optimizers, watch)
+    # Below the FLOP counter on the mode stack (entered before the watch's), as in engine.ledger_of_step.
+    recorder = OpRecorder(watch.flop_registry)
+    for optimizer in optimizers:
+        recorder.watch(optimizer)
+    clock = DispatchClock()
+    manual = ManualOptimization(model, optimizers, watch, recorder, clock)
     was_training = model.training
     model.train()
     context = (
         torch.autocast(device.type, dtype=autocast, cache_enabled=False) if autocast is not None else nullcontext()
     )
+
+    def one_step(index: int) -> None:
+        recorder.phase = "forward"
+        watch.batch_start(model, optimizers, batch, global_step=index)
+        with context, clock if index == 1 else nullcontext():
+            step(model, batch)
+        watch.batch_end(model, optimizers, global_step=index + 1)
+
     try:
         with manual:
-            for index in range(2):
-                watch.batch_start(model, optimizers, batch, global_step=index)
-                with context:
-                    step(model, batch)
-                watch.batch_end(model, optimizers, global_step=index + 1)
+            with recorder:  # step 1: FLOPs, saved activations, state, and every op
+                try:
+                    one_step(0)
+                except BaseException:
+                    watch.close()  # its FLOP counter sits above the recorder on the mode stack
+                    raise
+            one_step(1)  # step 2: the peak, and the module's Python
     finally:
         watch.close()
         model.train(was_training)
-    return watch.step_ledger(model, batch)
+    return watch.step_ledger(model, batch, ops=dataclasses.replace(recorder.summary(), outside=clock.outside))
 
 
 class ManualOptimization:
@@ -71,9 +90,15 @@ class ManualOptimization:
     """
 
     def __init__(
-        self, module: nn.Module, optimizers: list[torch.optim.Optimizer], watch: StepWatch | None = None
+        self,
+        module: nn.Module,
+        optimizers: list[torch.optim.Optimizer],
+        watch: StepWatch | None = None,
+        recorder: OpRecorder | None = None,
+        clock: DispatchClock | None = None,
     ) -> None:
         self.module, self.fakes, self.watch = module, optimizers, watch  # no watch: a step run unread
+        self.recorder, self.clock = recorder, clock  # the phase of each op recorded; the Python timed
         self._requires_grad: dict[nn.Parameter, bool] = {}
 
     def __enter__(self) -> ManualOptimization:
@@ -108,7 +133,11 @@ class ManualOptimization:
     def manual_backward(self, loss: torch.Tensor, *args, **kwargs) -> None:
         if self.watch is not None:
             self.watch.before_backward()
+        if self.recorder is not None:
+            self.recorder.phase = "backward"
         loss.backward(*args, **kwargs)
+        if self.recorder is not None:
+            self.recorder.phase = "forward"  # whatever the step runs next, up to its optimizer's step
         if self.watch is not None:
             self.watch.after_backward()
 
@@ -118,7 +147,8 @@ class ManualOptimization:
         def step(closure=None):
             if self.watch is not None:
                 self.watch.before_optimizer_step()
-            with PlaceholderScalars():
+            # The optimizer step is priced whole or replayed apart: its Python is not the module's.
+            with PlaceholderScalars(), self.clock.left_out() if self.clock is not None else nullcontext():
                 return real_step(optimizer, closure) if closure is not None else real_step(optimizer)
 
         return step
