@@ -28,14 +28,14 @@ import torch
 from torch import nn
 
 from conftest import MICRO_OVERRIDES, lmledger, one_intra_op_thread, run_json
-from lmledger.ledger.count.ops import OPTIMIZER, OpRecorder, OpSummary
+from lmledger.ledger.count.ops import OPTIMIZER, OpRecord, OpRecorder, OpSummary
 from lmledger.ledger.dryrun.engine import dry_run
 from lmledger.ledger.hardware.bandwidth import measured_cpu_bandwidth
 from lmledger.ledger.hardware.cpu import measured_cpu_peak
 from lmledger.ledger.timing.steptime import CATEGORIES, NoStepTime, StepTime, data_wait, predict_step_time
 from lmledger.ledger.timing.steptime.cache import STEP_TIMES_FILE, StepTimeCache, now
-from lmledger.ledger.timing.steptime.predict import BUSY_CALIBRATION, CHECKED, DRIFT
-from lmledger.ledger.timing.steptime.replay import Replayer, _sequence_keys, why_not_replayed
+from lmledger.ledger.timing.steptime.predict import BUSY_CALIBRATION, CHECKED, DRIFT, _touched_between_steps
+from lmledger.ledger.timing.steptime.replay import Replayer, _sequence_keys, cache_bytes, why_not_replayed
 from lmledger.ledger.timing.steptime.tensors import rebuild
 from lmledger.model import ModelConfig, ToyLM
 
@@ -110,6 +110,23 @@ def test_every_op_is_replayed_or_a_counted_fallback_and_the_categories_sum_to_th
     assert result.seconds["host"] >= 1e-3  # the loop given, plus the measured per-op overhead
     assert result.tokens_per_s == pytest.approx(32 / result.total_s)
     assert 0 < result.benchmarked <= result.distinct
+    # The toy's forward and backward touch a few kB, far less than a last-level cache: its optimizer is timed with
+    # its state kept in cache, as between its real steps (a large step's is timed after a flush).
+    touched = _touched_between_steps(ops)
+    assert 0 < touched < 1 << 20
+    assert ("caches kept" in result.how["optimizer"]) == (touched <= cache_bytes(torch.device("cpu")))
+
+
+def test_what_a_step_touches_between_optimizer_steps_counts_each_storage_once_and_not_the_optimizers():
+    def op(phase, category, storages, outputs):
+        return OpRecord("aten.x", phase, category, 0, 0, 0, "float32", storages=storages, output_storages=outputs)
+
+    ops = OpSummary.of([
+        op("forward", "matmul", ((1, 4096), (2, 1024)), ((3, 512),)),
+        op("backward", "other", ((3, 512), (1, 4096)), ((4, 2048),)),  # storages 1 and 3 again: counted once
+        op("optimizer step", OPTIMIZER, ((1, 4096), (5, 1 << 20)), ((5, 1 << 20),)),  # the optimizer's own state
+    ])  # fmt: skip
+    assert _touched_between_steps(ops) == 4096 + 1024 + 512 + 2048
 
 
 def test_checkpointing_recomputes_in_backward_and_its_overhead_is_host_time(cache):

@@ -199,7 +199,8 @@ def predict_step_time(
     else:
         how["replay"] = "each op alone (the step's tensors exceed half the free memory), cold inputs from copies"
     overhead, overhead_how = calibrate.per_op_overhead(device, cache, Replayer(device, cache.ops))
-    timed_optimizer = calibrate.optimizer_seconds(optimizer, device, clip, cache)
+    flushed = _touched_between_steps(ops) > cache_bytes(device)
+    timed_optimizer = calibrate.optimizer_seconds(optimizer, device, clip, cache, flushed=flushed)
     priced = _price_ops(ops, replayer, in_sequence, timed_optimizer is not None, compute_dtype, device)
     if isinstance(priced, str):
         cache.save()
@@ -384,6 +385,17 @@ def _host(
         how += python_how
     how += f" + Lightning's loop {loop_s * 1e3:.3g} ms x {accumulate} batches ({loop_how})" if loop_s else ""
     return seconds, how
+
+
+def _touched_between_steps(ops: OpSummary) -> int:
+    """Bytes of the distinct storages the step's forward and backward read or write: what passes through the caches
+    between two optimizer steps (an upper bound: a storage freed and its memory handed to the next counts twice)."""
+    sizes: dict[int, int] = {}
+    for op in ops.ops:
+        if op.category != OPTIMIZER:
+            for key, n in (*op.storages, *op.output_storages):
+                sizes[key] = max(sizes.get(key, 0), n)
+    return sum(sizes.values())
 
 
 def _model_python(outside: Outside, cache: StepTimeCache) -> tuple[float, str]:
