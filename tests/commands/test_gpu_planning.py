@@ -97,6 +97,10 @@ def test_any_module_is_priced_from_its_own_dry_run_ops(workdir, capsys, monkeypa
     assert two["seconds"]["matmul"] == pytest.approx(one["seconds"]["matmul"], rel=1e-6)
     assert two["seconds"]["other"] > one["seconds"]["other"]
     assert one["tokens_per_s"] == pytest.approx(2 * 16 / one["total_s"])
+    # --num-gpus scales the toy LM's configs; a module's ranks are its fit's, and the refusal says how to give them
+    capsys.readouterr()
+    assert lmledger(["plan", "train-time", *convnet, "--gpu", "h100-sxm", "--num-gpus", "2", "--tokens", "1e9"]) == 2
+    assert "--trainer.devices N" in capsys.readouterr().err
     # plan layout searches such a module's data-parallel layouts, each priced as account prices it: 4 sequences over 2
     # GPUs, replicated or sharded (Lightning's FSDP), a replica's 2 as 2 x 1 or 1 x 2; DDP's 2 x 1 is the step above
     assert _module_micro_batches(12) == [1, 2, 4, 12]  # a replica's share as searched

@@ -31,7 +31,10 @@ def train_time_from_config(
                "plan it on several")  # fmt: skip
     if named_classes(argv):
         if num_gpus not in (None, 1):
-            raise UserError("plan train-time --config --num-gpus scales lmledger's ToyLM configs; drop --num-gpus")
+            raise UserError(
+                "plan train-time --config --num-gpus scales lmledger's ToyLM configs; give this module's ranks as its "
+                "fit takes them: --trainer.devices N (and --trainer.num_nodes M)"
+            )
         result = account_module(argv, gpu=gpu)  # one rank's step at its world size, as account plans it
         if result["time"] is None:
             raise UserError(on_cpus)
