@@ -282,6 +282,25 @@ def test_a_manual_steps_ops_are_recorded_in_their_phases_for_the_time_ledger():
     assert "forward" in order[first_step:] and "backward" in order[first_step:]
 
 
+def test_a_span_left_out_of_the_dispatch_clock_counts_only_while_the_clock_runs():
+    """The manual step's first run (ops recorded, clock not entered) steps its optimizers inside left_out too: that
+    must not take their time off the second run's (the clock's) wall time."""
+    import time
+
+    from lmledger.ledger.count.ops import DispatchClock
+
+    clock = DispatchClock()
+    with clock.left_out():
+        time.sleep(0.02)  # not entered: nothing counted, nothing taken off
+    assert clock.wall_s == 0.0
+    with clock:
+        torch.ones(4).add_(1)
+        with clock.left_out():
+            torch.ones(4).mul_(2)
+            time.sleep(0.02)
+    assert 0 <= clock.wall_s < 0.02 and clock.dispatches == 2  # ones and add_; the left-out span's ops not counted
+
+
 def test_the_dry_run_of_a_manual_step_leaves_the_real_module_alone():
     """toggle_optimizer, the schedulers and requires_grad of the real module are untouched by the fake step."""
     torch.manual_seed(0)

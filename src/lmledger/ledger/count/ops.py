@@ -234,18 +234,20 @@ class DispatchClock(TorchDispatchMode):
 
     def __exit__(self, *exc) -> None:
         self.wall_s += time.perf_counter() - self._entered
+        self._entered = 0.0
         return super().__exit__(*exc)
 
     @contextmanager
     def left_out(self) -> Iterator[None]:
-        """A span inside an entered clock that counts neither as wall time nor as dispatches (a manual step's
-        optimizer step, whose Python the optimizer's own pricing holds)."""
-        start, inside, dispatches = time.perf_counter(), self.inside_s, self.dispatches
+        """A span that counts neither as wall time nor as dispatches (a manual step's optimizer step, whose Python
+        the optimizer's own pricing holds); nothing while the clock is not entered."""
+        start, inside, dispatches, entered = time.perf_counter(), self.inside_s, self.dispatches, self._entered
         try:
             yield
         finally:
-            self.wall_s -= time.perf_counter() - start
-            self.inside_s, self.dispatches = inside, dispatches
+            if entered:
+                self.wall_s -= time.perf_counter() - start
+                self.inside_s, self.dispatches = inside, dispatches
 
     @property
     def outside(self) -> Outside:
