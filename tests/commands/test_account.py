@@ -204,3 +204,37 @@ def test_the_clipping_a_step_is_priced_with_is_the_one_lightning_runs():
     assert clip("--trainer.gradient_clip_algorithm", "Value") == ("value", 1.0)
     assert clip("--trainer.gradient_clip_algorithm", "NORM", "--trainer.gradient_clip_val", "0.5") == ("norm", 0.5)
     assert clip("--trainer.gradient_clip_val", "0") is None
+
+
+def test_a_module_stepping_two_optimizers_by_hand_is_planned_as_its_fit_runs_it(workdir, capsys):
+    """Manual optimization with two optimizers: account, plan max-batch and plan layout dry-run the module's own
+    training_step, as the fit's Ledger does (they refused 'returns 2 optimizers' before); --measure, which runs
+    Lightning's automatic step, refuses it in one line."""
+    from manual_lm import TwoOptimizerLM
+
+    Path("manual.yaml").write_text(
+        "model: {class_path: manual_lm.TwoOptimizerLM}\n"
+        "data: {class_path: lmledger.data.TokenDataModule, init_args: {path: data/stdlib, batch_size: 2, "
+        "context_length: 32, val_batches: 1}}\n"
+        "trainer: {accelerator: cpu, max_steps: 10, max_epochs: 1}\n"
+    )
+    config = ["--config", "manual.yaml"]
+    result = run_json(capsys, "account", *config, "--gpu", "h100-sxm", "--json")
+    predicted = figures_of(result, "predicted")
+    module = TwoOptimizerLM()
+    ends = sum(p.numel() for m in (module.embed, module.head) for p in m.parameters())
+    blocks = sum(p.numel() for p in module.blocks.parameters())
+    assert predicted["params"] == predicted["grads"] == 4 * (ends + blocks)
+    assert predicted["optimizer"] == 4 * (2 * ends + blocks)  # AdamW's two moments, SGD's momentum buffer
+    step = result["time"]["predicted"]
+    assert step["priced_on"] == "h100-sxm" and step["seconds"]["optimizer"] > 0 and step["seconds"]["matmul"] > 0
+    batch = run_json(capsys, "plan", "max-batch", *config, "--ledger.device_memory_gb", "0.002", "--json")
+    assert batch["max_batch"] > 2
+    layouts = run_json(capsys, "plan", "layout", *config, "--gpu", "h100-sxm", "--num-gpus", "2", "--json")
+    assert layouts["ranked"] and all("peak_bytes" in r for r in layouts["ranked"])
+    # Lightning's fsdp is dry-run without manual optimization: dropped with why, not ranked without a peak
+    assert {r["sharding"] for r in layouts["ranked"]} == {"ddp"}
+    assert all("manual optimization" in r["dropped"] for r in layouts["dropped"] if r["sharding"] == "fsdp")
+    capsys.readouterr()
+    assert lmledger(["account", *config, "--measure"]) == 2
+    assert "steps its optimizers itself" in capsys.readouterr().err

@@ -186,7 +186,8 @@ def plan_module_layouts(argv: list[str], gpu: str | None, num_gpus: int, tokens:
                     str(share // micro), "--data.init_args.batch_size", str(micro)]  # fmt: skip
             out = account_module(args, target.key)
             seq = seq or out["run"]["tokens_per_step"] // max(1, out["run"]["batch_size"])
-            peak, step = out["predictors"]["dry run"].peak, out["time"]["predicted"]
+            figures, step = out["predictors"]["dry run"], out["time"]["predicted"]
+            peak = figures.peak
             row = {"tensor_parallel": 1, "sequence_parallel": False, "context_parallel": 1, "pipeline_parallel": 1,
                    "data_parallel": num_gpus, "sharding": sharding if num_gpus > 1 else "none", "micro_batch": micro,
                    "micro_batches": share // micro, "recompute": "the module's", "schedule": None,
@@ -195,6 +196,8 @@ def plan_module_layouts(argv: list[str], gpu: str | None, num_gpus: int, tokens:
                 row["peak_bytes"] = peak
             if peak is not None and peak > target.memory_bytes:
                 row["dropped"] = f"its peak {peak / 1e9:.1f} GB is over the GPU's {target.memory_bytes / 1e9:.0f} GB"
+            elif peak is None:  # whether it fits is not known: not ranked beside layouts that do
+                row["dropped"] = f"its peak is not predicted: {figures.why_missing.get('peak') or 'no dry run'}"
             elif "total_s" not in step:
                 row["dropped"] = step.get("none") or "no step time"
             else:

@@ -131,9 +131,8 @@ def any_model_at_scale(argv: list[str], capacity_bytes: int | None = None, gpu: 
         warnings.simplefilter("ignore")
         scale = atscale.at_scale(
             module, lambda size: ledger_predict.resized(batch, size), samples, strategy=strategy, world_size=world_size,
-            capacity_bytes=capacity_bytes, step=ledger_predict.module_step,
-            optimizer=ledger_predict.configured_optimizer(module), precision=traced, links=links,
-            **_scale_settings(scale, module),
+            capacity_bytes=capacity_bytes, step=ledger_predict.module_step, precision=traced, links=links,
+            **ledger_predict.optimizer_arguments(module), **_scale_settings(scale, module),
         )  # fmt: skip
     tokens = tokens_per_batch(module, batch)
     timed = scale.configured
@@ -176,9 +175,9 @@ def _timing_case(module, batch, samples: int, strategy: str, world_size: int, pr
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         found = atscale.at_scale(module, lambda size: ledger_predict.resized(batch, size), samples, strategy=stand_in,
-                                 world_size=world_size, step=ledger_predict.module_step,
-                                 optimizer=ledger_predict.configured_optimizer(module), precision=precision,
-                                 labels=("as configured", "every block checkpointed"))  # fmt: skip
+                                 world_size=world_size, step=ledger_predict.module_step, precision=precision,
+                                 labels=("as configured", "every block checkpointed"),
+                                 **ledger_predict.optimizer_arguments(module))  # fmt: skip
     return found.configured if found.configured.ops is not None else case
 
 

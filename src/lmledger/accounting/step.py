@@ -339,8 +339,11 @@ def account_any_model(argv: list[str], do_measure: bool, step_time: bool = False
             stand_in = [stand_in_note(precision, weights)] if traced != precision and "none" not in step else []
             step["notes"] = [*step.get("notes", ()), *([why] if why != "--gpu" else []), *stand_in]
         elif step_time and has_ops and target is None:  # the step time predicted here
+            # a manual step's optimizer ops are replayed as recorded (the fit's Ledger does the same); else the
+            # module's optimizer is timed whole
+            optimizer = ledger_predict.optimizer_arguments(copy.deepcopy(module))
             step = predicted_step_time(
-                predicted.dry.ops, ledger_predict.configured_optimizer(copy.deepcopy(module)), argv, precision, device,
+                predicted.dry.ops, None if optimizer["manual"] else optimizer["optimizer"], argv, precision, device,
                 tokens, samples, data.train_dataloader(),
             )  # fmt: skip
         elif step_time:

@@ -28,7 +28,7 @@ from lightning.pytorch.accelerators import MPSAccelerator
 from lmledger.callbacks.settings import LedgerSettings
 from lmledger.errors import ConfigError, UserError
 from lmledger.fitting.trainerscale import TrainerScale, resolve_strategy
-from lmledger.ledger.predict import SeveralOptimizers, configured_optimizer
+from lmledger.ledger.predict import configured_optimizer
 
 __all__ = [
     "SUBCOMMANDS",
@@ -278,13 +278,7 @@ def refuse_several_optimizers(model: pl.LightningModule, trainer: Trainer) -> No
     model.trainer = trainer
     try:
         configured_optimizer(model)
-    except SeveralOptimizers:
-        raise UserError(
-            f"{type(model).__name__}.configure_optimizers returns more than one optimizer, which Lightning steps "
-            "only under manual optimization: set self.automatic_optimization = False and step them in "
-            "training_step, or return one optimizer"
-        ) from None
-    except UserError:  # an optimizer over no parameters: said before torch's traceback in Lightning's set-up
+    except UserError:  # SeveralOptimizers, or an optimizer over no parameters: said before Lightning's traceback
         raise
     except Exception:
         return  # Lightning reports its own way when it calls the method

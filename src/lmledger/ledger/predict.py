@@ -49,11 +49,13 @@ __all__ = [
     "Prediction",
     "SeveralOptimizers",
     "configured_optimizer",
+    "configured_optimizers",
     "lightning_step",
     "max_batch_module",
     "measure",
     "measure_module",
     "module_step",
+    "optimizer_arguments",
     "parameter_count",
     "predict",
     "resized",
@@ -289,8 +291,29 @@ def configured_optimizer(module: nn.Module) -> torch.optim.Optimizer | None:
     """The one torch optimizer a LightningModule's configure_optimizers returns; None if it has none.
 
     It takes any form Lightning accepts. An optimizer, or a dict with 'optimizer'. Or a list or tuple
-    whose first item is one, or a list of them. More than one is a UserError: the dry run models one optimizer step.
+    whose first item is one, or a list of them. More than one is SeveralOptimizers: Lightning steps one optimizer
+    under automatic optimization.
     """
+    found = configured_optimizers(module)
+    if len(found) > 1:
+        raise SeveralOptimizers(
+            f"{type(module).__name__}.configure_optimizers returns {len(found)} optimizers, which Lightning steps "
+            "only under manual optimization: set self.automatic_optimization = False and step them in "
+            "training_step, or return one optimizer"
+        )
+    return found[0] if found else None
+
+
+def optimizer_arguments(module: nn.Module) -> dict:
+    """dry_run's `optimizer` and `manual` for a LightningModule, as the fit's Ledger passes them: under manual
+    optimization (`automatic_optimization = False`) every optimizer configure_optimizers returns, which its
+    training_step steps itself; else its one optimizer."""
+    manual = getattr(module, "automatic_optimization", True) is False
+    return {"optimizer": configured_optimizers(module) if manual else configured_optimizer(module), "manual": manual}
+
+
+def configured_optimizers(module: nn.Module) -> list[torch.optim.Optimizer]:
+    """Every torch optimizer a LightningModule's configure_optimizers returns, in any form Lightning accepts."""
     configure = getattr(module, "configure_optimizers", None)
     try:
         configured = configure() if callable(configure) else None
@@ -313,12 +336,7 @@ def configured_optimizer(module: nn.Module) -> torch.optim.Optimizer | None:
                     collect(part)
 
     collect(configured)
-    if len(found) > 1:
-        raise SeveralOptimizers(
-            f"{type(module).__name__}.configure_optimizers returns {len(found)} optimizers; the prediction models "
-            "one optimizer step (measure such a module with `lmledger fit`)"
-        )
-    return found[0] if found else None
+    return found
 
 
 def _nothing_to_optimize(module: nn.Module) -> str:
@@ -364,16 +382,19 @@ def _predict_module(
     precision: str | int = "32-true",
     device: torch.device | str | None = None,
 ) -> StepLedger | NotTraced:
-    """The dry-run ledger of one training step of `module` on `batch`'s shapes, with its own optimizer."""
-    return dry_run(
-        module, batch, step=module_step, optimizer=configured_optimizer(module), precision=precision, device=device
-    )
+    """The dry-run ledger of one training step of `module` on `batch`'s shapes, with its own optimizer(s)."""
+    return dry_run(module, batch, step=module_step, precision=precision, device=device, **optimizer_arguments(module))
 
 
 def measure_module(module: nn.Module, batch: object, *, precision: str | int = "32-true") -> StepLedger:
     """The dry run's measured twin: the same two steps on a copy of the module and the real batch."""
     if precision_table.transformer_engine(precision):  # its layer swap is Lightning's plugin's, at fit
         raise UserError(f"--measure supports precisions {', '.join(_MEASURABLE)}, not {precision}")
+    if getattr(module, "automatic_optimization", True) is False:
+        raise UserError(
+            f"--measure runs Lightning's automatic step, and {type(module).__name__} steps its optimizers itself "
+            "(automatic_optimization = False): `lmledger fit` measures it beside this prediction"
+        )
     real = copy.deepcopy(module)
     return measure_step(real, batch, step=module_step, optimizer=configured_optimizer(real), precision=precision)
 
@@ -397,10 +418,10 @@ def max_batch_module(
         batch_for,
         capacity_bytes,
         step=module_step,
-        optimizer=configured_optimizer(module),
         precision=precision,
         device=device,
         limit=limit,
+        **optimizer_arguments(module),
     )
 
 

@@ -179,6 +179,7 @@ def largest_batch(
     limit: int = 1 << 16,
     accumulate: int = 1,
     share: tuple[object, ...] = (),
+    manual: bool = False,
 ) -> LargestBatch | NotTraced:
     """The largest batch size b <= limit whose predicted peak is at most capacity_bytes.
 
@@ -188,7 +189,7 @@ def largest_batch(
 
     def run(batch: object) -> StepLedger | NotTraced:
         return dry_run(model, batch, step=step, optimizer=optimizer, precision=precision, device=device,
-                       accumulate=accumulate, share=share)  # fmt: skip
+                       accumulate=accumulate, share=share, manual=manual)  # fmt: skip
 
     return search_batch(run, batch_for, capacity_bytes, limit)
 

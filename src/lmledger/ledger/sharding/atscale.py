@@ -143,6 +143,7 @@ def at_scale(
     fsdp: FSDPSettings = DEFAULT_FSDP,
     labels: tuple[str, str] = ("as configured", "every block checkpointed"),
     links: Links | None = None,
+    manual: bool = False,
 ) -> AtScale:
     """One rank's ledger at `batch_size` per rank and, given a capacity, its largest micro-batch.
 
@@ -154,7 +155,7 @@ def at_scale(
     cases = {}
     for label, ac in zip(labels, (None, True), strict=True):
         kwargs = dict(step=step, optimizer=optimizer, precision=precision, strategy=name, world_size=world_size,
-                      ddp=ddp, fsdp=fsdp, activation_checkpointing=ac)  # fmt: skip
+                      ddp=ddp, fsdp=fsdp, activation_checkpointing=ac, manual=manual)  # fmt: skip
         try:
             ledger = predict_sharded(module, batch_for(batch_size), **kwargs)
         except UserError as err:  # e.g. a precision the dry run does not cover: the run is measured only
