@@ -238,3 +238,12 @@ def test_a_module_stepping_two_optimizers_by_hand_is_planned_as_its_fit_runs_it(
     capsys.readouterr()
     assert lmledger(["account", *config, "--measure"]) == 2
     assert "steps its optimizers itself" in capsys.readouterr().err
+    # Lightning's accumulation and clipping, which it refuses for such a module as the fit starts: every command
+    # refuses them in the same words (account had planned two micro-batches a step that no fit would run)
+    for flag, value in (("--trainer.accumulate_grad_batches", "2"), ("--trainer.gradient_clip_val", "1.0")):
+        said = []
+        for words in (["fit"], ["account"], ["plan", "max-batch", "--gpu", "h100-sxm"]):
+            assert lmledger([*words, *config, flag, value]) == 2
+            said.append(capsys.readouterr().err.strip().split(": error: ", 1)[1])
+        assert said[0] == said[1] == said[2] and said[0].startswith(f"{flag} {value}: TwoOptimizerLM steps its")
+    assert not Path("runs").exists()  # the fit refused before claiming a run directory

@@ -45,6 +45,7 @@ __all__ = [
     "parse_error_line",
     "read_config",
     "refuse_empty_train_loader",
+    "refuse_automatic_features_by_hand",
     "refuse_several_optimizers",
 ]
 
@@ -284,6 +285,29 @@ def refuse_several_optimizers(model: pl.LightningModule, trainer: Trainer) -> No
         return  # Lightning reports its own way when it calls the method
     finally:
         model.trainer = None
+
+
+def refuse_automatic_features_by_hand(model: pl.LightningModule, trainer) -> None:
+    """Refuse Lightning's accumulation and clipping for a module that steps its optimizers itself: Lightning refuses
+    both under manual optimization as the fit starts, and a planner that took them would plan a step no fit runs.
+    `trainer` is a built Trainer or the config's trainer section."""
+    if getattr(model, "automatic_optimization", True) is not False:
+        return
+    get = trainer.get if hasattr(trainer, "get") else lambda key: getattr(trainer, key, None)
+    name = type(model).__name__
+    accumulate, clip = get("accumulate_grad_batches"), get("gradient_clip_val")
+    if accumulate not in (None, 1):
+        raise UserError(
+            f"--trainer.accumulate_grad_batches {accumulate}: {name} steps its optimizers itself "
+            "(automatic_optimization = False), and Lightning accumulates only for automatic optimization: "
+            "accumulate in its training_step"
+        )
+    if clip not in (None, 0, 0.0):
+        raise UserError(
+            f"--trainer.gradient_clip_val {clip}: {name} steps its optimizers itself (automatic_optimization = "
+            "False), and Lightning clips only for automatic optimization: call self.clip_gradients in its "
+            "training_step"
+        )
 
 
 def refuse_empty_train_loader(datamodule) -> None:

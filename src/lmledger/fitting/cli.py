@@ -54,6 +54,7 @@ from lmledger.fitting.checks import (
     check_trains_something,
     named_classes,
     parse_error_line,
+    refuse_automatic_features_by_hand,
     refuse_empty_train_loader,
     refuse_several_optimizers,
 )
@@ -286,6 +287,7 @@ class FitCLI(LightningCLI):
         self._check_checkpoint()
         if self.any_model:
             refuse_several_optimizers(self.model, self.trainer)
+            refuse_automatic_features_by_hand(self.model, self.trainer)
         if self.datamodule is not None:
             refuse_empty_train_loader(self.datamodule)
         self._claim_run_dir_or_say_why()
@@ -471,6 +473,7 @@ def build_model_and_data(argv: list[str]):
     """
     with _without_seed_line():
         cli = _run_cli(_BuildCLI, argv, run=False)
+    refuse_automatic_features_by_hand(cli.model, cli.config.trainer)  # as fit refuses them
     return cli.model, cli.datamodule, cli.config
 
 
