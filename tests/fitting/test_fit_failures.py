@@ -339,8 +339,8 @@ def test_data_too_short_for_the_context(workdir, small_data, capsys):
     ("args", "expected"),
     [
         (["--model.config.d_modell", "3"], "unrecognized arguments: --model.config.d_modell"),
-        (["--model.lr", "fast"], 'Parser key "model.lr"'),
-        (["--trainer.max_steps", "1.5"], 'Parser key "trainer.max_steps"'),
+        (["--model.lr", "fast"], "--model.lr fast: expected a float"),
+        (["--trainer.max_steps", "1.5"], "--trainer.max_steps 1.5: expected an int"),
         (["--model.lr"], "expected one argument"),
         (["--config", "configs/nope.yaml"], "nope.yaml"),
         (["--model.config.d_model", "30", "--model.config.n_heads", "4"], "d_model (30) must be divisible by n_heads"),
