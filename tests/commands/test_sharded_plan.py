@@ -29,6 +29,9 @@ def test_account_at_two_ddp_ranks_counts_the_buckets(workdir, capsys):
     assert ddp["memory"]["peak"]["predicted"] == off["peak"]
     assert abs(off["peak"] - (single["memory"]["peak"]["predicted"] + off["grads"])) <= 0.02 * off["peak"]
     assert on["peak"] < off["peak"] and on["activations"] < off["activations"]
+    # no step time for 2 ranks on this CPU, and the line says where it is predicted (it said nothing)
+    assert ddp["time"]["predicted"]["none"].startswith("2 ranks on CPUs are predicted in their fit")
+    assert ddp["time"]["predicted"]["line"].startswith("no step-time prediction: ")
 
 
 def test_plan_max_batch_per_rank_under_fsdp2(workdir, capsys):

@@ -115,6 +115,7 @@ def any_model_at_scale(argv: list[str], capacity_bytes: int | None = None, gpu: 
     Cases: as configured, and every block checkpointed (ledger.sharding.sharded). The module is built on the
     meta device, so an 8B model costs no memory. The batch is shaped like its data's first batch."""
     from lmledger.accounting.gpustep import module_precision, stand_in_note, target_gpu
+    from lmledger.accounting.steptime import ranks_on_cpus
     from lmledger.callbacks.dryrun import samples_per_batch, tokens_per_batch
     from lmledger.fitting.cli import build_model_and_data, first_batch
     from lmledger.ledger import predict as ledger_predict
@@ -139,6 +140,8 @@ def any_model_at_scale(argv: list[str], capacity_bytes: int | None = None, gpu: 
     if target_gpu(config.trainer.get("accelerator"), gpu, precision)[0] is not None:
         timed = _timing_case(module, batch, samples, strategy, world_size, traced, scale.configured)
     time = _rank_gpu_time(timed, config, gpu, precision, tokens, samples, argv)
+    if time is None and world_size > 1:  # on CPUs: the fit predicts it
+        time = {"predicted": ranks_on_cpus(world_size)}
     if time is not None and traced != precision and "none" not in time["predicted"]:
         time["predicted"]["notes"].append(stand_in_note(precision, weights))
     return {

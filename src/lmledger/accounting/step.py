@@ -17,7 +17,13 @@ import warnings
 import torch
 
 from lmledger.accounting.scale import add_per_rank, traced_at_scale
-from lmledger.accounting.steptime import no_step_time, predicted_step_time, toy_predicted_time, trainer_time_settings
+from lmledger.accounting.steptime import (
+    no_step_time,
+    predicted_step_time,
+    ranks_on_cpus,
+    toy_predicted_time,
+    trainer_time_settings,
+)
 from lmledger.ledger.closedform import flops as ledger_flops
 from lmledger.ledger.dryrun.engine import NotTraced
 from lmledger.ledger.hardware.gpus import PeakFlops
@@ -228,6 +234,8 @@ def account(spec: Run, do_measure: bool, argv: list[str] = (), step_time: bool =
         step["notes"] = [*step.get("notes", ()), *([why] if why != "--gpu" else [])]
     elif step_time and spec.world_size == 1 and spec.config:
         step = toy_predicted_time(spec, list(argv), here)
+    elif step_time and spec.config:
+        step = ranks_on_cpus(spec.world_size)
     one_step_ops = here.ops if here is not None and not isinstance(here, NotTraced) and accumulate == 1 else None
     measured = _measure(spec, device, accumulate, step, one_step_ops) if do_measure else None
     result = {

@@ -17,7 +17,7 @@ from lmledger.ledger.run import Run
 from lmledger.ledger.units import format_bytes
 from lmledger.model import count_parameters
 
-__all__ = ["no_step_time", "predicted_step_time", "toy_predicted_time", "trainer_time_settings"]
+__all__ = ["no_step_time", "predicted_step_time", "ranks_on_cpus", "toy_predicted_time", "trainer_time_settings"]
 
 
 def trainer_time_settings(argv: list[str]) -> dict:
@@ -72,6 +72,13 @@ def predicted_step_time(
 def no_step_time(why: str) -> dict:
     """The step-time prediction's JSON shape where there is none: why, and the line printed in its place."""
     return {"none": why, "line": f"no step-time prediction: {why}"}
+
+
+def ranks_on_cpus(world_size: int) -> dict:
+    """no_step_time for a CPU run of several ranks: its step is predicted in the fit, whose ranks replay their ops
+    at once, as their steps run (callbacks/steptime.py), not by a planner in one process."""
+    return no_step_time(f"{world_size} ranks on CPUs are predicted in their fit, where they replay the step's ops "
+                        "together; --gpu NAME plans them on a GPU")  # fmt: skip
 
 
 def toy_predicted_time(spec: Run, argv: list[str], dry: object = None) -> dict:
