@@ -349,11 +349,11 @@ def account_any_model(argv: list[str], do_measure: bool, step_time: bool = False
         elif step_time and has_ops and target is None:  # the step time predicted here
             # a manual step's optimizer ops are replayed as recorded (the fit's Ledger does the same); else the
             # module's optimizer is timed whole
-            optimizer = ledger_predict.optimizer_arguments(copy.deepcopy(module))
+            manual = ledger_predict.steps_by_hand(module)
+            optimizer = None if manual else ledger_predict.configured_optimizer(copy.deepcopy(module))
             step = predicted_step_time(
-                predicted.dry.ops, None if optimizer["manual"] else optimizer["optimizer"], argv, precision, device,
-                tokens, samples, data.train_dataloader(),
-            )  # fmt: skip
+                predicted.dry.ops, optimizer, argv, precision, device, tokens, samples, data.train_dataloader()
+            )
         elif step_time:
             step = no_step_time(predicted.unmodelled)
         if do_measure and has_ops:

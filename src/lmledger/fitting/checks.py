@@ -28,7 +28,7 @@ from lightning.pytorch.accelerators import MPSAccelerator
 from lmledger.callbacks.settings import LedgerSettings
 from lmledger.errors import ConfigError, UserError
 from lmledger.fitting.trainerscale import TrainerScale, resolve_strategy
-from lmledger.ledger.predict import configured_optimizer
+from lmledger.ledger.predict import configured_optimizer, steps_by_hand
 
 __all__ = [
     "SUBCOMMANDS",
@@ -291,7 +291,7 @@ def refuse_automatic_features_by_hand(model: pl.LightningModule, trainer) -> Non
     """Refuse Lightning's accumulation and clipping for a module that steps its optimizers itself: Lightning refuses
     both under manual optimization as the fit starts, and a planner that took them would plan a step no fit runs.
     `trainer` is a built Trainer or the config's trainer section."""
-    if getattr(model, "automatic_optimization", True) is not False:
+    if not steps_by_hand(model):
         return
     get = trainer.get if hasattr(trainer, "get") else lambda key: getattr(trainer, key, None)
     name = type(model).__name__

@@ -59,6 +59,7 @@ __all__ = [
     "parameter_count",
     "predict",
     "resized",
+    "steps_by_hand",
     "toy_dry_run",
     "toy_max_batch",
     "toy_optimizer",
@@ -304,11 +305,16 @@ def configured_optimizer(module: nn.Module) -> torch.optim.Optimizer | None:
     return found[0] if found else None
 
 
+def steps_by_hand(module: nn.Module) -> bool:
+    """Whether a LightningModule steps its optimizers itself: Lightning's manual optimization."""
+    return getattr(module, "automatic_optimization", True) is False
+
+
 def optimizer_arguments(module: nn.Module) -> dict:
     """dry_run's `optimizer` and `manual` for a LightningModule, as the fit's Ledger passes them: under manual
     optimization (`automatic_optimization = False`) every optimizer configure_optimizers returns, which its
     training_step steps itself; else its one optimizer."""
-    manual = getattr(module, "automatic_optimization", True) is False
+    manual = steps_by_hand(module)
     return {"optimizer": configured_optimizers(module) if manual else configured_optimizer(module), "manual": manual}
 
 
@@ -390,7 +396,7 @@ def measure_module(module: nn.Module, batch: object, *, precision: str | int = "
     """The dry run's measured twin: the same two steps on a copy of the module and the real batch."""
     if precision_table.transformer_engine(precision):  # its layer swap is Lightning's plugin's, at fit
         raise UserError(f"--measure supports precisions {', '.join(_MEASURABLE)}, not {precision}")
-    if getattr(module, "automatic_optimization", True) is False:
+    if steps_by_hand(module):
         raise UserError(
             f"--measure runs Lightning's automatic step, and {type(module).__name__} steps its optimizers itself "
             "(automatic_optimization = False): `lmledger fit` measures it beside this prediction"

@@ -12,7 +12,8 @@
     optimizer step    the run's optimizer class and hyperparameters stepping real tensors of its
                       parameters' shapes (foreach/fused kernels and Python as they really run), with
                       the run's gradient clipping before it, each timed step after the cache is flushed
-                      (the passes before it in a step evict its tensors); cached per optimizer
+                      where the passes before it in a step touch more than the cache (they evict its
+                      tensors), else with them kept; cached per optimizer
     data wait         the user's own dataset: the first batches' items fetched and collated, timed;
                       with loader workers the prefetch overlaps the step (predict.py)
     collectives       all-reduce on real gloo ranks on this machine (processes of their own, never the
@@ -268,12 +269,13 @@ def _time_optimizer(optimizer, shapes, device, clip, max_bytes, flushed=True) ->
         # its parameters, gradients and state come from memory: each timed step follows the same, a buffer twice
         # the cache's size written first (untimed). A small model's stay cached (Adam on 2.4k parameters, this
         # AMD VM, 2026-12-07: 0.12 ms a step kept, 0.28-0.30 ms flushed).
-        evict = torch.empty(2 * cache_bytes(device) if flushed else 0, dtype=torch.uint8, device=device)
+        evict = torch.empty(2 * cache_bytes(device), dtype=torch.uint8, device=device) if flushed else None
         try:
             step()  # the first step makes the state
             samples = []
             while len(samples) < 5 or (sum(samples) < 0.1 and len(samples) < 31):
-                evict.fill_(len(samples) % 251)
+                if evict is not None:
+                    evict.fill_(len(samples) % 251)
                 samples.append(time_call(step, device, budget_s=0.0, max_repeats=1, min_repeats=1, warm=False)[0])
             seconds, repeats = statistics.median(samples), len(samples)
         except Exception:  # noqa: BLE001

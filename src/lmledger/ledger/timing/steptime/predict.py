@@ -46,6 +46,7 @@ from lmledger.ledger.timing.steptime.replay import (
     cold_inputs,
     live_bytes,
     settle_allocator,
+    storage_sizes,
     why_not_replayed,
 )
 
@@ -390,12 +391,7 @@ def _host(
 def _touched_between_steps(ops: OpSummary) -> int:
     """Bytes of the distinct storages the step's forward and backward read or write: what passes through the caches
     between two optimizer steps (an upper bound: a storage freed and its memory handed to the next counts twice)."""
-    sizes: dict[int, int] = {}
-    for op in ops.ops:
-        if op.category != OPTIMIZER:
-            for key, n in (*op.storages, *op.output_storages):
-                sizes[key] = max(sizes.get(key, 0), n)
-    return sum(sizes.values())
+    return sum(storage_sizes([op for op in ops.ops if op.category != OPTIMIZER]).values())
 
 
 def _model_python(outside: Outside, cache: StepTimeCache) -> tuple[float, str]:

@@ -411,13 +411,19 @@ def _leaf_and_last_use(ops: list[OpRecord]) -> tuple[set[int], dict[int, int]]:
     return leaves, last
 
 
-def live_bytes(ops: list[OpRecord]) -> int:
-    """The most bytes a sequence replay holds at once: leaf storages plus produced ones until last use."""
-    leaves, last = _leaf_and_last_use(ops)
+def storage_sizes(ops: list[OpRecord]) -> dict[int, int]:
+    """Each storage the ops read or write, by its id in the records, at the most bytes any of them saw of it."""
     sizes: dict[int, int] = {}
     for op in ops:
         for key, n in (*op.storages, *op.output_storages):
             sizes[key] = max(sizes.get(key, 0), n)
+    return sizes
+
+
+def live_bytes(ops: list[OpRecord]) -> int:
+    """The most bytes a sequence replay holds at once: leaf storages plus produced ones until last use."""
+    leaves, last = _leaf_and_last_use(ops)
+    sizes = storage_sizes(ops)
     held, live = sum(sizes[k] for k in leaves), {}
     peak = held
     for i, op in enumerate(ops):
