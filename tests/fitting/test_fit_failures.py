@@ -468,6 +468,35 @@ def test_a_fresh_fit_pinned_into_a_finished_run_is_refused(trained, workdir, cap
     assert (workdir / "runs/tiny/version_7/checkpoints/last.ckpt").is_file()
 
 
+def test_a_fit_without_a_logger_keeps_to_its_own_root(workdir, capsys):
+    """`--trainer.logger false` writes config.yaml, checkpoints/ and ranks/ straight into --trainer.default_root_dir.
+    A second fit there ended in Lightning's SaveConfigCallback traceback, and so did its resume; `--ckpt_path last`
+    was left to Lightning, which restored step 2's finished epoch and trained nothing more, exit 0."""
+    root = workdir / "bare"
+    bare = ("--trainer.logger", "false", "--trainer.default_root_dir", str(root))
+    assert fit(*bare, "--trainer.max_steps", "2") == 0
+    first = {p.name for p in root.iterdir()}
+    assert first == {"checkpoints", "config.yaml", "ranks"}
+    files = {p: p.read_bytes() for p in root.rglob("*") if p.is_file()}
+    elsewhere = workdir / "elsewhere.ckpt"
+    shutil.copy(root / "checkpoints/last.ckpt", elsewhere)
+    for resumed in ((), ("--ckpt_path", str(elsewhere))):  # a fresh fit, and one resuming another run's checkpoint
+        assert fit(*bare, "--trainer.max_steps", "3", *resumed) == 2
+        line = one_error_line(capsys)
+        assert line.startswith(f"lmledger fit: error: --trainer.logger false: this fit writes straight into {root} "
+                               "(--trainer.default_root_dir, no version directory), which already holds a run "
+                               "(checkpoints, config.yaml, ranks), and a fit "), line  # fmt: skip
+        assert line.endswith("never writes into one; pass a new --trainer.default_root_dir, or keep a logger (each "
+                             "run then gets a version directory of its own)"), line  # fmt: skip
+        assert {p: p.read_bytes() for p in root.rglob("*") if p.is_file()} == files
+    # the run kept there resumes in place: its config beside the first, its checkpoint a step further
+    assert fit(*bare, "--trainer.max_steps", "3", "--ckpt_path", "last") == 0
+    assert f"lmledger fit: resuming {root} at step 2 from last.ckpt" in capsys.readouterr().out
+    assert (root / "config.yaml").read_bytes() == files[root / "config.yaml"]
+    assert (root / "config-resumed.yaml").is_file()
+    assert torch.load(root / "checkpoints/last.ckpt", weights_only=False)["global_step"] == 3
+
+
 def test_bad_checkpoints_are_one_line(trained, workdir, capsys):
     truncated = workdir / "truncated.ckpt"
     truncated.write_bytes(trained.read_bytes()[: trained.stat().st_size // 2])

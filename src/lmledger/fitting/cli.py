@@ -74,6 +74,7 @@ from lmledger.fitting.resume import (
     ckpt_path_form,
     free_name,
     merge_sharded_hyperparameters,
+    refuse_a_bare_run_over,
     refuse_a_run_pinned_over,
     refuse_checkpoint_code,
     resolve_last,
@@ -198,6 +199,8 @@ class FitCLI(LightningCLI):
         if not config.get("ckpt_path"):
             refuse_a_run_pinned_over(config)
         resume = resume_run(config, self.subcommand, self.any_model)
+        if rank_zero_only.rank == 0:  # rank 0 writes the run's files; the others find them already there
+            refuse_a_bare_run_over(config)
         if resume is not None:
             self._resume, self._fresh = resume.line, resume.fresh  # before_fit names a fresh version directory
             if resume.config_filename is not None:

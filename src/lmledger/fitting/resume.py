@@ -37,6 +37,7 @@ __all__ = [
     "ckpt_path_form",
     "free_name",
     "merge_sharded_hyperparameters",
+    "refuse_a_bare_run_over",
     "refuse_a_run_pinned_over",
     "refuse_checkpoint_code",
     "resolve_last",
@@ -219,6 +220,36 @@ def refuse_a_run_pinned_over(config) -> None:
         )
 
 
+def _bare_root(config) -> Path | None:
+    """Where a fit with no logger (--trainer.logger false) keeps its run: Lightning writes its config and checkpoints,
+    and the Ledger its per-rank records, straight into --trainer.default_root_dir (the working directory by
+    default), with no version directory to keep one run's files from the next. None with a logger."""
+    logger = config.trainer.get("logger")
+    if logger is not False and logger != []:
+        return None
+    return Path(config.trainer.get("default_root_dir") or os.getcwd())
+
+
+def refuse_a_bare_run_over(config) -> None:
+    """Refuse a fit with no logger that would write over another run's files in its root (_bare_root): a fresh one,
+    or one resuming a checkpoint kept elsewhere. Lightning's own check stops at its config.yaml, with a traceback,
+    and only after the model is built."""
+    from lmledger.callbacks.ranks import RANKS_DIR
+
+    root = _bare_root(config)
+    held = [name for name in ("checkpoints", "config.yaml", RANKS_DIR) if root and (root / name).exists()]
+    ckpt = config.get("ckpt_path")
+    if not held or (ckpt and (root / "checkpoints").resolve() in Path(ckpt).resolve().parents):
+        return
+    raise UserError(
+        f"--trainer.logger false: this fit writes straight into {root} (--trainer.default_root_dir, no version "
+        f"directory), which already holds a run ({', '.join(held)}), and a fit "
+        + (f"resuming {ckpt}, not a checkpoint of that run, " if ckpt else "without --ckpt_path ")
+        + "never writes into one; pass a new --trainer.default_root_dir, or keep a logger (each run then gets a "
+        "version directory of its own)"
+    )
+
+
 def resume_run(config, subcommand: str, any_model: bool) -> Resume | None:
     """Resolve a fit's --ckpt_path (`auto`, `last` or a file). Check it may resume this run.
 
@@ -239,8 +270,14 @@ def resume_run(config, subcommand: str, any_model: bool) -> Resume | None:
         ckpt = "last"  # checked as --ckpt_path last checks the checkpoint it finds
     if ckpt == "last":
         found = (path, version) if config.ckpt_path == "auto" else resolve_last(config, subcommand)
-        if found is None:
-            return None  # not our TensorBoard layout: let Lightning resolve "last" itself
+        bare = _bare_root(config) if found is None else None
+        if found is None and bare is None:
+            return None  # another logger's layout: let Lightning resolve "last" itself
+        if found is None:  # no logger: this root's checkpoints, which Lightning's "last" means there
+            found = _newest_of_run(bare / "checkpoints", "last"), None
+            if found[0] is None:
+                raise UserError(f"--ckpt_path last: no checkpoint in {bare / 'checkpoints'} to resume; start a fresh "
+                                "run without --ckpt_path")  # fmt: skip
         path, version = found
         run_dir = path.parent.parent
         checkpoint = open_checkpoint(path, mmap=True)
@@ -258,6 +295,11 @@ def resume_run(config, subcommand: str, any_model: bool) -> Resume | None:
     _check_not_finished(config.trainer, checkpoint, run_dir or path, step)
     _check_same_data(config, checkpoint, path)
     config.ckpt_path = str(path)
+    bare = _bare_root(config)
+    if bare is not None and (bare / "checkpoints").resolve() in path.resolve().parents:
+        # no logger, and the run kept in its root: its config is saved beside the first one, never over it
+        return Resume(f"resuming {bare} at step {step} from {path.name}",
+                      config_filename=free_name(bare, "config-resumed"))  # fmt: skip
     if version is None:
         return Resume(f"resuming from {path} at step {step}, in a new run directory")
     # Log into the run's own version. Its config is saved beside the first one, never over it.
