@@ -241,8 +241,9 @@ def refuse_a_bare_run_over(config) -> None:
     ckpt = config.get("ckpt_path")
     if not held or (ckpt and (root / "checkpoints").resolve() in Path(ckpt).resolve().parents):
         return
+    named = "false" if config.trainer.get("logger") is False else "[]"
     raise UserError(
-        f"--trainer.logger false: this fit writes straight into {root} (--trainer.default_root_dir, no version "
+        f"--trainer.logger {named}: this fit writes straight into {root} (--trainer.default_root_dir, no version "
         f"directory), which already holds a run ({', '.join(held)}), and a fit "
         + (f"resuming {ckpt}, not a checkpoint of that run, " if ckpt else "without --ckpt_path ")
         + "never writes into one; pass a new --trainer.default_root_dir, or keep a logger (each run then gets a "
