@@ -495,6 +495,13 @@ def test_a_fit_without_a_logger_keeps_to_its_own_root(workdir, capsys):
     assert (root / "config.yaml").read_bytes() == files[root / "config.yaml"]
     assert (root / "config-resumed.yaml").is_file()
     assert torch.load(root / "checkpoints/last.ckpt", weights_only=False)["global_step"] == 3
+    # a root that cannot be a directory: FileExistsError and FileNotFoundError tracebacks from Lightning's makedirs
+    (workdir / "afile").write_text("")
+    for where, expected in (("afile", "--trainer.default_root_dir afile is a file, not a directory"),
+                            ("afile/run", "not a directory while writing afile/run; nothing was written; pass a "
+                                          "writable --trainer.default_root_dir")):  # fmt: skip
+        assert fit("--trainer.logger", "false", "--trainer.default_root_dir", where, "--trainer.max_steps", "2") == 2
+        assert expected in one_error_line(capsys)
 
 
 def test_bad_checkpoints_are_one_line(trained, workdir, capsys):

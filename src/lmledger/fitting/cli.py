@@ -263,6 +263,8 @@ class FitCLI(LightningCLI):
         # Rank 0 only: DDP's launcher re-runs the CLI for the other ranks, which log nothing.
         if rank_zero_only.rank != 0:
             return
+        if not self.trainer.loggers:  # --trainer.logger false: the run's files go straight into default_root_dir
+            Path(self.trainer.default_root_dir).mkdir(parents=True, exist_ok=True)
         for logger in self.trainer.loggers:
             if isinstance(logger, (TensorBoardLogger, CSVLogger)):
                 root = Path(logger.root_dir)
@@ -315,9 +317,10 @@ class FitCLI(LightningCLI):
             self._claim_run_dir()
         except OSError as err:  # a read-only or full runs directory: mkdir of the version fails
             where = Path(err.filename) if err.filename else Path(self.trainer.default_root_dir)
-            raise write_error(
-                err, where, after="nothing was written; pass a writable --trainer.logger.init_args.save_dir"
-            ) from None
+            # no logger, or Lightning's default one (--trainer.logger null): the run is under --trainer.default_root_dir
+            named = self.trainer.loggers and self.config[self.subcommand].trainer.get("logger") is not None
+            flag = "--trainer.logger.init_args.save_dir" if named else "--trainer.default_root_dir"
+            raise write_error(err, where, after=f"nothing was written; pass a writable {flag}") from None
 
 
 def _slurm_plugins(kwargs: dict, plugins) -> dict:

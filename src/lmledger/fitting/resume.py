@@ -237,6 +237,9 @@ def refuse_a_bare_run_over(config) -> None:
     from lmledger.callbacks.ranks import RANKS_DIR
 
     root = _bare_root(config)
+    if root is not None and root.exists() and not root.is_dir():
+        raise UserError(f"--trainer.default_root_dir {root} is a file, not a directory: with no logger, the run's "
+                        "config and checkpoints go straight into it; pass a directory")  # fmt: skip
     held = [name for name in ("checkpoints", "config.yaml", RANKS_DIR) if root and (root / name).exists()]
     ckpt = config.get("ckpt_path")
     if not held or (ckpt and (root / "checkpoints").resolve() in Path(ckpt).resolve().parents):
