@@ -114,6 +114,15 @@ def test_a_bad_grid_key_stops_the_sweep_before_any_point_runs(workdir, capsys):
     assert "1 of 2 points have bad arguments" in err and "n_heads=3" in err and "divisible" in err
     assert not (workdir / "sweeps").exists()
 
+    # no logger to set the run directory on: each point failed as it ran, "--trainer.logger auto takes no arguments"
+    for logger in (False, None):
+        path = write_experiment(workdir / "e.yaml", command="fit", configs=["configs/tiny.yaml"],
+                                fixed={"trainer.logger": logger}, grid={"data.batch_size": [2, 4]})  # fmt: skip
+        err = one_error_line(capsys, str(path), "--out", "sweeps/e")
+        assert "2 of 2 points have bad arguments" in err, err
+        assert f"trainer.logger {'false' if logger is False else 'null'}: a sweep logs each fit and validate" in err
+        assert not (workdir / "sweeps").exists()
+
 
 def test_points_are_checked_with_one_parse_per_value_not_per_point(workdir, capsys, monkeypatch):
     """A 10 x 10 x 2 grid costs 1 + 22 parses of the fit parser, not 200 (a parse is ~0.1 s; the

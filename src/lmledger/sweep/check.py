@@ -6,7 +6,15 @@ import logging
 from dataclasses import dataclass, field
 
 from lmledger.errors import UserError
-from lmledger.sweep.spec import CONFIG_COMMANDS, Experiment, config_args, fit_args, format_value, override_flags
+from lmledger.sweep.spec import (
+    CONFIG_COMMANDS,
+    TRAINING_COMMANDS,
+    Experiment,
+    config_args,
+    fit_args,
+    format_value,
+    override_flags,
+)
 
 __all__ = ["CheckedPoints", "bad_points_error", "check_points"]
 
@@ -34,9 +42,11 @@ def check_points(experiment: Experiment) -> CheckedPoints:
     from lmledger.fitting.cli import parse_fit_config
     from lmledger.run_config import run_from_config
 
-    def spec_of(config):
+    def spec_of(config, subcommand: str):
         # A config naming any LightningModule parses but has no closed forms to list (its dry run needs the
         # module built): checked, not predicted. Either has a shape: its nodes and ranks per node.
+        if subcommand in TRAINING_COMMANDS:
+            _refuse_no_logger(config.trainer.get("logger"))
         scale = check_fit_values(config)
         run = _ANY_MODEL if "class_path" in config.model else run_from_config(config, scale)
         return run, (scale.num_nodes, scale.devices)
@@ -80,11 +90,12 @@ def check_points(experiment: Experiment) -> CheckedPoints:
                         values[key] = parsed if isinstance(parsed, Exception) else parsed.get(key[1])
                 failed_alone = next((key for key in keys if isinstance(values[key], Exception)), None)
                 if failed_alone is None:
-                    spec = _combined_spec(base, {key[1]: values[key] for key in keys}, spec_of)
+                    spec = _combined_spec(base, {key[1]: values[key] for key in keys},
+                                          lambda config, p=point: spec_of(config, p.subcommand))  # fmt: skip
             if spec is None:  # the whole command line decides
                 parsed = parse(fit_args(point))
                 try:
-                    spec = parsed if isinstance(parsed, Exception) else spec_of(parsed)
+                    spec = parsed if isinstance(parsed, Exception) else spec_of(parsed, point.subcommand)
                 except (UserError, ValueError, TypeError) as err:
                     spec = UserError(str(err))
                 if isinstance(spec, Exception) and failed_alone is not None:
@@ -101,6 +112,18 @@ def check_points(experiment: Experiment) -> CheckedPoints:
 
 
 _ANY_MODEL = object()  # check_points: a point whose model is a class_path (no Run)
+
+
+def _refuse_no_logger(logger) -> None:
+    """A fit or validate point logs under the sweep's runs/ (its logger's save_dir, set by the sweep), where the sweep
+    reads its metrics: with no logger, or Lightning's default one (no class to set it on), every point would fail."""
+    if logger is False or logger is None or logger == []:
+        shown = {False: "false", None: "null"}.get(logger, "[]")
+        raise UserError(
+            f"trainer.logger {shown}: a sweep logs each fit and validate point under its runs/ directory, with the "
+            "logger's save_dir, and reads the point's metrics there; name a logger class (the configs' "
+            "TensorBoardLogger, as configs/tiny.yaml does) or drop trainer.logger from the experiment"
+        )
 
 
 def _combined_spec(base, values: dict[str, object], build):
