@@ -138,6 +138,8 @@ def _argparse_cases() -> list:
 EXTRA_BAD = {
     (("plan", "max-batch"), "--device-memory-gb"): {"tiny": "1e-12"},
     (("sweep",), "--cpus-per-task"): {"beyond every node": "64"},
+    # a GPU of the table the op model cannot price (no SM count): plan layout dropped every layout and blamed memory
+    (("plan", "layout"), "--gpu"): {"not priced": "gb200"},
     # not sbatch's forms: refused before a --dry-run lists anything, not by sbatch at submission
     (("sweep",), "--time"): {"not sbatch's form": "1h"},
     (("sweep",), "--mem"): {"no unit sbatch knows": "8X"},

@@ -98,6 +98,7 @@ def plan_layouts(argv: list[str], gpu: str | None, num_gpus: int, tokens: float 
         raise UserError(unswapped)
     target, _ = target_gpu(spec.accelerator, gpu, spec.precision, spec.fp8)
     target = target or require_gpu("h100-sxm")
+    _refuse_unpriced(target, gpu_dtype(spec.precision), transformer_engine(spec.precision) or bool(spec.fp8))
     accumulate = trainer_time_settings(argv)["accumulate"]
     global_batch = spec.batch_size * accumulate * max(1, spec.world_size // spec.tensor_parallel)
     dtype = gpu_dtype(spec.precision)
@@ -126,6 +127,22 @@ def plan_layouts(argv: list[str], gpu: str | None, num_gpus: int, tokens: float 
         "not_searched": "interleaving beyond 4 chunks a rank; context parallel below a 16K-token context",
         "notes": [stand_in_note(spec.precision, spec.weights_dtype)] if transformer_engine(spec.precision) else [],
     }  # fmt: skip
+
+
+def _refuse_unpriced(target, dtype: str, fp8: bool) -> None:
+    """plan layout ranks by the GPU op model's time: a GPU it cannot price (no SM count or architecture in the table,
+    no peak in the step's dtype, or in fp8 for fp8 linears) is refused before the search, whose every layout it would
+    drop."""
+    from lmledger.errors import UserError
+    from lmledger.ledger.timing.gpu.kernels import chip_of
+
+    try:
+        chip = chip_of(target)
+        for needed in (dtype, "fp8") if fp8 else (dtype,):
+            chip.peak(needed)
+    except ValueError as err:
+        raise UserError(f"plan layout ranks layouts by their predicted time, and {err}: choose another --gpu "
+                        "(`lmledger gpus` lists them)") from None  # fmt: skip
 
 
 def _gpus_in_nodes(num_gpus: int) -> tuple[int, int]:
@@ -175,8 +192,10 @@ def plan_module_layouts(argv: list[str], gpu: str | None, num_gpus: int, tokens:
             f"the global batch {global_batch} (batch_size {batch} x accumulation {accumulate} x "
             f"{replicas}) does not split over {num_gpus} GPUs: choose a --num-gpus that divides it"
         )
-    target, _ = target_gpu(config.get("trainer.accelerator"), gpu, str(config.get("trainer.precision") or "32-true"))
+    precision = str(config.get("trainer.precision") or "32-true")
+    target, _ = target_gpu(config.get("trainer.accelerator"), gpu, precision)
     target = target or require_gpu("h100-sxm")
+    _refuse_unpriced(target, gpu_dtype(precision), transformer_engine(precision))
     devices, nodes = _gpus_in_nodes(num_gpus)
     at = ["--trainer.accelerator", "gpu", "--trainer.devices", str(devices), "--trainer.num_nodes", str(nodes)]
     rows, seq = [], None
