@@ -115,12 +115,12 @@ def test_a_bad_grid_key_stops_the_sweep_before_any_point_runs(workdir, capsys):
     assert not (workdir / "sweeps").exists()
 
     # no logger to set the run directory on: each point failed as it ran, "--trainer.logger auto takes no arguments"
-    for logger in (False, None):
+    for logger, shown in ((False, "false"), (None, "null"), ([], "[]")):
         path = write_experiment(workdir / "e.yaml", command="fit", configs=["configs/tiny.yaml"],
                                 fixed={"trainer.logger": logger}, grid={"data.batch_size": [2, 4]})  # fmt: skip
         err = one_error_line(capsys, str(path), "--out", "sweeps/e")
         assert "2 of 2 points have bad arguments" in err, err
-        assert f"trainer.logger {'false' if logger is False else 'null'}: a sweep logs each fit and validate" in err
+        assert f"trainer.logger {shown}: a sweep logs each fit and validate" in err
         assert not (workdir / "sweeps").exists()
 
 
