@@ -495,6 +495,10 @@ def test_a_fit_without_a_logger_keeps_to_its_own_root(workdir, capsys):
     assert (root / "config.yaml").read_bytes() == files[root / "config.yaml"]
     assert (root / "config-resumed.yaml").is_file()
     assert torch.load(root / "checkpoints/last.ckpt", weights_only=False)["global_step"] == 3
+    # so does `auto` (a requeued job's): it had refused any run without a logger's version directories
+    assert fit(*bare, "--trainer.max_steps", "4", "--ckpt_path", "auto") == 0
+    assert f"lmledger fit: --ckpt_path auto: resuming {root} at step 3 from last.ckpt" in capsys.readouterr().out
+    assert (root / "config-resumed-2.yaml").is_file()
     # a root that cannot be a directory: FileExistsError and FileNotFoundError tracebacks from Lightning's makedirs
     (workdir / "afile").write_text("")
     for where, expected in (("afile", "--trainer.default_root_dir afile is a file, not a directory"),

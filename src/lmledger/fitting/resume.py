@@ -161,6 +161,10 @@ def _resolve_auto(config) -> tuple[Path | None, int | None, str]:
     None for a new one, the reason).
     """
     found = _run_dir_of(config)
+    bare = _bare_root(config) if found is None else None
+    if bare is not None:  # no logger: the one run its root keeps (refuse_a_bare_run_over), whoever restarts it
+        ckpt = _newest_of_run(bare / "checkpoints", "auto")
+        return ckpt, None, "" if ckpt else f"no checkpoint in {bare / 'checkpoints'} yet: starting fresh"
     if found is None:
         raise UserError(
             "--ckpt_path auto finds checkpoints in the TensorBoardLogger/CSVLogger layout (save_dir/name/version_N); "
@@ -302,7 +306,7 @@ def resume_run(config, subcommand: str, any_model: bool) -> Resume | None:
     bare = _bare_root(config)
     if bare is not None and (bare / "checkpoints").resolve() in path.resolve().parents:
         # no logger, and the run kept in its root: its config is saved beside the first one, never over it
-        return Resume(f"resuming {bare} at step {step} from {path.name}",
+        return Resume(f"{'--ckpt_path auto: ' if auto else ''}resuming {bare} at step {step} from {path.name}",
                       config_filename=free_name(bare, "config-resumed"))  # fmt: skip
     if version is None:
         return Resume(f"resuming from {path} at step {step}, in a new run directory")
