@@ -472,6 +472,17 @@ def test_a_step_partly_cached_is_replayed_whole_and_checks_the_cached_part_whate
     ops, _ = _toy_ops()
     predict_step_time(ops, "cpu")
     doctored = _doctored(cache, 0.3, checked_hours_ago=0)
+    # An MLP shares a few scalar ops with it (the loss's copy, detach, ones_like): too little to judge the machine by.
+    # They read 0.41x their cached times undoctored, and the whole cache was dropped as a machine that had moved.
+    with torch.device("meta"):
+        mlp = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 1))
+    xy = (torch.empty(8, 32, device="meta"), torch.empty(8, 1, device="meta"))
+    mlp_ops = dry_run(mlp, xy, step=lambda m, b: nn.functional.mse_loss(m(b[0]), b[1]), device="cpu",
+                      optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3)).ops  # fmt: skip
+    shared = {k for k in _sequence_keys(mlp_ops.ops) if k} & set(doctored)
+    assert shared and not any("timed again" in n for n in predict_step_time(mlp_ops, "cpu").notes)
+    (entry,) = json.loads(cache.read_text()).values()
+    assert all(entry["ops"][k] == v for k, v in doctored.items())  # kept: the toy LM's times, shared ones too
     two, _ = _toy_ops(accumulate=2)
     result = predict_step_time(two, "cpu")
     assert any("timed again" in n for n in result.notes)
