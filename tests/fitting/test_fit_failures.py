@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import logging
 import math
 import os
 import random
@@ -468,7 +469,7 @@ def test_a_fresh_fit_pinned_into_a_finished_run_is_refused(trained, workdir, cap
     assert (workdir / "runs/tiny/version_7/checkpoints/last.ckpt").is_file()
 
 
-def test_a_fit_without_a_logger_keeps_to_its_own_root(workdir, capsys):
+def test_a_fit_without_a_logger_keeps_to_its_own_root(workdir, capsys, caplog):
     """`--trainer.logger false` writes config.yaml, checkpoints/ and ranks/ straight into --trainer.default_root_dir.
     A second fit there ended in Lightning's SaveConfigCallback traceback, and so did its resume; `--ckpt_path last`
     was left to Lightning, which restored step 2's finished epoch and trained nothing more, exit 0."""
@@ -499,6 +500,12 @@ def test_a_fit_without_a_logger_keeps_to_its_own_root(workdir, capsys):
     assert fit(*bare, "--trainer.max_steps", "4", "--ckpt_path", "auto") == 0
     assert f"lmledger fit: --ckpt_path auto: resuming {root} at step 3 from last.ckpt" in capsys.readouterr().out
     assert (root / "config-resumed-2.yaml").is_file()
+    # validate's `last` is this run's too: Lightning's looked in validate's no checkpoint directory and evaluated
+    # untrained weights, exit 0
+    validate = ["validate", "--config", "configs/tiny.yaml", *MICRO_OVERRIDES, *bare, "--ckpt_path", "last"]
+    with caplog.at_level(logging.INFO):
+        assert lmledger(validate) == 0
+    assert f"Loaded model weights from the checkpoint at {root}/checkpoints/last.ckpt" in caplog.text
     # a root that cannot be a directory: FileExistsError and FileNotFoundError tracebacks from Lightning's makedirs
     (workdir / "afile").write_text("")
     for where, expected in (("afile", "--trainer.default_root_dir afile is a file, not a directory"),
@@ -506,6 +513,25 @@ def test_a_fit_without_a_logger_keeps_to_its_own_root(workdir, capsys):
                                           "writable --trainer.default_root_dir")):  # fmt: skip
         assert fit("--trainer.logger", "false", "--trainer.default_root_dir", where, "--trainer.max_steps", "2") == 2
         assert expected in one_error_line(capsys)
+
+
+def test_lightnings_default_logger_is_resumed_and_validated_as_a_configured_one(workdir, capsys, caplog):
+    """`--trainer.logger null` is Lightning's default TensorBoardLogger in default_root_dir/lightning_logs. Left to
+    Lightning, `--ckpt_path last` looked in the new version, found nothing and started over (fit) or evaluated
+    untrained weights (validate), with a warning and exit 0; `auto` refused it as another logger's layout."""
+    default = ("--trainer.logger", "null", "--trainer.default_root_dir", "bare")
+    assert fit(*default, "--trainer.max_steps", "2") == 0
+    run = Path("bare/lightning_logs/version_0")
+    assert (run / "checkpoints/last.ckpt").is_file()
+    capsys.readouterr()
+    for ckpt, step in (("last", 3), ("auto", 4)):
+        assert fit(*default, "--trainer.max_steps", str(step), "--ckpt_path", ckpt) == 0
+        assert f"resuming {run} at step {step - 1} from last.ckpt" in capsys.readouterr().out
+    assert not (workdir / "bare/lightning_logs/version_1").exists()
+    validate = ["validate", "--config", "configs/tiny.yaml", *MICRO_OVERRIDES, *default, "--ckpt_path", "last"]
+    with caplog.at_level(logging.INFO):
+        assert lmledger(validate) == 0
+    assert f"Loaded model weights from the checkpoint at {run}/checkpoints/last.ckpt" in caplog.text
 
 
 def test_bad_checkpoints_are_one_line(trained, workdir, capsys):

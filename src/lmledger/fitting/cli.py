@@ -74,6 +74,7 @@ from lmledger.fitting.resume import (
     ckpt_path_form,
     free_name,
     merge_sharded_hyperparameters,
+    name_the_default_logger,
     refuse_a_bare_run_over,
     refuse_a_run_pinned_over,
     refuse_checkpoint_code,
@@ -188,6 +189,7 @@ class FitCLI(LightningCLI):
         if self.subcommand == "fit":
             check_trains_something(config.trainer)
         self._resume, self._fresh = None, False
+        name_the_default_logger(config)
         if self.subcommand == "validate":
             # Evaluating writes no config. It writes no run directory either, unless the command line
             # names one to log in (as `lmledger sweep` does for each point). The metrics are printed.

@@ -37,6 +37,7 @@ __all__ = [
     "ckpt_path_form",
     "free_name",
     "merge_sharded_hyperparameters",
+    "name_the_default_logger",
     "refuse_a_bare_run_over",
     "refuse_a_run_pinned_over",
     "refuse_checkpoint_code",
@@ -127,18 +128,45 @@ def _newest_of_run(checkpoints: Path, ckpt: str) -> Path | None:
     return newest_checkpoint(checkpoints)
 
 
+def name_the_default_logger(config) -> None:
+    """No logger given (--trainer.logger null) is Lightning's default one: a TensorBoardLogger writing
+    default_root_dir/lightning_logs/version_N. Named as such, it is claimed, resumed and checked as a configured one is:
+    left to Lightning, `--ckpt_path last` looked in the new version, found nothing and started over (with a warning,
+    exit 0), and `auto` refused it as another logger's layout. (Lightning names a SLURM job's version by the job's id;
+    here the claim's slurm_job file finds it, as for every configured logger.)"""
+    if config.trainer.get("logger") is None:
+        config.trainer.logger = _default_logger(config)
+
+
+def _default_logger(config) -> Namespace:
+    root = config.trainer.get("default_root_dir") or os.getcwd()
+    return Namespace(class_path="lightning.pytorch.loggers.TensorBoardLogger",
+                     init_args=Namespace(save_dir=str(root), name="lightning_logs"))  # fmt: skip
+
+
 def _run_dir_of(config) -> tuple[Path, object] | None:
-    """(save_dir/name, the logger's init_args) in our TensorBoard/CSV layout; None for another logger."""
+    """(save_dir/name, the logger's init_args) in our TensorBoard/CSV layout (Lightning's default logger's too, before
+    name_the_default_logger names it); None for another logger, or none."""
     logger = config.trainer.get("logger")
+    logger = _default_logger(config) if logger is None else logger
     init = logger.init_args if logger is not None and hasattr(logger, "init_args") else None
     if init is None or "save_dir" not in init:
         return None
     return Path(init.save_dir, init.get("name") or "lightning_logs"), init
 
 
-def resolve_last(config, subcommand: str) -> tuple[Path, int] | None:
-    """--ckpt_path last: the newest checkpoint of this run's newest version (None: not our layout)."""
-    found = _run_dir_of(config)
+def resolve_last(config, subcommand: str) -> tuple[Path, int | None] | None:
+    """--ckpt_path last: the newest checkpoint of this run's newest version, or with no logger of its root's
+    checkpoints/ (_bare_root), where Lightning's own `last` looks in no directory validate keeps (None: another
+    logger's layout)."""
+    found, bare = _run_dir_of(config), _bare_root(config)
+    if found is None and bare is not None:
+        path = _newest_of_run(bare / "checkpoints", "last")
+        if path is None:
+            raise UserError(f"--ckpt_path last: no checkpoint in {bare / 'checkpoints'} to resume; "
+                            + ("start a fresh run without --ckpt_path" if subcommand == "fit" else
+                               "train one with `lmledger fit`"))  # fmt: skip
+        return path, None
     if found is None:
         return None
     root, init = found
@@ -278,14 +306,8 @@ def resume_run(config, subcommand: str, any_model: bool) -> Resume | None:
         ckpt = "last"  # checked as --ckpt_path last checks the checkpoint it finds
     if ckpt == "last":
         found = (path, version) if config.ckpt_path == "auto" else resolve_last(config, subcommand)
-        bare = _bare_root(config) if found is None else None
-        if found is None and bare is None:
+        if found is None:
             return None  # another logger's layout: let Lightning resolve "last" itself
-        if found is None:  # no logger: this root's checkpoints, which Lightning's "last" means there
-            found = _newest_of_run(bare / "checkpoints", "last"), None
-            if found[0] is None:
-                raise UserError(f"--ckpt_path last: no checkpoint in {bare / 'checkpoints'} to resume; start a fresh "
-                                "run without --ckpt_path")  # fmt: skip
         path, version = found
         run_dir = path.parent.parent
         checkpoint = open_checkpoint(path, mmap=True)
