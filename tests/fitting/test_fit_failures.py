@@ -532,6 +532,10 @@ def test_lightnings_default_logger_is_resumed_and_validated_as_a_configured_one(
     with caplog.at_level(logging.INFO):
         assert lmledger(validate) == 0
     assert f"Loaded model weights from the checkpoint at {run}/checkpoints/last.ckpt" in caplog.text
+    # `true` asks for the same logger by name
+    named = ("--trainer.logger", "true", "--trainer.default_root_dir", "bare")
+    assert fit(*named, "--trainer.max_steps", "5", "--ckpt_path", "last") == 0
+    assert f"resuming {run} at step 4 from last.ckpt" in capsys.readouterr().out
 
 
 def test_bad_checkpoints_are_one_line(trained, workdir, capsys):

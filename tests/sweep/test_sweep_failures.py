@@ -115,7 +115,7 @@ def test_a_bad_grid_key_stops_the_sweep_before_any_point_runs(workdir, capsys):
     assert not (workdir / "sweeps").exists()
 
     # no logger to set the run directory on: each point failed as it ran, "--trainer.logger auto takes no arguments"
-    for logger, shown in ((False, "false"), (None, "null"), ([], "[]")):
+    for logger, shown in ((False, "false"), (None, "null"), (True, "true"), ([], "[]")):
         path = write_experiment(workdir / "e.yaml", command="fit", configs=["configs/tiny.yaml"],
                                 fixed={"trainer.logger": logger}, grid={"data.batch_size": [2, 4]})  # fmt: skip
         err = one_error_line(capsys, str(path), "--out", "sweeps/e")

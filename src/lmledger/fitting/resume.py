@@ -129,12 +129,12 @@ def _newest_of_run(checkpoints: Path, ckpt: str) -> Path | None:
 
 
 def name_the_default_logger(config) -> None:
-    """No logger given (--trainer.logger null) is Lightning's default one: a TensorBoardLogger writing
+    """No logger given (--trainer.logger null, or true) is Lightning's default one: a TensorBoardLogger writing
     default_root_dir/lightning_logs/version_N. Named as such, it is claimed, resumed and checked as a configured one is:
     left to Lightning, `--ckpt_path last` looked in the new version, found nothing and started over (with a warning,
     exit 0), and `auto` refused it as another logger's layout. (Lightning names a SLURM job's version by the job's id;
     here the claim's slurm_job file finds it, as for every configured logger.)"""
-    if config.trainer.get("logger") is None:
+    if config.trainer.get("logger") in (None, True):  # True: Lightning's default logger, asked for by name
         config.trainer.logger = _default_logger(config)
 
 
@@ -148,7 +148,7 @@ def _run_dir_of(config) -> tuple[Path, object] | None:
     """(save_dir/name, the logger's init_args) in our TensorBoard/CSV layout (Lightning's default logger's too, before
     name_the_default_logger names it); None for another logger, or none."""
     logger = config.trainer.get("logger")
-    logger = _default_logger(config) if logger is None else logger
+    logger = _default_logger(config) if logger is None or logger is True else logger
     init = logger.init_args if logger is not None and hasattr(logger, "init_args") else None
     if init is None or "save_dir" not in init:
         return None

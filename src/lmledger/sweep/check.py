@@ -116,9 +116,10 @@ _ANY_MODEL = object()  # check_points: a point whose model is a class_path (no R
 
 def _refuse_no_logger(logger) -> None:
     """A fit or validate point logs under the sweep's runs/ (its logger's save_dir, set by the sweep), where the sweep
-    reads its metrics: with no logger, or Lightning's default one (no class to set it on), every point would fail."""
-    if logger is False or logger is None or logger == []:
-        shown = "false" if logger is False else "null" if logger is None else "[]"
+    reads its metrics: with no logger, or Lightning's default one (null or true: no class to set it on), every point
+    would fail."""
+    if logger is False or logger is True or logger is None or logger == []:
+        shown = "[]" if logger == [] else str(logger).lower() if logger is not None else "null"
         raise UserError(
             f"trainer.logger {shown}: a sweep logs each fit and validate point under its runs/ directory, with the "
             "logger's save_dir, and reads the point's metrics there; name a logger class (the configs' "
