@@ -160,20 +160,18 @@ def resolve_last(config, subcommand: str) -> tuple[Path, int | None] | None:
     checkpoints/ (_bare_root), where Lightning's own `last` looks in no directory validate keeps (None: another
     logger's layout)."""
     found, bare = _run_dir_of(config), _bare_root(config)
-    if found is None and bare is not None:
-        path = _newest_of_run(bare / "checkpoints", "last")
-        if path is None:
-            raise UserError(f"--ckpt_path last: no checkpoint in {bare / 'checkpoints'} to resume; "
-                            + ("start a fresh run without --ckpt_path" if subcommand == "fit" else
-                               "train one with `lmledger fit`"))  # fmt: skip
-        return path, None
-    if found is None:
+    if found is None and bare is None:
         return None
-    root, init = found
-    last = _find_last_checkpoint(init.save_dir, init.get("name") or "lightning_logs", "last")
+    if found is None:
+        where, path = bare / "checkpoints", _newest_of_run(bare / "checkpoints", "last")
+        last = (path, None) if path is not None else None
+    else:
+        root, init = found
+        where = f"{root}/version_*/checkpoints/last.ckpt"
+        last = _find_last_checkpoint(init.save_dir, init.get("name") or "lightning_logs", "last")
     if last is None:
         raise UserError(
-            f"--ckpt_path last: no {root}/version_*/checkpoints/last.ckpt to resume; "
+            f"--ckpt_path last: no {'checkpoint in ' if found is None else ''}{where} to resume; "
             + ("start a fresh run without --ckpt_path" if subcommand == "fit" else "train one with `lmledger fit`")
         )
     return last
@@ -262,6 +260,11 @@ def _bare_root(config) -> Path | None:
     return Path(config.trainer.get("default_root_dir") or os.getcwd())
 
 
+def _kept_in(root: Path, checkpoint: Path) -> bool:
+    """Whether `checkpoint` is one of the run a bare root keeps (its checkpoints/, a file or a sharded directory)."""
+    return (root / "checkpoints").resolve() in checkpoint.resolve().parents
+
+
 def refuse_a_bare_run_over(config) -> None:
     """Refuse a fit with no logger that would write over another run's files in its root (_bare_root): a fresh one,
     or one resuming a checkpoint kept elsewhere. Lightning's own check stops at its config.yaml, with a traceback,
@@ -274,7 +277,7 @@ def refuse_a_bare_run_over(config) -> None:
                         "config and checkpoints go straight into it; pass a directory")  # fmt: skip
     held = [name for name in ("checkpoints", "config.yaml", RANKS_DIR) if root and (root / name).exists()]
     ckpt = config.get("ckpt_path")
-    if not held or (ckpt and (root / "checkpoints").resolve() in Path(ckpt).resolve().parents):
+    if not held or (ckpt and _kept_in(root, Path(ckpt))):
         return
     named = "false" if config.trainer.get("logger") is False else "[]"
     raise UserError(
@@ -326,7 +329,7 @@ def resume_run(config, subcommand: str, any_model: bool) -> Resume | None:
     _check_same_data(config, checkpoint, path)
     config.ckpt_path = str(path)
     bare = _bare_root(config)
-    if bare is not None and (bare / "checkpoints").resolve() in path.resolve().parents:
+    if bare is not None and _kept_in(bare, path):
         # no logger, and the run kept in its root: its config is saved beside the first one, never over it
         return Resume(f"{'--ckpt_path auto: ' if auto else ''}resuming {bare} at step {step} from {path.name}",
                       config_filename=free_name(bare, "config-resumed"))  # fmt: skip

@@ -372,9 +372,6 @@ class Replayer:
         if self.all_cached(ops):
             return None
         medians, failed = sequence_seconds(ops, self.device, seed=self._seed)
-        timed = [(key, m) for i, (key, m) in enumerate(zip(keys, medians, strict=True))
-                 if key is not None and m is not None and i not in failed]  # fmt: skip
-        shared = sum(m for key, m in timed if key in self.times) / max(sum(m for _, m in timed), 1e-12)
         per_key: dict[str, list[float]] = {}
         for i, (key, median) in enumerate(zip(keys, medians, strict=True)):
             if key is None:
@@ -384,6 +381,8 @@ class Replayer:
             elif median is not None:
                 per_key.setdefault(key, []).append(median)
         fresh = {key: statistics.fmean(values) for key, values in per_key.items()}
+        total = sum(sum(values) for values in per_key.values())  # every occurrence: the replayed step
+        shared = sum(sum(values) for key, values in per_key.items() if key in self.times) / max(total, 1e-12)
         then = sum(self.times[k] for k in fresh if k in self.times)
         now = sum(v for k, v in fresh.items() if k in self.times)
         for key, value in fresh.items():
