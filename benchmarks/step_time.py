@@ -60,6 +60,8 @@ CASES: dict[str, list[str]] = {
                  "--trainer.strategy.tensor_parallel_size", "2"],
     "tiny-ddp2-accum2": ["--config", TOY, "--trainer.devices", "2", "--trainer.strategy", "ddp",
                          "--trainer.accumulate_grad_batches", "2"],
+    "tiny-fsdp2-accum2": ["--config", TOY, "--trainer.devices", "2", "--trainer.strategy", "fsdp2",
+                          "--trainer.accumulate_grad_batches", "2"],
     "hf-llama-tp": ["--config", "configs/examples/hf-llama-tp.yaml", "--trainer.devices", "2"],
 }  # fmt: skip
 _LINE = re.compile(r"step ([0-9.e+]+) ms predicted, ([0-9.e+]+) ms measured")
