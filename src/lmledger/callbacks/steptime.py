@@ -129,6 +129,9 @@ def predict_fit_step_time(
         return NoStepTime("step-time prediction off in this process")
     if prediction.ops is None:
         return NoStepTime("the dry run holds no op records")
+    if torch.is_anomaly_enabled() and torch.is_anomaly_check_nan_enabled():  # Trainer(detect_anomaly=True)
+        return NoStepTime("detect_anomaly=True reads every backward output for a NaN (isnan, any, item), which the "
+                          "dry run leaves out; its memory and FLOPs are the step's")  # fmt: skip
     if pl_module.device.type == "cuda":  # priced by the GPU op model: no replay, no calibration process
         found = _gpu_op_model(trainer, pl_module, prediction, tokens, samples, accumulate, intra, inter)
         if found is not None:

@@ -49,6 +49,7 @@ __all__ = [
     "batch_tensors",
     "cast_batch",
     "eager_library_decisions",
+    "no_nan_reads",
     "fake_copy",
     "fake_optimizer",
     "fake_tensor",
@@ -320,8 +321,9 @@ def quiet_meta_failures() -> Iterator[None]:
 @contextmanager
 def eager_library_decisions() -> Iterator[None]:
     """Let libraries behave on fake tensors as on real ones: those that branch on "am I being traced?" take their
-    eager branch, and torch's log of a failing meta kernel stays off stderr (quiet_meta_failures). Every fake step
-    runs under it.
+    eager branch, torch's log of a failing meta kernel stays off stderr (quiet_meta_failures), and anomaly
+    detection (Lightning's detect_anomaly=True) reads no gradient's values (no_nan_reads). Every fake step runs
+    under it.
 
     Hugging Face transformers reads the position ids to tell packed sequences apart
     (masking_utils.find_packed_sequence_indices). On a fake tensor it cannot, so it assumes packing. It
@@ -332,12 +334,23 @@ def eager_library_decisions() -> Iterator[None]:
     masking = sys.modules.get("transformers.masking_utils")
     finder = getattr(masking, "find_packed_sequence_indices", None)
     if finder is None:
-        with quiet_meta_failures():
+        with quiet_meta_failures(), no_nan_reads():
             yield
         return
 
     def not_packed_when_fake(position_ids: torch.Tensor) -> torch.Tensor | None:
         return None if isinstance(position_ids, FakeTensor) else finder(position_ids)
 
-    with quiet_meta_failures(), mock.patch.object(masking, "find_packed_sequence_indices", not_packed_when_fake):
+    with (
+        quiet_meta_failures(),
+        no_nan_reads(),
+        mock.patch.object(masking, "find_packed_sequence_indices", not_packed_when_fake),
+    ):
         yield
+
+
+def no_nan_reads() -> torch.autograd.set_detect_anomaly:
+    """Anomaly detection as it is, less its NaN check: with it on, autograd's engine reads whether each backward
+    output holds a NaN (isnan, any, item), which a fake tensor cannot answer. The check's ops (a bool tensor the
+    size of each output, freed at once) are left out of the dry run; anomaly mode's Python stack per op stays."""
+    return torch.autograd.set_detect_anomaly(torch.is_anomaly_enabled(), check_nan=False)
