@@ -93,6 +93,17 @@ def test_model_checkpoint_saves_last_through_private_methods():
     assert lightning_private.save_last_checkpoint(callback, SimpleNamespace(global_step=7)) == "unused/last.ckpt"
 
 
+def test_model_checkpoint_saves_last_under_fast_dev_run(tmp_path):
+    """Lightning 2.6: fast_dev_run "suppresses checkpointing", yet ModelCheckpoint.on_train_end saves last.ckpt
+    (lmledger fit drops its ModelCheckpoints under fast_dev_run)."""
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    trainer = Trainer(fast_dev_run=True, callbacks=[ModelCheckpoint(dirpath=tmp_path, save_last=True)],
+                      enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+    trainer.fit(BoringModel())
+    assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]
+
+
 def test_cli_get_reads_under_the_subcommand():
     from jsonargparse import Namespace
 

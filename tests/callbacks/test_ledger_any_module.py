@@ -295,6 +295,19 @@ def test_short_fits_leave_nothing_attached(steps):
     assert (child.measured.peak is not None) == (steps == 2)
 
 
+def test_fast_dev_run_writes_no_rank_record(tmp_path):
+    """Lightning suppresses logging and checkpoints under fast_dev_run; the Ledger wrote its ranks/rank0.json beside
+    the default checkpoint directory all the same."""
+    g = torch.Generator().manual_seed(0)
+    loader = DataLoader(TensorDataset(torch.randn(48, 16, generator=g), torch.randn(48, 8, generator=g)), batch_size=16)
+    ledger = Ledger()
+    trainer = pl.Trainer(fast_dev_run=2, accelerator="cpu", default_root_dir=tmp_path, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=[ledger])  # fmt: skip
+    trainer.fit(Regressor(), loader)
+    assert ledger.measured.params == ledger.predicted.params > 0
+    assert list(tmp_path.iterdir()) == []
+
+
 def lightning_demo_transformer() -> pl.LightningModule:
     """Lightning's own demo LM (lightning.pytorch.demos), tiny. Its forward reads a mask's value
     (`if self.src_mask is None or ...` then masked_fill on `mask == 1`), so the dry run cannot trace it."""

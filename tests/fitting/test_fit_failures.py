@@ -513,6 +513,11 @@ def test_a_fit_without_a_logger_keeps_to_its_own_root(workdir, capsys, caplog):
                                           "writable --trainer.default_root_dir")):  # fmt: skip
         assert fit("--trainer.logger", "false", "--trainer.default_root_dir", where, "--trainer.max_steps", "2") == 2
         assert expected in one_error_line(capsys)
+    # fast_dev_run writes no run files: Lightning's ModelCheckpoint saved last.ckpt at train end all the same (one
+    # more last-vN.ckpt each try), and the Ledger its ranks/ record, into the working directory
+    before = {p for p in workdir.rglob("*")}
+    assert fit("--trainer.fast_dev_run", "true") == 0
+    assert {p for p in workdir.rglob("*")} == before
 
 
 def test_lightnings_default_logger_is_resumed_and_validated_as_a_configured_one(workdir, capsys, caplog):

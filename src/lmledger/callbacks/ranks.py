@@ -25,7 +25,10 @@ RANKS_DIR = "ranks"
 
 
 def record_path(trainer: pl.Trainer) -> Path | None:
-    """version_N/ranks/rank<R>.json for this rank; None without a checkpoint directory to sit beside."""
+    """version_N/ranks/rank<R>.json for this rank; None without a checkpoint directory to sit beside, and under
+    fast_dev_run, which writes no run files (Lightning suppresses its logging and checkpoints)."""
+    if trainer.fast_dev_run:
+        return None
     callback = trainer.checkpoint_callback
     dirpath = getattr(callback, "dirpath", None) if callback is not None else None
     if not dirpath:

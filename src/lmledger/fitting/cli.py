@@ -245,9 +245,11 @@ class FitCLI(LightningCLI):
             trainer.strategy.checkpoint_io = AtomicCheckpointIO()
         make_sharded_checkpoints_safe(trainer.strategy)  # fsdp2's directories: atomic saves, weights-only loads
         make_last_checkpoint_atomic(trainer.callbacks)
-        if self.subcommand == "fit":
+        if self.subcommand == "fit" and not trainer.fast_dev_run:
             trainer.callbacks.append(PreemptionCheckpoint())
-        else:  # validate saves nothing. A ModelCheckpoint there only warns that its directory differs.
+        else:  # validate saves nothing. A ModelCheckpoint there only warns that its directory differs. Nor does
+            # fast_dev_run, whose last.ckpt Lightning's ModelCheckpoint saves at train end all the same (canary
+            # test_model_checkpoint_saves_last_under_fast_dev_run): a last-vN.ckpt more a try, in the working dir.
             trainer.callbacks = [c for c in trainer.callbacks if not isinstance(c, ModelCheckpoint)]
         set_peer_timeout(trainer.strategy)  # a rank that never comes or stops answering ends the run (fitting.peers)
         trainer.callbacks.append(PeerWatch())
