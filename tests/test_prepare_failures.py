@@ -220,10 +220,11 @@ def test_a_cpu_run_larger_than_the_machine_ram_stops_before_step_one(workdir, ca
 
 def test_cpu_capacity_is_available_ram_shared_and_the_setting_overrides(workdir, capsys, monkeypatch, tmp_path):
     from lmledger.callbacks import preflight
+    from lmledger.ledger.hardware import memory
 
     fake = tmp_path / "meminfo"
     fake.write_text("MemTotal:       16000000 kB\nMemAvailable:       1000 kB\n")  # 1 MB free
-    monkeypatch.setattr(preflight, "MEMINFO", str(fake))
+    monkeypatch.setattr(memory, "MEMINFO", str(fake))
     import torch
 
     capacity = preflight.available_memory(torch.device("cpu"), None, torch.nn.Linear(10, 10), processes_here=2)
@@ -238,7 +239,7 @@ def test_cpu_capacity_is_available_ram_shared_and_the_setting_overrides(workdir,
     assert "MemAvailable in /proc/meminfo" in capsys.readouterr().err
     assert lmledger([*micro, "--ledger.device_memory_gb", "50"]) == 0  # the user's figure wins on CPU
 
-    monkeypatch.setattr(preflight, "MEMINFO", str(tmp_path / "absent"))  # no /proc (macOS): psutil, if any
+    monkeypatch.setattr(memory, "MEMINFO", str(tmp_path / "absent"))  # no /proc (macOS): psutil, if any
     monkeypatch.setitem(sys.modules, "psutil", None)
     assert preflight.available_ram() is None
     assert lmledger(micro) == 0  # nothing says: no check, as before

@@ -66,6 +66,21 @@ def test_bench_bad_input_is_one_line(flags, match, capsys):
     assert len(err.strip().splitlines()) == 1 and match in err
 
 
+def test_a_size_over_the_free_memory_is_a_skipped_row(capsys):
+    """--sizes 100000 on a CPU: 40 GB a fp32 matrix, a DefaultCPUAllocator traceback. Now the row says what its
+    operands need (pairs of inputs, their fp32 draws and the output) against what is free, and the rest is timed."""
+    from lmledger.ledger.hardware.matmul import operand_bytes
+
+    cpu = torch.device("cpu")
+    assert operand_bytes("fp32", 100_000, cpu) == 100_000**2 * (2 * 2 * 4 + 2 * 4 + 4)  # 2 pairs: 280 GB
+    assert operand_bytes("bf16", 64, cpu) == 64**2 * (16 * 2 * 2 + 2 * 4 + 2)  # 16 pairs, the cap
+    report = run_json(capsys, "bench", "matmul", "--device", "cpu", "--dtypes", "fp32", "--sizes", "32,100000",
+                      "--repeats", "1", "--json")  # fmt: skip
+    small, huge = report["results"]
+    assert small["seconds"] > 0 and huge["seconds"] is None
+    assert huge["note"].startswith("skipped: the operands need 280 GB, over the ") and huge["note"].endswith("cpu")
+
+
 @pytest.mark.cuda
 def test_bench_matmul_cuda_all_dtypes():
     device = torch.device("cuda")

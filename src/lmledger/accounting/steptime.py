@@ -92,8 +92,8 @@ def toy_predicted_time(spec: Run, argv: list[str], dry: object = None) -> dict:
 
     if os.environ.get(NO_STEP_TIME):
         return no_step_time(f"off ({NO_STEP_TIME} is set)")
+    from lmledger.ledger.hardware.memory import free_memory
     from lmledger.ledger.predict import toy_dry_run, toy_optimizer
-    from lmledger.ledger.timing.steptime.predict import free_memory
     from lmledger.model import ToyLM
 
     needs = 16 * count_parameters(spec.config)  # params, grads and AdamW's two moments in fp32, before activations

@@ -22,11 +22,11 @@ from dataclasses import dataclass
 import lightning.pytorch as pl
 import torch
 
+from lmledger.ledger.hardware.memory import ram_available
 from lmledger.ledger.report import Figures
 from lmledger.ledger.units import format_bytes
 
 __all__ = [
-    "MEMINFO",
     "Capacity",
     "available_memory",
     "available_ram",
@@ -41,19 +41,11 @@ class Capacity:
     source: str  # where the figure came from, as the user would name it
 
 
-MEMINFO = "/proc/meminfo"
-
-
 def available_ram() -> Capacity | None:
     """RAM a new allocation can get without swapping; None where neither /proc nor psutil says."""
-    try:
-        with open(MEMINFO) as f:
-            for line in f:
-                # "MemAvailable:   22874512 kB". proc(5): the kernel's estimate, page cache included; kB = 1024 B.
-                if line.startswith("MemAvailable:"):
-                    return Capacity(int(line.split()[1]) * 1024, "MemAvailable in /proc/meminfo")
-    except (OSError, ValueError, IndexError):
-        pass
+    found = ram_available()
+    if found is not None:
+        return Capacity(found, "MemAvailable in /proc/meminfo")
     try:
         import psutil  # not a dependency: macOS and Windows have no /proc
     except ImportError:

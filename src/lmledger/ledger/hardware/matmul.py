@@ -13,11 +13,20 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from lmledger.ledger.hardware.gpus import dtype_name
+from lmledger.ledger.hardware.memory import free_memory
+from lmledger.ledger.units import format_bytes
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["best_matmul_rate", "float32_matmul_precision", "matmul_flops", "time_matmul", "unsupported_reason"]
+__all__ = [
+    "best_matmul_rate",
+    "float32_matmul_precision",
+    "matmul_flops",
+    "operand_bytes",
+    "time_matmul",
+    "unsupported_reason",
+]
 
 
 def _torch_dtype(dtype: str) -> torch.dtype:
@@ -81,12 +90,24 @@ _ROTATE_BYTES = {"cpu": 32 * 2**20, "cuda": 256 * 2**20}
 _MAX_BUFFERS = 16
 
 
+def _pairs(dtype: str, size: int, device: torch.device) -> int:
+    """Operand pairs rotated (comment above)."""
+    return max(2, min(_MAX_BUFFERS, _ROTATE_BYTES[device.type] // (2 * size * size * _torch_dtype(dtype).itemsize)))
+
+
+def operand_bytes(dtype: str, size: int, device: torch.device) -> int:
+    """Bytes a timing of one size holds at its top: the operand pairs, the two fp32 draws a pair is cast from, and
+    the output (bf16 for fp8's _scaled_mm, else the operands' dtype)."""
+    itemsize = _torch_dtype(dtype).itemsize
+    out = 2 if dtype == "fp8" else itemsize
+    return size * size * (_pairs(dtype, size, device) * 2 * itemsize + 2 * 4 + out)
+
+
 def _make_operands(dtype: str, size: int, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
     import torch
 
     torch_dtype = _torch_dtype(dtype)
-    pair_bytes = 2 * size * size * torch_dtype.itemsize
-    count = max(2, min(_MAX_BUFFERS, _ROTATE_BYTES[device.type] // pair_bytes))
+    count = _pairs(dtype, size, device)
     pairs = []
     for _ in range(count):
         a = torch.randn(size, size, device=device)
@@ -125,6 +146,9 @@ def time_matmul(
         raise ValueError(reason)
     if dtype == "fp8" and size % 16:
         raise ValueError(f"fp8 matmul sizes must be multiples of 16 (torch._scaled_mm), got {size}")
+    needs, free = operand_bytes(dtype, size, device), free_memory(device)
+    if needs > free:  # CPU's allocator raised a RuntimeError traceback for --sizes 100000 (40 GB a matrix)
+        raise ValueError(f"the operands need {format_bytes(needs)}, over the {format_bytes(free)} free on {device}")
     operands = _make_operands(dtype, size, device)
     matmul = _matmul_fn(dtype, device)
     with float32_matmul_precision("high" if dtype == "tf32" else "highest"), torch.no_grad():

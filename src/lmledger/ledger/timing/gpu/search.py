@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from lmledger.ledger.hardware.interconnect import Links
+from lmledger.ledger.hardware.memory import free_memory
 from lmledger.ledger.timing.gpu.frameworks import Kernels
 from lmledger.ledger.timing.gpu.layout import (
     BUBBLE,
@@ -45,7 +46,7 @@ from lmledger.ledger.timing.gpu.layout import (
     step_at_layout,
     trace_key,
 )
-from lmledger.ledger.timing.steptime.predict import StepTime, free_memory
+from lmledger.ledger.timing.steptime.predict import StepTime
 
 __all__ = ["Candidate", "Search", "auto_workers", "candidates", "schedules_for", "search_layouts"]
 

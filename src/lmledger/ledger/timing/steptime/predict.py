@@ -38,6 +38,7 @@ from lmledger.ledger.count.ops import (
 )
 from lmledger.ledger.hardware.cpu import OthersBusy
 from lmledger.ledger.hardware.interconnect import Links, collective_seconds
+from lmledger.ledger.hardware.memory import free_memory
 from lmledger.ledger.timing.steptime import calibrate, dtensor, fsdp2, rankwait
 from lmledger.ledger.timing.steptime.cache import StepTimeCache, age_s
 from lmledger.ledger.timing.steptime.replay import (
@@ -50,7 +51,7 @@ from lmledger.ledger.timing.steptime.replay import (
     why_not_replayed,
 )
 
-__all__ = ["CATEGORIES", "NoStepTime", "StepTime", "free_memory", "predict_step_time"]
+__all__ = ["CATEGORIES", "NoStepTime", "StepTime", "predict_step_time"]
 
 DATA_WAIT, HOST = "data_wait", "host"
 CATEGORIES = (MATMUL, ATTENTION, OTHER, OPTIMIZER, COMMUNICATION, DATA_WAIT, HOST)
@@ -460,22 +461,6 @@ def _busy_notes(cache: StepTimeCache, busy: float | None) -> list[str]:
         f"other processes kept {found['value']:.0%} of the CPUs busy while op times in the cache were taken "
         f"({found['measured_at'][:16]}): the prediction is of a busy machine; delete {cache.path} to time them again"
     ]
-
-
-def free_memory(device: torch.device) -> int:
-    """Bytes free on `device`: CUDA's free memory, or the RAM the OS reports available."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    import os
-
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def _key(op: OpRecord) -> str:
