@@ -220,6 +220,9 @@ def _fit_cases() -> list[tuple[str, str, list[str]]]:
             cases.append((key, label, [f"--{key}", value]))
     for label, value in {**_bad_values(float), "tiny": "1e-12"}.items():
         cases.append(("ledger.device_memory_gb", label, ["--ledger.device_memory_gb", value]))
+    # barebones beside what it turns off (tiny.yaml's logger, log_every_n_steps and ModelCheckpoint): Lightning
+    # refused them one a try, the logger by its object's repr, the ModelCheckpoint as an enable_checkpointing=False
+    cases.append(("trainer.barebones", "beside a logger", ["--trainer.barebones", "true"]))
     return cases
 
 

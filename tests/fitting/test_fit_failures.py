@@ -513,6 +513,21 @@ def test_a_fit_without_a_logger_keeps_to_its_own_root(workdir, capsys, caplog):
                                           "writable --trainer.default_root_dir")):  # fmt: skip
         assert fit("--trainer.logger", "false", "--trainer.default_root_dir", where, "--trainer.max_steps", "2") == 2
         assert expected in one_error_line(capsys)
+    # barebones: what it turns off, named at once by flag (Lightning refused them one a try, the logger by its repr);
+    # then it runs without a logger, its root held as one with none (no "keep a logger": barebones has none)
+    assert fit("--trainer.barebones", "true") == 2
+    assert one_error_line(capsys).endswith(
+        "this config asks for some: a logger (--trainer.logger false); "
+        "--trainer.log_every_n_steps 1 (set it to 0); a ModelCheckpoint in "
+        "--trainer.callbacks (drop it: --trainer.callbacks '[]' drops them all)"
+    )
+    quick = ("--trainer.barebones", "true", "--trainer.logger", "null", "--trainer.log_every_n_steps", "0",
+             "--trainer.callbacks", "[]", "--trainer.default_root_dir", "quick",
+             "--trainer.max_steps", "2")  # fmt: skip
+    assert fit(*quick) == 0
+    assert [p.name for p in (workdir / "quick").iterdir()] == ["config.yaml"]
+    assert fit(*quick) == 2
+    assert one_error_line(capsys).endswith("never writes into one; pass a new --trainer.default_root_dir")
     # fast_dev_run writes no run files: Lightning's ModelCheckpoint saved last.ckpt at train end all the same (one
     # more last-vN.ckpt each try), and the Ledger its ranks/ record, into the working directory
     before = {p for p in workdir.rglob("*")}

@@ -263,7 +263,34 @@ def check_trainer_values(trainer, model=None) -> TrainerScale:
     accumulate = trainer.get("accumulate_grad_batches")
     if accumulate is not None and (not isinstance(accumulate, int) or accumulate < 1):
         raise ConfigError(f"--trainer.accumulate_grad_batches must be an integer >= 1, got {accumulate}")
+    if trainer.get("barebones") and (clashes := _barebones_clashes(trainer)):
+        raise ConfigError(f"--trainer.barebones true turns off logging, checkpoints and the other features that slow "
+                          f"a step, and this config asks for some: {'; '.join(clashes)}")  # fmt: skip
     return resolve_strategy(trainer, model)
+
+
+def _barebones_clashes(trainer) -> list[str]:
+    """What Trainer(barebones=True) refuses as it is built (Lightning 2.6), each with the flag that turns it off.
+    Left to Lightning: one a try, the logger by its object's repr, and a config's ModelCheckpoint as an
+    `enable_checkpointing=False` the user never set."""
+    clashes = []
+    if trainer.get("logger") not in (None, False, []):
+        clashes.append("a logger (--trainer.logger false)")
+    for flag in ("log_every_n_steps", "num_sanity_val_steps"):
+        if trainer.get(flag):
+            clashes.append(f"--trainer.{flag} {trainer.get(flag)} (set it to 0)")
+    for flag in ("enable_checkpointing", "enable_progress_bar", "enable_model_summary", "detect_anomaly",
+                 "fast_dev_run"):  # fmt: skip
+        if trainer.get(flag):
+            clashes.append(f"--trainer.{flag} {str(trainer.get(flag)).lower()} (set it to false)")
+    if trainer.get("profiler") is not None:
+        clashes.append("--trainer.profiler (set it to null)")
+    callbacks = trainer.get("callbacks") or []
+    names = [str(c.get("class_path", "")) for c in (callbacks if isinstance(callbacks, list) else [callbacks])
+             if hasattr(c, "get")]  # fmt: skip
+    if any(name.rsplit(".", 1)[-1] == "ModelCheckpoint" for name in names):
+        clashes.append("a ModelCheckpoint in --trainer.callbacks (drop it: --trainer.callbacks '[]' drops them all)")
+    return clashes
 
 
 def refuse_several_optimizers(model: pl.LightningModule, trainer: Trainer) -> None:

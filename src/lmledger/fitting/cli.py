@@ -233,7 +233,8 @@ class FitCLI(LightningCLI):
         if not any(isinstance(c, Ledger) for c in callbacks):
             callbacks += ledger_callbacks(settings)
         # Last, so the line it prints carries the values the ledger callbacks logged for this step.
-        callbacks += plain_progress_if_not_a_terminal(config.get("enable_progress_bar"))
+        shown = False if config.get("barebones") else config.get("enable_progress_bar")  # barebones: no progress
+        callbacks += plain_progress_if_not_a_terminal(shown)
         self._claim = RunClaim()  # the run directory's lock; undoes a refused run's files (before_fit)
         callbacks.append(self._claim)
         precision = _slurm_plugins(precision, config.get("plugins"))

@@ -134,6 +134,8 @@ def name_the_default_logger(config) -> None:
     left to Lightning, `--ckpt_path last` looked in the new version, found nothing and started over (with a warning,
     exit 0), and `auto` refused it as another logger's layout. (Lightning names a SLURM job's version by the job's id;
     here the claim's slurm_job file finds it, as for every configured logger.)"""
+    if config.trainer.get("barebones"):  # null is no logger there (Lightning's Trainer); true was refused
+        return
     if config.trainer.get("logger") in (None, True):  # True: Lightning's default logger, asked for by name
         config.trainer.logger = _default_logger(config)
 
@@ -147,6 +149,8 @@ def _default_logger(config) -> Namespace:
 def _run_dir_of(config) -> tuple[Path, object] | None:
     """(save_dir/name, the logger's init_args) in our TensorBoard/CSV layout (Lightning's default logger's too, before
     name_the_default_logger names it); None for another logger, or none."""
+    if config.trainer.get("barebones"):  # no logger (_bare_root)
+        return None
     logger = config.trainer.get("logger")
     logger = _default_logger(config) if logger is None or logger is True else logger
     init = logger.init_args if logger is not None and hasattr(logger, "init_args") else None
@@ -253,9 +257,10 @@ def refuse_a_run_pinned_over(config) -> None:
 def _bare_root(config) -> Path | None:
     """Where a fit with no logger (--trainer.logger false) keeps its run: Lightning writes its config and checkpoints,
     and the Ledger its per-rank records, straight into --trainer.default_root_dir (the working directory by
-    default), with no version directory to keep one run's files from the next. None with a logger."""
+    default), with no version directory to keep one run's files from the next. None with a logger. Under
+    barebones there is none, whatever --trainer.logger says (null; any other was refused)."""
     logger = config.trainer.get("logger")
-    if logger is not False and logger != []:
+    if logger is not False and logger != [] and not config.trainer.get("barebones"):
         return None
     return Path(config.trainer.get("default_root_dir") or os.getcwd())
 
@@ -279,13 +284,15 @@ def refuse_a_bare_run_over(config) -> None:
     ckpt = config.get("ckpt_path")
     if not held or (ckpt and _kept_in(root, Path(ckpt))):
         return
-    named = "false" if config.trainer.get("logger") is False else "[]"
+    barebones = bool(config.trainer.get("barebones"))
+    logger = "false" if config.trainer.get("logger") is False else "[]"
+    named = "--trainer.barebones true" if barebones else f"--trainer.logger {logger}"
     raise UserError(
-        f"--trainer.logger {named}: this fit writes straight into {root} (--trainer.default_root_dir, no version "
+        f"{named}: this fit writes straight into {root} (--trainer.default_root_dir, no version "
         f"directory), which already holds a run ({', '.join(held)}), and a fit "
         + (f"resuming {ckpt}, not a checkpoint of that run, " if ckpt else "without --ckpt_path ")
-        + "never writes into one; pass a new --trainer.default_root_dir, or keep a logger (each run then gets a "
-        "version directory of its own)"
+        + "never writes into one; pass a new --trainer.default_root_dir"
+        + ("" if barebones else ", or keep a logger (each run then gets a version directory of its own)")
     )
 
 
