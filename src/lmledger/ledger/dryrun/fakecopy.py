@@ -49,11 +49,11 @@ __all__ = [
     "batch_tensors",
     "cast_batch",
     "eager_library_decisions",
-    "no_nan_reads",
     "fake_copy",
     "fake_optimizer",
     "fake_tensor",
     "map_tensors",
+    "no_nan_reads",
     "precision_dtypes",
     "target_device",
 ]
