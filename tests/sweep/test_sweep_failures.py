@@ -122,6 +122,12 @@ def test_a_bad_grid_key_stops_the_sweep_before_any_point_runs(workdir, capsys):
         assert "2 of 2 points have bad arguments" in err, err
         assert f"trainer.logger {shown}: a sweep logs each fit and validate" in err
         assert not (workdir / "sweeps").exists()
+    # nor under barebones, which allows none (fit's own line would have asked to drop the sweep's logger)
+    path = write_experiment(workdir / "e.yaml", command="fit", configs=["configs/tiny.yaml"],
+                            fixed={"trainer.barebones": True}, grid={"data.batch_size": [2, 4]})  # fmt: skip
+    err = one_error_line(capsys, str(path), "--out", "sweeps/e")
+    assert "2 of 2 points have bad arguments" in err and "trainer.barebones true: a sweep reads each" in err, err
+    assert not (workdir / "sweeps").exists()
 
 
 def test_points_are_checked_with_one_parse_per_value_not_per_point(workdir, capsys, monkeypatch):

@@ -46,7 +46,7 @@ def check_points(experiment: Experiment) -> CheckedPoints:
         # A config naming any LightningModule parses but has no closed forms to list (its dry run needs the
         # module built): checked, not predicted. Either has a shape: its nodes and ranks per node.
         if subcommand in TRAINING_COMMANDS:
-            _refuse_no_logger(config.trainer.get("logger"))
+            _refuse_no_logger(config.trainer.get("logger"), bool(config.trainer.get("barebones")))
         scale = check_fit_values(config)
         run = _ANY_MODEL if "class_path" in config.model else run_from_config(config, scale)
         return run, (scale.num_nodes, scale.devices)
@@ -114,10 +114,15 @@ def check_points(experiment: Experiment) -> CheckedPoints:
 _ANY_MODEL = object()  # check_points: a point whose model is a class_path (no Run)
 
 
-def _refuse_no_logger(logger) -> None:
+def _refuse_no_logger(logger, barebones: bool = False) -> None:
     """A fit or validate point logs under the sweep's runs/ (its logger's save_dir, set by the sweep), where the sweep
     reads its metrics: with no logger, or Lightning's default one (null or true: no class to set it on), every point
-    would fail."""
+    would fail. So with barebones, which allows no logger (fit's own check would ask to drop the sweep's)."""
+    if barebones:
+        raise UserError(
+            "trainer.barebones true: a sweep reads each fit and validate point's metrics from its logger, which "
+            "barebones turns off; drop trainer.barebones from the experiment"
+        )
     if logger is False or logger is True or logger is None or logger == []:
         shown = "[]" if logger == [] else str(logger).lower() if logger is not None else "null"
         raise UserError(
