@@ -91,6 +91,7 @@ def _max_batch_of_config(fit_args: list[str], capacity: int, gpu_key: str | None
 
     The batch is the largest whose predicted peak fits in `capacity` bytes per device."""
     from lmledger.ledger.closedform.napkin import max_batch
+    from lmledger.ledger.precision_table import transformer_engine
     from lmledger.ledger.predict import predict
     from lmledger.run_config import load_run
 
@@ -102,12 +103,15 @@ def _max_batch_of_config(fit_args: list[str], capacity: int, gpu_key: str | None
         return predict(run, batch_size=batch).peak
 
     sized_by = "closed forms"
-    if spec.config.non_default_architecture:  # the closed forms model the default toy LM: dry runs size it
+    # The closed forms model the default toy LM in the precisions they list: dry runs size another architecture or
+    # precision (64-true: its fit was predicted by its dry run while plan refused it). Not Transformer Engine's, whose
+    # dry run is a stand-in without te.Linear's own saved tensors.
+    unmodelled = None if spec.config.non_default_architecture else predict(run, batch_size=1).unmodelled
+    if spec.config.non_default_architecture or (unmodelled is not None and not transformer_engine(spec.precision)):
         best, peak, sized_by = _dry_run_max_batch(run, capacity)
+    elif unmodelled is not None:
+        raise UserError(f"no peak to size the batch by: {unmodelled}")
     else:
-        unmodelled = predict(run, batch_size=1).unmodelled  # e.g. Transformer Engine's te.Linear activations
-        if unmodelled is not None:
-            raise UserError(f"no peak to size the batch by: {unmodelled}")
         best = max_batch(bytes_for_batch, capacity)
         peak = bytes_for_batch(best) if best else bytes_for_batch(1)
     result = {

@@ -93,6 +93,14 @@ def test_plan_max_batch_sizes_an_architecture_option_by_dry_runs(workdir, capsys
     spec = load_run([*TINY, *gpt])
     peaks = [toy_dry_run(replace(spec, batch_size=b)).peak for b in (found["max_batch"], found["max_batch"] + 1)]
     assert peaks[0] == found["peak_bytes"] <= 0.02e9 < peaks[1]
+    # so is a precision the closed forms do not list (64-true: refused, "no peak to size the batch by", while its fit
+    # was predicted by its dry run); Transformer Engine's stays refused, its dry run a stand-in
+    wide = ["--trainer.precision", "64-true"]
+    found = run_json(capsys, "plan", "max-batch", *TINY, *wide, "--device-memory-gb", "0.04", "--json")
+    assert found["sized_by"] == "dry runs on cpu" and found["precision"] == "64-true"
+    spec = load_run([*TINY, *wide])
+    peaks = [toy_dry_run(replace(spec, batch_size=b)).peak for b in (found["max_batch"], found["max_batch"] + 1)]
+    assert peaks[0] == found["peak_bytes"] <= 0.04e9 < peaks[1]
 
 
 def test_plan_max_batch_of_any_model_at_scale_prints_and_writes_json(workdir, capsys, monkeypatch):
