@@ -14,7 +14,7 @@ are dropped before it (its calibrations kept: Lightning's loop, the per-op overh
 its ops are replayed just before its own steps run. A case's error is the median of its fits' errors; the
 table shows the medians of predicted and measured, the measured spread, and the load over the case.
 
-    .venv/bin/python benchmarks/step_time.py                    # every case, 3 fits each (~25 min, idle 2-core CPU)
+    .venv/bin/python benchmarks/step_time.py                    # every case, 3 fits each (~28 min, idle 2-core CPU)
     .venv/bin/python benchmarks/step_time.py --cases tiny,tiny-ac --steps 40
     .venv/bin/python benchmarks/step_time.py --write            # also atop benchmarks/results/step-time-DATE.md
 
