@@ -16,7 +16,7 @@ from lightning.pytorch.strategies import FSDPStrategy
 from torchmetrics.aggregation import MeanMetric
 
 from lmledger.errors import ConfigError
-from lmledger.ledger.sharding.tp import by_mesh, norm_over_meshes
+from lmledger.ledger.sharding.tp import by_mesh, norm_collectives, norm_over_meshes
 from lmledger.lightning_private import should_update_logs
 from lmledger.model import ModelConfig, ToyLM
 from lmledger.precision import apply_fp8
@@ -211,6 +211,15 @@ class LitLM(L.LightningModule):
             # FSDP2's DTensor grads give a DTensor of partial norms. full_tensor() reduces it over the mesh.
             self._grad_norm = norm.full_tensor() if callable(getattr(norm, "full_tensor", None)) else norm
         return self._grad_norm
+
+    def collectives_per_step(self, trainer) -> int:
+        """The all-reduces gradient_norm runs each optimizer step (on_before_optimizer_step asks for it every step):
+        one over the shard group under FSDP; under FSDP2 and TP one per dimension of each mesh its DTensor parameters
+        live on (full_tensor of a partial norm); none where every rank holds all the gradients. The step-time
+        prediction prices them (callbacks.steptime.fit_ops)."""
+        if trainer.world_size <= 1:
+            return 0
+        return 1 if self._gradient_shard_group() is not None else norm_collectives(list(self.parameters()))
 
     def _gradient_shard_group(self):
         """The process group whose ranks each hold a shard of the gradients; None if every rank holds all."""

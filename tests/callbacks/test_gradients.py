@@ -349,3 +349,37 @@ def test_steady_state_steps_never_wait_for_the_gpu(stdlib_data, precision):
     trainer.fit(LitLM(replace(TINY, vocab_size=data.vocab_size), warmup_steps=1), data)
     messages = [str(w.message) for w in watch.syncs if "synchroniz" in str(w.message)]
     assert messages == [], messages[:3]
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_each_callback_declares_the_all_reduces_it_runs_a_step(monkeypatch, world_size):
+    """The step-time prediction prices what `collectives_per_step` says (callbacks.steptime.fit_ops): it must be
+    what the callback runs. NonFiniteGuard's verdict and PreemptionCheckpoint's stop decision, counted."""
+    from lmledger.callbacks.steptime import fit_ops
+    from lmledger.preemption import PreemptionCheckpoint
+
+    reduced = []
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: world_size > 1)
+    monkeypatch.setattr(torch.distributed, "all_reduce", lambda tensor, op=None, group=None: reduced.append("guard"))
+    run = _Steps(NonFiniteGuard())
+    run.trainer.world_size = world_size
+    run.step(1.0)
+    preemption = PreemptionCheckpoint()
+    decide = lambda stop, all=True: reduced.append("preemption") or stop  # noqa: E731, A002
+    strategy = types.SimpleNamespace(reduce_boolean_decision=decide)
+    trainer = types.SimpleNamespace(world_size=world_size, strategy=strategy)
+    monkeypatch.setattr("lmledger.preemption.accumulating", lambda trainer: False)
+    preemption.on_train_batch_end(trainer, None, None, None, 0)
+    assert reduced.count("guard") == run.guard.collectives_per_step(run.trainer) == (world_size > 1)
+    assert reduced.count("preemption") == preemption.collectives_per_step(trainer) == (world_size > 1)
+
+    # fit_ops adds them to the dry run's ops: one-value all-reduces over the world at the optimizer step.
+    from lmledger.ledger.count.ops import COMMUNICATION, OpRecord, OpSummary
+
+    step = OpSummary.of([OpRecord("aten.mm.default", "forward", "matmul", 8, 16, 16, "float32")], None)
+    prediction = types.SimpleNamespace(ops=step, buckets=(), world_size=world_size)
+    fit = types.SimpleNamespace(world_size=world_size, callbacks=[run.guard, preemption, object()])
+    ops = fit_ops(fit, nn.Linear(2, 2), prediction)
+    added = [op for op in ops.ops if op.category == COMMUNICATION]
+    assert len(added) == 2 * (world_size > 1)
+    assert all(op.phase == "optimizer step" and op.bytes == 4 and op.group_size == world_size for op in added)

@@ -317,7 +317,12 @@ def _fsdp2_rank() -> tuple[float, dict[str, torch.Tensor]]:
     assert all(type(p).__name__ == "DTensor" for p in lit.parameters())
     x, y = _batches()[dist.get_rank()]
     lit(x, y).backward()  # FSDP2 reduce-scatters the mean of the two ranks' gradients
-    return _clipped(lit)
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    with CommDebugMode() as comm:  # the step-time prediction prices the all-reduces the norm declares
+        lit.gradient_norm()  # kept: _clipped's reads it back
+    declared = lit.collectives_per_step(SimpleNamespace(world_size=2))
+    return (*_clipped(lit), (comm.get_total_counts(), declared))
 
 
 def test_litlm_gradient_norm_and_clipping_under_fsdp2_equal_one_process():
@@ -329,7 +334,8 @@ def test_litlm_gradient_norm_and_clipping_under_fsdp2_equal_one_process():
     ((lit(x0, y0) + lit(x1, y1)) / 2).backward()
     norm, grads = _clipped(lit)
     assert norm > 2 * CLIP  # clipping acts
-    for rank_norm, rank_grads in ranks:
+    for rank_norm, rank_grads, (ran, declared) in ranks:
+        assert ran == declared == 1  # the partial norm's all-reduce over the shards
         assert rank_norm == pytest.approx(norm, rel=1e-5)
         for name, grad in grads.items():
             torch.testing.assert_close(rank_grads[name], grad, rtol=1e-4, atol=1e-7)

@@ -102,6 +102,7 @@ def _rank(world: int) -> dict:
         toy_tp_plan(model, mesh["tensor_parallel"], sequence_parallel, regather=regather)
         shard_blocks(model, mesh["data_parallel"], FSDPSettings())
         losses[f"{name} sp={sequence_parallel}{' regather' if regather else ''}"] = _losses(model)
+    norm = _norm_collectives(model)
     measured = []
     for tp, sp, ac, accumulate, precision, name in CASES[world]:
         torch.manual_seed(0)
@@ -114,7 +115,20 @@ def _rank(world: int) -> dict:
             else measure_sharded(module, _batch(), **kwargs)
         )
         measured.append(_figures(ledger))
-    return {"losses": losses, "measured": measured, "context": _context_rank() if world == 4 else []}
+    return {"losses": losses, "measured": measured, "context": _context_rank() if world == 4 else [], "norm": norm}
+
+
+def _norm_collectives(model: torch.nn.Module) -> tuple[int, int]:
+    """(all-reduces a gradient norm over the model's DTensor grads ran, what tp.norm_collectives declares): the
+    step-time prediction prices the declared ones (LitLM.collectives_per_step)."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from lmledger.ledger.sharding.tp import norm_collectives, norm_over_meshes
+
+    model(*_batch()).backward()
+    with CommDebugMode() as comm:
+        norm_over_meshes([p.grad for p in model.parameters()])
+    return comm.get_total_counts(), norm_collectives(list(model.parameters()))
 
 
 def _context_rank() -> list:
@@ -161,6 +175,8 @@ def test_tp_trains_as_one_process_and_is_predicted_per_rank(world, gloo_ranks):
     ranks = _launched(world, gloo_ranks)
     predictions = [_predicted(world, case) for case in CASES[world]]  # one rank's step, which every rank runs
     for rank in ranks:
+        ran, declared = rank["norm"]
+        assert ran == declared > 0
         for run, losses in rank["losses"].items():
             assert losses == pytest.approx(reference[run.split()[0]], rel=1e-5), (run, losses, reference)
         for case, predicted, measured in zip(CASES[world], predictions, rank["measured"], strict=True):

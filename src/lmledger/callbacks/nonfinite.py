@@ -104,6 +104,11 @@ class NonFiniteGuard(pl.Callback):
         self._in_flight: deque[_Verdict] = deque()
         self._stop: tuple[_Verdict, str] | None = None  # the bad step past max_skips, and its problem
 
+    def collectives_per_step(self, trainer: pl.Trainer) -> int:
+        """The all-reduces this callback runs each optimizer step: the ranks' verdict, where there are several (the
+        step-time prediction prices it: callbacks.steptime.fit_ops)."""
+        return 1 if trainer.world_size > 1 else 0
+
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
         loss = loss.detach().float().sum()
         self._loss_sum = loss if self._loss_sum is None else self._loss_sum + loss

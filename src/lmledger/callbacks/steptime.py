@@ -25,10 +25,11 @@ from lmledger.ledger.dryrun.engine import StepLedger
 from lmledger.ledger.hardware.gpus import find_gpu
 from lmledger.ledger.hardware.interconnect import Links, links_for
 from lmledger.ledger.hardware.peak_flops import compute_dtype_for_precision
-from lmledger.ledger.timing.roofline import with_ddp_allreduce
+from lmledger.ledger.timing.roofline import with_ddp_allreduce, with_step_collectives
 
 __all__ = [
     "NO_STEP_TIME",
+    "fit_ops",
     "lightning_loop_seconds",
     "loop_calibration_name",
     "measured_time",
@@ -145,7 +146,7 @@ def predict_fit_step_time(
     settings = dict(progress_bar=trainer.progress_bar_callback is not None, logger=bool(trainer.loggers),
                     log_every_n_steps=int(trainer.log_every_n_steps or 50))  # fmt: skip
     backend = str(getattr(trainer.strategy, "_process_group_backend", None) or "gloo")
-    ops = with_ddp_allreduce(prediction.ops, prediction)
+    ops = fit_ops(trainer, pl_module, prediction)
     ranks_here = max(1, int(getattr(trainer, "num_devices", 1) or 1)) if not alone else 1
     if ranks_here > 1:
         try:
@@ -164,6 +165,16 @@ def predict_fit_step_time(
             tokens=tokens, samples=samples, accumulate=accumulate, calibrate_collectives=alone,
             links=run_links(trainer, pl_module.device, intra, inter), ranks_here=ranks_here,
         )  # fmt: skip
+
+
+def fit_ops(trainer: pl.Trainer, pl_module: pl.LightningModule, prediction: StepLedger):
+    """The dry run's ops as this fit's steps run them: with DDP's bucket all-reduces (the dry run emulates its
+    Reducer), and the one-value all-reduces that the fit's callbacks and module run at each optimizer step, each
+    saying how many by a `collectives_per_step(trainer)` method (PreemptionCheckpoint, NonFiniteGuard, LitLM)."""
+    ops = with_ddp_allreduce(prediction.ops, prediction)
+    owners = (*trainer.callbacks, pl_module)
+    count = sum(int(getattr(owner, "collectives_per_step", lambda _trainer: 0)(trainer)) for owner in owners)
+    return with_step_collectives(ops, count, trainer.world_size)
 
 
 # How long a rank waits for the others to finish their dry runs before replaying alone (their dry runs differ by

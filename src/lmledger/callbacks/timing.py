@@ -32,7 +32,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from matplotlib.figure import Figure
 
-from lmledger.callbacks.steptime import run_links
+from lmledger.callbacks.steptime import fit_ops, run_links
 from lmledger.callbacks.trainer_io import log_scalars, log_text, synchronize, tensorboard_writers, untouched_rng
 from lmledger.errors import ConfigError
 from lmledger.ledger.dryrun.engine import NotTraced, StepLedger
@@ -40,7 +40,7 @@ from lmledger.ledger.hardware.gpus import find_gpu
 from lmledger.ledger.hardware.interconnect import resolve_interconnect
 from lmledger.ledger.hardware.peak_flops import compute_dtype_for_precision
 from lmledger.ledger.timing import profile as ledger_profile
-from lmledger.ledger.timing.roofline import LABELS, Roofline, device_roofline, format_table, with_ddp_allreduce
+from lmledger.ledger.timing.roofline import LABELS, Roofline, device_roofline, format_table
 from lmledger.ledger.timing.shapes import advice_text
 
 __all__ = ["TimeLedger"]
@@ -145,7 +145,7 @@ class TimeLedger(pl.Callback):
             return
         dtype = compute_dtype_for_precision(str(trainer.precision))
         try:
-            ops = with_ddp_allreduce(prediction.ops, prediction)  # a DDP rank's buckets, if the prediction has them
+            ops = fit_ops(trainer, pl_module, prediction)  # DDP's buckets and the per-step decisions, if any
             # A peak or bandwidth not yet cached is measured now (random matmuls): not from the run's RNG.
             with untouched_rng(pl_module.device):
                 links = run_links(trainer, pl_module.device, self.intra_node, self.inter_node)

@@ -44,6 +44,7 @@ __all__ = [
     "apply_plan",
     "by_mesh",
     "clip_grad_norm_",
+    "norm_collectives",
     "norm_over_meshes",
     "check_plan",
     "check_tensor_parallel",
@@ -97,6 +98,20 @@ def norm_over_meshes(grads: list) -> torch.Tensor:
     norms = [torch.nn.utils.get_total_norm(group) for group in groups]
     squares = [(n.full_tensor() if hasattr(n, "full_tensor") else n).float().square() for n in norms]
     return torch.stack(squares).sum().sqrt()
+
+
+def norm_collectives(params: list) -> int:
+    """The all-reduces a gradient norm over these parameters' DTensor grads runs (norm_over_meshes, or one DTensor
+    norm's full_tensor): per mesh (by_mesh), one for each dimension of more than one rank on which some of them are
+    sharded (their partial norm reduced over it; the grads take the parameters' placements); 0 for plain ones."""
+    count = 0
+    for group in by_mesh(params).values():
+        mesh = getattr(group[0], "device_mesh", None)
+        if mesh is None:
+            continue
+        count += sum(1 for dim, ranks in enumerate(mesh.shape)
+                     if ranks > 1 and any(not t.placements[dim].is_replicate() for t in group))  # fmt: skip
+    return count
 
 
 def clip_grad_norm_(parameters: list, max_norm: float) -> torch.Tensor:

@@ -42,6 +42,7 @@ __all__ = [
     "time_rows",
     "toy_step_ops",
     "with_ddp_allreduce",
+    "with_step_collectives",
 ]
 
 # torch dtype names (OpRecord.dtype) -> the dtype names peaks are keyed by (gpus.DTYPES)
@@ -252,6 +253,20 @@ def with_ddp_allreduce(ops: OpSummary, prediction: object) -> OpSummary:
                  bucket.dtype, group="world", group_size=world)
         for bucket in buckets
     ]  # fmt: skip
+    return OpSummary.of([*ops.ops, *extra], ops.outside)
+
+
+def with_step_collectives(ops: OpSummary, count: int, world_size: int) -> OpSummary:
+    """`ops` with `count` one-value all-reduces over the world at the optimizer step added as communication.
+
+    What a fit runs each optimizer step outside its training step, where its ranks must agree: a callback's verdict
+    (PreemptionCheckpoint's stop, NonFiniteGuard's skip) or the gradient norm over sharded grads. The dry run does
+    not see them; on the 2-core VM's gloo each costs about a millisecond and a half (issue 50).
+    """
+    if count <= 0 or world_size <= 1:
+        return ops
+    extra = [OpRecord("c10d.allreduce_ (a per-step decision, predicted)", "optimizer step", COMMUNICATION, 0, 4, 0,
+                      "float32", group="world", group_size=world_size)] * count  # fmt: skip
     return OpSummary.of([*ops.ops, *extra], ops.outside)
 
 
