@@ -378,7 +378,8 @@ def test_each_callback_declares_the_all_reduces_it_runs_a_step(monkeypatch, worl
 
     step = OpSummary.of([OpRecord("aten.mm.default", "forward", "matmul", 8, 16, 16, "float32")], None)
     prediction = types.SimpleNamespace(ops=step, buckets=(), world_size=world_size)
-    fit = types.SimpleNamespace(world_size=world_size, callbacks=[run.guard, preemption, object()])
+    other = types.SimpleNamespace(collectives_per_step=3)  # a user's attribute of that name, not the method
+    fit = types.SimpleNamespace(world_size=world_size, callbacks=[run.guard, preemption, other])
     ops = fit_ops(fit, nn.Linear(2, 2), prediction)
     added = [op for op in ops.ops if op.category == COMMUNICATION]
     assert len(added) == 2 * (world_size > 1)

@@ -172,8 +172,8 @@ def fit_ops(trainer: pl.Trainer, pl_module: pl.LightningModule, prediction: Step
     Reducer), and the one-value all-reduces that the fit's callbacks and module run at each optimizer step, each
     saying how many by a `collectives_per_step(trainer)` method (PreemptionCheckpoint, NonFiniteGuard, LitLM)."""
     ops = with_ddp_allreduce(prediction.ops, prediction)
-    owners = (*trainer.callbacks, pl_module)
-    count = sum(int(getattr(owner, "collectives_per_step", lambda _trainer: 0)(trainer)) for owner in owners)
+    declared = (getattr(owner, "collectives_per_step", None) for owner in (*trainer.callbacks, pl_module))
+    count = sum(int(method(trainer)) for method in declared if callable(method))  # a user's own attribute: not ours
     return with_step_collectives(ops, count, trainer.world_size)
 
 
