@@ -214,9 +214,9 @@ class LitLM(L.LightningModule):
 
     def collectives_per_step(self, trainer) -> int:
         """The all-reduces gradient_norm runs each optimizer step (on_before_optimizer_step asks for it every step):
-        one over the shard group under FSDP; under FSDP2 and TP one per dimension of each mesh its DTensor parameters
-        live on (full_tensor of a partial norm); none where every rank holds all the gradients. The step-time
-        prediction prices them (callbacks.steptime.fit_ops)."""
+        one over the shard group under FSDP; under FSDP2 and TP, one per mesh dimension of more than one rank that its
+        DTensor gradients are sharded over (full_tensor of a partial norm: tp.norm_collectives); none where every rank
+        holds all the gradients. The step-time prediction prices them (callbacks.steptime.fit_ops)."""
         if trainer.world_size <= 1:
             return 0
         return 1 if self._gradient_shard_group() is not None else norm_collectives(list(self.parameters()))
