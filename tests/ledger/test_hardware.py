@@ -11,7 +11,7 @@ import torch
 from conftest import run_json
 from lmledger import cli
 from lmledger.errors import UserError
-from lmledger.ledger.hardware import cpu, gpus, matmul
+from lmledger.ledger.hardware import bandwidth, cpu, gpus, matmul, memory
 from lmledger.ledger.hardware import peak_flops as lookup
 from lmledger.ledger.hardware.gpus import DTYPES, GPUS, PeakFlops, datasheet_peak, dtype_name, resolve
 from lmledger.ledger.hardware.matmul import float32_matmul_precision
@@ -461,3 +461,57 @@ def test_the_lines_a_missing_peak_gives_say_why(recwarn):
     assert resolve_peak("transformer-engine", torch.device("cpu")) == (None, f"no peak, so no MFU/HFU: {reason}")
     assert resolve_peak("bf16-mixed", torch.device("cpu"), fp8="torchao")[1].endswith(reason)
     assert not recwarn.list
+
+
+def test_the_usable_cache_ends_where_half_the_bytes_come_from_dram():
+    # The Intel VM's sweep (2026-12-07, GB/s): its /sys says 480 MiB, one thread reads from cache up to ~64 MiB.
+    mib = 1 << 20
+    swept = {4: 27.8, 8: 27.4, 16: 26.3, 32: 23.5, 45: 20.5, 64: 19.8, 90: 19.0, 128: 16.4, 256: 13.4, 960: 14.7}
+    rates = {k * mib: v * 1e9 for k, v in swept.items()}
+    half = 2 * 27.8 * 14.7 / (27.8 + 14.7)  # 19.2 GB/s: half the bytes from each level
+    assert bandwidth.usable_cache(rates) == 64 * mib
+    assert 19.0 < half < 19.8
+    # The edge is the first size to fall under it, even where a larger one reads faster again (a busy moment).
+    assert bandwidth.usable_cache({**rates, 45 * mib: 15e9}) == 32 * mib
+    # A sweep that sees no edge keeps its largest size (usable_cpu_cache caps it at what /sys reports); one that
+    # falls at once, its smallest.
+    assert bandwidth.usable_cache({4 * mib: 14e9, 8 * mib: 14e9, 960 * mib: 14e9}) == 960 * mib
+    assert bandwidth.usable_cache({4 * mib: 14e9, 8 * mib: 9e9, 960 * mib: 14e9}) == 4 * mib
+
+
+def test_the_usable_cpu_cache_is_swept_once_per_machine_and_never_above_what_sys_reports(tmp_path, monkeypatch):
+    monkeypatch.setenv("LMLEDGER_CACHE_DIR", str(tmp_path / "cache"))
+    mib, swept = 1 << 20, []
+    monkeypatch.setattr(bandwidth, "cpu_cache_levels", lambda: [48 << 10, 2 * mib, 480 * mib])
+
+    def read_rates(sizes, tries):
+        swept.append(sizes)
+        return {s: (28e9 if s <= 64 * mib else 14e9) for s in sizes}
+
+    monkeypatch.setattr(bandwidth, "_read_rates", read_rates)
+    usable = bandwidth.usable_cpu_cache()
+    [sizes] = swept
+    assert sizes[0] == 4 * mib and sizes[-1] == min(960 * mib, memory.free_memory(torch.device("cpu")) // 4)
+    assert all(1.4 < b / a < 1.42 for a, b in zip(sizes[:-2], sizes[1:-1], strict=True))  # sqrt(2) apart, to the top
+    assert 45 * mib < usable <= 64 * mib
+    [entry] = json.loads((tmp_path / "cache" / "cpu-cache.json").read_text()).values()
+    assert entry["bytes"] == usable and entry["measured_at"] and len(entry["read_bytes_per_s"]) == len(sizes)
+    assert bandwidth.usable_cpu_cache() == usable and len(swept) == 1  # read back
+    monkeypatch.setattr(bandwidth, "_read_rates", lambda sizes, tries: dict.fromkeys(sizes, 28e9))
+    assert bandwidth.usable_cpu_cache(refresh=True) == 480 * mib  # all cached: the level /sys reports, no more
+    monkeypatch.setattr(bandwidth, "cpu_cache_levels", lambda: [1 * mib])
+    assert bandwidth.usable_cpu_cache() == 1 * mib  # one level: nothing to sweep past
+
+
+def test_stays_cached_measures_only_where_the_answer_turns_on_it(monkeypatch):
+    from lmledger.ledger.timing.steptime import replay
+
+    mib, asked = 1 << 20, []
+    monkeypatch.setattr(replay, "cpu_cache_levels", lambda: [48 << 10, 2 * mib, 480 * mib])
+    monkeypatch.setattr(replay, "usable_cpu_cache", lambda: asked.append(1) or 64 * mib)
+    cpu_device = torch.device("cpu")
+    assert replay.cache_bytes(cpu_device) == 480 * mib
+    assert replay.stays_cached(cpu_device, 4 * mib) and not replay.stays_cached(cpu_device, 481 * mib)
+    assert asked == []
+    assert replay.stays_cached(cpu_device, 64 * mib) and not replay.stays_cached(cpu_device, 446 * mib)
+    assert len(asked) == 2

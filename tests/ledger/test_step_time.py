@@ -35,7 +35,7 @@ from lmledger.ledger.hardware.cpu import measured_cpu_peak
 from lmledger.ledger.timing.steptime import CATEGORIES, NoStepTime, StepTime, data_wait, predict_step_time
 from lmledger.ledger.timing.steptime.cache import STEP_TIMES_FILE, StepTimeCache, now
 from lmledger.ledger.timing.steptime.predict import BUSY_CALIBRATION, CHECKED, DRIFT, _touched_between_steps
-from lmledger.ledger.timing.steptime.replay import Replayer, _sequence_keys, cache_bytes, why_not_replayed
+from lmledger.ledger.timing.steptime.replay import Replayer, _sequence_keys, stays_cached, why_not_replayed
 from lmledger.ledger.timing.steptime.tensors import rebuild
 from lmledger.model import ModelConfig, ToyLM
 
@@ -114,7 +114,7 @@ def test_every_op_is_replayed_or_a_counted_fallback_and_the_categories_sum_to_th
     # its state kept in cache, as between its real steps (a large step's is timed after a flush).
     touched = _touched_between_steps(ops)
     assert 0 < touched < 1 << 20
-    assert ("caches kept" in result.how["optimizer"]) == (touched <= cache_bytes(torch.device("cpu")))
+    assert stays_cached(torch.device("cpu"), touched) and "caches kept" in result.how["optimizer"]
 
 
 def test_what_a_step_touches_between_optimizer_steps_counts_each_storage_once_and_not_the_optimizers():

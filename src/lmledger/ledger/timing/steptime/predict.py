@@ -43,11 +43,12 @@ from lmledger.ledger.timing.steptime import calibrate, dtensor, fsdp2, rankwait
 from lmledger.ledger.timing.steptime.cache import StepTimeCache, age_s
 from lmledger.ledger.timing.steptime.replay import (
     Replayer,
-    cache_bytes,
     cold_inputs,
     live_bytes,
     settle_allocator,
+    stays_cached,
     storage_sizes,
+    usable_cache_bytes,
     why_not_replayed,
 )
 
@@ -201,7 +202,7 @@ def predict_step_time(
     else:
         how["replay"] = "each op alone (the step's tensors exceed half the free memory), cold inputs from copies"
     overhead, overhead_how = calibrate.per_op_overhead(device, cache, Replayer(device, cache.ops))
-    flushed = _touched_between_steps(ops) > cache_bytes(device)
+    flushed = not stays_cached(device, _touched_between_steps(ops))
     timed_optimizer = calibrate.optimizer_seconds(optimizer, device, clip, cache, flushed=flushed)
     priced = _price_ops(ops, replayer, in_sequence, timed_optimizer is not None, compute_dtype, device)
     if isinstance(priced, str):
@@ -306,8 +307,9 @@ def _price_ops(
     `_fallbacks`; a str says why the step cannot be priced."""
     priced = _Priced(seconds=dict.fromkeys(CATEGORIES, 0.0), collectives=[])
     replayed, unreplayed = [], []
-    llc = cache_bytes(device)
-    for i, (op, cold) in enumerate(zip(ops.ops, cold_inputs(list(ops.ops), llc), strict=True)):
+    llc = usable_cache_bytes(device) if not in_sequence else 0  # measured where cold inputs are replayed
+    colds = cold_inputs(list(ops.ops), llc) if not in_sequence else [()] * len(ops.ops)
+    for i, (op, cold) in enumerate(zip(ops.ops, colds, strict=True)):
         if op.category == OPTIMIZER and optimizer_timed:
             continue
         if op.category == COMMUNICATION:

@@ -8,9 +8,9 @@ Where the data comes from matters as much as the kernel: an input the step last 
 last-level cache ago (a saved activation read in backward, a weight read once per pass) comes from
 memory, one written by the op before it from cache. `cold_inputs` reads that from the op sequence (each
 input's reuse distance: the bytes the step moved since it last touched that storage, against the
-cache's size from /sys, or the GPU's L2). A replay gives each cold input fresh copies, enough of them to
-outgrow the cache twice, and rotates through them, so each call reads it from memory; hot inputs stay
-one tensor, read from cache.
+cache this process can use: measured on a CPU, the GPU's L2). A replay gives each cold input fresh
+copies, enough of them to outgrow the cache twice, and rotates through them, so each call reads it from
+memory; hot inputs stay one tensor, read from cache.
 
 Not replayed, so priced by the caller (ledger/timing/steptime/predict.py): collectives, ops outside torch's own
 namespaces (a custom op's kernel may need real data or have side effects), ops whose arguments cannot be
@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from lmledger.ledger.count.ops import COMMUNICATION, OpRecord, TensorSpec
+from lmledger.ledger.hardware.bandwidth import cpu_cache_levels, usable_cpu_cache
 from lmledger.ledger.timing.steptime.tensors import bind, leaves_of, rebuild, thaw
 
 __all__ = [
@@ -46,7 +47,9 @@ __all__ = [
     "op_key",
     "sequence_seconds",
     "settle_allocator",
+    "stays_cached",
     "untouched_rng",
+    "usable_cache_bytes",
     "why_not_replayed",
 ]
 
@@ -90,18 +93,29 @@ def _overload(name: str):
 
 
 def cache_bytes(device: torch.device) -> int:
-    """The last-level cache an op's inputs may sit in: a GPU's L2, a CPU's largest cache level (/sys)."""
+    """The last-level cache as the device reports it: a GPU's L2, a CPU's largest level (/sys), whole. Enough to
+    evict; what this process's data stays in is usable_cache_bytes."""
     if device.type == "cuda":
         return int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 << 20))
-    best = 0
-    for index in range(8):
-        try:
-            text = open(f"/sys/devices/system/cpu/cpu0/cache/index{index}/size").read().strip()
-        except OSError:
-            continue
-        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-        best = max(best, int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text))
-    return best or 32 << 20  # none reported (not Linux): a server CPU's L3 is tens of MiB
+    return (cpu_cache_levels() or [32 << 20])[-1]  # none reported (not Linux): a server CPU's L3 is tens of MiB
+
+
+def usable_cache_bytes(device: torch.device) -> int:
+    """The last-level cache this process's data stays in: a GPU's L2; on a CPU, measured (bandwidth.usable_cpu_cache),
+    since a VM shares the level /sys reports with its neighbours."""
+    return cache_bytes(device) if device.type == "cuda" else usable_cpu_cache()
+
+
+def stays_cached(device: torch.device, nbytes: int) -> bool:
+    """Whether data touched again after `nbytes` of other traffic is still in the last-level cache. Measures the
+    usable cache only where the answer turns on it: over the reported level is never cached, and within twice the
+    level below it always is (on a CPU)."""
+    if nbytes > cache_bytes(device):
+        return False
+    levels = cpu_cache_levels() if device.type == "cpu" else []
+    if len(levels) >= 2 and nbytes <= 2 * levels[-2]:
+        return True
+    return nbytes <= usable_cache_bytes(device)
 
 
 def cold_inputs(ops: list[OpRecord], cache: int) -> list[tuple[bool, ...]]:
