@@ -265,10 +265,10 @@ def _time_optimizer(optimizer, shapes, device, clip, max_bytes, flushed=True) ->
                 torch.nn.utils.clip_grad_value_(params, clip[1])
             real.step()
 
-        # Where the forward and backward passes move more than the last-level cache between two optimizer steps,
-        # its parameters, gradients and state come from memory: each timed step follows the same, a buffer twice
-        # the cache's size written first (untimed). A small model's stay cached (Adam on 2.4k parameters, this
-        # AMD VM, 2026-12-07: 0.12 ms a step kept, 0.28-0.30 ms flushed).
+        # Where the forward and backward passes move more than the last-level cache this process can use between two
+        # optimizer steps (replay.stays_cached), its parameters, gradients and state come from memory: each timed step
+        # follows the same, a buffer twice the level /sys reports written first (untimed). A small model's stay cached
+        # (Adam on 2.4k parameters, the AMD VM, 2026-12-07: 0.12 ms a step kept, 0.28-0.30 ms flushed).
         evict = torch.empty(2 * cache_bytes(device), dtype=torch.uint8, device=device) if flushed else None
         try:
             step()  # the first step makes the state
