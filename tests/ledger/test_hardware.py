@@ -515,3 +515,22 @@ def test_stays_cached_measures_only_where_the_answer_turns_on_it(monkeypatch):
     assert asked == []
     assert replay.stays_cached(cpu_device, 64 * mib) and not replay.stays_cached(cpu_device, 446 * mib)
     assert len(asked) == 2
+
+
+def test_a_multi_rank_fit_measures_the_usable_cache_on_local_rank_0_before_the_ranks_meet(tmp_path, monkeypatch):
+    # Ranks sweeping at once would share the cache, and the machine's cache file would keep half of it.
+    from lmledger.callbacks import steptime
+    from lmledger.ledger.count.ops import OpRecord, OpSummary
+    from lmledger.ledger.timing.steptime import calibrate, rankwait, replay
+
+    monkeypatch.setenv("LMLEDGER_CACHE_DIR", str(tmp_path))
+    mib, asked = 1 << 20, []
+    monkeypatch.setattr(replay, "cpu_cache_levels", lambda: [48 << 10, 2 * mib, 480 * mib])
+    monkeypatch.setattr(replay, "usable_cpu_cache", lambda: asked.append(1) or 64 * mib)
+    calibrations = ((steptime, "lightning_loop_seconds"), (calibrate, "collective_model"), (rankwait, "rank_wait"))
+    for module, name in calibrations:
+        monkeypatch.setattr(module, name, lambda *a, **k: None)
+    step = OpSummary.of([OpRecord("aten.mm.default", "forward", "matmul", 8, 0, 0, "float32",
+                                  storages=((1, 100 * mib),), output_storages=((2, 10 * mib),))], None)  # fmt: skip
+    steptime._calibrate_ranks(2, 2, step, {})
+    assert asked == [1]

@@ -184,15 +184,19 @@ REPLAY_TOGETHER_S = 300
 
 def _calibrate_ranks(world_size: int, ranks_here: int, ops, loop_settings: dict) -> None:
     """Local rank 0's calibrations for a multi-rank fit, each in processes of its own, where the cache lacks them:
-    Lightning's loop, gloo's all-reduce (at its probe sizes), the ranks' wait at a collective, and with FSDP2 its cost
-    per collective. The other ranks wait at the barrier meanwhile (a rank's minutes here would otherwise time out their
-    first collective), then read them."""
+    Lightning's loop, gloo's all-reduce (at its probe sizes), the ranks' wait at a collective, with FSDP2 its cost
+    per collective, and the usable last-level cache where the step asks for it (measured alone: ranks sweeping at once
+    would share the cache and cache half of it for the machine). The other ranks wait at the barrier meanwhile (a rank's
+    minutes here would otherwise time out their first collective), then read them."""
     from lmledger.ledger.timing.steptime.cache import StepTimeCache
     from lmledger.ledger.timing.steptime.calibrate import collective_model
     from lmledger.ledger.timing.steptime.fsdp2 import FSDP2_COLLECTIVES, fsdp2_collective_s
+    from lmledger.ledger.timing.steptime.predict import touched_between_steps
     from lmledger.ledger.timing.steptime.rankwait import rank_wait
+    from lmledger.ledger.timing.steptime.replay import stays_cached
 
     lightning_loop_seconds(**loop_settings)
+    stays_cached(torch.device("cpu"), touched_between_steps(ops))
     cache = StepTimeCache(torch.device("cpu"), ranks=ranks_here)
     collective_model(world_size, cache)
     if any(op.name.startswith(FSDP2_COLLECTIVES) for op in ops.ops):

@@ -52,7 +52,7 @@ from lmledger.ledger.timing.steptime.replay import (
     why_not_replayed,
 )
 
-__all__ = ["CATEGORIES", "NoStepTime", "StepTime", "predict_step_time"]
+__all__ = ["CATEGORIES", "NoStepTime", "StepTime", "predict_step_time", "touched_between_steps"]
 
 DATA_WAIT, HOST = "data_wait", "host"
 CATEGORIES = (MATMUL, ATTENTION, OTHER, OPTIMIZER, COMMUNICATION, DATA_WAIT, HOST)
@@ -202,7 +202,7 @@ def predict_step_time(
     else:
         how["replay"] = "each op alone (the step's tensors exceed half the free memory), cold inputs from copies"
     overhead, overhead_how = calibrate.per_op_overhead(device, cache, Replayer(device, cache.ops))
-    flushed = not stays_cached(device, _touched_between_steps(ops))
+    flushed = not stays_cached(device, touched_between_steps(ops))
     timed_optimizer = calibrate.optimizer_seconds(optimizer, device, clip, cache, flushed=flushed)
     priced = _price_ops(ops, replayer, in_sequence, timed_optimizer is not None, compute_dtype, device)
     if isinstance(priced, str):
@@ -391,7 +391,7 @@ def _host(
     return seconds, how
 
 
-def _touched_between_steps(ops: OpSummary) -> int:
+def touched_between_steps(ops: OpSummary) -> int:
     """Bytes of the distinct storages the step's forward and backward read or write: what passes through the caches
     between two optimizer steps (an upper bound: a storage freed and its memory handed to the next counts twice)."""
     return sum(storage_sizes([op for op in ops.ops if op.category != OPTIMIZER]).values())

@@ -107,15 +107,17 @@ def usable_cache_bytes(device: torch.device) -> int:
 
 
 def stays_cached(device: torch.device, nbytes: int) -> bool:
-    """Whether data touched again after `nbytes` of other traffic is still in the last-level cache. Measures the
-    usable cache only where the answer turns on it: over the reported level is never cached, and within twice the
-    level below it always is (on a CPU)."""
-    if nbytes > cache_bytes(device):
+    """Whether data touched again after `nbytes` of other traffic is still in the last-level cache. On a CPU the
+    usable cache is measured only where the answer turns on it: over the reported level is never cached, and within
+    twice the level below it always is."""
+    if device.type == "cuda":
+        return nbytes <= cache_bytes(device)
+    levels = cpu_cache_levels()
+    if levels and nbytes > levels[-1]:
         return False
-    levels = cpu_cache_levels() if device.type == "cpu" else []
     if len(levels) >= 2 and nbytes <= 2 * levels[-2]:
         return True
-    return nbytes <= usable_cache_bytes(device)
+    return nbytes <= usable_cpu_cache()
 
 
 def cold_inputs(ops: list[OpRecord], cache: int) -> list[tuple[bool, ...]]:
