@@ -2,7 +2,7 @@
 step inside a real training loop, for a small model (its step touches less than the last-level cache) and
 tiny.yaml's (more), measured in one run.
 
-For each model: the step's touched bytes (predict._touched_between_steps of its dry run) beside the cache, the
+For each model: the step's touched bytes (predict.touched_between_steps of its dry run) beside the cache, the
 optimizer step timed kept and flushed (calibrate's own timing), and the same optimizer's step in a loop of real
 forward, backward and step (median of its steps). The prediction takes the arm its touched bytes choose.
 
@@ -22,7 +22,7 @@ from torch import nn
 
 from lmledger.ledger.dryrun.engine import dry_run
 from lmledger.ledger.timing.steptime.calibrate import _time_optimizer
-from lmledger.ledger.timing.steptime.predict import _touched_between_steps
+from lmledger.ledger.timing.steptime.predict import touched_between_steps
 from lmledger.ledger.timing.steptime.replay import cache_bytes
 from lmledger.model import ModelConfig, ToyLM
 
@@ -67,7 +67,7 @@ def main() -> None:
     for name, make in (("mlp", _mlp), ("tiny", _tiny)):
         model, batch, loss_fn = make()
         ops = dry_run(model, batch, step=loss_fn, optimizer=lambda p: torch.optim.AdamW(p, lr=1e-4)).ops
-        touched = _touched_between_steps(ops)
+        touched = touched_between_steps(ops)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
         shapes = [(tuple(p.shape), p.dtype) for p in model.parameters()]
         kept, flushed = (_time_optimizer(optimizer, shapes, CPU, None, 2 << 30, arm)[0] for arm in (False, True))
