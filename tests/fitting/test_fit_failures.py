@@ -469,7 +469,7 @@ def test_a_fresh_fit_pinned_into_a_finished_run_is_refused(trained, workdir, cap
     assert (workdir / "runs/tiny/version_7/checkpoints/last.ckpt").is_file()
 
 
-def test_a_fit_without_a_logger_keeps_to_its_own_root(workdir, capsys, caplog):
+def test_a_fit_without_a_logger_keeps_to_its_own_root(workdir, capsys, caplog, monkeypatch):
     """`--trainer.logger false` writes config.yaml, checkpoints/ and ranks/ straight into --trainer.default_root_dir.
     A second fit there ended in Lightning's SaveConfigCallback traceback, and so did its resume; `--ckpt_path last`
     was left to Lightning, which restored step 2's finished epoch and trained nothing more, exit 0."""
@@ -524,8 +524,11 @@ def test_a_fit_without_a_logger_keeps_to_its_own_root(workdir, capsys, caplog):
     quick = ("--trainer.barebones", "true", "--trainer.logger", "null", "--trainer.log_every_n_steps", "0",
              "--trainer.callbacks", "[]", "--trainer.default_root_dir", "quick",
              "--trainer.max_steps", "2")  # fmt: skip
+    calls: list[bool] = []  # torch.set_flush_denormal's, recorded, not made: this process runs on
+    monkeypatch.setattr(torch, "set_flush_denormal", lambda mode: calls.append(mode) or True)
     assert fit(*quick) == 0
     assert [p.name for p in (workdir / "quick").iterdir()] == ["config.yaml"]
+    assert calls == []  # flushing subnormals is opt-in
     assert fit(*quick) == 2
     assert one_error_line(capsys).endswith("never writes into one; pass a new --trainer.default_root_dir")
     # fast_dev_run writes no run files: Lightning's ModelCheckpoint saved last.ckpt at train end all the same (one
@@ -533,6 +536,10 @@ def test_a_fit_without_a_logger_keeps_to_its_own_root(workdir, capsys, caplog):
     before = {p for p in workdir.rglob("*")}
     assert fit("--trainer.fast_dev_run", "true") == 0
     assert {p for p in workdir.rglob("*")} == before
+    # --flush_denormal true: FTZ/DAZ set before the model is built, and kept in config.yaml for a resume
+    assert fit(*quick, "--trainer.default_root_dir", "flushed", "--flush_denormal", "true") == 0
+    assert calls == [True]
+    assert "flush_denormal: true" in (workdir / "flushed" / "config.yaml").read_text()
 
 
 def test_lightnings_default_logger_is_resumed_and_validated_as_a_configured_one(workdir, capsys, caplog):

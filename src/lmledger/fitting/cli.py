@@ -136,6 +136,13 @@ class FitCLI(LightningCLI):
             default=False,
             help="Resume a checkpoint onto data whose sha256 differs from the data it was trained on.",
         )
+        parser.add_argument(
+            "--flush_denormal",
+            type=bool,
+            default=False,
+            help="Flush subnormal floats to zero on the CPU (FTZ/DAZ), set before the first parallel op so that "
+            "every OpenMP thread holds it (docs/time.md, subnormal floats).",
+        )
 
     def parse_arguments(self, parser, args) -> None:
         self._argv = [str(a) for a in args or []]
@@ -182,6 +189,10 @@ class FitCLI(LightningCLI):
 
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand]
+        if config.get("flush_denormal"):
+            # Before the model is built: its init's first parallel op starts OpenMP's threads, which take the
+            # flag from this thread then, and never after (benchmarks/subnormal.py).
+            torch.set_flush_denormal(True)
         check_accelerator(config.trainer.get("accelerator"))
         check_trainer_config(config.trainer, fp8=config.model.get("fp8"))  # fp8/bf16 need library + hardware
         scale = check_fit_values(config)
