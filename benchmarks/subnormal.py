@@ -50,7 +50,7 @@ def _median_us(fn, repeats: int = 200) -> float:
 def ops_table() -> None:
     generator = torch.Generator().manual_seed(0)
     probs = torch.softmax(torch.randn(64, 64, 64, generator=generator), -1)
-    grad, values, grad_out = (torch.randn(*s, generator=generator) for s in ((64, 64, 32), (64, 64, 32), (64, 64, 64)))
+    grad, grad_out = (torch.randn(*s, generator=generator) for s in ((64, 64, 32), (64, 64, 64)))
     rows = []
     for flush in (False, True):
         torch.set_flush_denormal(flush)
